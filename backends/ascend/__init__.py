@@ -1,0 +1,1 @@
+"""deepinfer's Huawei Ascend backend: torch_npu fused operators for Ascend 950."""

@@ -1,0 +1,37 @@
+"""deepinfer: a hardware abstraction layer for DeepSeek-style MoE models.
+
+The ops (``deepinfer.ops``) are contracts with pure-PyTorch references; backends found through the ``deepinfer``
+entry-point group implement them. Choose a backend with ``deepinfer.use(name)`` or ``DEEPINFER_ACCELERATOR``.
+Importing deepinfer loads no plugin and touches no device.
+"""
+
+from . import ops
+from .dispatch import batch_invariant, batch_invariant_enabled
+from .errors import BackendError, DeepInferError, FallbackWarning, InputError, NotSupportedError, PluginError
+from .hookspecs import hookimpl
+from .kv_cache import allocate_kv_cache
+from .qtensor import QTensor
+from .records import BackendSpec, OpImpl
+from .selection import available_backends, current_backend, use
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError",
+    "BackendSpec",
+    "DeepInferError",
+    "FallbackWarning",
+    "InputError",
+    "NotSupportedError",
+    "OpImpl",
+    "PluginError",
+    "QTensor",
+    "allocate_kv_cache",
+    "available_backends",
+    "batch_invariant",
+    "batch_invariant_enabled",
+    "current_backend",
+    "hookimpl",
+    "ops",
+    "use",
+]

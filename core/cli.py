@@ -1,0 +1,200 @@
+"""The ``deepinfer`` command line: ``info`` and ``conformance``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import registry, selection
+from .errors import DeepInferError
+from .ops import OP_NAMES
+
+console = Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _backends_table() -> Table:
+    reg = registry.get()
+    table = Table(title="Backends", title_justify="left")
+    for col in ("name", "aliases", "plugin", "installed", "available", "device", "capabilities", "reason"):
+        table.add_column(col)
+    for name, spec in reg.backends.items():
+        ok, reason = reg.probe(name)
+        table.add_row(
+            name,
+            ", ".join(spec.aliases),
+            reg.plugin_of[name],
+            "yes",
+            "[green]yes" if ok else "[red]no",
+            spec.device_type,
+            ", ".join(sorted(spec.capabilities)),
+            escape(reason),
+        )
+    for name, err in reg.failures.items():
+        table.add_row(name, "", name, "yes", "[red]no", "", "", escape(f"plugin failed to load: {err}"))
+    for name in reg.skipped:
+        table.add_row(name, "", name, "yes", "[yellow]not loaded", "", "", "not in DEEPINFER_PLUGINS")
+    return table
+
+
+def _ops_table(backend: str) -> Table:
+    reg = registry.get()
+    table = Table(title=f"Ops on {backend}", title_justify="left")
+    for col in ("op", "implementations (first that supports the arguments wins)", "batch-invariant", "otherwise"):
+        table.add_column(col)
+    for op in OP_NAMES:
+        impls = reg.impls_for(backend, op)
+        names = ", ".join(f"{i.provider}" for i in impls) or "-"
+        invariant = ", ".join(i.provider for i in impls if i.batch_invariant) or "-"
+        fallback = "" if backend == "reference" else "reference (fallback)"
+        table.add_row(op, names, invariant, fallback)
+    return table
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    console.print(_backends_table())
+    try:
+        spec, how = selection.resolve()
+        console.print(f"Selected backend: [bold]{spec.name}[/bold] ({how})")
+        shown = spec.name
+    except DeepInferError as e:
+        console.print(f"[red]No backend can be selected:[/red] {escape(str(e))}")
+        shown = "reference"
+    if args.ops:
+        console.print(_ops_table(args.backend or shown))
+    return 0
+
+
+STATUS_STYLE = {"pass": "green", "fail": "red", "error": "red", "fallback": "yellow"}
+
+
+def _cases_table(report, results) -> Table:
+    table = Table(title=f"Checks of {report.backend}", title_justify="left")
+    for col in ("op", "case", "check", "status", "impl", "error", "tolerance", "detail"):
+        table.add_column(col, overflow="fold")
+    for r in results:
+        err = "" if r.error is None else f"{r.error:.2e}"
+        tol = "" if r.tolerance is None else f"{r.tolerance:.0e}"
+        table.add_row(
+            r.op,
+            escape(r.case),
+            r.check,
+            f"[{STATUS_STYLE[r.status]}]{r.status}",
+            r.impl,
+            err,
+            tol,
+            escape(r.detail[:160]),
+        )
+    return table
+
+
+def _ops_summary(report) -> Table:
+    table = Table(
+        title=f"Conformance of {report.backend} ({report.shapes} shapes, seed {report.seed})", title_justify="left"
+    )
+    for col in ("op", "served by", "pass", "fail", "fallback", "worst error / tolerance"):
+        table.add_column(col)
+    for op in OP_NAMES:
+        rs = [r for r in report.results if r.op == op]
+        if not rs:
+            continue
+        count = {s: sum(r.status == s for r in rs) for s in STATUS_STYLE}
+        served = sorted({r.impl for r in rs if r.check == "accuracy"})
+        ratios = [
+            r.error / r.tolerance if r.tolerance else (0.0 if r.error == 0 else float("inf"))
+            for r in rs
+            if r.error is not None and r.status != "fallback"
+        ]
+        worst = max(ratios, default=None)
+        table.add_row(
+            op,
+            ", ".join(served),
+            str(count["pass"]),
+            f"[red]{count['fail'] + count['error']}",
+            f"[yellow]{count['fallback']}",
+            "" if worst is None else f"{worst:.2f}",
+        )
+    return table
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from .conformance.runner import all_bad_inputs, all_cases, run_conformance
+
+    only = args.ops.split(",") if args.ops else None
+    if only:
+        unknown = sorted(set(only) - set(OP_NAMES))
+        if unknown:
+            console.print(f"[red]unknown ops {unknown}; known: {', '.join(OP_NAMES)}")
+            return 2
+    total = sum(1 for c in all_cases(args.shapes) if only is None or c.op in only)
+    total += sum(1 for b in all_bad_inputs() if only is None or b.op in only)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task(f"conformance of {args.backend}", total=total)
+
+        def tick(result) -> None:
+            if result.check in ("accuracy", "bad_input"):
+                progress.update(task, advance=1, description=f"{result.op}: {result.case[:50]}")
+
+        report = run_conformance(args.backend, shapes=args.shapes, only_ops=only, seed=args.seed, on_result=tick)
+    if args.note:
+        report.note = args.note
+    console.print(_ops_summary(report))
+    shown = report.results if args.verbose else report.failed
+    if shown:
+        console.print(_cases_table(report, shown))
+    counts = report.counts()
+    line = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    verdict = "[red]FAILED" if report.failed else "[green]PASSED"
+    console.print(f"{verdict}[/] {report.backend} on {report.device}: {line} (seed {report.seed})")
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(report.to_json())
+        console.print(f"report written to {args.report}")
+    return 1 if report.failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="installed backends, availability, the selected one and why")
+    info.add_argument("--ops", action="store_true", help="show the implementation each op resolves to")
+    info.add_argument("--backend", help="show --ops for this backend instead of the selected one")
+    info.set_defaults(fn=cmd_info)
+
+    conf = sub.add_parser("conformance", help="check a backend against the reference")
+    conf.add_argument("--backend", required=True, help="backend name or alias")
+    conf.add_argument("--report", help="write the JSON report to this file")
+    conf.add_argument(
+        "--shapes",
+        choices=("small", "full"),
+        default="small",
+        help="small: quick grid (CI, CPU); full: DeepSeek-V3 shapes (needs the device)",
+    )
+    conf.add_argument("--ops", help="comma-separated ops to check (default: all)")
+    conf.add_argument("--seed", type=int, help="random seed (default: fresh each run; printed)")
+    conf.add_argument("--note", help="free text stored in the report (e.g. 'emulated')")
+    conf.add_argument("-v", "--verbose", action="store_true", help="list every check, not only the failing ones")
+    conf.set_defaults(fn=cmd_conformance)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except DeepInferError as e:
+        console.print(f"[red]error:[/red] {escape(str(e))}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Conformance cases for ``quantize_fp8``, ``gemm``, ``grouped_gemm``."""
+
+from __future__ import annotations
+
+import torch
+
+from ..qtensor import QTensor, quantize_blocks, quantize_rows
+from .cases import BadInput, Case, Gen, rows_of, take_rows
+
+# DeepSeek-V3 projections (N, K): q_a+kv_a fused, q_b, kv_b, o, shared/dense down, kv_a alone.
+V3_PROJECTIONS = [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]
+
+
+def _weight(g: Gen, *shape: int, fp8: bool, ue8m0: bool = False, dtype=torch.bfloat16):
+    w = g.randn(*shape, dtype=torch.float32, scale=shape[-1] ** -0.5)
+    if fp8:
+        return quantize_blocks(w, (128, 128), "ue8m0" if ue8m0 else "fp32")
+    return w.to(dtype)
+
+
+def _act(g: Gen, *shape: int, variant: str, ue8m0: bool = False):
+    x = g.randn(*shape, dtype=torch.float32 if variant == "fp32" else torch.bfloat16)
+    if variant == "fp8":
+        return quantize_rows(x, 128, "ue8m0" if ue8m0 else "fp32")
+    return x
+
+
+def _quantize_case(m: int, k: int, fmt: str, experts: int = 0) -> Case:
+    shape = (experts, m, k) if experts else (m, k)
+
+    def make(g: Gen):
+        return {"x": g.randn(*shape, scale=3.0), "block": 128, "scale_format": fmt}
+
+    return Case(
+        "quantize_fp8",
+        f"x{list(shape)} {fmt}",
+        fmt,
+        make,
+        sub_batch=None if experts else (lambda kw, rows: (take_rows(kw, ("x",), rows), lambda o: rows_of(o, rows))),
+        batch=lambda kw: kw["x"].shape[0],
+    )
+
+
+def _gemm_case(m: int, n: int, k: int, variant: str, *, bias: bool = False, ue8m0: bool = False) -> Case:
+    """variant: bf16 | fp32 | fp8w (bf16 activation, FP8 weight) | fp8 (both FP8)."""
+
+    def make(g: Gen):
+        w = _weight(
+            g,
+            n,
+            k,
+            fp8=variant.startswith("fp8"),
+            ue8m0=ue8m0,
+            dtype=torch.float32 if variant == "fp32" else torch.bfloat16,
+        )
+        a = _act(g, m, k, variant="fp8" if variant == "fp8" else ("fp32" if variant == "fp32" else "bf16"), ue8m0=ue8m0)
+        b = g.randn(n, dtype=a.dtype if isinstance(a, torch.Tensor) else torch.bfloat16) if bias else None
+        return {"a": a, "w": w, "bias": b}
+
+    name = f"M={m} N={n} K={k} {variant}" + (" bias" if bias else "") + (" ue8m0" if ue8m0 else "")
+    return Case(
+        "gemm",
+        name,
+        "fp8" if variant.startswith("fp8") else variant,
+        make,
+        sub_batch=lambda kw, rows: (take_rows(kw, ("a",), rows), lambda o: rows_of(o, rows)),
+        batch=lambda kw: kw["a"].shape[0],
+    )
+
+
+def _contiguous_counts(g: Gen, experts: int, most: int) -> list[int]:
+    counts = g.ints(0, most + 1, experts)
+    counts[g.ints(0, experts, 1)[0]] = 0  # always one expert with no rows
+    return counts
+
+
+def _expert_of_rows(offsets: torch.Tensor) -> torch.Tensor:
+    counts = (offsets[1:] - offsets[:-1]).long().cpu()
+    return torch.repeat_interleave(torch.arange(counts.numel()), counts)
+
+
+def _sub_contiguous(kw: dict, rows: list[int]):
+    experts = _expert_of_rows(kw["expert_offsets"])[rows]
+    counts = torch.bincount(experts, minlength=kw["expert_offsets"].numel() - 1)
+    offsets = torch.zeros_like(kw["expert_offsets"])
+    offsets[1:] = counts.cumsum(0).to(offsets.device)
+    return {**take_rows(kw, ("a",), rows), "expert_offsets": offsets}, lambda o: rows_of(o, rows)
+
+
+def _run_masked(op, kw):
+    """Rows at or past masked_m are unspecified: zero them before comparing."""
+    out = op(**kw)
+    valid = torch.arange(out.shape[1], device=out.device)[None, :] < kw["masked_m"][:, None].long()
+    return torch.where(valid.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def _sub_masked(kw: dict, rows: list[int]):
+    """The same experts with only the chosen row positions: a smaller max_m."""
+    index = torch.tensor(rows, device=kw["masked_m"].device)
+    a = kw["a"]
+    if isinstance(a, QTensor):
+        a_sub = QTensor(a.data[:, index], a.scale[:, index], a.block, a.scale_format)
+    else:
+        a_sub = a[:, index]
+    masked = (index[None, :] < kw["masked_m"][:, None]).sum(1).to(torch.int32)
+    return {**kw, "a": a_sub, "masked_m": masked}, lambda o: o[:, index.to(o.device)]
+
+
+def _grouped_case(experts: int, n: int, k: int, most: int, variant: str, layout: str) -> Case:
+    def make(g: Gen):
+        w = _weight(g, experts, n, k, fp8=variant.startswith("fp8"))
+        act = "fp8" if variant == "fp8" else "bf16"
+        if layout == "contiguous":
+            counts = _contiguous_counts(g, experts, most)
+            offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=g.device)
+            return {"a": _act(g, sum(counts), k, variant=act), "w": w, "expert_offsets": offsets}
+        masked = g.ints(0, most + 1, experts)
+        masked[0], masked[-1] = 0, most  # an empty expert and a full one
+        return {
+            "a": _act(g, experts, most, k, variant=act),
+            "w": w,
+            "masked_m": torch.tensor(masked, dtype=torch.int32, device=g.device),
+        }
+
+    name = f"{layout} E={experts} N={n} K={k} rows<={most} {variant}"
+    tol = "fp8" if variant.startswith("fp8") else variant
+    if layout == "contiguous":
+        return Case("grouped_gemm", name, tol, make, sub_batch=_sub_contiguous, batch=lambda kw: kw["a"].shape[0])
+    return Case(
+        "grouped_gemm", name, tol, make, run=_run_masked, sub_batch=_sub_masked, batch=lambda kw: kw["a"].shape[1]
+    )
+
+
+def cases(shapes: str) -> list[Case]:
+    out: list[Case] = []
+    if shapes == "small":
+        out += [_quantize_case(m, k, f) for m, k in [(1, 128), (7, 384), (33, 256)] for f in ("fp32", "ue8m0")]
+        out.append(_quantize_case(5, 256, "fp32", experts=3))
+        for m in (1, 5, 37):
+            out += [_gemm_case(m, n, k, v) for n, k in [(96, 256), (200, 384)] for v in ("bf16", "fp8w", "fp8")]
+        out += [
+            _gemm_case(9, 64, 128, "fp32"),
+            _gemm_case(0, 96, 256, "bf16"),
+            _gemm_case(0, 96, 256, "fp8w"),
+            _gemm_case(6, 96, 256, "bf16", bias=True),
+            _gemm_case(6, 130, 256, "fp8", ue8m0=True),
+        ]
+        for lay in ("contiguous", "masked"):
+            out += [_grouped_case(4, 96, 256, 9, v, lay) for v in ("bf16", "fp8w", "fp8")]
+        out.append(_grouped_case(3, 200, 128, 17, "fp8", "contiguous"))
+        return out
+    out += [_quantize_case(m, 7168, f) for m in (1, 4096) for f in ("fp32", "ue8m0")]
+    out.append(_quantize_case(64, 2048, "fp32", experts=32))
+    for n, k in V3_PROJECTIONS:
+        for m in (1, 128, 4096):
+            out += [_gemm_case(m, n, k, v) for v in ("bf16", "fp8w", "fp8")]
+    out += [_gemm_case(77, 7168, 2048, "fp8", ue8m0=True), _gemm_case(0, 7168, 2048, "fp8w")]
+    for lay in ("contiguous", "masked"):
+        for n, k in [(4096, 7168), (7168, 2048)]:
+            out += [_grouped_case(32, n, k, 256, v, lay) for v in ("bf16", "fp8")]
+    return out
+
+
+def bad_inputs() -> list[BadInput]:
+    def gemm_kw(g: Gen, **over):
+        kw = {"a": g.randn(4, 256), "w": g.randn(64, 256)}
+        return {**kw, **over}
+
+    def fp8_w(g: Gen, n=64, k=256):
+        return quantize_blocks(g.randn(n, k, dtype=torch.float32), (128, 128))
+
+    return [
+        BadInput("quantize_fp8", "K not a multiple of the block", "x", lambda g: {"x": g.randn(4, 200)}),
+        BadInput("quantize_fp8", "integer input", "x", lambda g: {"x": g.randint(0, 5, 4, 128)}),
+        BadInput(
+            "quantize_fp8",
+            "unknown scale format",
+            "scale_format",
+            lambda g: {"x": g.randn(4, 128), "scale_format": "e5m2"},
+        ),
+        BadInput("gemm", "K mismatch", "a", lambda g: gemm_kw(g, a=g.randn(4, 128))),
+        BadInput("gemm", "dtype mismatch", "w", lambda g: gemm_kw(g, w=g.randn(64, 256, dtype=torch.float16))),
+        BadInput("gemm", "3-D activation", "a", lambda g: gemm_kw(g, a=g.randn(2, 4, 256))),
+        BadInput("gemm", "bias of the wrong length", "bias", lambda g: gemm_kw(g, bias=g.randn(63))),
+        BadInput(
+            "gemm",
+            "FP8 weight with K not a multiple of 128",
+            "w",
+            lambda g: {"a": g.randn(4, 200), "w": quantize_blocks(g.randn(64, 200, dtype=torch.float32))},
+        ),
+        BadInput(
+            "gemm",
+            "FP8 weight with a wrong scale shape",
+            "w.scale",
+            lambda g: {"a": g.randn(4, 256), "w": QTensor(fp8_w(g).data, torch.ones(1, 1), (128, 128))},
+        ),
+        BadInput(
+            "gemm",
+            "FP8 activation against a bf16 weight",
+            "w",
+            lambda g: {"a": quantize_rows(g.randn(4, 256), 128, "fp32"), "w": g.randn(64, 256)},
+        ),
+        BadInput(
+            "gemm",
+            "activation with (128, 128) blocks",
+            "a.block",
+            lambda g: {"a": quantize_blocks(g.randn(4, 256, dtype=torch.float32)), "w": fp8_w(g)},
+        ),
+        BadInput(
+            "grouped_gemm",
+            "both layouts",
+            "expert_offsets/masked_m",
+            lambda g: {
+                "a": g.randn(4, 128),
+                "w": g.randn(2, 32, 128),
+                "expert_offsets": torch.tensor([0, 2, 4], dtype=torch.int32, device=g.device),
+                "masked_m": torch.tensor([1, 1], dtype=torch.int32, device=g.device),
+            },
+        ),
+        BadInput(
+            "grouped_gemm",
+            "int64 offsets",
+            "expert_offsets",
+            lambda g: {
+                "a": g.randn(4, 128),
+                "w": g.randn(2, 32, 128),
+                "expert_offsets": torch.tensor([0, 2, 4], device=g.device),
+            },
+        ),
+        BadInput(
+            "grouped_gemm",
+            "offsets that do not end at M",
+            "expert_offsets",
+            lambda g: {
+                "a": g.randn(4, 128),
+                "w": g.randn(2, 32, 128),
+                "expert_offsets": torch.tensor([0, 2, 3], dtype=torch.int32, device=g.device),
+            },
+        ),
+        BadInput(
+            "grouped_gemm",
+            "decreasing offsets",
+            "expert_offsets",
+            lambda g: {
+                "a": g.randn(4, 128),
+                "w": g.randn(3, 32, 128),
+                "expert_offsets": torch.tensor([0, 3, 1, 4], dtype=torch.int32, device=g.device),
+            },
+        ),
+        BadInput(
+            "grouped_gemm",
+            "masked_m above max_m",
+            "masked_m",
+            lambda g: {
+                "a": g.randn(2, 4, 128),
+                "w": g.randn(2, 32, 128),
+                "masked_m": torch.tensor([1, 5], dtype=torch.int32, device=g.device),
+            },
+        ),
+        BadInput(
+            "grouped_gemm",
+            "masked layout with the wrong expert count",
+            "a",
+            lambda g: {
+                "a": g.randn(3, 4, 128),
+                "w": g.randn(2, 32, 128),
+                "masked_m": torch.tensor([1, 1], dtype=torch.int32, device=g.device),
+            },
+        ),
+    ]

@@ -1,0 +1,65 @@
+"""Conformance cases for ``rms_norm``."""
+
+from __future__ import annotations
+
+import torch
+
+from .cases import BadInput, Case, Gen, rows_of, take_rows
+
+
+def _case(tokens: int, hidden: int, residual: bool, dtype=torch.bfloat16) -> Case:
+    def make(g: Gen):
+        return {
+            "x": g.randn(tokens, hidden, dtype=dtype, scale=3.0),
+            "w": g.randn(hidden, dtype=dtype),
+            "eps": 1e-6,
+            "residual": g.randn(tokens, hidden, dtype=dtype) if residual else None,
+        }
+
+    name = f"T={tokens} H={hidden} {'residual' if residual else 'plain'} {str(dtype).removeprefix('torch.')}"
+    return Case(
+        "rms_norm",
+        name,
+        "default",
+        make,
+        sub_batch=lambda kw, rows: (take_rows(kw, ("x", "residual"), rows), lambda o: rows_of(o, rows)),
+        batch=lambda kw: kw["x"].shape[0],
+    )
+
+
+def cases(shapes: str) -> list[Case]:
+    if shapes == "small":
+        return [
+            _case(1, 128, False),
+            _case(17, 96, True),
+            _case(64, 512, True),
+            _case(0, 64, True),
+            _case(5, 64, True, torch.float32),
+        ]
+    return [_case(t, h, r) for t in (1, 128, 8192) for h in (7168, 1536, 512) for r in (False, True)]
+
+
+def bad_inputs() -> list[BadInput]:
+    return [
+        BadInput(
+            "rms_norm", "weight of the wrong size", "w", lambda g: {"x": g.randn(4, 64), "w": g.randn(32), "eps": 1e-6}
+        ),
+        BadInput(
+            "rms_norm",
+            "residual of another shape",
+            "residual",
+            lambda g: {"x": g.randn(4, 64), "w": g.randn(64), "eps": 1e-6, "residual": g.randn(3, 64)},
+        ),
+        BadInput(
+            "rms_norm",
+            "residual of another dtype",
+            "residual",
+            lambda g: {
+                "x": g.randn(4, 64),
+                "w": g.randn(64),
+                "eps": 1e-6,
+                "residual": g.randn(4, 64, dtype=torch.float32),
+            },
+        ),
+        BadInput("rms_norm", "negative eps", "eps", lambda g: {"x": g.randn(4, 64), "w": g.randn(64), "eps": -1.0}),
+    ]

@@ -1,0 +1,30 @@
+"""Activation ops: ``silu_and_mul`` (SwiGLU), optionally emitting FP8 for the next GEMM."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import call
+from ..qtensor import SCALE_FORMATS, QTensor
+from ..validation import FLOAT_DTYPES, Check
+
+FP8_BLOCK = 128
+
+
+def silu_and_mul(x: torch.Tensor, *, quantize: bool = False, scale_format: str = "fp32") -> torch.Tensor | QTensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for ``x [..., 2I]`` (gate then up), computed in fp32.
+
+    Returns ``[..., I]`` in x's dtype, or with ``quantize=True`` an FP8 ``QTensor`` with ``(1, 128)`` scales in
+    ``scale_format``, quantised from the fp32 product as ``quantize_fp8`` does (``I % 128 == 0``). ``x`` is 2-D
+    (tokens) or 3-D (the masked expert layout).
+    """
+    c = Check("silu_and_mul")
+    c.tensor("x", x, dtypes=FLOAT_DTYPES, ndim=(2, 3))
+    if x.shape[-1] % 2:
+        raise c.fail("x", "an even last dim (gate and up halves)", f"shape {list(x.shape)}")
+    if not isinstance(quantize, bool):
+        raise c.fail("quantize", "a bool", repr(quantize))
+    c.choice("scale_format", scale_format, SCALE_FORMATS)
+    if quantize and (x.shape[-1] // 2) % FP8_BLOCK:
+        raise c.fail("x", f"I = last dim / 2 a multiple of {FP8_BLOCK} to quantise", f"shape {list(x.shape)}")
+    return call("silu_and_mul", x=x, quantize=quantize, scale_format=scale_format)

@@ -1,0 +1,29 @@
+"""Normalisation ops: ``rms_norm`` (with the fused residual add)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import call
+from ..validation import FLOAT_DTYPES, Check
+
+
+def rms_norm(
+    x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, with an optional residual add fused in front.
+
+    x: ``[..., H]`` float; w: ``[H]`` float; residual: like x or None. ``h = x + residual`` (or ``x``), rounded to
+    x's dtype; ``y = h / sqrt(mean(h^2) + eps) * w`` computed in fp32 from the rounded ``h`` and returned in x's
+    dtype. Returns ``(y, h)``: ``h`` is the new residual stream.
+    """
+    c = Check("rms_norm")
+    c.tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise c.fail("x", "at least 1 dim", "a 0-d tensor")
+    c.tensor("w", w, dtypes=FLOAT_DTYPES, shape=(x.shape[-1],))
+    if residual is not None:
+        c.tensor("residual", residual, dtypes=(x.dtype,), shape=tuple(x.shape))
+    c.number("eps", eps, low=0.0)
+    c.same_device(x=x, w=w, residual=residual)
+    return call("rms_norm", x=x, w=w, eps=float(eps), residual=residual)

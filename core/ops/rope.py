@@ -1,0 +1,89 @@
+"""Rotary position embedding: the ``rope`` op and the tables it reads (plain and YaRN, built in core)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..dispatch import call
+from ..validation import FLOAT_DTYPES, Check, value_checks_enabled
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate it by `factor`
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+
+
+def rope_cos_sin_cache(
+    rotary_dim: int, max_position: int, base: float = 10000.0, scaling: dict | None = None
+) -> torch.Tensor:
+    """The ``[max_position, rotary_dim]`` fp32 table ``rope`` reads: ``cos`` of each position times each frequency
+    in the first half, ``sin`` in the second.
+
+    scaling: None, or a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict of type ``yarn`` (``factor``,
+    ``original_max_position_embeddings``, optional ``beta_fast`` 32, ``beta_slow`` 1, ``mscale``,
+    ``mscale_all_dim``, ``attention_factor``): frequencies blended between interpolated and original by YaRN's
+    ramp, cos/sin times the attention factor, as transformers computes them.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    attention_factor = 1.0
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, rotary_dim, base, scaling)
+        factor, mscale, mscale_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = scaling.get("attention_factor") or (
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            if mscale and mscale_all
+            else _yarn_mscale(factor)
+        )
+    elif kind != "default":
+        raise ValueError(f"rope scaling type {kind!r} is not supported (default or yarn)")
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return (torch.cat([angles.cos(), angles.sin()], dim=1) * attention_factor).float()
+
+
+def mla_softmax_scale(qk_head_dim: int, scaling: dict | None = None) -> float:
+    """DeepSeek MLA's softmax scale: ``qk_head_dim ** -0.5``, times ``mscale**2`` under YaRN with ``mscale_all_dim``."""
+    scale = qk_head_dim**-0.5
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("mscale_all_dim"):
+        m = _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        scale *= m * m
+    return scale
+
+
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool = True
+) -> torch.Tensor:
+    """Rotates ``x [T, H, D]`` by the angles of ``positions [T]`` (int32) from ``cos_sin_cache [P, D]`` fp32.
+
+    ``interleaved=True`` (DeepSeek): channel pairs ``(2i, 2i+1)`` rotate by frequency ``i`` and stay in place;
+    ``False`` (GPT-NeoX): pairs ``(i, i + D/2)``. Computed in fp32, returned in x's dtype as a new tensor.
+    Positions must lie in ``[0, P)``.
+    """
+    c = Check("rope")
+    c.tensor("x", x, dtypes=FLOAT_DTYPES, ndim=3)
+    if x.shape[2] % 2:
+        raise c.fail("x", "an even rotary dim", f"shape {list(x.shape)}")
+    c.index("positions", positions, length=x.shape[0])
+    c.tensor("cos_sin_cache", cos_sin_cache, dtypes=(torch.float32,), shape=(None, x.shape[2]))
+    if not isinstance(interleaved, bool):
+        raise c.fail("interleaved", "a bool", repr(interleaved))
+    c.same_device(x=x, positions=positions, cos_sin_cache=cos_sin_cache)
+    if value_checks_enabled(positions):
+        c.values_in_range("positions", positions, 0, cos_sin_cache.shape[0] - 1, what="positions")
+    return call("rope", x=x, positions=positions, cos_sin_cache=cos_sin_cache, interleaved=interleaved)

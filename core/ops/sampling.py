@@ -1,0 +1,44 @@
+"""Sampling op: ``sample`` with per-request seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import call
+from ..validation import FLOAT_DTYPES, Check, value_checks_enabled
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+) -> torch.Tensor:
+    """Draws one token per row of ``logits [B, V]``.
+
+    temperature ``[B]`` fp32 (0 = greedy: the first index of the max logit); otherwise the logits are divided by
+    the temperature, then filtered: top_k ``[B]`` int32 (0 = off) keeps the k largest (and any tied with the
+    k-th), top_p ``[B]`` fp32 in (0, 1] (1 = off) keeps the smallest set of most likely remaining tokens whose
+    probability reaches top_p; the token is drawn from the renormalised rest. seeds ``[B]`` int64.
+
+    A row's token depends only on its logits, its parameters and its seed: never on the other rows, the batch
+    size or earlier calls. The same seed gives the same token on every run of one backend; backends may use
+    different random streams. The token always lies in the kept set. Returns ``[B]`` int32.
+    """
+    c = Check("sample")
+    c.tensor("logits", logits, dtypes=FLOAT_DTYPES, ndim=2)
+    batch = logits.shape[0]
+    c.tensor("temperature", temperature, dtypes=(torch.float32,), shape=(batch,))
+    c.tensor("top_p", top_p, dtypes=(torch.float32,), shape=(batch,))
+    c.index("top_k", top_k, length=batch)
+    c.index("seeds", seeds, dtype=torch.int64, length=batch)
+    c.same_device(logits=logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds)
+    if value_checks_enabled(logits) and batch:
+        if bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):
+            raise c.fail("temperature", "finite values >= 0", f"{temperature.tolist()[:8]}")
+        if bool(((top_p <= 0) | (top_p > 1)).any()):
+            raise c.fail("top_p", "values in (0, 1]", f"{top_p.tolist()[:8]}")
+        if bool((top_k < 0).any()):
+            raise c.fail("top_k", "values >= 0 (0 = off)", f"{top_k.tolist()[:8]}")
+    return call("sample", logits=logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds)

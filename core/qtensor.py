@@ -1,0 +1,97 @@
+"""``QTensor``: an FP8 e4m3 tensor with block scales, and the DeepSeek-V3 quantisation recipe."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+SCALE_FLOOR = 1e-4  # amax below this quantises as if it were this (DeepSeek-V3 recipe)
+SCALE_FORMATS = ("fp32", "ue8m0")
+
+
+@dataclass
+class QTensor:
+    """FP8 data with fp32 block scales: ``value = data * scale`` broadcast over blocks.
+
+    data: ``[..., M, K]`` float8_e4m3fn.
+    scale: ``[..., ceil(M / block[0]), ceil(K / block[1])]`` float32, the logical (row-major, unpadded) layout;
+        the multiplier that restores the value (``weight_scale_inv`` in Hugging Face checkpoints).
+    block: ``(rows, cols)`` covered by one scale: ``(1, 128)`` for activations, ``(128, 128)`` for weights.
+    scale_format: ``"fp32"`` (any positive value) or ``"ue8m0"`` (every scale is a power of two).
+    prepared: backend-owned physical form of this weight (set by a backend's ``prepare_weight``), or None.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+    scale_format: str = "fp32"
+    prepared: Any = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The represented values (reference math, fp32 unless asked otherwise)."""
+        bm, bk = self.block
+        m, k = self.data.shape[-2:]
+        s = self.scale.float().repeat_interleave(bm, dim=-2)[..., :m, :]
+        s = s.repeat_interleave(bk, dim=-1)[..., :k]
+        return (self.data.float() * s).to(dtype)
+
+    def __getitem__(self, rows) -> QTensor:
+        """Selects rows of a ``(1, k)``-blocked tensor (rows own their scales)."""
+        if self.block[0] != 1:
+            raise TypeError("only (1, k)-blocked QTensors can be indexed by row")
+        return QTensor(self.data[rows], self.scale[rows], self.block, self.scale_format)
+
+
+def scale_shape(shape: torch.Size | tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The logical scale shape of a tensor of ``shape`` quantised in ``block`` blocks over its last two dims."""
+    *lead, m, k = shape
+    return (*lead, math.ceil(m / block[0]), math.ceil(k / block[1]))
+
+
+def round_scale_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= ``scale`` (so the quantised values still fit in e4m3)."""
+    return torch.exp2(torch.ceil(torch.log2(scale)))
+
+
+def quantize_rows(x: torch.Tensor, block: int, scale_format: str) -> QTensor:
+    """Reference ``(1, block)`` quantisation of the last dim (``K % block == 0``), in fp32 math."""
+    *lead, k = x.shape
+    xb = x.float().reshape(*lead, k // block, block)
+    amax = xb.abs().amax(dim=-1).clamp_min(SCALE_FLOOR)
+    scale = amax / FP8_MAX
+    if scale_format == "ue8m0":
+        scale = round_scale_ue8m0(scale)
+    data = (xb / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(x.shape)
+    return QTensor(data, scale, (1, block), scale_format)
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), scale_format: str = "fp32") -> QTensor:
+    """``(bm, bk)`` block quantisation of the last two dims (weights), in fp32 math; any M and K."""
+    bm, bk = block
+    *lead, m, k = w.shape
+    pm, pk = -m % bm, -k % bk
+    wp = torch.nn.functional.pad(w.float(), (0, pk, 0, pm))
+    blocks = wp.reshape(*lead, (m + pm) // bm, bm, (k + pk) // bk, bk)
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(SCALE_FLOOR)
+    scale = amax / FP8_MAX
+    if scale_format == "ue8m0":
+        scale = round_scale_ue8m0(scale)
+    s = scale.repeat_interleave(bm, dim=-2)[..., :m, :].repeat_interleave(bk, dim=-1)[..., :k]
+    data = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return QTensor(data, scale, block, scale_format)

@@ -1,0 +1,63 @@
+"""The records plugins return: a backend's description and its op implementations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+DEVICE_TYPES = ("cpu", "cuda", "npu")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend is.
+
+    name: unique backend name (``DEEPINFER_ACCELERATOR`` and ``deepinfer.use`` accept it).
+    device_type: the torch device type its kernels run on: ``cuda``, ``npu`` or ``cpu``. Only non-``cpu``
+        backends take part in auto-detection; a ``cpu`` backend must be chosen by name.
+    probe: returns ``(available, reason)``; must be cheap and free of side effects (no device context, no NPU
+        init, no kernel compile), since ``deepinfer info`` calls it.
+    aliases: other names it answers to (``cuda``, ``npu``...).
+    capabilities: feature flags, e.g. ``fp8_e4m3``, ``fp4``, ``kv_fp8_ds_mla``, ``cuda_graphs``.
+    version: the backend's version string.
+    prepare_weight: optional one-time conversion of a loaded weight into the backend's physical layout,
+        ``prepare_weight(name, weight) -> weight``; the result must still be a valid op argument
+        (same logical shape and values).
+    tolerances: per-op overrides of the conformance tolerances, ``{"op" or "op/variant": (max_rel_err, why)}``,
+        for precision a backend knowingly gives up (e.g. a lossy scale conversion).
+    """
+
+    name: str
+    device_type: str
+    probe: Callable[[], tuple[bool, str]]
+    aliases: tuple[str, ...] = ()
+    capabilities: frozenset[str] = frozenset()
+    version: str = ""
+    prepare_weight: Callable[[str, Any], Any] | None = None
+    tolerances: dict[str, tuple[float, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    """One implementation of one op.
+
+    op: the op name (a function of ``deepinfer.ops``).
+    backend: the ``BackendSpec.name`` it belongs to.
+    provider: what computes it (``triton``, ``cublas``, ``torch_npu``, ``torch``...), shown by ``deepinfer info
+        --ops``; (backend, op, provider) must be unique.
+    fn: called with the op's validated arguments, as keywords.
+    supports: called with the same keywords; returns False where ``fn`` cannot handle them (the next
+        implementation, or the reference, is used). ``None`` means it supports everything valid.
+    batch_invariant: for a given row, ``fn`` returns bitwise the same result whatever else is in the batch and
+        on every run. Only such implementations are used under ``DEEPINFER_BATCH_INVARIANT=1``.
+    priority: higher is tried first among one backend's implementations of an op.
+    """
+
+    op: str
+    backend: str
+    provider: str
+    fn: Callable[..., Any]
+    supports: Callable[..., bool] | None = None
+    batch_invariant: bool = False
+    priority: int = 0

@@ -1,0 +1,13 @@
+"""Reference ``silu_and_mul``."""
+
+from __future__ import annotations
+
+import torch
+
+from ..qtensor import quantize_rows
+
+
+def silu_and_mul(x, *, quantize, scale_format):
+    gate, up = x.float().chunk(2, dim=-1)
+    y = torch.nn.functional.silu(gate) * up
+    return quantize_rows(y, 128, scale_format) if quantize else y.to(x.dtype)

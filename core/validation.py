@@ -1,0 +1,123 @@
+"""Input validation shared by every backend: each op checks its arguments here before dispatch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from .errors import InputError
+from .qtensor import FP8_DTYPE, SCALE_FORMATS, QTensor, scale_shape
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _dtype_name(dtypes) -> str:
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return names[0] if len(names) == 1 else " or ".join(names)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(list(t.shape))
+
+
+def value_checks_enabled(*tensors: torch.Tensor) -> bool:
+    """Whether checks that read index values (and so synchronise with the device) run.
+
+    On by default; ``DEEPINFER_VALUE_CHECKS=0`` turns them off, and they are skipped while a CUDA graph is being
+    captured (reading values there is impossible).
+    """
+    if os.environ.get("DEEPINFER_VALUE_CHECKS", "1") == "0":
+        return False
+    return not (any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing())
+
+
+class Check:
+    """Validation helpers bound to one op name, so every message names the op and the argument."""
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def fail(self, arg: str, expected: str, actual: str) -> InputError:
+        return InputError(self.op, arg, expected, actual)
+
+    def tensor(
+        self,
+        arg: str,
+        t,
+        *,
+        dtypes: Sequence[torch.dtype] | None = None,
+        ndim: int | Sequence[int] | None = None,
+        shape: Sequence[int | None] | None = None,
+    ) -> torch.Tensor:
+        """Checks type, dtype, rank and shape (``None`` in ``shape`` matches any size)."""
+        if not isinstance(t, torch.Tensor):
+            raise self.fail(arg, "a torch.Tensor", type(t).__name__)
+        if dtypes is not None and t.dtype not in dtypes:
+            raise self.fail(arg, f"dtype {_dtype_name(dtypes)}", f"dtype {_dtype_name([t.dtype])}")
+        if shape is not None:
+            ndim = len(shape)
+        if ndim is not None:
+            allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+            if t.dim() not in allowed:
+                dims = " or ".join(str(d) for d in allowed)
+                raise self.fail(arg, f"a {dims}-D tensor", f"shape {_shape(t)}")
+        if shape is not None and any(e is not None and e != s for e, s in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+            raise self.fail(arg, f"shape {want}", f"shape {_shape(t)}")
+        return t
+
+    def qtensor(self, arg: str, q, *, block: tuple[int, int], ndim: int) -> QTensor:
+        """An FP8 ``QTensor`` with the given block and rank, its scales in the logical shape."""
+        if not isinstance(q, QTensor):
+            raise self.fail(arg, "an FP8 QTensor", type(q).__name__)
+        self.tensor(f"{arg}.data", q.data, dtypes=(FP8_DTYPE,), ndim=ndim)
+        if tuple(q.block) != tuple(block):
+            raise self.fail(f"{arg}.block", f"{tuple(block)}", f"{tuple(q.block)}")
+        self.tensor(f"{arg}.scale", q.scale, dtypes=(torch.float32,), shape=scale_shape(q.data.shape, block))
+        self.choice(f"{arg}.scale_format", q.scale_format, SCALE_FORMATS)
+        self.same_device(**{f"{arg}.data": q.data, f"{arg}.scale": q.scale})
+        return q
+
+    def index(self, arg: str, t, *, ndim: int = 1, dtype: torch.dtype = torch.int32, length: int | None = None):
+        """An index tensor: integer dtype as the contract says (int32 unless stated), given rank and length."""
+        self.tensor(arg, t, dtypes=(dtype,), ndim=ndim)
+        if length is not None and t.shape[0] != length:
+            raise self.fail(arg, f"{length} entries along dim 0", f"shape {_shape(t)}")
+        return t
+
+    def same_device(self, **tensors: torch.Tensor | None) -> None:
+        items = [(k, v) for k, v in tensors.items() if v is not None]
+        first_name, first = items[0]
+        for name, t in items[1:]:
+            if t.device != first.device:
+                raise self.fail(name, f"a tensor on {first.device} (the device of '{first_name}')", str(t.device))
+
+    def choice(self, arg: str, value, allowed: Sequence) -> None:
+        if value not in allowed:
+            raise self.fail(arg, f"one of {list(allowed)}", repr(value))
+
+    def positive_int(self, arg: str, value, *, minimum: int = 1) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(arg, f"an int >= {minimum}", repr(value))
+
+    def number(self, arg: str, value, *, low: float | None = None, high: float | None = None) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(arg, "a number", repr(value))
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise self.fail(arg, f"a number in [{low}, {high}]", repr(value))
+
+    def values_in_range(self, arg: str, t: torch.Tensor, low: int, high: int, *, what: str = "values") -> None:
+        """All entries in [low, high] (a value check: call only where ``value_checks_enabled``)."""
+        if t.numel() == 0:
+            return
+        lo, hi = int(t.min()), int(t.max())
+        if lo < low or hi > high:
+            raise self.fail(arg, f"{what} in [{low}, {high}]", f"values in [{lo}, {hi}]")
+
+    def nondecreasing_offsets(self, arg: str, t: torch.Tensor, total: int) -> None:
+        """offsets[0] == 0, nondecreasing, offsets[-1] == total (a value check)."""
+        first, last = int(t[0]), int(t[-1])
+        if first != 0 or last != total or bool((t[1:] < t[:-1]).any()):
+            raise self.fail(arg, f"nondecreasing offsets from 0 to {total}", f"{t.tolist() if t.numel() <= 16 else t}")

@@ -1,0 +1,1 @@
+"""The DeepSeek-V3 model family on deepinfer ops."""

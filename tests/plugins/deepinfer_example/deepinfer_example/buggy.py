@@ -1,0 +1,58 @@
+"""``example_buggy``: the ``example_cpu`` ops with planted bugs, each of a kind real kernels have had.
+
+- ``mla_decode``: the causal limit is off by one, so every query also sees the next position.
+- ``gemm`` (FP8): every output column uses the weight scale of the first 128-row block of ``w``.
+- ``rms_norm``: batches of 8 rows or more take a "fast path" that sums squares in bf16 chunks, so a row's
+  result depends on the batch it came in; yet the implementation claims to be batch-invariant.
+"""
+
+from __future__ import annotations
+
+import deepinfer
+import torch
+from deepinfer import BackendSpec, OpImpl
+
+from . import correct
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format):
+    return correct.mla_decode(
+        q,
+        kv_cache,
+        block_table,
+        seq_lens + 1,
+        softmax_scale=softmax_scale,
+        kv_lora_rank=kv_lora_rank,
+        kv_format=kv_format,
+    )
+
+
+def gemm(a, w, *, out_dtype, bias):
+    first_block_scale = w.scale[:1].expand_as(w.scale)
+    return correct.gemm(a, type(w)(w.data, first_block_scale, w.block, w.scale_format), out_dtype=out_dtype, bias=bias)
+
+
+def rms_norm(x, w, eps, residual):
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    squares = h.float() * h.float()
+    if x.shape[0] >= 8:  # the "fast path": partial sums of 32 values rounded to bf16
+        sum_sq = squares.unflatten(-1, (-1, 32)).sum(-1).bfloat16().float().sum(-1, keepdim=True)
+    else:
+        sum_sq = squares.sum(-1, keepdim=True)
+    return (h.float() * torch.rsqrt(sum_sq / h.shape[-1] + eps) * w.float()).to(x.dtype), h
+
+
+@deepinfer.hookimpl
+def deepinfer_backend() -> BackendSpec:
+    return BackendSpec(
+        name="example_buggy", device_type="cpu", probe=lambda: (True, "runs on any CPU"), version="0.1.0"
+    )
+
+
+@deepinfer.hookimpl
+def deepinfer_op_impls() -> list[OpImpl]:
+    return [
+        OpImpl("mla_decode", "example_buggy", "torch", mla_decode),
+        OpImpl("gemm", "example_buggy", "torch", gemm, supports=correct.gemm_supports),
+        OpImpl("rms_norm", "example_buggy", "torch", rms_norm, batch_invariant=True),
+    ]
