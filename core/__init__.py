@@ -6,7 +6,7 @@ Importing deepinfer loads no plugin and touches no device.
 """
 
 from . import ops
-from .dispatch import batch_invariant, batch_invariant_enabled
+from .dispatch import batch_invariant, batch_invariant_enabled, prepare_weight
 from .errors import BackendError, DeepInferError, FallbackWarning, InputError, NotSupportedError, PluginError
 from .hookspecs import hookimpl
 from .kv_cache import allocate_kv_cache
@@ -33,5 +33,6 @@ __all__ = [
     "current_backend",
     "hookimpl",
     "ops",
+    "prepare_weight",
     "use",
 ]

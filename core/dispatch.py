@@ -86,3 +86,10 @@ def call(op: str, **kwargs: Any) -> Any:
 def last_resolution(op: str) -> tuple[OpImpl, bool]:
     """The implementation the latest call of ``op`` in this process ran, and whether it was a fallback."""
     return _last[op]
+
+
+def prepare_weight(name: str, weight: Any) -> Any:
+    """Hands a freshly loaded weight to the selected backend's ``prepare_weight`` (layout conversion done once
+    after load); returns it unchanged when the backend has none. ``name`` is the checkpoint key."""
+    convert = selection.current_backend().prepare_weight
+    return weight if convert is None else convert(name, weight)
