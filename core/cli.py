@@ -146,7 +146,9 @@ def cmd_conformance(args: argparse.Namespace) -> int:
             if result.check in ("accuracy", "bad_input"):
                 progress.update(task, advance=1, description=f"{result.op}: {result.case[:50]}")
 
-        report = run_conformance(args.backend, shapes=args.shapes, only_ops=only, seed=args.seed, on_result=tick)
+        report = run_conformance(
+            args.backend, shapes=args.shapes, device=args.device, only_ops=only, seed=args.seed, on_result=tick
+        )
     if args.note:
         report.note = args.note
     console.print(_ops_summary(report))
@@ -183,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         help="small: quick grid (CI, CPU); full: DeepSeek-V3 shapes (needs the device)",
     )
     conf.add_argument("--ops", help="comma-separated ops to check (default: all)")
+    conf.add_argument(
+        "--device",
+        help="torch device for the inputs (default: the backend's; e.g. cpu for the "
+        "Triton interpreter or a test double)",
+    )
     conf.add_argument("--seed", type=int, help="random seed (default: fresh each run; printed)")
     conf.add_argument("--note", help="free text stored in the report (e.g. 'emulated')")
     conf.add_argument("-v", "--verbose", action="store_true", help="list every check, not only the failing ones")

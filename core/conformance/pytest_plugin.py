@@ -18,6 +18,7 @@ def pytest_addoption(parser) -> None:
     group.addoption("--deepinfer-backend", default=None, help="backend to check (default: the selected one)")
     group.addoption("--deepinfer-shapes", default="small", choices=("small", "full"), help="shape grid")
     group.addoption("--deepinfer-seed", type=int, default=None, help="random seed (default: fresh, printed)")
+    group.addoption("--deepinfer-device", default=None, help="torch device for the inputs (default: the backend's)")
 
 
 def pytest_generate_tests(metafunc) -> None:
@@ -42,6 +43,11 @@ def deepinfer_backend(pytestconfig) -> str:
 def deepinfer_seed(pytestconfig) -> int:
     seed = pytestconfig.getoption("deepinfer_seed")
     return int.from_bytes(os.urandom(4), "little") if seed is None else seed
+
+
+@pytest.fixture(scope="session")
+def deepinfer_device(pytestconfig) -> str | None:
+    return pytestconfig.getoption("deepinfer_device")
 
 
 def pytest_report_header(config) -> str | None:

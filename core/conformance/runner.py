@@ -188,17 +188,21 @@ def run_conformance(
     backend: str,
     *,
     shapes: str = "small",
+    device: str | None = None,
     only_ops: list[str] | None = None,
     seed: int | None = None,
     on_result: Callable[[CaseResult], None] | None = None,
 ) -> Report:
     """Checks ``backend`` against the reference on fresh random inputs: accuracy per case, batch invariance and
-    determinism for implementations declared invariant, and the documented error for each bad input."""
+    determinism for implementations declared invariant, and the documented error for each bad input.
+
+    device: where inputs are made (default: the backend's device type); e.g. ``cpu`` for kernels run through an
+    interpreter or a test double."""
     if shapes not in SHAPE_GRIDS:
         raise ValueError(f"shapes must be one of {SHAPE_GRIDS}, got {shapes!r}")
     with use(backend) as spec:
         backend = spec.name
-    device = _device_for(backend)
+    device = device or _device_for(backend)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     report = Report(backend, device, shapes, seed, datetime.date.today().isoformat(), _environment(device))
 
@@ -210,16 +214,16 @@ def run_conformance(
     cases = [c for c in all_cases(shapes) if only_ops is None or c.op in only_ops]
     bad = [b for b in all_bad_inputs() if only_ops is None or b.op in only_ops]
     for i, case in enumerate(cases):
-        for result in check_case(case, backend, seed + i):
+        for result in check_case(case, backend, seed + i, device):
             add(result)
     for j, b in enumerate(bad):
-        add(check_bad_input(b, backend, seed + len(cases) + j))
+        add(check_bad_input(b, backend, seed + len(cases) + j, device))
     return report
 
 
-def check_case(case: Case, backend: str, seed: int) -> list[CaseResult]:
+def check_case(case: Case, backend: str, seed: int, device: str | None = None) -> list[CaseResult]:
     """Accuracy, then (where declared) determinism and batch invariance, of one case on ``backend``."""
-    device = _device_for(backend)
+    device = device or _device_for(backend)
     overrides = registry.get().backends[registry.get().lookup(backend).name].tolerances
     gen = Gen(seed, device)
     with warnings.catch_warnings():
@@ -234,9 +238,9 @@ def check_case(case: Case, backend: str, seed: int) -> list[CaseResult]:
             return [CaseResult(case.op, case.name, "accuracy", "error", backend, detail=f"{type(e).__name__}: {e}")]
 
 
-def check_bad_input(bad: BadInput, backend: str, seed: int) -> CaseResult:
+def check_bad_input(bad: BadInput, backend: str, seed: int, device: str | None = None) -> CaseResult:
     """Whether ``bad`` raises the documented ``InputError`` on ``backend``."""
-    kwargs = bad.make(Gen(seed, _device_for(backend)))
+    kwargs = bad.make(Gen(seed, device or _device_for(backend)))
     with use(backend):
         try:
             _op(bad.op)(**kwargs)

@@ -6,8 +6,8 @@ import pytest
 from deepinfer.conformance.runner import check_bad_input, check_case  # absolute: this file may be collected by path
 
 
-def test_case(deepinfer_case, deepinfer_backend, deepinfer_seed) -> None:
-    results = check_case(deepinfer_case, deepinfer_backend, deepinfer_seed)
+def test_case(deepinfer_case, deepinfer_backend, deepinfer_seed, deepinfer_device) -> None:
+    results = check_case(deepinfer_case, deepinfer_backend, deepinfer_seed, deepinfer_device)
     failed = [r for r in results if r.status in ("fail", "error")]
     assert not failed, "\n".join(f"{r.check}: {r.status} error={r.error} tol={r.tolerance} {r.detail}" for r in failed)
     fallback = [r for r in results if r.status == "fallback"]
@@ -17,6 +17,6 @@ def test_case(deepinfer_case, deepinfer_backend, deepinfer_seed) -> None:
         )
 
 
-def test_bad_input(deepinfer_bad_input, deepinfer_backend, deepinfer_seed) -> None:
-    result = check_bad_input(deepinfer_bad_input, deepinfer_backend, deepinfer_seed)
+def test_bad_input(deepinfer_bad_input, deepinfer_backend, deepinfer_seed, deepinfer_device) -> None:
+    result = check_bad_input(deepinfer_bad_input, deepinfer_backend, deepinfer_seed, deepinfer_device)
     assert result.status == "pass", result.detail
