@@ -1,0 +1,122 @@
+"""The conformance suite can fail: planted bugs in a third-party plugin are reported case by case, a correct plugin
+passes, and the CLI and pytest forms report the same verdicts. Needs the example plugin package installed
+(``pip install tests/plugins/deepinfer_example``), exactly as an outside vendor's plugin would be."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from deepinfer import registry
+from deepinfer.conformance import run_conformance
+from deepinfer.conformance.runner import all_cases
+
+
+def _by_check(report, op: str, check: str) -> dict[str, str]:
+    return {r.case: r.status for r in report.results if r.op == op and r.check == check}
+
+
+def test_example_plugins_are_installed_through_entry_points():
+    reg = registry.get()
+    assert reg.plugin_of.get("example_cpu") == "example_cpu"
+    assert reg.plugin_of.get("example_buggy") == "example_buggy"
+
+
+def test_reference_passes_every_check():
+    report = run_conformance("reference", seed=11)
+    assert not report.failed, report.failed
+    checks = {r.check for r in report.results}
+    assert checks == {"accuracy", "determinism", "batch_invariance", "bad_input"}
+    assert sum(r.check == "bad_input" for r in report.results) >= 50
+
+
+def test_correct_plugin_passes_and_serves_its_ops():
+    report = run_conformance("example_cpu", seed=12)
+    assert not report.failed, report.failed
+    served = {r.op for r in report.results if r.check == "accuracy" and r.impl.startswith("example_cpu/")}
+    assert served == {"gemm", "rms_norm", "mla_decode", "silu_and_mul"}
+    invariant = _by_check(report, "silu_and_mul", "batch_invariance")
+    assert invariant and set(invariant.values()) == {"pass"}
+
+
+def test_planted_bugs_fail_case_by_case():
+    report = run_conformance("example_buggy", seed=13, only_ops=["mla_decode", "gemm", "rms_norm"])
+
+    # Off-by-one causal limit: every decode case reads one position too many.
+    mla = _by_check(report, "mla_decode", "accuracy")
+    assert len(mla) == len([c for c in all_cases("small") if c.op == "mla_decode"])
+    assert set(mla.values()) <= {"fail", "error"}
+
+    # Wrong scale: only FP8 x FP8 products whose weight has more than one 128-row block go wrong.
+    gemm = _by_check(report, "gemm", "accuracy")
+    for case, status in gemm.items():
+        n = int(re.search(r"N=(\d+)", case).group(1))
+        fp8_both = case.split()[3] == "fp8"
+        expected = "fail" if fp8_both and n > 128 else ("pass" if fp8_both else "fallback")
+        assert status == expected, (case, status)
+    assert "fail" in gemm.values() and "pass" in gemm.values()
+
+    # Batch-dependent reduction: accurate everywhere, but not invariant once a batch takes the "fast path".
+    assert set(_by_check(report, "rms_norm", "accuracy").values()) == {"pass"}
+    invariance = _by_check(report, "rms_norm", "batch_invariance")
+    for case, status in invariance.items():
+        tokens = int(re.search(r"T=(\d+)", case).group(1))
+        assert status == ("fail" if tokens >= 8 else "pass"), (case, status)
+    assert "fail" in invariance.values()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deepinfer.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_exit_codes_and_json_report(tmp_path):
+    bad = _cli("conformance", "--backend", "example_buggy", "--ops", "rms_norm", "--report", str(tmp_path / "b.json"))
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "FAILED example_buggy" in bad.stdout
+    body = json.loads((tmp_path / "b.json").read_text())
+    assert body["passed"] is False and body["backend"] == "example_buggy"
+    assert any(r["check"] == "batch_invariance" and r["status"] == "fail" for r in body["results"])
+
+    good = _cli("conformance", "--backend", "example_cpu", "--ops", "rms_norm,gemm", "--seed", "5")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "PASSED example_cpu" in good.stdout and "(seed 5)" in good.stdout
+
+    missing = _cli("conformance", "--backend", "nope")
+    assert missing.returncode == 2
+    assert "not installed" in missing.stdout and "example_cpu: available" in missing.stdout
+
+
+def test_info_lists_backends_and_op_resolution():
+    out = _cli("info", "--ops", "--backend", "example_cpu")
+    assert out.returncode == 0, out.stderr
+    assert "Selected backend: reference" in out.stdout
+    assert re.search(r"gemm\s+│\s+torch-blocked", out.stdout)
+    assert "reference (fallback)" in out.stdout
+
+
+@pytest.mark.slow
+def test_pytest_plugin_form_reports_the_same_failures():
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--pyargs",
+        "deepinfer.conformance",
+        "--deepinfer-backend",
+        "example_buggy",
+        "-k",
+        "rms_norm",
+        "--deepinfer-seed",
+        "3",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 1, out.stdout
+    assert re.search(r"2 failed, \d+ passed", out.stdout), out.stdout
+    assert re.search(r"row \d+ alone differs", out.stdout)
