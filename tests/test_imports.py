@@ -42,8 +42,8 @@ def test_import_loads_no_plugin_and_touches_no_device():
     code = (
         "import sys, torch, deepinfer\n"
         "from deepinfer import registry\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in %r)\n"
-        "print(loaded, registry._REGISTRY is None, torch.cuda.is_initialized())\n" % (FORBIDDEN,)
+        f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r})\n"
+        "print(loaded, registry._REGISTRY is None, torch.cuda.is_initialized())\n"
     )
     assert _run(code) == "[] True False"
 

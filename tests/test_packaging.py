@@ -84,7 +84,7 @@ def test_alias_build_and_default_build(tmp_path):
 
     result = _build_wheel(tmp_path / "all", None)
     assert result.returncode == 0, result.stderr
-    names, config, metadata, entry_points = _read_wheel(tmp_path / "all")
+    names, config, metadata, _ = _read_wheel(tmp_path / "all")
     assert _packages(names) == {"deepinfer", "deepinfer_cuda_sm100", "deepinfer_ascend"}
     assert "DEFAULT_ACCELERATOR = None" in config
     assert not {"torch-npu", "triton"} & _hard_requirements(metadata)
