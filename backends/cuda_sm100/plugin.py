@@ -1,10 +1,12 @@
-"""The pluggy hooks of the ``cuda_sm100`` backend."""
+"""The pluggy hooks of the ``cuda_sm100`` backend: its description and every op it implements."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from deepinfer import BackendSpec, OpImpl, hookimpl
 
-from . import probe
+from . import activation, attention, gemm, moe, norm, probe, rope, sampling
 
 NAME = "cuda_sm100"
 
@@ -21,6 +23,27 @@ def deepinfer_backend() -> BackendSpec:
     )
 
 
+def _impl(op, provider, fn, supports, *, invariant=True, priority=0) -> OpImpl:
+    return OpImpl(op, NAME, provider, fn, supports=supports, batch_invariant=invariant, priority=priority)
+
+
 @hookimpl
 def deepinfer_op_impls() -> list[OpImpl]:
-    return []
+    return [
+        _impl("mla_decode", "triton", attention.mla_decode, attention.mla_supports),
+        _impl("attention_varlen", "triton", attention.attention_varlen, attention.varlen_supports),
+        _impl("write_kv_cache", "triton", attention.write_kv_cache, attention.write_supports),
+        _impl("quantize_fp8", "triton", gemm.quantize_fp8, gemm.quantize_supports),
+        _impl("gemm", "triton-fp8", gemm.gemm_fp8, gemm.fp8_supports, invariant=False, priority=2),
+        _impl("gemm", "triton-fp8-fixed-tile", partial(gemm.gemm_fp8, invariant=True), gemm.fp8_supports, priority=1),
+        _impl("gemm", "cublas", gemm.gemm_cublas, gemm.cublas_supports, invariant=False, priority=1),
+        _impl("gemm", "triton", gemm.gemm_triton, gemm.triton_dense_supports),
+        _impl("grouped_gemm", "triton", gemm.grouped_gemm, gemm.grouped_supports),
+        _impl("moe_route", "triton", moe.moe_route, moe.route_supports),
+        _impl("ep_dispatch", "triton", moe.ep_dispatch, moe.dispatch_supports),
+        _impl("ep_combine", "triton", moe.ep_combine, moe.combine_supports),
+        _impl("rms_norm", "triton", norm.rms_norm, norm.supports),
+        _impl("rope", "triton", rope.rope, rope.supports),
+        _impl("silu_and_mul", "triton", activation.silu_and_mul, activation.supports),
+        _impl("sample", "triton", sampling.sample, sampling.supports),
+    ]

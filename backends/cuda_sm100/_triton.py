@@ -1,0 +1,69 @@
+"""Helpers shared by this backend's Triton kernels."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .probe import interpreting
+
+# The Triton interpreter computes bf16 dot products wrongly (it has no bf16 arithmetic), so kernels upcast dot
+# operands to fp32 there; on a GPU the same kernels feed bf16/fp8 to the tensor cores.
+INTERPRET = interpreting()
+
+
+def device_type() -> str:
+    """Where this backend's kernels take their tensors: the GPU, or the CPU under the interpreter."""
+    return "cpu" if INTERPRET else "cuda"
+
+
+def on_device(*tensors: torch.Tensor | None) -> bool:
+    want = device_type()
+    return all(t is None or t.device.type == want for t in tensors)
+
+
+@functools.cache
+def num_sms(index: int = 0) -> int:
+    if INTERPRET:
+        return 4
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def dot(a, b, acc, FP32: tl.constexpr):
+    """``acc + a @ b`` in fp32; operands upcast to fp32 first when ``FP32`` (the interpreter)."""
+    if FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def pow2_ceil(x):
+    """The smallest power of two >= x for positive normal fp32 x, exactly (no log2 approximation)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_e4m3(x, PREROUND: tl.constexpr):
+    """``x`` (already within +-448) as float8 e4m3, rounded to nearest even.
+
+    The interpreter's own cast mis-rounds values that round up into the next binade (7.99 -> 4), so there the value
+    is first rounded in fp32 to a multiple of its e4m3 spacing (adding and removing a number whose ulp is that
+    spacing), after which the cast is exact. GPUs round correctly in the cast itself.
+    """
+    if PREROUND:
+        exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # e4m3 subnormals: 2^-9
+        spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        shifter = tl.where(x < 0, -spacing, spacing) * 8388608.0
+        x = (x + shifter) - shifter
+    return x.to(tl.float8e4nv)

@@ -1,0 +1,60 @@
+"""``silu_and_mul``: SwiGLU in fp32, optionally quantising the product to FP8 per 128 channels in the same pass."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer import QTensor
+
+from ._triton import INTERPRET, on_device, pow2_ceil, to_e4m3
+
+BLOCK = 128  # one FP8 scale group
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, y_ptr, s_ptr, inter, QUANT: tl.constexpr, UE8M0: tl.constexpr, BLOCK: tl.constexpr, PREROUND: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    cols = group * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    if QUANT:
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-4) / 448.0
+        if UE8M0:
+            scale = pow2_ceil(scale)
+        q = to_e4m3(tl.clamp(y / scale, -448.0, 448.0), PREROUND)
+        tl.store(y_ptr + row * inter + cols, q, mask=mask)
+        tl.store(s_ptr + row * tl.cdiv(inter, BLOCK) + group, scale)
+    else:
+        tl.store(y_ptr + row * inter + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x, *, quantize, scale_format):
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * inter).contiguous()
+    rows = x2.shape[0]
+    if quantize:
+        y = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(rows, inter // BLOCK, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+        s = torch.empty(1, dtype=torch.float32, device=x.device)  # unused
+    if rows:
+        grid = (rows, triton.cdiv(inter, BLOCK))
+        _silu_and_mul_kernel[grid](
+            x2, y, s, inter, QUANT=quantize, UE8M0=scale_format == "ue8m0", BLOCK=BLOCK, PREROUND=INTERPRET
+        )
+    lead = x.shape[:-1]
+    if quantize:
+        return QTensor(y.view(*lead, inter), s.view(*lead, inter // BLOCK), (1, BLOCK), scale_format)
+    return y.view(*lead, inter)
+
+
+def supports(x, *, quantize, scale_format) -> bool:
+    return on_device(x)

@@ -1,0 +1,415 @@
+"""``mla_decode``, ``attention_varlen``, ``write_kv_cache``.
+
+``mla_decode`` is split-KV flash decoding over the paged latent cache: every (query row, head block, KV split)
+program reduces one fixed-size span of the context, then a second kernel merges the spans by their lse. The span
+size is fixed (never chosen from the batch), and the grid comes from the block table's shape rather than from the
+sequence lengths, so a decode step needs no host synchronisation and a row's result cannot depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kv_cache import FP8_GROUP
+
+from ._triton import INTERPRET, dot, next_pow2, on_device, pow2_ceil, to_e4m3
+
+LOG2E = 1.4426950408889634
+SPLIT_TOKENS = 512  # context tokens per KV split (fixed: batch-invariant)
+
+
+@triton.jit
+def _load_latent(
+    cache_ptr,
+    cache_f32_ptr,
+    cache_bf16_ptr,
+    slot,
+    valid,
+    WIDTH: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """The latent [BLOCK_N, L] and rope [BLOCK_N, R] parts of the tokens at ``slot`` (zeros where not ``valid``)."""
+    cols = tl.arange(0, L)
+    rope_cols = tl.arange(0, R)
+    if FP8:
+        base = slot * WIDTH  # bytes
+        raw = tl.load(cache_ptr + base[:, None] + cols[None, :], mask=valid[:, None], other=0)
+        scale_index = (base + L) // 4
+        scale = tl.load(cache_f32_ptr + scale_index[:, None] + cols[None, :] // 128, mask=valid[:, None], other=0.0)
+        c = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(tl.bfloat16)
+        rope_index = (base + L + 4 * (L // 128)) // 2
+        k_rope = tl.load(cache_bf16_ptr + rope_index[:, None] + rope_cols[None, :], mask=valid[:, None], other=0.0)
+    else:
+        base = slot * WIDTH  # elements
+        c = tl.load(cache_ptr + base[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+        k_rope = tl.load(cache_ptr + base[:, None] + L + rope_cols[None, :], mask=valid[:, None], other=0.0)
+    return c, k_rope
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr,
+    cache_ptr,
+    cache_f32_ptr,
+    cache_bf16_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    S_q,
+    H,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_table,
+    n_splits,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    WIDTH: tl.constexpr,
+    PAGE: tl.constexpr,
+    FP8: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    row = tl.program_id(0)  # b * S_q + s
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    b = row // S_q
+    s = row % S_q
+    limit = tl.load(seq_lens_ptr + b) - S_q + s + 1  # positions < limit are visible to this query
+    start = split * SPLIT
+    end = tl.minimum(start + SPLIT, limit)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    part = (row.to(tl.int64) * H + heads) * n_splits + split
+    if start >= end:
+        tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=hmask)
+        return
+
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + heads[:, None] * stride_qh
+    q_nope = tl.load(q_row + tl.arange(0, L)[None, :], mask=hmask[:, None], other=0.0)
+    q_rope = tl.load(q_row + L + tl.arange(0, R)[None, :], mask=hmask[:, None], other=0.0)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, L), tl.float32)
+    qk_scale = scale * 1.4426950408889634  # exp2 domain
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        page = tl.load(table_ptr + b.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+        c, k_rope = _load_latent(cache_ptr, cache_f32_ptr, cache_bf16_ptr, slot, valid, WIDTH, L, R, FP8)
+        qk = dot(q_nope, tl.trans(c), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), FP32_DOT)
+        qk = dot(q_rope, tl.trans(k_rope), qk, FP32_DOT) * qk_scale
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = dot(p.to(c.dtype), c, acc * alpha[:, None], FP32_DOT)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    lse = (m_i + tl.log2(l_i)) / 1.4426950408889634  # natural log
+    tl.store(part_out_ptr + part[:, None] * L + tl.arange(0, L)[None, :], out, mask=hmask[:, None])
+    tl.store(part_lse_ptr + part, lse, mask=hmask)
+
+
+@triton.jit
+def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, L: tl.constexpr):
+    """Merges the splits of one (query row, head) in split order: out = sum_i w_i out_i, w_i = exp(lse_i - lse)."""
+    rh = tl.program_id(0).to(tl.int64)
+    m = float("-inf")
+    for i in range(0, n_splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + rh * n_splits + i))
+    acc = tl.zeros((L,), tl.float32)
+    total = 0.0
+    if m > float("-inf"):
+        for i in range(0, n_splits):
+            lse_i = tl.load(part_lse_ptr + rh * n_splits + i)
+            if lse_i > float("-inf"):
+                w = tl.exp(lse_i - m)
+                total += w
+                acc += w * tl.load(part_out_ptr + (rh * n_splits + i) * L + tl.arange(0, L))
+        acc = acc / total
+        tl.store(lse_ptr + rh, m + tl.log(total))
+    else:
+        tl.store(lse_ptr + rh, float("-inf"))
+    tl.store(out_ptr + rh * L + tl.arange(0, L), acc.to(out_ptr.dtype.element_ty))
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format):
+    batch, s_q, heads, d_qk = q.shape
+    rope_dim = d_qk - kv_lora_rank
+    out = torch.empty(batch, s_q, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
+    if batch == 0:
+        return out, lse
+    page = kv_cache.shape[1]
+    n_splits = triton.cdiv(block_table.shape[1] * page, SPLIT_TOKENS)
+    part_out = torch.empty(batch * s_q * heads * n_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch * s_q * heads * n_splits, dtype=torch.float32, device=q.device)
+    fp8 = kv_format == "fp8_ds_mla"
+    flat = kv_cache.view(-1)
+    block_h = 16
+    _mla_split_kernel[(batch * s_q, triton.cdiv(heads, block_h), n_splits)](
+        q,
+        flat,
+        flat.view(torch.float32) if fp8 else flat,
+        flat.view(torch.bfloat16) if fp8 else flat,
+        block_table,
+        seq_lens,
+        part_out,
+        part_lse,
+        softmax_scale,
+        s_q,
+        heads,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        block_table.stride(0),
+        n_splits,
+        L=kv_lora_rank,
+        R=rope_dim,
+        WIDTH=kv_cache.shape[2],
+        PAGE=page,
+        FP8=fp8,
+        SPLIT=SPLIT_TOKENS,
+        BLOCK_H=block_h,
+        BLOCK_N=32,
+        FP32_DOT=INTERPRET,
+        num_warps=4,
+        num_stages=2,
+    )
+    _mla_merge_kernel[(batch * s_q * heads,)](part_out, part_lse, out, lse, n_splits, L=kv_lora_rank)
+    return out, lse
+
+
+def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format) -> bool:
+    rope_dim = q.shape[3] - kv_lora_rank
+    return (
+        on_device(q, kv_cache, block_table, seq_lens)
+        and q.dtype == torch.bfloat16
+        and q.stride(3) == 1
+        and kv_lora_rank == next_pow2(kv_lora_rank)
+        and rope_dim == next_pow2(rope_dim)
+        and rope_dim >= 16
+        and block_table.stride(1) == 1
+    )
+
+
+# --- attention_varlen (prefill) -----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _varlen_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    scale,
+    group,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    len_q = tl.load(cu_q_ptr + seq + 1) - q_start
+    if pid_m * BLOCK_M >= len_q:
+        return
+    k_start = tl.load(cu_k_ptr + seq)
+    len_k = tl.load(cu_k_ptr + seq + 1) - k_start
+    kv_h = h // group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < len_q
+    d = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        mask=mask_m[:, None] & (d[None, :] < D_QK),
+        other=0.0,
+    )
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    shift = len_k - len_q  # bottom-right alignment: query i sees keys j <= i + shift
+    hi = len_k
+    if CAUSAL:
+        hi = tl.minimum(len_k, (pid_m + 1) * BLOCK_M + shift)
+    qk_scale = scale * 1.4426950408889634
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < len_k
+        rows = (k_start + offs_n).to(tl.int64)
+        k = tl.load(
+            k_ptr + rows[:, None] * stride_kt + kv_h * stride_kh + d[None, :],
+            mask=mask_n[:, None] & (d[None, :] < D_QK),
+            other=0.0,
+        )
+        qk = dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), FP32_DOT) * qk_scale
+        visible = mask_n[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr + rows[:, None] * stride_vt + kv_h * stride_vh + dv[None, :],
+            mask=mask_n[:, None] & (dv[None, :] < D_V),
+            other=0.0,
+        )
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key returns zeros
+    tl.store(
+        o_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + dv[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & (dv[None, :] < D_V),
+    )
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal):
+    tokens, heads, d_qk = q.shape
+    d_v = v.shape[2]
+    out = torch.empty(tokens, heads, d_v, dtype=q.dtype, device=q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if tokens == 0 or batch == 0:
+        return out.zero_()
+    max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one sync per prefill
+    block_m, block_n = (64, 64) if d_qk <= 128 else (64, 32)
+    _varlen_kernel[(triton.cdiv(max_q, block_m), batch, heads)](
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        softmax_scale,
+        heads // k.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        D_QK=d_qk,
+        D_V=d_v,
+        BLOCK_DQK=next_pow2(d_qk),
+        BLOCK_DV=next_pow2(d_v),
+        CAUSAL=causal,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        FP32_DOT=INTERPRET,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
+
+
+def varlen_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal) -> bool:
+    return (
+        on_device(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        and q.stride(2) == k.stride(2) == v.stride(2) == 1
+        and max(q.shape[2], v.shape[2]) <= 256
+    )
+
+
+# --- write_kv_cache -----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kernel(
+    latent_ptr,
+    slots_ptr,
+    cache_ptr,
+    cache_f32_ptr,
+    cache_bf16_ptr,
+    stride_t,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    WIDTH: tl.constexpr,
+    FP8: tl.constexpr,
+    PREROUND: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
+        return
+    r = tl.arange(0, BLOCK_R)
+    rmask = r < R
+    rope = tl.load(latent_ptr + t * stride_t + L + r, mask=rmask, other=0.0)
+    if FP8:
+        groups = tl.arange(0, L // 128)[:, None] * 128 + tl.arange(0, 128)[None, :]
+        c = tl.load(latent_ptr + t * stride_t + groups).to(tl.float32)
+        scale = pow2_ceil(tl.maximum(tl.max(tl.abs(c), axis=1), 1e-4) / 448.0)
+        q = to_e4m3(tl.clamp(c / scale[:, None], -448.0, 448.0), PREROUND).to(tl.uint8, bitcast=True)
+        base = slot * WIDTH
+        tl.store(cache_ptr + base + groups, q)
+        tl.store(cache_f32_ptr + (base + L) // 4 + tl.arange(0, L // 128), scale)
+        tl.store(cache_bf16_ptr + (base + L + 4 * (L // 128)) // 2 + r, rope.to(tl.bfloat16), mask=rmask)
+    else:
+        cols = tl.arange(0, L)
+        c = tl.load(latent_ptr + t * stride_t + cols)
+        tl.store(cache_ptr + slot * WIDTH + cols, c.to(cache_ptr.dtype.element_ty))
+        tl.store(cache_ptr + slot * WIDTH + L + r, rope.to(cache_ptr.dtype.element_ty), mask=rmask)
+
+
+def write_kv_cache(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format):
+    if latent.shape[0] == 0:
+        return
+    fp8 = kv_format == "fp8_ds_mla"
+    flat = kv_cache.view(-1)
+    rope_dim = latent.shape[1] - kv_lora_rank
+    _write_kernel[(latent.shape[0],)](
+        latent,
+        slot_mapping,
+        flat,
+        flat.view(torch.float32) if fp8 else flat,
+        flat.view(torch.bfloat16) if fp8 else flat,
+        latent.stride(0),
+        L=kv_lora_rank,
+        R=rope_dim,
+        BLOCK_R=next_pow2(rope_dim),
+        WIDTH=kv_cache.shape[2],
+        FP8=fp8,
+        PREROUND=INTERPRET,
+    )
+
+
+def write_supports(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format) -> bool:
+    pow2 = kv_lora_rank == next_pow2(kv_lora_rank)
+    return (
+        on_device(latent, kv_cache, slot_mapping)
+        and latent.stride(1) == 1
+        and (pow2 and (kv_format == "bf16" or kv_lora_rank % FP8_GROUP == 0))
+    )

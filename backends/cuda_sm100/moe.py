@@ -1,0 +1,237 @@
+"""``moe_route`` (fused group-limited top-k), and the one-process ``ep_dispatch`` / ``ep_combine``.
+
+Dispatch sorts (token, expert) pairs by expert on the device and moves rows with a gather kernel; ``normal`` mode
+needs the number of valid pairs on the host (the output size), ``low_latency`` mode has fixed shapes and no host
+synchronisation. Combine sums each token's k rows in slot order in fp32 (batch-invariant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer import QTensor
+from deepinfer.ops import DispatchHandle, ExpertLayout
+
+from ._triton import next_pow2, on_device
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    w_ptr,
+    ids_ptr,
+    E,
+    scaling,
+    HAS_BIAS: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    RENORM: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)[:, None]
+    j = tl.arange(0, BLOCK_S)[None, :]
+    expert = g * GROUP_SIZE + j
+    valid = (g < N_GROUP) & (j < GROUP_SIZE)
+    x = tl.load(logits_ptr + t * E + expert, mask=valid, other=float("-inf"))
+    if SOFTMAX:
+        e = tl.exp(x - tl.max(tl.max(x, axis=1), axis=0))
+        scores = e / tl.sum(tl.sum(e, axis=1), axis=0)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0)
+    choice = tl.where(valid, choice, float("-inf"))
+    if N_GROUP > 1:
+        best = tl.max(choice, axis=1)
+        if SOFTMAX:
+            group_score = best
+        else:  # sum of the two best experts of each group
+            first = tl.argmax(choice, axis=1)
+            second = tl.max(tl.where(j == first[:, None], float("-inf"), choice), axis=1)
+            group_score = best + second
+        group_score = tl.where(tl.arange(0, BLOCK_G) < N_GROUP, group_score, float("-inf"))
+        keep = tl.zeros((BLOCK_G,), tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            pick = tl.argmax(group_score, axis=0)
+            keep = keep | (tl.arange(0, BLOCK_G) == pick)
+            group_score = tl.where(tl.arange(0, BLOCK_G) == pick, float("-inf"), group_score)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+    flat_choice = tl.reshape(choice, (BLOCK_G * BLOCK_S,))
+    flat_scores = tl.reshape(scores, (BLOCK_G * BLOCK_S,))
+    flat_expert = tl.reshape(expert, (BLOCK_G * BLOCK_S,))
+    k = tl.arange(0, BLOCK_K)
+    ids = tl.zeros((BLOCK_K,), tl.int32)
+    weights = tl.zeros((BLOCK_K,), tl.float32)
+    for i in tl.static_range(TOP_K):
+        pick = tl.argmax(flat_choice, axis=0)
+        hit = tl.arange(0, BLOCK_G * BLOCK_S) == pick
+        ids = tl.where(k == i, tl.sum(tl.where(hit, flat_expert, 0), axis=0), ids)
+        weights = tl.where(k == i, tl.sum(tl.where(hit, flat_scores, 0.0), axis=0), weights)
+        flat_choice = tl.where(hit, float("-inf"), flat_choice)
+    if RENORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    tl.store(w_ptr + t * TOP_K + k, weights * scaling, mask=k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
+
+
+def moe_route(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_scaling_factor, scoring):
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if tokens:
+        group_size = experts // n_group
+        _route_kernel[(tokens,)](
+            logits.contiguous(),
+            bias if bias is not None else logits,
+            weights,
+            ids,
+            experts,
+            routed_scaling_factor,
+            HAS_BIAS=bias is not None,
+            SOFTMAX=scoring == "softmax",
+            RENORM=renormalize,
+            N_GROUP=n_group,
+            GROUP_SIZE=group_size,
+            TOPK_GROUP=topk_group,
+            TOP_K=top_k,
+            BLOCK_G=next_pow2(n_group),
+            BLOCK_S=next_pow2(group_size),
+            BLOCK_K=next_pow2(top_k),
+        )
+    return weights, ids
+
+
+def route_supports(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_scaling_factor, scoring):
+    return on_device(logits, bias) and logits.shape[1] <= 1024 and top_k <= 32
+
+
+# --- dispatch / combine (one process) -----------------------------------------------------------------------------
+
+
+@dataclass
+class GpuHandle(DispatchHandle):
+    """pair_rows [T, k] int32: the received row of each (token, slot), -1 if skipped; weights [T, k] fp32."""
+
+    pair_rows: torch.Tensor = None
+    weights: torch.Tensor = None
+
+
+@triton.jit
+def _gather_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, H, BLOCK: tl.constexpr):
+    """dst[dst_rows[p]] = src[src_rows[p]] for each pair p with dst_rows[p] >= 0."""
+    p = tl.program_id(0).to(tl.int64)
+    dst_row = tl.load(dst_rows_ptr + p).to(tl.int64)
+    if dst_row < 0:
+        return
+    src_row = tl.load(src_rows_ptr + p).to(tl.int64)
+    for c0 in range(0, H, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < H
+        tl.store(dst_ptr + dst_row * H + cols, tl.load(src_ptr + src_row * H + cols, mask=mask), mask=mask)
+
+
+def _move_rows(x, src_rows: torch.Tensor, dst_rows: torch.Tensor, lead: tuple[int, ...]):
+    """A new buffer [*lead, H] (or QTensor) with row ``dst_rows[p]`` = ``x[src_rows[p]]``; other rows unset."""
+
+    def move(src: torch.Tensor) -> torch.Tensor:
+        width = src.shape[-1]
+        raw = src.view(torch.uint8) if src.dtype == torch.float8_e4m3fn else src
+        dst = torch.empty(*lead, width, dtype=raw.dtype, device=src.device)
+        if src_rows.numel():
+            _gather_rows_kernel[(src_rows.numel(),)](raw.contiguous(), dst, src_rows, dst_rows, width, BLOCK=512)
+        return dst.view(src.dtype) if src.dtype == torch.float8_e4m3fn else dst
+
+    if isinstance(x, QTensor):
+        return QTensor(move(x.data), move(x.scale), x.block, x.scale_format)
+    return move(x)
+
+
+def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity):
+    tokens, k = ids.shape
+    device = ids.device
+    flat = ids.reshape(-1).long()
+    valid = flat >= 0
+    keys = torch.where(valid, flat, num_experts)
+    order = torch.sort(keys, stable=True).indices  # pairs by expert, then by token; skipped pairs last
+    sorted_ids = keys[order]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
+    counts = counts[:num_experts]
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel(), device=device)
+    if mode == "normal":
+        received = int(valid.sum())  # the output size: the one host synchronisation of this mode
+        rows = torch.where(rank < received, rank, -1)
+        lead = (received,)
+        layout = ExpertLayout(expert_offsets=torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).int())
+    else:
+        slot = rank - starts[sorted_ids.clamp_max(num_experts - 1)]
+        rows = torch.where(sorted_ids < num_experts, sorted_ids * capacity + slot, -1)
+        lead = (num_experts, capacity)
+        layout = ExpertLayout(masked_m=counts)
+    src_tokens = (order // k).to(torch.int32)
+    recv_x = _move_rows(x, src_tokens, rows.to(torch.int32), lead)
+    size = lead[0] if mode == "normal" else num_experts * capacity
+    target = torch.where(rows >= 0, rows, size)  # skipped pairs land in a spare last entry (no boolean indexing)
+    recv_ids = torch.full((size + 1,), -1, dtype=torch.int32, device=device)
+    recv_w = torch.zeros(size + 1, dtype=torch.float32, device=device)
+    recv_ids[target] = sorted_ids.to(torch.int32)
+    recv_w[target] = weights.reshape(-1)[order]
+    recv_ids, recv_w = recv_ids[:size], recv_w[:size]
+    pair_rows = torch.empty(flat.numel(), dtype=torch.int32, device=device)
+    pair_rows[order] = rows.to(torch.int32)
+    handle = GpuHandle(tokens, mode, lead, pair_rows=pair_rows.view(tokens, k), weights=weights.contiguous())
+    return recv_x, recv_ids.view(lead), recv_w.view(lead), layout, handle
+
+
+def dispatch_supports(x, ids, weights, *, num_experts, group, mode, capacity) -> bool:
+    x_data = x.data if isinstance(x, QTensor) else x
+    return group is None and on_device(x_data, ids, weights)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(K):  # slot order: the sum never depends on other tokens
+        row = tl.load(rows_ptr + t * K + j).to(tl.int64)
+        if row >= 0:
+            w = tl.load(w_ptr + t * K + j)
+            acc += w * tl.load(y_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def ep_combine(y, handle):
+    hidden = y.shape[-1]
+    out = torch.empty(handle.num_tokens, hidden, dtype=y.dtype, device=y.device)
+    if handle.num_tokens:
+        k = handle.pair_rows.shape[1]
+        block = min(1024, next_pow2(hidden))
+        _combine_kernel[(handle.num_tokens, triton.cdiv(hidden, block))](
+            y.reshape(-1, hidden).contiguous(),
+            handle.pair_rows,
+            handle.weights,
+            out,
+            hidden,
+            K=k,
+            BLOCK=block,
+        )
+    return out
+
+
+def combine_supports(y, handle) -> bool:
+    return isinstance(handle, GpuHandle) and on_device(y)

@@ -1,0 +1,68 @@
+"""``rope``: one program per token, all heads at once; reads the core's cos/sin table."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton import next_pow2, on_device
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    pos_ptr,
+    table_ptr,
+    out_ptr,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, HALF)
+    cos = tl.load(table_ptr + pos * 2 * HALF + i)[None, :]
+    sin = tl.load(table_ptr + pos * 2 * HALF + HALF + i)[None, :]
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    mask = heads < H
+    if INTERLEAVED:
+        first, second = 2 * i[None, :], 2 * i[None, :] + 1
+    else:
+        first, second = i[None, :], i[None, :] + HALF
+    x_row = x_ptr + t * stride_xt + heads * stride_xh
+    x1 = tl.load(x_row + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + second, mask=mask, other=0.0).to(tl.float32)
+    o_row = out_ptr + t * stride_ot + heads * stride_oh
+    tl.store(o_row + first, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_row + second, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rope(x, positions, cos_sin_cache, interleaved):
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0] and x.shape[1]:
+        _rope_kernel[(x.shape[0],)](
+            x,
+            positions,
+            cos_sin_cache.contiguous(),
+            out,
+            x.shape[1],
+            x.stride(0),
+            x.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HALF=x.shape[2] // 2,
+            INTERLEAVED=interleaved,
+            BLOCK_H=next_pow2(x.shape[1]),
+        )
+    return out
+
+
+def supports(x, positions, cos_sin_cache, interleaved) -> bool:
+    half = x.shape[2] // 2
+    return on_device(x, positions, cos_sin_cache) and x.stride(2) == 1 and half == next_pow2(half)
