@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from rich.console import Console
@@ -166,6 +167,40 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+    from .selection import use
+
+    only = args.ops.split(",") if args.ops else None
+    with use(args.backend) if args.backend else contextlib.nullcontext(), console.status("benchmarking") as status:
+        result = bench.run_bench(quick=args.quick, only_ops=only, progress=lambda msg: status.update(escape(msg)))
+    where = result["environment"].get("gpu", result["device"])
+    table = Table(title=f"deepinfer bench on {where} ({result['backend']})", title_justify="left")
+    for col in ("op", "case", "implementation", "ms", "TFLOP/s", "GB/s", "% roofline", "rel. error", "note"):
+        table.add_column(col, overflow="fold")
+    fmt = lambda v, spec: "" if v is None else format(v, spec)
+    for r in result["rows"]:
+        table.add_row(
+            r["op"],
+            r["case"],
+            escape(r["impl"]),
+            fmt(r["ms"], ".4f"),
+            fmt(r["tflops"], ".1f"),
+            fmt(r["gbps"], ".0f"),
+            fmt(r["roofline_pct"], ".0f"),
+            fmt(r["rel_err"], ".1e"),
+            escape(r["note"]),
+        )
+    console.print(table)
+    c = result["ceilings"]
+    console.print(
+        f"ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 {c['bf16_TFLOPs']:.0f} TFLOP/s, "
+        f"fp8 {c['fp8_TFLOPs']:.0f} TFLOP/s"
+    )
+    bench.save(result, args.json, args.results, "deepinfer bench " + " ".join(args.argv))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -195,7 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     conf.add_argument("-v", "--verbose", action="store_true", help="list every check, not only the failing ones")
     conf.set_defaults(fn=cmd_conformance)
 
+    bench = sub.add_parser("bench", help="time each op on DeepSeek-V3 shapes against measured ceilings and peers")
+    bench.add_argument("--backend", help="backend name or alias (default: the selected one)")
+    bench.add_argument("--ops", help="comma-separated ops to time (default: all)")
+    bench.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement")
+    bench.add_argument("--json", help="write all numbers to this JSON file")
+    bench.add_argument("--results", help="append a dated section to this markdown file (e.g. benchmarks/RESULTS.md)")
+    bench.set_defaults(fn=cmd_bench)
+
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.fn(args)
     except DeepInferError as e:

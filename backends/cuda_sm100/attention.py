@@ -122,26 +122,22 @@ def _mla_split_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, L: tl.constexpr):
+def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, L: tl.constexpr, BLOCK_S: tl.constexpr):
     """Merges the splits of one (query row, head) in split order: out = sum_i w_i out_i, w_i = exp(lse_i - lse)."""
     rh = tl.program_id(0).to(tl.int64)
-    m = float("-inf")
-    for i in range(0, n_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + rh * n_splits + i))
+    splits = tl.arange(0, BLOCK_S)
+    lse_all = tl.load(part_lse_ptr + rh * n_splits + splits, mask=splits < n_splits, other=float("-inf"))
+    m = tl.max(lse_all, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # no split saw anything: zeros and lse = -inf
+    total = tl.sum(tl.exp(lse_all - m_safe), axis=0)
     acc = tl.zeros((L,), tl.float32)
-    total = 0.0
-    if m > float("-inf"):
-        for i in range(0, n_splits):
-            lse_i = tl.load(part_lse_ptr + rh * n_splits + i)
-            if lse_i > float("-inf"):
-                w = tl.exp(lse_i - m)
-                total += w
-                acc += w * tl.load(part_out_ptr + (rh * n_splits + i) * L + tl.arange(0, L))
-        acc = acc / total
-        tl.store(lse_ptr + rh, m + tl.log(total))
-    else:
-        tl.store(lse_ptr + rh, float("-inf"))
+    for i in range(0, n_splits):
+        w = tl.exp(tl.load(part_lse_ptr + rh * n_splits + i) - m_safe)
+        if w > 0:
+            acc += w * tl.load(part_out_ptr + (rh * n_splits + i) * L + tl.arange(0, L))
+    acc = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + rh * L + tl.arange(0, L), acc.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + rh, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total)))
 
 
 def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format):
@@ -187,7 +183,9 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
         num_warps=4,
         num_stages=2,
     )
-    _mla_merge_kernel[(batch * s_q * heads,)](part_out, part_lse, out, lse, n_splits, L=kv_lora_rank)
+    _mla_merge_kernel[(batch * s_q * heads,)](
+        part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits)
+    )
     return out, lse
 
 

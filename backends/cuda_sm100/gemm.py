@@ -53,7 +53,7 @@ def quantize_supports(x, *, block, scale_format) -> bool:
 # --- dense GEMM ---------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(
     a_ptr,
     b_ptr,
@@ -220,7 +220,7 @@ def cublas_supports(a, w, *, out_dtype, bias) -> bool:
 # --- grouped GEMM -------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_m"])
 def _grouped_gemm_kernel(
     a_ptr,
     b_ptr,

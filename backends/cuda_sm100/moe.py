@@ -62,12 +62,12 @@ def _route_kernel(
             second = tl.max(tl.where(j == first[:, None], float("-inf"), choice), axis=1)
             group_score = best + second
         group_score = tl.where(tl.arange(0, BLOCK_G) < N_GROUP, group_score, float("-inf"))
-        keep = tl.zeros((BLOCK_G,), tl.int1)
+        keep = tl.zeros((BLOCK_G,), tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
             pick = tl.argmax(group_score, axis=0)
-            keep = keep | (tl.arange(0, BLOCK_G) == pick)
+            keep = tl.where(tl.arange(0, BLOCK_G) == pick, 1, keep)
             group_score = tl.where(tl.arange(0, BLOCK_G) == pick, float("-inf"), group_score)
-        choice = tl.where(keep[:, None], choice, float("-inf"))
+        choice = tl.where(keep[:, None] != 0, choice, float("-inf"))
     flat_choice = tl.reshape(choice, (BLOCK_G * BLOCK_S,))
     flat_scores = tl.reshape(scores, (BLOCK_G * BLOCK_S,))
     flat_expert = tl.reshape(expert, (BLOCK_G * BLOCK_S,))

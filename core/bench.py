@@ -1,0 +1,511 @@
+"""``deepinfer bench``: each op over DeepSeek-V3 shapes on the selected backend, beside the peer a user would pick.
+
+For every case: fresh random inputs (several sets, rotated, so repeated runs do not measure the cache), a
+correctness check against the reference first, then the median of many timed runs (device events on CUDA). Each
+time is set against a roofline built from ceilings measured in the same run: a device-to-device copy for
+bandwidth, large bf16 and FP8 matrix products for compute. The peer (a torch-native way to do the same work) is
+timed the same way on the same inputs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .conformance.cases import Gen, error
+from .dispatch import last_resolution
+from .kv_cache import allocate_kv_cache, pack_fp8_ds_mla
+from .ops.rope import rope_cos_sin_cache
+from .qtensor import QTensor, quantize_blocks, quantize_rows
+from .selection import current_backend, use
+
+GB = 1e9
+TFLOP = 1e12
+
+
+@dataclass
+class BenchCase:
+    """op: the deepinfer op; make: random keyword arguments; flops / bytes: the work and the fewest bytes moved (each
+    input read once, each output written once); peers: name -> callable on the same keyword arguments."""
+
+    op: str
+    name: str
+    make: Callable[[Gen], dict[str, Any]]
+    flops: float
+    bytes: float
+    peers: dict[str, Callable[[dict[str, Any]], Any]] = field(default_factory=dict)
+    compute: str = "bf16"  # which peak bounds the arithmetic: bf16 or fp8
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    impl: str
+    ms: float | None
+    tflops: float | None
+    gbps: float | None
+    roofline_pct: float | None
+    rel_err: float | None
+    note: str = ""
+
+
+# --- timing ---------------------------------------------------------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[int], Any], device: str, *, sets: int, warmup: int = 3, reps: int = 30) -> float:
+    """Median milliseconds of ``fn(i)`` over ``reps`` runs, cycling through ``sets`` input sets."""
+    for i in range(warmup):
+        fn(i % sets)
+    _sync(device)
+    times = []
+    for i in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i % sets)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(i % sets)
+            _sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: str, quick: bool) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and bf16 / FP8 matmul rates, measured here."""
+    n = (1 << 22) if quick else (1 << 30)
+    src = torch.randn(n // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda i: dst.copy_(src), device, sets=1)
+    size = 256 if quick else 8192
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    mm_ms = time_ms(lambda i: a @ b, device, sets=1, reps=10)
+    ceilings = {
+        "copy_GBps": 2 * src.numel() * 2 / (copy_ms * 1e-3) / GB,
+        "bf16_TFLOPs": 2 * size**3 / (mm_ms * 1e-3) / TFLOP,
+    }
+    if device == "cuda":
+        fa, fb = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        fp8_ms = time_ms(
+            lambda i: torch._scaled_mm(fa, fb, one, one, out_dtype=torch.bfloat16), device, sets=1, reps=10
+        )
+        ceilings["fp8_TFLOPs"] = 2 * size**3 / (fp8_ms * 1e-3) / TFLOP
+    else:
+        ceilings["fp8_TFLOPs"] = ceilings["bf16_TFLOPs"]
+    return ceilings
+
+
+# --- peers ----------------------------------------------------------------------------------------------------------
+
+
+def _dense(a):
+    return a.dequantize(torch.bfloat16) if isinstance(a, QTensor) else a
+
+
+def _scaled_mm_blockwise(kw):
+    """cuBLAS FP8 with DeepSeek block scaling (1x128 activations, 128x128 weights), SM90: torch's scaled_mm."""
+    a, w = kw["a"], kw["w"]
+    qa = a if isinstance(a, QTensor) else quantize_rows(a, 128, w.scale_format)
+    sa = qa.scale.t().contiguous().t()  # outer-dim-major scale layout
+    recipe = F.ScalingType
+    return F.scaled_mm(
+        qa.data,
+        w.data.t(),
+        sa,
+        recipe.BlockWise1x128,
+        w.scale.t(),
+        recipe.BlockWise128x128,
+        output_dtype=torch.bfloat16,
+    )
+
+
+def _grouped_mm_bf16(kw):
+    a, w = _dense(kw["a"]), kw["w"]
+    w = w.dequantize(torch.bfloat16) if isinstance(w, QTensor) else w
+    return F.grouped_mm(a, w.transpose(1, 2), offs=kw["expert_offsets"][1:].contiguous())
+
+
+def _per_expert_scaled_mm(kw):
+    """A loop of cuBLAS block-scaled FP8 products, one per expert."""
+    a, w, bounds = kw["a"], kw["w"], kw["expert_offsets"].tolist()
+    qa = a if isinstance(a, QTensor) else quantize_rows(a, 128, w.scale_format)
+    out = torch.empty(qa.shape[0], w.shape[1], dtype=torch.bfloat16, device=qa.data.device)
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            sub_w = QTensor(w.data[e], w.scale[e], w.block, w.scale_format)
+            out[lo:hi] = _scaled_mm_blockwise({"a": qa[lo:hi], "w": sub_w})
+    return out
+
+
+def _mla_torch(kw):
+    """Plain torch: gather each sequence's pages, two batched products and a softmax (bf16 cache)."""
+    q, cache, table, lens = kw["q"], kw["kv_cache"], kw["block_table"], kw["seq_lens"]
+    batch = q.shape[0]
+    page = cache.shape[1]
+    max_len = table.shape[1] * page
+    kv = cache[table.long()].reshape(batch, max_len, -1)  # [B, pages * page, D]
+    scores = torch.einsum("bshd,bnd->bshn", q, kv).float() * kw["softmax_scale"]
+    pos = torch.arange(max_len, device=q.device)
+    scores = scores.masked_fill((pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+    p = scores.softmax(-1).to(q.dtype)
+    return torch.einsum("bshn,bnd->bshd", p, kv[..., : kw["kv_lora_rank"]])
+
+
+def _sdpa(kw):
+    """SDPA on the same packed sequences, one call per sequence (equal lengths here: one batched call)."""
+    q, k, v, cu = kw["q"], kw["k"], kw["v"], kw["cu_seqlens_q"]
+    batch = cu.numel() - 1
+    length = q.shape[0] // batch
+    shape = lambda t: t.view(batch, length, t.shape[1], t.shape[2]).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        shape(q), shape(k), shape(v), is_causal=kw["causal"], scale=kw["softmax_scale"]
+    )
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])
+
+
+def _reference_peer(op: str) -> Callable[[dict[str, Any]], Any]:
+    """The core's plain-torch reference on the same device: the composite a user would write by hand."""
+
+    def run(kw):
+        with use("reference"):
+            return getattr(ops, op)(**kw)
+
+    return run
+
+
+# --- cases ----------------------------------------------------------------------------------------------------------
+
+
+def _gemm_cases(quick: bool) -> list[BenchCase]:
+    shapes = (
+        [(7168, 2048), (2112, 7168)]
+        if quick
+        else [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]
+    )
+    ms = [1, 64] if quick else [1, 64, 512, 4096]
+    if quick:
+        shapes, ms = [(256, 256)], [1, 16]
+    out = []
+    for n, k in shapes:
+        for m in ms:
+
+            def make(g, m=m, n=n, k=k):
+                w = quantize_blocks(g.randn(n, k, dtype=torch.float32, scale=k**-0.5))
+                return {"a": g.randn(m, k), "w": w, "out_dtype": torch.bfloat16, "bias": None}
+
+            out.append(
+                BenchCase(
+                    "gemm",
+                    f"fp8 M={m} N={n} K={k}",
+                    make,
+                    2 * m * n * k,
+                    m * k * 2 + n * k + m * n * 2,
+                    {"torch scaled_mm blockwise": _scaled_mm_blockwise},
+                    compute="fp8",
+                )
+            )
+    return out
+
+
+def _grouped_cases(quick: bool) -> list[BenchCase]:
+    experts = 4 if quick else 32
+    shapes = [(256, 256)] if quick else [(4096, 7168), (7168, 2048)]
+    per_expert = [8] if quick else [8, 128, 512]
+    out = []
+    for n, k in shapes:
+        for m in per_expert:
+
+            def make(g, n=n, k=k, m=m):
+                w = quantize_blocks(g.randn(experts, n, k, dtype=torch.float32, scale=k**-0.5))
+                offsets = torch.arange(0, experts + 1, device=g.device, dtype=torch.int32) * m
+                return {
+                    "a": g.randn(experts * m, k),
+                    "w": w,
+                    "expert_offsets": offsets,
+                    "masked_m": None,
+                    "out_dtype": torch.bfloat16,
+                }
+
+            rows = experts * m
+            out.append(
+                BenchCase(
+                    "grouped_gemm",
+                    f"fp8 contiguous E={experts} N={n} K={k} rows/expert={m}",
+                    make,
+                    2 * rows * n * k,
+                    rows * k * 2 + experts * n * k + rows * n * 2,
+                    {
+                        "per-expert torch scaled_mm": _per_expert_scaled_mm,
+                        "torch grouped_mm bf16 (dequantised weights)": _grouped_mm_bf16,
+                    },
+                    compute="fp8",
+                )
+            )
+    return out
+
+
+def _mla_cases(quick: bool) -> list[BenchCase]:
+    grid = [(2, 128, 64)] if quick else [(b, ctx, 64) for b in (32, 64, 128) for ctx in (1024, 4096, 16384)]
+    heads, rank, rope = (16, 512, 64) if quick else (128, 512, 64)
+    out = []
+    for fmt in ("bf16", "fp8_ds_mla"):
+        for batch, ctx, page in grid:
+
+            def make(g, batch=batch, ctx=ctx, page=page, fmt=fmt):
+                pages = ctx // page
+                cache = allocate_kv_cache(
+                    batch * pages, page, kv_lora_rank=rank, rope_dim=rope, kv_format=fmt, device=g.device
+                )
+                latent = g.randn(batch * pages * page, rank + rope)
+                flat = cache.view(batch * pages * page, -1)
+                flat.copy_(latent if fmt == "bf16" else pack_fp8_ds_mla(latent, rank))
+                table = torch.randperm(batch * pages, generator=g.cpu).view(batch, pages).int().to(g.device)
+                return {
+                    "q": g.randn(batch, 1, heads, rank + rope),
+                    "kv_cache": cache,
+                    "block_table": table,
+                    "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device=g.device),
+                    "softmax_scale": 192**-0.5,
+                    "kv_lora_rank": rank,
+                }
+
+            width = (rank + rope) * 2 if fmt == "bf16" else 656
+            nbytes = batch * ctx * width + batch * heads * (rank + rope) * 2 + batch * heads * rank * 2
+            flops = 2 * batch * heads * ctx * (rank + rope + rank)
+            peers = {"torch composite": _mla_torch} if fmt == "bf16" else {}
+            out.append(BenchCase("mla_decode", f"{fmt} B={batch} H={heads} ctx={ctx}", make, flops, nbytes, peers))
+    return out
+
+
+def _varlen_cases(quick: bool) -> list[BenchCase]:
+    seqs, length, heads = (2, 256, 4) if quick else (4, 4096, 128)
+
+    def make(g):
+        t = seqs * length
+        cu = torch.arange(0, seqs + 1, device=g.device, dtype=torch.int32) * length
+        return {
+            "q": g.randn(t, heads, 192),
+            "k": g.randn(t, heads, 192),
+            "v": g.randn(t, heads, 128),
+            "cu_seqlens_q": cu,
+            "cu_seqlens_k": cu,
+            "softmax_scale": 192**-0.5,
+            "causal": True,
+        }
+
+    flops = seqs * heads * length * length * (192 + 128)  # causal: half of 2 * L^2 * (D_qk + D_v)
+    nbytes = seqs * length * heads * (192 * 2 + 128 * 2) * 2
+    return [
+        BenchCase(
+            "attention_varlen",
+            f"causal {seqs}x{length} H={heads} D=192/128",
+            make,
+            flops,
+            nbytes,
+            {"torch SDPA": _sdpa},
+        )
+    ]
+
+
+def _small_op_cases(quick: bool) -> list[BenchCase]:
+    t = 64 if quick else 4096
+    hidden = 256 if quick else 7168
+    experts = 16 if quick else 256
+    out = [
+        BenchCase(
+            "rms_norm",
+            f"T={t} H={hidden} residual",
+            lambda g: {"x": g.randn(t, hidden), "w": g.randn(hidden), "eps": 1e-6, "residual": g.randn(t, hidden)},
+            8 * t * hidden,
+            4 * t * hidden * 2,
+            {"torch composite": _reference_peer("rms_norm")},
+        ),
+        BenchCase(
+            "silu_and_mul",
+            f"T={t} I=2048 fp8 out",
+            lambda g: {"x": g.randn(t, 4096), "quantize": True, "scale_format": "fp32"},
+            4 * t * 2048,
+            t * 4096 * 2 + t * 2048 * 1,
+            {"torch composite": _reference_peer("silu_and_mul")},
+        ),
+        BenchCase(
+            "quantize_fp8",
+            f"T={t} K={hidden}",
+            lambda g: {"x": g.randn(t, hidden), "block": 128, "scale_format": "fp32"},
+            3 * t * hidden,
+            t * hidden * 3,
+            {"torch composite": _reference_peer("quantize_fp8")},
+        ),
+        BenchCase(
+            "moe_route",
+            f"T={t} E={experts} top-8 of 8 groups",
+            lambda g: {
+                "logits": g.randn(t, experts, dtype=torch.float32),
+                "bias": g.randn(experts, dtype=torch.float32),
+                "top_k": 8,
+                "n_group": 8,
+                "topk_group": 4,
+                "renormalize": True,
+                "routed_scaling_factor": 2.5,
+                "scoring": "sigmoid",
+            },
+            10 * t * experts,
+            t * experts * 4,
+            {"torch composite": _reference_peer("moe_route")},
+        ),
+        BenchCase(
+            "rope",
+            f"T={t} H=128 D=64 yarn",
+            lambda g: {
+                "x": g.randn(t, 128, 64),
+                "positions": g.randint(0, 4096, t),
+                "cos_sin_cache": rope_cos_sin_cache(64, 4096).to(g.device),
+                "interleaved": True,
+            },
+            6 * t * 128 * 64,
+            2 * t * 128 * 64 * 2,
+            {"torch composite": _reference_peer("rope")},
+        ),
+    ]
+    return out
+
+
+def cases(quick: bool = False) -> list[BenchCase]:
+    return [
+        *_gemm_cases(quick),
+        *_grouped_cases(quick),
+        *_mla_cases(quick),
+        *_varlen_cases(quick),
+        *_small_op_cases(quick),
+    ]
+
+
+# --- running --------------------------------------------------------------------------------------------------------
+
+
+def _row(
+    case: BenchCase, impl: str, ms: float | None, ceilings: dict[str, float], rel_err: float | None, note: str = ""
+) -> Row:
+    if ms is None:
+        return Row(case.op, case.name, impl, None, None, None, None, rel_err, note)
+    seconds = ms * 1e-3
+    peak = ceilings["fp8_TFLOPs" if case.compute == "fp8" else "bf16_TFLOPs"] * TFLOP
+    floor = max(case.bytes / (ceilings["copy_GBps"] * GB), case.flops / peak)
+    return Row(
+        case.op,
+        case.name,
+        impl,
+        ms,
+        case.flops / seconds / TFLOP,
+        case.bytes / seconds / GB,
+        100 * floor / seconds,
+        rel_err,
+        note,
+    )
+
+
+def run_bench(
+    *,
+    quick: bool = False,
+    only_ops: list[str] | None = None,
+    sets: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Times every case on the selected backend and its peers; returns the results as a JSON-able dict."""
+    backend = current_backend()
+    device = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}[backend.device_type]
+    if backend.name == "reference" and torch.cuda.is_available():
+        device = "cuda"
+    ceilings = measure_ceilings(device, quick)
+    rows: list[Row] = []
+    for index, case in enumerate(c for c in cases(quick) if only_ops is None or c.op in only_ops):
+        if progress:
+            progress(f"{case.op}: {case.name}")
+        inputs = [case.make(Gen(1000 * index + s, device)) for s in range(sets)]
+        fn = getattr(ops, case.op)
+        with use("reference"):
+            ref = fn(**inputs[0])
+        out = fn(**inputs[0])
+        impl, fallback = last_resolution(case.op)
+        label = f"{backend.name}/{impl.provider}" + (" (fallback)" if fallback else "")
+        err = error(out, ref)
+        ms = time_ms(lambda i, fn=fn, inputs=inputs: fn(**inputs[i]), device, sets=sets)
+        rows.append(_row(case, label, ms, ceilings, err))
+        for peer, peer_fn in case.peers.items():
+            try:
+                peer_err = error(peer_fn(inputs[0]), ref if case.op != "mla_decode" else ref[0])
+                peer_ms = time_ms(lambda i, p=peer_fn, inputs=inputs: p(inputs[i]), device, sets=sets)
+                rows.append(_row(case, f"peer: {peer}", peer_ms, ceilings, peer_err))
+            except Exception as e:  # a peer this torch or device lacks is reported, not fatal
+                rows.append(
+                    _row(case, f"peer: {peer}", None, ceilings, None, f"unavailable: {type(e).__name__}: {e}"[:200])
+                )
+        del inputs
+    env = {"torch": torch.__version__, "python": platform.python_version()}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "backend": backend.name,
+        "device": device,
+        "environment": env,
+        "ceilings": ceilings,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def markdown(result: dict[str, Any], command: str) -> str:
+    """A dated RESULTS.md section for ``result``."""
+    c = result["ceilings"]
+    lines = [
+        f"## {result['date']} — `deepinfer bench` on {result['environment'].get('gpu', result['device'])} "
+        f"({result['backend']})",
+        "",
+        f"Command: `{command}`. torch {result['environment']['torch']}.",
+        f"Ceilings measured in this run: copy {c['copy_GBps']:.0f} GB/s (read + write), bf16 matmul "
+        f"{c['bf16_TFLOPs']:.0f} TFLOP/s, FP8 matmul {c['fp8_TFLOPs']:.0f} TFLOP/s. Times are medians; roofline % = "
+        "max(bytes / bandwidth, FLOPs / peak) / time.",
+        "",
+        "| op | case | implementation | ms | TFLOP/s | GB/s | % roofline | rel. error | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda v, spec: "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['op']} | {r['case']} | {r['impl']} | {fmt(r['ms'], '.4f')} | {fmt(r['tflops'], '.1f')} | "
+            f"{fmt(r['gbps'], '.0f')} | {fmt(r['roofline_pct'], '.0f')} | {fmt(r['rel_err'], '.1e')} | "
+            f"{r['note']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def save(result: dict[str, Any], json_path: str | None, results_md: str | None, command: str) -> None:
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if results_md:
+        with open(results_md, "a") as f:
+            f.write("\n" + markdown(result, command))
