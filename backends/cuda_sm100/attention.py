@@ -18,6 +18,8 @@ from ._triton import INTERPRET, dot, next_pow2, on_device, pow2_ceil, to_e4m3
 
 LOG2E = 1.4426950408889634
 SPLIT_TOKENS = 512  # context tokens per KV split (fixed: batch-invariant)
+# Heads per program (each program reads its span of the cache once for all of them), tokens per step, warps, stages.
+MLA_TILE = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
@@ -31,6 +33,7 @@ def _load_latent(
     L: tl.constexpr,
     R: tl.constexpr,
     FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The latent [BLOCK_N, L] and rope [BLOCK_N, R] parts of the tokens at ``slot`` (zeros where not ``valid``)."""
     cols = tl.arange(0, L)
@@ -38,9 +41,10 @@ def _load_latent(
     if FP8:
         base = slot * WIDTH  # bytes
         raw = tl.load(cache_ptr + base[:, None] + cols[None, :], mask=valid[:, None], other=0)
-        scale_index = (base + L) // 4
-        scale = tl.load(cache_f32_ptr + scale_index[:, None] + cols[None, :] // 128, mask=valid[:, None], other=0.0)
-        c = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(tl.bfloat16)
+        groups = tl.arange(0, L // 128)
+        scale = tl.load(cache_f32_ptr + ((base + L) // 4)[:, None] + groups[None, :], mask=valid[:, None], other=0.0)
+        values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).reshape(BLOCK_N, L // 128, 128)
+        c = (values * scale[:, :, None]).reshape(BLOCK_N, L).to(tl.bfloat16)
         rope_index = (base + L + 4 * (L // 128)) // 2
         k_rope = tl.load(cache_bf16_ptr + rope_index[:, None] + rope_cols[None, :], mask=valid[:, None], other=0.0)
     else:
@@ -105,7 +109,7 @@ def _mla_split_kernel(
         valid = pos < end
         page = tl.load(table_ptr + b.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + pos % PAGE
-        c, k_rope = _load_latent(cache_ptr, cache_f32_ptr, cache_bf16_ptr, slot, valid, WIDTH, L, R, FP8)
+        c, k_rope = _load_latent(cache_ptr, cache_f32_ptr, cache_bf16_ptr, slot, valid, WIDTH, L, R, FP8, BLOCK_N)
         qk = dot(q_nope, tl.trans(c), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), FP32_DOT)
         qk = dot(q_rope, tl.trans(k_rope), qk, FP32_DOT) * qk_scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -153,7 +157,8 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     part_lse = torch.empty(batch * s_q * heads * n_splits, dtype=torch.float32, device=q.device)
     fp8 = kv_format == "fp8_ds_mla"
     flat = kv_cache.view(-1)
-    block_h = 16
+    tile = dict(MLA_TILE)
+    block_h = min(tile.pop("BLOCK_H"), max(16, next_pow2(heads)))
     _mla_split_kernel[(batch * s_q, triton.cdiv(heads, block_h), n_splits)](
         q,
         flat,

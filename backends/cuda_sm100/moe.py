@@ -158,7 +158,7 @@ def _move_rows(x, src_rows: torch.Tensor, dst_rows: torch.Tensor, lead: tuple[in
     return move(x)
 
 
-def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity):
+def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placement=None):
     tokens, k = ids.shape
     device = ids.device
     flat = ids.reshape(-1).long()
@@ -196,9 +196,11 @@ def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity):
     return recv_x, recv_ids.view(lead), recv_w.view(lead), layout, handle
 
 
-def dispatch_supports(x, ids, weights, *, num_experts, group, mode, capacity) -> bool:
+def dispatch_supports(x, ids, weights, *, num_experts, group, mode, capacity, placement=None) -> bool:
+    """One process, experts in their natural order (other placements and process groups go to the core)."""
     x_data = x.data if isinstance(x, QTensor) else x
-    return group is None and on_device(x_data, ids, weights)
+    natural = placement is None or tuple(placement.local_experts) == (tuple(range(num_experts)),)
+    return group is None and natural and on_device(x_data, ids, weights)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ def _race_kernel(probs_ptr, seeds_ptr, out_ptr, V, BLOCK: tl.constexpr):
         mask = idx < V
         p = tl.load(probs_ptr + row * V + idx, mask=mask, other=0.0)
         u = tl.rand(seed, idx)
-        race = tl.where(mask, p / -tl.log(tl.maximum(u, 1e-38)), -1.0)
+        race = tl.where(mask, p / -tl.log(u), -1.0)  # u = 0 gives an infinite wait: never chosen
         better = race > best
         best = tl.where(better, race, best)
         best_idx = tl.where(better, idx, best_idx)

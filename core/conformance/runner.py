@@ -242,10 +242,9 @@ def check_case(case: Case, backend: str, seed: int, device: str | None = None) -
 
 def check_bad_input(bad: BadInput, backend: str, seed: int, device: str | None = None) -> CaseResult:
     """Whether ``bad`` raises the documented ``InputError`` on ``backend``."""
-    kwargs = bad.make(Gen(seed, device or _device_for(backend)))
     with use(backend):
         try:
-            _op(bad.op)(**kwargs)
+            _op(bad.op)(**bad.make(Gen(seed, device or _device_for(backend))))
         except InputError as e:
             ok = e.arg == bad.arg or e.arg.startswith(bad.arg + ".")
             return CaseResult(
