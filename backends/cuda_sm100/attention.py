@@ -19,7 +19,8 @@ from ._triton import INTERPRET, dot, next_pow2, on_device, pow2_ceil, to_e4m3
 LOG2E = 1.4426950408889634
 SPLIT_TOKENS = 512  # context tokens per KV split (fixed: batch-invariant)
 # Heads per program (each program reads its span of the cache once for all of them), tokens per step, warps, stages.
-MLA_TILE = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+# Measured on the H200 (benchmarks/mla_variants.py): 32 heads per program beat 16 and 64 at B=64, ctx=4096.
+MLA_TILE = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
 @triton.jit
@@ -195,6 +196,10 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
 
 
 def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format) -> bool:
+    """bf16 queries, power-of-two latent and rope widths. An fp8_ds_mla record must be a multiple of 16 bytes
+    (DeepSeek-V3's 656 is): Triton assumes 16-byte alignment for the per-token rows of ``slot * WIDTH`` and issues
+    16-byte loads, which fault on the 260- and 392-byte records of smaller latents (found with compute-sanitizer
+    on the H200); those go to the reference."""
     rope_dim = q.shape[3] - kv_lora_rank
     return (
         on_device(q, kv_cache, block_table, seq_lens)
@@ -204,6 +209,7 @@ def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_r
         and rope_dim == next_pow2(rope_dim)
         and rope_dim >= 16
         and block_table.stride(1) == 1
+        and (kv_format == "bf16" or INTERPRET or kv_cache.shape[2] % 16 == 0)
     )
 
 
