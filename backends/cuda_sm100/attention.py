@@ -215,6 +215,8 @@ def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_r
 
 # --- attention_varlen (prefill) -----------------------------------------------------------------------------------
 
+VARLEN_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
 
 @triton.jit
 def _varlen_kernel(
@@ -237,6 +239,7 @@ def _varlen_kernel(
     D_QK: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    BLOCK_DTAIL: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -255,13 +258,14 @@ def _varlen_kernel(
     kv_h = h // group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < len_q
+    # D_QK = BLOCK_DQK (a power of two) + a tail (e.g. 192 = 128 + 64), so nothing is padded to 256.
     d = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
-        mask=mask_m[:, None] & (d[None, :] < D_QK),
-        other=0.0,
-    )
+    q_rows = q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=mask_m[:, None] & (d[None, :] < D_QK), other=0.0)
+    if BLOCK_DTAIL > 0:
+        dt = BLOCK_DQK + tl.arange(0, BLOCK_DTAIL)
+        q_tail = tl.load(q_rows + dt[None, :], mask=mask_m[:, None] & (dt[None, :] < D_QK), other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
@@ -274,12 +278,14 @@ def _varlen_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < len_k
         rows = (k_start + offs_n).to(tl.int64)
-        k = tl.load(
-            k_ptr + rows[:, None] * stride_kt + kv_h * stride_kh + d[None, :],
-            mask=mask_n[:, None] & (d[None, :] < D_QK),
-            other=0.0,
-        )
-        qk = dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), FP32_DOT) * qk_scale
+        k_rows = k_ptr + rows[:, None] * stride_kt + kv_h * stride_kh
+        k = tl.load(k_rows + d[None, :], mask=mask_n[:, None] & (d[None, :] < D_QK), other=0.0)
+        qk = dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), FP32_DOT)
+        if BLOCK_DTAIL > 0:
+            dt = BLOCK_DQK + tl.arange(0, BLOCK_DTAIL)
+            k_tail = tl.load(k_rows + dt[None, :], mask=mask_n[:, None] & (dt[None, :] < D_QK), other=0.0)
+            qk = dot(q_tail, tl.trans(k_tail), qk, FP32_DOT)
+        qk = qk * qk_scale
         visible = mask_n[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
@@ -312,7 +318,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
     if tokens == 0 or batch == 0:
         return out.zero_()
     max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one sync per prefill
-    block_m, block_n = (64, 64) if d_qk <= 128 else (64, 32)
+    tile = dict(VARLEN_TILE)
+    block_m = tile.pop("BLOCK_M")
+    main = triton.next_power_of_2(d_qk) if triton.next_power_of_2(d_qk) == d_qk else triton.next_power_of_2(d_qk) // 2
+    tail = 0 if main == d_qk else next_pow2(d_qk - main)
     _varlen_kernel[(triton.cdiv(max_q, block_m), batch, heads)](
         q,
         k,
@@ -332,14 +341,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
         out.stride(1),
         D_QK=d_qk,
         D_V=d_v,
-        BLOCK_DQK=next_pow2(d_qk),
+        BLOCK_DQK=main,
+        BLOCK_DTAIL=tail,
         BLOCK_DV=next_pow2(d_v),
         CAUSAL=causal,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
         FP32_DOT=INTERPRET,
-        num_warps=4,
-        num_stages=2,
+        **tile,
     )
     return out
 
