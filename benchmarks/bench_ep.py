@@ -8,7 +8,8 @@
    on the concatenated batch (with the default contiguous placement rank r's layout is a slice of that), and its
    combined output against the reference's rows of its tokens.
 2. normal mode, 4096 tokens x 7168 hidden, top-8 of 256 experts per rank (``--small``: 64 x 256, top-4 of 16):
-   dispatch + combine timed with CUDA events (median over iterations, a fresh routing each iteration), against raw
+   dispatch + combine timed with CUDA events (median over iterations; each iteration takes the next of 8 random
+   routings drawn beforehand, so consecutive iterations never route alike), against raw
    ``all_to_all_single`` calls moving the same bytes with the same splits in the same run (dispatch payload and
    weights one way, combine payload back). Reports GB/s of each and their ratio (target >= 0.8), for bf16 and FP8
    dispatch (combine always bf16), per pipelining setting (``--tokens-per-chunk``).

@@ -45,3 +45,25 @@ def test_conformance_through_the_triton_interpreter(tmp_path):
     served = {r["op"] for r in body["results"] if r["check"] == "accuracy" and r["impl"].startswith("cuda_sm100/")}
     assert len(served) == 13, served  # every op runs a Triton kernel
     assert any(r["check"] == "batch_invariance" and r["status"] == "pass" for r in body["results"])
+
+
+CAPACITY_OVERFLOW = """
+import os, torch, deepinfer
+from deepinfer import ops
+x, w = torch.randn(6, 128, dtype=torch.bfloat16), torch.rand(6, 2)
+ids = torch.tensor([[0, 1]] * 6, dtype=torch.int32)  # six rows each for experts 0 and 1, capacity 4
+with deepinfer.use("cuda_sm100"):
+    os.environ["DEEPINFER_VALUE_CHECKS"] = "0"
+    recv, _, _, layout, handle = ops.ep_dispatch(x, ids, w, num_experts=4, mode="low_latency", capacity=4)
+    out = ops.ep_combine(recv, handle)
+    lost = torch.isnan(out.float()).any(1).tolist()
+    print(type(handle).__name__, layout.masked_m.tolist(), bool(handle.overflow), lost)
+"""
+
+
+def test_capacity_overflow_is_never_silent():
+    """Without value checks, the two tokens past capacity come back NaN and the handle says so."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", CAPACITY_OVERFLOW], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "GpuHandle [4, 4, 0, 0] True [False, False, False, False, True, True]"

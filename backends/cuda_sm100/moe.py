@@ -120,9 +120,13 @@ def route_supports(logits, bias, *, top_k, n_group, topk_group, renormalize, rou
 # --- dispatch / combine (one process) -----------------------------------------------------------------------------
 
 
+LOST = -2  # pair_rows entry of a pair dropped by capacity overflow
+
+
 @dataclass
 class GpuHandle(DispatchHandle):
-    """pair_rows [T, k] int32: the received row of each (token, slot), -1 if skipped; weights [T, k] fp32."""
+    """pair_rows [T, k] int32: the received row of each (token, slot), -1 if skipped, LOST if dropped by capacity
+    overflow; weights [T, k] fp32."""
 
     pair_rows: torch.Tensor = None
     weights: torch.Tensor = None
@@ -171,6 +175,7 @@ def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placemen
     counts = counts[:num_experts]
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(flat.numel(), device=device)
+    overflow = None
     if mode == "normal":
         received = int(valid.sum())  # the output size: the one host synchronisation of this mode
         rows = torch.where(rank < received, rank, -1)
@@ -178,13 +183,16 @@ def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placemen
         layout = ExpertLayout(expert_offsets=torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).int())
     else:
         slot = rank - starts[sorted_ids.clamp_max(num_experts - 1)]
-        rows = torch.where(sorted_ids < num_experts, sorted_ids * capacity + slot, -1)
+        delivered = (sorted_ids < num_experts) & (slot < capacity)
+        lost = (sorted_ids < num_experts) & (slot >= capacity)  # past capacity: never delivered, combine gives NaN
+        rows = torch.where(delivered, sorted_ids * capacity + slot, torch.where(lost, LOST, -1))
         lead = (num_experts, capacity)
-        layout = ExpertLayout(masked_m=counts)
+        layout = ExpertLayout(masked_m=counts.clamp_max(capacity))
+        overflow = lost.any()
     src_tokens = (order // k).to(torch.int32)
-    recv_x = _move_rows(x, src_tokens, rows.to(torch.int32), lead)
+    recv_x = _move_rows(x, src_tokens, rows.clamp_min(-1).to(torch.int32), lead)
     size = lead[0] if mode == "normal" else num_experts * capacity
-    target = torch.where(rows >= 0, rows, size)  # skipped pairs land in a spare last entry (no boolean indexing)
+    target = torch.where(rows >= 0, rows, size)  # skipped and lost pairs land in a spare last entry
     recv_ids = torch.full((size + 1,), -1, dtype=torch.int32, device=device)
     recv_w = torch.zeros(size + 1, dtype=torch.float32, device=device)
     recv_ids[target] = sorted_ids.to(torch.int32)
@@ -192,7 +200,9 @@ def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placemen
     recv_ids, recv_w = recv_ids[:size], recv_w[:size]
     pair_rows = torch.empty(flat.numel(), dtype=torch.int32, device=device)
     pair_rows[order] = rows.to(torch.int32)
-    handle = GpuHandle(tokens, mode, lead, pair_rows=pair_rows.view(tokens, k), weights=weights.contiguous())
+    handle = GpuHandle(
+        tokens, mode, lead, pair_rows=pair_rows.view(tokens, k), weights=weights.contiguous(), overflow=overflow
+    )
     return recv_x, recv_ids.view(lead), recv_w.view(lead), layout, handle
 
 
@@ -214,6 +224,8 @@ def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: 
         if row >= 0:
             w = tl.load(w_ptr + t * K + j)
             acc += w * tl.load(y_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        elif row == -2:  # a row lost to capacity overflow: the token's result is NaN, never silently short
+            acc += float("nan")
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

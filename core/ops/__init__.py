@@ -17,7 +17,7 @@ same-named file of its package.
 from .activation import silu_and_mul
 from .attention import attention_varlen, mla_decode, write_kv_cache
 from .gemm import gemm, grouped_gemm, quantize_fp8
-from .moe import DispatchHandle, ExpertLayout, ep_combine, ep_dispatch, moe_route
+from .moe import DispatchHandle, ExpertLayout, ExpertPlacement, ep_combine, ep_dispatch, moe_route
 from .norm import rms_norm
 from .rope import mla_softmax_scale, rope, rope_cos_sin_cache
 from .sampling import sample
@@ -42,6 +42,7 @@ __all__ = [
     "OP_NAMES",
     "DispatchHandle",
     "ExpertLayout",
+    "ExpertPlacement",
     "attention_varlen",
     "ep_combine",
     "ep_dispatch",

@@ -1,14 +1,17 @@
-"""MoE ops: ``moe_route``, ``ep_dispatch``, ``ep_combine``.
+"""MoE ops: ``moe_route``, ``ep_dispatch``, ``ep_combine``, and the records they use.
 
-``ep_dispatch`` sends each (token, chosen expert) pair as one row to the expert's owner and returns the rows in a
-layout ``grouped_gemm`` takes; ``ep_combine`` brings the expert outputs back and returns, per source token, the
-sum of its rows weighted by the routing weights. This file covers one process (``group`` None or world size 1:
-a permutation by expert).
+``ep_dispatch`` sends each (token, chosen expert) pair as one row to a rank that holds the expert and returns, on
+every rank, the rows of its local experts in a layout ``grouped_gemm`` takes; ``ep_combine`` brings the expert
+outputs back and returns, per source token, the sum of its rows weighted by the routing weights. One process
+(``group`` None or world size 1) is a permutation by expert; with a ``torch.distributed`` group of several ranks
+both ops are collectives over that group. Which rank holds which experts is data: an ``ExpertPlacement``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,12 +23,88 @@ SCORINGS = ("sigmoid", "softmax")
 EP_MODES = ("normal", "low_latency")
 
 
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which rank of an expert-parallel group holds which experts.
+
+    num_experts: E; expert ids are global, in ``[0, E)``.
+    local_experts: one tuple per rank (``world_size = len(local_experts)``): the global ids of the experts that rank
+        holds, in its local order. Local expert ``i`` of rank ``r`` is ``local_experts[r][i]``: row group ``i`` of
+        that rank's receive layout, and ``w[i]`` of its ``grouped_gemm``. A rank may hold no expert.
+
+    Every expert is held by at least one rank and at most once per rank. An expert held by several ranks is
+    replicated (a redundant copy of a hot expert): pair ``j`` of token ``t`` of source rank ``s`` goes to the copy on
+    holder number ``(s + t) % n`` of the ``n`` ranks holding it, taken in ascending rank order (``route``). The rule
+    needs nothing but the pair's own coordinates, so every rank computes the same destination without exchanging
+    anything. The default placement is ``contiguous``. Validation happens in ``ep_dispatch`` (``InputError`` about
+    ``placement``); ``problem()`` says what is wrong with a placement, if anything.
+    """
+
+    num_experts: int
+    local_experts: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "local_experts", tuple(tuple(rank) for rank in self.local_experts))
+
+    @classmethod
+    def contiguous(cls, num_experts: int, world_size: int) -> ExpertPlacement:
+        """Rank ``r`` holds experts ``[r * E // R, (r + 1) * E // R)`` in ascending order (equal blocks of E/R when
+        R divides E)."""
+        bounds = [r * num_experts // world_size for r in range(world_size + 1)]
+        return cls(num_experts, tuple(tuple(range(bounds[r], bounds[r + 1])) for r in range(world_size)))
+
+    @classmethod
+    def from_expert_rank(cls, expert_rank: Sequence[int], world_size: int) -> ExpertPlacement:
+        """One copy of each expert: expert ``e`` on rank ``expert_rank[e]``; local order is ascending expert id."""
+        ranks = [int(r) for r in expert_rank]
+        return cls(len(ranks), tuple(tuple(e for e, r in enumerate(ranks) if r == rank) for rank in range(world_size)))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.local_experts)
+
+    @property
+    def expert_ranks(self) -> tuple[tuple[int, ...], ...]:
+        """For each expert, the ranks holding it, ascending."""
+        holders: list[list[int]] = [[] for _ in range(self.num_experts)]
+        for rank, experts in enumerate(self.local_experts):
+            for e in experts:
+                if 0 <= e < self.num_experts:
+                    holders[e].append(rank)
+        return tuple(tuple(h) for h in holders)
+
+    def route(self, expert: int, src_rank: int, token: int) -> tuple[int, int]:
+        """``(rank, local expert index)`` receiving a pair of ``expert`` from token ``token`` of rank ``src_rank``."""
+        holders = self.expert_ranks[expert]
+        rank = holders[(src_rank + token) % len(holders)]
+        return rank, self.local_experts[rank].index(expert)
+
+    def problem(self) -> str | None:
+        """What is wrong with this placement, or None."""
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 1:
+            return f"num_experts {self.num_experts!r} is not a positive int"
+        if not self.local_experts:
+            return "no rank"
+        for rank, experts in enumerate(self.local_experts):
+            if any(isinstance(e, bool) or not isinstance(e, int) for e in experts):
+                return f"rank {rank} lists a non-int expert id"
+            bad = [e for e in experts if not 0 <= e < self.num_experts]
+            if bad:
+                return f"rank {rank} lists expert {bad[0]} outside [0, {self.num_experts})"
+            if len(set(experts)) != len(experts):
+                return f"rank {rank} lists an expert twice"
+        missing = [e for e, h in enumerate(self.expert_ranks) if not h]
+        if missing:
+            return f"expert {missing[0]} is held by no rank ({len(missing)} unheld)"
+        return None
+
+
 @dataclass
 class ExpertLayout:
     """How received rows are grouped by local expert: exactly one field is set.
 
     expert_offsets: ``[E_local+1]`` int32 (``normal`` mode, contiguous rows); masked_m: ``[E_local]`` int32
-    (``low_latency`` mode, ``[E_local, capacity, H]`` rows). Pass both to ``grouped_gemm`` as keywords.
+    (``low_latency`` mode, ``[E_local, max_m, H]`` rows). Pass both to ``grouped_gemm`` as keywords.
     """
 
     expert_offsets: torch.Tensor | None = None
@@ -37,12 +116,17 @@ class DispatchHandle:
     """What ``ep_combine`` needs to bring rows back; opaque to callers. Backends subclass it.
 
     num_tokens: T of the dispatched ``x``; mode: the dispatch mode; recv_shape: leading dims of the received rows
-    (``[M]`` or ``[E_local, capacity]``).
+    (``[M]`` or ``[E_local, max_m]``).
+    overflow: ``low_latency`` only (else None): a 0-d bool tensor on the device, the same on every rank, true when
+    some expert had more rows than its capacity. Those rows were not delivered and ``ep_combine`` returns NaN for
+    their source tokens; with value checks on, ``ep_dispatch`` raises instead (see ``ep_dispatch``). Reading it
+    synchronises with the device, so a CUDA-graph caller checks it after replay.
     """
 
     num_tokens: int
     mode: str
     recv_shape: tuple[int, ...]
+    overflow: torch.Tensor | None = field(default=None, kw_only=True)
 
 
 def moe_route(
@@ -101,12 +185,37 @@ def moe_route(
     )
 
 
-def _group_size(group) -> int:
+def _group_rank_size(group) -> tuple[int, int]:
     if group is None:
-        return 1
+        return 0, 1
     import torch.distributed as dist
 
-    return dist.get_world_size(group)
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_placement(num_experts: int, world: int) -> ExpertPlacement:
+    return ExpertPlacement.contiguous(num_experts, world)
+
+
+@functools.lru_cache(maxsize=64)
+def _placement_problem(placement: ExpertPlacement) -> str | None:
+    return placement.problem()
+
+
+def _check_placement(c: Check, placement, num_experts: int, world: int) -> None:
+    if not isinstance(placement, ExpertPlacement):
+        raise c.fail("placement", "an ExpertPlacement or None", type(placement).__name__)
+    try:
+        problem = _placement_problem(placement)
+    except TypeError:  # unhashable contents: not a valid placement either
+        problem = placement.problem() or "unhashable expert ids"
+    if problem is not None:
+        raise c.fail("placement", "every expert held by at least one rank, at most once per rank", problem)
+    if placement.num_experts != num_experts:
+        raise c.fail("placement", f"a placement of num_experts = {num_experts}", f"{placement.num_experts} experts")
+    if placement.world_size != world:
+        raise c.fail("placement", f"one entry per rank of the group ({world})", f"{placement.world_size} ranks")
 
 
 def ep_dispatch(
@@ -118,23 +227,48 @@ def ep_dispatch(
     group=None,
     mode: str = "normal",
     capacity: int | None = None,
+    placement: ExpertPlacement | None = None,
 ) -> tuple[torch.Tensor | QTensor, torch.Tensor, torch.Tensor, ExpertLayout, DispatchHandle]:
-    """Sends each (token, expert) pair of ``ids`` to that expert as one row.
+    """Sends each (token, expert) pair of ``ids`` as one row to a rank holding that expert.
 
-    x: ``[T, H]`` bf16, or an FP8 ``QTensor`` with ``(1, 128)`` scales (FP8 dispatch: rows keep their scales).
-    ids: ``[T, k]`` int32 expert ids in ``[0, num_experts)``, or -1 for "no expert" (the pair is skipped);
-    weights: ``[T, k]`` fp32 routing weights. group: a ``torch.distributed`` process group or None; this version
-    runs the one-process case (None or world size 1).
+    x: ``[T, H]`` bf16 (or fp16 / fp32), or an FP8 ``QTensor`` with ``(1, 128)`` scales (FP8 dispatch: rows travel
+    with their scales). ids: ``[T, k]`` int32 global expert ids in ``[0, num_experts)``, or -1 for "no expert" (the
+    pair is skipped); weights: ``[T, k]`` fp32 routing weights. group: a ``torch.distributed`` process group, or
+    None for one process (None never means the default group). placement: which rank holds which experts
+    (``ExpertPlacement``); default ``ExpertPlacement.contiguous(num_experts, world size)``. In one process the
+    placement may only reorder the experts (local order); by default local expert ``i`` is expert ``i``.
+
+    Received rows, on each rank, cover only that rank's ``E_local`` experts, grouped by ascending local expert index;
+    within a local expert they are ordered by (source rank, source token, slot ``j`` of ``ids``) ascending. One
+    process is the case of one source rank. Replicated experts are routed by ``ExpertPlacement.route``.
 
     Modes (the received rows are exactly what ``grouped_gemm`` takes, through ``layout``):
-    - ``normal``: ``recv_x [M, H]``, M = number of valid pairs, rows grouped by ascending expert id and, within an
-      expert, in ascending source-token order; ``layout.expert_offsets [E+1]``.
-    - ``low_latency``: fixed ``capacity`` rows per expert (default ``T``, which one process can never exceed),
-      ``recv_x [E, capacity, H]``, ``layout.masked_m [E]``; rows past ``masked_m[e]`` are unspecified. More pairs
-      for an expert than ``capacity`` is an ``InputError``, never a silent drop.
+    - ``normal``: ``recv_x [M, H]`` (M = pairs this rank receives), ``layout.expert_offsets [E_local+1]``. With
+      several ranks: the counts go first (one fixed-size exchange), then the rows; sizing the receive buffer
+      synchronises with the host once. Rows may differ per rank (T may be 0 on some, M may be 0 on some).
+    - ``low_latency``: fixed capacity, no host synchronisation, fixed-size exchanges (usable under CUDA graphs once
+      warmed up, with value checks off as they are during capture). ``recv_x [E_local, max_m, H]`` with
+      ``max_m = world * capacity``, ``layout.masked_m [E_local]``; rows at or past ``masked_m[e]`` are unspecified.
+      One process: ``capacity`` rows per expert, default ``T`` (may be smaller than T). Several ranks: every rank
+      sends its tokens in ``capacity`` fixed slots, so ``capacity`` is required, must be the same on every rank and
+      at least T on every rank (``InputError`` otherwise); an expert then receives at most ``capacity`` rows from
+      each source rank unless a token names it more than once.
 
-    Returns ``(recv_x, recv_ids, recv_weights, layout, handle)``: the expert id and routing weight of each received
-    row (shaped like recv_x without H; unspecified on unused rows), the layout, and the handle for ``ep_combine``.
+    Capacity overflow (more rows for an expert than ``max_m``) never loses a token silently: with value checks on
+    (``DEEPINFER_VALUE_CHECKS``, the default outside CUDA-graph capture) ``ep_dispatch`` raises ``InputError`` about
+    ``capacity``, on every rank alike (each rank decides from the same exchanged routing, so none is left waiting in
+    a collective). With value checks off the rows past ``max_m`` (the last in the order above) are not delivered,
+    ``handle.overflow`` is true on every rank, and ``ep_combine`` returns NaN for each source token that lost a row.
+
+    Several ranks: both ops are collectives; every rank of ``group`` calls them in the same order with the same
+    ``num_experts``, ``mode``, ``capacity``, ``placement``, hidden size and payload kind (bf16 or FP8), and calls
+    ``ep_combine`` on each handle. A rank that dies or never calls surfaces on the others as the process group's
+    error after its timeout (``timeout=`` of ``init_process_group`` / ``new_group``). An ``InputError`` is raised
+    before any exchange, on the ranks whose own arguments are wrong.
+
+    Returns ``(recv_x, recv_ids, recv_weights, layout, handle)``: the global expert id and routing weight of each
+    received row (shaped like recv_x without H; unused low-latency rows hold -1 and 0), the layout, and the handle
+    for ``ep_combine``.
     """
     c = Check("ep_dispatch")
     if isinstance(x, QTensor):
@@ -148,26 +282,33 @@ def ep_dispatch(
     c.tensor("weights", weights, dtypes=(torch.float32,), shape=tuple(ids.shape))
     c.positive_int("num_experts", num_experts)
     c.choice("mode", mode, EP_MODES)
+    x_data = x.data if isinstance(x, QTensor) else x
+    c.same_device(x=x_data, ids=ids, weights=weights)
+    _, world = _group_rank_size(group)
+    if placement is None:
+        placement = _default_placement(num_experts, world)
+    _check_placement(c, placement, num_experts, world)
     if capacity is not None:
         if mode != "low_latency":
             raise c.fail("capacity", "None in normal mode", str(capacity))
         c.positive_int("capacity", capacity, minimum=0)
-    x_data = x.data if isinstance(x, QTensor) else x
-    c.same_device(x=x_data, ids=ids, weights=weights)
-    world = _group_size(group)
-    if world != 1:
-        raise c.fail(
-            "group",
-            "None or a process group of world size 1 (multi-rank dispatch is not built yet)",
-            f"world size {world}",
-        )
-    if value_checks_enabled(ids) and ids.numel():
+    if mode == "low_latency" and world > 1:
+        if capacity is None:
+            raise c.fail("capacity", f"an int >= T, the same on every rank (a group of {world} ranks)", "None")
+        if capacity < tokens:
+            raise c.fail(
+                "capacity", f"at least T = {tokens} (a rank sends its tokens in capacity slots)", str(capacity)
+            )
+    checks = value_checks_enabled(ids)
+    if checks and ids.numel():
         c.values_in_range("ids", ids, -1, num_experts - 1, what="expert ids (or -1)")
-        if mode == "low_latency" and capacity is not None:
+        if mode == "low_latency" and world == 1 and capacity is not None:
             most = int(torch.bincount(ids[ids >= 0].long(), minlength=num_experts).max()) if (ids >= 0).any() else 0
             if most > capacity:
                 raise c.fail("capacity", f"at least {most} (the most rows one expert receives)", str(capacity))
-    return call(
+    if mode == "low_latency" and capacity is None:
+        capacity = tokens
+    out = call(
         "ep_dispatch",
         x=x,
         ids=ids,
@@ -175,16 +316,33 @@ def ep_dispatch(
         num_experts=num_experts,
         group=group,
         mode=mode,
-        capacity=tokens if capacity is None and mode == "low_latency" else capacity,
+        capacity=capacity,
+        placement=placement,
     )
+    overflow = out[4].overflow
+    if checks and overflow is not None and bool(overflow):
+        raise c.fail(
+            "capacity",
+            f"room for every expert's rows ({world} x capacity = {world * capacity} rows per local expert)",
+            f"capacity {capacity} and more rows than that for some expert (a token naming an expert twice?)",
+        )
+    return out
 
 
 def ep_combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Returns ``out [T, H]``: for each source token, the sum over its dispatched rows of ``weight * y[row]``,
+    """Returns ``out [T, H']``: for each source token, the sum over its dispatched rows of ``weight * y[row]``,
     accumulated in fp32 and returned in y's dtype (zeros for a token with no valid expert).
 
-    y: the expert outputs in the received layout of ``handle`` (``[M, H]`` or ``[E, capacity, H]``); its hidden
-    size may differ from the dispatched one.
+    y: the expert outputs in the received layout of ``handle`` (``[M, H']`` or ``[E_local, max_m, H']``); rows past
+    ``masked_m`` are never read. Its hidden size may differ from the dispatched one (the same on every rank).
+
+    Several ranks: a collective over the dispatch's group (every rank calls it, in dispatch order). ``normal``: each
+    row goes back to its source, which forms ``weight * row`` in fp32 and sums the k products in fp32 with the
+    arithmetic of one process. ``low_latency``: each rank sums, per source token, the weighted rows of its own
+    experts (fp32) and sends that fp32 partial sum back; the source adds the partial sums in rank order (so the
+    result differs from one process by fp32 reassociation only). A source token that lost a row to capacity overflow
+    gets NaN (see ``ep_dispatch``).
+
     """
     c = Check("ep_combine")
     if not isinstance(handle, DispatchHandle):

@@ -1,14 +1,18 @@
-"""Reference ``moe_route``, ``ep_dispatch``, ``ep_combine`` (one process)."""
+"""Reference ``moe_route``, ``ep_dispatch``, ``ep_combine``.
+
+One process in normal mode is a permutation by expert, here; several ranks, and the low-latency mode at any world
+size, are in ``ep.py``.
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ..ops.moe import DispatchHandle, ExpertLayout
 from ..qtensor import QTensor
+from . import ep
 
 
 def moe_route(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_scaling_factor, scoring):
@@ -47,65 +51,53 @@ def _take_rows(x, index: torch.Tensor):
     return x[index]
 
 
-def _scatter_rows(x, rows: torch.Tensor, index: torch.Tensor, lead: tuple[int, ...]):
-    """Rows ``x[index]`` placed at flat positions ``rows`` of a zero buffer ``[*lead, H]``."""
-
-    def place(src: torch.Tensor) -> torch.Tensor:
-        buf = torch.zeros(math.prod(lead), src.shape[-1], dtype=src.dtype, device=src.device)
-        if src.dtype == torch.float8_e4m3fn:  # index_put on fp8 is not implemented everywhere: move bytes
-            buf.view(torch.uint8)[rows] = src.view(torch.uint8)[index]
-        else:
-            buf[rows] = src[index]
-        return buf.view(*lead, src.shape[-1])
-
-    if isinstance(x, QTensor):
-        return QTensor(place(x.data), place(x.scale), x.block, x.scale_format)
-    return place(x)
-
-
-def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity):
+def _dispatch_local(x, ids, weights, *, num_experts):
+    """One process, normal mode, experts in id order: a permutation of the pairs by expert."""
     tokens, k = ids.shape
     flat_ids = ids.reshape(-1).long()
     valid = flat_ids >= 0
     # Pairs sorted by expert, then by source token (a stable sort of the flat (t, j) order).
     order = torch.sort(torch.where(valid, flat_ids, num_experts), stable=True).indices[: int(valid.sum())]
     counts = torch.bincount(flat_ids[valid], minlength=num_experts).to(torch.int32)
-    src_tokens = order // k
-    if mode == "normal":
-        recv_x = _take_rows(x, src_tokens)
-        rows = torch.arange(order.numel(), device=ids.device)
-        offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
-        offsets[1:] = counts.cumsum(0)
-        layout, lead = ExpertLayout(expert_offsets=offsets), (order.numel(),)
-        recv_ids, recv_w = flat_ids[order].to(torch.int32), weights.reshape(-1)[order]
-    else:
-        starts = torch.cumsum(counts, 0) - counts
-        sorted_ids = flat_ids[order]
-        slot = torch.arange(order.numel(), device=ids.device) - starts[sorted_ids]
-        rows = sorted_ids * capacity + slot
-        lead = (num_experts, capacity)
-        recv_x = _scatter_rows(x, rows, src_tokens, lead)
-        recv_ids = torch.full((num_experts * capacity,), -1, dtype=torch.int32, device=ids.device)
-        recv_w = torch.zeros(num_experts * capacity, dtype=torch.float32, device=ids.device)
-        recv_ids[rows] = sorted_ids.to(torch.int32)
-        recv_w[rows] = weights.reshape(-1)[order]
-        recv_ids, recv_w = recv_ids.view(lead), recv_w.view(lead)
-        layout = ExpertLayout(masked_m=counts)
+    recv_x = _take_rows(x, order // k)
+    rows = torch.arange(order.numel(), device=ids.device)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    offsets[1:] = counts.cumsum(0)
+    recv_ids, recv_w = flat_ids[order].to(torch.int32), weights.reshape(-1)[order]
     pair_rows = torch.full((tokens * k,), -1, dtype=torch.int64, device=ids.device)
     pair_rows[order] = rows
-    handle = LocalHandle(tokens, mode, lead, pair_rows=pair_rows.view(tokens, k), weights=weights)
-    return recv_x, recv_ids, recv_w, layout, handle
+    handle = LocalHandle(tokens, "normal", (order.numel(),), pair_rows=pair_rows.view(tokens, k), weights=weights)
+    return recv_x, recv_ids, recv_w, ExpertLayout(expert_offsets=offsets), handle
+
+
+def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placement):
+    _, world = ep.group_rank_size(group)
+    if mode == "low_latency":
+        return ep.dispatch_low_latency(x, ids, weights, group=group, placement=placement, capacity=capacity)
+    if world > 1:
+        return ep.dispatch_normal(x, ids, weights, group=group, placement=placement)
+    local_order = placement.local_experts[0]
+    if local_order == tuple(range(num_experts)):
+        return _dispatch_local(x, ids, weights, num_experts=num_experts)
+    # Experts in another local order: dispatch by local index, report global ids.
+    to_global = torch.tensor(local_order, dtype=torch.int32, device=ids.device)
+    to_local = torch.full((num_experts + 1,), -1, dtype=torch.int32, device=ids.device)  # entry E: id -1 stays -1
+    to_local[to_global.long()] = torch.arange(num_experts, dtype=torch.int32, device=ids.device)
+    local_ids = to_local[torch.where(ids >= 0, ids.long(), num_experts)]
+    recv_x, recv_local, recv_w, layout, handle = _dispatch_local(x, local_ids, weights, num_experts=num_experts)
+    return recv_x, to_global[recv_local.long()], recv_w, layout, handle
 
 
 def ep_combine(y, handle):
-    flat = y.reshape(-1, y.shape[-1]).float()
+    if isinstance(handle, ep.NormalHandle):
+        return ep.combine_normal(y, handle)
+    if isinstance(handle, ep.LowLatencyHandle):
+        return ep.combine_low_latency(y, handle)
+    flat = y.reshape(-1, y.shape[-1])
     rows = handle.pair_rows
-    out = torch.zeros(handle.num_tokens, y.shape[-1], dtype=torch.float32, device=y.device)
     if flat.shape[0] == 0:
-        return out.to(y.dtype)
-    valid = (rows >= 0).unsqueeze(-1)
+        return torch.zeros(handle.num_tokens, y.shape[-1], dtype=y.dtype, device=y.device)
+    valid = rows >= 0
     # Unused rows may hold anything (even NaN): select, never multiply them by zero.
-    picked = torch.where(valid, flat[rows.clamp_min(0)] * handle.weights.unsqueeze(-1), 0.0)  # [T, k, H]
-    for j in range(rows.shape[1]):  # fixed order over the k slots: the sum cannot depend on other tokens
-        out += picked[:, j]
-    return out.to(y.dtype)
+    picked = torch.where(valid.unsqueeze(-1), flat[rows.clamp_min(0)], 0)  # [T, k, H]
+    return ep.weighted_rows_sum(picked, torch.where(valid, handle.weights, 0.0)).to(y.dtype)

@@ -1,0 +1,480 @@
+"""Reference ``ep_dispatch`` / ``ep_combine`` across the ranks of a ``torch.distributed`` process group.
+
+Everything crosses ranks through ``torch.distributed`` collectives (``all_to_all_single``, ``all_gather_single``),
+so the same code runs over Gloo (CPU), NCCL (CUDA) or any backend that implements them. Rows travel as raw bytes
+(``uint8`` views; an FP8 row carries its scales in the same row), so the collective needs no support for bf16 or
+float8 dtypes. Index work runs on the device of the inputs.
+
+normal mode
+    1. Each pair gets its destination (rank, local expert) from the placement. One fixed-size ``all_to_all_single``
+       exchanges, per destination, the number of tokens and the pair counts per local expert, split into
+       ``MAX_CHUNKS`` equal token ranges of the source. Reading them on the host is the one synchronisation.
+    2. The rows move in ``chunks`` pipelined exchanges (a power of two chosen from the largest T of the group, the
+       same on every rank): chunk ``c`` carries each source's c-th token range, so packing chunk c+1 and unpacking
+       chunk c overlap the exchange of chunk c (on CUDA the exchanges run on the communication stream). A source
+       sends chunk rows ordered by (destination rank, local expert, token, slot); the receiver places them at their
+       final position in the contiguous layout. Routing weights follow in one more exchange.
+    3. ``ep_combine`` sends each output row back along the same path and the source sums ``weight * row`` in fp32
+       over the k slots, with the arithmetic of the one-process reference.
+
+low_latency mode
+    Every rank places its tokens (payload, ids, weights) in ``capacity`` fixed rows and one ``all_gather_single``
+    gives every rank the whole routing. Each rank computes the same destination and slot for every pair of every
+    rank (so capacity overflow is known everywhere alike) and scatters its own pairs into ``[E_local, world *
+    capacity, H]``. ``ep_combine`` sums, per source token, the weighted rows of the local experts (fp32) and one
+    ``all_to_all_single`` of fixed size returns those partial sums; the source adds them in rank order. No host
+    synchronisation and no data-dependent shape anywhere. One process runs the same code without the exchanges.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..dispatch import batch_invariant_enabled
+from ..ops.moe import DispatchHandle, ExpertLayout, ExpertPlacement
+from ..qtensor import QTensor
+
+MAX_CHUNKS = 8  # counts are exchanged per 1/MAX_CHUNKS of each source's tokens (a power of two)
+TOKENS_PER_CHUNK = 512  # normal mode pipelines min(MAX_CHUNKS, T_max // TOKENS_PER_CHUNK) chunks, rounded down to 2^n
+
+
+def group_rank_size(group) -> tuple[int, int]:
+    """``(rank, world size)`` of ``group``; ``(0, 1)`` for None."""
+    if group is None:
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def weighted_rows_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[t, j] * rows[t, j]`` in fp32: ``rows [T, k, H]`` (any float dtype, zero where a slot is
+    unused), ``weights [T, k]`` fp32 (zero where unused). Each product is rounded to fp32, then the k products are
+    summed in fp32; in batch-invariant mode strictly in slot order, one slot at a time, so a row's result cannot
+    depend on how many rows are summed together."""
+    products = rows * weights.unsqueeze(-1).float()
+    if not batch_invariant_enabled():
+        return products.sum(dim=1, dtype=torch.float32)
+    out = torch.zeros(rows.shape[0], rows.shape[2], dtype=torch.float32, device=rows.device)
+    for j in range(rows.shape[1]):
+        out += products[:, j]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Placement as device tables, and payload rows as bytes
+
+
+@dataclass(frozen=True)
+class _Tables:
+    holders: torch.Tensor  # [E] int64: how many ranks hold each expert
+    rank: torch.Tensor  # [E, max_copies] int64: the ranks holding it, ascending
+    local: torch.Tensor  # [E, max_copies] int64: its local index on each of them
+    width: int  # the most experts one rank holds
+    global_ids: tuple[torch.Tensor, ...]  # per rank, [E_local] int32 global id of each local expert
+
+
+@functools.lru_cache(maxsize=32)
+def _tables(placement: ExpertPlacement, device: torch.device) -> _Tables:
+    holders = placement.expert_ranks
+    copies = max(len(h) for h in holders)
+    rank = [list(h) + [h[0]] * (copies - len(h)) for h in holders]
+    local = [[placement.local_experts[r].index(e) for r in row] for e, row in enumerate(rank)]
+
+    def t(v, dtype=torch.int64):
+        return torch.tensor(v, dtype=dtype, device=device)
+
+    return _Tables(
+        holders=t([len(h) for h in holders]),
+        rank=t(rank).view(placement.num_experts, copies),
+        local=t(local).view(placement.num_experts, copies),
+        width=max(len(e) for e in placement.local_experts),
+        global_ids=tuple(t(list(e), torch.int32) for e in placement.local_experts),
+    )
+
+
+def _destinations(tab: _Tables, ids: torch.Tensor, src_rank, token: torch.Tensor):
+    """For flat int64 expert ids (-1 = none) of pairs from ``src_rank`` (int or tensor) and token index ``token``:
+    ``(valid, rank, local expert)`` per the placement's replica rule ``(src_rank + token) % copies``."""
+    valid = ids >= 0
+    e = ids.clamp_min(0)
+    copy = (token + src_rank) % tab.holders[e]
+    return valid, tab.rank[e, copy], tab.local[e, copy]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., n]`` as ``[..., n * itemsize]`` uint8 (an empty tensor may have any strides, so it is remade)."""
+    if t.numel() == 0:
+        return torch.empty(*t.shape[:-1], t.shape[-1] * t.element_size(), dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class _Payload:
+    """How a row of ``x`` is laid out as bytes: its parts (data, and scales for FP8) side by side."""
+
+    parts: tuple[tuple[torch.dtype, int], ...]  # (dtype, elements per row)
+    block: tuple[int, int] | None = None  # QTensor block and scale format, None for a plain tensor
+    scale_format: str = "fp32"
+
+    @staticmethod
+    def of(x) -> _Payload:
+        if isinstance(x, QTensor):
+            parts = ((x.data.dtype, x.data.shape[-1]), (x.scale.dtype, x.scale.shape[-1]))
+            return _Payload(parts, x.block, x.scale_format)
+        return _Payload(((x.dtype, x.shape[-1]),))
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        out, at = [], 0
+        for dtype, n in self.parts:
+            width = n * dtype.itemsize
+            out.append((at, at + width))
+            at += width
+        return out
+
+    @property
+    def width(self) -> int:
+        return self.spans[-1][1]
+
+    def to_bytes(self, x) -> torch.Tensor:
+        """``[T, width]`` uint8 (a view, without copying, for a contiguous plain tensor)."""
+        if isinstance(x, QTensor):
+            return torch.cat([_bytes(x.data), _bytes(x.scale)], dim=1)
+        return _bytes(x)
+
+    def alloc(self, rows: int, device) -> list[torch.Tensor]:
+        return [torch.empty(rows, b - a, dtype=torch.uint8, device=device) for a, b in self.spans]
+
+    def place(self, outs: list[torch.Tensor], index: torch.Tensor, src: torch.Tensor) -> None:
+        """``outs[part][index[i]] = src[i]`` (the part's bytes) for each row ``i`` of ``src``."""
+        for out, (a, b) in zip(outs, self.spans):
+            out.index_copy_(0, index, src if len(self.parts) == 1 else src[:, a:b])
+
+    def assemble(self, outs: list[torch.Tensor], rows: int, lead: tuple[int, ...]):
+        """The first ``rows`` rows of the byte buffers as ``[*lead, ...]`` tensors of the payload's dtypes."""
+        parts = [o[:rows].view(dtype).view(*lead, n) for o, (dtype, n) in zip(outs, self.parts)]
+        if self.block is None:
+            return parts[0]
+        return QTensor(parts[0], parts[1], self.block, self.scale_format)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# normal mode
+
+
+@dataclass
+class _Chunk:
+    send_splits: list[int]  # rows to each rank
+    recv_splits: list[int]  # rows from each rank
+    send: tuple[int, int]  # row range in the send order
+    recv: tuple[int, int]  # row range in the receive buffer
+    tokens: tuple[int, int]  # the source tokens whose pairs it carries
+
+
+@dataclass
+class NormalHandle(DispatchHandle):
+    """group; chunks: the pipelined exchanges; final: ``[M]`` layout row of each received row (receive-buffer
+    order); pair_pos: ``[T, k]`` position of each pair in the send order (``num_sent`` for a skipped pair);
+    weights: ``[T, k]`` routing weights, 0 where skipped."""
+
+    group: object = None
+    chunks: tuple[_Chunk, ...] = ()
+    final: torch.Tensor = None
+    pair_pos: torch.Tensor = None
+    weights: torch.Tensor = None
+    num_sent: int = 0
+
+
+def _num_chunks(max_tokens: int) -> int:
+    want = min(MAX_CHUNKS, max(1, max_tokens // TOKENS_PER_CHUNK))
+    return 1 << (want.bit_length() - 1)
+
+
+def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
+    return t.cumsum(0) - t
+
+
+def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for n in sizes:
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
+    import torch.distributed as dist
+
+    me, world = group_rank_size(group)
+    dev = ids.device
+    tokens, k = ids.shape
+    tab = _tables(placement, dev)
+    width, fine = tab.width, MAX_CHUNKS
+    n_local = len(placement.local_experts[me])
+
+    flat = ids.reshape(-1).long()
+    token = torch.arange(tokens * k, device=dev) // k
+    valid, dest, local = _destinations(tab, flat, me, token)
+    bounds = torch.arange(1, fine + 1, device=dev) * tokens // fine  # fine chunk f: tokens [f*T//F, (f+1)*T//F)
+    chunk_of = torch.searchsorted(bounds, token, right=True)
+    nkeys = fine * world * width
+    key = torch.where(valid, (chunk_of * world + dest) * width + local, nkeys)
+    counts = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    msg = torch.empty(world, 1 + fine * width, dtype=torch.int64, device=dev)
+    msg[:, 0] = tokens
+    msg[:, 1:] = counts[:nkeys].view(fine, world, width).transpose(0, 1).reshape(world, fine * width)
+    got = torch.empty_like(msg)
+    dist.all_to_all_single(got, msg, group=group)
+    sent_host, got_host = torch.stack([msg, got]).cpu()  # the one host synchronisation
+
+    chunks = _num_chunks(int(got_host[:, 0].max()))
+    per = fine // chunks
+    send_c = sent_host[:, 1:].view(world, chunks, per, width).sum(2)  # [dest, chunk, local expert]
+    recv_c = got_host[:, 1:].view(world, chunks, per, width).sum(2)[:, :, :n_local]  # [source, chunk, local expert]
+
+    # Receive buffer order: (chunk, source, local expert, token); layout order: (local expert, source, chunk, ...).
+    per_expert = recv_c.sum((0, 1))
+    offsets = torch.zeros(n_local + 1, dtype=torch.int64)
+    offsets[1:] = per_expert.cumsum(0)
+    num_recv, num_sent = int(offsets[-1]), int(send_c.sum())
+    from_source = recv_c.sum(1)  # [source, local expert]
+    base = (
+        offsets[:-1].view(1, 1, -1)
+        + _exclusive_cumsum(from_source).unsqueeze(1)
+        + _exclusive_cumsum(recv_c.transpose(0, 1)).transpose(0, 1)
+    )  # [source, chunk, local expert]: layout row of the first such row
+    # Per run of rows (one source, chunk and local expert): its length and layout row minus buffer row, for the
+    # chunk-major payload buffer and the source-major weight buffer. One host-to-device copy for all of it.
+    runs_p, runs_w = recv_c.transpose(0, 1).flatten(), recv_c.flatten()
+    shift_p = base.transpose(0, 1).flatten() - _exclusive_cumsum(runs_p)
+    shift_w = base.flatten() - _exclusive_cumsum(runs_w)
+    on_dev = torch.cat([runs_p, shift_p, runs_w, shift_w, per_expert, offsets]).to(dev)
+    runs_p, shift_p, runs_w, shift_w, per_expert_d, offsets_d = on_dev.split(
+        [runs_p.numel()] * 4 + [n_local, n_local + 1]
+    )
+    rows = torch.arange(num_recv, device=dev)
+    final = torch.repeat_interleave(shift_p, runs_p, output_size=num_recv) + rows
+    final_w = torch.repeat_interleave(shift_w, runs_w, output_size=num_recv) + rows
+
+    # Send order: (chunk, destination, local expert, token, slot); a stable sort keeps (token, slot) order.
+    ckey = torch.where(valid, ((chunk_of // per) * world + dest) * width + local, chunks * world * width)
+    order = torch.sort(ckey, stable=True).indices[:num_sent]
+    src_token = order // k
+
+    # Weights: one exchange, rows in destination-major order.
+    w_sent = weights.reshape(-1)[order]
+    by_dest = torch.sort(dest[order], stable=True).indices
+    w_buf = torch.empty(num_recv, dtype=torch.float32, device=dev)
+    w_work = dist.all_to_all_single(
+        w_buf, w_sent[by_dest], recv_c.sum((1, 2)).tolist(), send_c.sum((1, 2)).tolist(), group=group, async_op=True
+    )
+
+    payload = _Payload.of(x)
+    xb = payload.to_bytes(x)
+    buf = torch.empty(num_recv, payload.width, dtype=torch.uint8, device=dev)
+    send_sizes = send_c.sum(2).transpose(0, 1)  # [chunk, dest]
+    recv_sizes = recv_c.sum(2).transpose(0, 1)  # [chunk, source]
+    send_ranges = _ranges(send_sizes.sum(1).tolist())
+    recv_ranges = _ranges(recv_sizes.sum(1).tolist())
+    plan, works, keep = [], [], []
+    for c in range(chunks):
+        (s0, s1), (r0, r1) = send_ranges[c], recv_ranges[c]
+        plan.append(
+            _Chunk(
+                send_sizes[c].tolist(),
+                recv_sizes[c].tolist(),
+                (s0, s1),
+                (r0, r1),
+                (c * tokens // chunks, (c + 1) * tokens // chunks),
+            )
+        )
+        send = xb.index_select(0, src_token[s0:s1])
+        keep.append(send)
+        works.append(
+            dist.all_to_all_single(
+                buf[r0:r1], send, plan[c].recv_splits, plan[c].send_splits, group=group, async_op=True
+            )
+        )
+    outs = payload.alloc(num_recv, dev)
+    for c, work in enumerate(works):
+        work.wait()
+        r0, r1 = plan[c].recv
+        payload.place(outs, final[r0:r1], buf[r0:r1])
+    recv_x = payload.assemble(outs, num_recv, (num_recv,))
+    w_work.wait()
+    recv_w = torch.empty(num_recv, dtype=torch.float32, device=dev)
+    recv_w.index_copy_(0, final_w, w_buf)
+    recv_ids = torch.repeat_interleave(tab.global_ids[me], per_expert_d, output_size=num_recv)
+
+    pair_pos = torch.full((tokens * k,), num_sent, dtype=torch.int64, device=dev)
+    pair_pos[order] = torch.arange(num_sent, device=dev)
+    handle = NormalHandle(
+        tokens,
+        "normal",
+        (num_recv,),
+        group=group,
+        chunks=tuple(plan),
+        final=final,
+        pair_pos=pair_pos.view(tokens, k),
+        weights=torch.where(valid.view(tokens, k), weights, 0.0),
+        num_sent=num_sent,
+    )
+    layout = ExpertLayout(expert_offsets=offsets_d.to(torch.int32))
+    return recv_x, recv_ids, recv_w, layout, handle
+
+
+def combine_normal(y: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
+    import torch.distributed as dist
+
+    hidden, dev = y.shape[-1], y.device
+    yb = _bytes(y)
+    back = torch.empty(handle.num_sent + 1, yb.shape[1], dtype=torch.uint8, device=dev)
+    back[handle.num_sent].zero_()  # skipped pairs read this zero row
+    works, keep = [], []
+    for ch in handle.chunks:
+        send = yb.index_select(0, handle.final[ch.recv[0] : ch.recv[1]])
+        keep.append(send)
+        works.append(
+            dist.all_to_all_single(
+                back[ch.send[0] : ch.send[1]], send, ch.send_splits, ch.recv_splits, group=handle.group, async_op=True
+            )
+        )
+    rows = back.view(y.dtype)
+    out = torch.empty(handle.num_tokens, hidden, dtype=y.dtype, device=dev)
+    for ch, work in zip(handle.chunks, works):
+        work.wait()
+        a, b = ch.tokens
+        if b > a:
+            out[a:b] = weighted_rows_sum(rows[handle.pair_pos[a:b]], handle.weights[a:b]).to(y.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# low_latency mode
+
+
+@dataclass
+class LowLatencyHandle(DispatchHandle):
+    """group; capacity: token slots per rank; rows: ``[S, k]`` layout row (flat over ``[E_local, max_m]``) of each
+    pair of the gathered routing held here, else a spare row; mine: ``[S, k]`` whether the pair is held here;
+    weights: ``[S, k]`` its weight where held here, else 0; lost: ``[T]`` this rank's tokens that lost a row."""
+
+    group: object = None
+    capacity: int = 0
+    rows: torch.Tensor = None
+    mine: torch.Tensor = None
+    weights: torch.Tensor = None
+    lost: torch.Tensor = None
+
+
+def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, capacity: int):
+    me, world = group_rank_size(group)
+    dev = ids.device
+    tokens, k = ids.shape
+    tab = _tables(placement, dev)
+    payload = _Payload.of(x)
+    pw = payload.width
+    if world == 1:  # one process: the routing is already all here
+        slots = tokens
+        gathered = payload.to_bytes(x)
+        g_ids, g_w = ids, weights
+    else:
+        slots = world * capacity
+        row = torch.zeros(capacity, pw + 8 * k, dtype=torch.uint8, device=dev)
+        row[:tokens, :pw] = payload.to_bytes(x)
+        row[:tokens, pw : pw + 4 * k] = _bytes(ids)
+        row[tokens:, pw : pw + 4 * k] = 255  # id -1 in every padding slot
+        row[:tokens, pw + 4 * k :] = _bytes(weights)
+        gathered = torch.empty(slots, row.shape[1], dtype=torch.uint8, device=dev)
+        _all_gather(gathered, row, group)
+        g_ids = gathered[:, pw : pw + 4 * k].contiguous().view(torch.int32)
+        g_w = gathered[:, pw + 4 * k :].contiguous().view(torch.float32)
+    per_rank = capacity if world > 1 else tokens
+    max_m = world * capacity
+    n = slots * k
+
+    # The same computation on every rank: destination and slot of every pair of every rank.
+    flat = g_ids.reshape(-1).long()
+    pair = torch.arange(n, device=dev)
+    token_row = pair // k
+    valid, owner, local = _destinations(tab, flat, token_row // max(per_rank, 1), token_row % max(per_rank, 1))
+    nkeys = world * tab.width
+    key = torch.where(valid, owner * tab.width + local, nkeys)
+    counts = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    order = torch.sort(key, stable=True).indices  # (owner, local expert), then (source, token, slot)
+    slot = torch.empty_like(key)
+    slot.scatter_(0, order, pair - _exclusive_cumsum(counts)[key[order]])
+    kept = valid & (slot < max_m)
+    mine = kept & (owner == me)
+    n_local = len(placement.local_experts[me])
+    spare = n_local * max_m + token_row  # one spare row per gathered token: indices stay distinct per slot j
+    rows = torch.where(mine, local * max_m + slot, spare).view(slots, k)
+
+    outs = payload.alloc(n_local * max_m + slots, dev)
+    recv_ids = torch.full((n_local * max_m + slots,), -1, dtype=torch.int32, device=dev)
+    recv_w = torch.zeros(n_local * max_m + slots, dtype=torch.float32, device=dev)
+    g_ids_2d, g_w_2d = g_ids.reshape(slots, k), g_w.reshape(slots, k)
+    for j in range(k):
+        if slots:
+            payload.place(outs, rows[:, j], gathered[:, :pw])
+        recv_ids.index_copy_(0, rows[:, j], g_ids_2d[:, j])
+        recv_w.index_copy_(0, rows[:, j], g_w_2d[:, j])
+    lead = (n_local, max_m)
+    recv_x = payload.assemble(outs, n_local * max_m, lead)
+    masked_m = counts[me * tab.width : me * tab.width + n_local].clamp(max=max_m).to(torch.int32)
+    lost = (valid & ~kept).view(world, per_rank, k)[me, :tokens].any(-1)
+    handle = LowLatencyHandle(
+        tokens,
+        "low_latency",
+        lead,
+        overflow=(counts[:nkeys] > max_m).any(),
+        group=group,
+        capacity=capacity,
+        rows=rows,
+        mine=mine.view(slots, k),
+        weights=torch.where(mine.view(slots, k), g_w_2d, 0.0),
+        lost=lost,
+    )
+    return (
+        recv_x,
+        recv_ids[: n_local * max_m].view(lead),
+        recv_w[: n_local * max_m].view(lead),
+        ExpertLayout(masked_m=masked_m),
+        handle,
+    )
+
+
+def combine_low_latency(y: torch.Tensor, handle: LowLatencyHandle) -> torch.Tensor:
+    import torch.distributed as dist
+
+    _, world = group_rank_size(handle.group)
+    hidden, dev = y.shape[-1], y.device
+    flat = y.reshape(-1, hidden)
+    mine = handle.mine.unsqueeze(-1)
+    if flat.shape[0]:
+        # Rows of pairs held elsewhere are never read as values: the index is clamped and the row replaced by 0.
+        picked = torch.where(mine, flat[torch.where(handle.mine, handle.rows, 0)], 0)
+    else:
+        picked = torch.zeros(*handle.mine.shape, hidden, dtype=y.dtype, device=dev)
+    partial = weighted_rows_sum(picked, handle.weights)  # [slots, H] fp32: this rank's share of each token
+    if world > 1:
+        back = torch.empty_like(partial)
+        dist.all_to_all_single(back, partial, group=handle.group)  # block s (rank s's tokens) goes to rank s
+        out = back.view(world, handle.capacity, hidden)[:, : handle.num_tokens].sum(0)
+    else:
+        out = partial
+    out = torch.where(handle.lost.unsqueeze(-1), torch.nan, out)
+    return out.to(y.dtype)
