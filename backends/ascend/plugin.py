@@ -1,32 +1,119 @@
-"""The pluggy hooks of the ``ascend`` backend."""
+"""The pluggy hooks of the ``ascend`` backend (torch_npu on Huawei Ascend; targets Ascend 950PR / 950DT).
+
+Each op has a fused implementation whose provider names the torch_npu operator it calls (``torch_npu.<op>``) and,
+where the fused operator's documented envelope does not cover every valid argument, a plain-torch one that runs on
+the NPU (``torch-composite``); the fused one is tried first. ``deepinfer info --ops --backend ascend`` lists them.
+
+Most of these operators' docs list Atlas A2/A3 only; the backend assumes the 950 runs the same contracts (README
+assumption 5). See README.md for every assumption, the precision notes and the hardware conformance command.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-
 from deepinfer import BackendSpec, OpImpl, hookimpl
 
+from . import activation, attention, gemm, moe, norm, probe, rope, sampling, weights
+
 NAME = "ascend"
+FUSED, COMPOSITE = 10, 0
+COMPOSITE_PROVIDER = "torch-composite"
 
 
-def probe() -> tuple[bool, str]:
-    """Available when torch_npu imports and reports an NPU; importing it needs CANN's libraries."""
-    if importlib.util.find_spec("torch_npu") is None:
-        return False, "torch_npu is not installed (pip install 'deepinfer[ascend]')"
-    try:
-        import torch_npu
-    except Exception as e:  # CANN libraries missing or mismatched: say so, never crash deepinfer
-        return False, f"torch_npu is not importable: {type(e).__name__}: {e}"
-    if not torch_npu.npu.is_available():
-        return False, "torch_npu imports but finds no NPU"
-    return True, f"torch_npu {getattr(torch_npu, '__version__', '?')}"
+def _fused(op: str, provider: str, fn, supports) -> OpImpl:
+    return OpImpl(op, NAME, provider, fn, supports=supports, priority=FUSED)
+
+
+def _composite(op: str, fn, *device_args: str, batch_invariant: bool = False) -> OpImpl:
+    return OpImpl(
+        op,
+        NAME,
+        COMPOSITE_PROVIDER,
+        fn,
+        supports=probe.supports_on_device(*device_args),
+        batch_invariant=batch_invariant,
+        priority=COMPOSITE,
+    )
+
+
+def op_impls() -> list[OpImpl]:
+    fia = "torch_npu.npu_fused_infer_attention_score_v2"
+    return [
+        _fused("mla_decode", fia, attention.mla_decode_fia, attention.mla_decode_fia_supports),
+        _composite("mla_decode", attention.mla_decode_composite, "q", "kv_cache", "block_table", "seq_lens"),
+        _fused("attention_varlen", fia, attention.attention_varlen_fia, attention.attention_varlen_fia_supports),
+        _composite("attention_varlen", attention.attention_varlen_composite, "q", "k", "v"),
+        _fused(
+            "write_kv_cache",
+            "torch_npu.npu_scatter_nd_update_",
+            attention.write_kv_cache_scatter,
+            attention.write_kv_cache_scatter_supports,
+        ),
+        _fused(
+            "quantize_fp8",
+            "torch_npu.npu_dynamic_block_quant",
+            gemm.quantize_fp8_block_quant,
+            gemm.quantize_fp8_block_quant_supports,
+        ),
+        _composite("quantize_fp8", gemm.quantize_fp8_torch, "x"),
+        _fused("gemm", "torch_npu.npu_quant_matmul", gemm.gemm_quant_matmul, gemm.gemm_quant_matmul_supports),
+        _composite("gemm", gemm.gemm_torch, "a", "w", "bias"),
+        _fused("grouped_gemm", "torch_npu.npu_grouped_matmul", gemm.grouped_gemm_gmm, gemm.grouped_gemm_gmm_supports),
+        _composite("grouped_gemm", gemm.grouped_gemm_torch, "a", "w"),
+        _fused("moe_route", "torch_npu.npu_moe_gating_top_k", moe.moe_route_gating, moe.moe_route_gating_supports),
+        _composite("moe_route", moe.moe_route_torch, "logits", "bias"),
+        _fused(
+            "ep_dispatch",
+            "torch_npu.npu_moe_init_routing_v2",
+            moe.ep_dispatch_init_routing,
+            moe.ep_dispatch_init_routing_supports,
+        ),
+        _fused(
+            "ep_combine",
+            "torch_npu.npu_moe_finalize_routing",
+            moe.ep_combine_finalize,
+            moe.ep_combine_finalize_supports,
+        ),
+        _fused("rms_norm", "torch_npu.npu_(add_)rms_norm", norm.rms_norm_fused, norm.rms_norm_fused_supports),
+        _composite("rms_norm", norm.rms_norm_torch, "x", "w", "residual"),
+        _fused("rope", "torch_npu.npu_rotary_mul", rope.rope_rotary_mul, rope.rope_rotary_mul_supports),
+        _fused(
+            "silu_and_mul",
+            "torch_npu.npu_swiglu",
+            activation.silu_and_mul_swiglu,
+            activation.silu_and_mul_swiglu_supports,
+        ),
+        OpImpl(
+            "sample",
+            NAME,
+            COMPOSITE_PROVIDER,
+            sampling.sample_torch,
+            supports=sampling.sample_torch_supports,
+            batch_invariant=True,
+        ),
+    ]
+
+
+def tolerances() -> dict[str, tuple[float, str]]:
+    """Conformance tolerances this backend knowingly needs beyond the core's, as data with the reason."""
+    if gemm.mx_recipe():
+        return {"gemm/fp8": gemm.MX_TOLERANCE}
+    return {}
 
 
 @hookimpl
 def deepinfer_backend() -> BackendSpec:
-    return BackendSpec(name=NAME, device_type="npu", aliases=("npu",), probe=probe, version="0.1.0")
+    return BackendSpec(
+        name=NAME,
+        device_type=probe.declared_device_type(),
+        aliases=("npu",),
+        probe=probe.probe,
+        capabilities=probe.declared_capabilities(),
+        version="0.1.0",
+        prepare_weight=weights.prepare_weight,
+        tolerances=tolerances(),
+    )
 
 
 @hookimpl
 def deepinfer_op_impls() -> list[OpImpl]:
-    return []
+    return op_impls()

@@ -1,0 +1,33 @@
+"""Normalisation on Ascend: ``rms_norm`` -> ``npu_rms_norm`` / ``npu_add_rms_norm`` (torch_npu, op-plugin docs).
+
+``npu_add_rms_norm(x1, x2, gamma, epsilon)`` returns ``(y, rstd, x1 + x2)``: the sum comes back in the input
+dtype and is the new residual stream ``h``. The docs do not say whether the norm is taken of the rounded sum (the
+core's contract) or of the fp32 sum; the difference is below one bf16 rounding of ``y``. gamma must have the dtype
+of x and the operators take no empty tensors, so other cases run plain torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import probe
+
+
+def rms_norm_fused(x, w, eps, residual) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` through ``npu_rms_norm`` (no residual) or ``npu_add_rms_norm``."""
+    npu = probe.torch_npu()
+    if residual is None:
+        return npu.npu_rms_norm(x, w, epsilon=eps)[0], x
+    y, _, h = npu.npu_add_rms_norm(x, residual, w, epsilon=eps)
+    return y, h
+
+
+def rms_norm_fused_supports(x, w, eps, residual) -> bool:
+    return probe.on_device(x, w, residual) and w.dtype == x.dtype and x.numel() > 0 and x.dim() <= 8
+
+
+def rms_norm_torch(x, w, eps, residual) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.square().mean(dim=-1, keepdim=True) + eps) * w.float()
+    return y.to(x.dtype), h
