@@ -320,8 +320,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
     max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one sync per prefill
     tile = dict(VARLEN_TILE)
     block_m = tile.pop("BLOCK_M")
-    main = triton.next_power_of_2(d_qk) if triton.next_power_of_2(d_qk) == d_qk else triton.next_power_of_2(d_qk) // 2
-    tail = 0 if main == d_qk else next_pow2(d_qk - main)
+    main = next_pow2(d_qk) // 2 if next_pow2(d_qk) != d_qk else d_qk
+    tail = next_pow2(d_qk - main) if main != d_qk else 0
+    if 0 < tail < 16:  # a dot needs K >= 16: pad the whole head dim instead (e.g. 40 -> 64)
+        main, tail = next_pow2(d_qk), 0
     _varlen_kernel[(triton.cdiv(max_q, block_m), batch, heads)](
         q,
         k,
