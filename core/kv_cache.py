@@ -60,13 +60,14 @@ def pack_fp8_ds_mla(latent: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
     Each group of 128 latent values gets ``scale = 2^ceil(log2(max(amax, 1e-4) / 448))``; the rope part is stored
     as bf16.
     """
-    t = latent.shape[0]
-    c = latent[:, :kv_lora_rank].float().reshape(t, -1, FP8_GROUP)
+    t, n_scales = latent.shape[0], kv_lora_rank // FP8_GROUP  # explicit sizes: T may be 0
+    c = latent[:, :kv_lora_rank].float().reshape(t, n_scales, FP8_GROUP)
     scale = round_scale_ue8m0(c.abs().amax(-1).clamp_min(SCALE_FLOOR) / FP8_MAX)
     q = (c / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(t, kv_lora_rank)
     rope = latent[:, kv_lora_rank:].to(torch.bfloat16).contiguous()
     return torch.cat(
-        [q.view(torch.uint8), scale.contiguous().view(torch.uint8).reshape(t, -1), rope.view(torch.uint8)], dim=1
+        [q.view(torch.uint8), scale.contiguous().view(torch.uint8).reshape(t, 4 * n_scales), rope.view(torch.uint8)],
+        dim=1,
     )
 
 
@@ -75,11 +76,18 @@ def unpack_fp8_ds_mla(packed: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
     lead = packed.shape[:-1]
     flat = packed.reshape(-1, packed.shape[-1])
     n_scales = kv_lora_rank // FP8_GROUP
-    q = flat[:, :kv_lora_rank].contiguous().view(FP8_DTYPE).float()
-    scale = flat[:, kv_lora_rank : kv_lora_rank + 4 * n_scales].contiguous().view(torch.float32)
-    rope = flat[:, kv_lora_rank + 4 * n_scales :].contiguous().view(torch.bfloat16).float()
-    c = (q.reshape(-1, n_scales, FP8_GROUP) * scale.unsqueeze(-1)).reshape(-1, kv_lora_rank)
-    return torch.cat([c, rope], dim=1).reshape(*lead, -1)
+
+    def field(start: int, stop: int | None, dtype: torch.dtype) -> torch.Tensor:
+        # A fresh row-major copy: a one-record slice counts as contiguous yet keeps the record's row stride, which
+        # need not be a multiple of the field's element size (odd rope_dim).
+        return flat[:, start:stop].clone(memory_format=torch.contiguous_format).view(dtype)
+
+    q = field(0, kv_lora_rank, FP8_DTYPE).float()
+    scale = field(kv_lora_rank, kv_lora_rank + 4 * n_scales, torch.float32)
+    rope = field(kv_lora_rank + 4 * n_scales, None, torch.bfloat16).float()
+    n = flat.shape[0]  # explicit sizes: there may be no record
+    c = (q.reshape(n, n_scales, FP8_GROUP) * scale.unsqueeze(-1)).reshape(n, kv_lora_rank)
+    return torch.cat([c, rope], dim=1).reshape(*lead, kv_lora_rank + rope.shape[1])
 
 
 def read_tokens(kv_cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:

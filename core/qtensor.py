@@ -65,8 +65,14 @@ def scale_shape(shape: torch.Size | tuple[int, ...], block: tuple[int, int]) -> 
 
 
 def round_scale_ue8m0(scale: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= ``scale`` (so the quantised values still fit in e4m3)."""
-    return torch.exp2(torch.ceil(torch.log2(scale)))
+    """The smallest power of two >= ``scale`` (so the quantised values still fit in e4m3).
+
+    ``2^ceil(log2(scale))`` alone is not enough: an fp32 log2 rounds a scale a few ulps above a power of two down
+    to that power, which would give a scale below ``scale``; the result is corrected by one binade either way.
+    """
+    p = torch.exp2(torch.ceil(torch.log2(scale)))
+    p = torch.where(p < scale, p * 2, p)
+    return torch.where(p * 0.5 >= scale, p * 0.5, p)
 
 
 def quantize_rows(x: torch.Tensor, block: int, scale_format: str) -> QTensor:

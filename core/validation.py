@@ -73,8 +73,8 @@ class Check:
         if not isinstance(q, QTensor):
             raise self.fail(arg, "an FP8 QTensor", type(q).__name__)
         self.tensor(f"{arg}.data", q.data, dtypes=(FP8_DTYPE,), ndim=ndim)
-        if tuple(q.block) != tuple(block):
-            raise self.fail(f"{arg}.block", f"{tuple(block)}", f"{tuple(q.block)}")
+        if not isinstance(q.block, (tuple, list)) or tuple(q.block) != tuple(block):
+            raise self.fail(f"{arg}.block", f"{tuple(block)}", repr(q.block))
         self.tensor(f"{arg}.scale", q.scale, dtypes=(torch.float32,), shape=scale_shape(q.data.shape, block))
         self.choice(f"{arg}.scale_format", q.scale_format, SCALE_FORMATS)
         self.same_device(**{f"{arg}.data": q.data, f"{arg}.scale": q.scale})
@@ -105,7 +105,7 @@ class Check:
     def number(self, arg: str, value, *, low: float | None = None, high: float | None = None) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(arg, "a number", repr(value))
-        if (low is not None and value < low) or (high is not None and value > high):
+        if value != value or (low is not None and value < low) or (high is not None and value > high):  # NaN
             raise self.fail(arg, f"a number in [{low}, {high}]", repr(value))
 
     def values_in_range(self, arg: str, t: torch.Tensor, low: int, high: int, *, what: str = "values") -> None:

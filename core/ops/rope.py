@@ -22,9 +22,13 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict)
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, to avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate it by `factor`
     return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
 
@@ -37,8 +41,8 @@ def rope_cos_sin_cache(
 
     scaling: None, or a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict of type ``yarn`` (``factor``,
     ``original_max_position_embeddings``, optional ``beta_fast`` 32, ``beta_slow`` 1, ``mscale``,
-    ``mscale_all_dim``, ``attention_factor``): frequencies blended between interpolated and original by YaRN's
-    ramp, cos/sin times the attention factor, as transformers computes them.
+    ``mscale_all_dim``, ``attention_factor``, ``truncate`` True): frequencies blended between interpolated and
+    original by YaRN's ramp, cos/sin times the attention factor, as transformers computes them.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     attention_factor = 1.0

@@ -15,7 +15,7 @@ def sample(
     top_k: torch.Tensor,
     seeds: torch.Tensor,
 ) -> torch.Tensor:
-    """Draws one token per row of ``logits [B, V]``.
+    """Draws one token per row of ``logits [B, V]`` (``V >= 1``).
 
     temperature ``[B]`` fp32 (0 = greedy: the first index of the max logit); otherwise the logits are divided by
     the temperature, then filtered: top_k ``[B]`` int32 (0 = off) keeps the k largest (and any tied with the
@@ -29,6 +29,8 @@ def sample(
     c = Check("sample")
     c.tensor("logits", logits, dtypes=FLOAT_DTYPES, ndim=2)
     batch = logits.shape[0]
+    if logits.shape[1] == 0:
+        raise c.fail("logits", "a vocabulary of at least one token", f"shape {list(logits.shape)}")
     c.tensor("temperature", temperature, dtypes=(torch.float32,), shape=(batch,))
     c.tensor("top_p", top_p, dtypes=(torch.float32,), shape=(batch,))
     c.index("top_k", top_k, length=batch)
@@ -37,7 +39,7 @@ def sample(
     if value_checks_enabled(logits) and batch:
         if bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):
             raise c.fail("temperature", "finite values >= 0", f"{temperature.tolist()[:8]}")
-        if bool(((top_p <= 0) | (top_p > 1)).any()):
+        if not bool(((top_p > 0) & (top_p <= 1)).all()):  # NaN fails too
             raise c.fail("top_p", "values in (0, 1]", f"{top_p.tolist()[:8]}")
         if bool((top_k < 0).any()):
             raise c.fail("top_k", "values >= 0 (0 = off)", f"{top_k.tolist()[:8]}")
