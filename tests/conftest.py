@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from deepinfer import registry, selection
 
 SELECTION_VARS = (

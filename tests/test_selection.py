@@ -6,12 +6,13 @@ import importlib
 import sys
 import warnings
 
-import deepinfer
 import pytest
 import torch
+from fake_plugins import backend_module, install_plugin
+
+import deepinfer
 from deepinfer import ops, registry, selection
 from deepinfer.errors import BackendError, FallbackWarning, NotSupportedError
-from fake_plugins import backend_module, install_plugin
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from deepinfer.conformance.runner import check_bad_input, check_case  # absolute: this file may be collected by path
 
 

@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
-import deepinfer
 import torch
+
+import deepinfer
 from deepinfer import BackendSpec, OpImpl
 
 from . import correct

@@ -7,8 +7,9 @@ implementation, then to the reference) and a ``batch_invariant`` flag the confor
 
 from __future__ import annotations
 
-import deepinfer
 import torch
+
+import deepinfer
 from deepinfer import BackendSpec, OpImpl, QTensor
 from deepinfer.kv_cache import read_tokens
 
