@@ -10,8 +10,8 @@ import triton.language as tl
 
 from .probe import interpreting
 
-# The Triton interpreter computes bf16 dot products wrongly (it has no bf16 arithmetic), so kernels upcast dot
-# operands to fp32 there; on a GPU the same kernels feed bf16/fp8 to the tensor cores.
+# The Triton interpreter has no bf16 arithmetic, so kernels take an fp32 path for dot products there (see ``dot``);
+# on a GPU the same kernels feed bf16/fp8 to the tensor cores.
 INTERPRET = interpreting()
 
 
@@ -38,9 +38,14 @@ def next_pow2(n: int) -> int:
 
 @triton.jit
 def dot(a, b, acc, FP32: tl.constexpr):
-    """``acc + a @ b`` in fp32; operands upcast to fp32 first when ``FP32`` (the interpreter)."""
+    """``acc + a @ b`` in fp32.
+
+    ``FP32`` is the interpreter's path: it has no bf16 arithmetic, and its ``tl.dot`` calls numpy's BLAS, whose result
+    for one row can depend on where the row sits in the tile. An explicit product and sum over K treats every row
+    alike, so the interpreter checks the same batch invariance a GPU's tensor cores give.
+    """
     if FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     return tl.dot(a, b, acc)
 
 
