@@ -147,6 +147,8 @@ def cases(shapes: str) -> list[Case]:
             _route_case(9, 24, 3, 1, 1, scoring="softmax", bias=False, renormalize=False, scale=1.0),
             _route_case(11, 32, 4, 4, 2, scoring="softmax"),
             _route_case(0, 16, 4, 4, 2),
+            _route_case(7, 8, 2, 1, 1, scale=1.0),  # E below the CPU vector width: rows must not share vectors
+            _route_case(9, 24, 3, 3, 2),
         ]
         for mode in ("normal", "low_latency"):
             for fp8 in (False, True):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dispatch import batch_invariant_enabled
 from ..ops.moe import DispatchHandle, ExpertLayout
 from ..qtensor import QTensor
 from . import ep
@@ -17,7 +18,13 @@ from . import ep
 
 def moe_route(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_scaling_factor, scoring):
     tokens, num_experts = logits.shape
-    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
+    score = torch.sigmoid if scoring == "sigmoid" else (lambda x: x.softmax(dim=-1))
+    if batch_invariant_enabled() and tokens > 1:
+        # torch's vectorised body and scalar tail round sigmoid/exp differently, and where a row's values fall in
+        # the [T, E] tensor depends on T: score each row on its own.
+        scores = torch.stack([score(row) for row in logits])
+    else:
+        scores = score(logits)
     choice = scores if bias is None else scores + bias
     if n_group > 1:
         grouped = choice.view(tokens, n_group, num_experts // n_group)
