@@ -201,6 +201,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .model.cli import generate  # imported here: `import deepinfer` and `deepinfer info` never load the model
+
+    return generate(args, console)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -237,6 +243,21 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", help="write all numbers to this JSON file")
     bench.add_argument("--results", help="append a dated section to this markdown file (e.g. benchmarks/RESULTS.md)")
     bench.set_defaults(fn=cmd_bench)
+
+    gen = sub.add_parser("generate", help="generate with a DeepSeek-V3-family checkpoint (default: the embedded one)")
+    gen.add_argument("--model", help="checkpoint directory (default: the small embedded one, created on first use)")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--batch", help="a file of prompts, one per line (a line holding a JSON list of ints: token ids)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0: off")
+    gen.add_argument("--seed", type=int, help="sampling seed (default: fresh each run)")
+    gen.add_argument("--backend", help="backend name or alias (default: the selected one)")
+    gen.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    gen.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16")
+    gen.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
+    gen.set_defaults(fn=cmd_generate)
 
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,1 +1,36 @@
-"""The DeepSeek-V3 model family on deepinfer ops."""
+"""The DeepSeek-V3 model family on deepinfer ops: checkpoint loader, model, paged-cache engine, offline API.
+
+    from deepinfer.model import LLM, SamplingParams
+    llm = LLM()                                   # the small embedded default checkpoint, no download
+    out = llm.generate("Hello", SamplingParams(max_tokens=16, temperature=0))
+    print(out[0].outputs[0].text)
+
+The model computes only through ``deepinfer.ops``, so it runs unchanged on every backend.
+"""
+
+from .checkpoint import Checkpoint, expected_layout
+from .config import ModelConfig
+from .deepseek_v3 import DeepseekV3
+from .engine import LLMEngine
+from .errors import CheckpointError, RequestError
+from .llm import LLM
+from .moe import ExpertParallel
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .tiny import default_checkpoint
+
+__all__ = [
+    "LLM",
+    "Checkpoint",
+    "CheckpointError",
+    "CompletionOutput",
+    "DeepseekV3",
+    "ExpertParallel",
+    "LLMEngine",
+    "ModelConfig",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "default_checkpoint",
+    "expected_layout",
+]

@@ -1,0 +1,495 @@
+"""Decode speed of the model on a DeepSeek-V3-shaped FP8 checkpoint cut to fit one GPU.
+
+    python benchmarks/bench_model.py results.json [--backend cuda_sm100] [--layers 4] [--context 4096]
+
+1. Writes a checkpoint with DeepSeek-V3's full shapes (hidden 7168, 128 heads, MLA ranks 1536 / 512, 256 routed
+   experts of 2048 + 1 shared, group-limited top-8 routing, vocabulary 129280) but only ``--layers`` layers (the
+   first ``--dense-layers`` dense), random weights drawn on the GPU and block-quantised to FP8 (128x128
+   ``weight_scale_inv``), in the Hugging Face layout, one shard per layer.
+2. Loads it with ``deepinfer.model.LLM`` and times the decode step (CUDA graphs where the backend has them) at each
+   batch size with every sequence holding ``--context`` tokens in the paged cache (random latents: decode speed does
+   not depend on their values): CUDA events around whole engine steps (inputs, forward, sampling), median of
+   ``--steps``.
+3. Roofline per step: the bytes a decode step must read (every weight used in decode, the routed experts the step
+   actually selects, ``lm_head``, and ``batch x context`` cache records per layer) over the bandwidth of a large
+   device-to-device copy measured here; reported as a percentage of that bound.
+4. transformers' ``DeepseekV3ForCausalLM`` (eager attention and experts, bf16) on the same checkpoint, its FP8
+   weights dequantised, over a cache holding the same context length: median of ``--hf-steps``; out-of-memory is
+   recorded as such.
+
+Prints a table and writes every number to the JSON path. Targets: >= 10x transformers at batch 64, >= 50% of the
+roofline at batch 1. ``--tiny`` runs the whole script at toy sizes on the CPU (a dry run of the logic, no numbers
+worth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import deepinfer
+from deepinfer import QTensor, ops
+from deepinfer.model import LLM, Checkpoint, ModelConfig, SamplingParams, expected_layout
+from deepinfer.model.scheduler import ScheduledBatch
+from deepinfer.model.sequence import Sequence, Status
+from deepinfer.qtensor import quantize_blocks
+
+V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "rope_interleave": True,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+}
+# Toy shapes for --tiny (every K a multiple of 128, as FP8 GEMMs need).
+TINY = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=4,
+    kv_lora_rank=128,
+    q_lora_rank=128,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    max_position_embeddings=4096,
+)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoint
+
+
+def write_checkpoint(path: Path, config: dict, device: torch.device, seed: int) -> None:
+    """Random weights for every tensor of ``config``'s layout, drawn on ``device``; linears block-quantised to FP8.
+    One safetensors shard per layer, plus the index."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    cfg = ModelConfig.from_dict(config)
+    layout = expected_layout(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    groups: dict[str, list[str]] = {}
+    for name in layout:
+        key = name.split(".")[2] if name.startswith("model.layers.") else "top"
+        groups.setdefault(key, []).append(name)
+    weight_map = {}
+    for i, names in enumerate(groups.values()):
+        shard, file = {}, f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        for name in names:
+            want = layout[name]
+            shape = want.shape
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape, dtype=torch.bfloat16)
+            elif name.endswith("e_score_correction_bias"):
+                t = (0.01 * torch.randn(shape, generator=gen, device=device)).cpu()
+            elif name == "model.embed_tokens.weight":
+                t = torch.randn(shape, generator=gen, device=device).to(torch.bfloat16).cpu()
+            else:
+                w = torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[-1])
+                if want.kind == "linear" and name != "lm_head.weight":
+                    q = quantize_blocks(w)
+                    shard[name + "_scale_inv"] = q.scale.cpu()
+                    t = q.data.cpu()
+                else:
+                    t = w.cpu() if want.kind == "fp32" else w.to(torch.bfloat16).cpu()
+            shard[name] = t
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        log(f"  wrote {file} ({sum(t.numel() * t.element_size() for t in shard.values()) / 1e9:.2f} GB)")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timing
+
+
+class Timer:
+    """Device events on CUDA, wall clock elsewhere; milliseconds."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write), the best of 10."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    timer = Timer(device)
+    dst.copy_(src)
+    best = min(timer.time(lambda: dst.copy_(src)) for _ in range(10))
+    return 2 * nbytes / (best / 1e3)
+
+
+def nbytes(w) -> int:
+    if isinstance(w, QTensor):
+        return w.data.numel() * w.data.element_size() + w.scale.numel() * w.scale.element_size()
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
+
+
+def decode_bytes(llm: LLM, batch: int, context: int, experts_used: list[int]) -> dict[str, int]:
+    """Bytes one decode step of ``batch`` sequences must read: weights used by absorbed decode (not
+    ``kv_b_proj``), each MoE layer's selected experts, ``lm_head`` and the embedding rows, the cache records."""
+    model, cfg = llm.model, llm.config
+    weights = nbytes(model.lm_head) + nbytes(model.norm) + batch * cfg.hidden_size * model.embed.element_size()
+    experts = 0
+    moe_layer = 0
+    for in_norm, attn, post_norm, ffn in model.layers:
+        weights += nbytes(in_norm) + nbytes(post_norm)
+        weights += sum(nbytes(w) for name, w in attn.w.items() if name != "kv_b_proj.weight")
+        if hasattr(ffn, "gate"):  # MoE
+            weights += nbytes(ffn.gate) + nbytes(ffn.bias)
+            if ffn.shared is not None:
+                weights += nbytes(ffn.shared.w13) + nbytes(ffn.shared.w2)
+            per_expert = (nbytes(ffn.w13) + nbytes(ffn.w2)) // ffn.w13.shape[0]
+            experts += experts_used[moe_layer] * per_expert
+            moe_layer += 1
+        else:
+            weights += nbytes(ffn.w13) + nbytes(ffn.w2)
+    cache = llm.engine.kv_cache
+    record = cache.shape[-1] * cache.element_size()
+    kv = batch * context * record * cfg.num_hidden_layers
+    return {"weights": weights, "experts": experts, "kv_cache": kv, "total": weights + experts + kv}
+
+
+def fake_context(llm: LLM, batch: int, context: int, seed: int) -> list[Sequence]:
+    """``batch`` running sequences with ``context - 1`` tokens already in the cache (random latents) and one to
+    decode."""
+    engine, cfg = llm.engine, llm.config
+    alloc = engine.allocator
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(batch):
+        tokens = torch.randint(2, cfg.vocab_size, (context,), generator=g).tolist()
+        seq = Sequence(f"bench{i}", i, tokens[:-1], SamplingParams(max_tokens=1 << 30, temperature=0), seed=i)
+        seq.token_ids.append(tokens[-1])
+        alloc.grow(seq, context)
+        seq.num_computed, seq.status = context - 1, Status.RUNNING
+        seqs.append(seq)
+    slots = torch.tensor([alloc.slot(s, p) for s in seqs for p in range(context - 1)], device=llm.device)
+    chunk = 1 << 16
+    for layer_cache in engine.runner.kv_caches:
+        for start in range(0, slots.numel(), chunk):
+            part = slots[start : start + chunk]
+            latent = torch.randn(part.numel(), cfg.kv_width, device=llm.device).to(torch.bfloat16)
+            ops.write_kv_cache(latent, layer_cache, part, kv_lora_rank=cfg.kv_lora_rank)
+    return seqs
+
+
+def experts_selected(llm: LLM, batch: ScheduledBatch) -> list[int]:
+    """Distinct routed experts each MoE layer selects in one eager decode step of ``batch``."""
+    used: list[int] = []
+    route = ops.moe_route
+
+    def spy(*a, **k):
+        weights, ids = route(*a, **k)
+        used.append(int(torch.unique(ids).numel()))
+        return weights, ids
+
+    ops.moe_route = spy
+    try:
+        input_ids, fb = llm.engine.runner.prepare(batch)
+        llm.model.forward(input_ids, fb, llm.engine.runner.kv_caches)
+    finally:
+        ops.moe_route = route
+    return used
+
+
+def bench_ours(llm: LLM, batches: list[int], context: int, steps: int, warmup: int, bandwidth: float) -> list[dict]:
+    timer = Timer(llm.device)
+    rows = []
+    for b in batches:
+        seqs = fake_context(llm, b, context, seed=b)
+        batch = ScheduledBatch(decodes=seqs)
+        used = experts_selected(llm, batch)
+        for _ in range(warmup):  # same position every step: the context stays `context` tokens
+            llm.engine.runner.execute(batch)
+        times = [timer.time(lambda batch=batch: llm.engine.runner.execute(batch)) for _ in range(steps)]
+        for s in seqs:
+            llm.engine.allocator.release(s)
+        ms = statistics.median(times)
+        need = decode_bytes(llm, b, context, used)
+        roof_ms = need["total"] / bandwidth * 1e3
+        rows.append(
+            {
+                "batch": b,
+                "step_ms": ms,
+                "tokens_per_s": b / ms * 1e3,
+                "roofline_ms": roof_ms,
+                "roofline_tokens_per_s": b / roof_ms * 1e3,
+                "roofline_pct": 100 * roof_ms / ms,
+                "bytes_per_step": need,
+                "experts_selected_per_moe_layer": used,
+                "step_ms_all": times,
+            }
+        )
+        log(f"  ours batch {b}: {ms:.2f} ms/step, {b / ms * 1e3:.0f} tok/s, {100 * roof_ms / ms:.0f}% of roofline")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers
+
+
+def hf_model(path: Path, device: torch.device, implementation: str):
+    """transformers' DeepseekV3ForCausalLM in bf16 on ``device`` holding the checkpoint's weights (FP8 ones
+    dequantised by deepinfer's checkpoint reader; routed experts fused as transformers keeps them)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    hf_cfg = DeepseekV3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    hf_cfg._attn_implementation = implementation
+    hf_cfg._experts_implementation = implementation
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = DeepseekV3ForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(before)
+    ckpt = Checkpoint.open(path)
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    with torch.no_grad():
+        for name in ckpt.layout:
+            w = ckpt.read(name, torch.bfloat16, device)
+            w = w.dequantize(torch.bfloat16) if isinstance(w, QTensor) else w
+            if ".mlp.experts." in name:
+                prefix, e, proj = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+                if proj == "down_proj":
+                    params[f"{prefix}.down_proj"][e].copy_(w)
+                else:
+                    inter = w.shape[0]
+                    rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+                    params[f"{prefix}.gate_up_proj"][e, rows].copy_(w)
+            else:
+                params[name].copy_(w.to(params[name].dtype))
+    return model
+
+
+def bench_hf(path: Path, device: torch.device, batches: list[int], context: int, steps: int, impl: str) -> list[dict]:
+    from transformers.cache_utils import DynamicCache
+
+    model = hf_model(path, device, impl)
+    cfg = model.config
+    timer = Timer(device)
+    rows = []
+    for b in batches:
+        try:
+            cache = DynamicCache(config=cfg)
+            for layer in range(cfg.num_hidden_layers):
+                latent = torch.randn(b, 1, context - 1, cfg.kv_lora_rank, device=device, dtype=torch.bfloat16)
+                rot = torch.randn(b, 1, context - 1, cfg.qk_rope_head_dim, device=device, dtype=torch.bfloat16)
+                cache.update(latent, rot, layer)
+            ids = torch.randint(2, cfg.vocab_size, (b, 1), device=device)
+            pos = torch.full((b, 1), context - 1, device=device)
+
+            def step(cache=cache, ids=ids, pos=pos):
+                with torch.no_grad():
+                    logits = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).logits
+                    logits[:, -1].argmax(-1).tolist()
+                cache.crop(-1)  # drop the token just added: the context stays the same
+
+            step()
+            times = [timer.time(step) for _ in range(steps)]
+            ms = statistics.median(times)
+            rows.append({"batch": b, "step_ms": ms, "tokens_per_s": b / ms * 1e3, "step_ms_all": times})
+            log(f"  transformers batch {b}: {ms:.1f} ms/step, {b / ms * 1e3:.1f} tok/s")
+        except torch.OutOfMemoryError:
+            rows.append({"batch": b, "error": "out of memory"})
+            log(f"  transformers batch {b}: out of memory")
+        finally:
+            cache = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", help="write the results here")
+    p.add_argument("--backend", help="backend (default: the selected one)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--dense-layers", type=int, default=1, help="of which dense, first (default 1)")
+    p.add_argument("--context", type=int, default=4096, help="tokens in the cache per sequence (default 4096)")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64,128,256", help="batch sizes")
+    p.add_argument("--steps", type=int, default=50, help="timed decode steps per batch (median)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--hf-steps", type=int, default=5)
+    p.add_argument("--hf-batches", help="batch sizes for transformers (default: the same)")
+    p.add_argument("--hf-impl", default="eager", help="transformers attention and experts implementation")
+    p.add_argument("--checkpoint", help="use (or write, if missing) the checkpoint here instead of a temp dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU: a dry run of the script")
+    args = p.parse_args(argv)
+
+    backend = args.backend or deepinfer.current_backend().name
+    spec = deepinfer.registry.get().lookup(backend)
+    device = torch.device("cpu" if args.tiny else spec.device_type)
+    config = dict(V3, num_hidden_layers=args.layers, first_k_dense_replace=args.dense_layers)
+    if args.tiny:
+        config |= TINY
+        args.context = min(args.context, 256)
+    batches = [int(b) for b in args.batches.split(",")]
+    hf_batches = [int(b) for b in args.hf_batches.split(",")] if args.hf_batches else batches
+
+    tmp = None
+    if args.checkpoint:
+        path = Path(args.checkpoint)
+    else:
+        tmp = tempfile.mkdtemp(prefix="deepinfer-bench-")
+        path = Path(tmp) / "ckpt"
+    try:
+        if not (path / "config.json").is_file():
+            log(f"writing the checkpoint to {path}")
+            write_checkpoint(path, config, device, args.seed)
+        log(f"loading with deepinfer on {backend} ({device})")
+        bandwidth = copy_bandwidth(device, (1 << 32) if device.type == "cuda" else (1 << 26))
+        log(f"  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+        max_batch = max(batches)
+        blocks = max_batch * math.ceil(args.context / 64) + 64
+        llm = LLM(
+            path,
+            backend,
+            device=device,
+            kv_format=args.kv_format,
+            num_blocks=blocks,
+            max_num_seqs=max_batch,
+            max_model_len=args.context + 64,
+            enforce_eager=args.enforce_eager,
+        )
+        graphs = llm.engine.runner.graphs is not None
+        with deepinfer.use(backend):
+            ours = bench_ours(llm, batches, args.context, args.steps, args.warmup, bandwidth)
+        del llm
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hf = [] if args.no_hf else bench_hf(path, device, hf_batches, args.context, args.hf_steps, args.hf_impl)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    by_batch = {r["batch"]: r for r in hf if "tokens_per_s" in r}
+    print(
+        f"decode at context {args.context}, {args.layers} layers, {args.kv_format} cache, backend {backend}, "
+        f"CUDA graphs {'on' if graphs else 'off'}, copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+    )
+    print(
+        f"{'batch':>6} {'ms/step':>9} {'tok/s':>10} {'roofline tok/s':>15} {'% roofline':>11} "
+        f"{'transformers tok/s':>19} {'speed-up':>9}"
+    )
+    for r in ours:
+        h = by_batch.get(r["batch"])
+        r["transformers_tokens_per_s"] = h["tokens_per_s"] if h else None
+        r["speedup_vs_transformers"] = r["tokens_per_s"] / h["tokens_per_s"] if h else None
+        hf_txt = f"{h['tokens_per_s']:.1f}" if h else "-"
+        up = f"{r['speedup_vs_transformers']:.1f}x" if h else "-"
+        print(
+            f"{r['batch']:>6} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.0f} {r['roofline_tokens_per_s']:>15.0f} "
+            f"{r['roofline_pct']:>10.0f}% {hf_txt:>19} {up:>9}"
+        )
+    result = {
+        "config": config,
+        "backend": backend,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "context": args.context,
+        "kv_format": args.kv_format,
+        "cuda_graphs": graphs,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "ours": ours,
+        "transformers": hf,
+        "transformers_impl": args.hf_impl,
+        "tiny_dry_run": args.tiny,
+        "targets": {"speedup_at_batch_64": 10.0, "roofline_pct_at_batch_1": 50.0},
+    }
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

@@ -1,0 +1,357 @@
+"""Hugging Face layout checkpoints of the DeepSeek-V3 family: find the files, check them, stream tensors out.
+
+A checkpoint directory holds ``config.json`` and one or more ``*.safetensors`` files, with
+``model.safetensors.index.json`` when sharded. Only safetensors are read: pickle files (``*.bin``, ``*.pt``,
+``*.pth``, ``*.ckpt``, ``*.pkl``) are refused, since loading them can run arbitrary code.
+
+``Checkpoint.open(path, config)`` reads every file's header (never the data) and checks the whole checkpoint
+against the layout ``config.json`` implies (``expected_layout``): each file is well formed and not truncated,
+every expected tensor is present once with the expected shape and a usable dtype, FP8 weights come with
+``weight_scale_inv`` of the block-scale shape, nothing unexpected is left over. The multi-token-prediction layer
+(``model.layers.{num_hidden_layers + i}``) is recognised and listed in ``mtp_keys``, not loaded. Any problem is a
+``CheckpointError`` naming the file and the tensor, raised before a single weight is read.
+
+``Checkpoint.read`` then returns one tensor at a time from the memory-mapped files (float weights in the asked
+dtype, FP8 weights as a ``QTensor`` with their scales), on the asked device, counting bytes for a progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from deepinfer import QTensor
+
+from .config import ModelConfig
+from .errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+SCALE_SUFFIX = "_scale_inv"
+
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "BF16": (torch.bfloat16, 2),
+    "F16": (torch.float16, 2),
+    "F32": (torch.float32, 4),
+    "F64": (torch.float64, 8),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "I16": (torch.int16, 2),
+    "I32": (torch.int32, 4),
+    "I64": (torch.int64, 8),
+    "BOOL": (torch.bool, 1),
+}
+FLOAT_KINDS = ("BF16", "F16", "F32")
+
+# Kinds of tensors in the layout: "linear" weights may be FP8 with a weight_scale_inv; the others are float.
+LINEAR, FLOAT, FP32 = "linear", "float", "fp32"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives: its file, safetensors dtype string and shape."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A tensor ``config.json`` implies: its shape and kind (``linear``: float or FP8 block-scaled; ``float``:
+    float; ``fp32``: float, used in fp32)."""
+
+    shape: tuple[int, ...]
+    kind: str
+
+
+def expected_layout(cfg: ModelConfig) -> dict[str, Expected]:
+    """Every tensor a checkpoint of ``cfg`` must hold (Hugging Face names, per-expert keys), with its shape."""
+    h, heads, r, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    out: dict[str, Expected] = {"model.embed_tokens.weight": Expected((cfg.vocab_size, h), FLOAT)}
+    out["model.norm.weight"] = Expected((h,), FLOAT)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = Expected((cfg.vocab_size, h), LINEAR)
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        out[p + "input_layernorm.weight"] = Expected((h,), FLOAT)
+        out[p + "post_attention_layernorm.weight"] = Expected((h,), FLOAT)
+        a = p + "self_attn."
+        if cfg.q_lora_rank is None:
+            out[a + "q_proj.weight"] = Expected((heads * cfg.qk_head_dim, h), LINEAR)
+        else:
+            out[a + "q_a_proj.weight"] = Expected((cfg.q_lora_rank, h), LINEAR)
+            out[a + "q_a_layernorm.weight"] = Expected((cfg.q_lora_rank,), FLOAT)
+            out[a + "q_b_proj.weight"] = Expected((heads * cfg.qk_head_dim, cfg.q_lora_rank), LINEAR)
+            if cfg.attention_bias:
+                out[a + "q_a_proj.bias"] = Expected((cfg.q_lora_rank,), FLOAT)
+        out[a + "kv_a_proj_with_mqa.weight"] = Expected((r + dr, h), LINEAR)
+        out[a + "kv_a_layernorm.weight"] = Expected((r,), FLOAT)
+        out[a + "kv_b_proj.weight"] = Expected((heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), r), LINEAR)
+        out[a + "o_proj.weight"] = Expected((h, heads * cfg.v_head_dim), LINEAR)
+        if cfg.attention_bias:
+            out[a + "kv_a_proj_with_mqa.bias"] = Expected((r + dr,), FLOAT)
+            out[a + "o_proj.bias"] = Expected((h,), FLOAT)
+        m = p + "mlp."
+        if not cfg.is_moe_layer(layer):
+            _mlp(out, m, h, cfg.intermediate_size)
+            continue
+        out[m + "gate.weight"] = Expected((cfg.n_routed_experts, h), FP32)
+        if cfg.scoring_func == "sigmoid":
+            out[m + "gate.e_score_correction_bias"] = Expected((cfg.n_routed_experts,), FP32)
+        for e in range(cfg.n_routed_experts):
+            _mlp(out, f"{m}experts.{e}.", h, cfg.moe_intermediate_size)
+        if cfg.n_shared_experts:
+            _mlp(out, m + "shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts)
+    return out
+
+
+def _mlp(out: dict[str, Expected], prefix: str, hidden: int, inter: int) -> None:
+    out[prefix + "gate_proj.weight"] = Expected((inter, hidden), LINEAR)
+    out[prefix + "up_proj.weight"] = Expected((inter, hidden), LINEAR)
+    out[prefix + "down_proj.weight"] = Expected((hidden, inter), LINEAR)
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its header alone; checks the header against the file size."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{file}: truncated or not a safetensors file ({size} bytes, no header)")
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(
+                    f"{file}: truncated or corrupt: the header claims {n} bytes but the file has {size - 8} after "
+                    "the length field"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot be read: {e}") from e
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError(f"a JSON {type(header).__name__}, not an object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object): {e}") from e
+    data_bytes = size - 8 - n
+    tensors: dict[str, TensorInfo] = {}
+    end_max = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            if not all(isinstance(s, int) and s >= 0 for s in (*shape, start, end)):
+                raise ValueError("negative or non-integer sizes")
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{file}: corrupt header entry for tensor {name!r}: {info!r} ({e})") from e
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype}, which the model cannot use")
+        need = math.prod(shape) * DTYPES[dtype][1]
+        if end - start != need:
+            raise CheckpointError(
+                f"{file}: corrupt header: tensor {name!r} {dtype}{list(shape)} needs {need} bytes, its offsets "
+                f"span {end - start}"
+            )
+        if end > data_bytes:
+            raise CheckpointError(
+                f"{file}: truncated: tensor {name!r} ends at byte {end} of the data but the file holds only "
+                f"{data_bytes} bytes of data"
+            )
+        end_max = max(end_max, end)
+        tensors[name] = TensorInfo(file, dtype, shape)
+    if end_max != data_bytes:
+        raise CheckpointError(
+            f"{file}: corrupt: the header describes {end_max} bytes of data but the file holds {data_bytes}"
+        )
+    return tensors
+
+
+def find_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (from the index when there is one)."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (expected a Hugging Face layout checkpoint directory)")
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object): {e}") from e
+        for name in files:
+            if not isinstance(name, str) or not name.endswith(".safetensors") or "/" in name or "\\" in name:
+                raise CheckpointError(f"{index}: refers to {name!r}; only safetensors files in this directory")
+            if not (path / name).is_file():
+                raise CheckpointError(f"{index}: refers to {name}, which is missing from {path}")
+        return [path / n for n in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(
+                f"{path}: holds only pickle checkpoint files ({', '.join(pickles)}); they are refused because "
+                "loading them can run arbitrary code. Convert the checkpoint to safetensors."
+            )
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    return files
+
+
+@dataclass
+class Checkpoint:
+    """A checked checkpoint directory. ``tensors``: every tensor by name; ``mtp_keys``: the multi-token-prediction
+    layer's tensors (recognised, not loaded); ``bytes_read``: bytes returned by ``read`` so far."""
+
+    path: Path
+    config: ModelConfig
+    tensors: dict[str, TensorInfo]
+    layout: dict[str, Expected]
+    mtp_keys: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    _handles: dict[Path, object] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path, config: ModelConfig | None = None) -> Checkpoint:
+        path = Path(path)
+        config = config or ModelConfig.from_dir(path)
+        files = find_files(path)
+        tensors: dict[str, TensorInfo] = {}
+        for file in files:
+            for name, info in read_header(file).items():
+                if name in tensors:
+                    raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file} and {file}")
+                tensors[name] = info
+        index = path / INDEX_FILE
+        if index.is_file():
+            for name, file in json.loads(index.read_text())["weight_map"].items():
+                if name not in tensors or tensors[name].file.name != file:
+                    where = f"it is in {tensors[name].file}" if name in tensors else "no file holds it"
+                    raise CheckpointError(f"{index}: maps tensor {name!r} to {file} but {where}")
+        ckpt = cls(path, config, tensors, expected_layout(config))
+        ckpt._check()
+        return ckpt
+
+    def _check(self) -> None:
+        cfg, layout = self.config, self.layout
+        mtp = re.compile(r"model\.layers\.(\d+)\.")
+        seen: set[str] = set()
+        for name, info in sorted(self.tensors.items()):
+            m = mtp.match(name)
+            if m and cfg.num_hidden_layers <= int(m[1]) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
+                self.mtp_keys.append(name)
+                continue
+            if name.endswith(SCALE_SUFFIX):
+                weight = name[: -len(SCALE_SUFFIX)]
+                if weight not in layout or layout[weight].kind != LINEAR:
+                    raise CheckpointError(f"{info.file}: unexpected tensor {name!r} (no FP8 linear weight {weight!r})")
+                continue
+            if name not in layout:
+                raise CheckpointError(
+                    f"{info.file}: unexpected tensor {name!r} (not part of the {cfg.num_hidden_layers}-layer "
+                    "DeepseekV3 layout config.json describes)"
+                )
+            seen.add(name)
+            self._check_tensor(name, info, layout[name])
+        expert_kinds: dict[str, set[bool]] = {}
+        for n in layout:
+            if ".mlp.experts." in n and n in self.tensors:
+                expert_kinds.setdefault(n.split(".")[2], set()).add(self.tensors[n].dtype == "F8_E4M3")
+        for layer, kinds in expert_kinds.items():
+            if len(kinds) > 1:
+                raise CheckpointError(
+                    f"{self.path}: the routed experts of layer {layer} mix FP8 and float weights; they are stacked "
+                    "into one tensor per layer, so they must all be FP8 or all float"
+                )
+        missing = [n for n in layout if n not in seen]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            files = ", ".join(sorted({i.file.name for i in self.tensors.values()})) or "no tensors at all"
+            raise CheckpointError(
+                f"{self.path}: missing tensor {missing[0]!r}{more}, which config.json implies (searched {files})"
+            )
+
+    def _check_tensor(self, name: str, info: TensorInfo, want: Expected) -> None:
+        if info.shape != want.shape:
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r} has shape {list(info.shape)}, config.json implies {list(want.shape)}"
+            )
+        scale = self.tensors.get(name + SCALE_SUFFIX)
+        if info.dtype == "F8_E4M3" and want.kind == LINEAR:
+            fp8 = self.config.fp8
+            if fp8 is None:
+                raise CheckpointError(
+                    f"{info.file}: tensor {name!r} is FP8 but config.json has no fp8 quantization_config"
+                )
+            if scale is None:
+                raise CheckpointError(f"{info.file}: FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r}")
+            want_scale = tuple(math.ceil(s / b) for s, b in zip(info.shape, fp8.block))
+            if scale.shape != want_scale or scale.dtype not in FLOAT_KINDS:
+                raise CheckpointError(
+                    f"{scale.file}: tensor {name + SCALE_SUFFIX!r} is {scale.dtype}{list(scale.shape)}, expected "
+                    f"float {list(want_scale)} (one scale per {fp8.block[0]}x{fp8.block[1]} block of {name!r})"
+                )
+            if info.shape[1] % fp8.block[1]:
+                raise CheckpointError(
+                    f"{info.file}: FP8 tensor {name!r} has K = {info.shape[1]} input features, not a multiple of "
+                    f"{fp8.block[1]}; FP8 GEMMs need whole K blocks"
+                )
+            return
+        if scale is not None:
+            raise CheckpointError(f"{scale.file}: unexpected tensor {name + SCALE_SUFFIX!r}: {name!r} is not FP8")
+        if info.dtype not in FLOAT_KINDS:
+            kinds = "bf16, fp16, fp32 or FP8 e4m3 with block scales" if want.kind == LINEAR else "bf16, fp16 or fp32"
+            raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}; expected {kinds}")
+
+    def is_fp8(self, name: str) -> bool:
+        return self.tensors[name].dtype == "F8_E4M3"
+
+    def nbytes(self, name: str) -> int:
+        info = self.tensors[name]
+        total = math.prod(info.shape) * DTYPES[info.dtype][1]
+        scale = self.tensors.get(name + SCALE_SUFFIX)
+        if scale is not None:
+            total += math.prod(scale.shape) * DTYPES[scale.dtype][1]
+        return total
+
+    def _raw(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        handle = self._handles.get(info.file)
+        if handle is None:
+            try:
+                handle = safe_open(str(info.file), framework="pt")
+            except Exception as e:  # safetensors raises its own error type
+                raise CheckpointError(f"{info.file}: cannot be opened as safetensors: {e}") from e
+            self._handles[info.file] = handle
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
+
+    def read(self, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | QTensor:
+        """Tensor ``name`` on ``device``: FP8 weights as a ``QTensor`` (block (128, 128), scales fp32), any other
+        as a ``dtype`` tensor."""
+        if self.is_fp8(name):
+            fp8 = self.config.fp8
+            data = self._raw(name).to(device)
+            scale = self._raw(name + SCALE_SUFFIX).to(device=device, dtype=torch.float32)
+            out: torch.Tensor | QTensor = QTensor(data, scale, fp8.block, fp8.scale_format)
+        else:
+            out = self._raw(name).to(device=device, dtype=dtype)
+        self.bytes_read += self.nbytes(name)
+        return out
+
+    def total_bytes(self, names) -> int:
+        return sum(self.nbytes(n) for n in names)
+
+    def close(self) -> None:
+        self._handles.clear()

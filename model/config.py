@@ -1,0 +1,272 @@
+"""``ModelConfig``: the DeepSeek-V3 family's ``config.json``, read and checked.
+
+Accepted: ``model_type`` ``deepseek_v3`` (``DeepseekV3ForCausalLM``), including V2-Lite-style ``q_lora_rank: null``,
+dense first layers (``first_k_dense_replace``), group-limited routing (``n_group`` / ``topk_group``), YaRN rope
+(``rope_scaling`` of the hub, or transformers' ``rope_parameters``), FP8 block-scaled weights
+(``quantization_config`` with ``quant_method: fp8`` and ``weight_block_size: [128, 128]``). Anything else is a
+``CheckpointError`` naming ``config.json`` and the field, raised before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError
+
+ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+MODEL_TYPES = ("deepseek_v3",)
+FP8_BLOCK = (128, 128)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """Block-scaled FP8 weights: e4m3 data, fp32 ``weight_scale_inv`` per ``block``; ``scale_format`` ``fp32`` or
+    ``ue8m0`` (``scale_fmt`` of DeepSeek-V3.1 checkpoints)."""
+
+    block: tuple[int, int] = FP8_BLOCK
+    scale_format: str = "fp32"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of ``config.json`` the model uses (Hugging Face names), with DeepSeek-V3's defaults."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    scoring_func: str = "sigmoid"
+    max_position_embeddings: int = 163840
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    bos_token_id: int | None = 0
+    eos_token_ids: tuple[int, ...] = (1,)
+    fp8: Fp8Config | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Values per token in the latent cache: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and self.n_routed_experts > 0
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise CheckpointError(f"{file}: not found (a Hugging Face layout directory has a config.json)")
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{file}: not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+        return cls.from_dict(raw, source=str(file))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Parses a ``config.json`` dict; raises ``CheckpointError`` naming ``source`` and the field."""
+
+        def fail(what: str) -> CheckpointError:
+            return CheckpointError(f"{source}: {what}")
+
+        archs = raw.get("architectures") or []
+        model_type = raw.get("model_type")
+        if model_type not in MODEL_TYPES or (archs and not any(a in ARCHITECTURES for a in archs)):
+            raise fail(
+                f"unsupported architecture (model_type={model_type!r}, architectures={archs}); "
+                f"supported: model_type {MODEL_TYPES[0]!r} with {ARCHITECTURES[0]}"
+            )
+
+        def get(name: str, kind: type, default: Any = None, *, required: bool = False, allow_none: bool = False):
+            if name not in raw or (raw[name] is None and not allow_none):
+                if required:
+                    raise fail(f"field {name!r} is missing")
+                return default
+            value = raw[name]
+            if value is None:
+                return None
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise fail(f"field {name!r} must be an integer, got {value!r}")
+            if not isinstance(value, kind):
+                raise fail(f"field {name!r} must be {kind.__name__}, got {value!r}")
+            return value
+
+        d = cls()
+        heads = get("num_attention_heads", int, required=True)
+        kv_heads = get("num_key_value_heads", int, heads)
+        if kv_heads != heads:
+            raise fail(f"num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) for MLA")
+        hidden_act = get("hidden_act", str, "silu")
+        if hidden_act != "silu":
+            raise fail(f"hidden_act {hidden_act!r} is not supported (silu)")
+        scoring = get("scoring_func", str, "sigmoid")
+        if scoring not in ("sigmoid", "softmax"):
+            raise fail(f"scoring_func {scoring!r} is not supported (sigmoid or softmax)")
+        moe_freq = get("moe_layer_freq", int, 1)
+        if moe_freq != 1:
+            raise fail(f"moe_layer_freq {moe_freq} is not supported (1)")
+        eos = raw.get("eos_token_id", 1)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+
+        rope_theta, rope_scaling = _rope(raw, fail)
+        cfg = cls(
+            vocab_size=get("vocab_size", int, required=True),
+            hidden_size=get("hidden_size", int, required=True),
+            intermediate_size=get("intermediate_size", int, required=True),
+            moe_intermediate_size=get("moe_intermediate_size", int, d.moe_intermediate_size),
+            num_hidden_layers=get("num_hidden_layers", int, required=True),
+            num_attention_heads=heads,
+            n_shared_experts=get("n_shared_experts", int, 0) or 0,
+            n_routed_experts=get("n_routed_experts", int, 0) or 0,
+            routed_scaling_factor=get("routed_scaling_factor", float, 1.0),
+            kv_lora_rank=get("kv_lora_rank", int, required=True),
+            q_lora_rank=get("q_lora_rank", int, None, allow_none=True),
+            qk_rope_head_dim=get("qk_rope_head_dim", int, required=True),
+            v_head_dim=get("v_head_dim", int, required=True),
+            qk_nope_head_dim=get("qk_nope_head_dim", int, required=True),
+            n_group=get("n_group", int, 1) or 1,
+            topk_group=get("topk_group", int, 1) or 1,
+            num_experts_per_tok=get("num_experts_per_tok", int, 1) or 1,
+            first_k_dense_replace=get("first_k_dense_replace", int, 0) or 0,
+            norm_topk_prob=bool(get("norm_topk_prob", bool, False)),
+            scoring_func=scoring,
+            max_position_embeddings=get("max_position_embeddings", int, 4096),
+            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rope_interleave=bool(get("rope_interleave", bool, True)),
+            attention_bias=bool(get("attention_bias", bool, False)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", bool, False)),
+            num_nextn_predict_layers=get("num_nextn_predict_layers", int, 0) or 0,
+            bos_token_id=get("bos_token_id", int, None),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            fp8=_quantization(raw.get("quantization_config"), fail),
+            extra=raw,
+        )
+        cfg._check(fail)
+        return cfg
+
+    def _check(self, fail) -> None:
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "max_position_embeddings",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise fail(f"field 'q_lora_rank' must be positive or null, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise fail(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.first_k_dense_replace < self.num_hidden_layers and self.n_routed_experts > 0:
+            e, g = self.n_routed_experts, self.n_group
+            if e % g:
+                raise fail(f"n_group ({g}) must divide n_routed_experts ({e})")
+            if not 1 <= self.topk_group <= g:
+                raise fail(f"topk_group ({self.topk_group}) must lie in [1, n_group = {g}]")
+            if not 1 <= self.num_experts_per_tok <= self.topk_group * (e // g):
+                raise fail(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must lie in [1, topk_group * experts per "
+                    f"group = {self.topk_group * (e // g)}]"
+                )
+            if self.moe_intermediate_size <= 0:
+                raise fail(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+
+
+def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, yarn parameters or None)`` from either the hub's ``rope_scaling`` or ``rope_parameters``."""
+    params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")
+    theta = raw.get("rope_theta")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if scaling is None:
+            scaling = params
+    theta = 10000.0 if theta is None else theta
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise fail(f"rope_theta must be a positive number, got {theta!r}")
+    if scaling is None:
+        return float(theta), None
+    if not isinstance(scaling, dict):
+        raise fail(f"rope_scaling must be an object or null, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind != "yarn":
+        raise fail(f"rope scaling type {kind!r} is not supported (default or yarn)")
+    yarn = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+    yarn["rope_type"] = "yarn"
+    original = yarn.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
+    if not isinstance(original, int) or original <= 0:
+        raise fail("yarn rope scaling needs original_max_position_embeddings")
+    yarn["original_max_position_embeddings"] = original
+    if yarn.get("factor") is None:  # transformers: the ratio of the context lengths
+        yarn["factor"] = raw.get("max_position_embeddings", original) / original
+    if not isinstance(yarn["factor"], (int, float)) or yarn["factor"] <= 0 or math.isnan(yarn["factor"]):
+        raise fail(f"yarn factor must be a positive number, got {yarn['factor']!r}")
+    if yarn.get("truncate") is False:
+        raise fail("yarn with truncate=false is not supported")
+    return float(theta), yarn
+
+
+def _quantization(qc: Any, fail) -> Fp8Config | None:
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise fail(f"quantization_config must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise fail(f"unsupported quantization quant_method={method!r} (supported: fp8 block-scaled)")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise fail(f"unsupported FP8 format fmt={fmt!r} (supported: e4m3)")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise fail(f"unsupported activation_scheme={scheme!r} (supported: dynamic)")
+    block = qc.get("weight_block_size")
+    if block is None or list(block) != list(FP8_BLOCK):
+        raise fail(f"unsupported weight_block_size={block!r} (supported: [128, 128])")
+    scale_fmt = qc.get("scale_fmt") or "fp32"
+    if scale_fmt not in ("fp32", "ue8m0"):
+        raise fail(f"unsupported scale_fmt={scale_fmt!r} (supported: ue8m0 or none)")
+    return Fp8Config(FP8_BLOCK, scale_fmt)

@@ -1,0 +1,186 @@
+"""``LLMEngine``: requests in, one scheduled step at a time, finished sequences out.
+
+It owns the paged latent cache (``deepinfer.allocate_kv_cache``, ``block_size`` tokens per page, ``bf16`` or
+``fp8_ds_mla``), the page allocator, the scheduler and the model runner, and applies each step's results: appends
+sampled tokens, records log-probabilities, stops a sequence on a stop token, ``max_tokens`` or the context limit,
+and frees its pages.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from itertools import count
+
+import torch
+
+import deepinfer
+
+from .block_manager import BlockAllocator
+from .cuda_graphs import CAPABILITY, DecodeGraphs
+from .deepseek_v3 import DeepseekV3
+from .errors import RequestError
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+DEFAULT_CPU_CACHE_BYTES = 1 << 30
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    kv_format: ``bf16`` or ``fp8_ds_mla`` (needs ``kv_lora_rank % 128 == 0``). num_blocks: cache pages (default:
+    enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens, within ``kv_cache_bytes``; on a GPU
+    ``kv_cache_bytes`` defaults to 90% of the free memory less a reserve for activations). chunk_size: prefill
+    chunk length (chunks end at its multiples). cuda_graphs: capture decode graphs when the backend declares
+    ``cuda_graphs`` (never in batch-invariant mode).
+    """
+
+    def __init__(
+        self,
+        model: DeepseekV3,
+        *,
+        kv_format: str = "bf16",
+        block_size: int = 64,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        chunk_size: int = 1024,
+        max_model_len: int | None = None,
+        preemption_mode: str = "swap",
+        cuda_graphs: bool = True,
+    ):
+        cfg = model.cfg
+        self.model, self.cfg = model, cfg
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if kv_format == "fp8_ds_mla" and cfg.kv_lora_rank % 128:
+            raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
+        device = model.device
+        probe = deepinfer.allocate_kv_cache(
+            1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
+        )
+        page_bytes = probe.numel() * probe.element_size() * cfg.num_hidden_layers
+        max_blocks = math.ceil(self.max_model_len / block_size)
+        if num_blocks is None:
+            if kv_cache_bytes is None:
+                if device.type == "cuda":
+                    free, _ = torch.cuda.mem_get_info(device)
+                    kv_cache_bytes = max(int(free * 0.9) - (4 << 30), page_bytes)
+                else:
+                    kv_cache_bytes = DEFAULT_CPU_CACHE_BYTES
+            num_blocks = max(1, min(max_blocks * max_num_seqs, kv_cache_bytes // page_bytes))
+        cache = deepinfer.allocate_kv_cache(
+            num_blocks * cfg.num_hidden_layers,
+            block_size,
+            kv_lora_rank=cfg.kv_lora_rank,
+            rope_dim=cfg.qk_rope_head_dim,
+            kv_format=kv_format,
+            device=device,
+        )
+        self.kv_cache = cache.view(cfg.num_hidden_layers, num_blocks, block_size, -1)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        graphs = None
+        backend = deepinfer.current_backend()
+        if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda":
+            graphs = DecodeGraphs(model, list(self.kv_cache.unbind(0)), max_batch=max_num_seqs, max_blocks=max_blocks)
+        self.runner = ModelRunner(model, self.kv_cache, self.allocator, graphs=graphs)
+        if graphs is not None and not deepinfer.batch_invariant_enabled() and not graphs.capture():
+            self.runner.graphs = None
+        self.scheduler = Scheduler(
+            self.allocator,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            chunk_size=chunk_size,
+            preemption_mode=preemption_mode,
+            swap_out=self.runner.swap_out,
+            swap_in=self.runner.swap_in,
+        )
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+        self._ids = count()
+        self._seed_rng = random.Random()
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> Sequence:
+        """Queues a request; checks the prompt fits the model and the cache."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("a prompt needs at least one token")
+        bad = [
+            t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size
+        ]
+        if bad:
+            raise RequestError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}), got {bad[:5]}")
+        if n >= self.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens; the model's context is {self.max_model_len}")
+        if self.allocator.blocks_for(n + 1) > self.allocator.num_blocks:
+            raise RequestError(
+                f"the prompt has {n} tokens; the cache holds {self.allocator.num_blocks * self.allocator.block_size}"
+            )
+        arrival = next(self._ids)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(str(arrival) if request_id is None else request_id, arrival, prompt_ids, params, seed, prompt)
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += n
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """Schedules and runs one batch; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        finished, self.scheduler.truncated = self.scheduler.truncated, []
+        if not batch:
+            return finished
+        result = self.runner.execute(batch)
+        self.stats["steps"] += 1
+        for seq in batch.decodes:
+            seq.num_computed += 1
+        for chunk in batch.prefills:
+            chunk.seq.num_computed = chunk.end
+        for seq in [*batch.decodes, *(c.seq for c in batch.prefills)]:
+            for pos, lp, top in result.prompt.get(id(seq), []):
+                if pos == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(lp)
+                    if seq.params.prompt_logprobs:
+                        seq.prompt_top_logprobs.append(top)
+            sampled = result.sampled.get(id(seq))
+            if sampled is not None and self._append(seq, sampled):
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _append(self, seq: Sequence, sampled) -> bool:
+        """Adds a sampled token to ``seq``; returns whether the sequence is finished."""
+        seq.token_ids.append(sampled.token)
+        self.stats["generated_tokens"] += 1
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(sampled.logprob)
+            if seq.params.logprobs:
+                seq.top_logprobs.append(sampled.top)
+        params = seq.params
+        if sampled.token in params.stop_token_ids or (not params.ignore_eos and sampled.token in self.eos_ids):
+            seq.finish_reason, seq.stop_reason = "stop", sampled.token
+        elif seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def run_until_done(self) -> list[Sequence]:
+        """Steps until every queued request has finished; returns them in the order they finished."""
+        done = []
+        while self.has_unfinished():
+            done.extend(self.step())
+        return done

@@ -1,0 +1,40 @@
+"""``ForwardBatch``: what one forward pass needs to know about the packed tokens it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Metadata of one forward pass over ``T`` packed tokens: the ``num_decode`` decode rows first (one new token
+    per sequence, absorbed MLA over the paged cache), then the prefill chunks (decompressed MLA).
+
+    positions: ``[T]`` int32 position of each token; slot_mapping: ``[T]`` int64 cache slot each token's latent is
+        written to (-1: not written, e.g. CUDA-graph padding).
+    block_table: ``[num_decode, max_blocks]`` int32 pages of each decode sequence; seq_lens: ``[num_decode]`` int32
+        tokens in the cache including the new one (0 for padding rows).
+    cu_seqlens_q: ``[P+1]`` int32 offsets of the P prefill chunks within the prefill rows; cu_seqlens_k: ``[P+1]``
+        int32 offsets of their keys (every cached position of the sequence up to the chunk's end);
+        context_slots: ``[cu_seqlens_k[-1]]`` int64 cache slots of those keys, in order.
+    moe_mode: ``ep_dispatch`` mode, ``normal`` or ``low_latency`` (no host synchronisation: CUDA graphs).
+    decode_rows_per_head: ``[heads]`` int32, every entry ``num_decode``: the ``masked_m`` of the absorbed per-head
+        GEMMs (filled by the model on first use).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decode: int = 0
+    block_table: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    context_slots: torch.Tensor | None = None
+    moe_mode: str = "normal"
+    decode_rows_per_head: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]

@@ -1,0 +1,221 @@
+"""``LLM``: offline generation in the style of vLLM.
+
+Prompts are text (with a ``tokenizer.json`` in the checkpoint) or lists of token ids::
+
+    from deepinfer.model import LLM, SamplingParams
+    llm = LLM("path/to/deepseek-checkpoint")          # or LLM() for the small embedded default
+    outs = llm.generate(["Hello", [0, 17, 42]], SamplingParams(max_tokens=32, temperature=0))
+    outs[0].outputs[0].text, outs[1].outputs[0].token_ids
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+import deepinfer
+
+from .checkpoint import Checkpoint
+from .deepseek_v3 import DeepseekV3
+from .engine import LLMEngine
+from .errors import RequestError
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+PROGRESS_MIN_PROMPTS = 8
+
+
+class LLM:
+    """A DeepSeek-V3-family checkpoint served by the continuous-batching engine on one backend.
+
+    model: a Hugging Face layout directory (None: the small embedded default, created on first use).
+    backend: a backend name or alias (None: the selected one, as ``deepinfer.current_backend()``); every op of
+    this LLM runs on it. dtype: activations and float weights, ``bfloat16`` (default) or ``float32``.
+    kv_format: ``bf16`` or ``fp8_ds_mla``. block_size: tokens per cache page. num_blocks / kv_cache_gb: cache
+    size (default: see ``LLMEngine``). max_num_seqs: sequences running at once; max_num_batched_tokens: tokens per
+    step; prefill_chunk_size: prefill chunk length; max_model_len: context limit (default: the model's).
+    preemption_mode: ``swap`` (pages to host memory and back) or ``recompute``. enforce_eager: no CUDA graphs.
+    device: torch device (default: the backend's device type). progress: progress bars for loading and for
+    batches of at least 8 prompts.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        backend: str | None = None,
+        *,
+        dtype: str | torch.dtype = "bfloat16",
+        kv_format: str = "bf16",
+        block_size: int = 64,
+        num_blocks: int | None = None,
+        kv_cache_gb: float | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        prefill_chunk_size: int = 1024,
+        max_model_len: int | None = None,
+        preemption_mode: str = "swap",
+        enforce_eager: bool = False,
+        device: str | torch.device | None = None,
+        progress: bool = True,
+    ):
+        if model is None:
+            from .tiny import default_checkpoint
+
+            model = default_checkpoint()
+        self.path = Path(model)
+        if backend is None:
+            self.backend = deepinfer.current_backend().name
+        else:
+            with deepinfer.use(backend) as spec:  # checks it is installed and available; this LLM pins it per call
+                self.backend = spec.name
+        self.dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if self.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
+        self.progress = progress
+        with deepinfer.use(self.backend) as spec:
+            self.device = torch.device(device if device is not None else spec.device_type)
+            ckpt = Checkpoint.open(self.path)
+            self.config = ckpt.config
+            self.tokenizer = Tokenizer.from_dir(self.path, self.config.bos_token_id)
+            self.model = self._load(ckpt)
+            self.engine = LLMEngine(
+                self.model,
+                kv_format=kv_format,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_bytes=None if kv_cache_gb is None else int(kv_cache_gb * (1 << 30)),
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                chunk_size=prefill_chunk_size,
+                max_model_len=max_model_len,
+                preemption_mode=preemption_mode,
+                cuda_graphs=not enforce_eager,
+            )
+        self.last_stats: dict[str, float] = {}
+
+    def _load(self, ckpt: Checkpoint) -> DeepseekV3:
+        total = ckpt.total_bytes(n for n in ckpt.layout)
+        if not self.progress:
+            model = DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device)
+            ckpt.close()
+            return model
+        with Progress(
+            TextColumn("loading weights"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        ) as bar:
+            task = bar.add_task("load", total=total)
+            model = DeepseekV3.load(
+                ckpt, dtype=self.dtype, device=self.device, on_progress=lambda n: bar.advance(task, n)
+            )
+        ckpt.close()
+        return model
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def _to_ids(self, prompt: Any) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"text prompts need a tokenizer.json in {self.path}; pass token ids instead")
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt), None
+        raise RequestError(f"a prompt is a str, a list of token ids or a dict; got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        progress: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for each prompt (a str, a list of token ids, or a list of those); returns one
+        ``RequestOutput`` per prompt, in order. ``sampling_params``: one for all, or one per prompt."""
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+        )
+        prompts = [prompts] if single else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        show = (self.progress if progress is None else progress) and len(prompts) >= PROGRESS_MIN_PROMPTS
+        engine = self.engine
+        start = time.perf_counter()
+        gen0, prompt0 = engine.stats["generated_tokens"], engine.stats["prompt_tokens"]
+        with deepinfer.use(self.backend):
+            seqs = self._add_all(prompts, params)
+            if show:
+                self._run_with_progress(len(seqs), start, gen0)
+            else:
+                engine.run_until_done()
+        elapsed = time.perf_counter() - start
+        self.last_stats = {
+            "requests": len(seqs),
+            "prompt_tokens": engine.stats["prompt_tokens"] - prompt0,
+            "generated_tokens": engine.stats["generated_tokens"] - gen0,
+            "seconds": elapsed,
+        }
+        return [self._output(s) for s in seqs]
+
+    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
+        encoded = [self._to_ids(p) for p in prompts]  # every prompt checked before any is queued
+        return [self.engine.add_request(ids, sp, prompt=text) for (ids, text), sp in zip(encoded, params)]
+
+    def _run_with_progress(self, total: int, start: float, gen0: int) -> None:
+        engine = self.engine
+        with Progress(
+            TextColumn("generating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        ) as bar:
+            task = bar.add_task("generate", total=total, rate="")
+            while engine.has_unfinished():
+                done = engine.step()
+                rate = (engine.stats["generated_tokens"] - gen0) / max(time.perf_counter() - start, 1e-9)
+                bar.update(task, advance=len(done), rate=f"{rate:.1f} tok/s")
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        p = seq.params
+        ids = seq.generated_ids
+        text = self.tokenizer.decode(ids, p.skip_special_tokens) if self.tokenizer is not None else ""
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=ids,
+            logprobs=list(seq.logprobs) if p.logprobs is not None else None,
+            top_logprobs=list(seq.top_logprobs) if p.logprobs else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[completion],
+            prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
+            prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs else None,
+            metrics={"preemptions": seq.num_preemptions},
+        )

@@ -1,0 +1,110 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) on deepinfer ops.
+
+Per token the paged cache holds the latent ``c = RMSNorm(x W_DKV)`` (``kv_lora_rank`` values) and the shared
+rotary key ``k_pe`` (``qk_rope_head_dim`` values). Two paths read it:
+
+- prefill (decompressed): the latents of every cached position of the sequence are expanded through ``kv_b_proj``
+  into per-head keys and values, then ``attention_varlen`` runs causal attention (``D_qk = nope + rope``,
+  ``D_v = v_head_dim``). The keys are read back from the cache, so a chunked prefill sees exactly the values a
+  single prefill would, and the values decode sees.
+- decode (absorbed): ``q_nope`` is multiplied into the latent space by ``W_UK`` (per head), ``mla_decode`` attends
+  over the latent cache directly, and ``W_UV`` maps the latent output back to per-head values. The per-head
+  products run as ``grouped_gemm`` in the masked layout (one "expert" per head), which needs no host
+  synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer import QTensor, ops
+from deepinfer.kv_cache import read_tokens
+
+from .config import ModelConfig
+from .forward_batch import ForwardBatch
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` through ``deepinfer.ops.gemm``, returned in x's dtype."""
+    return ops.gemm(x, w, out_dtype=x.dtype, bias=bias)
+
+
+def gather_latent(kv_cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """The cached ``[c | k_pe]`` of ``slots`` as ``dtype`` ``[len(slots), kv_lora_rank + rope_dim]``."""
+    if kv_cache.dtype == torch.uint8:  # fp8_ds_mla: unpack the records
+        return read_tokens(kv_cache, slots, kv_lora_rank).to(dtype)
+    return kv_cache.view(-1, kv_cache.shape[-1])[slots].to(dtype)
+
+
+class MLAttention:
+    """One layer's attention. ``weights``: the layer's prepared op weights by checkpoint name below
+    ``self_attn.`` (``q_proj.weight`` or ``q_a_proj.weight`` / ``q_a_layernorm.weight`` / ``q_b_proj.weight``,
+    ``kv_a_proj_with_mqa.weight``, ``kv_a_layernorm.weight``, ``kv_b_proj.weight``, ``o_proj.weight``, optional
+    ``*.bias``), plus ``w_uk [H, r, nope]`` and ``w_uv [H, v, r]``."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, cos_sin_cache: torch.Tensor, softmax_scale: float):
+        self.heads = cfg.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        self.eps = cfg.rms_norm_eps
+        self.interleaved = cfg.rope_interleave
+        self.cos_sin_cache = cos_sin_cache
+        self.softmax_scale = softmax_scale
+        self.w = weights
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        if "q_proj.weight" in w:
+            q = linear(x, w["q_proj.weight"])
+        else:
+            qa = linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias"))
+            q = linear(ops.rms_norm(qa, w["q_a_layernorm.weight"], self.eps)[0], w["q_b_proj.weight"])
+        return q.view(x.shape[0], self.heads, self.nope + self.rope_dim)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        t, w = x.shape[0], self.w
+        q = self._query(x)
+        q_nope = q[..., : self.nope]
+        q_pe = ops.rope(q[..., self.nope :].contiguous(), batch.positions, self.cos_sin_cache, self.interleaved)
+
+        kv = linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
+        c = ops.rms_norm(kv[:, : self.rank].contiguous(), w["kv_a_layernorm.weight"], self.eps)[0]
+        k_pe = ops.rope(kv[:, None, self.rank :].contiguous(), batch.positions, self.cos_sin_cache, self.interleaved)
+        latent = torch.cat([c, k_pe[:, 0]], dim=-1)
+        ops.write_kv_cache(latent, kv_cache, batch.slot_mapping, kv_lora_rank=self.rank)
+
+        nd = batch.num_decode
+        parts = []
+        if nd:
+            parts.append(self._decode(q_nope[:nd], q_pe[:nd], batch, kv_cache))
+        if t > nd:
+            parts.append(self._prefill(q_nope[nd:], q_pe[nd:], batch, kv_cache))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return linear(out.reshape(t, self.heads * self.v_dim), w["o_proj.weight"], w.get("o_proj.bias"))
+
+    def _decode(self, q_nope, q_pe, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+        per_head, dtype = batch.decode_rows_per_head, q_nope.dtype
+        q_lat = ops.grouped_gemm(
+            q_nope.transpose(0, 1).contiguous(), self.w["w_uk"], masked_m=per_head, out_dtype=dtype
+        )
+        q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1).unsqueeze(1)  # [b, 1, H, r + rope]
+        o_lat, _ = ops.mla_decode(
+            q, kv_cache, batch.block_table, batch.seq_lens, softmax_scale=self.softmax_scale, kv_lora_rank=self.rank
+        )
+        o = ops.grouped_gemm(
+            o_lat[:, 0].transpose(0, 1).contiguous(), self.w["w_uv"], masked_m=per_head, out_dtype=dtype
+        )
+        return o.transpose(0, 1)  # [b, H, v]
+
+    def _prefill(self, q_nope, q_pe, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+        ctx = gather_latent(kv_cache, batch.context_slots, self.rank, q_nope.dtype)
+        n = ctx.shape[0]
+        kv = linear(ctx[:, : self.rank].contiguous(), self.w["kv_b_proj.weight"]).view(
+            n, self.heads, self.nope + self.v_dim
+        )
+        k = torch.cat([kv[..., : self.nope], ctx[:, None, self.rank :].expand(n, self.heads, self.rope_dim)], dim=-1)
+        v = kv[..., self.nope :]
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        return ops.attention_varlen(
+            q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, softmax_scale=self.softmax_scale, causal=True
+        )

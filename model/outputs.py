@@ -1,0 +1,39 @@
+"""What ``LLM.generate`` returns: one ``RequestOutput`` per prompt (vLLM's shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated completion.
+
+    token_ids: the generated tokens (a stop token included). text: their decoding ("" without a tokenizer).
+    logprobs: the log-probability of each generated token (when asked); top_logprobs: per token, the ``k`` most
+    likely tokens and theirs (when ``k > 0`` was asked). finish_reason: ``stop`` (a stop or end-of-sequence token)
+    or ``length`` (``max_tokens`` or the model's context); stop_reason: the stop token, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt. prompt_logprobs: per prompt token, its log-probability given the tokens before
+    it (``None`` for the first), when asked; prompt_top_logprobs likewise with the ``k`` most likely tokens."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    finished: bool = True
+    metrics: dict[str, float] = field(default_factory=dict)

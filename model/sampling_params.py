@@ -1,0 +1,71 @@
+"""``SamplingParams``: how one request is decoded (the names and defaults vLLM users know)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import RequestError
+
+MASK63 = (1 << 63) - 1
+
+
+@dataclass
+class SamplingParams:
+    """How to decode one request.
+
+    max_tokens: tokens to generate at most. temperature: 0 is greedy (the first index of the highest logit);
+    otherwise logits are divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off) filter the
+    distribution as ``deepinfer.ops.sample`` documents. seed: a request's tokens depend only on its prompt, its
+    parameters and this seed, never on what else is batched with it (None: a fresh random seed).
+    stop_token_ids: generation ends after any of these; the model's ``eos_token_id`` ends it too unless
+    ``ignore_eos``. logprobs: None for none; ``k >= 0`` returns the log-probability of each generated token
+    (and the ``k`` most likely tokens with theirs when ``k > 0``). prompt_logprobs: the same for the prompt
+    tokens (the first prompt token has none). Log-probabilities come from the model's raw logits (log_softmax
+    before temperature or filtering), as vLLM computes them by default.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> RequestError:
+            return RequestError(f"SamplingParams: {what}")
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be an int >= 0 (0 or -1: off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad(f"seed must be an int or None, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is True:
+                setattr(self, name, 0)
+            elif value is False:
+                setattr(self, name, None)
+            elif value is not None and (not isinstance(value, int) or value < 0):
+                raise bad(f"{name} must be None or an int >= 0, got {value!r}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed ``deepinfer.ops.sample`` gets for a request's ``step``-th token: a SplitMix64 mix of the request
+    seed and the step, so each token draws fresh randomness that depends on nothing else."""
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) & MASK63

@@ -1,0 +1,228 @@
+"""``Scheduler``: continuous batching with chunked prefill and preemption.
+
+Every step it builds one batch under a token budget (``max_num_batched_tokens``) and a seat limit
+(``max_num_seqs``), oldest request first:
+
+1. swapped-out sequences come back when their pages fit again;
+2. every running sequence whose only pending token is a generated one decodes it; if the cache has no page for it, the
+   newest running sequence not yet scheduled is preempted (possibly the one asking);
+3. running sequences in the middle of their prefill get their next chunk, then waiting requests are admitted
+   (none while a preempted sequence waits to come back).
+
+A prompt is prefilled in chunks that end at multiples of ``chunk_size`` (the last one shorter), so how a request is
+split never depends on what else runs with it: with batch-invariant ops its tokens are bitwise the same alone or in
+any batch. Preemption copies the victim's pages to host memory (``swap``) and copies them back when it resumes:
+nothing is recomputed and the resumed request continues exactly where it stopped. ``recompute`` drops the pages
+instead and prefills prompt and generated tokens again. A sequence that outgrows the whole cache while running alone
+finishes with ``finish_reason="length"``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .block_manager import BlockAllocator
+from .sequence import Sequence, Status
+
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+@dataclass
+class PrefillChunk:
+    """Tokens ``[start, end)`` of ``seq`` to prefill this step."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+
+@dataclass
+class ScheduledBatch:
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.end - c.start for c in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    """Decides what runs each step. ``swap_out(blocks) -> handle`` and ``swap_in(handle, blocks)`` move a
+    sequence's pages to host memory and back (used by the ``swap`` preemption mode)."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunk_size: int,
+        preemption_mode: str = "swap",
+        swap_out: Callable[[list[int]], Any] | None = None,
+        swap_in: Callable[[Any, list[int]], None] | None = None,
+    ):
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if preemption_mode == "swap" and (swap_out is None or swap_in is None):
+            raise ValueError("swap preemption needs swap_out and swap_in")
+        if chunk_size < 1 or max_num_batched_tokens < chunk_size or max_num_seqs < 1:
+            raise ValueError(
+                f"need chunk_size >= 1, max_num_batched_tokens >= chunk_size and max_num_seqs >= 1; got "
+                f"{chunk_size}, {max_num_batched_tokens}, {max_num_seqs}"
+            )
+        self.allocator = allocator
+        self.max_num_seqs, self.max_num_batched_tokens, self.chunk_size = (
+            max_num_seqs,
+            max_num_batched_tokens,
+            chunk_size,
+        )
+        self.preemption_mode, self._swap_out, self._swap_in = preemption_mode, swap_out, swap_in
+        self.waiting: list[Sequence] = []  # each list is kept in arrival order
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = 0
+        self.truncated: list[Sequence] = []  # finished because the whole cache could not hold them (engine drains)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        _insert(self.waiting, seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def chunk_end(self, seq: Sequence) -> int:
+        """End of the next prefill chunk of ``seq``: the next multiple of ``chunk_size`` or the last token."""
+        return min((seq.num_computed // self.chunk_size + 1) * self.chunk_size, seq.num_tokens)
+
+    def finish(self, seq: Sequence) -> None:
+        """Takes a finished sequence out and frees its pages."""
+        self.running.remove(seq)
+        self.allocator.release(seq)
+        seq.status = Status.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        """The next batch (empty only when nothing is left to run)."""
+        batch = self._schedule()
+        if not batch and not self.running and (self.swapped or self.waiting):
+            queue = self.swapped or self.waiting
+            seq = queue[0]
+            if self._pages_for_next_step(seq) <= self.allocator.num_blocks:
+                return self.schedule()  # pages were freed after it was considered this round: it fits now
+            # Even the whole cache cannot hold its next step: it has reached the cache's capacity.
+            queue.pop(0)
+            seq.swapped, seq.swapped_pages = None, 0
+            seq.status, seq.finish_reason = Status.FINISHED, "length"
+            self.truncated.append(seq)
+            return self.schedule()
+        if not batch and self.running:
+            # Every running sequence waits for pages that only another running one can free.
+            if len(self.running) > 1:
+                self._preempt(self.running[-1])
+                return self.schedule()
+            seq = self.running[0]
+            need = self.allocator.blocks_for(seq.num_tokens)
+            raise RuntimeError(
+                f"request {seq.request_id!r} needs {need} cache pages for {seq.num_tokens} tokens; the cache has "
+                f"{self.allocator.num_blocks}"
+            )
+        return batch
+
+    def _schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if self._pages_for_next_step(seq) > self.allocator.num_free:
+                break
+            self.swapped.pop(0)
+            seq.block_table = self.allocator.allocate(seq.swapped_pages)
+            self._swap_in(seq.swapped, seq.block_table)
+            seq.swapped, seq.swapped_pages = None, 0
+            seq.status = Status.RUNNING
+            _insert(self.running, seq)
+
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or not seq.is_decode or budget == 0:
+                continue
+            if not self._make_room(seq, seq.num_computed + 1, scheduled):
+                continue
+            self.allocator.grow(seq, seq.num_computed + 1)
+            batch.decodes.append(seq)
+            scheduled.add(id(seq))
+            budget -= 1
+
+        for seq in self.running:
+            if seq.is_decode or id(seq) in scheduled:
+                continue
+            end = self.chunk_end(seq)
+            if end - seq.num_computed > budget or not self.allocator.can_grow(seq, end):
+                break
+            self.allocator.grow(seq, end)
+            batch.prefills.append(PrefillChunk(seq, seq.num_computed, end))
+            scheduled.add(id(seq))
+            budget -= end - seq.num_computed
+
+        while self.waiting and not self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            end = self.chunk_end(seq)
+            if end - seq.num_computed > budget or not self.allocator.can_grow(seq, end):
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            _insert(self.running, seq)
+            self.allocator.grow(seq, end)
+            batch.prefills.append(PrefillChunk(seq, seq.num_computed, end))
+            scheduled.add(id(seq))
+            budget -= end - seq.num_computed
+        return batch
+
+    def _pages_for_next_step(self, seq: Sequence) -> int:
+        """Pages ``seq`` holds after its next step (for a swapped sequence, at least the pages it comes back to)."""
+        end = seq.num_computed + 1 if seq.is_decode else self.chunk_end(seq)
+        return max(seq.swapped_pages, self.allocator.blocks_for(end))
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
+        """Preempts the newest unscheduled running sequences until ``seq`` can hold ``num_tokens``; False when
+        ``seq`` itself had to go."""
+        while not self.allocator.can_grow(seq, num_tokens):
+            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
+            if not victims and self.running == [seq]:
+                # Alone and still out of pages: the cache can never hold this sequence any longer.
+                self.running.remove(seq)
+                self.allocator.release(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "length"
+                self.truncated.append(seq)
+                return False
+            victim = victims[-1] if victims else seq
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        if self.preemption_mode == "swap":
+            seq.swapped = self._swap_out(seq.block_table)
+            seq.swapped_pages = len(seq.block_table)
+            self.allocator.release(seq)
+            seq.status = Status.SWAPPED
+            _insert(self.swapped, seq)
+        else:
+            self.allocator.release(seq)
+            seq.num_computed = 0
+            seq.status = Status.WAITING
+            _insert(self.waiting, seq)
+
+
+def _insert(queue: list[Sequence], seq: Sequence) -> None:
+    bisect.insort(queue, seq, key=lambda s: s.arrival)

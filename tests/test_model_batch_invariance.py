@@ -1,0 +1,73 @@
+"""Batch invariance end to end: with ``DEEPINFER_BATCH_INVARIANT=1`` a request's tokens and log-probabilities (greedy
+and seeded sampling) are bitwise the same alone and inside batches of 1 to 64 mixed requests, on every backend that
+declares ``batch_invariant``. Prompts of different lengths are prefilled in chunks and share steps with other
+requests' prefills and decodes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+
+import deepinfer
+from deepinfer import registry
+from deepinfer.model import LLM, SamplingParams
+
+
+def mixed_requests(n: int, rng: random.Random) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = random_prompts(258, [rng.randint(1, 40) for _ in range(n)], seed=rng.randint(0, 1 << 30))
+    params = []
+    for i in range(n):
+        greedy = i % 3 == 0
+        params.append(
+            SamplingParams(
+                max_tokens=rng.randint(3, 12),
+                temperature=0.0 if greedy else rng.choice([0.5, 1.0, 1.3]),
+                top_p=rng.choice([1.0, 0.9, 0.5]),
+                top_k=rng.choice([0, 0, 5, 50]),
+                seed=rng.randint(0, 1 << 40),
+                ignore_eos=True,
+                logprobs=rng.choice([0, 2]),
+                prompt_logprobs=0 if i % 4 == 0 else None,
+            )
+        )
+    return prompts, params
+
+
+def result(out) -> tuple:
+    c = out.outputs[0]
+    return c.token_ids, c.logprobs, c.top_logprobs, out.prompt_logprobs
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tokens_identical_alone_and_in_batches_of_1_to_64(
+    dtype, tmp_path, monkeypatch, deepinfer_backend, deepinfer_device
+):
+    spec = registry.get().lookup(deepinfer_backend)
+    if "batch_invariant" not in spec.capabilities:
+        pytest.skip(f"{deepinfer_backend} does not declare batch_invariant")
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    assert deepinfer.batch_invariant_enabled()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    ckpt = small_checkpoint(tmp_path, seed=seed % 1000)
+    prompts, params = mixed_requests(64, rng)
+    llm = LLM(
+        ckpt,
+        deepinfer_backend,
+        device=deepinfer_device,
+        dtype=dtype,
+        block_size=8,
+        prefill_chunk_size=16,
+        max_num_batched_tokens=128,
+        max_num_seqs=64,
+        progress=False,
+    )
+    everything = [result(o) for o in llm.generate(prompts, params)]
+    assert len({tuple(r[0]) for r in everything}) > 32, "the requests are meant to differ"
+    for size in (1, 1, 1, 2, 5, 16, 40):
+        chosen = rng.sample(range(64), size)
+        outs = llm.generate([prompts[i] for i in chosen], [params[i] for i in chosen])
+        for i, out in zip(chosen, outs):
+            assert result(out) == everything[i], f"request {i} differs in a batch of {size} (seed {seed})"

@@ -1,0 +1,231 @@
+"""The checkpoint loader: Hugging Face layouts it accepts, and the clear errors (naming the file and the tensor,
+raised before any weight is read or any compute runs) for everything it refuses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from model_helpers import fp8_copy, hf_checkpoint, one_thread, random_prompts, small_checkpoint  # noqa: F401
+from safetensors.torch import load_file, save_file
+
+from deepinfer.model import LLM, Checkpoint, CheckpointError, ModelConfig, SamplingParams, expected_layout
+from deepinfer.model import deepseek_v3 as ds
+
+FILE = "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return small_checkpoint(tmp_path_factory.mktemp("base"), seed=3)
+
+
+def variant(base: Path, dst: Path, edit=None, config=None) -> Path:
+    """A copy of ``base`` with its tensors passed through ``edit(dict)`` and its config through ``config(dict)``."""
+    shutil.copytree(base, dst)
+    if edit is not None:
+        tensors = load_file(str(base / FILE))
+        edit(tensors)
+        save_file(tensors, str(dst / FILE), metadata={"format": "pt"})
+    if config is not None:
+        cfg = json.loads((base / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def greedy(path: Path, **kw) -> list[list[int]]:
+    llm = LLM(path, progress=False, block_size=8, **kw)
+    prompts = random_prompts(llm.config.vocab_size, [7, 19], seed=0)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))]
+
+
+def refused(path: Path, *fragments: str, monkeypatch=None) -> str:
+    """Loading ``path`` raises a CheckpointError containing every fragment, before the model is built."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(ds.DeepseekV3, "load", lambda *a, **k: pytest.fail("weights were read before the check"))
+    with pytest.raises(CheckpointError) as e:
+        LLM(path, progress=False)
+    msg = str(e.value)
+    for f in fragments:
+        assert f in msg, msg
+    return msg
+
+
+def test_sharded_checkpoint_with_index_loads_like_one_file(tmp_path):
+    one = hf_checkpoint(tmp_path / "one", seed=1)
+    from transformers import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained(one, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    shards = sorted((tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert greedy(tmp_path / "sharded") == greedy(one)
+
+
+def test_mtp_layer_is_recognised_and_kept_out(base, tmp_path):
+    cfg = ModelConfig.from_dir(base)
+    layer = cfg.num_hidden_layers
+    h = cfg.hidden_size
+
+    def add_mtp(t):
+        p = f"model.layers.{layer}."
+        t[p + "enorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        t[p + "hnorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        t[p + "eh_proj.weight"] = torch.zeros(h, 2 * h, dtype=torch.bfloat16)
+        t[p + "shared_head.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        t[p + "self_attn.kv_a_layernorm.weight"] = torch.ones(cfg.kv_lora_rank, dtype=torch.bfloat16)
+
+    path = variant(base, tmp_path / "mtp", add_mtp, lambda c: c.update(num_nextn_predict_layers=1))
+    ckpt = Checkpoint.open(path)
+    assert len(ckpt.mtp_keys) == 5 and all(k.startswith(f"model.layers.{layer}.") for k in ckpt.mtp_keys)
+    assert greedy(path) == greedy(base)
+    without = variant(base, tmp_path / "stray", add_mtp)  # no num_nextn_predict_layers: layer L is unexpected
+    refused(without, "unexpected tensor", f"model.layers.{layer}.")
+
+
+def test_prepare_weight_sees_every_op_weight_once(base, monkeypatch):
+    seen: list[str] = []
+    monkeypatch.setattr(ds, "prepare_weight", lambda name, w: seen.append(name) or w)
+    LLM(base, progress=False)
+    assert len(seen) == len(set(seen)), "a weight was prepared twice"
+    cfg = ModelConfig.from_dir(base)
+    last = cfg.num_hidden_layers - 1
+    for name in (
+        "lm_head.weight",
+        f"model.layers.{last}.mlp.experts.gate_up_proj",
+        f"model.layers.{last}.mlp.experts.down_proj",
+        f"model.layers.{last}.self_attn.w_uk",
+        "model.layers.0.mlp.gate_up_proj.weight",
+    ):
+        assert name in seen
+    assert "model.embed_tokens.weight" not in seen  # looked up by index, never an op argument
+
+
+def test_weights_stream_with_byte_counts(base):
+    ckpt = Checkpoint.open(base)
+    streamed = []
+    ds.DeepseekV3.load(ckpt, on_progress=streamed.append)
+    assert (
+        sum(streamed)
+        == ckpt.total_bytes(ckpt.layout)
+        == (base / FILE).stat().st_size - 8 - int.from_bytes((base / FILE).read_bytes()[:8], "little")
+    )
+
+
+def test_config_forms_agree(base):
+    raw = json.loads((base / "config.json").read_text())
+    hub = ModelConfig.from_dict(raw)
+    v5 = dict(raw)
+    v5["rope_parameters"] = dict(raw.pop("rope_scaling"), rope_theta=raw["rope_theta"], rope_type="yarn")
+    del v5["rope_scaling"], v5["rope_theta"]
+    assert ModelConfig.from_dict(v5).rope_scaling == hub.rope_scaling
+    lite = ModelConfig.from_dict(dict(raw, q_lora_rank=None, n_group=None, topk_group=None))
+    assert (
+        lite.q_lora_rank is None
+        and lite.n_group == 1
+        and "model.layers.0.self_attn.q_proj.weight" in expected_layout(lite)
+    )
+
+
+def test_missing_tensor(base, tmp_path, monkeypatch):
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    refused(variant(base, tmp_path / "x", lambda t: t.pop(name)), "missing tensor", name, monkeypatch=monkeypatch)
+
+
+def test_unexpected_tensor(base, tmp_path, monkeypatch):
+    name = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    path = variant(base, tmp_path / "x", lambda t: t.update({name: torch.ones(4)}))
+    refused(path, "unexpected tensor", name, FILE, monkeypatch=monkeypatch)
+
+
+def test_misshaped_tensor(base, tmp_path, monkeypatch):
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    path = variant(base, tmp_path / "x", lambda t: t.update({name: t[name][:, :-1].contiguous()}))
+    refused(path, name, "has shape", "config.json implies", FILE, monkeypatch=monkeypatch)
+
+
+def test_integer_tensor(base, tmp_path, monkeypatch):
+    name = "model.norm.weight"
+    path = variant(base, tmp_path / "x", lambda t: t.update({name: t[name].to(torch.int32)}))
+    refused(path, name, "dtype I32", monkeypatch=monkeypatch)
+
+
+def test_truncated_file(base, tmp_path, monkeypatch):
+    path = variant(base, tmp_path / "x")
+    data = (path / FILE).read_bytes()
+    (path / FILE).write_bytes(data[: len(data) - 1000])
+    refused(path, "truncated", str(path / FILE), monkeypatch=monkeypatch)
+
+
+def test_corrupt_header(base, tmp_path, monkeypatch):
+    path = variant(base, tmp_path / "x")
+    data = bytearray((path / FILE).read_bytes())
+    data[8:12] = b"}}}}"
+    (path / FILE).write_bytes(bytes(data))
+    refused(path, "corrupt safetensors header", str(path / FILE), monkeypatch=monkeypatch)
+
+
+def test_wrong_architecture(base, tmp_path, monkeypatch):
+    path = variant(
+        base, tmp_path / "x", config=lambda c: c.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    )
+    refused(path, "unsupported architecture", "llama", "config.json", monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "qc, fragment",
+    [
+        ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+        ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
+    ],
+)
+def test_unsupported_quantization(base, tmp_path, monkeypatch, qc, fragment):
+    path = variant(base, tmp_path / "x", config=lambda c: c.update(quantization_config=qc))
+    refused(path, "unsupported", fragment, monkeypatch=monkeypatch)
+
+
+def test_pickle_files_are_refused(base, tmp_path, monkeypatch):
+    path = tmp_path / "pickled"
+    path.mkdir()
+    shutil.copy(base / "config.json", path)
+    torch.save({"model.norm.weight": torch.ones(4)}, path / "pytorch_model.bin")
+    refused(path, "pickle", "pytorch_model.bin", "refused", monkeypatch=monkeypatch)
+
+
+def test_index_naming_a_missing_file(base, tmp_path, monkeypatch):
+    path = variant(base, tmp_path / "x")
+    tensors = load_file(str(base / FILE))
+    weight_map = {n: FILE for n in tensors} | {"model.norm.weight": "model-00002-of-00002.safetensors"}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    refused(path, "model-00002-of-00002.safetensors", "missing", monkeypatch=monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fp8")
+    shapes = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, q_lora_rank=128, kv_lora_rank=128)
+    src = hf_checkpoint(root / "bf16", 4, num_hidden_layers=2, v_head_dim=32, **shapes)
+    return fp8_copy(src, root / "fp8", root / "oracle")[0]
+
+
+def test_fp8_checkpoint_loads_as_block_scaled_weights(fp8):
+    ckpt = Checkpoint.open(fp8)
+    assert ckpt.config.fp8 is not None and ckpt.is_fp8("model.layers.1.mlp.experts.0.down_proj.weight")
+    model = ds.DeepseekV3.load(ckpt)
+    w13 = model.layers[1][3].w13
+    assert w13.data.dtype == torch.float8_e4m3fn and tuple(w13.scale.shape) == (8, 2, 1)  # [E, 2I/128, H/128]
+    assert model.layers[0][3].w13.block == (128, 128)
+
+
+def test_fp8_scale_missing_or_misshaped(fp8, tmp_path, monkeypatch):
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    refused(variant(fp8, tmp_path / "a", lambda t: t.pop(name)), "has no", name, monkeypatch=monkeypatch)
+    bad = variant(fp8, tmp_path / "b", lambda t: t.update({name: torch.ones(2, 2)}))
+    refused(bad, name, "expected float [1, 1]", monkeypatch=monkeypatch)
+    no_config = variant(fp8, tmp_path / "c", config=lambda c: c.pop("quantization_config"))
+    refused(no_config, "is FP8 but config.json has no fp8 quantization_config", monkeypatch=monkeypatch)

@@ -1,0 +1,82 @@
+"""``deepinfer generate`` and the embedded default checkpoint: the README's first command works on a CPU with no
+download, the default is the same bytes on every machine, and the model is never imported unless asked for."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from model_helpers import one_thread  # noqa: F401 (autouse fixture)
+
+from deepinfer import cli
+from deepinfer.model import LLM, SamplingParams
+from deepinfer.model.tiny import NAME, TINY_CONFIG, default_checkpoint, write_checkpoint
+
+# sha256 of the embedded default's model.safetensors: its weights come from a fixed seed of NumPy's frozen
+# RandomState stream, so this holds on every machine (a change here changes every user's default model).
+TINY_WEIGHTS_SHA256 = "9fa30cd2984bc96138fa21fb4eb16c1f88318e6629352912e2229750c2248687"
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_tiny_checkpoint_is_deterministic(tmp_path):
+    a, b = write_checkpoint(tmp_path / "a"), write_checkpoint(tmp_path / "b")
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert json.loads((a / "config.json").read_text()) == TINY_CONFIG
+    assert sha256(a / "model.safetensors") == TINY_WEIGHTS_SHA256
+
+
+def test_default_checkpoint_is_created_once_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
+    path = default_checkpoint()
+    assert path == tmp_path / NAME and (path / "tokenizer.json").is_file()
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert default_checkpoint() == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    llm = LLM(progress=False)  # no path: the default
+    out = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))[0]
+    assert len(out.outputs[0].token_ids) == 8 and isinstance(out.outputs[0].text, str)
+
+
+def test_readme_first_command_runs_with_no_download(tmp_path):
+    env = dict(os.environ, DEEPINFER_CACHE=str(tmp_path))
+    env.pop("DEEPINFER_ACCELERATOR", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", "generate", "--prompt", "Hello, DeepSeek", "--max-tokens", "16"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "Hello, DeepSeek" in run.stdout and "16 generated tokens" in run.stdout and "tokens/s" in run.stdout
+
+
+def test_generate_batch_file_token_ids_and_sampling(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("\n".join(["[256, 72, 105]", *[f"prompt number {i}" for i in range(9)], ""]))
+    argv = ["generate", "--batch", str(batch), "--max-tokens", "4", "--temperature", "0.7", "--seed", "5"]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr().out
+    assert "10 request(s)" in first and "prompt number 8" in first and "[256, 72, 105]" in first
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.split("\n")[:10] == first.split("\n")[:10], "same seed, same text"
+
+
+def test_generate_reports_a_bad_checkpoint(tmp_path, capsys):
+    assert cli.main(["generate", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "config.json: not found" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("code", ["import deepinfer", "import deepinfer.cli as c; c.main(['info'])"])
+def test_the_model_is_not_imported_unless_asked(code):
+    probe = f"{code}\nimport sys\nassert 'deepinfer.model' not in sys.modules, 'deepinfer.model was imported'"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr

@@ -1,0 +1,246 @@
+"""The engine: page allocator, scheduler (continuous batching, chunked prefill, preemption), sampling parameters,
+log-probabilities and the offline API, on a small checkpoint and the selected backend."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+
+import deepinfer
+from deepinfer.model import LLM, RequestError, SamplingParams
+from deepinfer.model.block_manager import BlockAllocator
+from deepinfer.model.sequence import Sequence
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return small_checkpoint(tmp_path_factory.mktemp("small"), seed=int.from_bytes(os.urandom(2), "little"))
+
+
+@pytest.fixture
+def make(ckpt, deepinfer_backend, deepinfer_device):
+    def build(**kw) -> LLM:
+        kw = {"block_size": 8, "progress": False, "dtype": "float32"} | kw
+        return LLM(ckpt, deepinfer_backend, device=deepinfer_device, **kw)
+
+    return build
+
+
+def mixed_params(n: int, max_tokens: int = 20) -> list[SamplingParams]:
+    """Greedy and seeded sampling with and without top-k / top-p, all asking for log-probabilities."""
+    return [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if i % 2 else 0.8,
+            top_p=0.9 if i % 3 else 1.0,
+            top_k=10 if i % 4 == 1 else 0,
+            seed=1000 + i,
+            ignore_eos=True,
+            logprobs=0,
+            prompt_logprobs=0,
+        )
+        for i in range(n)
+    ]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def record_schedule(llm: LLM) -> list:
+    """Wraps the scheduler to keep every batch it builds."""
+    seen, schedule = [], llm.engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        seen.append(([s.request_id for s in batch.decodes], [(c.seq, c.start, c.end) for c in batch.prefills]))
+        return batch
+
+    llm.engine.scheduler.schedule = spy
+    return seen
+
+
+def test_block_allocator_hands_out_and_takes_back_pages():
+    alloc = BlockAllocator(num_blocks=5, block_size=4)
+    seq = Sequence("a", 0, [1, 2, 3], SamplingParams(), seed=0)
+    alloc.grow(seq, 9)  # 9 tokens: 3 pages
+    assert len(seq.block_table) == 3 and alloc.num_free == 2
+    assert alloc.slot(seq, 5) == seq.block_table[1] * 4 + 1
+    assert not alloc.can_grow(seq, 21) and alloc.can_grow(seq, 20)
+    with pytest.raises(RuntimeError):
+        alloc.grow(seq, 21)
+    pages = list(seq.block_table)
+    alloc.release(seq)
+    assert seq.block_table == [] and alloc.num_free == 5
+    with pytest.raises(RuntimeError, match="freed twice"):
+        alloc.free(pages[:1])
+
+
+def test_chunked_prefill_equals_unchunked(make):
+    prompts = random_prompts(258, [37, 5, 22, 64], seed=1)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    whole = make(prefill_chunk_size=1024).generate(prompts, params)
+    llm = make(prefill_chunk_size=8, max_num_batched_tokens=16)
+    seen = record_schedule(llm)
+    chunked = llm.generate(prompts, params)
+    assert tokens(chunked) == tokens(whole)
+    for a, b in zip(chunked, whole):
+        assert torch.allclose(torch.tensor(a.prompt_logprobs[1:]), torch.tensor(b.prompt_logprobs[1:]), atol=2e-3)
+    chunks = [(start, end, seq.num_prompt_tokens) for _, prefills in seen for seq, start, end in prefills]
+    assert any(end - start == 8 for start, end, _ in chunks) and len(chunks) > len(prompts)
+    assert all(end % 8 == 0 or end == n for _, end, n in chunks), "chunks end at multiples of the chunk size"
+    assert all(len(d) + sum(e - s for _, s, e in p) <= 16 for d, p in seen), "the token budget holds every step"
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_resumes_and_loses_nothing(make, mode):
+    prompts = random_prompts(258, [30, 9, 41, 17, 3, 25], seed=2)
+    params = mixed_params(len(prompts), max_tokens=24)
+    with deepinfer.batch_invariant():
+        ample = make(num_blocks=256).generate(prompts, params)
+        llm = make(block_size=4, num_blocks=26, preemption_mode=mode)  # 104 slots for ~300 tokens
+        tight = llm.generate(prompts, params)
+    assert llm.engine.num_preemptions > 0, "the cache was meant to be too small for every request at once"
+    assert sum(o.metrics["preemptions"] for o in tight) == llm.engine.num_preemptions
+    assert tokens(tight) == tokens(ample)
+    for a, b in zip(tight, ample):
+        if mode == "swap":  # the pages come back bit for bit: nothing is recomputed
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs and a.prompt_logprobs == b.prompt_logprobs
+        else:  # generated tokens are prefilled again: same tokens, log-probabilities to rounding
+            assert torch.allclose(torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=2e-3)
+    assert llm.engine.allocator.num_free == 26, "every page is returned"
+
+
+def test_a_sequence_longer_than_the_cache_finishes_at_its_limit(make):
+    llm = make(block_size=4, num_blocks=8)  # 32 slots
+    outs = llm.generate([[5] * 10, [6] * 3], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    # 32 tokens fill the cache; the last of them yields one more sampled token, which needs no slot.
+    assert [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs] == [33, 33]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert llm.engine.allocator.num_free == 8
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_random_cache_pressure_never_loses_or_leaks(make, trial):
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    n = rng.randint(2, 7)
+    prompts = random_prompts(258, [rng.randint(1, 30) for _ in range(n)], seed=seed)
+    params = [SamplingParams(max_tokens=rng.randint(1, 20), temperature=0, ignore_eos=True) for _ in range(n)]
+    block_size = rng.choice([2, 4, 8])
+    need = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+    num_blocks = rng.randint(-(-max(len(p) for p in prompts) // block_size) + 1, -(-need // block_size) * 2)
+    mode = rng.choice(["swap", "recompute"])
+    chunk = rng.choice([4, 8, 16])
+    with deepinfer.batch_invariant():
+        ample = make(block_size=block_size).generate(prompts, params)
+        llm = make(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            preemption_mode=mode,
+            max_num_seqs=rng.randint(1, n),
+            prefill_chunk_size=chunk,
+            max_num_batched_tokens=chunk * rng.randint(1, 3),
+        )
+        tight = llm.generate(prompts, params)
+    where = f"seed {seed}: {n} requests, {num_blocks} pages of {block_size}, {mode}"
+    assert llm.engine.allocator.num_free == num_blocks, where
+    capacity = num_blocks * block_size
+    for a, b, p, sp in zip(tight, ample, prompts, params):
+        got, full = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == "length", where
+        if len(p) + sp.max_tokens <= capacity + 1:
+            assert len(got) == sp.max_tokens, where
+            if mode == "swap":
+                assert got == full, where
+        else:  # the request outgrew the whole cache: it stops at the capacity, with what it had
+            assert (len(p) + len(got) == capacity + 1 and got == full[: len(got)]) or mode == "recompute", where
+
+
+def test_continuous_batching_with_arrivals_matches_each_request_alone(make):
+    prompts = random_prompts(258, [12, 33, 4, 20, 9, 50, 1], seed=3)
+    params = mixed_params(len(prompts), max_tokens=10)
+    with deepinfer.batch_invariant():
+        llm = make(prefill_chunk_size=16, max_num_batched_tokens=32)
+        alone = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+        engine = llm.engine
+        seen = record_schedule(llm)
+        seqs, arrivals = [], {0: [0, 1], 2: [2], 3: [3, 4], 7: [5], 9: [6]}  # step -> requests arriving then
+        step = 0
+        while step <= max(arrivals) or engine.has_unfinished():
+            for i in arrivals.get(step, []):
+                seqs.append((i, engine.add_request(prompts[i], params[i])))
+            engine.step()
+            step += 1
+    assert any(d and p for d, p in seen), "some step ran decodes and prefills together"
+    for i, seq in seqs:
+        assert seq.generated_ids == alone[i].outputs[0].token_ids, f"request {i}"
+        assert seq.logprobs == alone[i].outputs[0].logprobs, f"request {i}"
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(make):
+    llm = make(dtype="bfloat16")
+    prompt = random_prompts(258, [10], seed=4)[0]
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    first = llm.generate(prompt, params)[0].outputs[0].token_ids
+    again = llm.generate([prompt, prompt[:3]], [params, params])[0].outputs[0].token_ids
+    assert first == again
+    others = {
+        tuple(llm.generate(prompt, SamplingParams(max_tokens=16, seed=s, ignore_eos=True))[0].outputs[0].token_ids)
+        for s in range(4)
+    }
+    assert len(others) > 1, "different seeds draw different tokens"
+
+
+def test_stop_tokens_max_tokens_and_logprobs(make):
+    llm = make()
+    prompt = random_prompts(258, [8], seed=5)[0]
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3))[0]
+    done = free.outputs[0]
+    assert done.finish_reason == "length" and len(done.token_ids) == 12 and len(done.logprobs) == 12
+    for t, lp, top in zip(done.token_ids, done.logprobs, done.top_logprobs):
+        assert len(top) == 3 and max(top, key=top.get) == t and top[t] == pytest.approx(lp)  # greedy: the best
+    stop = done.token_ids[4]
+    first_stop = done.token_ids.index(stop)
+    cut = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop], ignore_eos=True))
+    out = cut[0].outputs[0]
+    assert out.token_ids == done.token_ids[: first_stop + 1] and out.finish_reason == "stop" and out.stop_reason == stop
+    eos = llm.config.eos_token_ids[0]
+    forced = llm.generate([*prompt, eos], SamplingParams(max_tokens=3, prompt_logprobs=2, temperature=0))[0]
+    assert forced.prompt_logprobs[0] is None and len(forced.prompt_logprobs) == len(prompt) + 1
+    assert all(len(t) == 2 for t in forced.prompt_top_logprobs[1:])
+
+
+def test_text_prompts_and_request_errors(make, tmp_path):
+    llm = make()
+    out = llm.generate("Hello, world", SamplingParams(max_tokens=5, temperature=0))[0]
+    assert out.prompt == "Hello, world" and out.prompt_token_ids[0] == llm.config.bos_token_id
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+    with pytest.raises(RequestError, match="at least one token"):
+        llm.generate([[]])
+    with pytest.raises(RequestError, match="token ids"):
+        llm.generate([[5, 100000]])
+    with pytest.raises(RequestError, match="context"):
+        make(max_model_len=16).generate([list(range(2, 30))])
+    with pytest.raises(RequestError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(RequestError, match="2 SamplingParams for 1 prompts"):
+        llm.generate(["a"], [SamplingParams(), SamplingParams()])
+    (llm.path / "tokenizer.json").rename(tmp_path / "tokenizer.json")
+    try:
+        with pytest.raises(RequestError, match="tokenizer"):
+            make().generate("text needs a tokenizer")
+    finally:
+        (tmp_path / "tokenizer.json").rename(llm.path / "tokenizer.json")
+
+
+def test_backend_is_pinned_per_llm(ckpt, deepinfer_device):
+    llm = LLM(ckpt, "reference", device=deepinfer_device, progress=False)
+    assert llm.backend == "reference"
+    with pytest.raises(deepinfer.BackendError, match="no_such_backend"):
+        LLM(ckpt, "no_such_backend", progress=False)
