@@ -46,6 +46,8 @@ def dot(a, b, acc, FP32: tl.constexpr):
     """
     if FP32:
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    if a.dtype == tl.float32:  # fp32 operands stay fp32 (Triton's default would round them to tf32)
+        return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 
