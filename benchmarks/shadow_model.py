@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from model_helpers import fp8_copy, hf_checkpoint
+from test_model_vs_transformers import FP8_SHAPES
 
 import deepinfer.ops  # noqa: F401  (loads every op module)
 from deepinfer import dispatch
@@ -22,25 +23,11 @@ from deepinfer.conformance.cases import error
 from deepinfer.kv_cache import read_tokens
 from deepinfer.model import LLM, SamplingParams
 
-SHAPES = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    moe_intermediate_size=128,
-    q_lora_rank=128,
-    kv_lora_rank=128,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=64,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
-
 
 def main() -> int:
     backend, device, dtype, kv_format = sys.argv[1:5]
     root = Path(tempfile.mkdtemp())
-    path, _ = fp8_copy(hf_checkpoint(root / "bf16", 3, **SHAPES), root / "fp8", root / "oracle")
+    path, _ = fp8_copy(hf_checkpoint(root / "bf16", 3, **FP8_SHAPES), root / "fp8", root / "oracle")
     counts: dict = {}
 
     def shadow(op, **kw):
