@@ -436,7 +436,7 @@ def run_bench(
 ) -> dict[str, Any]:
     """Times every case on the selected backend and its peers; returns the results as a JSON-able dict."""
     backend = current_backend()
-    device = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}[backend.device_type]
+    device = backend.device_type  # device types are torch device names
     if backend.name == "reference" and torch.cuda.is_available():
         device = "cuda"
     ceilings = measure_ceilings(device, quick)

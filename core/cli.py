@@ -44,6 +44,8 @@ def _backends_table() -> Table:
 
 def _ops_table(backend: str) -> Table:
     reg = registry.get()
+    spec = reg.lookup(backend)
+    backend = spec.name if spec else backend  # an alias shows its backend's implementations
     table = Table(title=f"Ops on {backend}", title_justify="left")
     for col in ("op", "implementations (first that supports the arguments wins)", "batch-invariant", "otherwise"):
         table.add_column(col)

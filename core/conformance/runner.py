@@ -93,8 +93,7 @@ def _served_by(op: str) -> tuple[str, bool]:
 
 
 def _device_for(backend: str) -> str:
-    spec = registry.get().lookup(backend)
-    return {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}[spec.device_type]
+    return registry.get().lookup(backend).device_type  # device types are torch device names
 
 
 def _environment(device: str) -> dict[str, str]:
@@ -225,8 +224,9 @@ def run_conformance(
 
 def check_case(case: Case, backend: str, seed: int, device: str | None = None) -> list[CaseResult]:
     """Accuracy, then (where declared) determinism and batch invariance, of one case on ``backend``."""
-    device = device or _device_for(backend)
-    overrides = registry.get().backends[registry.get().lookup(backend).name].tolerances
+    spec = registry.get().lookup(backend)
+    backend, device = spec.name, device or spec.device_type  # an alias must reach the same implementations
+    overrides = spec.tolerances
     gen = Gen(seed, device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)
