@@ -79,7 +79,7 @@ setup(
     extras_require={
         "cuda": ["triton>=3.0", "cupy-cuda12x"],
         "ascend": ["torch-npu"],
-        "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.48", "ruff", "setuptools>=69", "wheel"],
+        "test": ["pytest>=7", "hypothesis>=6", "transformers>=5.24", "ruff", "setuptools>=69", "wheel"],
     },
     entry_points=entry_points,
     cmdclass={"build_py": BuildWithDefault},

@@ -9,6 +9,7 @@ the formats' definitions, independently of deepinfer's code, and applied where t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 from pathlib import Path
@@ -16,9 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.cache_utils import DynamicCache
+
+# The oracle needs a DeepseekV3 that caches the compressed latent and takes its cache as ``cache=`` (transformers
+# 5.24). Older releases take ``past_key_values=``, ignore ``cache=`` (every decode step then sees one token) and cache
+# per-head K and V, so ``LatentPrecisionCache`` would round the wrong tensors: refuse them instead of failing later.
+if "cache" not in inspect.signature(DeepseekV3ForCausalLM.forward).parameters:
+    raise RuntimeError(
+        f"the model cross-checks need transformers >= 5.24 (a DeepseekV3 that caches the latent), found "
+        f"{transformers.__version__}"
+    )
 
 
 @pytest.fixture(autouse=True)
