@@ -178,7 +178,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.run_bench(quick=args.quick, only_ops=only, progress=lambda msg: status.update(escape(msg)))
     where = result["environment"].get("gpu", result["device"])
     table = Table(title=f"deepinfer bench on {where} ({result['backend']})", title_justify="left")
-    for col in ("op", "case", "implementation", "ms", "TFLOP/s", "GB/s", "% roofline", "rel. error", "note"):
+    header = ("op", "case", "implementation", "ms eager", "ms graph", "TFLOP/s", "GB/s", "% roofline", "rel. error")
+    for col in (*header, "note"):
         table.add_column(col, overflow="fold")
     fmt = lambda v, spec: "" if v is None else format(v, spec)
     for r in result["rows"]:
@@ -187,6 +188,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             r["case"],
             escape(r["impl"]),
             fmt(r["ms"], ".4f"),
+            fmt(r["graph_ms"], ".4f"),
             fmt(r["tflops"], ".1f"),
             fmt(r["gbps"], ".0f"),
             fmt(r["roofline_pct"], ".0f"),
