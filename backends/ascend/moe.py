@@ -15,8 +15,8 @@ Fused operators (torch_npu, op-plugin docs):
 - ``ep_combine`` -> ``npu_moe_finalize_routing`` with the row-major index modes (2 dropless, 3 drop-pad). The op
   takes ``scales`` in the dtype of the rows, so routing weights are rounded to bf16 for bf16 expert outputs.
 
-Multi-rank (a group of world size > 1): declined here, so the core's reference collectives run. torch_npu's
-``npu_moe_distribute_dispatch_v2`` / ``combine_v2`` are not wired yet; the README says why and what it would take.
+Multi-rank (a group of world size > 1): declined here; ``ep_mc2`` wires torch_npu's MC2 operators
+(``npu_moe_distribute_dispatch_v2`` / ``combine_v2``), and the core's reference collectives run where it declines.
 """
 
 from __future__ import annotations

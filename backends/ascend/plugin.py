@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from deepinfer import BackendSpec, OpImpl, hookimpl
 
-from . import activation, attention, gemm, moe, norm, probe, rope, sampling, weights
+from . import activation, attention, ep_mc2, gemm, moe, norm, probe, rope, sampling, weights
 
 NAME = "ascend"
 FUSED, COMPOSITE = 10, 0
@@ -72,6 +72,18 @@ def op_impls() -> list[OpImpl]:
             "torch_npu.npu_moe_finalize_routing",
             moe.ep_combine_finalize,
             moe.ep_combine_finalize_supports,
+        ),
+        _fused(
+            "ep_dispatch",
+            "torch_npu.npu_moe_distribute_dispatch_v2",
+            ep_mc2.ep_dispatch_mc2,
+            ep_mc2.ep_dispatch_mc2_supports,
+        ),
+        _fused(
+            "ep_combine",
+            "torch_npu.npu_moe_distribute_combine_v2",
+            ep_mc2.ep_combine_mc2,
+            ep_mc2.ep_combine_mc2_supports,
         ),
         _fused("rms_norm", "torch_npu.npu_(add_)rms_norm", norm.rms_norm_fused, norm.rms_norm_fused_supports),
         _composite("rms_norm", norm.rms_norm_torch, "x", "w", "residual"),

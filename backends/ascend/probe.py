@@ -9,8 +9,8 @@ context. The chip name is read at the first op call, when initialising the devic
 ``DEEPINFER_ASCEND_SOC`` names it.
 
 Test-double seam: when the importable ``torch_npu`` is the test double (``torch_npu.TEST_DOUBLE``), the backend's
-device type is ``cpu`` (the double computes on the CPU) and the probe says so; this is the only place that
-distinction is made.
+device type is ``cpu`` (the double computes on the CPU), its collectives run over ``gloo`` instead of ``hccl``, and
+the probe says so; this is the only place that distinction is made.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ EMULATED = "torch_npu test double (emulated, not hardware)"
 SOC_ENV = "DEEPINFER_ASCEND_SOC"
 
 GENERATION_CAPS = {
-    "950": frozenset({"bf16", "fp8_e4m3", "fp8_block_gemm", "mxfp8", "kv_fp8_ds_mla"}),
-    "A3": frozenset({"bf16", "nz_grouped_weight"}),
+    "950": frozenset({"bf16", "fp8_e4m3", "fp8_block_gemm", "mxfp8", "kv_fp8_ds_mla", "ep_mc2"}),
+    "A3": frozenset({"bf16", "nz_grouped_weight", "ep_mc2"}),
     "A2": frozenset({"bf16", "nz_grouped_weight"}),
     "unknown": frozenset({"bf16"}),
 }
@@ -64,6 +64,12 @@ def emulated() -> bool:
 def device_type() -> str:
     """The torch device type the backend's tensors live on: ``npu``, or ``cpu`` under the test double."""
     return "cpu" if emulated() else "npu"
+
+
+def collective_backend() -> str:
+    """The ``torch.distributed`` backend of the communicator the MC2 expert all-to-all runs on: ``hccl``, or
+    ``gloo`` under the test double (which exchanges over Gloo between processes on the CPU)."""
+    return "gloo" if emulated() else "hccl"
 
 
 def double_on_path() -> bool:

@@ -10,6 +10,9 @@ whether the real kernels behave as documented.
 ``TEST_DOUBLE`` is the marker the backend looks for: with it, the backend accepts CPU tensors and its probe says
 "torch_npu test double (emulated, not hardware)". ``CALLS`` logs each call for wiring tests. The emulated chip is
 ``DEEPINFER_TORCH_NPU_DOUBLE_SOC`` (default ``Ascend950PR``); set it to ``Ascend910B3`` to emulate an A2.
+
+The MC2 expert all-to-all (``npu_moe_distribute_dispatch_v2`` / ``combine_v2``) exchanges data between real
+processes over a Gloo process group instead of HCCL; ``_distribute`` says how a communicator name maps to that group.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from . import npu
 from ._attention import npu_fused_infer_attention_score_v2, npu_kv_quant_sparse_flash_attention
 from ._common import CALLS, DocumentedRejection, NotEmulated, soc
+from ._distribute import npu_moe_distribute_combine_v2, npu_moe_distribute_dispatch_v2
 from ._gemm import (
     float8_e8m0fnu,
     get_npu_format,
@@ -56,6 +60,8 @@ __all__ = [
     "npu_fused_infer_attention_score_v2",
     "npu_grouped_matmul",
     "npu_kv_quant_sparse_flash_attention",
+    "npu_moe_distribute_combine_v2",
+    "npu_moe_distribute_dispatch_v2",
     "npu_moe_finalize_routing",
     "npu_moe_gating_top_k",
     "npu_moe_init_routing_v2",
