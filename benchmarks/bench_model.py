@@ -270,7 +270,27 @@ def experts_selected(llm: LLM, batch: ScheduledBatch) -> list[int]:
     return used
 
 
-def bench_ours(llm: LLM, batches: list[int], context: int, steps: int, warmup: int, bandwidth: float) -> list[dict]:
+def kernel_profile(llm: LLM, batch: ScheduledBatch, top: int = 15) -> list[dict]:
+    """GPU time per kernel name over one decode step as the engine runs it (graph replay included), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.engine.runner.execute(batch)
+        torch.cuda.synchronize()
+    kernels = [
+        {"kernel": e.key[:90], "us": e.device_time_total, "calls": e.count}
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    kernels.sort(key=lambda k: -k["us"])
+    for k in kernels[:top]:
+        log(f"    {k['us']:9.1f} us {k['calls']:5d} x  {k['kernel']}")
+    return kernels
+
+
+def bench_ours(
+    llm: LLM, batches: list[int], context: int, steps: int, warmup: int, bandwidth: float, profile: bool = False
+) -> list[dict]:
     timer = Timer(llm.device)
     rows = []
     for b in batches:
@@ -280,6 +300,7 @@ def bench_ours(llm: LLM, batches: list[int], context: int, steps: int, warmup: i
         for _ in range(warmup):  # same position every step: the context stays `context` tokens
             llm.engine.runner.execute(batch)
         times = [timer.time(lambda batch=batch: llm.engine.runner.execute(batch)) for _ in range(steps)]
+        kernels = kernel_profile(llm, batch) if profile else None
         for s in seqs:
             llm.engine.allocator.release(s)
         ms = statistics.median(times)
@@ -296,6 +317,7 @@ def bench_ours(llm: LLM, batches: list[int], context: int, steps: int, warmup: i
                 "bytes_per_step": need,
                 "experts_selected_per_moe_layer": used,
                 "step_ms_all": times,
+                **({"kernels": kernels} if kernels else {}),
             }
         )
         log(f"  ours batch {b}: {ms:.2f} ms/step, {b / ms * 1e3:.0f} tok/s, {100 * roof_ms / ms:.0f}% of roofline")
@@ -403,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", help="use (or write, if missing) the checkpoint here instead of a temp dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU: a dry run of the script")
+    p.add_argument("--profile", action="store_true", help="GPU time per kernel of one step at each batch size")
     args = p.parse_args(argv)
 
     backend = args.backend or deepinfer.current_backend().name
@@ -442,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         graphs = llm.engine.runner.graphs is not None
         with deepinfer.use(backend):
-            ours = bench_ours(llm, batches, args.context, args.steps, args.warmup, bandwidth)
+            ours = bench_ours(llm, batches, args.context, args.steps, args.warmup, bandwidth, args.profile)
         del llm
         gc.collect()
         if device.type == "cuda":

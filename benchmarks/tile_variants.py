@@ -7,13 +7,13 @@ Usage: python3 benchmarks/tile_variants.py COPY_GBPS [mla|varlen|all]"""
 from __future__ import annotations
 
 import itertools
-import statistics
 import sys
 
 import torch
 
 import deepinfer
 from deepinfer import ops
+from deepinfer.bench import time_graph_ms
 from deepinfer.kv_cache import pack_fp8_ds_mla
 from deepinfer_cuda_sm100 import attention
 
@@ -31,16 +31,8 @@ def make(batch: int, ctx: int, fmt: str, seed: int):
 
 
 def time_ms(inputs, fn=ops.mla_decode) -> float:
-    times = []
-    for i in range(40):
-        kw = inputs[i % len(inputs)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(**kw)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[5:])
+    """Median device time of ``fn`` over the input sets, replayed from CUDA graphs (no host launch cost)."""
+    return time_graph_ms(lambda i: fn(**inputs[i]), sets=len(inputs), reps=40)
 
 
 def varlen_inputs(seed: int, seqs: int = 4, length: int = 4096, heads: int = 128):
@@ -111,27 +103,34 @@ def main() -> int:
         varlen_variants()
     if which not in ("mla", "all"):
         return 0
+    variants = [
+        (block_h, block_n, warps, stages, split)
+        for block_h, block_n, warps in ((32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 8), (64, 16, 8), (16, 64, 4))
+        for stages in (1, 2)
+        for split in (512, 1024)
+    ]
     for fmt, (batch, ctx) in itertools.product(("bf16", "fp8_ds_mla"), ((64, 4096),)):
         inputs = [make(batch, ctx, fmt, s) for s in range(3)]
         with deepinfer.use("reference"):
             ref, _ = ops.mla_decode(**inputs[0])
         width = 1152 if fmt == "bf16" else 656
         nbytes = batch * ctx * width
-        for block_h, block_n, warps, stages in ((32, 32, 8, 2), (32, 64, 8, 2), (32, 32, 8, 3), (32, 16, 4, 2)):
+        for block_h, block_n, warps, stages, split in variants:
             attention.MLA_TILE.update(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            attention.SPLIT_TOKENS = split
             try:
                 out, _ = ops.mla_decode(**inputs[0])
                 err = float((out.float() - ref.float()).norm() / ref.float().norm())
                 ms = time_ms(inputs)
                 print(
                     f"{fmt} B={batch} ctx={ctx} H=128 | BLOCK_H={block_h} BLOCK_N={block_n} warps={warps} "
-                    f"stages={stages} | {ms:.3f} ms | {nbytes / ms / 1e6:.0f} GB/s "
+                    f"stages={stages} split={split} | {ms:.3f} ms | {nbytes / ms / 1e6:.0f} GB/s "
                     f"({100 * nbytes / ms / 1e6 / copy_gbps:.0f}% of copy) | rel err {err:.1e}",
                     flush=True,
                 )
             except Exception as e:
                 print(
-                    f"{fmt} BLOCK_H={block_h} BLOCK_N={block_n} warps={warps} stages={stages}: "
+                    f"{fmt} BLOCK_H={block_h} BLOCK_N={block_n} warps={warps} stages={stages} split={split}: "
                     f"{type(e).__name__}: {str(e)[:120]}",
                     flush=True,
                 )

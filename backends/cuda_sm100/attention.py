@@ -184,10 +184,8 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
         FP8=fp8,
         SPLIT=SPLIT_TOKENS,
         BLOCK_H=block_h,
-        BLOCK_N=32,
         FP32_DOT=INTERPRET,
-        num_warps=4,
-        num_stages=2,
+        **tile,
     )
     _mla_merge_kernel[(batch * s_q * heads,)](
         part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits)

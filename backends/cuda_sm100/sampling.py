@@ -12,12 +12,15 @@ from ._triton import on_device
 
 
 @triton.jit
-def _race_kernel(probs_ptr, seeds_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _race_kernel(probs_ptr, seeds_ptr, best_ptr, best_idx_ptr, V, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, chunk): the winner of the race among tokens ``[chunk * CHUNK, (chunk + 1) * CHUNK)``, its
+    wait and its index (the lowest index among tied waits)."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     seed = tl.load(seeds_ptr + row)
     best = tl.full((BLOCK,), -1.0, tl.float32)
     best_idx = tl.zeros((BLOCK,), tl.int32)
-    for v0 in range(0, V, BLOCK):
+    for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         idx = v0 + tl.arange(0, BLOCK)
         mask = idx < V
         p = tl.load(probs_ptr + row * V + idx, mask=mask, other=0.0)
@@ -27,7 +30,12 @@ def _race_kernel(probs_ptr, seeds_ptr, out_ptr, V, BLOCK: tl.constexpr):
         best = tl.where(better, race, best)
         best_idx = tl.where(better, idx, best_idx)
     top = tl.max(best, axis=0)
-    tl.store(out_ptr + row, tl.min(tl.where(best == top, best_idx, V), axis=0))
+    out = row * tl.num_programs(1) + chunk
+    tl.store(best_ptr + out, top)
+    tl.store(best_idx_ptr + out, tl.min(tl.where(best == top, best_idx, V), axis=0))
+
+
+RACE_CHUNK = 4096  # tokens per program: a row of a large vocabulary spreads over many multiprocessors
 
 
 def _filtered_probs(logits: torch.Tensor, temperature, top_p, top_k) -> torch.Tensor:
@@ -45,12 +53,15 @@ def _filtered_probs(logits: torch.Tensor, temperature, top_p, top_k) -> torch.Te
 
 def sample(logits, temperature, top_p, top_k, seeds):
     batch, vocab = logits.shape
-    out = torch.empty(batch, dtype=torch.int32, device=logits.device)
     if batch == 0:
-        return out
+        return torch.empty(0, dtype=torch.int32, device=logits.device)
     probs = _filtered_probs(logits, temperature, top_p, top_k).contiguous()
-    _race_kernel[(batch,)](probs, seeds, out, vocab, BLOCK=1024)
-    return torch.where(temperature == 0, logits.argmax(dim=-1).to(torch.int32), out)
+    chunks = triton.cdiv(vocab, RACE_CHUNK)
+    best = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(batch, chunks, dtype=torch.int32, device=logits.device)
+    _race_kernel[(batch, chunks)](probs, seeds, best, best_idx, vocab, CHUNK=RACE_CHUNK, BLOCK=1024)
+    drawn = best_idx.gather(1, best.argmax(dim=1, keepdim=True))[:, 0]  # the first chunk holding the best wait
+    return torch.where(temperature == 0, logits.argmax(dim=-1).to(torch.int32), drawn)
 
 
 def supports(logits, temperature, top_p, top_k, seeds) -> bool:
