@@ -261,6 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     gen.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16")
     gen.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
+    gen.add_argument(
+        "--ep",
+        type=int,
+        help="split the routed experts over N processes: run under torchrun --nproc-per-node N "
+        "(default: torchrun's WORLD_SIZE, else 1); output is printed by rank 0",
+    )
+    gen.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a rank waits for the others in a collective before failing (with --ep; default 600)",
+    )
     gen.set_defaults(fn=cmd_generate)
 
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ from .checkpoint import Checkpoint, expected_layout
 from .config import ModelConfig
 from .deepseek_v3 import DeepseekV3
 from .engine import LLMEngine
-from .errors import CheckpointError, RequestError
+from .errors import CheckpointError, ParallelError, RankDivergenceError, RequestError
 from .llm import LLM
 from .moe import ExpertParallel
 from .outputs import CompletionOutput, RequestOutput
@@ -28,6 +28,8 @@ __all__ = [
     "ExpertParallel",
     "LLMEngine",
     "ModelConfig",
+    "ParallelError",
+    "RankDivergenceError",
     "RequestError",
     "RequestOutput",
     "SamplingParams",

@@ -1,4 +1,10 @@
-"""``deepinfer generate``: generation from the command line (the parser lives in ``deepinfer.cli``)."""
+"""``deepinfer generate``: generation from the command line (the parser lives in ``deepinfer.cli``).
+
+``--ep N`` shards the routed experts over the N processes of a torchrun launch
+(``torchrun --nproc-per-node N -m deepinfer generate ... --ep N``): each process joins the default process group
+(Gloo on the CPU, NCCL on CUDA, one device per local rank), loads its experts, and runs the same prompts; rank 0
+prints the completions.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,11 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
+import deepinfer
+
 from .errors import RequestError
 from .llm import LLM
+from .parallel import init_from_torchrun
 from .sampling_params import SamplingParams
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -41,8 +50,15 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     return prompts or [DEFAULT_PROMPT]
 
 
+def _device_type(backend: str | None) -> str:
+    if backend is None:
+        return deepinfer.current_backend().device_type
+    with deepinfer.use(backend) as spec:
+        return spec.device_type
+
+
 def generate(args: argparse.Namespace, console: Console) -> int:
-    """Runs the prompts, prints each completion and a tokens/s summary."""
+    """Runs the prompts, prints each completion and a tokens/s summary (on rank 0 under ``--ep``)."""
     prompts = read_prompts(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -51,10 +67,37 @@ def generate(args: argparse.Namespace, console: Console) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    llm = LLM(args.model, args.backend, dtype=args.dtype, kv_format=args.kv_format, max_num_seqs=args.max_num_seqs)
+    ep = getattr(args, "ep", None)
+    launch = init_from_torchrun(
+        ep, device_type=_device_type(args.backend), timeout_s=getattr(args, "dist_timeout", 600.0)
+    )
+    try:
+        return _generate(args, console, prompts, params, launch)
+    finally:
+        if launch is not None:
+            launch.close()
+
+
+def _generate(args, console: Console, prompts: list, params: SamplingParams, launch) -> int:
+    llm = LLM(
+        args.model,
+        args.backend,
+        dtype=args.dtype,
+        kv_format=args.kv_format,
+        max_num_seqs=args.max_num_seqs,
+        device=None if launch is None else launch.device,
+        progress=launch is None or launch.rank == 0,
+        ep=None if launch is None else launch.world_size,
+    )
     if llm.device.type == "cpu" and llm.config.hidden_size <= SMALL_HIDDEN:
         torch.set_num_threads(1)  # small matrices gain nothing from more threads and lose much when cores are busy
-    outputs = llm.generate(prompts, params)
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        if launch is not None:  # the process group is destroyed next; it would wait for graphs holding collectives
+            llm.engine.drop_cuda_graphs()
+    if llm.ep.rank != 0:
+        return 0
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
         shown = prompt if isinstance(prompt, str) else f"{prompt}"
@@ -69,6 +112,11 @@ def generate(args: argparse.Namespace, console: Console) -> int:
         f"[dim]{s['requests']} request(s), {s['prompt_tokens']} prompt + {s['generated_tokens']} generated tokens in "
         f"{secs:.2f} s: {s['generated_tokens'] / secs:.1f} generated tokens/s, "
         f"{(s['prompt_tokens'] + s['generated_tokens']) / secs:.1f} tokens/s in all "
-        f"(backend {llm.backend}, {llm.path})"
+        f"(backend {llm.backend}{_ep_note(llm)}, {llm.path})"
     )
     return 0
+
+
+def _ep_note(llm: LLM) -> str:
+    n = llm.ep.world_size
+    return f", experts over {n} ranks" if n > 1 else ""

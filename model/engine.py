@@ -4,6 +4,11 @@ It owns the paged latent cache (``deepinfer.allocate_kv_cache``, ``block_size`` 
 ``fp8_ds_mla``), the page allocator, the scheduler and the model runner, and applies each step's results: appends
 sampled tokens, records log-probabilities, stops a sequence on a stop token, ``max_tokens`` or the context limit,
 and frees its pages.
+
+With the experts sharded over the ranks of a process group (``model.ep``, see ``parallel.py``) every rank runs the
+same engine on the same requests: the engine agrees with the other ranks on the cache size, the CUDA graphs and the
+seed generator of unseeded requests when it starts, checks that their settings match, and before each step's
+forward checks that they scheduled the same batch and sampled the same tokens (``RankDivergenceError`` otherwise).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from .cuda_graphs import CAPABILITY, DecodeGraphs
 from .deepseek_v3 import DeepseekV3
 from .errors import RequestError
 from .model_runner import ModelRunner
+from .parallel import RankSync, fingerprint
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 
 DEFAULT_CPU_CACHE_BYTES = 1 << 30
@@ -36,6 +42,10 @@ class LLMEngine:
     ``kv_cache_bytes`` defaults to 90% of the free memory less a reserve for activations). chunk_size: prefill
     chunk length (chunks end at its multiples). cuda_graphs: capture decode graphs when the backend declares
     ``cuda_graphs`` (never in batch-invariant mode).
+
+    Expert parallelism (``model.ep`` over several ranks): every rank constructs the engine with the same arguments
+    and then adds the same requests in the same order and steps alike; ``step`` and ``run_until_done`` are then
+    collectives. ``check_ranks_done`` ends a run driven by ``step``.
     """
 
     def __init__(
@@ -59,6 +69,7 @@ class LLMEngine:
         if kv_format == "fp8_ds_mla" and cfg.kv_lora_rank % 128:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
         device = model.device
+        self.sync = RankSync(model.ep.group, device) if model.ep.world_size > 1 else None
         probe = deepinfer.allocate_kv_cache(
             1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
         )
@@ -72,6 +83,8 @@ class LLMEngine:
                 else:
                     kv_cache_bytes = DEFAULT_CPU_CACHE_BYTES
             num_blocks = max(1, min(max_blocks * max_num_seqs, kv_cache_bytes // page_bytes))
+            if self.sync is not None:  # free memory may differ per rank; the schedule must not
+                num_blocks = self.sync.min_int(num_blocks)
         cache = deepinfer.allocate_kv_cache(
             num_blocks * cfg.num_hidden_layers,
             block_size,
@@ -87,8 +100,12 @@ class LLMEngine:
         if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda":
             graphs = DecodeGraphs(model, list(self.kv_cache.unbind(0)), max_batch=max_num_seqs, max_blocks=max_blocks)
         self.runner = ModelRunner(model, self.kv_cache, self.allocator, graphs=graphs)
-        if graphs is not None and not deepinfer.batch_invariant_enabled() and not graphs.capture():
-            self.runner.graphs = None
+        if graphs is not None:
+            captured = not deepinfer.batch_invariant_enabled() and graphs.capture()
+            if self.sync is not None:  # a step's MoE mode depends on the graphs: all ranks use them or none does
+                captured = self.sync.min_int(int(captured)) == 1
+            if not captured:
+                self.runner.graphs = None
         self.scheduler = Scheduler(
             self.allocator,
             max_num_seqs=max_num_seqs,
@@ -101,7 +118,33 @@ class LLMEngine:
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self._ids = count()
         self._seed_rng = random.Random()
+        if self.sync is not None:  # unseeded requests: random per run, the same seeds on every rank
+            self._seed_rng = random.Random(self.sync.broadcast_int(random.getrandbits(63)))
+            settings = (
+                deepinfer.current_backend().name,
+                repr(cfg),
+                str(model.dtype),
+                repr(model.ep.placement),
+                kv_format,
+                block_size,
+                num_blocks,
+                max_num_seqs,
+                max_num_batched_tokens,
+                chunk_size,
+                self.max_model_len,
+                preemption_mode,
+                self.runner.graphs is not None,
+                deepinfer.batch_invariant_enabled(),
+            )
+            self.sync.check("engine start", {"engine settings": settings})
+        self._sampled: list = []  # what the last step sampled and finished, checked across ranks at the next step
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+
+    def drop_cuda_graphs(self) -> None:
+        """Frees the captured decode graphs; decode runs eagerly from then on. Under expert parallelism over NCCL
+        the graphs hold captured collectives, and destroying the process group waits for them: drop them (or the
+        whole engine) first."""
+        self.runner.graphs = None
 
     @property
     def num_preemptions(self) -> int:
@@ -143,6 +186,8 @@ class LLMEngine:
         """Schedules and runs one batch; returns the sequences that finished in it."""
         batch = self.scheduler.schedule()
         finished, self.scheduler.truncated = self.scheduler.truncated, []
+        if self.sync is not None:
+            self._check_step(batch, finished)
         if not batch:
             return finished
         result = self.runner.execute(batch)
@@ -158,10 +203,34 @@ class LLMEngine:
                     if seq.params.prompt_logprobs:
                         seq.prompt_top_logprobs.append(top)
             sampled = result.sampled.get(id(seq))
-            if sampled is not None and self._append(seq, sampled):
-                self.scheduler.finish(seq)
-                finished.append(seq)
+            if sampled is not None:
+                done = self._append(seq, sampled)
+                if self.sync is not None:
+                    self._sampled.append((seq.arrival, sampled.token, seq.finish_reason))
+                if done:
+                    self.scheduler.finish(seq)
+                    finished.append(seq)
         return finished
+
+    def _check_step(self, batch: ScheduledBatch, truncated: list[Sequence]) -> None:
+        """Checks across ranks, before this step's forward, the batch every rank scheduled and the tokens the
+        previous step sampled."""
+        decodes = [(s.arrival, s.num_computed, s.token_ids[s.num_computed], s.seed) for s in batch.decodes]
+        prefills = [
+            (c.seq.arrival, c.start, c.end, c.seq.seed, fingerprint(c.seq.token_ids[c.start : c.end]))
+            + ((repr(c.seq.params),) if c.start == 0 else ())
+            for c in batch.prefills
+        ]
+        schedule = (
+            decodes,
+            prefills,
+            [s.arrival for s in truncated],
+            self.allocator.num_free,
+            self.runner.graphs is not None,
+            deepinfer.batch_invariant_enabled(),
+        )
+        sampled, self._sampled = self._sampled, []
+        self.sync.check(f"step {self.stats['steps']}", {"scheduled batch": schedule, "sampled tokens": sampled})
 
     def _append(self, seq: Sequence, sampled) -> bool:
         """Adds a sampled token to ``seq``; returns whether the sequence is finished."""
@@ -183,4 +252,12 @@ class LLMEngine:
         done = []
         while self.has_unfinished():
             done.extend(self.step())
+        self.check_ranks_done()
         return done
+
+    def check_ranks_done(self) -> None:
+        """With experts over several ranks: checks that every rank has run out of work and sampled the same last
+        tokens (``RankDivergenceError`` otherwise; a rank still stepping fails alike). Nothing in one process."""
+        if self.sync is not None:
+            sampled, self._sampled = self._sampled, []
+            self.sync.check("end of the requests", {"scheduled batch": None, "sampled tokens": sampled})

@@ -6,6 +6,13 @@ Prompts are text (with a ``tokenizer.json`` in the checkpoint) or lists of token
     llm = LLM("path/to/deepseek-checkpoint")          # or LLM() for the small embedded default
     outs = llm.generate(["Hello", [0, 17, 42]], SamplingParams(max_tokens=32, temperature=0))
     outs[0].outputs[0].text, outs[1].outputs[0].token_ids
+
+With the routed experts sharded over the ``N`` processes of a ``torch.distributed`` group (started by torchrun,
+group initialised by the caller or by ``deepinfer generate --ep N``), every rank builds ``LLM(path, ..., ep=N)``
+with the same arguments and calls ``generate`` with the same prompts; every rank returns the same outputs::
+
+    torch.distributed.init_process_group("gloo")      # nccl on CUDA, after torch.cuda.set_device(local rank)
+    llm = LLM("path/to/deepseek-checkpoint", ep=torch.distributed.get_world_size())
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from .deepseek_v3 import DeepseekV3
 from .engine import LLMEngine
 from .errors import RequestError
 from .outputs import CompletionOutput, RequestOutput
+from .parallel import expert_parallel
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .tokenizer import Tokenizer
@@ -45,7 +53,17 @@ class LLM:
     step; prefill_chunk_size: prefill chunk length; max_model_len: context limit (default: the model's).
     preemption_mode: ``swap`` (pages to host memory and back) or ``recompute``. enforce_eager: no CUDA graphs.
     device: torch device (default: the backend's device type). progress: progress bars for loading and for
-    batches of at least 8 prompts.
+    batches of at least 8 prompts (on rank 0 only under expert parallelism).
+
+    ep: expert parallelism over this many ranks (None or 1: this process holds every expert). Above 1,
+    ``torch.distributed`` must be initialised and ``ep_group`` (default: the default group) must have exactly ``ep``
+    ranks, and ``ep`` must divide the model's routed experts (``ParallelError`` naming ``ep`` otherwise, before any
+    weight is read). This rank then loads only its contiguous block of experts; the rest of the model is replicated.
+    Every rank must construct the LLM with the same arguments and make the same ``generate`` calls with the same
+    prompts; all ranks then return the same outputs, the same as one process gives. Ranks that diverge anyway raise
+    ``RankDivergenceError``; a rank that dies or hangs surfaces as the process group's error after its timeout.
+    Over NCCL, drop the LLM (or call ``llm.engine.drop_cuda_graphs()``) before destroying the process group: its
+    CUDA graphs hold captured collectives, which the destruction would wait for.
     """
 
     def __init__(
@@ -66,6 +84,8 @@ class LLM:
         enforce_eager: bool = False,
         device: str | torch.device | None = None,
         progress: bool = True,
+        ep: int | None = None,
+        ep_group: Any = None,
     ):
         if model is None:
             from .tiny import default_checkpoint
@@ -85,6 +105,13 @@ class LLM:
             self.device = torch.device(device if device is not None else spec.device_type)
             ckpt = Checkpoint.open(self.path)
             self.config = ckpt.config
+            try:
+                self.ep = expert_parallel(ep, self.config.n_routed_experts, ep_group)
+            except BaseException:
+                ckpt.close()
+                raise
+            if self.ep.rank != 0:
+                self.progress = False
             self.tokenizer = Tokenizer.from_dir(self.path, self.config.bos_token_id)
             self.model = self._load(ckpt)
             self.engine = LLMEngine(
@@ -103,9 +130,10 @@ class LLM:
         self.last_stats: dict[str, float] = {}
 
     def _load(self, ckpt: Checkpoint) -> DeepseekV3:
-        total = ckpt.total_bytes(n for n in ckpt.layout)
+        local = {f".experts.{e}." for e in self.ep.local}
+        total = ckpt.total_bytes(n for n in ckpt.layout if ".experts." not in n or any(e in n for e in local))
         if not self.progress:
-            model = DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device)
+            model = DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device, ep=self.ep)
             ckpt.close()
             return model
         with Progress(
@@ -118,7 +146,7 @@ class LLM:
         ) as bar:
             task = bar.add_task("load", total=total)
             model = DeepseekV3.load(
-                ckpt, dtype=self.dtype, device=self.device, on_progress=lambda n: bar.advance(task, n)
+                ckpt, dtype=self.dtype, device=self.device, ep=self.ep, on_progress=lambda n: bar.advance(task, n)
             )
         ckpt.close()
         return model
@@ -196,6 +224,7 @@ class LLM:
                 done = engine.step()
                 rate = (engine.stats["generated_tokens"] - gen0) / max(time.perf_counter() - start, 1e-9)
                 bar.update(task, advance=len(done), rate=f"{rate:.1f} tok/s")
+        engine.check_ranks_done()
 
     def _output(self, seq: Sequence) -> RequestOutput:
         p = seq.params

@@ -7,7 +7,10 @@ SwiGLU MLP added on top.
 
 Which experts this process holds is data (``ExpertParallel``: the core's ``ExpertPlacement``, a rank, a process
 group): the layer keeps the weights of its local experts in placement order and passes placement and group to
-``ep_dispatch``, so sharding the experts over ranks changes the data, not the layer.
+``ep_dispatch``, so sharding the experts over ranks changes the data, not the layer. Over several ranks (each
+running the same batch, see ``parallel.py``) each rank runs the layer on its share of the tokens, rows
+``[rank * c, (rank + 1) * c)`` with ``c = ceil(T / world)``, and the ranks all-gather the outputs; a low-latency
+dispatch then uses capacity ``c``, the same on every rank.
 """
 
 from __future__ import annotations
@@ -44,6 +47,16 @@ class ExpertParallel:
     def local(self) -> tuple[int, ...]:
         return self.placement.local_experts[self.rank]
 
+    @property
+    def world_size(self) -> int:
+        return self.placement.world_size
+
+    def token_share(self, num_tokens: int) -> tuple[int, int, int]:
+        """``(start, end, c)``: this rank's rows ``[start, end)`` of a batch of ``num_tokens`` tokens in an MoE
+        layer, ``c = ceil(num_tokens / world_size)`` rows per rank (the last ranks may get fewer, or none)."""
+        c = -(-num_tokens // self.world_size)
+        return min(self.rank * c, num_tokens), min((self.rank + 1) * c, num_tokens), c
+
 
 def _swiglu(x: torch.Tensor, w13, w2) -> torch.Tensor:
     h = linear(x, w13)
@@ -76,6 +89,18 @@ class MoE:
         self.shared = DenseMLP(shared) if shared else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``. Over several ranks a collective: every rank calls it with the same ``T`` and
+        ``batch.moe_mode``, and gets the whole batch's output."""
+        ep = self.ep
+        if ep.world_size == 1:
+            return self._forward(x, batch.moe_mode, None)
+        start, end, share = ep.token_share(x.shape[0])
+        if share == 0:
+            return torch.empty_like(x)
+        capacity = share if batch.moe_mode == "low_latency" else None
+        return _all_gather_rows(self._forward(x[start:end], batch.moe_mode, capacity), share, x.shape[0], ep.group)
+
+    def _forward(self, x: torch.Tensor, mode: str, capacity: int | None) -> torch.Tensor:
         cfg = self.cfg
         logits = ops.gemm(x.float(), self.gate, out_dtype=torch.float32)
         weights, ids = ops.moe_route(
@@ -88,13 +113,17 @@ class MoE:
             routed_scaling_factor=cfg.routed_scaling_factor,
             scoring=cfg.scoring_func,
         )
+        routed = x
+        if isinstance(self.w13, QTensor):  # quantised once per token, not once per (token, expert) row received
+            routed = ops.quantize_fp8(x, block=self.w13.block[1], scale_format=self.w13.scale_format)
         recv, _, _, layout, handle = ops.ep_dispatch(
-            x,
+            routed,
             ids,
             weights,
             num_experts=cfg.n_routed_experts,
             group=self.ep.group,
-            mode=batch.moe_mode,
+            mode=mode,
+            capacity=capacity,
             placement=self.ep.placement,
         )
         groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m}
@@ -105,5 +134,22 @@ class MoE:
             a = ops.silu_and_mul(h)
         out = ops.ep_combine(ops.grouped_gemm(a, self.w2, out_dtype=x.dtype, **groups), handle)
         if self.shared is not None:
-            out = out + self.shared.forward(x, batch)
+            out = out + _swiglu(x, self.shared.w13, self.shared.w2)
         return out
+
+
+def _all_gather_rows(y: torch.Tensor, share: int, num_tokens: int, group: Any) -> torch.Tensor:
+    """Every rank's ``y`` (at most ``share`` rows, padded to ``share``) stacked in rank order: ``[num_tokens, H]``.
+    Rows travel as bytes, so the collective needs no support for y's dtype."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if y.shape[0] == share and y.is_contiguous():
+        send = y
+    else:
+        send = torch.zeros(share, *y.shape[1:], dtype=y.dtype, device=y.device)
+        send[: y.shape[0]] = y
+    out = torch.empty(world * share, *y.shape[1:], dtype=y.dtype, device=y.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out.view(torch.uint8), send.view(torch.uint8), group=group)
+    return out[:num_tokens]
