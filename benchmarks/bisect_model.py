@@ -2,7 +2,8 @@
 ``tests/test_model_vs_transformers.py`` with chosen ops forced to the reference, and prints the worst prompt and
 generated log-probability errors against transformers (fp32, CPU) and the greedy mismatches of each variant.
 
-Usage: python3 benchmarks/bisect_model.py BACKEND DEVICE [quick] (needs transformers; quick: no forced ops)
+Usage: python3 benchmarks/bisect_model.py BACKEND DEVICE [quick|fp8] (needs transformers 5.24; quick: no forced
+ops; fp8: the FP8 checkpoint only, on the reference, on BACKEND, and with each GEMM op forced to the reference)
 """
 
 from __future__ import annotations
@@ -56,11 +57,15 @@ def main() -> int:
             ),
         ),
     }
-    variants = [("reference on cpu", "reference", "cpu", set()), ("reference", "reference", device, set())]
-    variants.append((f"{backend}", backend, device, set()))
-    if sys.argv[3:] != ["quick"]:
-        variants += [(f"{backend} but {op} ref", backend, device, {op}) for op in OPS]
-        variants += [(f"{backend} only {op}", backend, device, set(OPS) - {op}) for op in OPS]
+    mode = sys.argv[3] if len(sys.argv) > 3 else "all"
+    but = lambda ops: [(f"{backend} but {op} ref", backend, device, {op}) for op in ops]
+    variants = [("reference", "reference", device, set()), (f"{backend}", backend, device, set())]
+    if mode == "fp8":
+        cases.pop("fp32")
+        variants += but(("gemm", "grouped_gemm"))
+    elif mode != "quick":
+        variants.insert(0, ("reference on cpu", "reference", "cpu", set()))
+        variants += but(OPS) + [(f"{backend} only {op}", backend, device, set(OPS) - {op}) for op in OPS]
     for case, (path, oracle, kw) in cases.items():
         prompts = random_prompts(oracle.config.vocab_size, LENGTHS, seed=5)
         for label, name, dev, forced in variants:

@@ -17,7 +17,10 @@ Tolerances (log-probabilities in nats; measured worst cases over 8 fresh seeds i
   DeepSeek-V3's activation quantisation emulated (per token per 128 channels to e4m3; ``kv_b_proj`` quantised in
   prefill, not in absorbed decode, as DeepSeek's inference code does): most positions agree exactly (median within
   5e-3 [1.6e-4]), but a 1-ulp fp32 difference can move an activation across an e4m3 boundary, and MoE routing can
-  amplify that, so only at least 90% of greedy steps must agree [95%].
+  amplify that, so only at least 90% of greedy steps must agree [95%]. This check needs the oracle's arithmetic
+  (fp32 on the CPU): on an H200 even the reference backend, pure torch in fp32, is off by a median of 0.14 nats on
+  the same checkpoint (GPU summation orders flip e4m3 roundings, the tiny MoE amplifies them; RESULTS.md), so it
+  runs where the model runs on the CPU (the reference, Triton's interpreter), and GPUs are held to the other checks.
 - bf16 activations against the fp32 oracle, measured against transformers' own bf16 run on the same prompts (the
   natural scale of bf16 error; bf16 rounding also flips near-tied MoE routing decisions, in both): median and
   90th percentile of the prompt log-probability errors within twice transformers' bf16 ones (+0.01 / +0.05), and
@@ -48,6 +51,7 @@ from model_helpers import (
     token_logprobs,
 )
 
+from deepinfer import registry
 from deepinfer.model import LLM, SamplingParams
 
 FP32_TOL = 1e-2
@@ -199,6 +203,9 @@ def test_fp8_ds_mla_cache_matches(checkpoints, deepinfer_backend, deepinfer_devi
 
 @pytest.mark.parametrize("scales", ["ue8m0", "fp32"])
 def test_fp8_weights_match_with_activation_quantisation(scales, checkpoints, deepinfer_backend, deepinfer_device):
+    where = deepinfer_device or registry.get().lookup(deepinfer_backend).device_type
+    if torch.device(where).type != "cpu":
+        pytest.skip("needs the oracle's fp32 CPU arithmetic (see the module docstring); GPUs take the other checks")
     path, oracle_path = checkpoints(f"fp8_{scales}")
     oracle = load_oracle(oracle_path)
     prompts = random_prompts(oracle.config.vocab_size, LENGTHS, seed=5)
