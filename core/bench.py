@@ -231,7 +231,7 @@ def _gemm_cases(quick: bool) -> list[BenchCase]:
         if quick
         else [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]
     )
-    ms = [1, 64] if quick else [1, 64, 512, 4096]
+    ms = [1, 8, 64, 128, 512, 2048, 4096, 8192]
     if quick:
         shapes, ms = [(256, 256)], [1, 16]
     out = []
@@ -239,8 +239,10 @@ def _gemm_cases(quick: bool) -> list[BenchCase]:
         for m in ms:
 
             def make(g, m=m, n=n, k=k):
+                # Activations arrive quantised (by the op before, as in the model): both sides time the GEMM alone.
                 w = quantize_blocks(g.randn(n, k, dtype=torch.float32, scale=k**-0.5))
-                return {"a": g.randn(m, k), "w": w, "out_dtype": torch.bfloat16, "bias": None}
+                a = quantize_rows(g.randn(m, k), 128, w.scale_format)
+                return {"a": a, "w": w, "out_dtype": torch.bfloat16, "bias": None}
 
             out.append(
                 BenchCase(
@@ -248,7 +250,7 @@ def _gemm_cases(quick: bool) -> list[BenchCase]:
                     f"fp8 M={m} N={n} K={k}",
                     make,
                     2 * m * n * k,
-                    m * k * 2 + n * k + m * n * 2,
+                    m * k + n * k + m * n * 2,
                     {"torch scaled_mm blockwise": _scaled_mm_blockwise},
                     compute="fp8",
                 )
@@ -470,14 +472,26 @@ def run_bench(
     only_ops: list[str] | None = None,
     sets: int = 3,
     progress: Callable[[str], None] | None = None,
+    on_case: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Times every case on the selected backend and its peers; returns the results as a JSON-able dict."""
+    """Times every case on the selected backend and its peers; returns the results as a JSON-able dict, and hands
+    the results so far to ``on_case`` after each case (a long run stopped early keeps what it measured)."""
     backend = current_backend()
     device = backend.device_type  # device types are torch device names
     if backend.name == "reference" and torch.cuda.is_available():
         device = "cuda"
-    ceilings = measure_ceilings(device, quick)
-    rows: list[Row] = []
+    env = {"torch": torch.__version__, "python": platform.python_version()}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    result: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "backend": backend.name,
+        "device": device,
+        "environment": env,
+        "ceilings": measure_ceilings(device, quick),
+        "rows": [],
+    }
+    ceilings, rows = result["ceilings"], result["rows"]
     for index, case in enumerate(c for c in cases(quick) if only_ops is None or c.op in only_ops):
         if progress:
             progress(f"{case.op}: {case.name}")
@@ -491,28 +505,21 @@ def run_bench(
         err = error(out, ref)
         run = lambda i, fn=fn, inputs=inputs: fn(**inputs[i])
         ms = time_ms(run, device, sets=sets)
-        rows.append(_row(case, label, ms, graph_time(run, device, sets), ceilings, err))
+        rows.append(asdict(_row(case, label, ms, graph_time(run, device, sets), ceilings, err)))
         for peer, peer_fn in case.peers.items():
             try:
                 peer_err = error(peer_fn(inputs[0]), ref if case.op != "mla_decode" else ref[0])
                 run = lambda i, p=peer_fn, inputs=inputs: p(inputs[i])
                 peer_ms = time_ms(run, device, sets=sets)
-                rows.append(_row(case, f"peer: {peer}", peer_ms, graph_time(run, device, sets), ceilings, peer_err))
+                peer_row = _row(case, f"peer: {peer}", peer_ms, graph_time(run, device, sets), ceilings, peer_err)
             except Exception as e:  # a peer this torch or device lacks is reported, not fatal
                 note = f"unavailable: {type(e).__name__}: {e}"[:200]
-                rows.append(_row(case, f"peer: {peer}", None, None, ceilings, None, note))
+                peer_row = _row(case, f"peer: {peer}", None, None, ceilings, None, note)
+            rows.append(asdict(peer_row))
         del inputs
-    env = {"torch": torch.__version__, "python": platform.python_version()}
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-    return {
-        "date": datetime.date.today().isoformat(),
-        "backend": backend.name,
-        "device": device,
-        "environment": env,
-        "ceilings": ceilings,
-        "rows": [asdict(r) for r in rows],
-    }
+        if on_case:
+            on_case(result)
+    return result
 
 
 def markdown(result: dict[str, Any], command: str) -> str:

@@ -175,7 +175,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     only = args.ops.split(",") if args.ops else None
     with use(args.backend) if args.backend else contextlib.nullcontext(), console.status("benchmarking") as status:
-        result = bench.run_bench(quick=args.quick, only_ops=only, progress=lambda msg: status.update(escape(msg)))
+        result = bench.run_bench(
+            quick=args.quick,
+            only_ops=only,
+            progress=lambda msg: status.update(escape(msg)),
+            on_case=lambda partial: bench.save(partial, args.json, None, ""),  # kept if the run is stopped early
+        )
     where = result["environment"].get("gpu", result["device"])
     table = Table(title=f"deepinfer bench on {where} ({result['backend']})", title_justify="left")
     header = ("op", "case", "implementation", "ms eager", "ms graph", "TFLOP/s", "GB/s", "% roofline", "rel. error")
@@ -244,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--backend", help="backend name or alias (default: the selected one)")
     bench.add_argument("--ops", help="comma-separated ops to time (default: all)")
     bench.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement")
-    bench.add_argument("--json", help="write all numbers to this JSON file")
+    bench.add_argument("--json", help="write all numbers to this JSON file (rewritten after every case)")
     bench.add_argument("--results", help="append a dated section to this markdown file (e.g. benchmarks/RESULTS.md)")
     bench.set_defaults(fn=cmd_bench)
 
