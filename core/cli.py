@@ -206,7 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 {c['bf16_TFLOPs']:.0f} TFLOP/s, "
         f"fp8 {c['fp8_TFLOPs']:.0f} TFLOP/s"
     )
-    bench.save(result, args.json, args.results, "deepinfer bench " + " ".join(args.argv))
+    bench.save(result, args.json, args.results, "deepinfer " + " ".join(args.argv))
     return 0
 
 
