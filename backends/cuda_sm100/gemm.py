@@ -182,56 +182,6 @@ def gemm_fp8(a, w, *, out_dtype, bias, invariant: bool = False):
     )
 
 
-# Above this many rows, or from this K on (long reductions that few Triton tiles would walk alone), cuBLAS's
-# block-scaled kernels beat the Triton ones on the H200 (benchmarks/RESULTS.md, 2026-11-30).
-CUBLAS_MIN_M, CUBLAS_MIN_K = 128, 4096
-
-
-@functools.cache
-def _blockwise_min_m() -> int | None:
-    """The fewest rows cuBLAS takes for a DeepSeek block-scaled FP8 product through ``F.scaled_mm`` in this torch
-    on this GPU (None: not at all), found once with tiny products."""
-    for m in (1, 8):
-        try:
-            a = torch.ones(m, 128, device="cuda").to(torch.float8_e4m3fn)
-            w = torch.ones(128, 128, device="cuda").to(torch.float8_e4m3fn)
-            one = torch.ones(1, 1, device="cuda")
-            _scaled_mm_blockwise(a, torch.ones(m, 1, device="cuda"), w, one, torch.bfloat16)
-            return m
-        except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError):
-            continue
-    return None
-
-
-def _scaled_mm_blockwise(a, a_scale, w, w_scale, out_dtype):
-    m, kb = a_scale.shape
-    sa = torch.empty_strided((m, kb), (1, m), dtype=torch.float32, device=a.device)  # the outer-dim-major layout
-    sa.copy_(a_scale)
-    recipe = torch.nn.functional.ScalingType
-    return torch.nn.functional.scaled_mm(
-        a, w.t(), sa, recipe.BlockWise1x128, w_scale.t(), recipe.BlockWise128x128, output_dtype=out_dtype
-    )
-
-
-def gemm_fp8_cublas(a, w, *, out_dtype, bias):
-    """A bf16 or FP8 activation against an FP8 block-scaled weight by cuBLAS (``F.scaled_mm`` with 1x128
-    activation and 128x128 weight scales): the same per-K-block products and fp32 accumulation; not
-    batch-invariant (cuBLAS picks kernels by shape)."""
-    qa = _as_fp8(a, w)
-    out = _scaled_mm_blockwise(qa.data, qa.scale, w.data, w.scale, out_dtype)
-    return out if bias is None else (out.float() + bias.float()).to(out_dtype)
-
-
-def fp8_cublas_supports(a, w, *, out_dtype, bias) -> bool:
-    if INTERPRET or not fp8_supports(a, w, out_dtype=out_dtype, bias=bias) or out_dtype != torch.bfloat16:
-        return False
-    m, k = (a.data if isinstance(a, QTensor) else a).shape
-    if m < CUBLAS_MIN_M and k < CUBLAS_MIN_K:
-        return False
-    min_m = _blockwise_min_m()
-    return min_m is not None and m >= min_m and w.block == (FP8_BLOCK, FP8_BLOCK) and k % FP8_BLOCK == 0
-
-
 def gemm_triton(a, w, *, out_dtype, bias):
     """bf16/fp16 x bf16/fp16 with a fixed tile: the batch-invariant dense product."""
     out = torch.empty(a.shape[0], w.shape[0], dtype=out_dtype, device=a.device)
