@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
-# One H200 session: install, conformance (small, then full DeepSeek-V3 shapes), recompile check, benchmarks.
-# Usage on the GPU machine: OUT=<dir> bash benchmarks/h200_run.sh [conformance|bench|all]
+# One H200 session, in steps that each fit one 10-minute device call.
+# Usage on the GPU machine: OUT=<dir> bash benchmarks/h200_run.sh STEP
+#   conformance  full DeepSeek-V3 shapes, then the small shapes (reports under $OUT)
+#   model        model tests against transformers on cuda_sm100, then the decode benchmark with a kernel profile
+#   bench        `deepinfer bench` (its JSON is rewritten after every case, so a stopped run keeps its numbers)
+#   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
+# The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
+# notes) and this script installs it first.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-what=${1:-all}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -3
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-deepinfer info --ops 2>&1 | tail -22
-if [[ $what == conformance || $what == all ]]; then
-  timeout 200 deepinfer conformance --backend cuda_sm100 --report "$OUT/conformance_small.json" 2>&1 | tail -25
-  timeout 360 deepinfer conformance --backend cuda_sm100 --shapes full --report "$OUT/conformance_full.json" \
-    --note "H200, full DeepSeek-V3 shapes" 2>&1 | tail -40
-  timeout 120 python3 benchmarks/check_recompiles.py
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_imports.py 2>&1 | tail -2
-fi
-if [[ $what == bench || $what == all ]]; then
-  timeout 500 deepinfer bench --backend cuda_sm100 --json "$OUT/bench.json" --results "$OUT/RESULTS_section.md" 2>&1 | tail -80
-fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+case ${1:-} in
+  conformance)
+    timeout 300 deepinfer conformance --backend cuda_sm100 --shapes full --report "$OUT/conformance_full.json" \
+      --note "NVIDIA H200, full DeepSeek-V3 shapes" 2>&1 | tail -3
+    timeout 200 deepinfer conformance --backend cuda_sm100 --report "$OUT/conformance_small.json" 2>&1 | tail -3 ;;
+  model)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_vs_transformers.py tests/test_model_cuda.py \
+      --deepinfer-backend cuda_sm100 --tb=line 2>&1 | tail -8
+    timeout 300 python3 benchmarks/bench_model.py "$OUT/model_decode.json" --backend cuda_sm100 --batches 1,8,64,256 \
+      --steps 20 --hf-batches 1,64 --hf-steps 3 --profile 2>&1 | grep -v Loading | tail -80 ;;
+  bench)
+    timeout 560 deepinfer bench --backend cuda_sm100 --json "$OUT/bench.json" > /dev/null 2>&1; echo "bench exit $?" ;;
+  tiles)
+    timeout 560 python3 benchmarks/tile_variants.py 4200 all 2>&1 | tee "$OUT/tiles.txt" | tail -60 ;;
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles" >&2; exit 2 ;;
+esac
