@@ -12,28 +12,30 @@ whatever is left, so a bug fails these tests but never hangs the run.
 
 from __future__ import annotations
 
-import datetime
 import os
-import queue
 import random
-import socket
 import sys
-import time
-import traceback
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ep_harness import (
+    Problem,
+    check_layout,
+    expected_pairs,
+    expert,
+    launch,
+    random_problem,
+    reference_out,
+    token_counts,
+)
 
 import deepinfer
-from deepinfer import InputError, QTensor, registry
+from deepinfer import InputError, registry
 from deepinfer.dispatch import last_resolution
 from deepinfer.ops import ep_combine, ep_dispatch
 from deepinfer.ops.moe import ExpertPlacement
-from deepinfer.qtensor import quantize_rows
 
 DOUBLE = Path(__file__).parent / "ascend" / "double"
 SEED = random.randrange(2**31)
@@ -47,120 +49,25 @@ MC2_COMBINE = "torch_npu.npu_moe_distribute_combine_v2"
 # Problems and the independent expected layout
 
 
-@dataclass
-class Problem:
-    xs: list  # per rank: [T_r, H] bf16 or QTensor
-    ids: list[torch.Tensor]  # per rank: [T_r, k] int32
-    weights: list[torch.Tensor]  # per rank: [T_r, k] fp32
-    num_experts: int
+def setup_rank() -> None:
+    """The torch_npu test double in place of torch_npu, the ascend backend selected, no NPU settings inherited."""
+    for key in (
+        "DEEPINFER_ASCEND_SOC",
+        "DEEPINFER_ASCEND_MC2_MAX_BS",
+        "HCCL_BUFFSIZE",
+        "DEEPINFER_TORCH_NPU_DOUBLE_SOC",
+    ):
+        os.environ.pop(key, None)
+    sys.path.insert(0, str(DOUBLE))
+    import torch_npu
+
+    assert torch_npu.TEST_DOUBLE
+    registry.reload()
+    deepinfer.use("ascend")
 
 
 def _gen(name: str) -> torch.Generator:
     return torch.Generator().manual_seed(SEED + zlib.crc32(name.encode()))
-
-
-def _problem(g, tokens, num_experts, k, hidden, *, fp8=None, skip=0.15, experts=None, repeat=0.0) -> Problem:
-    """Random routings: k distinct experts per token drawn from ``experts`` (default all), a ``skip`` share of pairs
-    -1, a ``repeat`` share of slots copying slot 0 (a token naming an expert twice)."""
-    pool = torch.tensor(experts if experts is not None else list(range(num_experts)))
-    xs, ids, ws = [], [], []
-    for t in tokens:
-        x = torch.randn(t, hidden, generator=g).bfloat16()
-        xs.append(quantize_rows(x, 128, fp8) if fp8 else x)
-        rows = [pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(t)]
-        i = torch.stack(rows).to(torch.int32) if t else torch.zeros(0, k, dtype=torch.int32)
-        again = torch.rand(i.shape, generator=g) < repeat
-        again[:, 0] = False
-        i = torch.where(again, i[:, :1].expand_as(i), i)
-        i[torch.rand(i.shape, generator=g) < skip] = -1
-        ids.append(i.contiguous())
-        ws.append(torch.rand(i.shape, generator=g) + 0.05)
-    return Problem(xs, ids, ws, num_experts)
-
-
-def _expected_pairs(p: Problem, world: int, rank: int) -> list[list[tuple[int, int, int]]]:
-    """Per local expert of ``rank`` (contiguous placement): its (source rank, token, slot) pairs in the core's
-    order."""
-    local = p.num_experts // world
-    out: list[list[tuple[int, int, int]]] = [[] for _ in range(local)]
-    for s, ids in enumerate(p.ids):
-        for t in range(ids.shape[0]):
-            for j in range(ids.shape[1]):
-                e = int(ids[t, j])
-                if e >= 0 and e // local == rank:
-                    out[e % local].append((s, t, j))
-    return out
-
-
-def _row_bytes(x) -> torch.Tensor:
-    if isinstance(x, QTensor):
-        return torch.cat([x.data.contiguous().view(torch.uint8), x.scale.contiguous().view(torch.uint8)], dim=-1)
-    return x.contiguous().view(torch.uint8)
-
-
-def _expected_rows(p: Problem, pairs, width: int):
-    by_rank = [_row_bytes(x) for x in p.xs]
-    rows = [by_rank[s][t] for s, t, _ in pairs]
-    data = torch.stack(rows) if rows else torch.zeros(0, width, dtype=torch.uint8)
-    return data, [int(p.ids[s][t, j]) for s, t, j in pairs], [float(p.weights[s][t, j]) for s, t, j in pairs]
-
-
-def _check_layout(out, p: Problem, world: int, rank: int, mode: str, capacity) -> None:
-    recv_x, recv_ids, recv_w, layout, _ = out
-    lists = _expected_pairs(p, world, rank)
-    width = _row_bytes(p.xs[rank]).shape[-1]
-    if mode == "normal":
-        flat = [pair for lst in lists for pair in lst]
-        offsets = [0]
-        for lst in lists:
-            offsets.append(offsets[-1] + len(lst))
-        assert layout.masked_m is None and layout.expert_offsets.dtype == torch.int32
-        assert layout.expert_offsets.tolist() == offsets
-        data, ids, ws = _expected_rows(p, flat, width)
-        assert torch.equal(_row_bytes(recv_x), data), "received rows differ"
-        assert recv_ids.dtype == torch.int32 and recv_ids.tolist() == ids
-        assert recv_w.tolist() == ws
-        return
-    max_m = world * capacity
-    assert layout.expert_offsets is None and tuple(recv_ids.shape) == (len(lists), max_m)
-    assert layout.masked_m.tolist() == [min(len(lst), max_m) for lst in lists]
-    got = _row_bytes(recv_x)
-    for i, lst in enumerate(lists):
-        n = min(len(lst), max_m)
-        data, ids, ws = _expected_rows(p, lst[:n], width)
-        assert torch.equal(got[i, :n], data), f"local expert {i}: received rows differ"
-        assert recv_ids[i, :n].tolist() == ids and recv_w[i, :n].tolist() == ws
-        assert bool((recv_ids[i, n:] == -1).all()) and bool((recv_w[i, n:] == 0).all())
-
-
-def _expert(recv_x, recv_ids, layout, dtype=torch.bfloat16) -> torch.Tensor:
-    """A stand-in expert (each scales its rows by its own factor); rows past masked_m become NaN, so reading one
-    anywhere shows."""
-    x = recv_x.dequantize() if isinstance(recv_x, QTensor) else recv_x.float()
-    y = (x * (1.0 + recv_ids.clamp_min(0).float().unsqueeze(-1) / 8.0)).to(dtype)
-    if layout.masked_m is not None:
-        unused = torch.arange(y.shape[1])[None, :] >= layout.masked_m[:, None]
-        y[unused] = float("nan")
-    return y
-
-
-def _cat(xs):
-    if isinstance(xs[0], QTensor):
-        return QTensor(
-            torch.cat([x.data for x in xs]), torch.cat([x.scale for x in xs]), xs[0].block, xs[0].scale_format
-        )
-    return torch.cat(xs)
-
-
-def _reference_out(p: Problem, rank: int, dtype=torch.bfloat16) -> torch.Tensor:
-    """The one-process reference on the concatenated batch, rows of ``rank``'s tokens."""
-    with deepinfer.use("reference"):
-        recv_x, recv_ids, _, layout, handle = ep_dispatch(
-            _cat(p.xs), torch.cat(p.ids), torch.cat(p.weights), num_experts=p.num_experts
-        )
-        out = ep_combine(_expert(recv_x, recv_ids, layout, dtype), handle)
-    start = sum(x.shape[0] for x in p.xs[:rank])
-    return out[start : start + p.xs[rank].shape[0]]
 
 
 def _provider(op: str) -> str:
@@ -177,13 +84,13 @@ def _run_and_check(p, rank, mode, *, capacity=None, placement=None, y_dtype=torc
         kwargs["placement"] = placement
     out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=p.num_experts, **kwargs)
     served = [_provider("ep_dispatch")]
-    combined = ep_combine(_expert(out[0], out[1], out[3], y_dtype), out[4])
+    combined = ep_combine(expert(out[0], out[1], out[3], y_dtype), out[4])
     served.append(_provider("ep_combine"))
     if via is not None:
         assert tuple(served) == via, served
-    _check_layout(out, p, world, rank, mode, capacity)
+    check_layout(out, p, ExpertPlacement.contiguous(p.num_experts, world), rank, mode, capacity)
     assert out[4].overflow is None or not bool(out[4].overflow)
-    ref = _reference_out(p, rank, y_dtype)
+    ref = reference_out(p, rank, y_dtype)
     assert combined.dtype == y_dtype and combined.shape == ref.shape
     if served[1] == MC2_COMBINE:  # another summation path: one rounding of the output apart at most
         torch.testing.assert_close(combined.float(), ref.float(), rtol=2**-7, atol=1e-5)
@@ -191,13 +98,6 @@ def _run_and_check(p, rank, mode, *, capacity=None, placement=None, y_dtype=torc
         torch.testing.assert_close(combined.float(), ref.float(), rtol=0 if mode == "normal" else 2**-7, atol=1e-5)
     zero = (p.ids[rank] < 0).all(dim=1)
     assert bool((combined[zero] == 0).all())
-
-
-def _tokens(g, world: int, high: int, *, empty_rank: int | None = None) -> list[int]:
-    t = torch.randint(1, high + 1, (world,), generator=g).tolist()
-    if empty_rank is not None:
-        t[empty_rank] = 0
-    return t
 
 
 class _env:
@@ -229,7 +129,7 @@ MC2 = (MC2_DISPATCH, MC2_COMBINE)
 def sc_normal_bf16(rank: int, world: int) -> None:
     """Uneven batches, one rank sends nothing (it still joins every MC2 call with a padding token), -1 pairs."""
     g = _gen("normal_bf16")
-    p = _problem(g, _tokens(g, world, 30, empty_rank=world - 1), 4 * world, 4, 1024)
+    p = random_problem(g, token_counts(g, world, 30, empty_rank=world - 1), 4 * world, 4, 1024)
     _run_and_check(p, rank, "normal", via=MC2)
 
 
@@ -237,13 +137,13 @@ def sc_normal_rounds_narrow(rank: int, world: int) -> None:
     """At most 4 tokens per MC2 call: several rounds; a narrow hidden size is padded to the documented 1024."""
     g = _gen("normal_rounds")
     with _env(DEEPINFER_ASCEND_MC2_MAX_BS="4"):
-        p = _problem(g, _tokens(g, world, 15), 2 * world, 3, 192)
+        p = random_problem(g, token_counts(g, world, 15), 2 * world, 3, 192)
         _run_and_check(p, rank, "normal", via=MC2)
 
 
 def sc_normal_fp8(rank: int, world: int) -> None:
     g = _gen("normal_fp8")
-    p = _problem(g, _tokens(g, world, 20), 4 * world, 6, 512, fp8="ue8m0")
+    p = random_problem(g, token_counts(g, world, 20), 4 * world, 6, 512, fp8="ue8m0")
     _run_and_check(p, rank, "normal", via=MC2)
 
 
@@ -252,7 +152,7 @@ def sc_normal_skewed_repeats(rank: int, world: int) -> None:
     expert twice, one token has no expert at all."""
     g = _gen("normal_skew")
     num_experts = 4 * world
-    p = _problem(g, _tokens(g, world, 16), num_experts, 3, 256, experts=[0, 2, 3], skip=0.2, repeat=0.3)
+    p = random_problem(g, token_counts(g, world, 16), num_experts, 3, 256, experts=[0, 2, 3], skip=0.2, repeat=0.3)
     p.ids[0][0] = -1
     _run_and_check(p, rank, "normal", via=MC2)
 
@@ -260,32 +160,32 @@ def sc_normal_skewed_repeats(rank: int, world: int) -> None:
 def sc_normal_fp32_outputs_fall_back(rank: int, world: int) -> None:
     """combine_v2 takes bf16/fp16 only: fp32 expert outputs go through the reference combine on the MC2 handle."""
     g = _gen("normal_fp32")
-    p = _problem(g, _tokens(g, world, 12), 2 * world, 2, 128, repeat=0.2)
+    p = random_problem(g, token_counts(g, world, 12), 2 * world, 2, 128, repeat=0.2)
     _run_and_check(p, rank, "normal", y_dtype=torch.float32, via=(MC2_DISPATCH, "reference (fallback)"))
 
 
 def sc_ll_bf16(rank: int, world: int) -> None:
     g = _gen("ll_bf16")
     with _env(DEEPINFER_ASCEND_MC2_MAX_BS="8"):
-        p = _problem(g, _tokens(g, world, 12, empty_rank=1), 4 * world, 3, 1024)
+        p = random_problem(g, token_counts(g, world, 12, empty_rank=1), 4 * world, 3, 1024)
         _run_and_check(p, rank, "low_latency", capacity=14, via=MC2)
 
 
 def sc_ll_fp8_repeats(rank: int, world: int) -> None:
     g = _gen("ll_fp8")
-    p = _problem(g, _tokens(g, world, 9), 2 * world, 4, 256, fp8="fp32", repeat=0.2)
+    p = random_problem(g, token_counts(g, world, 9), 2 * world, 4, 256, fp8="fp32", repeat=0.2)
     _run_and_check(p, rank, "low_latency", capacity=9, via=MC2)
 
 
 def sc_ll_reference_combine(rank: int, world: int) -> None:
     """A hidden size combine_v2 does not take (> 7168): the reference low-latency combine on the MC2 handle."""
     g = _gen("ll_wide")
-    p = _problem(g, _tokens(g, world, 3), 2 * world, 2, 7296 // 8 * 8, repeat=0.3)
+    p = random_problem(g, token_counts(g, world, 3), 2 * world, 2, 7296 // 8 * 8, repeat=0.3)
     _run_and_check(p, rank, "low_latency", capacity=3, via=(MC2_DISPATCH, "reference (fallback)"))
 
 
 def sc_all_empty(rank: int, world: int) -> None:
-    p = _problem(_gen("empty"), [0] * world, 2 * world, 2, 128)
+    p = random_problem(_gen("empty"), [0] * world, 2 * world, 2, 128)
     _run_and_check(p, rank, "normal", via=MC2)
     _run_and_check(p, rank, "low_latency", capacity=0, via=MC2)
 
@@ -295,19 +195,19 @@ def sc_declined_placement_runs_reference(rank: int, world: int) -> None:
     g = _gen("declined")
     num_experts = 2 * world
     placement = ExpertPlacement.from_expert_rank([(e + 1) % world for e in range(num_experts)], world)
-    p = _problem(g, _tokens(g, world, 10), num_experts, 2, 128)
+    p = random_problem(g, token_counts(g, world, 10), num_experts, 2, 128)
     out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=num_experts,
                       group=torch.distributed.group.WORLD, placement=placement)  # fmt: skip
     assert _provider("ep_dispatch") == "reference (fallback)"
-    combined = ep_combine(_expert(out[0], out[1], out[3]), out[4])
-    assert torch.equal(combined, _reference_out(p, rank))
+    combined = ep_combine(expert(out[0], out[1], out[3]), out[4])
+    assert torch.equal(combined, reference_out(p, rank))
 
 
 def sc_declined_small_buffer_runs_reference(rank: int, world: int) -> None:
     """An HCCL buffer below the docs' formula is declined (the setting is the same on every rank)."""
     g = _gen("small_buffer")
     with _env(HCCL_BUFFSIZE="0"):
-        p = _problem(g, _tokens(g, world, 6), 2 * world, 2, 128)
+        p = random_problem(g, token_counts(g, world, 6), 2 * world, 2, 128)
         _run_and_check(p, rank, "normal", via=("reference (fallback)", "reference (fallback)"))
 
 
@@ -315,7 +215,7 @@ def _overflow_problem(world: int) -> tuple[Problem, int]:
     """Rank 0 names expert 0 in every slot of every token: world * capacity rows fit, the rest overflow."""
     capacity, k = 5, world + 2
     g = _gen("overflow")
-    p = _problem(g, [capacity] * world, 2 * world, k, 128, experts=list(range(1, 2 * world)), skip=0.0)
+    p = random_problem(g, [capacity] * world, 2 * world, k, 128, experts=list(range(1, 2 * world)), skip=0.0)
     p.ids[0][:] = 0
     return p, capacity
 
@@ -334,17 +234,17 @@ def sc_ll_overflow_poisons(rank: int, world: int) -> None:
     with _env(DEEPINFER_VALUE_CHECKS="0"):
         out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=p.num_experts, mode="low_latency",
                           capacity=capacity, group=torch.distributed.group.WORLD)  # fmt: skip
-        combined = ep_combine(_expert(out[0], out[1], out[3]), out[4])
+        combined = ep_combine(expert(out[0], out[1], out[3]), out[4])
     assert _provider("ep_combine") == MC2_COMBINE
     assert bool(out[4].overflow), "every rank must see the overflow"
     max_m = world * capacity
-    kept = _expected_pairs(p, world, 0)[0][:max_m]
+    kept = expected_pairs(p, ExpertPlacement.contiguous(p.num_experts, world), 0)[0][:max_m]
     k = p.ids[0].shape[1]
     lost = {t for t in range(capacity) for j in range(k) if (0, t, j) not in kept} if rank == 0 else set()
     assert rank != 0 or lost, "the problem must overflow"
     nan_rows = torch.isnan(combined).all(dim=1)
     assert set(torch.nonzero(nan_rows).flatten().tolist()) == lost
-    ref = _reference_out(p, rank)
+    ref = reference_out(p, rank)
     keep = ~nan_rows
     torch.testing.assert_close(combined[keep].float(), ref[keep].float(), rtol=2**-7, atol=1e-5)
 
@@ -403,83 +303,6 @@ SMALL = ("normal_bf16", "normal_skewed_repeats", "ll_fp8_repeats", "declined_pla
 # Harness
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, seed: int, names: list[str], pg_timeout_s: float, results) -> None:
-    global SEED
-    SEED = seed  # the parent's: every rank draws the same problems
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    for key in (
-        "DEEPINFER_ASCEND_SOC",
-        "DEEPINFER_ASCEND_MC2_MAX_BS",
-        "HCCL_BUFFSIZE",
-        "DEEPINFER_TORCH_NPU_DOUBLE_SOC",
-    ):
-        os.environ.pop(key, None)
-    sys.path.insert(0, str(DOUBLE))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=pg_timeout_s)
-    try:
-        import torch_npu
-
-        assert torch_npu.TEST_DOUBLE
-        registry.reload()
-        deepinfer.use("ascend")
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    except BaseException:
-        for name in names:
-            results.put((rank, name, traceback.format_exc(), 0.0))
-        return
-    for name in names:
-        start = time.monotonic()
-        try:
-            SCENARIOS[name](rank, world)
-            results.put((rank, name, None, time.monotonic() - start))
-        except BaseException:
-            results.put((rank, name, traceback.format_exc(), time.monotonic() - start))
-    dist.destroy_process_group()
-
-
-def launch(world: int, names: list[str], *, pg_timeout_s: float, deadline_s: float):
-    """Runs ``names`` on ``world`` spawned ranks; returns ``{(rank, name): (traceback or None, seconds)}``. Every
-    rank still alive at the end (or at the deadline) is killed."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, SEED, names, pg_timeout_s, results), daemon=True)
-        for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    wanted = world * len(names)
-    got: dict[tuple[int, str], tuple[str | None, float]] = {}
-    end = time.monotonic() + deadline_s
-    try:
-        while len(got) < wanted and time.monotonic() < end:
-            try:
-                rank, name, err, seconds = results.get(timeout=0.2)
-            except queue.Empty:
-                if all(not proc.is_alive() for proc in procs):
-                    break
-                continue
-            got[(rank, name)] = (err, seconds)
-    finally:
-        for proc in procs:
-            proc.join(timeout=5 if len(got) == wanted else 0.1)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return got
-
-
 CASES = [(2, name) for name in SCENARIOS] + [(4, name) for name in SMALL]  # 4 ranks: a few, to keep the run short
 _RUNS: dict[int, dict] = {}
 
@@ -488,7 +311,7 @@ def _played(world: int) -> dict:
     """All scenarios of ``world`` ranks, played once per test session."""
     if world not in _RUNS:
         names = [name for w, name in CASES if w == world]
-        _RUNS[world] = launch(world, names, pg_timeout_s=RUN_TIMEOUT_S, deadline_s=RUN_DEADLINE_S)
+        _RUNS[world] = launch(__name__, world, names, seed=SEED, pg_timeout_s=RUN_TIMEOUT_S, deadline_s=RUN_DEADLINE_S)
     return _RUNS[world]
 
 
