@@ -1,7 +1,8 @@
 """DeepSeekMoE on deepinfer ops: a dense SwiGLU MLP, and routed experts plus shared experts.
 
 Routed path: router logits in fp32 (``gemm`` on fp32 operands) -> ``moe_route`` (group-limited, bias for selection
-only) -> ``ep_dispatch`` (rows grouped by expert) -> ``grouped_gemm`` (gate and up fused) -> ``silu_and_mul`` ->
+only) -> ``ep_dispatch`` (rows grouped by expert; with FP8 experts the tokens are quantised once, before they
+are copied per expert) -> ``grouped_gemm`` (gate and up fused) -> ``silu_and_mul`` ->
 ``grouped_gemm`` (down) -> ``ep_combine`` (weighted sum back to the tokens); the shared experts are a dense
 SwiGLU MLP added on top.
 
