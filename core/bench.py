@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from . import ops
 from .conformance.cases import Gen, error
-from .dispatch import last_resolution
+from .dispatch import batch_invariant, last_resolution
 from .kv_cache import allocate_kv_cache, pack_fp8_ds_mla
 from .ops.rope import rope_cos_sin_cache
 from .qtensor import QTensor, quantize_blocks, quantize_rows
@@ -39,8 +39,10 @@ TFLOP = 1e12
 
 @dataclass
 class BenchCase:
-    """op: the deepinfer op; make: random keyword arguments; flops / bytes: the work and the fewest bytes moved (each
-    input read once, each output written once); peers: name -> callable on the same keyword arguments."""
+    """op: the deepinfer op (or a name for ``fn``); make: random keyword arguments; flops / bytes: the work and the
+    fewest bytes moved (each input read once, each output written once); peers: name -> callable on the same keyword
+    arguments; fn: a composite of ops run instead of the op itself; sets: input sets to rotate through (default:
+    the run's; 1 where the inputs are far larger than the caches)."""
 
     op: str
     name: str
@@ -49,6 +51,8 @@ class BenchCase:
     bytes: float
     peers: dict[str, Callable[[dict[str, Any]], Any]] = field(default_factory=dict)
     compute: str = "bf16"  # which peak bounds the arithmetic: bf16 or fp8
+    fn: Callable[[dict[str, Any]], Any] | None = None
+    sets: int | None = None
 
 
 @dataclass
@@ -151,20 +155,30 @@ def _dense(a):
 
 
 def _scaled_mm_blockwise(kw):
-    """cuBLAS FP8 with DeepSeek block scaling (1x128 activations, 128x128 weights), SM90: torch's scaled_mm."""
+    """cuBLAS FP8 with DeepSeek block scaling (1x128 activations, 128x128 weights), SM90: torch's scaled_mm. Rows
+    are padded to a multiple of 4 (cuBLAS takes no other count), as a user would."""
     a, w = kw["a"], kw["w"]
     qa = a if isinstance(a, QTensor) else quantize_rows(a, 128, w.scale_format)
-    sa = qa.scale.t().contiguous().t()  # outer-dim-major scale layout
+    m, pad = qa.data.shape[0], -qa.data.shape[0] % 4
+    data, scale = F.pad(qa.data.view(torch.uint8), (0, 0, 0, pad)).view(qa.data.dtype), F.pad(qa.scale, (0, 0, 0, pad))
+    sa = torch.empty_strided(scale.shape, (1, scale.shape[0]), dtype=scale.dtype, device=scale.device)
+    sa.copy_(scale)  # outer-dim-major scale layout
     recipe = F.ScalingType
-    return F.scaled_mm(
-        qa.data,
-        w.data.t(),
-        sa,
-        recipe.BlockWise1x128,
-        w.scale.t(),
-        recipe.BlockWise128x128,
-        output_dtype=torch.bfloat16,
+    out = F.scaled_mm(
+        data, w.data.t(), sa, recipe.BlockWise1x128, w.scale.t(), recipe.BlockWise128x128, output_dtype=torch.bfloat16
     )
+    return out[:m]
+
+
+def _batch_invariant_peer(op: str) -> Callable[[dict[str, Any]], Any]:
+    """The same op on the same backend in batch-invariant mode (what that mode costs)."""
+
+    def run(kw):
+        with batch_invariant():
+            out = getattr(ops, op)(**kw)
+        return out[0] if op == "mla_decode" else out
+
+    return run
 
 
 def _grouped_mm_bf16(kw):
@@ -212,6 +226,31 @@ def _sdpa(kw):
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])
 
 
+def moe_layer(kw: dict[str, Any], grouped_gemm: Callable[..., Any] | None = None) -> torch.Tensor:
+    """A DeepSeek-V3 routed-expert layer from ops: ``moe_route`` -> ``ep_dispatch`` (FP8 tokens) -> gate_up
+    ``grouped_gemm`` -> ``silu_and_mul`` (FP8 out) -> down ``grouped_gemm`` -> ``ep_combine``. ``grouped_gemm``
+    replaces the op (a peer's products)."""
+    gemm = grouped_gemm or ops.grouped_gemm
+    w13, w2 = kw["w13"], kw["w2"]
+    weights, ids = ops.moe_route(
+        kw["logits"], kw["bias"], top_k=8, n_group=8, topk_group=4, renormalize=True, routed_scaling_factor=2.5,
+        scoring="sigmoid",
+    )  # fmt: skip
+    x = ops.quantize_fp8(kw["x"], block=128, scale_format=w13.scale_format)
+    recv, _, _, layout, handle = ops.ep_dispatch(x, ids, weights, num_experts=w13.shape[0])
+    groups = {"expert_offsets": layout.expert_offsets, "masked_m": None, "out_dtype": torch.bfloat16}
+    h = gemm(a=recv, w=w13, **groups)
+    a = ops.silu_and_mul(h, quantize=True, scale_format=w2.scale_format)
+    return ops.ep_combine(gemm(a=a, w=w2, **groups), handle)
+
+
+def _moe_layer_torch_peers(kw):
+    """The same layer with each expert's products by cuBLAS (a per-expert loop of block-scaled ``scaled_mm``) and
+    the rest as plain torch composites."""
+    with use("reference"):
+        return moe_layer(kw, lambda **g: _per_expert_scaled_mm(g))
+
+
 def _reference_peer(op: str) -> Callable[[dict[str, Any]], Any]:
     """The core's plain-torch reference on the same device: the composite a user would write by hand."""
 
@@ -251,7 +290,8 @@ def _gemm_cases(quick: bool) -> list[BenchCase]:
                     make,
                     2 * m * n * k,
                     m * k + n * k + m * n * 2,
-                    {"torch scaled_mm blockwise": _scaled_mm_blockwise},
+                    {"torch scaled_mm blockwise": _scaled_mm_blockwise}
+                    | ({"same op, batch-invariant mode": _batch_invariant_peer("gemm")} if m in (128, 4096) else {}),
                     compute="fp8",
                 )
             )
@@ -324,12 +364,14 @@ def _mla_cases(quick: bool) -> list[BenchCase]:
             nbytes = batch * ctx * width + batch * heads * (rank + rope) * 2 + batch * heads * rank * 2
             flops = 2 * batch * heads * ctx * (rank + rope + rank)
             peers = {"torch composite": _mla_torch} if fmt == "bf16" else {}
+            if batch == 64 or quick:
+                peers["same op, batch-invariant mode"] = _batch_invariant_peer("mla_decode")
             out.append(BenchCase("mla_decode", f"{fmt} B={batch} H={heads} ctx={ctx}", make, flops, nbytes, peers))
     return out
 
 
 def _varlen_cases(quick: bool) -> list[BenchCase]:
-    seqs, length, heads = (2, 256, 4) if quick else (4, 4096, 128)
+    seqs, length, heads = (2, 256, 4) if quick else (4, 8192, 128)
 
     def make(g):
         t = seqs * length
@@ -421,10 +463,45 @@ def _small_op_cases(quick: bool) -> list[BenchCase]:
     return out
 
 
+def _moe_layer_cases(quick: bool) -> list[BenchCase]:
+    experts, hidden, inter = (16, 256, 128) if quick else (256, 7168, 2048)
+    out = []
+    for t in [1, 16] if quick else [1, 16, 128, 1024, 8192]:
+
+        def make(g, t=t):
+            return {
+                "x": g.randn(t, hidden),
+                "logits": g.randn(t, experts, dtype=torch.float32),
+                "bias": g.randn(experts, dtype=torch.float32, scale=0.1),
+                "w13": g.fp8_weight(experts, 2 * inter, hidden),
+                "w2": g.fp8_weight(experts, hidden, inter),
+            }
+
+        pairs = t * 8
+        used = min(experts, pairs)  # experts whose weights are read, at most
+        flops = 2 * pairs * (2 * inter * hidden + hidden * inter)
+        nbytes = used * 3 * inter * hidden + t * hidden * 2 * 2
+        out.append(
+            BenchCase(
+                "moe_layer",
+                f"T={t} E={experts} top-8 H={hidden} I={inter} fp8",
+                make,
+                flops,
+                nbytes,
+                {"torch peers (per-expert cuBLAS, torch composites)": _moe_layer_torch_peers},
+                compute="fp8",
+                fn=moe_layer,
+                sets=1,
+            )
+        )
+    return out
+
+
 def cases(quick: bool = False) -> list[BenchCase]:
     return [
         *_gemm_cases(quick),
         *_grouped_cases(quick),
+        *_moe_layer_cases(quick),
         *_mla_cases(quick),
         *_varlen_cases(quick),
         *_small_op_cases(quick),
@@ -473,13 +550,16 @@ def run_bench(
     sets: int = 3,
     progress: Callable[[str], None] | None = None,
     on_case: Callable[[dict[str, Any]], None] | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Times every case on the selected backend and its peers; returns the results as a JSON-able dict, and hands
-    the results so far to ``on_case`` after each case (a long run stopped early keeps what it measured)."""
+    the results so far to ``on_case`` after each case (a long run stopped early keeps what it measured). ``device``:
+    where the inputs live (default: the backend's device type)."""
     backend = current_backend()
-    device = backend.device_type  # device types are torch device names
-    if backend.name == "reference" and torch.cuda.is_available():
-        device = "cuda"
+    if device is None:
+        device = backend.device_type  # device types are torch device names
+        if backend.name == "reference" and torch.cuda.is_available():
+            device = "cuda"
     env = {"torch": torch.__version__, "python": platform.python_version()}
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
@@ -495,23 +575,27 @@ def run_bench(
     for index, case in enumerate(c for c in cases(quick) if only_ops is None or c.op in only_ops):
         if progress:
             progress(f"{case.op}: {case.name}")
-        inputs = [case.make(Gen(1000 * index + s, device)) for s in range(sets)]
-        fn = getattr(ops, case.op)
+        n_sets = case.sets or sets
+        inputs = [case.make(Gen(1000 * index + s, device)) for s in range(n_sets)]
+        fn = (lambda _f=case.fn, **kw: _f(kw)) if case.fn else getattr(ops, case.op)
         with use("reference"):
             ref = fn(**inputs[0])
         out = fn(**inputs[0])
-        impl, fallback = last_resolution(case.op)
-        label = f"{backend.name}/{impl.provider}" + (" (fallback)" if fallback else "")
+        if case.fn:
+            label = f"{backend.name} ops"
+        else:
+            impl, fallback = last_resolution(case.op)
+            label = f"{backend.name}/{impl.provider}" + (" (fallback)" if fallback else "")
         err = error(out, ref)
         run = lambda i, fn=fn, inputs=inputs: fn(**inputs[i])
-        ms = time_ms(run, device, sets=sets)
-        rows.append(asdict(_row(case, label, ms, graph_time(run, device, sets), ceilings, err)))
+        ms = time_ms(run, device, sets=n_sets)
+        rows.append(asdict(_row(case, label, ms, graph_time(run, device, n_sets), ceilings, err)))
         for peer, peer_fn in case.peers.items():
             try:
                 peer_err = error(peer_fn(inputs[0]), ref if case.op != "mla_decode" else ref[0])
                 run = lambda i, p=peer_fn, inputs=inputs: p(inputs[i])
-                peer_ms = time_ms(run, device, sets=sets)
-                peer_row = _row(case, f"peer: {peer}", peer_ms, graph_time(run, device, sets), ceilings, peer_err)
+                peer_ms = time_ms(run, device, sets=n_sets)
+                peer_row = _row(case, f"peer: {peer}", peer_ms, graph_time(run, device, n_sets), ceilings, peer_err)
             except Exception as e:  # a peer this torch or device lacks is reported, not fatal
                 note = f"unavailable: {type(e).__name__}: {e}"[:200]
                 peer_row = _row(case, f"peer: {peer}", None, None, ceilings, None, note)

@@ -180,6 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             only_ops=only,
             progress=lambda msg: status.update(escape(msg)),
             on_case=lambda partial: bench.save(partial, args.json, None, ""),  # kept if the run is stopped early
+            device=args.device,
         )
     where = result["environment"].get("gpu", result["device"])
     table = Table(title=f"deepinfer bench on {where} ({result['backend']})", title_justify="left")
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--ops", help="comma-separated ops to time (default: all)")
     bench.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement")
     bench.add_argument("--json", help="write all numbers to this JSON file (rewritten after every case)")
+    bench.add_argument("--device", help="torch device of the inputs (default: the backend's; cpu: Triton interpreter)")
     bench.add_argument("--results", help="append a dated section to this markdown file (e.g. benchmarks/RESULTS.md)")
     bench.set_defaults(fn=cmd_bench)
 

@@ -11,10 +11,10 @@ from deepinfer.cli import main
 def test_quick_bench_checks_then_times_every_case(tmp_path):
     seen = []
     result = bench.run_bench(
-        quick=True, only_ops=["gemm", "rms_norm"], sets=2, on_case=lambda r: seen.append(len(r["rows"]))
+        quick=True, only_ops=["gemm", "rms_norm", "moe_layer"], sets=2, on_case=lambda r: seen.append(len(r["rows"]))
     )
     ours = [r for r in result["rows"] if not r["impl"].startswith("peer:")]
-    assert {r["op"] for r in ours} == {"gemm", "rms_norm"}
+    assert {r["op"] for r in ours} == {"gemm", "rms_norm", "moe_layer"}
     assert len(ours) == len(seen) and seen == sorted(seen)  # results handed over after every case, growing
     for r in ours:
         assert r["ms"] > 0 and r["graph_ms"] is None  # no CUDA graphs on the CPU

@@ -28,6 +28,17 @@ class Gen:
     def randint(self, low: int, high: int, *shape: int, dtype=torch.int32) -> torch.Tensor:
         return torch.randint(low, high, shape, generator=self.cpu).to(dtype=dtype, device=self.device)
 
+    def fp8_weight(self, *shape: int, block: int = 128) -> QTensor:
+        """A random FP8 block-scaled weight ``[..., N, K]`` drawn on the device (finite e4m3 bytes of either sign,
+        scales around ``1 / (448 sqrt(K))``): for sizes too large to draw on the CPU and quantise."""
+        dev = torch.Generator(device=self.device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.cpu)))
+        bits = torch.randint(0, 0x7F, shape, generator=dev, device=self.device, dtype=torch.uint8)  # 0x7F: NaN
+        bits |= torch.randint(0, 2, shape, generator=dev, device=self.device, dtype=torch.uint8) << 7
+        *lead, n, k = shape
+        scale_shape = (*lead, -(-n // block), -(-k // block))
+        scale = torch.rand(scale_shape, generator=dev, device=self.device) * 2 / (448 * k**0.5)
+        return QTensor(bits.view(torch.float8_e4m3fn), scale + 1e-6, (block, block), "fp32")
+
     def perm(self, n: int) -> torch.Tensor:
         return torch.randperm(n, generator=self.cpu)
 
