@@ -3,7 +3,9 @@
 # Usage on the GPU machine: OUT=<dir> bash benchmarks/h200_run.sh STEP
 #   conformance  full DeepSeek-V3 shapes, then the small shapes (reports under $OUT)
 #   model        model tests against transformers on cuda_sm100, then the decode benchmark with a kernel profile
-#   bench        `deepinfer bench` (its JSON is rewritten after every case, so a stopped run keeps its numbers)
+#   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split
+#                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
+#                every case, so a stopped run keeps its numbers
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
 # notes) and this script installs it first.
@@ -25,7 +27,8 @@ case ${1:-} in
     timeout 300 python3 benchmarks/bench_model.py "$OUT/model_decode.json" --backend cuda_sm100 --batches 1,8,64,256 \
       --steps 20 --hf-batches 1,64 --hf-steps 3 --profile 2>&1 | grep -v Loading | tail -80 ;;
   bench)
-    timeout 560 deepinfer bench --backend cuda_sm100 --json "$OUT/bench.json" > /dev/null 2>&1; echo "bench exit $?" ;;
+    timeout 560 deepinfer bench --backend cuda_sm100 ${2:+--ops "$2"} --json "$OUT/bench.json" > /dev/null 2>&1
+    echo "bench exit $?" ;;
   tiles)
     timeout 560 python3 benchmarks/tile_variants.py 4200 all 2>&1 | tee "$OUT/tiles.txt" | tail -60 ;;
   *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles" >&2; exit 2 ;;
