@@ -2,10 +2,10 @@
 independently pair by pair, a stand-in expert, the one-process reference, and the harness that plays a test
 module's scenarios on spawned Gloo ranks.
 
-A test module using ``launch`` defines ``SEED`` (every rank draws its problems from it), ``SCENARIOS`` (and
-optionally ``FAULTS``): name -> ``f(rank, world)``, and ``setup_rank()`` (backend selection before the process group
-starts). Every rank still alive at the end or at the deadline is killed, so a bug fails a test but never hangs the
-run.
+A test module using ``launch`` defines ``SCENARIOS`` (and optionally ``FAULTS``): name -> ``f(rank, world, *args)``,
+and may define ``SEED`` (set on every rank from the parent's) and ``setup_rank()`` (backend selection before the
+process group starts). Every rank still alive at the end or at the deadline is killed, so a bug fails a test but
+never hangs the run.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -179,28 +180,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(module: str, rank: int, world: int, port: int, seed: int, names, pg_timeout_s: float, results) -> None:
+def _worker(module: str, rank: int, world: int, port: int, seed, args, names, pg_timeout_s: float, results) -> None:
     mod = importlib.import_module(module)
-    mod.SEED = seed  # the parent's: every rank draws the same problems
+    if seed is not None:
+        mod.SEED = seed  # the parent's: every rank draws the same problems
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     try:
-        mod.setup_rank()
+        getattr(mod, "setup_rank", lambda: None)()
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s))
     except BaseException:
         for name in names:
-            results.put((rank, name, traceback.format_exc(), 0.0))
+            results.put((rank, name, traceback.format_exc(), None, 0.0))
         return
     scenarios = {**mod.SCENARIOS, **getattr(mod, "FAULTS", {})}
     for name in names:
         start = time.monotonic()
         try:
-            scenarios[name](rank, world)
-            results.put((rank, name, None, time.monotonic() - start))
+            payload = scenarios[name](rank, world, *args)
+            results.put((rank, name, None, payload, time.monotonic() - start))
         except BaseException:
-            results.put((rank, name, traceback.format_exc(), time.monotonic() - start))
+            results.put((rank, name, traceback.format_exc(), None, time.monotonic() - start))
     dist.destroy_process_group()
 
 
@@ -209,36 +211,40 @@ def launch(
     world: int,
     names: list[str],
     *,
-    seed: int,
     pg_timeout_s: float,
     deadline_s: float,
+    seed: int | None = None,
+    args: tuple = (),
     expect: set[int] | None = None,
-) -> dict[tuple[int, str], tuple[str | None, float]]:
-    """Plays scenarios ``names`` of test module ``module`` on ``world`` spawned ranks; returns ``{(rank, name):
-    (traceback or None, seconds)}`` for the ranks in ``expect`` (default all)."""
+) -> dict[tuple[int, str], tuple[str | None, Any, float]]:
+    """Plays scenarios ``names`` of test module ``module`` (each ``f(rank, world, *args)``) on ``world`` spawned
+    ranks; returns ``{(rank, name): (traceback or None, what the scenario returned, seconds)}`` for the ranks in
+    ``expect`` (default all). ``seed``: the module's ``SEED`` on every rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(module, r, world, port, seed, names, pg_timeout_s, results), daemon=True)
+        ctx.Process(
+            target=_worker, args=(module, r, world, port, seed, args, names, pg_timeout_s, results), daemon=True
+        )
         for r in range(world)
     ]
     for proc in procs:
         proc.start()
     expect = set(range(world)) if expect is None else expect
     wanted = len(expect) * len(names)
-    got: dict[tuple[int, str], tuple[str | None, float]] = {}
+    got: dict[tuple[int, str], tuple[str | None, Any, float]] = {}
     end = time.monotonic() + deadline_s
     try:
         while len(got) < wanted and time.monotonic() < end:
             try:
-                rank, name, err, seconds = results.get(timeout=0.2)
+                rank, name, err, payload, seconds = results.get(timeout=0.2)
             except queue.Empty:
                 if all(not procs[r].is_alive() for r in expect):
                     break
                 continue
             if rank in expect:
-                got[(rank, name)] = (err, seconds)
+                got[(rank, name)] = (err, payload, seconds)
     finally:
         for r, proc in enumerate(procs):
             proc.join(timeout=5 if len(got) == wanted and r in expect else 0.1)

@@ -321,5 +321,5 @@ def test_scenario(world, scenario):
     for rank in range(world):
         if (rank, scenario) not in got:
             pytest.fail(f"rank {rank} never reported {scenario!r} (seed {SEED})")
-        err, _ = got[(rank, scenario)]
+        err, _, _ = got[(rank, scenario)]
         assert err is None, f"rank {rank} of {world}, seed {SEED}:\n{err}"

@@ -264,7 +264,7 @@ def test_scenario(world_run, scenario):
     for rank in range(world):
         if (rank, scenario) not in got:
             pytest.fail(f"rank {rank} never reported {scenario!r} (seed {SEED})")
-        err, _ = got[(rank, scenario)]
+        err, _, _ = got[(rank, scenario)]
         assert err is None, f"rank {rank} of {world}, seed {SEED}:\n{err}"
 
 
@@ -275,7 +275,7 @@ def test_fault_surfaces_within_timeout(fault):
     start = time.monotonic()
     got = launch(__name__, world, [fault], seed=SEED, pg_timeout_s=timeout_s, deadline_s=timeout_s + 40, expect={0})
     assert (0, fault) in got, f"rank 0 neither finished nor failed within {time.monotonic() - start:.0f} s"
-    err, seconds = got[(0, fault)]
+    err, _, seconds = got[(0, fault)]
     assert err is not None, "the collective succeeded without its peer"
     assert "InputError" not in err, err
     assert seconds < timeout_s + 10, f"the error took {seconds:.1f} s"

@@ -12,18 +12,14 @@ fail these tests but never hang the run. The command line runs under ``torch.dis
 
 from __future__ import annotations
 
-import datetime
 import os
-import queue
-import socket
 import subprocess
 import sys
 import time
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ep_harness import launch
 
 import deepinfer
 from deepinfer import cli
@@ -243,64 +239,6 @@ FAULTS = {"dead_rank": sc_dead_rank, "hung_rank": sc_hung_rank}
 # Harness
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, path, names: list[str], pg_timeout_s: float, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s))
-    for name in names:
-        start = time.monotonic()
-        try:
-            payload = {**SCENARIOS, **FAULTS}[name](rank, world, path)
-            results.put((rank, name, None, payload, time.monotonic() - start))
-        except BaseException:
-            results.put((rank, name, traceback.format_exc(), None, time.monotonic() - start))
-    dist.destroy_process_group()
-
-
-def launch(world: int, path, names: list[str], *, pg_timeout_s: float, deadline_s: float, expect=None) -> dict:
-    """Runs ``names`` on ``world`` spawned ranks; returns ``{(rank, name): (traceback or None, payload, seconds)}``
-    for the ranks in ``expect`` (default all). Every rank still alive at the end (or at the deadline) is killed."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, path, names, pg_timeout_s, results), daemon=True)
-        for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    expect = set(range(world)) if expect is None else expect
-    wanted = len(expect) * len(names)
-    got: dict = {}
-    end = time.monotonic() + deadline_s
-    try:
-        while len(got) < wanted and time.monotonic() < end:
-            try:
-                rank, name, err, payload, seconds = results.get(timeout=0.2)
-            except queue.Empty:
-                if all(not procs[r].is_alive() for r in expect):
-                    break
-                continue
-            if rank in expect:
-                got[(rank, name)] = (err, payload, seconds)
-    finally:
-        for r, proc in enumerate(procs):
-            proc.join(timeout=5 if len(got) == wanted and r in expect else 0.1)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return got
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     from model_helpers import small_checkpoint
@@ -332,7 +270,9 @@ def ranks(ckpt):
 
     def get(world: int, scenario: str) -> list:
         if world not in runs:
-            runs[world] = launch(world, ckpt, WORLDS[world], pg_timeout_s=RUN_TIMEOUT_S, deadline_s=RUN_DEADLINE_S)
+            runs[world] = launch(
+                __name__, world, WORLDS[world], args=(ckpt,), pg_timeout_s=RUN_TIMEOUT_S, deadline_s=RUN_DEADLINE_S
+            )
         got, out = runs[world], []
         for rank in range(world):
             if (rank, scenario) not in got:
@@ -403,7 +343,9 @@ def test_unseeded_sampling_is_the_same_on_every_rank(ranks):
 def test_fault_surfaces_within_timeout(ckpt, fault):
     """A rank that dies or hangs while the others generate makes them fail within the group's timeout."""
     start = time.monotonic()
-    got = launch(2, ckpt, [fault], pg_timeout_s=FAULT_TIMEOUT_S, deadline_s=FAULT_TIMEOUT_S + 60, expect={0})
+    got = launch(
+        __name__, 2, [fault], args=(ckpt,), pg_timeout_s=FAULT_TIMEOUT_S, deadline_s=FAULT_TIMEOUT_S + 60, expect={0}
+    )
     assert (0, fault) in got, f"rank 0 neither finished nor failed within {time.monotonic() - start:.0f} s"
     err, _, seconds = got[(0, fault)]
     assert err is not None, "generation succeeded without its peer"
