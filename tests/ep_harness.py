@@ -69,6 +69,15 @@ def random_problem(
     return Problem(xs, ids, ws, num_experts)
 
 
+def overflow_problem(g: torch.Generator, world: int, hidden: int) -> tuple[Problem, int]:
+    """``(problem, capacity)``: rank 0 names expert 0 in every slot of every token, so ``world * capacity`` of its
+    rows fit and the rest overflow; the other ranks route elsewhere."""
+    capacity, k = 5, world + 2
+    p = random_problem(g, [capacity] * world, 2 * world, k, hidden, experts=list(range(1, 2 * world)), skip=0.0)
+    p.ids[0][:] = 0
+    return p, capacity
+
+
 def token_counts(g: torch.Generator, world: int, high: int, *, empty_rank: int | None = None) -> list[int]:
     t = torch.randint(1, high + 1, (world,), generator=g).tolist()
     if empty_rank is not None:

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 from ep_harness import (
-    Problem,
     check_layout,
     expected_pairs,
     expert,
     launch,
+    overflow_problem,
     random_problem,
     reference_out,
     token_counts,
@@ -211,17 +211,8 @@ def sc_declined_small_buffer_runs_reference(rank: int, world: int) -> None:
         _run_and_check(p, rank, "normal", via=("reference (fallback)", "reference (fallback)"))
 
 
-def _overflow_problem(world: int) -> tuple[Problem, int]:
-    """Rank 0 names expert 0 in every slot of every token: world * capacity rows fit, the rest overflow."""
-    capacity, k = 5, world + 2
-    g = _gen("overflow")
-    p = random_problem(g, [capacity] * world, 2 * world, k, 128, experts=list(range(1, 2 * world)), skip=0.0)
-    p.ids[0][:] = 0
-    return p, capacity
-
-
 def sc_ll_overflow_raises(rank: int, world: int) -> None:
-    p, capacity = _overflow_problem(world)
+    p, capacity = overflow_problem(_gen("overflow"), world, 128)
     with pytest.raises(InputError) as err:  # on every rank alike: the overflow flag is reduced over the group
         ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=p.num_experts, mode="low_latency",
                     capacity=capacity, group=torch.distributed.group.WORLD)  # fmt: skip
@@ -230,7 +221,7 @@ def sc_ll_overflow_raises(rank: int, world: int) -> None:
 
 
 def sc_ll_overflow_poisons(rank: int, world: int) -> None:
-    p, capacity = _overflow_problem(world)
+    p, capacity = overflow_problem(_gen("overflow"), world, 128)
     with _env(DEEPINFER_VALUE_CHECKS="0"):
         out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=p.num_experts, mode="low_latency",
                           capacity=capacity, group=torch.distributed.group.WORLD)  # fmt: skip

@@ -22,6 +22,7 @@ from ep_harness import (
     expected_pairs,
     expert,
     launch,
+    overflow_problem,
     random_problem,
     reference_out,
     token_counts,
@@ -148,17 +149,8 @@ def sc_all_empty(rank: int, world: int) -> None:
     _run_and_check(p, rank, "low_latency", capacity=0)
 
 
-def _overflow_problem(world: int) -> tuple[Problem, int]:
-    """Rank 0 names expert 0 in every slot of every token: world * capacity rows fit, the rest overflow."""
-    capacity, k = 5, world + 2
-    g = _gen("overflow")
-    p = random_problem(g, [capacity] * world, 2 * world, k, 64, experts=list(range(1, 2 * world)), skip=0.0)
-    p.ids[0][:] = 0
-    return p, capacity
-
-
 def sc_ll_overflow_raises(rank: int, world: int) -> None:
-    p, capacity = _overflow_problem(world)
+    p, capacity = overflow_problem(_gen("overflow"), world, 64)
     with pytest.raises(InputError) as err:  # on every rank alike: no rank is left waiting
         ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=p.num_experts, mode="low_latency",
                     capacity=capacity, group=torch.distributed.group.WORLD)  # fmt: skip
@@ -166,7 +158,7 @@ def sc_ll_overflow_raises(rank: int, world: int) -> None:
 
 
 def sc_ll_overflow_poisons(rank: int, world: int) -> None:
-    p, capacity = _overflow_problem(world)
+    p, capacity = overflow_problem(_gen("overflow"), world, 64)
     os.environ["DEEPINFER_VALUE_CHECKS"] = "0"
     try:
         out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=p.num_experts, mode="low_latency",
