@@ -7,6 +7,7 @@
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
+#   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
 # notes) and this script installs it first.
 set -uo pipefail
@@ -31,5 +32,7 @@ case ${1:-} in
     echo "bench exit $?" ;;
   tiles)
     timeout 560 python3 benchmarks/tile_variants.py 4200 all 2>&1 | tee "$OUT/tiles.txt" | tail -60 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles" >&2; exit 2 ;;
+  gemm-tiles)
+    timeout "${2:-300}" python3 benchmarks/gemm_tiles.py "$OUT/gemm_tiles.json" all 2>&1 | tail -50 ;;
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|gemm-tiles" >&2; exit 2 ;;
 esac

@@ -19,9 +19,9 @@ from ._triton import INTERPRET, dot, next_pow2, on_device, pow2_ceil, to_e4m3
 LOG2E = 1.4426950408889634
 SPLIT_TOKENS = 512  # context tokens per KV split (fixed: batch-invariant)
 # Heads per program (each program reads its span of the cache once for all of them), tokens per step, warps, stages.
-# Measured on the H200 at B=64, ctx=4096 (benchmarks/NOTES.md): 32 heads per program beat 16 and 64; 4 warps beat 8
-# (the 4 mla_decode calls of a 4-layer model's decode step: 2.0 ms against 3.8 ms).
-MLA_TILE = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+# Measured on the H200 at B=64, ctx=4096 (benchmarks/tile_variants.py, NOTES.md): 64 heads with 8 warps beat 32 heads
+# with 4 (bf16 cache 0.53 against 0.55 ms, fp8_ds_mla 0.61 against 1.27 ms); 32 heads want 4 warps, 64 want 8.
+MLA_TILE = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
 @triton.jit

@@ -8,12 +8,15 @@ whose tile shape never depends on M are batch-invariant: a row's result cannot d
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from deepinfer import QTensor
+from deepinfer.qtensor import quantize_blocks
 
 from ._triton import INTERPRET, dot, on_device, pow2_ceil, to_e4m3
 
@@ -76,9 +79,13 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """C[M, N] = A[M, K] @ B[N, K]^T; FP8: A scales [M, K/128], B scales [ceil(N/128), K/128], BLOCK_K = 128."""
+    """C[M, N] = A[M, K] @ B[N, K]^T; FP8: A scales [M, K/128], B scales [ceil(N/128), K/128], BLOCK_K = 128.
+    SPLIT_K > 1: program axis 1 takes the split's share of the K blocks and stores its fp32 partial product at
+    ``C + split * M * N`` (no bias); the caller sums the partials."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * grid_n)
     first_m = group * GROUP_M
@@ -91,7 +98,8 @@ def _gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K):
         mask_k = (k0 + offs_k) < K
         a = tl.load(
             a_ptr + offs_m[:, None] * stride_am + k0 + offs_k[None, :],
@@ -113,6 +121,8 @@ def _gemm_kernel(
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K > 1:
+        c_ptr += split.to(tl.int64) * M * N
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
         acc.to(c_ptr.dtype.element_ty),
@@ -120,52 +130,72 @@ def _gemm_kernel(
     )
 
 
-def _tile(m: int, invariant: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); fixed in batch-invariant mode."""
+class Tile(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+
+SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four: small-M products then stream from every SM
+
+
+def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
+    """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``).
+    In batch-invariant mode nothing depends on M: the tile is fixed and the split count depends on K alone."""
+    split = 4 if fp8 and k >= SPLIT_K_MIN_K else 1
     if invariant:
-        return 64, 128, 4, 3
+        return Tile(64, 128, 4, 3, split)
     if m <= 16:
-        return 16, 64, 4, 4
+        return Tile(16, 64, 4, 4, split)
     if m <= 64:
-        return 64, 128, 4, 3
-    return 128, 128, 8, 3
+        return Tile(64, 64, 4, 3, split)
+    return Tile(64, 128, 4, 3)
 
 
-def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool) -> torch.Tensor:
+def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile | None = None) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[0]
     if m == 0 or n == 0:
         return out
     fp8 = a_scale is not None
-    block_m, block_n, warps, stages = _tile(m, invariant)
+    tile = tile or _tile(m, n, k, fp8, invariant)
+    block_m = tile.block_m
     if INTERPRET:  # the interpreter's row-independent dot materialises [BLOCK_M, BLOCK_K, BLOCK_N]: keep it <= 2^20
         block_m = min(block_m, 64)
-    block_k = FP8_BLOCK if fp8 else 64
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    split = tile.split_k
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     dummy = out
-    _gemm_kernel[grid](
+    _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
         a,
         b,
-        out,
+        target,
         a_scale if fp8 else dummy,
         b_scale if fp8 else dummy,
-        bias if bias is not None else dummy,
+        bias if bias is not None and split == 1 else dummy,
         m,
         n,
         k,
         a.stride(0),
         b.stride(0),
-        out.stride(0),
+        out.stride(0) if split == 1 else n,
         FP8=fp8,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None and split == 1,
         FP32_DOT=INTERPRET,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=FP8_BLOCK if fp8 else 64,
         GROUP_M=8,
-        num_warps=warps,
-        num_stages=stages,
+        SPLIT_K=split,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
+    if split > 1:
+        total = target.sum(0)
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)
     return out
 
 
@@ -180,6 +210,66 @@ def gemm_fp8(a, w, *, out_dtype, bias, invariant: bool = False):
     return _launch_gemm(
         qa.data.contiguous(), w.data.contiguous(), out, qa.scale.contiguous(), w.scale.contiguous(), bias, invariant
     )
+
+
+CUBLAS_FP8_MIN_M = 128  # below, the Triton kernel (split over K where the GPU would idle) is faster
+
+
+def gemm_fp8_cublas(a, w, *, out_dtype, bias):
+    """cuBLAS block-scaled FP8 through torch's ``scaled_mm`` (1x128 activation and 128x128 weight scales, fp32
+    accumulation); not batch-invariant. cuBLAS takes row counts that are multiples of 4: rows are padded."""
+    qa = _as_fp8(a, w)
+    m, pad = qa.shape[0], -qa.shape[0] % 4
+    data, scale = qa.data.contiguous(), qa.scale
+    if pad:
+        data = F.pad(data.view(torch.uint8), (0, 0, 0, pad)).view(data.dtype)
+        scale = F.pad(scale, (0, 0, 0, pad))
+    scale_a = scale.t().contiguous().t()  # cuBLAS reads activation scales outer-dim-major
+    recipe = F.ScalingType
+    out = F.scaled_mm(
+        data, w.data.t(), scale_a, recipe.BlockWise1x128, w.scale.t(), recipe.BlockWise128x128, output_dtype=out_dtype
+    )
+    return out[:m]
+
+
+@functools.cache
+def _cublas_fp8_agrees() -> bool:
+    """Whether this torch and cuBLAS run the block-scaled product, and agree with the Triton kernel, at a shape
+    cuBLAS accepts (asked once, outside graph capture)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(128, 512, device="cuda", generator=gen).bfloat16()
+    w = quantize_blocks(torch.randn(256, 512, device="cuda", generator=gen))
+    try:
+        got = gemm_fp8_cublas(a, w, out_dtype=torch.bfloat16, bias=None).float()
+    except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError):
+        return False
+    want = gemm_fp8(a, w, out_dtype=torch.float32, bias=None)
+    return bool(((got - want).norm() / want.norm()) < 1e-2)
+
+
+def cublas_fp8_supports(a, w, *, out_dtype, bias) -> bool:
+    a_data = a.data if isinstance(a, QTensor) else a
+    return (
+        not INTERPRET
+        and isinstance(w, QTensor)
+        and w.block == (FP8_BLOCK, FP8_BLOCK)
+        and (not isinstance(a, QTensor) or a.block == (1, FP8_BLOCK))
+        and a_data.dim() == 2
+        and a_data.shape[0] >= CUBLAS_FP8_MIN_M
+        and w.shape[1] % (4 * FP8_BLOCK) == 0  # cuBLAS wants a multiple of 4 scale blocks along K
+        and bias is None
+        and out_dtype == torch.bfloat16
+        and a_data.dtype in (torch.bfloat16, torch.float8_e4m3fn)
+        and on_device(a_data, w.data)
+        and hasattr(F, "scaled_mm")
+        and _cublas_fp8_ready()
+    )
+
+
+def _cublas_fp8_ready() -> bool:
+    if _cublas_fp8_agrees.cache_info().currsize or not torch.cuda.is_current_stream_capturing():
+        return _cublas_fp8_agrees()
+    return False  # never ask for the first time inside a CUDA graph capture
 
 
 def gemm_triton(a, w, *, out_dtype, bias):

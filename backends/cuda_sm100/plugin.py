@@ -34,6 +34,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("attention_varlen", "triton", attention.attention_varlen, attention.varlen_supports),
         _impl("write_kv_cache", "triton", attention.write_kv_cache, attention.write_supports),
         _impl("quantize_fp8", "triton", gemm.quantize_fp8, gemm.quantize_supports),
+        _impl("gemm", "cublas-fp8", gemm.gemm_fp8_cublas, gemm.cublas_fp8_supports, invariant=False, priority=3),
         _impl("gemm", "triton-fp8", gemm.gemm_fp8, gemm.fp8_supports, invariant=False, priority=2),
         _impl("gemm", "triton-fp8-fixed-tile", partial(gemm.gemm_fp8, invariant=True), gemm.fp8_supports, priority=1),
         _impl("gemm", "cublas", gemm.gemm_cublas, gemm.cublas_supports, invariant=False, priority=1),
