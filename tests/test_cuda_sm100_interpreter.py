@@ -13,8 +13,16 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 
 import pytest
+import torch
+from ep_harness import expert, launch, random_problem, reference_out, token_counts
+
+import deepinfer
+from deepinfer.dispatch import batch_invariant, last_resolution
+from deepinfer.ops import ep_combine, ep_dispatch
+from deepinfer.reference import ep as ep_ref
 
 EXPECTED_FALLBACKS = {("gemm", "M=9 N=64 K=128 fp32")}
 
@@ -67,3 +75,64 @@ def test_capacity_overflow_is_never_silent():
     out = subprocess.run([sys.executable, "-c", CAPACITY_OVERFLOW], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == "GpuHandle [4, 4, 0, 0] True [False, False, False, False, True, True]"
+
+
+def setup_rank() -> None:
+    deepinfer.use("cuda_sm100")
+
+
+def sc_normal_combine(rank: int, world: int) -> list[str]:
+    """The core's multi-rank normal-mode dispatch (the reference, as a fallback), then this backend's combine kernel,
+    in default and batch-invariant mode, for bf16 and FP8 payloads, pipelined chunks, repeated, skipped and
+    all-skipped slots and a rank without tokens. fp32 expert outputs: bit for bit the core's own combine and the
+    one-process reference. bf16 ones: within the interpreter's fp32 -> bf16 cast, which truncates (a GPU rounds to
+    nearest even)."""
+    served = []
+    cases = [
+        ("bf16", 64, None, 4, torch.float32),
+        ("fp8", 256, "fp32", 512, torch.float32),
+        ("bf16_out", 64, None, 4, torch.bfloat16),
+        ("odd_width", 66, None, 8, torch.bfloat16),
+    ]
+    for invariant in (False, True):
+        for name, hidden, fp8, tokens_per_chunk, dtype in cases:
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            p = random_problem(
+                g, token_counts(g, world, 24, empty_rank=world - 1), 4 * world, 3, hidden, fp8=fp8, repeat=0.2
+            )
+            p.ids[0][0] = -1
+            saved, ep_ref.TOKENS_PER_CHUNK = ep_ref.TOKENS_PER_CHUNK, tokens_per_chunk
+            try:
+                with batch_invariant(invariant):
+                    out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=p.num_experts,
+                                      group=torch.distributed.group.WORLD)  # fmt: skip
+                    y = expert(out[0], out[1], out[3], dtype)
+                    combined = ep_combine(y, out[4])
+                    impl, fallback = last_resolution("ep_combine")
+                    core = ep_ref.combine_normal(y, out[4])
+                    ref = reference_out(p, rank, dtype)
+            finally:
+                ep_ref.TOKENS_PER_CHUNK = saved
+            served.append(f"{impl.backend}/{impl.provider}" + (" (fallback)" if fallback else ""))
+            label = f"{name}, batch-invariant {invariant}"
+            assert isinstance(out[4], ep_ref.NormalHandle), label
+            assert combined.dtype == dtype and torch.equal(core, ref), label
+            if dtype == torch.float32:
+                assert torch.equal(combined, ref), label
+            else:
+                torch.testing.assert_close(combined.float(), ref.float(), rtol=2**-7, atol=0, msg=label)
+    return served
+
+
+SCENARIOS = {"normal_combine": sc_normal_combine}
+
+
+def test_multi_rank_normal_combine(monkeypatch):
+    """Two Gloo ranks on the CPU, the kernels through the interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    got = launch(__name__, 2, list(SCENARIOS), pg_timeout_s=60, deadline_s=300)
+    for rank in range(2):
+        assert (rank, "normal_combine") in got, f"rank {rank} never reported"
+        err, served, _ = got[(rank, "normal_combine")]
+        assert err is None, f"rank {rank}:\n{err}"
+        assert set(served) == {"cuda_sm100/triton"}, served

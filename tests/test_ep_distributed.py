@@ -130,6 +130,16 @@ def sc_normal_rank_without_experts(rank: int, world: int) -> None:
     _run_and_check(p, rank, "normal", placement=placement)
 
 
+def sc_row_widths(rank: int, world: int) -> None:
+    """Rows whose parts are a whole number of 4-byte words (bf16 x 66; FP8 x 128 with one fp32 scale) or only of
+    bytes (bf16 x 65), in both modes."""
+    g = _gen("row_widths")
+    for hidden, fp8 in ((66, None), (65, None), (128, "fp32")):
+        p = random_problem(g, token_counts(g, world, 12), 4 * world, 3, hidden, fp8=fp8)
+        _run_and_check(p, rank, "normal")
+        _run_and_check(p, rank, "low_latency", capacity=12)
+
+
 def sc_ll_bf16(rank: int, world: int) -> None:
     g = _gen("ll_bf16")
     p = random_problem(g, token_counts(g, world, 12, empty_rank=1), 4 * world, 3, 64)
@@ -208,6 +218,7 @@ SCENARIOS = {
         sc_normal_one_rank_receives,
         sc_normal_replicas,
         sc_normal_rank_without_experts,
+        sc_row_widths,
         sc_ll_bf16,
         sc_ll_fp8_replicas,
         sc_all_empty,

@@ -1,8 +1,10 @@
-"""``moe_route`` (fused group-limited top-k), and the one-process ``ep_dispatch`` / ``ep_combine``.
+"""``moe_route`` (fused group-limited top-k), the one-process ``ep_dispatch`` / ``ep_combine``, and the weighted sum
+of the core's multi-rank normal-mode ``ep_combine``.
 
 Dispatch sorts (token, expert) pairs by expert on the device and moves rows with a gather kernel; ``normal`` mode
 needs the number of valid pairs on the host (the output size), ``low_latency`` mode has fixed shapes and no host
-synchronisation. Combine sums each token's k rows in slot order in fp32 (batch-invariant).
+synchronisation. Combine sums each token's k rows in slot order in fp32 (batch-invariant), one kernel for the
+one-process handle and for the rows a multi-rank normal-mode combine brought back.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import triton.language as tl
 
 from deepinfer import QTensor
 from deepinfer.ops import DispatchHandle, ExpertLayout
+from deepinfer.reference import ep
 
 from ._triton import next_pow2, on_device
 
@@ -229,23 +232,35 @@ def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: 
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def ep_combine(y, handle):
-    hidden = y.shape[-1]
-    out = torch.empty(handle.num_tokens, hidden, dtype=y.dtype, device=y.device)
-    if handle.num_tokens:
-        k = handle.pair_rows.shape[1]
+def _weighted_sum(rows: torch.Tensor, pair_rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[t] = sum_j weights[t, j] * rows[pair_rows[t, j]]`` for ``out [T, H]`` (contiguous): each product rounded
+    to fp32, added to a zero fp32 accumulator in slot order (no fused multiply-add), then rounded to out's dtype. A
+    pair row of -1 is skipped; ``LOST`` makes the token NaN. ``rows [R, H]``, ``pair_rows [T, k]`` int32/int64,
+    ``weights [T, k]`` fp32."""
+    tokens, hidden = out.shape
+    if tokens:
         block = min(1024, next_pow2(hidden))
-        _combine_kernel[(handle.num_tokens, triton.cdiv(hidden, block))](
-            y.reshape(-1, hidden).contiguous(),
-            handle.pair_rows,
-            handle.weights,
+        _combine_kernel[(tokens, triton.cdiv(hidden, block))](
+            rows.contiguous(),
+            pair_rows.contiguous(),
+            weights.contiguous(),
             out,
             hidden,
-            K=k,
+            K=pair_rows.shape[1],
             BLOCK=block,
+            enable_fp_fusion=False,
         )
+
+
+def ep_combine(y, handle):
+    if isinstance(handle, ep.NormalHandle):
+        return ep.combine_normal(y, handle, weighted_sum=_weighted_sum)
+    hidden = y.shape[-1]
+    out = torch.empty(handle.num_tokens, hidden, dtype=y.dtype, device=y.device)
+    _weighted_sum(y.reshape(-1, hidden), handle.pair_rows, handle.weights, out)
     return out
 
 
 def combine_supports(y, handle) -> bool:
-    return isinstance(handle, GpuHandle) and on_device(y)
+    """The one-process handle of this backend's dispatch, or the core's multi-rank normal-mode handle."""
+    return isinstance(handle, (GpuHandle, ep.NormalHandle)) and on_device(y)

@@ -1,9 +1,10 @@
 """Reference ``ep_dispatch`` / ``ep_combine`` across the ranks of a ``torch.distributed`` process group.
 
 Everything crosses ranks through ``torch.distributed`` collectives (``all_to_all_single``, ``all_gather_single``),
-so the same code runs over Gloo (CPU), NCCL (CUDA) or any backend that implements them. Rows travel as raw bytes
-(``uint8`` views; an FP8 row carries its scales in the same row), so the collective needs no support for bf16 or
-float8 dtypes. Index work runs on the device of the inputs.
+so the same code runs over Gloo (CPU), NCCL (CUDA) or any backend that implements them. Rows travel as raw bits
+(an FP8 row carries its scales in the same row), viewed as the widest integer word (``int64``, ``int32`` or
+``uint8``) that divides the row's parts, so the collective needs no support for bf16 or float8 dtypes and the row
+gathers move whole words. Index work runs on the device of the inputs.
 
 normal mode
     1. Each pair gets its destination (rank, local expert) from the placement. One fixed-size ``all_to_all_single``
@@ -15,7 +16,8 @@ normal mode
        sends chunk rows ordered by (destination rank, local expert, token, slot); the receiver places them at their
        final position in the contiguous layout. Routing weights follow in one more exchange.
     3. ``ep_combine`` sends each output row back along the same path and the source sums ``weight * row`` in fp32
-       over the k slots, with the arithmetic of the one-process reference.
+       over the k slots, with the arithmetic of the one-process reference (a backend may pass a fused kernel for
+       that sum: ``combine_normal``'s ``weighted_sum``).
 
 low_latency mode
     Every rank places its tokens (payload, ids, weights) in ``capacity`` fixed rows and one ``all_gather_single``
@@ -65,7 +67,7 @@ def weighted_rows_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Placement as device tables, and payload rows as bytes
+# Placement as device tables, and payload rows as words
 
 
 @dataclass(frozen=True)
@@ -105,16 +107,31 @@ def _destinations(tab: _Tables, ids: torch.Tensor, src_rank, token: torch.Tensor
     return valid, tab.rank[e, copy], tab.local[e, copy]
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t [..., n]`` as ``[..., n * itemsize]`` uint8 (an empty tensor may have any strides, so it is remade)."""
+WORDS = (torch.int64, torch.int32, torch.uint8)  # what rows travel as: integer dtypes every collective backend takes
+
+
+def _word(*byte_offsets: int) -> torch.dtype:
+    """The widest of ``WORDS`` whose size divides every one of ``byte_offsets``."""
+    return next(w for w in WORDS if all(b % w.itemsize == 0 for b in byte_offsets))
+
+
+def _words(t: torch.Tensor, word: torch.dtype = torch.uint8) -> torch.Tensor:
+    """The bits of ``t [..., n]`` as ``[..., n * itemsize / word size]`` of dtype ``word``, whose size must divide the
+    row's bytes: a view for a contiguous tensor whose start is aligned to the word, else a copy (an empty tensor may
+    have any strides, so it is remade)."""
+    width = t.shape[-1] * t.element_size() // word.itemsize
     if t.numel() == 0:
-        return torch.empty(*t.shape[:-1], t.shape[-1] * t.element_size(), dtype=torch.uint8, device=t.device)
-    return t.contiguous().view(torch.uint8)
+        return torch.empty(*t.shape[:-1], width, dtype=word, device=t.device)
+    raw = t.contiguous().view(torch.uint8)
+    if raw.storage_offset() % word.itemsize:
+        raw = raw.clone()
+    return raw.view(word)
 
 
 @dataclass(frozen=True)
 class _Payload:
-    """How a row of ``x`` is laid out as bytes: its parts (data, and scales for FP8) side by side."""
+    """How a row of ``x`` is laid out as words: its parts (data, and scales for FP8) side by side, each a whole
+    number of ``word``s."""
 
     parts: tuple[tuple[torch.dtype, int], ...]  # (dtype, elements per row)
     block: tuple[int, int] | None = None  # QTensor block and scale format, None for a plain tensor
@@ -138,24 +155,37 @@ class _Payload:
 
     @property
     def width(self) -> int:
+        """Bytes per row."""
         return self.spans[-1][1]
 
-    def to_bytes(self, x) -> torch.Tensor:
-        """``[T, width]`` uint8 (a view, without copying, for a contiguous plain tensor)."""
+    @property
+    def word(self) -> torch.dtype:
+        """The dtype rows travel as: the widest of ``WORDS`` that divides every part's start and end."""
+        return _word(*(b for span in self.spans for b in span))
+
+    @property
+    def words(self) -> int:
+        """Words per row."""
+        return self.width // self.word.itemsize
+
+    def to_words(self, x) -> torch.Tensor:
+        """``[T, words]`` of ``word`` (a view, without copying, for a contiguous aligned plain tensor)."""
         if isinstance(x, QTensor):
-            return torch.cat([_bytes(x.data), _bytes(x.scale)], dim=1)
-        return _bytes(x)
+            return torch.cat([_words(x.data, self.word), _words(x.scale, self.word)], dim=1)
+        return _words(x, self.word)
 
     def alloc(self, rows: int, device) -> list[torch.Tensor]:
-        return [torch.empty(rows, b - a, dtype=torch.uint8, device=device) for a, b in self.spans]
+        size = self.word.itemsize
+        return [torch.empty(rows, (b - a) // size, dtype=self.word, device=device) for a, b in self.spans]
 
     def place(self, outs: list[torch.Tensor], index: torch.Tensor, src: torch.Tensor) -> None:
-        """``outs[part][index[i]] = src[i]`` (the part's bytes) for each row ``i`` of ``src``."""
+        """``outs[part][index[i]] = src[i]`` (the part's words) for each row ``i`` of ``src`` (``[n, words]``)."""
+        size = self.word.itemsize
         for out, (a, b) in zip(outs, self.spans):
-            out.index_copy_(0, index, src if len(self.parts) == 1 else src[:, a:b])
+            out.index_copy_(0, index, src if len(self.parts) == 1 else src[:, a // size : b // size])
 
     def assemble(self, outs: list[torch.Tensor], rows: int, lead: tuple[int, ...]):
-        """The first ``rows`` rows of the byte buffers as ``[*lead, ...]`` tensors of the payload's dtypes."""
+        """The first ``rows`` rows of the word buffers as ``[*lead, ...]`` tensors of the payload's dtypes."""
         parts = [o[:rows].view(dtype).view(*lead, n) for o, (dtype, n) in zip(outs, self.parts)]
         if self.block is None:
             return parts[0]
@@ -282,25 +312,26 @@ def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
     )
 
     payload = _Payload.of(x)
-    xb = payload.to_bytes(x)
-    buf = torch.empty(num_recv, payload.width, dtype=torch.uint8, device=dev)
+    xw = payload.to_words(x)
+    buf = torch.empty(num_recv, payload.words, dtype=payload.word, device=dev)
     send_sizes = send_c.sum(2).transpose(0, 1)  # [chunk, dest]
     recv_sizes = recv_c.sum(2).transpose(0, 1)  # [chunk, source]
     send_ranges = _ranges(send_sizes.sum(1).tolist())
     recv_ranges = _ranges(recv_sizes.sum(1).tolist())
+    send_lists, recv_lists = send_sizes.tolist(), recv_sizes.tolist()
     plan, works, keep = [], [], []
     for c in range(chunks):
         (s0, s1), (r0, r1) = send_ranges[c], recv_ranges[c]
         plan.append(
             _Chunk(
-                send_sizes[c].tolist(),
-                recv_sizes[c].tolist(),
+                send_lists[c],
+                recv_lists[c],
                 (s0, s1),
                 (r0, r1),
                 (c * tokens // chunks, (c + 1) * tokens // chunks),
             )
         )
-        send = xb.index_select(0, src_token[s0:s1])
+        send = xw.index_select(0, src_token[s0:s1])
         keep.append(send)
         works.append(
             dist.all_to_all_single(
@@ -335,16 +366,25 @@ def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
     return recv_x, recv_ids, recv_w, layout, handle
 
 
-def combine_normal(y: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
+def combine_normal(y: torch.Tensor, handle: NormalHandle, weighted_sum=None) -> torch.Tensor:
+    """``ep_combine`` of a normal-mode dispatch: ``y [M, H]`` in the received layout; returns ``[T, H]`` in y's dtype.
+
+    weighted_sum: None for ``weighted_rows_sum``, or ``fn(rows, pair_pos, weights, out)`` that writes, for each token
+    ``t`` of a token range, ``out[t] = sum_j weights[t, j] * rows[pair_pos[t, j]]`` into ``out [t, H]`` (y's dtype,
+    contiguous): ``rows [num_sent + 1, H]`` y's dtype, contiguous, the last row zero (the row of skipped pairs);
+    ``pair_pos [t, k]`` int64 and ``weights [t, k]`` fp32 (0 where skipped), both contiguous. For results equal to
+    the reference it must round each product to fp32 and add the k products to a zero fp32 accumulator in slot
+    order, then round to y's dtype (the batch-invariant arithmetic of ``weighted_rows_sum``)."""
     import torch.distributed as dist
 
     hidden, dev = y.shape[-1], y.device
-    yb = _bytes(y)
-    back = torch.empty(handle.num_sent + 1, yb.shape[1], dtype=torch.uint8, device=dev)
+    word = _word(hidden * y.element_size())
+    yw = _words(y, word)
+    back = torch.empty(handle.num_sent + 1, yw.shape[1], dtype=word, device=dev)
     back[handle.num_sent].zero_()  # skipped pairs read this zero row
     works, keep = [], []
     for ch in handle.chunks:
-        send = yb.index_select(0, handle.final[ch.recv[0] : ch.recv[1]])
+        send = yw.index_select(0, handle.final[ch.recv[0] : ch.recv[1]])
         keep.append(send)
         works.append(
             dist.all_to_all_single(
@@ -356,8 +396,12 @@ def combine_normal(y: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
     for ch, work in zip(handle.chunks, works):
         work.wait()
         a, b = ch.tokens
-        if b > a:
+        if b <= a:
+            continue
+        if weighted_sum is None:
             out[a:b] = weighted_rows_sum(rows[handle.pair_pos[a:b]], handle.weights[a:b]).to(y.dtype)
+        else:
+            weighted_sum(rows, handle.pair_pos[a:b], handle.weights[a:b], out[a:b])
     return out
 
 
@@ -388,17 +432,18 @@ def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, 
     pw = payload.width
     if world == 1:  # one process: the routing is already all here
         slots = tokens
-        gathered = payload.to_bytes(x)
+        g_x = payload.to_words(x)
         g_ids, g_w = ids, weights
     else:
         slots = world * capacity
         row = torch.zeros(capacity, pw + 8 * k, dtype=torch.uint8, device=dev)
-        row[:tokens, :pw] = payload.to_bytes(x)
-        row[:tokens, pw : pw + 4 * k] = _bytes(ids)
+        row[:tokens, :pw] = _words(payload.to_words(x))
+        row[:tokens, pw : pw + 4 * k] = _words(ids)
         row[tokens:, pw : pw + 4 * k] = 255  # id -1 in every padding slot
-        row[:tokens, pw + 4 * k :] = _bytes(weights)
+        row[:tokens, pw + 4 * k :] = _words(weights)
         gathered = torch.empty(slots, row.shape[1], dtype=torch.uint8, device=dev)
         _all_gather(gathered, row, group)
+        g_x = gathered[:, :pw].view(payload.word)  # rows of pw + 8k bytes: aligned to the word
         g_ids = gathered[:, pw : pw + 4 * k].contiguous().view(torch.int32)
         g_w = gathered[:, pw + 4 * k :].contiguous().view(torch.float32)
     per_rank = capacity if world > 1 else tokens
@@ -429,7 +474,7 @@ def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, 
     g_ids_2d, g_w_2d = g_ids.reshape(slots, k), g_w.reshape(slots, k)
     for j in range(k):
         if slots:
-            payload.place(outs, rows[:, j], gathered[:, :pw])
+            payload.place(outs, rows[:, j], g_x)
         recv_ids.index_copy_(0, rows[:, j], g_ids_2d[:, j])
         recv_w.index_copy_(0, rows[:, j], g_w_2d[:, j])
     lead = (n_local, max_m)
