@@ -2,9 +2,10 @@
 timed from CUDA graphs (median device time over rotated weights, so small products stream from memory, not L2),
 beside cuBLAS block-scaled ``scaled_mm`` in the same run.
 
-    python3 benchmarks/gemm_tiles.py OUT.json [small|invariant|all]
+    python3 benchmarks/gemm_tiles.py OUT.json [small|grouped|invariant|all]
 
 small: M = 1, 8, 64 over BLOCK_N x stages x split-K (the default mode's tiles below ``CUBLAS_FP8_MIN_M``).
+grouped: ``grouped_gemm`` tiles at the model's decode shape (masked layout, 256 experts, 1 or 64 tokens top-8).
 invariant: tiles that do not depend on M (batch-invariant mode) at M = 1, 64, 512, 4096.
 Activations arrive quantised; the weights are the DeepSeek-V3 projections of the issue's table.
 """
@@ -17,6 +18,7 @@ import sys
 
 import torch
 
+from deepinfer import QTensor
 from deepinfer.bench import time_graph_ms
 from deepinfer.conformance.gemm import V3_PROJECTIONS
 from deepinfer.qtensor import quantize_blocks, quantize_rows
@@ -76,12 +78,55 @@ def save(report: dict, path: str) -> None:
         json.dump(report, f, indent=1)
 
 
+def grouped_inputs(tokens: int, n: int, k: int, seed: int, experts: int = 256, top_k: int = 8, sets: int = 2):
+    """The decode shape of the model's MoE layer: ``tokens`` tokens routed top-k over 256 experts, masked layout
+    with capacity ``tokens`` (one process). FP8 weights are drawn directly as e4m3 values with random block scales."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(sets):
+        ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.flatten()
+        rows = torch.bincount(ids, minlength=experts).clamp(max=tokens).int()
+        a = quantize_rows(torch.randn(experts, tokens, k, device="cuda", generator=gen), 128, "fp32")
+        data = torch.randn(experts, n, k, device="cuda", generator=gen, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        scale = torch.rand(experts, n // 128, k // 128, device="cuda", generator=gen) * k**-0.5 + 1e-3
+        w = QTensor(data, scale, (128, 128), "fp32")
+        out.append({"a": a, "w": w, "expert_offsets": None, "masked_m": rows, "out_dtype": torch.bfloat16})
+    return out
+
+
+def grouped_sweep(tokens: int, n: int, k: int) -> dict:
+    sets = grouped_inputs(tokens, n, k, seed=tokens + n)
+    kw = sets[0]
+    rows = kw["masked_m"].tolist()
+    live = [e for e, m in enumerate(rows) if m]
+    want = [kw["a"][e].dequantize()[: rows[e]] @ QTensor(kw["w"].data[e], kw["w"].scale[e], (128, 128), "fp32")
+            .dequantize().t() for e in live]  # fmt: skip
+    row = {"tokens": tokens, "N": n, "K": k, "tiles": []}
+    for tile in GROUPED_TILES:
+        gemm.GROUPED_TILE = tile
+        got = gemm.grouped_gemm(**kw)
+        err = rel_err(torch.cat([got[e, : rows[e]] for e in live]), torch.cat(want))
+        ms = time_graph_ms(lambda i: gemm.grouped_gemm(**sets[i]), sets=len(sets), reps=50) if err < 1e-2 else None
+        row["tiles"].append({"tile": list(tile), "ms": ms, "rel_err": err})
+        print(f"grouped masked T={tokens} N={n} K={k} {list(tile)}: {ms} ms, rel err {err:.1e}", flush=True)
+    return row
+
+
+GROUPED_TILES = [gemm.Tile(bm, bn, 4, st) for bm in (16, 64) for bn in (64, 128) for st in (3, 4)]
+
+
 def main() -> None:
     out_path, which = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "all"
     report = {"device": torch.cuda.get_device_name(), "small": [], "invariant": []}
     if which in ("small", "all"):
         for (n, k), m in itertools.product(V3_PROJECTIONS, (1, 8, 64)):
             report["small"].append(sweep(m, n, k, small_tiles(m)))
+            save(report, out_path)
+    if which in ("grouped", "all"):
+        report["grouped"] = []
+        for t, (n, k) in itertools.product((1, 64), ((4096, 7168), (7168, 2048))):
+            report["grouped"].append(grouped_sweep(t, n, k))
+            torch.cuda.empty_cache()
             save(report, out_path)
     if which in ("invariant", "all"):
         for (n, k), m in itertools.product(V3_PROJECTIONS, (1, 64, 512, 4096)):

@@ -413,6 +413,9 @@ def _grouped_gemm_kernel(
     )
 
 
+GROUPED_TILE = Tile(64, 128, 4, 3)  # one tile for every row count: batch-invariant
+
+
 def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     fp8 = isinstance(w, QTensor)
     if fp8:
@@ -426,7 +429,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         return out
     a2 = a_data.reshape(rows, k).contiguous()
     b = (w.data if fp8 else w).contiguous()
-    block_m, block_n = 64, 128
+    block_m, block_n = GROUPED_TILE.block_m, GROUPED_TILE.block_n
     dummy = out
     if masked:
         grid_m = experts * triton.cdiv(a_data.shape[1], block_m)
@@ -460,8 +463,8 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         BLOCK_N=block_n,
         BLOCK_K=FP8_BLOCK if fp8 else 64,
         BLOCK_E=triton.next_power_of_2(experts),
-        num_warps=4,
-        num_stages=3,
+        num_warps=GROUPED_TILE.num_warps,
+        num_stages=GROUPED_TILE.num_stages,
     )
     return out
 
