@@ -103,7 +103,7 @@ def grouped_sweep(tokens: int, n: int, k: int) -> dict:
             .dequantize().t() for e in live]  # fmt: skip
     row = {"tokens": tokens, "N": n, "K": k, "tiles": []}
     for tile in GROUPED_TILES:
-        gemm.GROUPED_TILE = tile
+        gemm.GROUPED_DECODE_TILE = tile
         got = gemm.grouped_gemm(**kw)
         err = rel_err(torch.cat([got[e, : rows[e]] for e in live]), torch.cat(want))
         ms = time_graph_ms(lambda i: gemm.grouped_gemm(**sets[i]), sets=len(sets), reps=50) if err < 1e-2 else None

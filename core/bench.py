@@ -156,11 +156,13 @@ def _dense(a):
 
 def _scaled_mm_blockwise(kw):
     """cuBLAS FP8 with DeepSeek block scaling (1x128 activations, 128x128 weights), SM90: torch's scaled_mm. Rows
-    are padded to a multiple of 4 (cuBLAS takes no other count), as a user would."""
+    are padded to a multiple of 4 where they are not (cuBLAS takes no other count), as a user would."""
     a, w = kw["a"], kw["w"]
     qa = a if isinstance(a, QTensor) else quantize_rows(a, 128, w.scale_format)
     m, pad = qa.data.shape[0], -qa.data.shape[0] % 4
-    data, scale = F.pad(qa.data.view(torch.uint8), (0, 0, 0, pad)).view(qa.data.dtype), F.pad(qa.scale, (0, 0, 0, pad))
+    data, scale = qa.data, qa.scale
+    if pad:
+        data, scale = F.pad(data.view(torch.uint8), (0, 0, 0, pad)).view(data.dtype), F.pad(scale, (0, 0, 0, pad))
     sa = torch.empty_strided(scale.shape, (1, scale.shape[0]), dtype=scale.dtype, device=scale.device)
     sa.copy_(scale)  # outer-dim-major scale layout
     recipe = F.ScalingType
