@@ -12,7 +12,7 @@
    routings drawn beforehand, so consecutive iterations never route alike), against raw
    ``all_to_all_single`` calls moving the same bytes with the same splits in the same run (dispatch payload and
    weights one way, combine payload back). Reports GB/s of each and their ratio (target >= 0.8), for bf16 and FP8
-   dispatch (combine always bf16), per pipelining setting (``--tokens-per-chunk``).
+   dispatch (combine always bf16).
 3. low_latency mode at 128 tokens (capacity 128): dispatch and combine latency, eagerly and replayed from one
    CUDA graph (the graph result is reported, or the reason it could not be captured).
 
@@ -41,7 +41,6 @@ import deepinfer
 from deepinfer import QTensor
 from deepinfer.ops import ep_combine, ep_dispatch
 from deepinfer.qtensor import quantize_rows
-from deepinfer.reference import ep as ep_ref
 
 FULL = {"tokens": 4096, "hidden": 7168, "experts": 256, "top_k": 8, "ll_tokens": 128}
 SMALL = {"tokens": 64, "hidden": 256, "experts": 16, "top_k": 4, "ll_tokens": 16}
@@ -182,9 +181,8 @@ def bench_normal(cfg, *, fp8: bool, device, timer: Timer, iters: int, warmup: in
         y = recv_x if not fp8 else y_pool[: handle.recv_shape[0]]
         ep_combine(y, handle)
         t2 = timer.mark()
-        # The same bytes, raw: totals per peer over the chunks, in three plain exchanges.
-        send = [sum(ch.send_splits[r] for ch in handle.chunks) for r in range(world)]
-        recv = [sum(ch.recv_splits[r] for ch in handle.chunks) for r in range(world)]
+        # The same bytes, raw: the same splits, in three plain exchanges.
+        send, recv = handle.send_splits, handle.recv_splits
         a = torch.empty(sum(send), payload_width, dtype=torch.uint8, device=device)
         b = torch.empty(sum(recv), payload_width, dtype=torch.uint8, device=device)
         wa = torch.empty(sum(send), dtype=torch.float32, device=device)
@@ -213,7 +211,6 @@ def bench_normal(cfg, *, fp8: bool, device, timer: Timer, iters: int, warmup: in
     med = {f"ours_{k_}_ms": median(v) for k_, v in ours.items()} | {f"raw_{k_}_ms": median(v) for k_, v in raw.items()}
     nbytes = median(sent_bytes)
     out = {
-        "chunks": len(handle.chunks),
         "bytes_sent_per_rank": nbytes,
         "bytes_crossing_ranks_per_rank": median(cross_bytes),
         **med,
@@ -302,6 +299,26 @@ def worst(per_rank: list[dict], key_is_time: Callable[[str], bool]) -> dict:
     return out
 
 
+def profile_normal(cfg, *, device, seed: int) -> None:
+    """One bf16 normal-mode dispatch + combine under the torch profiler; rank 0 prints its kernels and host time."""
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    x = torch.randn(cfg["tokens"], cfg["hidden"], generator=gen).to(device=device, dtype=torch.bfloat16)
+    ids, w = (t.to(device) for t in routing(gen, cfg["tokens"], cfg["experts"], cfg["top_k"]))
+
+    def round_trip():
+        recv_x, _, _, _, handle = ep_dispatch(x, ids, w, num_experts=cfg["experts"], group=dist.group.WORLD)
+        return ep_combine(recv_x, handle)
+
+    round_trip()
+    dist.barrier()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        round_trip()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON report (written by rank 0)")
@@ -309,15 +326,14 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="small shapes (CPU smoke run)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 50, --small 5)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5, --small 1)")
-    ap.add_argument("--tokens-per-chunk", default=None, help="normal-mode pipelining settings to compare")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, seconds")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--accelerator", default=None, help="deepinfer backend to measure (default: the selected one)")
+    ap.add_argument("--profile", action="store_true", help="print rank 0's kernels of one bf16 normal-mode round")
     args = ap.parse_args()
     cfg = SMALL if args.small else FULL
     iters = args.iters or (5 if args.small else 50)
     warmup = args.warmup if args.warmup is not None else (1 if args.small else 5)
-    chunk_settings = [int(v) for v in (args.tokens_per_chunk or f"{ep_ref.TOKENS_PER_CHUNK},1000000").split(",")]
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -379,13 +395,11 @@ def main() -> None:
     if ok:
         normal = {}
         for fp8 in (False, True):
-            for tpc in chunk_settings:
-                ep_ref.TOKENS_PER_CHUNK = tpc
-                res = bench_normal(cfg, fp8=fp8, device=device, timer=timer, iters=iters, warmup=warmup, seed=seed)
-                ranks = gather_report(res)
-                key = f"{'fp8' if fp8 else 'bf16'} tokens_per_chunk={tpc}"
-                normal[key] = {"worst_rank": worst(ranks, lambda k_: k_.endswith("_ms")), "per_rank": ranks}
-                normal[key]["worst_rank"]["target_0.8_met"] = normal[key]["worst_rank"]["ratio"] >= 0.8
+            res = bench_normal(cfg, fp8=fp8, device=device, timer=timer, iters=iters, warmup=warmup, seed=seed)
+            ranks = gather_report(res)
+            key = "fp8" if fp8 else "bf16"
+            normal[key] = {"worst_rank": worst(ranks, lambda k_: k_.endswith("_ms")), "per_rank": ranks}
+            normal[key]["worst_rank"]["target_0.8_met"] = normal[key]["worst_rank"]["ratio"] >= 0.8
         report["normal"] = normal
         low = {}
         for fp8 in (False, True):
@@ -394,6 +408,8 @@ def main() -> None:
             worst_rank = worst(ranks, lambda k_: k_.endswith("_us"))
             low["fp8" if fp8 else "bf16"] = {"worst_rank": worst_rank, "per_rank": ranks}
         report["low_latency"] = low
+        if args.profile:
+            profile_normal(cfg, device=device, seed=seed)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
@@ -410,7 +426,7 @@ def _summary(report: dict) -> dict:
         w = v["worst_rank"]
         out[f"normal {key}"] = (
             f"{w['ours_total_ms']:.3f} ms ({w['ours_GBps']:.1f} GB/s) vs raw {w['raw_total_ms']:.3f} ms "
-            f"({w['raw_GBps']:.1f} GB/s): ratio {w['ratio']:.2f}, {w['chunks']} chunk(s)"
+            f"({w['raw_GBps']:.1f} GB/s): ratio {w['ratio']:.2f}"
         )
     for key, v in report.get("low_latency", {}).items():
         w = v["worst_rank"]

@@ -83,36 +83,32 @@ def setup_rank() -> None:
 
 def sc_normal_combine(rank: int, world: int) -> list[str]:
     """The core's multi-rank normal-mode dispatch (the reference, as a fallback), then this backend's combine kernel,
-    in default and batch-invariant mode, for bf16 and FP8 payloads, pipelined chunks, repeated, skipped and
+    in default and batch-invariant mode, for bf16 and FP8 payloads, repeated, skipped and
     all-skipped slots and a rank without tokens. fp32 expert outputs: bit for bit the core's own combine and the
     one-process reference. bf16 ones: within the interpreter's fp32 -> bf16 cast, which truncates (a GPU rounds to
     nearest even)."""
     served = []
     cases = [
-        ("bf16", 64, None, 4, torch.float32),
-        ("fp8", 256, "fp32", 512, torch.float32),
-        ("bf16_out", 64, None, 4, torch.bfloat16),
-        ("odd_width", 66, None, 8, torch.bfloat16),
+        ("bf16", 64, None, torch.float32),
+        ("fp8", 256, "fp32", torch.float32),
+        ("bf16_out", 64, None, torch.bfloat16),
+        ("odd_width", 66, None, torch.bfloat16),
     ]
     for invariant in (False, True):
-        for name, hidden, fp8, tokens_per_chunk, dtype in cases:
+        for name, hidden, fp8, dtype in cases:
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             p = random_problem(
                 g, token_counts(g, world, 24, empty_rank=world - 1), 4 * world, 3, hidden, fp8=fp8, repeat=0.2
             )
             p.ids[0][0] = -1
-            saved, ep_ref.TOKENS_PER_CHUNK = ep_ref.TOKENS_PER_CHUNK, tokens_per_chunk
-            try:
-                with batch_invariant(invariant):
-                    out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=p.num_experts,
-                                      group=torch.distributed.group.WORLD)  # fmt: skip
-                    y = expert(out[0], out[1], out[3], dtype)
-                    combined = ep_combine(y, out[4])
-                    impl, fallback = last_resolution("ep_combine")
-                    core = ep_ref.combine_normal(y, out[4])
-                    ref = reference_out(p, rank, dtype)
-            finally:
-                ep_ref.TOKENS_PER_CHUNK = saved
+            with batch_invariant(invariant):
+                out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=p.num_experts,
+                                  group=torch.distributed.group.WORLD)  # fmt: skip
+                y = expert(out[0], out[1], out[3], dtype)
+                combined = ep_combine(y, out[4])
+                impl, fallback = last_resolution("ep_combine")
+                core = ep_ref.combine_normal(y, out[4])
+                ref = reference_out(p, rank, dtype)
             served.append(f"{impl.backend}/{impl.provider}" + (" (fallback)" if fallback else ""))
             label = f"{name}, batch-invariant {invariant}"
             assert isinstance(out[4], ep_ref.NormalHandle), label

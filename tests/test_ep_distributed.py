@@ -32,7 +32,6 @@ import deepinfer
 from deepinfer import InputError
 from deepinfer.ops import ep_combine, ep_dispatch
 from deepinfer.ops.moe import ExpertPlacement
-from deepinfer.reference import ep as ep_ref
 
 SEED = random.randrange(2**31)
 RUN_TIMEOUT_S = 30.0  # process-group timeout while the scenarios run: a desynchronised bug fails, never hangs
@@ -78,15 +77,10 @@ def _run_and_check(p: Problem, rank: int, mode: str, *, placement=None, capacity
 # Scenarios (run on every rank; the same calls in the same order everywhere)
 
 
-def sc_normal_bf16_pipelined(rank: int, world: int) -> None:
+def sc_normal_bf16(rank: int, world: int) -> None:
     g = _gen("normal_bf16")
     p = random_problem(g, token_counts(g, world, 40, empty_rank=world - 1 if world > 2 else None), 16, 4, 64)
-    saved = ep_ref.TOKENS_PER_CHUNK
-    ep_ref.TOKENS_PER_CHUNK = 4  # several pipelined chunks, some empty on the smaller ranks
-    try:
-        _run_and_check(p, rank, "normal")
-    finally:
-        ep_ref.TOKENS_PER_CHUNK = saved
+    _run_and_check(p, rank, "normal")
 
 
 def sc_normal_fp8(rank: int, world: int) -> None:
@@ -213,7 +207,7 @@ def sc_bad_arguments(rank: int, world: int) -> None:
 SCENARIOS = {
     f.__name__.removeprefix("sc_"): f
     for f in (
-        sc_normal_bf16_pipelined,
+        sc_normal_bf16,
         sc_normal_fp8,
         sc_normal_one_rank_receives,
         sc_normal_replicas,

@@ -495,7 +495,6 @@ def _finish_normal(x, ids, weights, wire, received, plan, group, name, me, world
     order = send_key.sort().indices[:num_sent]
     pair_pos = torch.full((tokens * k,), num_sent, dtype=torch.int64, device=dev)
     pair_pos[order] = torch.arange(num_sent, device=dev)
-    chunk = ep_ref._Chunk(send_splits, recv_splits, (0, num_sent), (0, num_recv), (0, tokens))
     state = _Mc2State(
         name, world, me, num_experts, bs * world, received[0][0].shape[0] if received else 0, num_recv, plan,
         first_dest, has_first, multi, dest, match, ow, None, any_multi,
@@ -505,7 +504,8 @@ def _finish_normal(x, ids, weights, wire, received, plan, group, name, me, world
         "normal",
         (num_recv,),
         group=group,
-        chunks=(chunk,),
+        send_splits=list(send_splits),
+        recv_splits=list(recv_splits),
         final=final,
         pair_pos=pair_pos.view(tokens, k),
         weights=torch.where(valid, weights, 0.0),

@@ -7,14 +7,12 @@ so the same code runs over Gloo (CPU), NCCL (CUDA) or any backend that implement
 gathers move whole words. Index work runs on the device of the inputs.
 
 normal mode
-    1. Each pair gets its destination (rank, local expert) from the placement. One fixed-size ``all_to_all_single``
-       exchanges, per destination, the number of tokens and the pair counts per local expert, split into
-       ``MAX_CHUNKS`` equal token ranges of the source. Reading them on the host is the one synchronisation.
-    2. The rows move in ``chunks`` pipelined exchanges (a power of two chosen from the largest T of the group, the
-       same on every rank): chunk ``c`` carries each source's c-th token range, so packing chunk c+1 and unpacking
-       chunk c overlap the exchange of chunk c (on CUDA the exchanges run on the communication stream). A source
-       sends chunk rows ordered by (destination rank, local expert, token, slot); the receiver places them at their
-       final position in the contiguous layout. Routing weights follow in one more exchange.
+    1. Each pair gets its destination (rank, local expert) from the placement. One ``all_to_all_single`` exchanges
+       the pair counts per (destination, local expert). While it runs, and before the host reads the counts (the
+       one synchronisation), the device sorts the pairs into the send order (destination rank, local expert, token,
+       slot) and gathers the payload rows and weights in that order, so the device stays busy while the host waits.
+    2. One ``all_to_all_single`` moves the rows, one more the routing weights; the receiver places each row at its
+       final position in the contiguous layout (local expert, source rank, token, slot).
     3. ``ep_combine`` sends each output row back along the same path and the source sums ``weight * row`` in fp32
        over the k slots, with the arithmetic of the one-process reference (a backend may pass a fused kernel for
        that sum: ``combine_normal``'s ``weighted_sum``).
@@ -38,9 +36,6 @@ import torch
 from ..dispatch import batch_invariant_enabled
 from ..ops.moe import DispatchHandle, ExpertLayout, ExpertPlacement
 from ..qtensor import QTensor
-
-MAX_CHUNKS = 8  # counts are exchanged per 1/MAX_CHUNKS of each source's tokens (a power of two)
-TOKENS_PER_CHUNK = 512  # normal mode pipelines min(MAX_CHUNKS, T_max // TOKENS_PER_CHUNK) chunks, rounded down to 2^n
 
 
 def group_rank_size(group) -> tuple[int, int]:
@@ -204,43 +199,22 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 
 @dataclass
-class _Chunk:
-    send_splits: list[int]  # rows to each rank
-    recv_splits: list[int]  # rows from each rank
-    send: tuple[int, int]  # row range in the send order
-    recv: tuple[int, int]  # row range in the receive buffer
-    tokens: tuple[int, int]  # the source tokens whose pairs it carries
-
-
-@dataclass
 class NormalHandle(DispatchHandle):
-    """group; chunks: the pipelined exchanges; final: ``[M]`` layout row of each received row (receive-buffer
-    order); pair_pos: ``[T, k]`` position of each pair in the send order (``num_sent`` for a skipped pair);
-    weights: ``[T, k]`` routing weights, 0 where skipped."""
+    """group; send_splits / recv_splits: rows sent to / received from each rank; final: ``[M]`` layout row of each
+    received row (receive-buffer order: by source rank); pair_pos: ``[T, k]`` position of each pair in the send order
+    (``num_sent`` for a skipped pair); weights: ``[T, k]`` routing weights, 0 where skipped."""
 
     group: object = None
-    chunks: tuple[_Chunk, ...] = ()
+    send_splits: list[int] = None
+    recv_splits: list[int] = None
     final: torch.Tensor = None
     pair_pos: torch.Tensor = None
     weights: torch.Tensor = None
     num_sent: int = 0
 
 
-def _num_chunks(max_tokens: int) -> int:
-    want = min(MAX_CHUNKS, max(1, max_tokens // TOKENS_PER_CHUNK))
-    return 1 << (want.bit_length() - 1)
-
-
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
     return t.cumsum(0) - t
-
-
-def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
-    out, at = [], 0
-    for n in sizes:
-        out.append((at, at + n))
-        at += n
-    return out
 
 
 def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
@@ -250,115 +224,68 @@ def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
     dev = ids.device
     tokens, k = ids.shape
     tab = _tables(placement, dev)
-    width, fine = tab.width, MAX_CHUNKS
+    width = tab.width
     n_local = len(placement.local_experts[me])
 
     flat = ids.reshape(-1).long()
     token = torch.arange(tokens * k, device=dev) // k
     valid, dest, local = _destinations(tab, flat, me, token)
-    bounds = torch.arange(1, fine + 1, device=dev) * tokens // fine  # fine chunk f: tokens [f*T//F, (f+1)*T//F)
-    chunk_of = torch.searchsorted(bounds, token, right=True)
-    nkeys = fine * world * width
-    key = torch.where(valid, (chunk_of * world + dest) * width + local, nkeys)
+    nkeys = world * width
+    key = torch.where(valid, dest * width + local, nkeys)
     counts = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, key, torch.ones_like(key))
-    msg = torch.empty(world, 1 + fine * width, dtype=torch.int64, device=dev)
-    msg[:, 0] = tokens
-    msg[:, 1:] = counts[:nkeys].view(fine, world, width).transpose(0, 1).reshape(world, fine * width)
-    got = torch.empty_like(msg)
-    dist.all_to_all_single(got, msg, group=group)
-    sent_host, got_host = torch.stack([msg, got]).cpu()  # the one host synchronisation
+    sent = counts[:nkeys].view(world, width)
+    got = torch.empty_like(sent)
+    counts_work = dist.all_to_all_single(got, sent, group=group, async_op=True)
 
-    chunks = _num_chunks(int(got_host[:, 0].max()))
-    per = fine // chunks
-    send_c = sent_host[:, 1:].view(world, chunks, per, width).sum(2)  # [dest, chunk, local expert]
-    recv_c = got_host[:, 1:].view(world, chunks, per, width).sum(2)[:, :, :n_local]  # [source, chunk, local expert]
+    # Independent of the counts: the send order (a stable sort keeps (token, slot) order; skipped pairs last), and
+    # the payload rows and weights in that order (the skipped pairs' rows at the end are gathered but never sent).
+    order = torch.sort(key, stable=True).indices
+    payload = _Payload.of(x)
+    send = payload.to_words(x).index_select(0, order // k)
+    w_send = weights.reshape(-1)[order]
+    pair_pos = torch.empty_like(order)
+    pair_pos[order] = torch.arange(tokens * k, device=dev)
 
-    # Receive buffer order: (chunk, source, local expert, token); layout order: (local expert, source, chunk, ...).
-    per_expert = recv_c.sum((0, 1))
+    counts_work.wait()
+    sent_host, got_host = torch.stack([sent, got]).cpu()  # the one host synchronisation
+    recv_c = got_host[:, :n_local]  # [source, local expert]
+    send_splits, recv_splits = sent_host.sum(1).tolist(), recv_c.sum(1).tolist()
+    num_sent, num_recv = sum(send_splits), sum(recv_splits)
+    buf = torch.empty(num_recv, payload.words, dtype=payload.word, device=dev)
+    rows_work = dist.all_to_all_single(buf, send[:num_sent], recv_splits, send_splits, group=group, async_op=True)
+    w_buf = torch.empty(num_recv, dtype=torch.float32, device=dev)
+    w_work = dist.all_to_all_single(w_buf, w_send[:num_sent], recv_splits, send_splits, group=group, async_op=True)
+
+    # The receive buffer holds runs of rows by (source, local expert); the layout wants (local expert, source). Per
+    # run: its length and its layout row minus its buffer row. One host-to-device copy for all of it.
+    per_expert = recv_c.sum(0)
     offsets = torch.zeros(n_local + 1, dtype=torch.int64)
     offsets[1:] = per_expert.cumsum(0)
-    num_recv, num_sent = int(offsets[-1]), int(send_c.sum())
-    from_source = recv_c.sum(1)  # [source, local expert]
-    base = (
-        offsets[:-1].view(1, 1, -1)
-        + _exclusive_cumsum(from_source).unsqueeze(1)
-        + _exclusive_cumsum(recv_c.transpose(0, 1)).transpose(0, 1)
-    )  # [source, chunk, local expert]: layout row of the first such row
-    # Per run of rows (one source, chunk and local expert): its length and layout row minus buffer row, for the
-    # chunk-major payload buffer and the source-major weight buffer. One host-to-device copy for all of it.
-    runs_p, runs_w = recv_c.transpose(0, 1).flatten(), recv_c.flatten()
-    shift_p = base.transpose(0, 1).flatten() - _exclusive_cumsum(runs_p)
-    shift_w = base.flatten() - _exclusive_cumsum(runs_w)
-    on_dev = torch.cat([runs_p, shift_p, runs_w, shift_w, per_expert, offsets]).to(dev)
-    runs_p, shift_p, runs_w, shift_w, per_expert_d, offsets_d = on_dev.split(
-        [runs_p.numel()] * 4 + [n_local, n_local + 1]
-    )
-    rows = torch.arange(num_recv, device=dev)
-    final = torch.repeat_interleave(shift_p, runs_p, output_size=num_recv) + rows
-    final_w = torch.repeat_interleave(shift_w, runs_w, output_size=num_recv) + rows
+    runs = recv_c.flatten()
+    shift = (offsets[:-1].view(1, -1) + _exclusive_cumsum(recv_c)).flatten() - _exclusive_cumsum(runs)
+    on_dev = torch.cat([runs, shift, per_expert, offsets]).to(dev)
+    runs, shift, per_expert_d, offsets_d = on_dev.split([runs.numel()] * 2 + [n_local, n_local + 1])
+    final = torch.repeat_interleave(shift, runs, output_size=num_recv) + torch.arange(num_recv, device=dev)
+    recv_ids = torch.repeat_interleave(tab.global_ids[me], per_expert_d, output_size=num_recv)
 
-    # Send order: (chunk, destination, local expert, token, slot); a stable sort keeps (token, slot) order.
-    ckey = torch.where(valid, ((chunk_of // per) * world + dest) * width + local, chunks * world * width)
-    order = torch.sort(ckey, stable=True).indices[:num_sent]
-    src_token = order // k
-
-    # Weights: one exchange, rows in destination-major order.
-    w_sent = weights.reshape(-1)[order]
-    by_dest = torch.sort(dest[order], stable=True).indices
-    w_buf = torch.empty(num_recv, dtype=torch.float32, device=dev)
-    w_work = dist.all_to_all_single(
-        w_buf, w_sent[by_dest], recv_c.sum((1, 2)).tolist(), send_c.sum((1, 2)).tolist(), group=group, async_op=True
-    )
-
-    payload = _Payload.of(x)
-    xw = payload.to_words(x)
-    buf = torch.empty(num_recv, payload.words, dtype=payload.word, device=dev)
-    send_sizes = send_c.sum(2).transpose(0, 1)  # [chunk, dest]
-    recv_sizes = recv_c.sum(2).transpose(0, 1)  # [chunk, source]
-    send_ranges = _ranges(send_sizes.sum(1).tolist())
-    recv_ranges = _ranges(recv_sizes.sum(1).tolist())
-    send_lists, recv_lists = send_sizes.tolist(), recv_sizes.tolist()
-    plan, works, keep = [], [], []
-    for c in range(chunks):
-        (s0, s1), (r0, r1) = send_ranges[c], recv_ranges[c]
-        plan.append(
-            _Chunk(
-                send_lists[c],
-                recv_lists[c],
-                (s0, s1),
-                (r0, r1),
-                (c * tokens // chunks, (c + 1) * tokens // chunks),
-            )
-        )
-        send = xw.index_select(0, src_token[s0:s1])
-        keep.append(send)
-        works.append(
-            dist.all_to_all_single(
-                buf[r0:r1], send, plan[c].recv_splits, plan[c].send_splits, group=group, async_op=True
-            )
-        )
+    rows_work.wait()
     outs = payload.alloc(num_recv, dev)
-    for c, work in enumerate(works):
-        work.wait()
-        r0, r1 = plan[c].recv
-        payload.place(outs, final[r0:r1], buf[r0:r1])
+    payload.place(outs, final, buf)
     recv_x = payload.assemble(outs, num_recv, (num_recv,))
     w_work.wait()
     recv_w = torch.empty(num_recv, dtype=torch.float32, device=dev)
-    recv_w.index_copy_(0, final_w, w_buf)
-    recv_ids = torch.repeat_interleave(tab.global_ids[me], per_expert_d, output_size=num_recv)
+    recv_w.index_copy_(0, final, w_buf)
 
-    pair_pos = torch.full((tokens * k,), num_sent, dtype=torch.int64, device=dev)
-    pair_pos[order] = torch.arange(num_sent, device=dev)
     handle = NormalHandle(
         tokens,
         "normal",
         (num_recv,),
         group=group,
-        chunks=tuple(plan),
+        send_splits=send_splits,
+        recv_splits=recv_splits,
         final=final,
-        pair_pos=pair_pos.view(tokens, k),
+        pair_pos=pair_pos.clamp_max(num_sent).view(tokens, k),  # skipped pairs (sorted last) read the zero row
         weights=torch.where(valid.view(tokens, k), weights, 0.0),
         num_sent=num_sent,
     )
@@ -370,38 +297,24 @@ def combine_normal(y: torch.Tensor, handle: NormalHandle, weighted_sum=None) -> 
     """``ep_combine`` of a normal-mode dispatch: ``y [M, H]`` in the received layout; returns ``[T, H]`` in y's dtype.
 
     weighted_sum: None for ``weighted_rows_sum``, or ``fn(rows, pair_pos, weights, out)`` that writes, for each token
-    ``t`` of a token range, ``out[t] = sum_j weights[t, j] * rows[pair_pos[t, j]]`` into ``out [t, H]`` (y's dtype,
-    contiguous): ``rows [num_sent + 1, H]`` y's dtype, contiguous, the last row zero (the row of skipped pairs);
-    ``pair_pos [t, k]`` int64 and ``weights [t, k]`` fp32 (0 where skipped), both contiguous. For results equal to
-    the reference it must round each product to fp32 and add the k products to a zero fp32 accumulator in slot
-    order, then round to y's dtype (the batch-invariant arithmetic of ``weighted_rows_sum``)."""
+    ``t``, ``out[t] = sum_j weights[t, j] * rows[pair_pos[t, j]]`` into ``out [T, H]`` (y's dtype, contiguous):
+    ``rows [num_sent + 1, H]`` y's dtype, contiguous, the last row zero (the row of skipped pairs); ``pair_pos [T,
+    k]`` int64 and ``weights [T, k]`` fp32 (0 where skipped), both contiguous. For results equal to the reference it
+    must round each product to fp32 and add the k products to a zero fp32 accumulator in slot order, then round to
+    y's dtype (the batch-invariant arithmetic of ``weighted_rows_sum``)."""
     import torch.distributed as dist
 
     hidden, dev = y.shape[-1], y.device
     word = _word(hidden * y.element_size())
-    yw = _words(y, word)
-    back = torch.empty(handle.num_sent + 1, yw.shape[1], dtype=word, device=dev)
+    back = torch.empty(handle.num_sent + 1, hidden * y.element_size() // word.itemsize, dtype=word, device=dev)
     back[handle.num_sent].zero_()  # skipped pairs read this zero row
-    works, keep = [], []
-    for ch in handle.chunks:
-        send = yw.index_select(0, handle.final[ch.recv[0] : ch.recv[1]])
-        keep.append(send)
-        works.append(
-            dist.all_to_all_single(
-                back[ch.send[0] : ch.send[1]], send, ch.send_splits, ch.recv_splits, group=handle.group, async_op=True
-            )
-        )
+    send = _words(y, word).index_select(0, handle.final)
+    dist.all_to_all_single(back[: handle.num_sent], send, handle.send_splits, handle.recv_splits, group=handle.group)
     rows = back.view(y.dtype)
+    if weighted_sum is None:
+        return weighted_rows_sum(rows[handle.pair_pos], handle.weights).to(y.dtype)
     out = torch.empty(handle.num_tokens, hidden, dtype=y.dtype, device=dev)
-    for ch, work in zip(handle.chunks, works):
-        work.wait()
-        a, b = ch.tokens
-        if b <= a:
-            continue
-        if weighted_sum is None:
-            out[a:b] = weighted_rows_sum(rows[handle.pair_pos[a:b]], handle.weights[a:b]).to(y.dtype)
-        else:
-            weighted_sum(rows, handle.pair_pos[a:b], handle.weights[a:b], out[a:b])
+    weighted_sum(rows, handle.pair_pos, handle.weights, out)
     return out
 
 
