@@ -12,7 +12,7 @@ import sys
 import torch
 
 import deepinfer
-from deepinfer import ops
+from deepinfer import bench, ops
 from deepinfer.bench import time_graph_ms
 from deepinfer.kv_cache import pack_fp8_ds_mla
 from deepinfer_cuda_sm100 import attention
@@ -31,8 +31,11 @@ def make(batch: int, ctx: int, fmt: str, seed: int):
 
 
 def time_ms(inputs, fn=ops.mla_decode) -> float:
-    """Median device time of ``fn`` over the input sets, replayed from CUDA graphs (no host launch cost)."""
-    return time_graph_ms(lambda i: fn(**inputs[i]), sets=len(inputs), reps=40)
+    """Median device time of ``fn`` over the input sets, replayed from CUDA graphs (no host launch cost); eager
+    where ``fn`` cannot be captured (varlen prefill reads its sequence lengths on the host)."""
+    run = lambda i: fn(**inputs[i])
+    graph = time_graph_ms(run, sets=len(inputs), reps=40)
+    return graph if graph is not None else bench.time_ms(run, "cuda", sets=len(inputs), reps=20)
 
 
 def varlen_inputs(seed: int, seqs: int = 4, length: int = 4096, heads: int = 128):

@@ -545,6 +545,36 @@ def graph_time(fn: Callable[[int], Any], device: str, sets: int) -> float | None
     return time_graph_ms(fn, sets=sets) if device == "cuda" else None
 
 
+def _bench_case(case: BenchCase, index: int, backend: str, device: str, n_sets: int, ceilings) -> list[dict]:
+    """The rows of one case: the selected backend's implementation, then each peer."""
+    rows: list[dict] = []
+    inputs = [case.make(Gen(1000 * index + s, device)) for s in range(n_sets)]
+    fn = (lambda _f=case.fn, **kw: _f(kw)) if case.fn else getattr(ops, case.op)
+    with use("reference"):
+        ref = fn(**inputs[0])
+    out = fn(**inputs[0])
+    if case.fn:
+        label = f"{backend} ops"
+    else:
+        impl, fallback = last_resolution(case.op)
+        label = f"{backend}/{impl.provider}" + (" (fallback)" if fallback else "")
+    err = error(out, ref)
+    run = lambda i, fn=fn, inputs=inputs: fn(**inputs[i])
+    ms = time_ms(run, device, sets=n_sets)
+    rows.append(asdict(_row(case, label, ms, graph_time(run, device, n_sets), ceilings, err)))
+    for peer, peer_fn in case.peers.items():
+        try:
+            peer_err = error(peer_fn(inputs[0]), ref if case.op != "mla_decode" else ref[0])
+            run = lambda i, p=peer_fn, inputs=inputs: p(inputs[i])
+            peer_ms = time_ms(run, device, sets=n_sets)
+            peer_row = _row(case, f"peer: {peer}", peer_ms, graph_time(run, device, n_sets), ceilings, peer_err)
+        except Exception as e:  # a peer this torch or device lacks is reported, not fatal
+            note = f"unavailable: {type(e).__name__}: {e}"[:200]
+            peer_row = _row(case, f"peer: {peer}", None, None, ceilings, None, note)
+        rows.append(asdict(peer_row))
+    return rows
+
+
 def run_bench(
     *,
     quick: bool = False,
@@ -577,32 +607,13 @@ def run_bench(
     for index, case in enumerate(c for c in cases(quick) if only_ops is None or c.op in only_ops):
         if progress:
             progress(f"{case.op}: {case.name}")
-        n_sets = case.sets or sets
-        inputs = [case.make(Gen(1000 * index + s, device)) for s in range(n_sets)]
-        fn = (lambda _f=case.fn, **kw: _f(kw)) if case.fn else getattr(ops, case.op)
-        with use("reference"):
-            ref = fn(**inputs[0])
-        out = fn(**inputs[0])
-        if case.fn:
-            label = f"{backend.name} ops"
-        else:
-            impl, fallback = last_resolution(case.op)
-            label = f"{backend.name}/{impl.provider}" + (" (fallback)" if fallback else "")
-        err = error(out, ref)
-        run = lambda i, fn=fn, inputs=inputs: fn(**inputs[i])
-        ms = time_ms(run, device, sets=n_sets)
-        rows.append(asdict(_row(case, label, ms, graph_time(run, device, n_sets), ceilings, err)))
-        for peer, peer_fn in case.peers.items():
-            try:
-                peer_err = error(peer_fn(inputs[0]), ref if case.op != "mla_decode" else ref[0])
-                run = lambda i, p=peer_fn, inputs=inputs: p(inputs[i])
-                peer_ms = time_ms(run, device, sets=n_sets)
-                peer_row = _row(case, f"peer: {peer}", peer_ms, graph_time(run, device, n_sets), ceilings, peer_err)
-            except Exception as e:  # a peer this torch or device lacks is reported, not fatal
-                note = f"unavailable: {type(e).__name__}: {e}"[:200]
-                peer_row = _row(case, f"peer: {peer}", None, None, ceilings, None, note)
-            rows.append(asdict(peer_row))
-        del inputs
+        try:
+            rows.extend(_bench_case(case, index, backend.name, device, case.sets or sets, ceilings))
+        except torch.OutOfMemoryError as e:  # one case too large for this device: say so, go on with the rest
+            note = f"not run: out of memory ({str(e).splitlines()[0][:120]})"
+            rows.append(asdict(_row(case, backend.name, None, None, ceilings, None, note)))
+        if device == "cuda":
+            torch.cuda.empty_cache()
         if on_case:
             on_case(result)
     return result
