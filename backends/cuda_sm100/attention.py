@@ -214,7 +214,9 @@ def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_r
 
 # --- attention_varlen (prefill) -----------------------------------------------------------------------------------
 
-VARLEN_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# Measured on the H200 at 4 x 4096 tokens, H=128, D 192/128 causal (benchmarks/tile_variants.py): 7.5 ms against
+# 8.3 ms for 64 x 64 with 4 warps. The interpreter takes 64-row tiles (its dot materialises the whole product).
+VARLEN_TILE = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
@@ -318,7 +320,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
         return out.zero_()
     max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one sync per prefill
     tile = dict(VARLEN_TILE)
-    block_m = tile.pop("BLOCK_M")
+    block_m = min(tile.pop("BLOCK_M"), 64) if INTERPRET else tile.pop("BLOCK_M")
     main = next_pow2(d_qk) // 2 if next_pow2(d_qk) != d_qk else d_qk
     tail = next_pow2(d_qk - main) if main != d_qk else 0
     if 0 < tail < 16:  # a dot needs K >= 16: pad the whole head dim instead (e.g. 40 -> 64)
