@@ -1,9 +1,10 @@
 """``mla_decode``, ``attention_varlen``, ``write_kv_cache``.
 
 ``mla_decode`` is split-KV flash decoding over the paged latent cache: every (query row, head block, KV split)
-program reduces one fixed-size span of the context, then a second kernel merges the spans by their lse. The span
-size is fixed (never chosen from the batch), and the grid comes from the block table's shape rather than from the
-sequence lengths, so a decode step needs no host synchronisation and a row's result cannot depend on the batch.
+program reduces one span of the context, then a second kernel merges the spans by their lse. The grid comes from
+the block table's shape rather than from the sequence lengths, so a decode step needs no host synchronisation. By
+default small batches take shorter spans, so that the grid fills the GPU; the batch-invariant variant keeps the span
+fixed, so a row's result cannot depend on the batch.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import triton.language as tl
 
 from deepinfer.kv_cache import FP8_GROUP
 
-from ._triton import INTERPRET, dot, next_pow2, on_device, pow2_ceil, to_e4m3
+from ._triton import INTERPRET, dot, next_pow2, num_sms, on_device, pow2_ceil, to_e4m3
 
 LOG2E = 1.4426950408889634
-SPLIT_TOKENS = 512  # context tokens per KV split (fixed: batch-invariant)
+SPLIT_TOKENS = 512  # context tokens per KV split in batch-invariant mode
+# Adaptive spans (default mode): the longest (fewest partials to merge; 1024 beat 512 at B=64, ctx=4096 on the H200)
+# and the shortest (every split writes a [heads, L] fp32 partial: shorter spans cost more bytes than they save).
+MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS = 1024, 64
 # Heads per program (each program reads its span of the cache once for all of them), tokens per step, warps, stages.
 # Measured on the H200 at B=64, ctx=4096 (benchmarks/tile_variants.py, NOTES.md): 64 heads with 8 warps beat 32 heads
 # with 4 (bf16 cache 0.53 against 0.55 ms, fp8_ds_mla 0.61 against 1.27 ms); 32 heads want 4 warps, 64 want 8.
@@ -128,8 +132,11 @@ def _mla_split_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, L: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merges the splits of one (query row, head) in split order: out = sum_i w_i out_i, w_i = exp(lse_i - lse)."""
+def _mla_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, L: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr
+):
+    """Merges the splits of one (query row, head): out = sum_i w_i out_i, w_i = exp(lse_i - lse), summed in a fixed
+    order (a given number of splits always adds up the same way)."""
     rh = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     lse_all = tl.load(part_lse_ptr + rh * n_splits + splits, mask=splits < n_splits, other=float("-inf"))
@@ -137,16 +144,31 @@ def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, L:
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # no split saw anything: zeros and lse = -inf
     total = tl.sum(tl.exp(lse_all - m_safe), axis=0)
     acc = tl.zeros((L,), tl.float32)
-    for i in range(0, n_splits):
-        w = tl.exp(tl.load(part_lse_ptr + rh * n_splits + i) - m_safe)
-        if w > 0:
-            acc += w * tl.load(part_out_ptr + (rh * n_splits + i) * L + tl.arange(0, L))
+    for i0 in range(0, n_splits, CHUNK):  # CHUNK splits at a time; an empty split (w = 0) is never read
+        i = i0 + tl.arange(0, CHUNK)
+        w = tl.exp(tl.load(part_lse_ptr + rh * n_splits + i, mask=i < n_splits, other=float("-inf")) - m_safe)
+        part = tl.load(
+            part_out_ptr + (rh * n_splits + i)[:, None] * L + tl.arange(0, L)[None, :], mask=(w > 0)[:, None], other=0.0
+        )
+        acc += tl.sum(w[:, None] * part, axis=0)
     acc = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + rh * L + tl.arange(0, L), acc.to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + rh, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total)))
 
 
-def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format):
+def _split_tokens(programs_per_split: int, context: int, sms: int, invariant: bool) -> int:
+    """Context tokens per KV split: ``SPLIT_TOKENS`` when ``invariant``; else ``MAX_SPLIT_TOKENS``, halved (down to
+    ``MIN_SPLIT_TOKENS``) while the grid of ``programs_per_split x splits`` programs has fewer than one program per
+    multiprocessor."""
+    if invariant:
+        return SPLIT_TOKENS
+    split = MAX_SPLIT_TOKENS
+    while split > MIN_SPLIT_TOKENS and programs_per_split * triton.cdiv(context, split) < sms:
+        split //= 2
+    return split
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format, invariant=False):
     batch, s_q, heads, d_qk = q.shape
     rope_dim = d_qk - kv_lora_rank
     out = torch.empty(batch, s_q, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
@@ -154,14 +176,17 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     if batch == 0:
         return out, lse
     page = kv_cache.shape[1]
-    n_splits = triton.cdiv(block_table.shape[1] * page, SPLIT_TOKENS)
+    tile = dict(MLA_TILE)
+    block_h = min(tile.pop("BLOCK_H"), max(16, next_pow2(heads)))
+    head_blocks = triton.cdiv(heads, block_h)
+    context = block_table.shape[1] * page
+    split = _split_tokens(batch * s_q * head_blocks, context, num_sms(q.device.index or 0), invariant)
+    n_splits = triton.cdiv(context, split)
     part_out = torch.empty(batch * s_q * heads * n_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch * s_q * heads * n_splits, dtype=torch.float32, device=q.device)
     fp8 = kv_format == "fp8_ds_mla"
     flat = kv_cache.view(-1)
-    tile = dict(MLA_TILE)
-    block_h = min(tile.pop("BLOCK_H"), max(16, next_pow2(heads)))
-    _mla_split_kernel[(batch * s_q, triton.cdiv(heads, block_h), n_splits)](
+    _mla_split_kernel[(batch * s_q, head_blocks, n_splits)](
         q,
         flat,
         flat.view(torch.float32) if fp8 else flat,
@@ -183,13 +208,13 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
         WIDTH=kv_cache.shape[2],
         PAGE=page,
         FP8=fp8,
-        SPLIT=SPLIT_TOKENS,
+        SPLIT=split,
         BLOCK_H=block_h,
         FP32_DOT=INTERPRET,
         **tile,
     )
     _mla_merge_kernel[(batch * s_q * heads,)](
-        part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits)
+        part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits), CHUNK=8
     )
     return out, lse
 

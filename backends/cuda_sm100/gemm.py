@@ -131,6 +131,22 @@ def _gemm_kernel(
     )
 
 
+@triton.jit
+def _sum_splits_kernel(
+    parts_ptr, bias_ptr, out_ptr, MN, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """out[m, n] = parts[0, m, n] + ... + parts[SPLIT - 1, m, n] (+ bias[n]) for the fp32 partials ``[SPLIT, M, N]``,
+    added in split order, rounded once to out's dtype."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    acc = tl.load(parts_ptr + i, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(parts_ptr + s * MN + i, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (i // N) * stride_om + i % N, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 class Tile(NamedTuple):
     block_m: int
     block_n: int
@@ -193,10 +209,18 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
         num_stages=tile.num_stages,
     )
     if split > 1:
-        total = target.sum(0)
-        if bias is not None:
-            total += bias.float()
-        out.copy_(total)
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            target,
+            bias if bias is not None else dummy,
+            out,
+            m * n,
+            n,
+            out.stride(0),
+            SPLIT=split,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )
     return out
 
 

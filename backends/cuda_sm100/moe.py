@@ -1,10 +1,12 @@
 """``moe_route`` (fused group-limited top-k), the one-process ``ep_dispatch`` / ``ep_combine``, and the weighted sum
 of the core's multi-rank normal-mode ``ep_combine``.
 
-Dispatch sorts (token, expert) pairs by expert on the device and moves rows with a gather kernel; ``normal`` mode
-needs the number of valid pairs on the host (the output size), ``low_latency`` mode has fixed shapes and no host
-synchronisation. Combine sums each token's k rows in slot order in fp32 (batch-invariant), one kernel for the
-one-process handle and for the rows a multi-rank normal-mode combine brought back.
+``normal`` dispatch sorts (token, expert) pairs by expert on the device and moves rows with a gather kernel; it
+needs the number of valid pairs on the host (the output size). ``low_latency`` dispatch has fixed shapes and no host
+synchronisation: one program per expert lays out that expert's rows, then one program per pair copies its row (three
+launches in all, for the decode steps that CUDA graphs replay). Combine sums each token's k rows in slot order in
+fp32 (batch-invariant), one kernel for the one-process handle and for the rows a multi-rank normal-mode combine
+brought back.
 """
 
 from __future__ import annotations
@@ -165,7 +167,139 @@ def _move_rows(x, src_rows: torch.Tensor, dst_rows: torch.Tensor, lead: tuple[in
     return move(x)
 
 
-def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placement=None):
+@triton.jit
+def _expert_rows_kernel(
+    ids_ptr,
+    w_ptr,
+    pair_rows_ptr,
+    recv_ids_ptr,
+    recv_w_ptr,
+    masked_m_ptr,
+    overflow_ptr,
+    P,
+    capacity,
+    LOST_ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program e: the pairs naming expert e, in (token, slot) order, take its rows ``e * capacity + 0, 1, ...``;
+    pairs past ``capacity`` are lost (``LOST_ROW``, and the overflow flag is set). Writes the pairs' rows, the ids and
+    weights of expert e's rows (-1 and 0 where unused) and ``masked_m[e]``; program 0 also marks skipped pairs -1."""
+    e = tl.program_id(0)
+    count = tl.full((), 0, tl.int32)
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hit = ids == e
+        slot = count + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        delivered = hit & (slot < capacity)
+        row = e * capacity + slot
+        tl.store(pair_rows_ptr + p, tl.where(delivered, row, LOST_ROW), mask=hit)
+        if e == 0:
+            tl.store(pair_rows_ptr + p, -1, mask=(p < P) & (ids < 0))
+        tl.store(recv_ids_ptr + row, e, mask=delivered)
+        tl.store(recv_w_ptr + row, tl.load(w_ptr + p, mask=delivered, other=0.0), mask=delivered)
+        count += tl.sum(hit.to(tl.int32), axis=0)
+    kept = tl.minimum(count, capacity)
+    tl.store(masked_m_ptr + e, kept)
+    for s0 in range(kept, capacity, BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        tl.store(recv_ids_ptr + e * capacity + s, -1, mask=s < capacity)
+        tl.store(recv_w_ptr + e * capacity + s, 0.0, mask=s < capacity)
+    if count > capacity:
+        tl.store(overflow_ptr, 1)
+
+
+@triton.jit
+def _send_rows_kernel(
+    x_ptr,
+    scale_ptr,
+    recv_ptr,
+    recv_scale_ptr,
+    pair_rows_ptr,
+    H,
+    S,
+    K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Program p (pair): copies token ``p // K``'s row (and scale row) to its received row, if it has one."""
+    p = tl.program_id(0).to(tl.int64)
+    row = tl.load(pair_rows_ptr + p).to(tl.int64)
+    if row < 0:
+        return
+    t = p // K
+    for c0 in range(0, H, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        tl.store(recv_ptr + row * H + cols, tl.load(x_ptr + t * H + cols, mask=cols < H), mask=cols < H)
+    if HAS_SCALE:
+        cols = tl.arange(0, BLOCK_S)
+        tl.store(recv_scale_ptr + row * S + cols, tl.load(scale_ptr + t * S + cols, mask=cols < S), mask=cols < S)
+
+
+def _dispatch_low_latency(x, ids, weights, num_experts: int, capacity: int):
+    tokens, k = ids.shape
+    device = ids.device
+    pairs = tokens * k
+    size = num_experts * capacity
+    pair_rows = torch.empty(pairs, dtype=torch.int32, device=device)
+    recv_ids = torch.empty(size, dtype=torch.int32, device=device)
+    recv_w = torch.empty(size, dtype=torch.float32, device=device)
+    masked_m = torch.empty(num_experts, dtype=torch.int32, device=device)
+    overflow = torch.zeros((), dtype=torch.bool, device=device)
+    _expert_rows_kernel[(num_experts,)](
+        ids.reshape(-1).contiguous(),
+        weights.reshape(-1).contiguous(),
+        pair_rows,
+        recv_ids,
+        recv_w,
+        masked_m,
+        overflow.view(torch.uint8),
+        pairs,
+        capacity,
+        LOST_ROW=LOST,
+        BLOCK=1024,
+    )
+    data = x.data if isinstance(x, QTensor) else x
+    raw = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data.contiguous()
+    recv = torch.empty(num_experts, capacity, raw.shape[1], dtype=raw.dtype, device=device)
+    scale = recv_scale = None
+    if isinstance(x, QTensor):
+        scale = x.scale.reshape(tokens, -1).contiguous()
+        recv_scale = torch.empty(num_experts, capacity, scale.shape[1], dtype=scale.dtype, device=device)
+    if pairs:
+        _send_rows_kernel[(pairs,)](
+            raw,
+            scale,
+            recv,
+            recv_scale,
+            pair_rows,
+            raw.shape[1],
+            0 if scale is None else scale.shape[1],
+            K=k,
+            HAS_SCALE=scale is not None,
+            BLOCK=1024,
+            BLOCK_S=next_pow2(1 if scale is None else scale.shape[1]),
+        )
+    if isinstance(x, QTensor):
+        recv_x = QTensor(
+            recv.view(data.dtype), recv_scale.view(num_experts, capacity, *x.scale.shape[1:]), x.block, x.scale_format
+        )
+    else:
+        recv_x = recv
+    lead = (num_experts, capacity)
+    handle = GpuHandle(
+        tokens,
+        "low_latency",
+        lead,
+        pair_rows=pair_rows.view(tokens, k),
+        weights=weights.contiguous(),
+        overflow=overflow,
+    )
+    return recv_x, recv_ids.view(lead), recv_w.view(lead), ExpertLayout(masked_m=masked_m), handle
+
+
+def _dispatch_normal(x, ids, weights, num_experts: int):
     tokens, k = ids.shape
     device = ids.device
     flat = ids.reshape(-1).long()
@@ -175,38 +309,26 @@ def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placemen
     sorted_ids = keys[order]
     counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
     counts.scatter_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
-    counts = counts[:num_experts]
-    starts = torch.cumsum(counts, 0) - counts
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts[:num_experts], 0)]).int()
+    received = int(valid.sum())  # the output size: the one host synchronisation of this mode
     rank = torch.arange(flat.numel(), device=device)
-    overflow = None
-    if mode == "normal":
-        received = int(valid.sum())  # the output size: the one host synchronisation of this mode
-        rows = torch.where(rank < received, rank, -1)
-        lead = (received,)
-        layout = ExpertLayout(expert_offsets=torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).int())
-    else:
-        slot = rank - starts[sorted_ids.clamp_max(num_experts - 1)]
-        delivered = (sorted_ids < num_experts) & (slot < capacity)
-        lost = (sorted_ids < num_experts) & (slot >= capacity)  # past capacity: never delivered, combine gives NaN
-        rows = torch.where(delivered, sorted_ids * capacity + slot, torch.where(lost, LOST, -1))
-        lead = (num_experts, capacity)
-        layout = ExpertLayout(masked_m=counts.clamp_max(capacity))
-        overflow = lost.any()
-    src_tokens = (order // k).to(torch.int32)
-    recv_x = _move_rows(x, src_tokens, rows.clamp_min(-1).to(torch.int32), lead)
-    size = lead[0] if mode == "normal" else num_experts * capacity
-    target = torch.where(rows >= 0, rows, size)  # skipped and lost pairs land in a spare last entry
-    recv_ids = torch.full((size + 1,), -1, dtype=torch.int32, device=device)
-    recv_w = torch.zeros(size + 1, dtype=torch.float32, device=device)
+    rows = torch.where(rank < received, rank, -1)
+    recv_x = _move_rows(x, (order // k).to(torch.int32), rows.to(torch.int32), (received,))
+    target = torch.where(rows >= 0, rows, received)  # skipped pairs land in a spare last entry
+    recv_ids = torch.full((received + 1,), -1, dtype=torch.int32, device=device)
+    recv_w = torch.zeros(received + 1, dtype=torch.float32, device=device)
     recv_ids[target] = sorted_ids.to(torch.int32)
     recv_w[target] = weights.reshape(-1)[order]
-    recv_ids, recv_w = recv_ids[:size], recv_w[:size]
     pair_rows = torch.empty(flat.numel(), dtype=torch.int32, device=device)
     pair_rows[order] = rows.to(torch.int32)
-    handle = GpuHandle(
-        tokens, mode, lead, pair_rows=pair_rows.view(tokens, k), weights=weights.contiguous(), overflow=overflow
-    )
-    return recv_x, recv_ids.view(lead), recv_w.view(lead), layout, handle
+    handle = GpuHandle(tokens, "normal", (received,), pair_rows=pair_rows.view(tokens, k), weights=weights.contiguous())
+    return recv_x, recv_ids[:received], recv_w[:received], ExpertLayout(expert_offsets=offsets), handle
+
+
+def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placement=None):
+    if mode == "low_latency":
+        return _dispatch_low_latency(x, ids, weights, num_experts, capacity)
+    return _dispatch_normal(x, ids, weights, num_experts)
 
 
 def dispatch_supports(x, ids, weights, *, num_experts, group, mode, capacity, placement=None) -> bool:

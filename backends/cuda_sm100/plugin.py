@@ -30,7 +30,10 @@ def _impl(op, provider, fn, supports, *, invariant=True, priority=0) -> OpImpl:
 @hookimpl
 def deepinfer_op_impls() -> list[OpImpl]:
     return [
-        _impl("mla_decode", "triton", attention.mla_decode, attention.mla_supports),
+        _impl("mla_decode", "triton", attention.mla_decode, attention.mla_supports, invariant=False, priority=1),
+        _impl(
+            "mla_decode", "triton-fixed-split", partial(attention.mla_decode, invariant=True), attention.mla_supports
+        ),
         _impl("attention_varlen", "triton", attention.attention_varlen, attention.varlen_supports),
         _impl("write_kv_cache", "triton", attention.write_kv_cache, attention.write_supports),
         _impl("quantize_fp8", "triton", gemm.quantize_fp8, gemm.quantize_supports),

@@ -1,4 +1,4 @@
-"""``rope``: one program per token, all heads at once; reads the core's cos/sin table."""
+"""``rope``: one program per (token, block of up to 16 heads); reads the core's cos/sin table."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _rope_kernel(
     i = tl.arange(0, HALF)
     cos = tl.load(table_ptr + pos * 2 * HALF + i)[None, :]
     sin = tl.load(table_ptr + pos * 2 * HALF + HALF + i)[None, :]
-    heads = tl.arange(0, BLOCK_H)[:, None]
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     mask = heads < H
     if INTERLEAVED:
         first, second = 2 * i[None, :], 2 * i[None, :] + 1
@@ -46,7 +46,8 @@ def _rope_kernel(
 def rope(x, positions, cos_sin_cache, interleaved):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0] and x.shape[1]:
-        _rope_kernel[(x.shape[0],)](
+        block_h = min(16, next_pow2(x.shape[1]))  # a decode step of one token still spreads over several programs
+        _rope_kernel[(x.shape[0], triton.cdiv(x.shape[1], block_h))](
             x,
             positions,
             cos_sin_cache.contiguous(),
@@ -58,7 +59,7 @@ def rope(x, positions, cos_sin_cache, interleaved):
             out.stride(1),
             HALF=x.shape[2] // 2,
             INTERLEAVED=interleaved,
-            BLOCK_H=next_pow2(x.shape[1]),
+            BLOCK_H=block_h,
         )
     return out
 
