@@ -1,9 +1,10 @@
 """CUDA graphs of the decode step, for backends whose ``BackendSpec.capabilities`` contain ``cuda_graphs``.
 
 One graph per batch bucket (1, 2, 4, 8, then multiples of 16 up to ``max_batch``) is captured over static input
-buffers; a decode step of ``n`` sequences copies its inputs into the smallest bucket ``>= n`` and replays it.
-Padding rows have ``seq_len`` 0 (``mla_decode`` returns zeros for them), slot -1 (``write_kv_cache`` skips them)
-and token 0; their logits are dropped. The captured forward dispatches experts in ``low_latency`` mode (fixed
+buffers; a decode step of ``n`` sequences packs its inputs for the smallest bucket ``>= n`` on the host and copies
+them in with two transfers (int64 and int32 fields), then replays the graph. Padding rows have ``seq_len`` 0
+(``mla_decode`` returns zeros for them), slot -1 (``write_kv_cache`` skips them) and token 0; their logits are
+dropped. The captured forward dispatches experts in ``low_latency`` mode (fixed
 capacity, no host synchronisation) and computes the logits of every row, so sampling stays outside the graph.
 
 Capture needs every op on the decode path to be free of host synchronisation on the chosen backend; if capture
@@ -37,25 +38,25 @@ class DecodeGraphs:
     def __init__(self, model: DeepseekV3, kv_caches: list[torch.Tensor], *, max_batch: int, max_blocks: int):
         self.model, self.kv_caches = model, kv_caches
         self.sizes = buckets(max_batch)
+        self.max_blocks = max_blocks
         dev = kv_caches[0].device
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_batch, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
-        self.block_table = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        # Bucket b's inputs are the first elements of two buffers: [input_ids | slot_mapping] (b each) in `wide`,
+        # [positions | seq_lens | block_table (b x max_blocks)] in `narrow`, so one copy each fills them.
+        self.wide = torch.zeros(2 * max_batch, dtype=torch.int64, device=dev)
+        self.narrow = torch.zeros(max_batch * (2 + max_blocks), dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
     def _forward(self, b: int) -> torch.Tensor:
         batch = ForwardBatch(
-            positions=self.positions[:b],
-            slot_mapping=self.slot_mapping[:b],
+            positions=self.narrow[:b],
+            slot_mapping=self.wide[b : 2 * b],
             num_decode=b,
-            block_table=self.block_table[:b],
-            seq_lens=self.seq_lens[:b],
+            block_table=self.narrow[2 * b : b * (2 + self.max_blocks)].view(b, self.max_blocks),
+            seq_lens=self.narrow[b : 2 * b],
             moe_mode="low_latency",
         )
-        return self.model.compute_logits(self.model.forward(self.input_ids[:b], batch, self.kv_caches))
+        return self.model.compute_logits(self.model.forward(self.wide[:b], batch, self.kv_caches))
 
     def capture(self) -> bool:
         """Captures every bucket, largest first (they share one memory pool). Returns False, with a warning and
@@ -63,6 +64,7 @@ class DecodeGraphs:
         pool = None
         try:
             for b in reversed(self.sizes):
+                self.wide[b : 2 * b].fill_(-1)  # the warm-up runs write no cache slot
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
@@ -88,24 +90,23 @@ class DecodeGraphs:
     def run(
         self,
         *,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        seq_lens: list[int],
     ) -> torch.Tensor:
         """Replays the smallest bucket that holds ``n = len(input_ids)`` rows; returns their logits ``[n, V]``."""
-        n = input_ids.shape[0]
+        n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.input_ids[n:b].zero_()
-        self.positions[:n].copy_(positions)
-        self.positions[n:b].zero_()
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.slot_mapping[n:b].fill_(-1)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.seq_lens[n:b].zero_()
-        self.block_table[:b].zero_()
-        self.block_table[:n, : block_table.shape[1]].copy_(block_table)
+        pad = [0] * (b - n)
+        wide = torch.tensor(input_ids + pad + slot_mapping + [-1] * (b - n), dtype=torch.int64).pin_memory()
+        narrow = torch.zeros(b * (2 + self.max_blocks), dtype=torch.int32, pin_memory=True)
+        narrow[: 2 * b] = torch.tensor(positions + pad + seq_lens + pad, dtype=torch.int32)
+        width = max(len(t) for t in block_tables)
+        table = narrow[2 * b :].view(b, self.max_blocks)
+        table[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        self.wide[: 2 * b].copy_(wide, non_blocking=True)  # pinned sources: the host allocator keeps them alive
+        self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n]

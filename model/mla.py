@@ -65,11 +65,11 @@ class MLAttention:
         t, w = x.shape[0], self.w
         q = self._query(x)
         q_nope = q[..., : self.nope]
-        q_pe = ops.rope(q[..., self.nope :].contiguous(), batch.positions, self.cos_sin_cache, self.interleaved)
+        q_pe = ops.rope(q[..., self.nope :], batch.positions, self.cos_sin_cache, self.interleaved)
 
         kv = linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
         c = ops.rms_norm(kv[:, : self.rank].contiguous(), w["kv_a_layernorm.weight"], self.eps)[0]
-        k_pe = ops.rope(kv[:, None, self.rank :].contiguous(), batch.positions, self.cos_sin_cache, self.interleaved)
+        k_pe = ops.rope(kv[:, None, self.rank :], batch.positions, self.cos_sin_cache, self.interleaved)
         latent = torch.cat([c, k_pe[:, 0]], dim=-1)
         ops.write_kv_cache(latent, kv_cache, batch.slot_mapping, kv_lora_rank=self.rank)
 

@@ -161,17 +161,18 @@ class ModelRunner:
     def _graph_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs = batch.decodes
         alloc = self.allocator
-        width = max(len(s.block_table) for s in seqs)
         return self.graphs.run(
-            input_ids=self._tensor([s.token_ids[s.num_computed] for s in seqs], torch.int64),
-            positions=self._tensor([s.num_computed for s in seqs], torch.int32),
-            slot_mapping=self._tensor([alloc.slot(s, s.num_computed) for s in seqs], torch.int64),
-            block_table=self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32),
-            seq_lens=self._tensor([s.num_computed + 1 for s in seqs], torch.int32),
+            input_ids=[s.token_ids[s.num_computed] for s in seqs],
+            positions=[s.num_computed for s in seqs],
+            slot_mapping=[alloc.slot(s, s.num_computed) for s in seqs],
+            block_tables=[s.block_table for s in seqs],
+            seq_lens=[s.num_computed + 1 for s in seqs],
         )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
+        if all(p.temperature == 0 for p in params):  # greedy rows need no filtering, seeds or value checks
+            return greedy_tokens(logits)
         return ops.sample(
             logits,
             self._tensor([float(p.temperature) for p in params], torch.float32),
@@ -179,6 +180,17 @@ class ModelRunner:
             self._tensor([p.top_k for p in params], torch.int32),
             self._tensor([step_seed(s.seed, s.num_generated) for s in seqs], torch.int64),
         )
+
+
+def greedy_tokens(logits: torch.Tensor, pieces: int = 64) -> torch.Tensor:
+    """The first index of each row's largest value in ``logits [B, V]``. Each row is reduced in ``pieces`` parts
+    first, then across them: a single long row (a vocabulary of 129k) reduced at once runs on one multiprocessor."""
+    rows, vocab = logits.shape
+    width = -(-vocab // pieces)
+    padded = torch.nn.functional.pad(logits, (0, width * pieces - vocab), value=float("-inf"))
+    best, index = padded.view(rows, pieces, width).max(dim=-1)  # first index of the max within each piece
+    piece = best.argmax(dim=-1, keepdim=True)  # the first piece holding the row's max
+    return (piece * width + index.gather(1, piece))[:, 0]
 
 
 def _logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[tuple[float, dict[int, float] | None]]:

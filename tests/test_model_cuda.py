@@ -15,6 +15,10 @@ from model_helpers import random_prompts, small_checkpoint
 from deepinfer import registry
 from deepinfer.model import LLM, SamplingParams
 
+# Latent and rope widths the cuda_sm100 mla_decode kernel serves in both cache formats (power-of-two widths, rope of
+# at least 16, fp8_ds_mla records a multiple of 16 bytes): a reference fallback inside the step would stop capture.
+KERNEL_SHAPES = dict(kv_lora_rank=512, qk_rope_head_dim=16)
+
 
 @pytest.fixture
 def cuda_backend(deepinfer_backend, deepinfer_device) -> str:
@@ -26,7 +30,7 @@ def cuda_backend(deepinfer_backend, deepinfer_device) -> str:
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
 def test_graph_decode_matches_eager(cuda_backend, tmp_path, kv_format):
-    ckpt = small_checkpoint(tmp_path, seed=1, kv_lora_rank=128, q_lora_rank=64)
+    ckpt = small_checkpoint(tmp_path, seed=1, q_lora_rank=64, **KERNEL_SHAPES)
     prompts = random_prompts(258, [5, 40, 17, 1, 29], seed=2)  # 5 sequences: a padded bucket (8)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
     common = dict(kv_format=kv_format, block_size=16, max_num_seqs=8, progress=False)
@@ -47,10 +51,11 @@ def test_graph_decode_matches_eager(cuda_backend, tmp_path, kv_format):
 
 
 def test_graph_decode_with_arrivals_and_preemption(cuda_backend, tmp_path):
-    ckpt = small_checkpoint(tmp_path, seed=3)
+    ckpt = small_checkpoint(tmp_path, seed=3, **KERNEL_SHAPES)
     prompts = random_prompts(258, [30, 9, 41, 17, 3, 25, 60, 12], seed=4)
     params = SamplingParams(max_tokens=40, temperature=0.7, seed=9, ignore_eos=True)
     llm = LLM(ckpt, cuda_backend, block_size=8, num_blocks=40, max_num_seqs=8, progress=False)
+    assert llm.engine.runner.graphs is not None, "the decode graphs were captured"
     outs = llm.generate(prompts, params)
     assert llm.engine.num_preemptions > 0 and all(len(o.outputs[0].token_ids) == 40 for o in outs)
     assert llm.engine.allocator.num_free == 40

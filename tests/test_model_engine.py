@@ -13,6 +13,7 @@ from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: 
 import deepinfer
 from deepinfer.model import LLM, RequestError, SamplingParams
 from deepinfer.model.block_manager import BlockAllocator
+from deepinfer.model.model_runner import greedy_tokens
 from deepinfer.model.sequence import Sequence
 
 
@@ -244,3 +245,12 @@ def test_backend_is_pinned_per_llm(ckpt, deepinfer_device):
     assert llm.backend == "reference"
     with pytest.raises(deepinfer.BackendError, match="no_such_backend"):
         LLM(ckpt, "no_such_backend", progress=False)
+
+
+def test_greedy_tokens_are_the_first_maximum_of_each_row():
+    for vocab in (1, 7, 64, 1000, 4099):  # shorter than, equal to and not a multiple of the pieces
+        logits = torch.randn(3, vocab)
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1)), vocab
+    tied = torch.zeros(2, 300)
+    tied[0, [5, 200]] = 3.0  # ties in different pieces: the first wins; an all-equal row gives 0
+    assert greedy_tokens(tied).tolist() == [5, 0]
