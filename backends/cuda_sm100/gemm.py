@@ -7,7 +7,9 @@ whose tile shape never depends on M are batch-invariant: a row's result cannot d
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -313,17 +315,31 @@ def _mm_widens() -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _fp32_reductions() -> Iterator[None]:
+    """Within the block cuBLAS keeps split-K partial sums of bf16 / fp16 products in fp32 (torch's default lets it
+    reduce them in the operands' precision)."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = before
+
+
 def gemm_cublas(a, w, *, out_dtype, bias):
-    """cuBLAS through torch, fp32 accumulation; not batch-invariant (cuBLAS picks algorithms by shape). An fp32
-    result is never rounded to the input dtype on the way: bf16 / fp16 operands go straight into an fp32 result
-    where torch can (logits over a large vocabulary: no fp32 copy of the weight each call), else through fp32
-    copies of the operands."""
+    """cuBLAS through torch, fp32 accumulation (split-K partials included); not batch-invariant (cuBLAS picks
+    algorithms by shape). An fp32 result is never rounded to the input dtype on the way: bf16 / fp16 operands go
+    straight into an fp32 result where torch can (logits over a large vocabulary: no fp32 copy of the weight each
+    call), else through fp32 copies of the operands."""
     if out_dtype == torch.float32 and a.dtype != torch.float32:
         if a.dtype == w.dtype and _mm_widens():
             out = torch.mm(a, w.t(), out_dtype=torch.float32)
             return out if bias is None else out + bias.float()
         a, w = a.float(), w.float()
-    out = torch.nn.functional.linear(a, w)
+    with _fp32_reductions():
+        out = torch.nn.functional.linear(a, w)
     if bias is not None:
         return (out.float() + bias.float()).to(out_dtype)
     return out.to(out_dtype)
