@@ -22,9 +22,12 @@ Tolerances (log-probabilities in nats; measured worst cases over 8 fresh seeds i
   the same checkpoint (GPU summation orders flip e4m3 roundings, the tiny MoE amplifies them; RESULTS.md), so it
   runs where the model runs on the CPU (the reference, Triton's interpreter), and GPUs are held to the other checks.
 - bf16 activations against the fp32 oracle, measured against transformers' own bf16 run on the same prompts (the
-  natural scale of bf16 error; bf16 rounding also flips near-tied MoE routing decisions, in both): median and
-  90th percentile of the prompt log-probability errors within twice transformers' bf16 ones (+0.01 / +0.05), and
-  for dense layers only the maximum within four times (+0.05) [the reference is within 1.3x]. Triton's CPU
+  natural scale of bf16 error): the median prompt log-probability error within twice transformers' (+0.01). bf16
+  rounding also flips near-tied MoE routing decisions, in both implementations, and a token whose experts differ
+  from the oracle's is off by up to a few nats: such tokens are counted (at most twice transformers' count, +4) and
+  the 90th percentile is taken over the other tokens, within twice transformers' (+0.05); for dense layers also the
+  maximum within four times (+0.05) [the reference is within 1.3x; on the H200, over 8 MoE checkpoints, 12 of our
+  13 errors above 0.25 sat on a token with other experts, and 20 of transformers' 25, RESULTS.md]. Triton's CPU
   interpreter truncates every fp32-to-bf16 conversion (a GPU rounds to nearest even), which doubles the error of
   kernels run through it [2.4x], so under ``TRITON_INTERPRET=1`` the factor two becomes three.
 - FP8 weights with bf16 activations (the production path) against the plain dequantised oracle, which has no
@@ -51,7 +54,7 @@ from model_helpers import (
     token_logprobs,
 )
 
-from deepinfer import registry
+from deepinfer import ops, registry
 from deepinfer.model import LLM, SamplingParams
 
 FP32_TOL = 1e-2
@@ -227,27 +230,66 @@ def _prompt_errors(logprobs: list[list[float | None]], oracle_lps: list[torch.Te
     return torch.tensor(errs)
 
 
+def _oracle_routes(model, prompts) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """transformers' log-probabilities of each prompt (one forward each) and its routed experts: ``[moe_layers,
+    tokens of all prompts in order, k]``, sorted per token."""
+    ids = []
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    hooks = [
+        g.register_forward_hook(lambda mod, args, out: ids.append(out[2].reshape(-1, out[2].shape[-1]))) for g in gates
+    ]
+    try:
+        lps = [oracle_logprobs(model, p) for p in prompts]
+    finally:
+        for h in hooks:
+            h.remove()
+    n = len(gates)
+    layers = [torch.cat([ids[i * n + layer] for i in range(len(prompts))]) for layer in range(n)]
+    return lps, torch.stack(layers).sort(-1).values if n else torch.zeros(0, sum(map(len, prompts)), 0)
+
+
 @pytest.mark.parametrize("name", [*CONFIGS, "dense"])
-def test_bf16_logprobs_as_close_as_transformers_bf16(name, checkpoints, deepinfer_backend, deepinfer_device, tmp_path):
+def test_bf16_logprobs_as_close_as_transformers_bf16(
+    name, checkpoints, deepinfer_backend, deepinfer_device, tmp_path, monkeypatch
+):
     if name == "dense":
         path = hf_checkpoint(tmp_path, 11, first_k_dense_replace=3, rope_scaling=YARN)
     else:
         path, _ = checkpoints(name)
     oracle = load_oracle(path)
     prompts = random_prompts(oracle.config.vocab_size, [12, 40, 33, 7], seed=7)
-    refs = [oracle_logprobs(oracle, p) for p in prompts]
-    llm = make_llm(path, deepinfer_backend, deepinfer_device, dtype="bfloat16")
+    refs, ref_routes = _oracle_routes(oracle, prompts)
+    theirs_lps, their_routes = _oracle_routes(load_oracle(path, torch.bfloat16), prompts)
+    # Every prompt prefills in one step, in order, so the rows of each moe_route call are the prompts' tokens.
+    llm = LLM(path, deepinfer_backend, device=deepinfer_device, dtype="bfloat16", block_size=8, progress=False)
+    routes, route = [], ops.moe_route
+
+    def record(*args, **kwargs):
+        weights, ids = route(*args, **kwargs)
+        routes.append(ids.long().sort(-1).values.cpu())
+        return weights, ids
+
+    monkeypatch.setattr(ops, "moe_route", record)
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert [r.shape for r in routes] == [ref_routes.shape[1:]] * ref_routes.shape[0], "one prefill step expected"
+    our_routes = torch.stack(routes) if routes else ref_routes
+    scored = [sum(map(len, prompts[:i])) + j - 1 for i, p in enumerate(prompts) for j in range(1, len(p))]
+    ours_flip = (our_routes != ref_routes).any(-1).any(0)[scored]  # the token's experts differ in some layer
+    their_flip = (their_routes != ref_routes).any(-1).any(0)[scored]
     ours = _prompt_errors([o.prompt_logprobs for o in outs], refs, prompts)
-    hf16 = load_oracle(path, torch.bfloat16)
-    theirs = _prompt_errors([token_logprobs(oracle_logprobs(hf16, p), p) for p in prompts], refs, prompts)
-    q = torch.tensor([0.5, 0.9])
-    (ours_med, ours_q90), (their_med, their_q90) = ours.quantile(q).tolist(), theirs.quantile(q).tolist()
+    theirs = _prompt_errors([token_logprobs(lp, p) for lp, p in zip(theirs_lps, prompts)], refs, prompts)
+    flips = f"tokens with other experts than the oracle's: ours {int(ours_flip.sum())}, transformers bf16 "
+    flips += f"{int(their_flip.sum())} of {len(scored)}"
+    assert int(ours_flip.sum()) <= 2 * int(their_flip.sum()) + 4, flips
+    steady = ~(ours_flip | their_flip)
+    ours_med, their_med = ours.median().item(), theirs.median().item()
+    ours_q90, their_q90 = ours[steady].quantile(0.9).item(), theirs[steady].quantile(0.9).item()
     detail = (
-        f"ours median {ours_med:.3f} q90 {ours_q90:.3f} max {ours.max():.3f}; transformers bf16 "
-        f"median {their_med:.3f} q90 {their_q90:.3f} max {theirs.max():.3f}"
+        f"ours median {ours_med:.3f}, q90 {ours_q90:.3f} (same experts), max {ours.max():.3f}; transformers bf16 "
+        f"median {their_med:.3f}, q90 {their_q90:.3f}, max {theirs.max():.3f}; {flips}"
     )
-    assert ours_med <= BF16_FACTOR * their_med + 0.01 and ours_q90 <= BF16_FACTOR * their_q90 + 0.05, detail
+    assert ours_med <= BF16_FACTOR * their_med + 0.01, detail
+    assert ours_q90 <= BF16_FACTOR * their_q90 + 0.05, detail
     if name == "dense":
         assert ours.max() <= 4 * theirs.max() + 0.05, detail
 
