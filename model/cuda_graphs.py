@@ -4,8 +4,8 @@ One graph per batch bucket (1, 2, 4, 8, then multiples of 16 up to ``max_batch``
 buffers; a decode step of ``n`` sequences packs its inputs for the smallest bucket ``>= n`` on the host and copies
 them in with two transfers (int64 and int32 fields), then replays the graph. Padding rows have ``seq_len`` 0
 (``mla_decode`` returns zeros for them), slot -1 (``write_kv_cache`` skips them) and token 0; their logits are
-dropped. The captured forward dispatches experts in ``low_latency`` mode (fixed
-capacity, no host synchronisation) and computes the logits of every row, so sampling stays outside the graph.
+dropped. The captured forward dispatches experts in ``low_latency`` mode (fixed capacity, no host synchronisation)
+and computes the logits of every row, so sampling stays outside the graph.
 
 Capture needs every op on the decode path to be free of host synchronisation on the chosen backend; if capture
 fails (for example an op falls back to the reference), the graphs are dropped with a warning and decode runs
