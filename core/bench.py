@@ -220,15 +220,20 @@ def _scaled_grouped_mm_rowwise(kw):
 
 
 def _per_expert_scaled_mm(kw):
-    """A loop of cuBLAS block-scaled FP8 products, one per expert."""
-    a, w, bounds = kw["a"], kw["w"], kw["expert_offsets"].tolist()
+    """A loop of cuBLAS block-scaled FP8 products, one per expert with rows: the contiguous layout's
+    ``expert_offsets`` or the masked layout's ``masked_m``, read on the host."""
+    a, w = kw["a"], kw["w"]
     qa = a if isinstance(a, QTensor) else quantize_rows(a, 128, w.scale_format)
-    out = torch.empty(qa.shape[0], w.shape[1], dtype=torch.bfloat16, device=qa.data.device)
-    for e in range(w.shape[0]):
-        lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo:
+    out = torch.empty(*qa.shape[:-1], w.shape[1], dtype=torch.bfloat16, device=qa.data.device)
+    if kw.get("masked_m") is not None:  # a [E, M, K]: expert e's first masked_m[e] rows
+        rows = [(e, slice(0, m)) for e, m in enumerate(kw["masked_m"].tolist())]
+    else:
+        bounds = kw["expert_offsets"].tolist()
+        rows = [slice(bounds[e], bounds[e + 1]) for e in range(w.shape[0])]
+    for e, index in enumerate(rows):
+        if out[index].numel():
             sub_w = QTensor(w.data[e], w.scale[e], w.block, w.scale_format)
-            out[lo:hi] = _scaled_mm_blockwise({"a": qa[lo:hi], "w": sub_w})
+            out[index] = _scaled_mm_blockwise({"a": qa[index], "w": sub_w})
     return out
 
 
@@ -260,8 +265,8 @@ def _sdpa(kw):
 
 def moe_layer(kw: dict[str, Any], grouped_gemm: Callable[..., Any] | None = None) -> torch.Tensor:
     """A DeepSeek-V3 routed-expert layer from ops: ``moe_route`` -> ``ep_dispatch`` (FP8 tokens) -> gate_up
-    ``grouped_gemm`` -> ``silu_and_mul`` (FP8 out) -> down ``grouped_gemm`` -> ``ep_combine``. ``grouped_gemm``
-    replaces the op (a peer's products)."""
+    ``grouped_gemm`` -> ``silu_and_mul`` (FP8 out) -> down ``grouped_gemm`` -> ``ep_combine``, dispatching in
+    ``kw["mode"]``. ``grouped_gemm`` replaces the op (a peer's products)."""
     gemm = grouped_gemm or ops.grouped_gemm
     w13, w2 = kw["w13"], kw["w2"]
     weights, ids = ops.moe_route(
@@ -269,8 +274,8 @@ def moe_layer(kw: dict[str, Any], grouped_gemm: Callable[..., Any] | None = None
         scoring="sigmoid",
     )  # fmt: skip
     x = ops.quantize_fp8(kw["x"], block=128, scale_format=w13.scale_format)
-    recv, _, _, layout, handle = ops.ep_dispatch(x, ids, weights, num_experts=w13.shape[0])
-    groups = {"expert_offsets": layout.expert_offsets, "masked_m": None, "out_dtype": torch.bfloat16}
+    recv, _, _, layout, handle = ops.ep_dispatch(x, ids, weights, num_experts=w13.shape[0], mode=kw["mode"])
+    groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m, "out_dtype": torch.bfloat16}
     h = gemm(a=recv, w=w13, **groups)
     a = ops.silu_and_mul(h, quantize=True, scale_format=w2.scale_format)
     return ops.ep_combine(gemm(a=a, w=w2, **groups), handle)
@@ -497,17 +502,23 @@ def _small_op_cases(quick: bool) -> list[BenchCase]:
 
 
 def _moe_layer_cases(quick: bool) -> list[BenchCase]:
+    """``normal`` dispatch at every size, and for decode-sized batches also ``low_latency`` (what a decode step under
+    CUDA graphs runs: no host synchronisation, so it has a graph time; capacity T rows per expert)."""
     experts, hidden, inter = (16, 256, 128) if quick else (256, 7168, 2048)
+    sizes = [(1, "normal"), (16, "normal"), (1, "low_latency")]
+    if not quick:
+        sizes = [(t, "normal") for t in (1, 16, 128, 1024, 8192)] + [(t, "low_latency") for t in (1, 16)]
     out = []
-    for t in [1, 16] if quick else [1, 16, 128, 1024, 8192]:
+    for t, mode in sizes:
 
-        def make(g, t=t):
+        def make(g, t=t, mode=mode):
             return {
                 "x": g.randn(t, hidden),
                 "logits": g.randn(t, experts, dtype=torch.float32),
                 "bias": g.randn(experts, dtype=torch.float32, scale=0.1),
                 "w13": g.fp8_weight(experts, 2 * inter, hidden),
                 "w2": g.fp8_weight(experts, hidden, inter),
+                "mode": mode,
             }
 
         pairs = t * 8
@@ -517,7 +528,7 @@ def _moe_layer_cases(quick: bool) -> list[BenchCase]:
         out.append(
             BenchCase(
                 "moe_layer",
-                f"T={t} E={experts} top-8 H={hidden} I={inter} fp8",
+                f"T={t} E={experts} top-8 H={hidden} I={inter} fp8 {mode}",
                 make,
                 flops,
                 nbytes,
