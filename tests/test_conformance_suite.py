@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -120,3 +121,39 @@ def test_pytest_plugin_form_reports_the_same_failures():
     assert out.returncode == 1, out.stdout
     assert re.search(r"2 failed, \d+ passed", out.stdout), out.stdout
     assert re.search(r"row \d+ alone differs", out.stdout)
+
+
+SPLIT_PROVIDERS = textwrap.dedent("""
+    import deepinfer
+    from deepinfer import BackendSpec, OpImpl
+    from deepinfer.reference import norm
+
+    def five_percent_off(**kw):
+        y, h = norm.rms_norm(**kw)
+        return y * 1.05, h
+
+    @deepinfer.hookimpl
+    def deepinfer_backend():
+        return BackendSpec(name="fake_split", device_type="cpu", probe=lambda: (True, "yes"))
+
+    @deepinfer.hookimpl
+    def deepinfer_op_impls():
+        return [
+            OpImpl("rms_norm", "fake_split", "fast", norm.rms_norm, batch_invariant=False, priority=1),
+            OpImpl("rms_norm", "fake_split", "fixed", five_percent_off, batch_invariant=True),
+        ]
+    """)
+
+
+def test_a_wrong_batch_invariant_implementation_fails_its_accuracy(plugins):
+    """The default mode runs a correct provider; batch-invariant mode runs another one, deterministic and invariant
+    but 5% off: only its own accuracy check can catch it."""
+    plugins("fake_split", {"fake_split": "fake_split"}, {"fake_split": SPLIT_PROVIDERS})
+    report = run_conformance("fake_split", seed=14, only_ops=["rms_norm"])
+    checks = [r for r in report.results if r.check == "accuracy"]
+    default = [r for r in checks if r.impl == "fake_split/fast"]
+    invariant = [r for r in checks if r.impl == "fake_split/fixed"]
+    assert default and {r.status for r in default} == {"pass"}
+    assert invariant and {r.status for r in invariant if not r.case.startswith("T=0 ")} == {"fail"}  # T=0: empty
+    assert all(r.detail.startswith("batch-invariant mode") for r in invariant)
+    assert {r.status for r in report.results if r.check == "batch_invariance"} == {"pass"}

@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
 import warnings
 
 import pytest
 import torch
-from fake_plugins import backend_module, install_plugin
+from fake_plugins import backend_module
 
 import deepinfer
 from deepinfer import ops, registry, selection
 from deepinfer.errors import BackendError, FallbackWarning, NotSupportedError
-
-
-@pytest.fixture
-def plugins(tmp_path, monkeypatch):
-    """Returns an installer of fake plugin distributions visible to the next registry load."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    def install(dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:
-        install_plugin(tmp_path, dist, entry_points, modules)
-        importlib.invalidate_caches()
-        registry.reload()
-
-    yield install
-    for mod in [m for m in sys.modules if m.startswith("fake_")]:
-        del sys.modules[mod]
 
 
 def test_reference_is_built_in_and_always_available():

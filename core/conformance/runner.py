@@ -107,21 +107,21 @@ def _environment(device: str) -> dict[str, str]:
     return env
 
 
-def _accuracy(case: Case, kwargs: dict, backend: str, overrides: dict) -> CaseResult:
+def _accuracy_of(case: Case, kwargs: dict, out: Any, ref: Any, overrides: dict, note: str = "") -> CaseResult:
+    """The accuracy result of ``out`` (just computed by the backend) against the reference's ``ref``."""
     tol, why = tolerance(case.op, case.variant, overrides)
-    with use("reference"):
-        ref = _run(case, kwargs)
-    with use(backend):
-        out = _run(case, kwargs)
     impl, fallback = _served_by(case.op)
     err = (case.compare or (lambda o, r, kw: error(o, r)))(out, ref, kwargs)
     status = "fallback" if fallback else ("pass" if err <= tol else "fail")
-    detail = "" if why == "default" else why
+    detail = "; ".join(d for d in (note, "" if why == "default" else why) if d)
     return CaseResult(case.op, case.name, "accuracy", status, impl, err, tol, detail)
 
 
-def _invariance(case: Case, kwargs: dict, backend: str, gen: Gen) -> list[CaseResult]:
-    """Bitwise checks for implementations declared batch-invariant: sub-batches and a repeated run."""
+def _invariance(
+    case: Case, kwargs: dict, backend: str, gen: Gen, ref: Any, default_impl: str, overrides: dict
+) -> list[CaseResult]:
+    """Bitwise checks for implementations declared batch-invariant: sub-batches and a repeated run; and the
+    accuracy of the batch-invariant implementation where it is not the one the default mode runs."""
     if not any(i.batch_invariant for i in registry.get().impls_for(backend, case.op)):
         return []  # nothing declared, nothing to check
     results = []
@@ -134,6 +134,8 @@ def _invariance(case: Case, kwargs: dict, backend: str, gen: Gen) -> list[CaseRe
                     case.op, case.name, "batch_invariance", "fallback", impl, detail="no batch-invariant implementation"
                 )
             ]
+        if impl != default_impl:
+            results.append(_accuracy_of(case, kwargs, full, ref, overrides, note="batch-invariant mode"))
         again = _run(case, kwargs)
         same = bitwise_equal(full, again)
         results.append(
@@ -194,8 +196,8 @@ def run_conformance(
     seed: int | None = None,
     on_result: Callable[[CaseResult], None] | None = None,
 ) -> Report:
-    """Checks ``backend`` against the reference on fresh random inputs: accuracy per case, batch invariance and
-    determinism for implementations declared invariant, and the documented error for each bad input.
+    """Checks ``backend`` against the reference on fresh random inputs: accuracy per case, batch invariance,
+    determinism and accuracy for implementations declared invariant, and the documented error for each bad input.
 
     device: where inputs are made (default: the backend's device type); e.g. ``cpu`` for kernels run through an
     interpreter or a test double."""
@@ -232,10 +234,13 @@ def check_case(case: Case, backend: str, seed: int, device: str | None = None) -
         warnings.simplefilter("ignore", FallbackWarning)
         try:
             kwargs = case.make(gen)
-            accuracy = _accuracy(case, kwargs, backend, overrides)
+            with use("reference"):
+                ref = _run(case, kwargs)
+            with use(backend):
+                accuracy = _accuracy_of(case, kwargs, _run(case, kwargs), ref, overrides)
             if accuracy.status == "fallback":
                 return [accuracy]
-            return [accuracy, *_invariance(case, kwargs, backend, gen)]
+            return [accuracy, *_invariance(case, kwargs, backend, gen, ref, accuracy.impl, overrides)]
         except Exception as e:  # a crashing backend is a failed case, not a crashed suite
             return [CaseResult(case.op, case.name, "accuracy", "error", backend, detail=f"{type(e).__name__}: {e}")]
 
