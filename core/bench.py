@@ -200,8 +200,8 @@ def _rowwise_weights(w: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
         data, scales = torch.empty_like(w.data), torch.empty(w.shape[:2], dtype=torch.float32, device=w.data.device)
         for e in range(w.shape[0]):  # one expert at a time: the fp32 copy of all of them would not fit
             dense = QTensor(w.data[e], w.scale[e], w.block, w.scale_format).dequantize(torch.float32)
-            scales[e] = dense.abs().amax(dim=1).clamp_min(1e-12) / 448.0
-            data[e] = (dense / scales[e, :, None]).clamp(-448.0, 448.0).to(data.dtype)
+            rows = quantize_rows(dense, dense.shape[1], "fp32")  # one block as wide as the row
+            data[e], scales[e] = rows.data, rows.scale[:, 0]
         _ROWWISE[id(w)] = (data.transpose(1, 2), scales)
         weakref.finalize(w, _ROWWISE.pop, id(w), None)
     return _ROWWISE[id(w)]
@@ -212,11 +212,11 @@ def _scaled_grouped_mm_rowwise(kw):
     quantised per row here, weights per output row (once, ``_rowwise_weights``). Less work than 128-blocks."""
     a, w = kw["a"], kw["w"]
     data_t, scale_w = _rowwise_weights(w)
-    x = _dense(a).float()
-    scale_a = x.abs().amax(dim=1).clamp_min(1e-12) / 448.0
-    qa = (x / scale_a[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    qa = quantize_rows(_dense(a), a.shape[1], "fp32")
     offsets = kw["expert_offsets"][1:].contiguous()
-    return torch._scaled_grouped_mm(qa, data_t, scale_a, scale_w, offs=offsets, out_dtype=torch.bfloat16)
+    return torch._scaled_grouped_mm(
+        qa.data, data_t, qa.scale[:, 0].contiguous(), scale_w, offs=offsets, out_dtype=torch.bfloat16
+    )
 
 
 def _per_expert_scaled_mm(kw):
