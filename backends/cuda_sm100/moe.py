@@ -260,8 +260,8 @@ def _dispatch_low_latency(x, ids, weights, num_experts: int, capacity: int):
         LOST_ROW=LOST,
         BLOCK=1024,
     )
-    data = x.data if isinstance(x, QTensor) else x
-    raw = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data.contiguous()
+    data = (x.data if isinstance(x, QTensor) else x).contiguous()
+    raw = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
     recv = torch.empty(num_experts, capacity, raw.shape[1], dtype=raw.dtype, device=device)
     scale = recv_scale = None
     if isinstance(x, QTensor):
