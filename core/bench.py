@@ -277,7 +277,7 @@ def moe_layer(kw: dict[str, Any], grouped_gemm: Callable[..., Any] | None = None
     recv, _, _, layout, handle = ops.ep_dispatch(x, ids, weights, num_experts=w13.shape[0], mode=kw["mode"])
     groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m, "out_dtype": torch.bfloat16}
     h = gemm(a=recv, w=w13, **groups)
-    a = ops.silu_and_mul(h, quantize=True, scale_format=w2.scale_format)
+    a = ops.silu_and_mul(h, quantize=True, scale_format=w2.scale_format, masked_m=layout.masked_m)
     return ops.ep_combine(gemm(a=a, w=w2, **groups), handle)
 
 

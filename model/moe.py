@@ -130,9 +130,9 @@ class MoE:
         groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m}
         h = ops.grouped_gemm(recv, self.w13, out_dtype=x.dtype, **groups)
         if isinstance(self.w2, QTensor):
-            a = ops.silu_and_mul(h, quantize=True, scale_format=self.w2.scale_format)
+            a = ops.silu_and_mul(h, quantize=True, scale_format=self.w2.scale_format, masked_m=layout.masked_m)
         else:
-            a = ops.silu_and_mul(h)
+            a = ops.silu_and_mul(h, masked_m=layout.masked_m)
         out = ops.ep_combine(ops.grouped_gemm(a, self.w2, out_dtype=x.dtype, **groups), handle)
         if self.shared is not None:
             out = out + _swiglu(x, self.shared.w13, self.shared.w2)

@@ -17,8 +17,8 @@ from . import probe
 from .gemm import quantize_rows_torch
 
 
-def silu_and_mul_swiglu(x, *, quantize, scale_format) -> torch.Tensor | QTensor:
-    """``silu_and_mul`` through ``npu_swiglu``."""
+def silu_and_mul_swiglu(x, *, quantize, scale_format, masked_m) -> torch.Tensor | QTensor:
+    """``silu_and_mul`` through ``npu_swiglu``, over every row (those past ``masked_m`` are unspecified)."""
     half = x.shape[-1] // 2
     if x.numel() == 0:
         y = x.new_zeros(*x.shape[:-1], half, dtype=torch.float32)
@@ -29,5 +29,5 @@ def silu_and_mul_swiglu(x, *, quantize, scale_format) -> torch.Tensor | QTensor:
     return npu.npu_swiglu(x.contiguous(), dim=-1)
 
 
-def silu_and_mul_swiglu_supports(x, *, quantize, scale_format) -> bool:
+def silu_and_mul_swiglu_supports(x, *, quantize, scale_format, masked_m) -> bool:
     return probe.on_device(x) and (not quantize or probe.has("fp8_e4m3"))

@@ -8,34 +8,51 @@ import triton.language as tl
 
 from deepinfer import QTensor
 
-from ._triton import INTERPRET, on_device, pow2_ceil, to_e4m3
+from ._triton import INTERPRET, next_pow2, on_device, pow2_ceil, to_e4m3
 
 BLOCK = 128  # one FP8 scale group
+GROUPS = 8  # scale groups per program
 
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, y_ptr, s_ptr, inter, QUANT: tl.constexpr, UE8M0: tl.constexpr, BLOCK: tl.constexpr, PREROUND: tl.constexpr
+    x_ptr,
+    y_ptr,
+    s_ptr,
+    masked_ptr,
+    inter,
+    max_m,
+    MASKED: tl.constexpr,
+    QUANT: tl.constexpr,
+    UE8M0: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUPS: tl.constexpr,
+    PREROUND: tl.constexpr,
 ):
+    """One row, GROUPS x BLOCK channels. With MASKED, rows at or past their expert's count are skipped."""
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    cols = group * BLOCK + tl.arange(0, BLOCK)
+    if MASKED:  # noqa: SIM102 (a constexpr test: it must stay its own statement in Triton)
+        if row % max_m >= tl.load(masked_ptr + row // max_m):
+            return
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = cols < inter
     gate = tl.load(x_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
     if QUANT:
-        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-4) / 448.0
+        scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4) / 448.0
         if UE8M0:
             scale = pow2_ceil(scale)
-        q = to_e4m3(tl.clamp(y / scale, -448.0, 448.0), PREROUND)
+        q = to_e4m3(tl.clamp(y / scale[:, None], -448.0, 448.0), PREROUND)
         tl.store(y_ptr + row * inter + cols, q, mask=mask)
-        tl.store(s_ptr + row * tl.cdiv(inter, BLOCK) + group, scale)
+        n_groups = tl.cdiv(inter, BLOCK)
+        tl.store(s_ptr + row * n_groups + groups, scale, mask=groups < n_groups)
     else:
         tl.store(y_ptr + row * inter + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x, *, quantize, scale_format):
+def silu_and_mul(x, *, quantize, scale_format, masked_m):
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * inter).contiguous()
     rows = x2.shape[0]
@@ -46,9 +63,21 @@ def silu_and_mul(x, *, quantize, scale_format):
         y = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
         s = torch.empty(1, dtype=torch.float32, device=x.device)  # unused
     if rows:
-        grid = (rows, triton.cdiv(inter, BLOCK))
+        groups = min(GROUPS, next_pow2(triton.cdiv(inter, BLOCK)))
+        grid = (rows, triton.cdiv(triton.cdiv(inter, BLOCK), groups))
         _silu_and_mul_kernel[grid](
-            x2, y, s, inter, QUANT=quantize, UE8M0=scale_format == "ue8m0", BLOCK=BLOCK, PREROUND=INTERPRET
+            x2,
+            y,
+            s,
+            s if masked_m is None else masked_m,
+            inter,
+            x.shape[1] if masked_m is not None else 1,
+            MASKED=masked_m is not None,
+            QUANT=quantize,
+            UE8M0=scale_format == "ue8m0",
+            BLOCK=BLOCK,
+            GROUPS=groups,
+            PREROUND=INTERPRET,
         )
     lead = x.shape[:-1]
     if quantize:
@@ -56,5 +85,5 @@ def silu_and_mul(x, *, quantize, scale_format):
     return y.view(*lead, inter)
 
 
-def supports(x, *, quantize, scale_format) -> bool:
-    return on_device(x)
+def supports(x, *, quantize, scale_format, masked_m) -> bool:
+    return on_device(x, masked_m)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .cases import BadInput, Case, Gen, rows_of, take_rows
+import torch
+
+from .cases import BadInput, Case, Gen, rows_of, run_masked, take_masked_rows, take_rows
 
 
 def _case(shape: tuple[int, ...], quantize: bool, scale_format: str = "fp32") -> Case:
@@ -20,6 +22,31 @@ def _case(shape: tuple[int, ...], quantize: bool, scale_format: str = "fp32") ->
     )
 
 
+def _masked_case(experts: int, most: int, inter: int, quantize: bool) -> Case:
+    """The masked expert layout with ``masked_m``: rows past each expert's count are unspecified (zeroed before the
+    comparison); an empty expert and a full one."""
+
+    def make(g: Gen):
+        counts = g.ints(0, most + 1, experts)
+        counts[0], counts[-1] = 0, most
+        return {
+            "x": g.randn(experts, most, 2 * inter, scale=2.0),
+            "quantize": quantize,
+            "scale_format": "fp32",
+            "masked_m": torch.tensor(counts, dtype=torch.int32, device=g.device),
+        }
+
+    return Case(
+        "silu_and_mul",
+        f"masked E={experts} rows<={most} I={inter}" + (" fp8" if quantize else ""),
+        "fp8" if quantize else "default",
+        make,
+        run=run_masked,
+        sub_batch=lambda kw, rows: take_masked_rows(kw, "x", rows),
+        batch=lambda kw: kw["x"].shape[1],
+    )
+
+
 def cases(shapes: str) -> list[Case]:
     if shapes == "small":
         return [
@@ -30,10 +57,13 @@ def cases(shapes: str) -> list[Case]:
             _case((3, 4, 256), False),
             _case((3, 4, 256), True),
             _case((0, 256), True),
+            _masked_case(4, 6, 256, True),
+            _masked_case(3, 5, 200, False),
         ]
     return [_case((t, 4096), q) for t in (1, 128, 8192) for q in (False, True)] + [
         _case((32, 256, 4096), True, "ue8m0"),
         _case((8192, 36864), False),
+        _masked_case(256, 64, 2048, True),
     ]
 
 
@@ -47,4 +77,22 @@ def bad_inputs() -> list[BadInput]:
             lambda g: {"x": g.randn(4, 200), "quantize": True},
         ),
         BadInput("silu_and_mul", "1-D input", "x", lambda g: {"x": g.randn(256)}),
+        BadInput(
+            "silu_and_mul",
+            "masked_m with a 2-D x",
+            "masked_m",
+            lambda g: {"x": g.randn(4, 256), "masked_m": torch.zeros(4, dtype=torch.int32, device=g.device)},
+        ),
+        BadInput(
+            "silu_and_mul",
+            "masked_m of the wrong length",
+            "masked_m",
+            lambda g: {"x": g.randn(3, 4, 256), "masked_m": torch.zeros(2, dtype=torch.int32, device=g.device)},
+        ),
+        BadInput(
+            "silu_and_mul",
+            "masked_m past max_m",
+            "masked_m",
+            lambda g: {"x": g.randn(2, 4, 256), "masked_m": torch.full((2,), 5, dtype=torch.int32, device=g.device)},
+        ),
     ]

@@ -161,3 +161,41 @@ def rows_of(out: Any, rows: list[int]) -> Any:
 def take_rows(kwargs: dict[str, Any], names: tuple[str, ...], rows: list[int]) -> dict[str, Any]:
     """``kwargs`` with the tensors named in ``names`` cut to ``rows`` along dim 0."""
     return {k: rows_of(v, rows) if k in names else v for k, v in kwargs.items()}
+
+
+def _zero_masked_rows(out: Any, valid: torch.Tensor) -> Any:
+    if isinstance(out, QTensor):
+        return QTensor(
+            _zero_masked_rows(out.data, valid), _zero_masked_rows(out.scale, valid), out.block, out.scale_format
+        )
+    zero = torch.zeros((), dtype=out.dtype, device=out.device)
+    return torch.where(valid.to(out.device).unsqueeze(-1), out, zero)
+
+
+def run_masked(op, kw: dict[str, Any]) -> Any:
+    """Calls an op on the masked expert layout; rows at or past ``masked_m`` are unspecified, so they are zeroed in
+    the output (data and scales alike) before it is compared."""
+    out = op(**kw)
+    rows = (out.data if isinstance(out, QTensor) else out).shape[1]
+    valid = torch.arange(rows, device=kw["masked_m"].device)[None, :] < kw["masked_m"][:, None].long()
+    return _zero_masked_rows(out, valid)
+
+
+def take_masked_rows(kw: dict[str, Any], name: str, rows: list[int]):
+    """``sub_batch`` of a masked-layout case: the same experts with only the chosen row positions of ``kw[name]``
+    (a smaller max_m), and the matching cut of the full run's output."""
+    index = torch.tensor(rows, device=kw["masked_m"].device)
+    t = kw[name]
+    if isinstance(t, QTensor):
+        cut = QTensor(t.data[:, index.to(t.data.device)], t.scale[:, index.to(t.data.device)], t.block, t.scale_format)
+    else:
+        cut = t[:, index.to(t.device)]
+    masked = (index[None, :] < kw["masked_m"][:, None]).sum(1).to(torch.int32)
+
+    def cut_out(o: Any) -> Any:
+        if isinstance(o, QTensor):
+            i = index.to(o.data.device)
+            return QTensor(o.data[:, i], o.scale[:, i], o.block, o.scale_format)
+        return o[:, index.to(o.device)]
+
+    return {**kw, name: cut, "masked_m": masked}, cut_out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..qtensor import QTensor, quantize_blocks, quantize_rows
-from .cases import BadInput, Case, Gen, rows_of, take_rows
+from .cases import BadInput, Case, Gen, rows_of, run_masked, take_masked_rows, take_rows
 
 # DeepSeek-V3 projections (N, K): q_a+kv_a fused, q_b, kv_b, o, shared/dense down, kv_a alone.
 V3_PROJECTIONS = [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]
@@ -87,25 +87,6 @@ def _sub_contiguous(kw: dict, rows: list[int]):
     return {**take_rows(kw, ("a",), rows), "expert_offsets": offsets}, lambda o: rows_of(o, rows)
 
 
-def _run_masked(op, kw):
-    """Rows at or past masked_m are unspecified: zero them before comparing."""
-    out = op(**kw)
-    valid = torch.arange(out.shape[1], device=out.device)[None, :] < kw["masked_m"][:, None].long()
-    return torch.where(valid.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
-def _sub_masked(kw: dict, rows: list[int]):
-    """The same experts with only the chosen row positions: a smaller max_m."""
-    index = torch.tensor(rows, device=kw["masked_m"].device)
-    a = kw["a"]
-    if isinstance(a, QTensor):
-        a_sub = QTensor(a.data[:, index], a.scale[:, index], a.block, a.scale_format)
-    else:
-        a_sub = a[:, index]
-    masked = (index[None, :] < kw["masked_m"][:, None]).sum(1).to(torch.int32)
-    return {**kw, "a": a_sub, "masked_m": masked}, lambda o: o[:, index.to(o.device)]
-
-
 def _grouped_case(experts: int, n: int, k: int, most: int, variant: str, layout: str) -> Case:
     def make(g: Gen):
         w = _weight(g, experts, n, k, fp8=variant.startswith("fp8"))
@@ -127,7 +108,13 @@ def _grouped_case(experts: int, n: int, k: int, most: int, variant: str, layout:
     if layout == "contiguous":
         return Case("grouped_gemm", name, tol, make, sub_batch=_sub_contiguous, batch=lambda kw: kw["a"].shape[0])
     return Case(
-        "grouped_gemm", name, tol, make, run=_run_masked, sub_batch=_sub_masked, batch=lambda kw: kw["a"].shape[1]
+        "grouped_gemm",
+        name,
+        tol,
+        make,
+        run=run_masked,
+        sub_batch=lambda kw, rows: take_masked_rows(kw, "a", rows),
+        batch=lambda kw: kw["a"].shape[1],
     )
 
 

@@ -7,7 +7,8 @@ import torch
 from ..qtensor import quantize_rows
 
 
-def silu_and_mul(x, *, quantize, scale_format):
+def silu_and_mul(x, *, quantize, scale_format, masked_m):
+    """Every row, including those past ``masked_m`` (unspecified there by the contract)."""
     gate, up = x.float().chunk(2, dim=-1)
     y = torch.nn.functional.silu(gate) * up
     return quantize_rows(y, 128, scale_format) if quantize else y.to(x.dtype)

@@ -63,7 +63,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     return out.to(q.dtype), lse
 
 
-def silu_and_mul(x, *, quantize, scale_format):
+def silu_and_mul(x, *, quantize, scale_format, masked_m):
     half = x.shape[-1] // 2
     gate, up = x[..., :half].float(), x[..., half:].float()
     return (gate / (1 + torch.exp(-gate)) * up).to(x.dtype)
@@ -91,7 +91,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
             "example_cpu",
             "torch",
             silu_and_mul,
-            supports=lambda x, *, quantize, scale_format: not quantize,
+            supports=lambda x, *, quantize, scale_format, masked_m: not quantize,
             batch_invariant=True,
         ),
     ]
