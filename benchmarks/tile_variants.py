@@ -74,16 +74,7 @@ def varlen_variants() -> None:
         f"varlen peer torch SDPA | {peer_ms:.3f} ms | {flops / peer_ms / 1e9:.0f} TFLOP/s | rel err {peer_err:.1e}",
         flush=True,
     )
-    for block_m, block_n, warps, stages in (
-        (64, 64, 4, 2),
-        (64, 64, 4, 3),
-        (128, 64, 8, 2),
-        (128, 64, 8, 3),
-        (128, 32, 8, 3),
-        (128, 128, 8, 2),
-        (64, 128, 4, 2),
-        (128, 64, 4, 3),
-    ):
+    for block_m, block_n, warps, stages in ((128, 128, 8, 2), (128, 64, 8, 3), (256, 64, 16, 2), (128, 128, 4, 2)):
         attention.VARLEN_TILE.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         try:
             out = ops.attention_varlen(**inputs[0]).float()
@@ -106,11 +97,12 @@ def main() -> int:
         varlen_variants()
     if which not in ("mla", "all"):
         return 0
-    variants = [
-        (block_h, block_n, warps, stages, split)
-        for block_h, block_n, warps in ((32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 8), (64, 16, 8), (16, 64, 4))
-        for stages in (1, 2)
-        for split in (512, 1024)
+    variants = [  # (BLOCK_H, BLOCK_N, warps, stages, split); the first is the default tile
+        (64, 64, 8, 2, 1024),
+        (64, 128, 8, 1, 1024),
+        (128, 32, 16, 2, 1024),
+        (128, 64, 16, 1, 1024),
+        (64, 64, 8, 2, 512),
     ]
     for fmt, (batch, ctx) in itertools.product(("bf16", "fp8_ds_mla"), ((64, 4096),)):
         inputs = [make(batch, ctx, fmt, s) for s in range(3)]

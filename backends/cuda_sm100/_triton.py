@@ -74,3 +74,14 @@ def to_e4m3(x, PREROUND: tl.constexpr):
         shifter = tl.where(x < 0, -spacing, spacing) * 8388608.0
         x = (x + shifter) - shifter
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def to_bf16(x, PREROUND: tl.constexpr):
+    """fp32 ``x`` as bf16, rounded to nearest even. The interpreter's cast truncates, so there the bits are rounded
+    first (finite x), after which the cast is exact. Used where the result is checked bit for bit (the KV cache)."""
+    if PREROUND:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = (bits & -65536).to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)

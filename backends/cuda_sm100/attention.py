@@ -15,7 +15,7 @@ import triton.language as tl
 
 from deepinfer.kv_cache import FP8_GROUP
 
-from ._triton import INTERPRET, dot, next_pow2, num_sms, on_device, pow2_ceil, to_e4m3
+from ._triton import INTERPRET, dot, next_pow2, num_sms, on_device, pow2_ceil, to_bf16, to_e4m3
 
 LOG2E = 1.4426950408889634
 SPLIT_TOKENS = 512  # context tokens per KV split in batch-invariant mode
@@ -24,8 +24,9 @@ SPLIT_TOKENS = 512  # context tokens per KV split in batch-invariant mode
 MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS = 1024, 64
 # Heads per program (each program reads its span of the cache once for all of them), tokens per step, warps, stages.
 # Measured on the H200 at B=64, ctx=4096 (benchmarks/tile_variants.py, NOTES.md): 64 heads with 8 warps beat 32 heads
-# with 4 (bf16 cache 0.53 against 0.55 ms, fp8_ds_mla 0.61 against 1.27 ms); 32 heads want 4 warps, 64 want 8.
-MLA_TILE = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+# (bf16 cache 0.53 against 0.55 ms, fp8_ds_mla 0.61 against 1.27 ms); a whole 64-token page per step beat 32 tokens
+# (bf16 0.355 against 0.455 ms, fp8_ds_mla 0.406 against 0.536 ms).
+MLA_TILE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
 @triton.jit
@@ -113,8 +114,12 @@ def _mla_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        page = tl.load(table_ptr + b.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE + pos % PAGE
+        if PAGE % BLOCK_N == 0:  # the block lies in one page: one table entry, consecutive slots
+            page = tl.load(table_ptr + b.to(tl.int64) * stride_table + n0 // PAGE)
+            slot = page.to(tl.int64) * PAGE + n0 % PAGE + tl.arange(0, BLOCK_N)
+        else:
+            page = tl.load(table_ptr + b.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
         c, k_rope = _load_latent(cache_ptr, cache_f32_ptr, cache_bf16_ptr, slot, valid, WIDTH, L, R, FP8, BLOCK_N)
         qk = dot(q_nope, tl.trans(c), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), FP32_DOT)
         qk = dot(q_rope, tl.trans(k_rope), qk, FP32_DOT) * qk_scale
@@ -239,9 +244,74 @@ def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_r
 
 # --- attention_varlen (prefill) -----------------------------------------------------------------------------------
 
-# Measured on the H200 at 4 x 4096 tokens, H=128, D 192/128 causal (benchmarks/tile_variants.py): 7.5 ms against
-# 8.3 ms for 64 x 64 with 4 warps. The interpreter takes 64-row tiles (its dot materialises the whole product).
-VARLEN_TILE = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+# Measured on the H200 at 4 x 4096 tokens, H=128, D 192/128 causal (benchmarks/tile_variants.py): 128 x 128 with 8
+# warps and 2 stages 6.95 ms, 128 x 64 with 3 stages 7.21 ms, 64 x 64 with 4 warps 10.0 ms. The interpreter takes
+# 64-row tiles (its dot materialises the whole product).
+VARLEN_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+
+
+@triton.jit
+def _varlen_step(
+    q,
+    q_tail,
+    acc,
+    m_i,
+    l_i,
+    n0,
+    offs_m,
+    k_ptr,
+    v_ptr,
+    k_start,
+    len_k,
+    kv_h,
+    shift,
+    qk_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DTAIL: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """One block of keys folded into the running (acc, max, sum). ``MASK`` is false for blocks every query row of
+    the tile sees in full (below the causal diagonal, inside the sequence): they skip the masking work."""
+    d = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < len_k
+    rows = (k_start + offs_n).to(tl.int64)
+    k_rows = k_ptr + rows[:, None] * stride_kt + kv_h * stride_kh
+    k = tl.load(k_rows + d[None, :], mask=mask_n[:, None] & (d[None, :] < D_QK), other=0.0)
+    qk = dot(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_N), tl.float32), FP32_DOT)
+    if BLOCK_DTAIL > 0:
+        dt = BLOCK_DQK + tl.arange(0, BLOCK_DTAIL)
+        k_tail = tl.load(k_rows + dt[None, :], mask=mask_n[:, None] & (dt[None, :] < D_QK), other=0.0)
+        qk = dot(q_tail, tl.trans(k_tail), qk, FP32_DOT)
+    qk = qk * qk_scale
+    if MASK:
+        visible = mask_n[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(
+        v_ptr + rows[:, None] * stride_vt + kv_h * stride_vh + dv[None, :],
+        mask=mask_n[:, None] & (dv[None, :] < D_V),
+        other=0.0,
+    )
+    acc = dot(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -289,6 +359,7 @@ def _varlen_kernel(
     dv = tl.arange(0, BLOCK_DV)
     q_rows = q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
     q = tl.load(q_rows + d[None, :], mask=mask_m[:, None] & (d[None, :] < D_QK), other=0.0)
+    q_tail = q
     if BLOCK_DTAIL > 0:
         dt = BLOCK_DQK + tl.arange(0, BLOCK_DTAIL)
         q_tail = tl.load(q_rows + dt[None, :], mask=mask_m[:, None] & (dt[None, :] < D_QK), other=0.0)
@@ -296,38 +367,24 @@ def _varlen_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     shift = len_k - len_q  # bottom-right alignment: query i sees keys j <= i + shift
+    # Keys below `full` are seen by every row of the tile; [full, hi) needs the causal and length masks.
     hi = len_k
+    full = len_k // BLOCK_N * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(len_k, (pid_m + 1) * BLOCK_M + shift)
+        full = tl.maximum(tl.minimum(full, (pid_m * BLOCK_M + shift + 1) // BLOCK_N * BLOCK_N), 0)
     qk_scale = scale * 1.4426950408889634
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < len_k
-        rows = (k_start + offs_n).to(tl.int64)
-        k_rows = k_ptr + rows[:, None] * stride_kt + kv_h * stride_kh
-        k = tl.load(k_rows + d[None, :], mask=mask_n[:, None] & (d[None, :] < D_QK), other=0.0)
-        qk = dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), FP32_DOT)
-        if BLOCK_DTAIL > 0:
-            dt = BLOCK_DQK + tl.arange(0, BLOCK_DTAIL)
-            k_tail = tl.load(k_rows + dt[None, :], mask=mask_n[:, None] & (dt[None, :] < D_QK), other=0.0)
-            qk = dot(q_tail, tl.trans(k_tail), qk, FP32_DOT)
-        qk = qk * qk_scale
-        visible = mask_n[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
-        p = tl.exp2(qk - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_ptr + rows[:, None] * stride_vt + kv_h * stride_vh + dv[None, :],
-            mask=mask_n[:, None] & (dv[None, :] < D_V),
-            other=0.0,
-        )
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
-        m_i = m_new
+    step_args = (k_ptr, v_ptr, k_start, len_k, kv_h, shift, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh)
+    for n0 in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _varlen_step(
+            q, q_tail, acc, m_i, l_i, n0, offs_m, *step_args,
+            D_QK, D_V, BLOCK_DQK, BLOCK_DTAIL, BLOCK_DV, CAUSAL, False, BLOCK_N, FP32_DOT,
+        )  # fmt: skip
+    for n0 in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _varlen_step(
+            q, q_tail, acc, m_i, l_i, n0, offs_m, *step_args,
+            D_QK, D_V, BLOCK_DQK, BLOCK_DTAIL, BLOCK_DV, CAUSAL, True, BLOCK_N, FP32_DOT,
+        )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key returns zeros
     tl.store(
         o_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + dv[None, :],
@@ -421,12 +478,14 @@ def _write_kernel(
         base = slot * WIDTH
         tl.store(cache_ptr + base + groups, q)
         tl.store(cache_f32_ptr + (base + L) // 4 + tl.arange(0, L // 128), scale)
-        tl.store(cache_bf16_ptr + (base + L + 4 * (L // 128)) // 2 + r, rope.to(tl.bfloat16), mask=rmask)
+        tl.store(
+            cache_bf16_ptr + (base + L + 4 * (L // 128)) // 2 + r, to_bf16(rope.to(tl.float32), PREROUND), mask=rmask
+        )
     else:
         cols = tl.arange(0, L)
         c = tl.load(latent_ptr + t * stride_t + cols)
-        tl.store(cache_ptr + slot * WIDTH + cols, c.to(cache_ptr.dtype.element_ty))
-        tl.store(cache_ptr + slot * WIDTH + L + r, rope.to(cache_ptr.dtype.element_ty), mask=rmask)
+        tl.store(cache_ptr + slot * WIDTH + cols, to_bf16(c.to(tl.float32), PREROUND))
+        tl.store(cache_ptr + slot * WIDTH + L + r, to_bf16(rope.to(tl.float32), PREROUND), mask=rmask)
 
 
 def write_kv_cache(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format):

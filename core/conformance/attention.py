@@ -139,7 +139,13 @@ def _varlen_case(
 
 
 def _write_case(
-    tokens: int, block_size: int, num_blocks: int, kv_format: str, kv_lora_rank: int = 512, rope_dim: int = 64
+    tokens: int,
+    block_size: int,
+    num_blocks: int,
+    kv_format: str,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Case:
     def make(g: Gen):
         slots = g.perm(num_blocks * block_size)[:tokens]
@@ -149,7 +155,7 @@ def _write_case(
         )
         cache.view(torch.uint8).copy_(g.randint(0, 256, *cache.view(torch.uint8).shape, dtype=torch.uint8))
         return {
-            "latent": g.randn(tokens, kv_lora_rank + rope_dim, scale=2.0),
+            "latent": g.randn(tokens, kv_lora_rank + rope_dim, dtype=dtype, scale=2.0),
             "kv_cache": cache,
             "slot_mapping": slots.to(device=g.device),
             "kv_lora_rank": kv_lora_rank,
@@ -165,7 +171,8 @@ def _write_case(
         return written, cache.view(torch.uint8).view(untouched.numel(), -1)[untouched]  # values; untouched bytes
 
     width = kv_cache_width(kv_format, kv_lora_rank, rope_dim)
-    return Case("write_kv_cache", f"{kv_format} T={tokens} page={block_size} width={width}", kv_format, make, run=run)
+    name = f"{kv_format} T={tokens} page={block_size} width={width}" + (" fp32 latent" if dtype == torch.float32 else "")
+    return Case("write_kv_cache", name, kv_format, make, run=run)
 
 
 def cases(shapes: str) -> list[Case]:
@@ -183,10 +190,14 @@ def cases(shapes: str) -> list[Case]:
             _varlen_case([4, 0, 6], [3, 2, 0], 2, 1, 40, 40, False),
             _varlen_case([9, 2], [5, 0], 4, 4, 64, 32, True, torch.float32),
             _varlen_case([33], [20], 4, 4, 192, 128, True),
+            _varlen_case([150, 70], [70, 0], 2, 1, 48, 32, True),  # key blocks below the diagonal
+            _varlen_case([130], [3], 2, 2, 64, 32, False),
             _write_case(9, 16, 4, "bf16", 128, 32),
             _write_case(20, 16, 4, "fp8_ds_mla", 128, 64),
             _write_case(6, 64, 2, "fp8_ds_mla"),
             _write_case(0, 16, 2, "bf16", 128, 32),
+            _write_case(11, 16, 2, "bf16", 128, 32, torch.float32),  # rounded to the cache's bf16 (nearest even)
+            _write_case(11, 16, 2, "fp8_ds_mla", 128, 32, torch.float32),
         ]
         return out
     out = []
