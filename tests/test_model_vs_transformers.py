@@ -58,6 +58,10 @@ from deepinfer import ops, registry
 from deepinfer.model import LLM, SamplingParams
 
 FP32_TOL = 1e-2
+# Router scores closer than this to a tie may choose other experts under fp32 rounding alone; such positions
+# (at most MAX_TIES per checkpoint) are held to no log-probability bound in the fp32 check.
+ROUTING_TIE, MAX_TIES = 1e-4, 2
+NOISE, SENSITIVITY = 1e-6, 4.0  # see fp32_slack
 BF16_FACTOR = 3.0 if os.environ.get("TRITON_INTERPRET") == "1" else 2.0
 FP8_CACHE_TOL = 5e-2
 FP8_MEDIAN_TOL = 5e-3
@@ -126,6 +130,7 @@ def checkpoints(tmp_path_factory):
         if name not in made:
             root = tmp_path_factory.mktemp(name)
             seed = FP8_SEED if name.startswith("fp8") else int.from_bytes(os.urandom(2), "little")
+            print(f"checkpoint {name}: seed {seed}")  # shown with a failure, to reproduce it
             if name.startswith("fp8"):
                 src = hf_checkpoint(root / "bf16", seed, **FP8_SHAPES)
                 if name == "fp8_shapes":
@@ -175,16 +180,86 @@ def compare(oracle, prompts, outs, **oracle_kw) -> tuple[list[float], list[float
     return prompt_err, gen_err, mismatches
 
 
+def _routing_margin(gate, logits: torch.Tensor) -> torch.Tensor:
+    """Per row: the smallest gap, in the router's selection scores, between the last group or expert it chose and
+    the first it passed over (DeepSeek-V3's sigmoid router with group-limited top-k, as transformers computes it)."""
+    choice = logits.float().sigmoid() + gate.e_score_correction_bias
+    rows = choice.shape[0]
+    groups = choice.view(rows, gate.num_group, -1).topk(2, dim=-1).values.sum(-1)
+    ranked = groups.sort(-1, descending=True)
+    margin = torch.full((rows,), float("inf"))
+    if gate.topk_group < gate.num_group:
+        margin = ranked.values[:, gate.topk_group - 1] - ranked.values[:, gate.topk_group]
+    kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, ranked.indices[:, : gate.topk_group], True)
+    experts = choice.masked_fill(~kept.repeat_interleave(choice.shape[1] // gate.num_group, 1), float("-inf"))
+    top = experts.sort(-1, descending=True).values
+    if gate.top_k < top.shape[1]:
+        margin = torch.minimum(margin, top[:, gate.top_k - 1] - top[:, gate.top_k])
+    return margin
+
+
+def fp32_slack(oracle, prompts, outs) -> tuple[list[float], list[bool]]:
+    """Per entry of ``compare``'s prompt errors then generated errors: the bound for the fp32 check, and whether the
+    oracle's routing at that position is within ``ROUTING_TIE`` of a tie in some MoE layer (where one ulp of
+    difference picks other experts).
+
+    The bound is FP32_TOL plus SENSITIVITY x how far the oracle's own log-probabilities of that sequence move (the
+    most over its positions and two draws) when every norm's output gets relative noise of ``NOISE``: on some random
+    checkpoints such differences flip the bf16 rounding of cached latents and move log-probabilities by ~1e-3."""
+    gates = [layer.mlp.gate for layer in oracle.model.layers if hasattr(layer.mlp, "gate")]
+    norms = [m for name, m in oracle.named_modules() if name.endswith("norm")]
+    margins: list[torch.Tensor] = []
+    noise = torch.Generator().manual_seed(0)
+    bounds, ties = [[], []], [[], []]
+    for p, o in zip(prompts, outs):
+        gen = o.outputs[0].token_ids
+        rows = torch.tensor(p[1:] + gen)  # row i of the log-probabilities scores token i + 1
+        margins.clear()
+        hooks = [g.register_forward_hook(lambda m, a, out: margins.append(_routing_margin(m, out[0]))) for g in gates]
+        try:
+            base = oracle_logprobs(oracle, p, gen, kv_format="bf16").gather(1, rows[:, None])
+        finally:
+            for h in hooks:
+                h.remove()
+        moved = 0.0
+        for _ in range(2):
+            jitter = lambda m, a, out: out * (1 + NOISE * torch.randn(out.shape, generator=noise))
+            hooks = [m.register_forward_hook(jitter) for m in norms]
+            try:
+                lp = oracle_logprobs(oracle, p, gen, kv_format="bf16").gather(1, rows[:, None])
+            finally:
+                for h in hooks:
+                    h.remove()
+            moved = max(moved, float((lp - base).abs().max()))
+        n = max(len(gates), 1)
+        calls = [torch.stack(margins[i : i + n]).amin(0) for i in range(0, len(margins), n)]
+        tie = (torch.cat(calls) < ROUTING_TIE).tolist() if gates else [False] * len(rows)
+        bound = FP32_TOL + SENSITIVITY * moved
+        bounds[0] += [bound] * (len(p) - 1)
+        bounds[1] += [bound] * len(gen)
+        ties[0] += tie[: len(p) - 1]
+        ties[1] += tie[len(p) - 1 :]
+    return bounds[0] + bounds[1], ties[0] + ties[1]
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fp32_logprobs_and_greedy_tokens_match(name, checkpoints, deepinfer_backend, deepinfer_device):
+    """Every log-probability within the fp32 bound of the oracle's and the same greedy tokens, except at positions
+    where the oracle's own routing is a near tie (at most ``MAX_TIES`` of them)."""
     path, _ = checkpoints(name)
     oracle = load_oracle(path)
     prompts = random_prompts(oracle.config.vocab_size, LENGTHS, seed=len(name))
     outs = run(make_llm(path, deepinfer_backend, deepinfer_device, dtype="float32"), prompts)
     prompt_err, gen_err, mismatches = compare(oracle, prompts, outs, kv_format="bf16")
-    assert max(prompt_err) < FP32_TOL, f"prompt log-probabilities differ by up to {max(prompt_err):.2e}"
-    assert max(gen_err) < FP32_TOL, f"generated-token log-probabilities differ by up to {max(gen_err):.2e}"
-    assert_greedy_identical(mismatches, FP32_TOL)
+    bounds, ties = fp32_slack(oracle, prompts, outs)
+    errs = prompt_err + gen_err
+    off = [(i, round(e, 4), round(b, 4)) for i, (e, b, t) in enumerate(zip(errs, bounds, ties)) if e >= b and not t]
+    excused = sum(e >= b and t for e, b, t in zip(errs, bounds, ties))
+    assert not off, f"log-probabilities off (entry, error, bound): {off[:8]}"
+    assert excused <= MAX_TIES, f"{excused} tokens off at routing near-ties (at most {MAX_TIES})"
+    gen_bound, gen_tie = bounds[len(prompt_err) :], ties[len(prompt_err) :]
+    greedy = [m for m in mismatches if not gen_tie[m[0] * STEPS + m[1]]]
+    assert_greedy_identical(greedy, min(gen_bound))
 
 
 def assert_greedy_identical(mismatches: list[tuple], tol: float) -> None:
