@@ -171,7 +171,9 @@ def _write_case(
         return written, cache.view(torch.uint8).view(untouched.numel(), -1)[untouched]  # values; untouched bytes
 
     width = kv_cache_width(kv_format, kv_lora_rank, rope_dim)
-    name = f"{kv_format} T={tokens} page={block_size} width={width}" + (" fp32 latent" if dtype == torch.float32 else "")
+    name = f"{kv_format} T={tokens} page={block_size} width={width}"
+    if dtype == torch.float32:
+        name += " fp32 latent"
     return Case("write_kv_cache", name, kv_format, make, run=run)
 
 
