@@ -2,11 +2,13 @@
 timed from CUDA graphs (median device time over rotated weights, so small products stream from memory, not L2),
 beside cuBLAS block-scaled ``scaled_mm`` in the same run.
 
-    python3 benchmarks/gemm_tiles.py OUT.json [small|grouped|invariant|all]
+    python3 benchmarks/gemm_tiles.py OUT.json [small|grouped|invariant|large|all]
 
 small: M = 1, 8, 64 over BLOCK_N x stages x split-K (the default mode's tiles below ``CUBLAS_FP8_MIN_M``).
 grouped: ``grouped_gemm`` tiles at the model's decode shape (masked layout, 256 experts, 1 or 64 tokens top-8).
 invariant: tiles that do not depend on M (batch-invariant mode) at M = 1, 64, 512, 4096.
+large: 64- against 128-row tiles where rows are many: M=4096 for two projections, and ``grouped_gemm`` contiguous
+with 32 experts x 512 rows (gate/up and down).
 Activations arrive quantised; the weights are the DeepSeek-V3 projections of the issue's table.
 """
 
@@ -113,6 +115,32 @@ def grouped_sweep(tokens: int, n: int, k: int) -> dict:
 
 
 GROUPED_TILES = [gemm.Tile(bm, bn, 4, st) for bm in (16, 64) for bn in (64, 128) for st in (3, 4)]
+LARGE_TILES = [gemm.Tile(64, 128, 4, 3), gemm.Tile(128, 128, 8, 3), gemm.Tile(128, 256, 8, 3)]
+
+
+def contiguous_sweep(experts: int, rows: int, n: int, k: int) -> dict:
+    """``grouped_gemm``, contiguous layout, ``rows`` per expert, over LARGE_TILES (``GROUPED_TILE`` swapped)."""
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    offsets = torch.arange(experts + 1, device="cuda", dtype=torch.int32) * rows
+    sets = []
+    for _ in range(2):
+        a = quantize_rows(torch.randn(experts * rows, k, device="cuda", generator=gen), 128, "fp32")
+        data = torch.randn(experts, n, k, device="cuda", generator=gen, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        scale = torch.rand(experts, n // 128, k // 128, device="cuda", generator=gen) * k**-0.5 + 1e-3
+        w = QTensor(data, scale, (128, 128), "fp32")
+        sets.append({"a": a, "w": w, "expert_offsets": offsets, "masked_m": None, "out_dtype": torch.bfloat16})
+    a, w = sets[0]["a"], sets[0]["w"]
+    want = torch.cat([a.dequantize()[e * rows : (e + 1) * rows] @ QTensor(w.data[e], w.scale[e], (128, 128), "fp32")
+                      .dequantize().t() for e in range(experts)])  # fmt: skip
+    row, default = {"experts": experts, "rows": rows, "N": n, "K": k, "tiles": []}, gemm.GROUPED_TILE
+    for tile in LARGE_TILES:
+        gemm.GROUPED_TILE = tile
+        err = rel_err(gemm.grouped_gemm(**sets[0]), want)
+        ms = time_graph_ms(lambda i: gemm.grouped_gemm(**sets[i]), sets=len(sets), reps=30) if err < 1e-2 else None
+        row["tiles"].append({"tile": list(tile), "ms": ms, "rel_err": err})
+        print(f"grouped contiguous E={experts} rows={rows} N={n} K={k} {list(tile)}: {ms} ms, rel err {err:.1e}", flush=True)
+    gemm.GROUPED_TILE = default
+    return row
 
 
 def main() -> None:
@@ -127,6 +155,12 @@ def main() -> None:
         for t, (n, k) in itertools.product((1, 64), ((4096, 7168), (7168, 2048))):
             report["grouped"].append(grouped_sweep(t, n, k))
             torch.cuda.empty_cache()
+            save(report, out_path)
+    if which in ("large", "all"):
+        report["large"] = [sweep(4096, n, k, LARGE_TILES) for n, k in ((24576, 1536), (7168, 16384))]
+        save(report, out_path)
+        for n, k in ((4096, 7168), (7168, 2048)):
+            report["large"].append(contiguous_sweep(32, 512, n, k))
             save(report, out_path)
     if which in ("invariant", "all"):
         for (n, k), m in itertools.product(V3_PROJECTIONS, (1, 64, 512, 4096)):
