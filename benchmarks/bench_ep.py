@@ -12,7 +12,9 @@
    routings drawn beforehand, so consecutive iterations never route alike), against raw
    ``all_to_all_single`` calls moving the same bytes with the same splits in the same run (dispatch payload and
    weights one way, combine payload back). Reports GB/s of each and their ratio (target >= 0.8), for bf16 and FP8
-   dispatch (combine always bf16).
+   dispatch (combine always bf16). Both figures count one payload row per (token, expert) pair. The dispatch
+   itself sends a token once to each rank that holds its experts, so it puts fewer payload bytes on the wire than
+   the raw exchange.
 3. low_latency mode at 128 tokens (capacity 128): dispatch and combine latency, eagerly and replayed from one
    CUDA graph (the graph result is reported, or the reason it could not be captured).
 

@@ -7,12 +7,14 @@ so the same code runs over Gloo (CPU), NCCL (CUDA) or any backend that implement
 gathers move whole words. Index work runs on the device of the inputs.
 
 normal mode
-    1. Each pair gets its destination (rank, local expert) from the placement. One ``all_to_all_single`` exchanges
-       the pair counts per (destination, local expert). While it runs, and before the host reads the counts (the
-       one synchronisation), the device sorts the pairs into the send order (destination rank, local expert, token,
-       slot) and gathers the payload rows and weights in that order, so the device stays busy while the host waits.
-    2. One ``all_to_all_single`` moves the rows, one more the routing weights; the receiver places each row at its
-       final position in the contiguous layout (local expert, source rank, token, slot).
+    1. Each pair gets its destination (rank, local expert) from the placement. A token travels once to each rank
+       that holds any of its experts (one "copy" per (token, rank)), however many of its pairs go there. One
+       ``all_to_all_single`` exchanges the pair counts per (destination, local expert) and the copy counts per
+       destination. While it runs, and before the host reads the counts (the one synchronisation), the device
+       gathers the copies in send order (destination, token) and lays out each pair's record (the index of its
+       copy within the destination's block, its weight) in the pair order (destination, local expert, token, slot).
+    2. One ``all_to_all_single`` moves the copies, one more the pair records; the receiver gathers each pair's row
+       from its copy into its final position in the contiguous layout (local expert, source rank, token, slot).
     3. ``ep_combine`` sends each output row back along the same path and the source sums ``weight * row`` in fp32
        over the k slots, with the arithmetic of the one-process reference (a backend may pass a fused kernel for
        that sum: ``combine_normal``'s ``weighted_sum``).
@@ -179,6 +181,13 @@ class _Payload:
         for out, (a, b) in zip(outs, self.spans):
             out.index_copy_(0, index, src if len(self.parts) == 1 else src[:, a // size : b // size])
 
+    def gather(self, src: torch.Tensor, index: torch.Tensor) -> list[torch.Tensor]:
+        """Per part, the words of rows ``index`` of ``src`` (``[n, words]``), each part contiguous."""
+        size = self.word.itemsize
+        if len(self.parts) == 1:
+            return [src.index_select(0, index)]
+        return [src[:, a // size : b // size].index_select(0, index) for a, b in self.spans]
+
     def assemble(self, outs: list[torch.Tensor], rows: int, lead: tuple[int, ...]):
         """The first ``rows`` rows of the word buffers as ``[*lead, ...]`` tensors of the payload's dtypes."""
         parts = [o[:rows].view(dtype).view(*lead, n) for o, (dtype, n) in zip(outs, self.parts)]
@@ -200,9 +209,10 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 @dataclass
 class NormalHandle(DispatchHandle):
-    """group; send_splits / recv_splits: rows sent to / received from each rank; final: ``[M]`` layout row of each
-    received row (receive-buffer order: by source rank); pair_pos: ``[T, k]`` position of each pair in the send order
-    (``num_sent`` for a skipped pair); weights: ``[T, k]`` routing weights, 0 where skipped."""
+    """group; send_splits / recv_splits: pairs sent to / received from each rank (``ep_combine`` returns one row
+    per pair); final: ``[M]`` layout row of each received pair (receive order: by source rank); pair_pos: ``[T, k]``
+    position of each pair in the send order (``num_sent`` for a skipped pair); weights: ``[T, k]`` routing weights,
+    0 where skipped."""
 
     group: object = None
     send_splits: list[int] = None
@@ -230,52 +240,68 @@ def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
     flat = ids.reshape(-1).long()
     token = torch.arange(tokens * k, device=dev) // k
     valid, dest, local = _destinations(tab, flat, me, token)
+    dest_or_0 = torch.where(valid, dest, 0)
+    # Copies: present[d, t] when token t has a pair for rank d; numbered in send order (destination, token).
+    present = torch.zeros(world, tokens + 1, dtype=torch.bool, device=dev)
+    present[dest_or_0, torch.where(valid, token, tokens)] = True  # skipped pairs mark a spare column
+    present = present[:, :tokens]
+    copies = present.sum(1)
+    copy_index = present.reshape(-1).cumsum(0).view(world, tokens) - 1 - _exclusive_cumsum(copies)[:, None]
     nkeys = world * width
     key = torch.where(valid, dest * width + local, nkeys)
     counts = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, key, torch.ones_like(key))
-    sent = counts[:nkeys].view(world, width)
+    sent = torch.cat([counts[:nkeys].view(world, width), copies[:, None]], dim=1)  # [destination, local experts + 1]
     got = torch.empty_like(sent)
     counts_work = dist.all_to_all_single(got, sent, group=group, async_op=True)
 
-    # Independent of the counts: the send order (a stable sort keeps (token, slot) order; skipped pairs last), and
-    # the payload rows and weights in that order (the skipped pairs' rows at the end are gathered but never sent).
-    order = torch.sort(key, stable=True).indices
+    # Independent of the counts: the copies' rows in send order (the unused tail is gathered but never sent), and the
+    # pairs' records in theirs (a stable sort keeps (token, slot) order; skipped pairs last).
+    slot = torch.where(present, copy_index + _exclusive_cumsum(copies)[:, None], world * tokens).reshape(-1)
+    copy_token = torch.zeros(world * tokens + 1, dtype=torch.int64, device=dev)
+    copy_token.scatter_(0, slot, torch.arange(tokens, device=dev).repeat(world))
     payload = _Payload.of(x)
-    send = payload.to_words(x).index_select(0, order // k)
-    w_send = weights.reshape(-1)[order]
+    send = payload.to_words(x).index_select(0, copy_token[: world * tokens])
+    order = torch.sort(key, stable=True).indices
+    records = torch.stack([copy_index[dest_or_0, token].int(), weights.reshape(-1).float().view(torch.int32)], dim=1)
+    records = records[order]
     pair_pos = torch.empty_like(order)
     pair_pos[order] = torch.arange(tokens * k, device=dev)
 
     counts_work.wait()
     sent_host, got_host = torch.stack([sent, got]).cpu()  # the one host synchronisation
     recv_c = got_host[:, :n_local]  # [source, local expert]
-    send_splits, recv_splits = sent_host.sum(1).tolist(), recv_c.sum(1).tolist()
+    send_splits, recv_splits = sent_host[:, :width].sum(1).tolist(), recv_c.sum(1).tolist()
+    copy_send, copy_recv = sent_host[:, width].tolist(), got_host[:, width].tolist()
     num_sent, num_recv = sum(send_splits), sum(recv_splits)
-    buf = torch.empty(num_recv, payload.words, dtype=payload.word, device=dev)
-    rows_work = dist.all_to_all_single(buf, send[:num_sent], recv_splits, send_splits, group=group, async_op=True)
-    w_buf = torch.empty(num_recv, dtype=torch.float32, device=dev)
-    w_work = dist.all_to_all_single(w_buf, w_send[:num_sent], recv_splits, send_splits, group=group, async_op=True)
+    buf = torch.empty(sum(copy_recv), payload.words, dtype=payload.word, device=dev)
+    rows_work = dist.all_to_all_single(buf, send[: sum(copy_send)], copy_recv, copy_send, group=group, async_op=True)
+    rec_buf = torch.empty(num_recv, 2, dtype=torch.int32, device=dev)
+    rec_work = dist.all_to_all_single(rec_buf, records[:num_sent], recv_splits, send_splits, group=group, async_op=True)
 
-    # The receive buffer holds runs of rows by (source, local expert); the layout wants (local expert, source). Per
-    # run: its length and its layout row minus its buffer row. One host-to-device copy for all of it.
+    # Received pairs come in runs by (source, local expert); the layout wants (local expert, source). Per run: its
+    # length, its layout row minus its receive position, and where its source's copies start in ``buf``. One
+    # host-to-device copy for all of it.
     per_expert = recv_c.sum(0)
     offsets = torch.zeros(n_local + 1, dtype=torch.int64)
     offsets[1:] = per_expert.cumsum(0)
     runs = recv_c.flatten()
     shift = (offsets[:-1].view(1, -1) + _exclusive_cumsum(recv_c)).flatten() - _exclusive_cumsum(runs)
-    on_dev = torch.cat([runs, shift, per_expert, offsets]).to(dev)
-    runs, shift, per_expert_d, offsets_d = on_dev.split([runs.numel()] * 2 + [n_local, n_local + 1])
+    copy_start = _exclusive_cumsum(torch.tensor(copy_recv, dtype=torch.int64)).repeat_interleave(n_local)
+    on_dev = torch.cat([runs, shift, copy_start, per_expert, offsets]).to(dev)
+    runs, shift, copy_start, per_expert_d, offsets_d = on_dev.split([runs.numel()] * 3 + [n_local, n_local + 1])
     final = torch.repeat_interleave(shift, runs, output_size=num_recv) + torch.arange(num_recv, device=dev)
     recv_ids = torch.repeat_interleave(tab.global_ids[me], per_expert_d, output_size=num_recv)
 
-    rows_work.wait()
-    outs = payload.alloc(num_recv, dev)
-    payload.place(outs, final, buf)
-    recv_x = payload.assemble(outs, num_recv, (num_recv,))
-    w_work.wait()
+    rec_work.wait()
+    source_row = torch.empty(num_recv, dtype=torch.int64, device=dev)
+    source_row.index_copy_(
+        0, final, rec_buf[:, 0].long() + torch.repeat_interleave(copy_start, runs, output_size=num_recv)
+    )
     recv_w = torch.empty(num_recv, dtype=torch.float32, device=dev)
-    recv_w.index_copy_(0, final, w_buf)
+    recv_w.index_copy_(0, final, rec_buf[:, 1].contiguous().view(torch.float32))
+    rows_work.wait()
+    recv_x = payload.assemble(payload.gather(buf, source_row), num_recv, (num_recv,))
 
     handle = NormalHandle(
         tokens,
