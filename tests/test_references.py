@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import deepinfer
 from deepinfer import InputError, QTensor, ops
+from deepinfer.reference import attention as reference_attention
 
 FP8 = torch.float8_e4m3fn
 U32 = 2.0**-24  # fp32 unit roundoff
@@ -778,12 +779,16 @@ VARLEN_CASES = {
 }
 
 
+@pytest.mark.parametrize("one_head_at_a_time", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
-def test_attention_varlen_matches_sdpa(g, case, dtype):
+def test_attention_varlen_matches_sdpa(g, case, dtype, one_head_at_a_time, monkeypatch):
     """Each packed sequence equals scaled_dot_product_attention with an explicit bottom-right causal mask
     (j <= i + L_k - L_q), GQA by enable_gqa, D_qk 24 != D_v 16; queries that see no key give zeros. fp32 agrees
-    to fp32 rounding of short sums; bf16 output within one bf16 rounding of the fp32 result."""
+    to fp32 rounding of short sums; bf16 output within one bf16 rounding of the fp32 result. Also with the scores
+    budget that makes long sequences go one head at a time."""
+    if one_head_at_a_time:
+        monkeypatch.setattr(reference_attention, "SCORES_PER_CHUNK", 1)
     lens, heads, kv_heads, causal = VARLEN_CASES[case]
     d_qk, d_v, scale = 24, 16, 24**-0.5
     qs = [randn(g, lq, heads, d_qk, dtype=dtype) for lq, _ in lens]

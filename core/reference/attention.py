@@ -7,14 +7,24 @@ import torch
 from ..kv_cache import pack_fp8_ds_mla, read_tokens
 
 
+SCORES_PER_CHUNK = 2**28  # fp32 scores held at once (1 GiB): long sequences go a few heads at a time
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float):
-    """q [S, H, D], k [N, H or 1, D], v [N, H or 1, Dv], visible [S, N] bool -> out [S, H, Dv], lse [S, H] (fp32)."""
-    scores = torch.einsum("shd,nhd->hsn", q.float(), k.float().expand(-1, q.shape[1], -1)) * scale
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
-    out = torch.einsum("hsn,nhd->shd", probs, v.float().expand(-1, q.shape[1], -1))
-    return out, lse.transpose(0, 1)
+    """q [S, H, D], k [N, H or 1, D], v [N, H or 1, Dv], visible [S, N] bool -> out [S, H, Dv], lse [S, H] (fp32).
+    Heads are taken in chunks of at most ``SCORES_PER_CHUNK`` scores; each head's result is the same either way."""
+    heads = q.shape[1]
+    k, v = k.expand(-1, heads, -1), v.expand(-1, heads, -1)
+    step = max(1, SCORES_PER_CHUNK // max(1, q.shape[0] * k.shape[0]))
+    outs, lses = [], []
+    for h in range(0, heads, step):
+        scores = torch.einsum("shd,nhd->hsn", q[:, h : h + step].float(), k[:, h : h + step].float()) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+        outs.append(torch.einsum("hsn,nhd->shd", probs, v[:, h : h + step].float()))
+        lses.append(lse.transpose(0, 1))
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
 def _causal_visible(s_q: int, n_k: int, device) -> torch.Tensor:
