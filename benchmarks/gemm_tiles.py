@@ -138,7 +138,8 @@ def contiguous_sweep(experts: int, rows: int, n: int, k: int) -> dict:
         err = rel_err(gemm.grouped_gemm(**sets[0]), want)
         ms = time_graph_ms(lambda i: gemm.grouped_gemm(**sets[i]), sets=len(sets), reps=30) if err < 1e-2 else None
         row["tiles"].append({"tile": list(tile), "ms": ms, "rel_err": err})
-        print(f"grouped contiguous E={experts} rows={rows} N={n} K={k} {list(tile)}: {ms} ms, rel err {err:.1e}", flush=True)
+        label = f"grouped contiguous E={experts} rows={rows} N={n} K={k} {list(tile)}"
+        print(f"{label}: {ms} ms, rel err {err:.1e}", flush=True)
     gemm.GROUPED_TILE = default
     return row
 

@@ -6,7 +6,6 @@ import torch
 
 from ..kv_cache import pack_fp8_ds_mla, read_tokens
 
-
 SCORES_PER_CHUNK = 2**28  # fp32 scores held at once (1 GiB): long sequences go a few heads at a time
 
 
