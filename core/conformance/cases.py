@@ -183,7 +183,8 @@ def run_masked(op, kw: dict[str, Any]) -> Any:
 
 def take_masked_rows(kw: dict[str, Any], name: str, rows: list[int]):
     """``sub_batch`` of a masked-layout case: the same experts with only the chosen row positions of ``kw[name]``
-    (a smaller max_m), and the matching cut of the full run's output."""
+    (a smaller max_m), and the matching cut of the full run's output. ``rows`` must be ascending, so that the
+    positions below each expert's count stay first."""
     index = torch.tensor(rows, device=kw["masked_m"].device)
     t = kw[name]
     if isinstance(t, QTensor):

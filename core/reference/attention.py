@@ -13,15 +13,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     """q [S, H, D], k [N, H or 1, D], v [N, H or 1, Dv], visible [S, N] bool -> out [S, H, Dv], lse [S, H] (fp32).
     Heads are taken in chunks of at most ``SCORES_PER_CHUNK`` scores; each head's result is the same either way."""
     heads = q.shape[1]
-    k, v = k.expand(-1, heads, -1), v.expand(-1, heads, -1)
+    k, v = k.float().expand(-1, heads, -1), v.float().expand(-1, heads, -1)
     step = max(1, SCORES_PER_CHUNK // max(1, q.shape[0] * k.shape[0]))
     outs, lses = [], []
-    for h in range(0, heads, step):
-        scores = torch.einsum("shd,nhd->hsn", q[:, h : h + step].float(), k[:, h : h + step].float()) * scale
+    for h in range(0, max(heads, 1), step):
+        scores = torch.einsum("shd,nhd->hsn", q[:, h : h + step].float(), k[:, h : h + step]) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
-        outs.append(torch.einsum("hsn,nhd->shd", probs, v[:, h : h + step].float()))
+        outs.append(torch.einsum("hsn,nhd->shd", probs, v[:, h : h + step]))
         lses.append(lse.transpose(0, 1))
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 

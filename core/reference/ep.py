@@ -255,13 +255,14 @@ def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
     got = torch.empty_like(sent)
     counts_work = dist.all_to_all_single(got, sent, group=group, async_op=True)
 
-    # Independent of the counts: the copies' rows in send order (the unused tail is gathered but never sent), and the
-    # pairs' records in theirs (a stable sort keeps (token, slot) order; skipped pairs last).
+    # Independent of the counts: the copies' rows in send order (at most min(world, k) per token; the unused tail is
+    # gathered but never sent), and the pairs' records in theirs (a stable sort keeps (token, slot) order; skipped
+    # pairs last).
     slot = torch.where(present, copy_index + _exclusive_cumsum(copies)[:, None], world * tokens).reshape(-1)
     copy_token = torch.zeros(world * tokens + 1, dtype=torch.int64, device=dev)
     copy_token.scatter_(0, slot, torch.arange(tokens, device=dev).repeat(world))
     payload = _Payload.of(x)
-    send = payload.to_words(x).index_select(0, copy_token[: world * tokens])
+    send = payload.to_words(x).index_select(0, copy_token[: min(world, k) * tokens])
     order = torch.sort(key, stable=True).indices
     records = torch.stack([copy_index[dest_or_0, token].int(), weights.reshape(-1).float().view(torch.int32)], dim=1)
     records = records[order]
