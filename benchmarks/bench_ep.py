@@ -172,7 +172,7 @@ def bench_normal(cfg, *, fp8: bool, device, timer: Timer, iters: int, warmup: in
     combine_width = 2 * hidden
     ours = {"dispatch": [], "combine": [], "total": []}
     raw = {"dispatch_dir": [], "combine_dir": [], "total": []}
-    sent_bytes, cross_bytes = [], []
+    sent_bytes, cross_bytes, wire_bytes = [], [], []
     for it in range(warmup + iters):
         ids, w = routings[it % len(routings)]
         dist.barrier()
@@ -210,11 +210,14 @@ def bench_normal(cfg, *, fp8: bool, device, timer: Timer, iters: int, warmup: in
             total_rows = sum(send)
             sent_bytes.append(total_rows * (payload_width + 4 + combine_width))
             cross_bytes.append((total_rows - send[rank]) * (payload_width + 4 + combine_width))
+            # What ours moves: one payload row per token copy, an 8-byte record per pair, the combine rows back.
+            wire_bytes.append(sum(handle.copy_splits) * payload_width + total_rows * (8 + combine_width))
     med = {f"ours_{k_}_ms": median(v) for k_, v in ours.items()} | {f"raw_{k_}_ms": median(v) for k_, v in raw.items()}
     nbytes = median(sent_bytes)
     out = {
         "bytes_sent_per_rank": nbytes,
         "bytes_crossing_ranks_per_rank": median(cross_bytes),
+        "bytes_ours_moves_per_rank": median(wire_bytes),
         **med,
         "ours_GBps": nbytes / med["ours_total_ms"] / 1e6,
         "raw_GBps": nbytes / med["raw_total_ms"] / 1e6,

@@ -212,7 +212,7 @@ class NormalHandle(DispatchHandle):
     """group; send_splits / recv_splits: pairs sent to / received from each rank (``ep_combine`` returns one row
     per pair); final: ``[M]`` layout row of each received pair (receive order: by source rank); pair_pos: ``[T, k]``
     position of each pair in the send order (``num_sent`` for a skipped pair); weights: ``[T, k]`` routing weights,
-    0 where skipped."""
+    0 where skipped; copy_splits: token copies sent to each rank (the payload rows dispatch put on the wire)."""
 
     group: object = None
     send_splits: list[int] = None
@@ -221,6 +221,7 @@ class NormalHandle(DispatchHandle):
     pair_pos: torch.Tensor = None
     weights: torch.Tensor = None
     num_sent: int = 0
+    copy_splits: list[int] = None
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
@@ -315,6 +316,7 @@ def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
         pair_pos=pair_pos.clamp_max(num_sent).view(tokens, k),  # skipped pairs (sorted last) read the zero row
         weights=torch.where(valid.view(tokens, k), weights, 0.0),
         num_sent=num_sent,
+        copy_splits=copy_send,
     )
     layout = ExpertLayout(expert_offsets=offsets_d.to(torch.int32))
     return recv_x, recv_ids, recv_w, layout, handle
