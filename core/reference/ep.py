@@ -247,7 +247,8 @@ def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
     present[dest_or_0, torch.where(valid, token, tokens)] = True  # skipped pairs mark a spare column
     present = present[:, :tokens]
     copies = present.sum(1)
-    copy_index = present.reshape(-1).cumsum(0).view(world, tokens) - 1 - _exclusive_cumsum(copies)[:, None]
+    position = present.reshape(-1).cumsum(0).view(world, tokens) - 1  # in the whole send order
+    copy_index = position - _exclusive_cumsum(copies)[:, None]  # within the destination's block
     nkeys = world * width
     key = torch.where(valid, dest * width + local, nkeys)
     counts = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev)
@@ -259,7 +260,7 @@ def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
     # Independent of the counts: the copies' rows in send order (at most min(world, k) per token; the unused tail is
     # gathered but never sent), and the pairs' records in theirs (a stable sort keeps (token, slot) order; skipped
     # pairs last).
-    slot = torch.where(present, copy_index + _exclusive_cumsum(copies)[:, None], world * tokens).reshape(-1)
+    slot = torch.where(present, position, world * tokens).reshape(-1)
     copy_token = torch.zeros(world * tokens + 1, dtype=torch.int64, device=dev)
     copy_token.scatter_(0, slot, torch.arange(tokens, device=dev).repeat(world))
     payload = _Payload.of(x)
