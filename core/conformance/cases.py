@@ -186,17 +186,11 @@ def take_masked_rows(kw: dict[str, Any], name: str, rows: list[int]):
     (a smaller max_m), and the matching cut of the full run's output. ``rows`` must be ascending, so that the
     positions below each expert's count stay first."""
     index = torch.tensor(rows, device=kw["masked_m"].device)
-    t = kw[name]
-    if isinstance(t, QTensor):
-        cut = QTensor(t.data[:, index.to(t.data.device)], t.scale[:, index.to(t.data.device)], t.block, t.scale_format)
-    else:
-        cut = t[:, index.to(t.device)]
+
+    def cut(t: Any) -> Any:  # the chosen positions along dim 1, data and scales alike
+        if isinstance(t, QTensor):
+            return QTensor(cut(t.data), cut(t.scale), t.block, t.scale_format)
+        return t[:, index.to(t.device)]
+
     masked = (index[None, :] < kw["masked_m"][:, None]).sum(1).to(torch.int32)
-
-    def cut_out(o: Any) -> Any:
-        if isinstance(o, QTensor):
-            i = index.to(o.data.device)
-            return QTensor(o.data[:, i], o.scale[:, i], o.block, o.scale_format)
-        return o[:, index.to(o.device)]
-
-    return {**kw, name: cut, "masked_m": masked}, cut_out
+    return {**kw, name: cut(kw[name]), "masked_m": masked}, cut
