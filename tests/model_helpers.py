@@ -199,6 +199,18 @@ def act_quant(x: torch.Tensor, ue8m0: bool) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def forward_hooks(modules, hook):
+    """Inside the block, ``hook(module, args, output)`` runs after every forward of each of ``modules`` (a hook that
+    returns a value replaces the output)."""
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
 def fp8_activations(model, ue8m0: bool = False, kv_b: bool = True):
     """Inside the block, every ``F.linear`` of ``model`` on a weight stored in FP8 (``is_quantized_linear``, and
     the routed experts) first quantises its input as DeepSeek-V3's FP8 GEMMs do. ``kv_b=False`` leaves

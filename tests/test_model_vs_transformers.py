@@ -44,6 +44,7 @@ import pytest
 import torch
 from model_helpers import (
     YARN,
+    forward_hooks,
     fp8_activations,
     fp8_copy,
     hf_checkpoint,
@@ -215,21 +216,12 @@ def fp32_slack(oracle, prompts, outs) -> tuple[list[float], list[bool]]:
         gen = o.outputs[0].token_ids
         rows = torch.tensor(p[1:] + gen)  # row i of the log-probabilities scores token i + 1
         margins.clear()
-        hooks = [g.register_forward_hook(lambda m, a, out: margins.append(_routing_margin(m, out[0]))) for g in gates]
-        try:
+        with forward_hooks(gates, lambda m, a, out: margins.append(_routing_margin(m, out[0]))):
             base = oracle_logprobs(oracle, p, gen, kv_format="bf16").gather(1, rows[:, None])
-        finally:
-            for h in hooks:
-                h.remove()
         moved = 0.0
         for _ in range(2):
-            jitter = lambda m, a, out: out * (1 + NOISE * torch.randn(out.shape, generator=noise))
-            hooks = [m.register_forward_hook(jitter) for m in norms]
-            try:
+            with forward_hooks(norms, lambda m, a, out: out * (1 + NOISE * torch.randn(out.shape, generator=noise))):
                 lp = oracle_logprobs(oracle, p, gen, kv_format="bf16").gather(1, rows[:, None])
-            finally:
-                for h in hooks:
-                    h.remove()
             moved = max(moved, float((lp - base).abs().max()))
         n = max(len(gates), 1)
         calls = [torch.stack(margins[i : i + n]).amin(0) for i in range(0, len(margins), n)]
@@ -310,14 +302,8 @@ def _oracle_routes(model, prompts) -> tuple[list[torch.Tensor], torch.Tensor]:
     tokens of all prompts in order, k]``, sorted per token."""
     ids = []
     gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    hooks = [
-        g.register_forward_hook(lambda mod, args, out: ids.append(out[2].reshape(-1, out[2].shape[-1]))) for g in gates
-    ]
-    try:
+    with forward_hooks(gates, lambda mod, args, out: ids.append(out[2].reshape(-1, out[2].shape[-1]))):
         lps = [oracle_logprobs(model, p) for p in prompts]
-    finally:
-        for h in hooks:
-            h.remove()
     n = len(gates)
     layers = [torch.cat([ids[i * n + layer] for i in range(len(prompts))]) for layer in range(n)]
     return lps, torch.stack(layers).sort(-1).values if n else torch.zeros(0, sum(map(len, prompts)), 0)
