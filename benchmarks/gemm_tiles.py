@@ -7,8 +7,8 @@ beside cuBLAS block-scaled ``scaled_mm`` in the same run.
 small: M = 1, 8, 64 over BLOCK_N x stages x split-K (the default mode's tiles below ``CUBLAS_FP8_MIN_M``).
 grouped: ``grouped_gemm`` tiles at the model's decode shape (masked layout, 256 experts, 1 or 64 tokens top-8).
 invariant: tiles that do not depend on M (batch-invariant mode) at M = 1, 64, 512, 4096.
-large: 64- against 128-row tiles where rows are many: M=4096 for two projections, and ``grouped_gemm`` contiguous
-with 32 experts x 512 rows (gate/up and down).
+large: tiles where rows are many: M=4096 for two projections, and ``grouped_gemm`` contiguous with 32 experts x
+512 rows (gate/up and down).
 Activations arrive quantised; the weights are the DeepSeek-V3 projections of the issue's table.
 """
 
@@ -72,7 +72,7 @@ def small_tiles(m: int) -> list[gemm.Tile]:
 
 
 INVARIANT_TILES = [gemm.Tile(*t) for t in [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
-                                            (64, 256, 8, 3), (128, 64, 4, 4)]]  # fmt: skip
+                                            (64, 64, 4, 4), (128, 64, 4, 4)]]  # fmt: skip
 
 
 def save(report: dict, path: str) -> None:
@@ -115,7 +115,8 @@ def grouped_sweep(tokens: int, n: int, k: int) -> dict:
 
 
 GROUPED_TILES = [gemm.Tile(bm, bn, 4, st) for bm in (16, 64) for bn in (64, 128) for st in (3, 4)]
-LARGE_TILES = [gemm.Tile(64, 128, 4, 3), gemm.Tile(128, 128, 8, 3), gemm.Tile(128, 256, 8, 3)]
+LARGE_TILES = [gemm.Tile(*t) for t in [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5), (64, 64, 4, 4),
+                                        (128, 128, 8, 3), (128, 128, 8, 4)]]  # fmt: skip
 
 
 def contiguous_sweep(experts: int, rows: int, n: int, k: int) -> dict:

@@ -54,39 +54,35 @@ def varlen_inputs(seed: int, seqs: int = 4, length: int = 4096, heads: int = 128
     }
 
 
-def sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal):
-    seqs = cu_seqlens_q.numel() - 1
-    shape = lambda t: t.view(seqs, -1, t.shape[1], t.shape[2]).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        shape(q), shape(k), shape(v), is_causal=causal, scale=softmax_scale
-    )
-    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])
+SDPA_PEERS = {  # core's bench peers: torch's own pick (cuDNN on the H200) and the flash path with v padded
+    "its own pick": lambda **kw: bench._sdpa(kw),
+    "flash, v padded to 192": lambda **kw: bench._sdpa(kw, flash=True),
+}
+VARLEN_VARIANTS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4)]  # BLOCK_M, BLOCK_N, warps, stages
 
 
-def varlen_variants() -> None:
-    inputs = [varlen_inputs(s) for s in range(2)]
+def varlen_variants(length: int, variants=VARLEN_VARIANTS) -> None:
+    inputs = [varlen_inputs(s, length=length) for s in range(2)]
     with deepinfer.use("reference"):
         ref = ops.attention_varlen(**inputs[0]).float()
-    flops = 4 * 4096 * 4096 * 128 * (192 + 128)  # causal: half of 2 * L^2 * (D_qk + D_v) per sequence and head
-    peer_ms = time_ms(inputs, sdpa)
-    peer_err = float((sdpa(**inputs[0]).float() - ref).norm() / ref.norm())
-    print(
-        f"varlen peer torch SDPA | {peer_ms:.3f} ms | {flops / peer_ms / 1e9:.0f} TFLOP/s | rel err {peer_err:.1e}",
-        flush=True,
-    )
-    for block_m, block_n, warps, stages in ((128, 128, 8, 2), (128, 64, 8, 3), (256, 64, 16, 2), (128, 128, 4, 2)):
+    flops = 4 * length * length * 128 * (192 + 128)  # causal: half of 2 * L^2 * (D_qk + D_v) per sequence and head
+    label = f"varlen 4 x {length}"
+    for name, peer in SDPA_PEERS.items():
+        ms = time_ms(inputs, peer)
+        err = float((peer(**inputs[0]).float() - ref).norm() / ref.norm())
+        print(
+            f"{label} peer SDPA {name} | {ms:.3f} ms | {flops / ms / 1e9:.0f} TFLOP/s | rel err {err:.1e}", flush=True
+        )
+    for block_m, block_n, warps, stages in variants:
         attention.VARLEN_TILE.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        tile = f"BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages}"
         try:
             out = ops.attention_varlen(**inputs[0]).float()
             err = float((out - ref).norm() / ref.norm())
             ms = time_ms(inputs, ops.attention_varlen)
-            print(
-                f"varlen BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages} | {ms:.3f} ms | "
-                f"{flops / ms / 1e9:.0f} TFLOP/s | {peer_ms / ms:.2f}x SDPA | rel err {err:.1e}",
-                flush=True,
-            )
+            print(f"{label} {tile} | {ms:.3f} ms | {flops / ms / 1e9:.0f} TFLOP/s | rel err {err:.1e}", flush=True)
         except Exception as e:
-            print(f"varlen BLOCK_M={block_m} BLOCK_N={block_n}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            print(f"{label} {tile}: {type(e).__name__}: {str(e)[:120]}", flush=True)
 
 
 def main() -> int:
@@ -94,7 +90,8 @@ def main() -> int:
     copy_gbps = float(sys.argv[1]) if len(sys.argv) > 1 else 4200.0
     which = sys.argv[2] if len(sys.argv) > 2 else "all"
     if which in ("varlen", "all"):
-        varlen_variants()
+        varlen_variants(4096)
+        varlen_variants(8192, VARLEN_VARIANTS[:1])
     if which not in ("mla", "all"):
         return 0
     variants = [  # (BLOCK_H, BLOCK_N, warps, stages, split); the first is the default tile

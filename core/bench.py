@@ -12,6 +12,7 @@ where the work could be captured.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import ops
 from .conformance.cases import Gen, error
@@ -251,16 +253,22 @@ def _mla_torch(kw):
     return torch.einsum("bshn,bnd->bshd", p, kv[..., : kw["kv_lora_rank"]])
 
 
-def _sdpa(kw):
-    """SDPA on the same packed sequences, one call per sequence (equal lengths here: one batched call)."""
+def _sdpa(kw, flash: bool = False):
+    """SDPA on the same packed sequences, one call per sequence (equal lengths here: one batched call): torch's own
+    pick of kernel, or (``flash``) its flash path, which takes one head dim for q, k and v: v is padded to q's, the
+    nearest shape that path supports, and the padding dropped."""
     q, k, v, cu = kw["q"], kw["k"], kw["v"], kw["cu_seqlens_q"]
     batch = cu.numel() - 1
     length = q.shape[0] // batch
+    d_v = v.shape[2]
+    if flash:
+        v = F.pad(v, (0, q.shape[2] - d_v))
     shape = lambda t: t.view(batch, length, t.shape[1], t.shape[2]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        shape(q), shape(k), shape(v), is_causal=kw["causal"], scale=kw["softmax_scale"]
-    )
-    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if flash else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(
+            shape(q), shape(k), shape(v), is_causal=kw["causal"], scale=kw["softmax_scale"]
+        )
+    return out[..., :d_v].transpose(1, 2).reshape(q.shape[0], q.shape[1], d_v)
 
 
 def moe_layer(kw: dict[str, Any], grouped_gemm: Callable[..., Any] | None = None) -> torch.Tensor:
@@ -433,7 +441,7 @@ def _varlen_cases(quick: bool) -> list[BenchCase]:
             make,
             flops,
             nbytes,
-            {"torch SDPA": _sdpa},
+            {"torch SDPA (its own pick)": _sdpa, "torch SDPA flash path, v padded": lambda kw: _sdpa(kw, flash=True)},
         )
     ]
 

@@ -32,6 +32,14 @@ def num_sms(index: int = 0) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether each 2-D tensor can be read by TMA copies: rows contiguous, base and row stride 16-byte aligned."""
+    return all(
+        t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+        for t in tensors
+    )
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 

@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer import QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 from deepinfer.qtensor import quantize_blocks
 
-from ._triton import INTERPRET, dot, on_device, pow2_ceil, to_e4m3
+from ._triton import INTERPRET, dot, on_device, pow2_ceil, tma_ready, to_e4m3
 
 FP8_BLOCK = 128
 
@@ -29,27 +30,35 @@ FP8_BLOCK = 128
 # --- quantize_fp8 -------------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, UE8M0: tl.constexpr, BLOCK: tl.constexpr, PREROUND: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+@triton.jit(do_not_specialize=["M"])
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, UE8M0: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                     PREROUND: tl.constexpr):  # fmt: skip
+    """One scale group (``BLOCK`` columns) of ``ROWS`` rows per program."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     group = tl.program_id(1)
     cols = group * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * K + cols).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4) / 448.0
+    mask = rows < M
+    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
     if UE8M0:
         scale = pow2_ceil(scale)
-    tl.store(q_ptr + row * K + cols, to_e4m3(tl.clamp(x / scale, -448.0, 448.0), PREROUND))
-    tl.store(s_ptr + row * (K // BLOCK) + group, scale)
+    q = to_e4m3(tl.clamp(x / scale[:, None], -448.0, 448.0), PREROUND)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask[:, None])
+    tl.store(s_ptr + rows * (K // BLOCK) + group, scale, mask=mask)
+
+
+QUANTIZE_ROWS = 16  # rows per program (one row per program made a million programs of 128 values for prefill)
 
 
 def quantize_fp8(x, *, block, scale_format):
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
     q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(x2.shape[0], k // block, dtype=torch.float32, device=x.device)
-    if x2.shape[0]:
-        _quantize_kernel[(x2.shape[0], k // block)](
-            x2, q, s, k, UE8M0=scale_format == "ue8m0", BLOCK=block, PREROUND=INTERPRET
+    s = torch.empty(m, k // block, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_kernel[(triton.cdiv(m, QUANTIZE_ROWS), k // block)](
+            x2, q, s, m, k, UE8M0=scale_format == "ue8m0", BLOCK=block, ROWS=QUANTIZE_ROWS, PREROUND=INTERPRET
         )
     return QTensor(q.view(x.shape), s.view(*x.shape[:-1], k // block), (1, block), scale_format)
 
@@ -61,10 +70,34 @@ def quantize_supports(x, *, block, scale_format) -> bool:
 # --- dense GEMM ---------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _load_tile(src, first, offs, mask, stride, k0, K, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``first + [0, len(offs))``, columns ``[k0, k0 + BLOCK_K)`` of a row-major [rows, K] operand: one TMA
+    copy (out-of-range elements read as zero) or masked loads."""
+    if TMA:
+        tile = src.load([first.to(tl.int32), k0])
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(
+            src + offs[:, None] * stride + offs_k[None, :], mask=mask[:, None] & (offs_k < K)[None, :], other=0.0
+        )
+    return tile
+
+
+@triton.jit
+def _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K: tl.constexpr):
+    """``acc + part * a_scale[m] * b_scale`` for one 128-deep product of a tile inside one 128-column weight block
+    (``b_block``): the two scales meet per row first, so each element costs one FMA."""
+    kb = k0 // BLOCK_K
+    sa = tl.load(as_ptr + offs_m * (K // BLOCK_K) + kb, mask=mask_m, other=0.0)
+    sb = tl.load(bs_ptr + b_block * (K // BLOCK_K) + kb)
+    return acc + part * (sa * sb)[:, None]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(
-    a_ptr,
-    b_ptr,
+    a_src,
+    b_src,
     c_ptr,
     as_ptr,
     bs_ptr,
@@ -76,6 +109,7 @@ def _gemm_kernel(
     stride_bn,
     stride_cm,
     FP8: tl.constexpr,
+    TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -85,8 +119,9 @@ def _gemm_kernel(
     SPLIT_K: tl.constexpr,
 ):
     """C[M, N] = A[M, K] @ B[N, K]^T; FP8: A scales [M, K/128], B scales [ceil(N/128), K/128], BLOCK_K = 128.
-    SPLIT_K > 1: program axis 1 takes the split's share of the K blocks and stores its fp32 partial product at
-    ``C + split * M * N`` (no bias); the caller sums the partials."""
+    ``a_src`` / ``b_src`` are TMA descriptors (TMA) or pointers. SPLIT_K > 1: program axis 1 takes the split's
+    share of the K blocks and stores its fp32 partial product at ``C + split * M * N`` (no bias); the caller sums
+    the partials."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -98,28 +133,15 @@ def _gemm_kernel(
 
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K):
-        mask_k = (k0 + offs_k) < K
-        a = tl.load(
-            a_ptr + offs_m[:, None] * stride_am + k0 + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + offs_n[:, None] * stride_bn + k0 + offs_k[None, :],
-            mask=mask_n[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        a = _load_tile(a_src, pid_m * BLOCK_M, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
+        b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         if FP8:
-            kb = k0 // BLOCK_K
-            sa = tl.load(as_ptr + offs_m * (K // BLOCK_K) + kb, mask=mask_m, other=0.0)
-            sb = tl.load(bs_ptr + (offs_n // BLOCK_K) * (K // BLOCK_K) + kb, mask=mask_n, other=0.0)
             part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
-            acc += part * sa[:, None] * sb[None, :]
+            acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
         else:
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
     if HAS_BIAS:
@@ -184,11 +206,14 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     if INTERPRET:  # the interpreter's row-independent dot materialises [BLOCK_M, BLOCK_K, BLOCK_N]: keep it <= 2^20
         block_m = min(block_m, 64)
     split = tile.split_k
+    block_k = FP8_BLOCK if fp8 else 64
+    assert not fp8 or FP8_BLOCK % tile.block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     dummy = out
+    tma = tma_ready(a, b)
     _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
-        a,
-        b,
+        TensorDescriptor.from_tensor(a, [block_m, block_k]) if tma else a,
+        TensorDescriptor.from_tensor(b, [tile.block_n, block_k]) if tma else b,
         target,
         a_scale if fp8 else dummy,
         b_scale if fp8 else dummy,
@@ -200,11 +225,12 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
         b.stride(0),
         out.stride(0) if split == 1 else n,
         FP8=fp8,
+        TMA=tma,
         HAS_BIAS=bias is not None and split == 1,
         FP32_DOT=INTERPRET,
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
-        BLOCK_K=FP8_BLOCK if fp8 else 64,
+        BLOCK_K=block_k,
         GROUP_M=8,
         SPLIT_K=split,
         num_warps=tile.num_warps,
@@ -372,8 +398,8 @@ def cublas_supports(a, w, *, out_dtype, bias) -> bool:
 
 @triton.jit(do_not_specialize=["max_m"])
 def _grouped_gemm_kernel(
-    a_ptr,
-    b_ptr,
+    a_src,
+    b_src,
     c_ptr,
     as_ptr,
     bs_ptr,
@@ -385,11 +411,11 @@ def _grouped_gemm_kernel(
     K,
     max_m,
     stride_am,
-    stride_be,
     stride_bn,
     stride_cm,
     MASKED: tl.constexpr,
     FP8: tl.constexpr,
+    TMA: tl.constexpr,
     FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -420,31 +446,18 @@ def _grouped_gemm_kernel(
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < row_end, offs_n < N
-    b_base = b_ptr + e.to(tl.int64) * stride_be
+    # B is read as [E * N, K]: expert e's rows start at e * N (a tile past N reads the next expert's rows, which
+    # only feed columns that are never stored)
+    b_first = e.to(tl.int64) * N + pid_n * BLOCK_N
+    b_block = e.to(tl.int64) * tl.cdiv(N, BLOCK_K) + pid_n * BLOCK_N // BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        mask_k = (k0 + offs_k) < K
-        a = tl.load(
-            a_ptr + offs_m[:, None] * stride_am + k0 + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            b_base + offs_n[:, None] * stride_bn + k0 + offs_k[None, :],
-            mask=mask_n[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        a = _load_tile(a_src, row0, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
+        b = _load_tile(b_src, b_first, b_first + tl.arange(0, BLOCK_N), mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         if FP8:
-            kb = k0 // BLOCK_K
-            kbs = K // BLOCK_K
-            sa = tl.load(as_ptr + offs_m * kbs + kb, mask=mask_m, other=0.0)
-            sb = tl.load(
-                bs_ptr + (e.to(tl.int64) * tl.cdiv(N, BLOCK_K) + offs_n // BLOCK_K) * kbs + kb, mask=mask_n, other=0.0
-            )
             part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
-            acc += part * sa[:, None] * sb[None, :]
+            acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)
         else:
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
     tl.store(
@@ -473,9 +486,11 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     if rows == 0 or n == 0:
         return out
     a2 = a_data.reshape(rows, k).contiguous()
-    b = (w.data if fp8 else w).contiguous()
+    b = (w.data if fp8 else w).contiguous().view(experts * n, k)
     tile = GROUPED_DECODE_TILE if masked and not batch_invariant_enabled() else GROUPED_TILE
     block_m, block_n = tile.block_m, tile.block_n
+    block_k = FP8_BLOCK if fp8 else 64
+    tma = tma_ready(a2, b)
     dummy = out
     if masked:
         grid_m = experts * triton.cdiv(a_data.shape[1], block_m)
@@ -486,8 +501,8 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         tile_offsets[1:] = torch.cumsum(torch.div(counts + block_m - 1, block_m, rounding_mode="floor"), 0)
         grid_m, offsets = triton.cdiv(rows, block_m) + experts, expert_offsets
     _grouped_gemm_kernel[(grid_m, triton.cdiv(n, block_n))](
-        a2,
-        b,
+        TensorDescriptor.from_tensor(a2, [block_m, block_k]) if tma else a2,
+        TensorDescriptor.from_tensor(b, [block_n, block_k]) if tma else b,
         out.view(rows, n),
         a.scale.reshape(rows, -1).contiguous() if fp8 else dummy,
         w.scale.contiguous() if fp8 else dummy,
@@ -500,14 +515,14 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         a_data.shape[1] if masked else 0,
         a2.stride(0),
         b.stride(0),
-        b.stride(1),
         n,
         MASKED=masked,
         FP8=fp8,
+        TMA=tma,
         FP32_DOT=INTERPRET,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=FP8_BLOCK if fp8 else 64,
+        BLOCK_K=block_k,
         BLOCK_E=triton.next_power_of_2(experts),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,

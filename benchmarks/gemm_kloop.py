@@ -1,0 +1,190 @@
+"""K-loop variants of the FP8 block-scaled GEMM on the device, each checked against the dequantised product, then
+timed from CUDA graphs beside cuBLAS block-scaled ``scaled_mm`` and the committed kernel in the same run.
+
+    python3 benchmarks/gemm_kloop.py OUT.json
+
+Variants (see NOTES.md): how the two block scales meet the fp32 partial product (an outer product of both per
+element, or the weight scale folded into the row scales so one FMA per element remains), loads through pointers or
+TMA descriptors, one or two 128-deep products in flight per loop trip, and Triton's warp specialisation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from deepinfer.bench import time_graph_ms
+from deepinfer.qtensor import quantize_blocks, quantize_rows
+from deepinfer_cuda_sm100 import gemm
+
+SETS = 3
+
+
+@triton.jit
+def _scaled(part, acc, as_ptr, bs_ptr, offs_m, pid_n, offs_n, kb, KB, M, N, FOLD: tl.constexpr, BLOCK_N: tl.constexpr):
+    sa = tl.load(as_ptr + offs_m * KB + kb, mask=offs_m < M, other=0.0)
+    if FOLD:  # the tile sits inside one 128-column weight block: one scale per (tile, K block)
+        sb = tl.load(bs_ptr + (pid_n * BLOCK_N // 128) * KB + kb)
+        return acc + part * (sa * sb)[:, None]
+    sb = tl.load(bs_ptr + (offs_n // 128) * KB + kb, mask=offs_n < N, other=0.0)
+    return acc + part * sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def _ptr_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, FOLD: tl.constexpr, UNROLL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * grid_n)) // rows_in_group
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, 128)
+    a_rows = a_ptr + offs_m[:, None] * K + offs_k[None, :]
+    b_rows = b_ptr + offs_n[:, None] * K + offs_k[None, :]
+    mask_a, mask_b = (offs_m < M)[:, None], (offs_n < N)[:, None]
+    KB = K // 128
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, 128 * UNROLL):
+        a = tl.load(a_rows + k0, mask=mask_a, other=0.0)
+        b = tl.load(b_rows + k0, mask=mask_b, other=0.0)
+        part = tl.dot(a, tl.trans(b))
+        if UNROLL == 2:
+            a2 = tl.load(a_rows + k0 + 128, mask=mask_a, other=0.0)
+            b2 = tl.load(b_rows + k0 + 128, mask=mask_b, other=0.0)
+            part2 = tl.dot(a2, tl.trans(b2))
+            acc = _scaled(part, acc, as_ptr, bs_ptr, offs_m, pid_n, offs_n, k0 // 128, KB, M, N, FOLD, BLOCK_N)
+            acc = _scaled(part2, acc, as_ptr, bs_ptr, offs_m, pid_n, offs_n, k0 // 128 + 1, KB, M, N, FOLD, BLOCK_N)
+        else:
+            acc = _scaled(part, acc, as_ptr, bs_ptr, offs_m, pid_n, offs_n, k0 // 128, KB, M, N, FOLD, BLOCK_N)
+    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16), mask=mask_a & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K, FOLD: tl.constexpr, UNROLL: tl.constexpr,
+                WS: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * grid_n)) // rows_in_group
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    KB = K // 128
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, 128 * UNROLL, num_stages=STAGES, warp_specialize=WS):
+        a = a_desc.load([pid_m * BLOCK_M, k0])
+        b = b_desc.load([pid_n * BLOCK_N, k0])
+        part = tl.dot(a, b.T)
+        if UNROLL == 2:
+            a2 = a_desc.load([pid_m * BLOCK_M, k0 + 128])
+            b2 = b_desc.load([pid_n * BLOCK_N, k0 + 128])
+            part2 = tl.dot(a2, b2.T)
+            acc = _scaled(part, acc, as_ptr, bs_ptr, offs_m, pid_n, offs_n, k0 // 128, KB, M, N, FOLD, BLOCK_N)
+            acc = _scaled(part2, acc, as_ptr, bs_ptr, offs_m, pid_n, offs_n, k0 // 128 + 1, KB, M, N, FOLD, BLOCK_N)
+        else:
+            acc = _scaled(part, acc, as_ptr, bs_ptr, offs_m, pid_n, offs_n, k0 // 128, KB, M, N, FOLD, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16), mask=mask)
+
+
+def launch(v: dict, a, w):
+    m, k = a.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    bm, bn = v["BLOCK_M"], v["BLOCK_N"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    common = dict(FOLD=v["fold"], UNROLL=v["unroll"], BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=v["warps"])
+    if v["tma"]:
+        a_desc = TensorDescriptor.from_tensor(a.data, [bm, 128])
+        b_desc = TensorDescriptor.from_tensor(w.data, [bn, 128])
+        _tma_kernel[grid](a_desc, b_desc, out, a.scale, w.scale, m, n, k, WS=v["ws"], STAGES=v["stages"], **common)
+    else:
+        _ptr_kernel[grid](a.data, w.data, out, a.scale, w.scale, m, n, k, num_stages=v["stages"], **common)
+    return out
+
+
+def variant(bm, bn, warps, stages, *, fold=False, unroll=1, tma=False, ws=False) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, warps=warps, stages=stages, fold=fold, unroll=unroll, tma=tma, ws=ws)
+
+
+VARIANTS = [
+    variant(64, 128, 4, 3),
+    variant(64, 128, 4, 3, fold=True),
+    variant(64, 128, 4, 3, fold=True, unroll=2),
+    variant(128, 128, 8, 3, fold=True),
+    variant(128, 128, 8, 3, fold=True, unroll=2),
+    variant(64, 128, 4, 3, tma=True),
+    variant(64, 128, 4, 4, fold=True, tma=True),
+    variant(128, 128, 8, 3, fold=True, tma=True),
+    variant(128, 128, 8, 4, fold=True, tma=True),
+    variant(128, 128, 8, 3, fold=True, unroll=2, tma=True),
+    variant(128, 256, 8, 3, tma=True),
+    variant(128, 128, 8, 3, fold=True, tma=True, ws=True),
+    variant(128, 128, 4, 3, fold=True, tma=True, ws=True),
+]
+
+
+def rel_err(got, want) -> float:
+    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def shape_row(m: int, n: int, k: int, peak_tflops: float) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    a = [quantize_rows(torch.randn(m, k, device="cuda", generator=gen), 128, "fp32") for _ in range(SETS)]
+    w = [quantize_blocks(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5) for _ in range(SETS)]
+    want = a[0].dequantize() @ w[0].dequantize().t()
+    flops = 2 * m * n * k
+    row = {"M": m, "N": n, "K": k, "variants": []}
+
+    def record(name, fn):
+        try:
+            err = rel_err(fn(0), want)
+            ms = time_graph_ms(fn, sets=SETS, reps=30) if err < 1e-2 else None
+        except Exception as e:  # a variant the compiler refuses is reported, not hidden
+            print(f"  {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            row["variants"].append({"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            return
+        pct = f"{flops / ms / 1e9 / peak_tflops:.0%}" if ms else "-"
+        print(f"  {name}: {ms} ms, {pct} of FP8 peak, rel err {err:.1e}", flush=True)
+        row["variants"].append({"name": name, "ms": ms, "rel_err": err})
+
+    print(f"M={m} N={n} K={k}", flush=True)
+    record("cublas", lambda i: gemm.gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None))
+    committed = gemm.Tile(64, 128, 4, 3)
+    record("committed", lambda i: gemm._launch_gemm(
+        a[i].data, w[i].data, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"), a[i].scale, w[i].scale,
+        None, False, committed))  # fmt: skip
+    for v in VARIANTS:
+        name = ",".join(f"{key}={val}" for key, val in v.items())
+        record(name, lambda i, v=v: launch(v, a[i], w[i]))
+    return row
+
+
+def main() -> None:
+    size = 8192
+    x = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    ms = time_graph_ms(lambda i: torch._scaled_mm(x, x.t(), one, one, out_dtype=torch.bfloat16), sets=1, reps=20)
+    peak = 2 * size**3 / ms / 1e9
+    print(f"FP8 peak (8192^3 tensor-wise scaled_mm): {peak:.0f} TFLOP/s", flush=True)
+    report = {"device": torch.cuda.get_device_name(), "fp8_peak_tflops": peak, "rows": []}
+    for m, n, k in ((4096, 24576, 1536), (4096, 7168, 16384), (4096, 4096, 7168), (512, 4096, 7168)):
+        report["rows"].append(shape_row(m, n, k, peak))
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
