@@ -38,13 +38,7 @@ def _scaled(part, acc, as_ptr, bs_ptr, offs_m, pid_n, offs_n, kb, KB, M, N, FOLD
 @triton.jit
 def _ptr_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, FOLD: tl.constexpr, UNROLL: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * grid_n)) // rows_in_group
+    pid_m, pid_n = gemm.tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, 128)
@@ -72,13 +66,7 @@ def _ptr_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, FOLD: tl.constexpr
 def _tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K, FOLD: tl.constexpr, UNROLL: tl.constexpr,
                 WS: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 GROUP_M: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * grid_n)) // rows_in_group
+    pid_m, pid_n = gemm.tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     KB = K // 128

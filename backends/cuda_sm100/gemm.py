@@ -71,6 +71,16 @@ def quantize_supports(x, *, block, scale_format) -> bool:
 
 
 @triton.jit
+def tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid``: consecutive programs walk ``GROUP_M`` row tiles down one column
+    of tiles, so a wave of programs shares its weight tiles in L2."""
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = pid // (GROUP_M * grid_n) * GROUP_M
+    rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * grid_n)) % rows_in_group, (pid % (GROUP_M * grid_n)) // rows_in_group
+
+
+@triton.jit
 def _load_tile(src, first, offs, mask, stride, k0, K, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
     """Rows ``first + [0, len(offs))``, columns ``[k0, k0 + BLOCK_K)`` of a row-major [rows, K] operand: one TMA
     copy (out-of-range elements read as zero) or masked loads."""
@@ -122,15 +132,8 @@ def _gemm_kernel(
     ``a_src`` / ``b_src`` are TMA descriptors (TMA) or pointers. SPLIT_K > 1: program axis 1 takes the split's
     share of the K blocks and stores its fp32 partial product at ``C + split * M * N`` (no bias); the caller sums
     the partials."""
-    pid = tl.program_id(0)
+    pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
-    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * grid_n)) // rows_in_group
-
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m, mask_n = offs_m < M, offs_n < N
@@ -490,6 +493,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     tile = GROUPED_DECODE_TILE if masked and not batch_invariant_enabled() else GROUPED_TILE
     block_m, block_n = tile.block_m, tile.block_n
     block_k = FP8_BLOCK if fp8 else 64
+    assert not fp8 or FP8_BLOCK % block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
     tma = tma_ready(a2, b)
     dummy = out
     if masked:
