@@ -1,6 +1,7 @@
 """Tile variants of the cuda_sm100 attention kernels on the device, each checked against the reference, then timed
 (median of CUDA-event timings over rotated input sets): mla_decode at DeepSeek-V3 shapes (H=128, 512+64, page 64)
-and attention_varlen prefill (4 x 4096 tokens, H=128, D 192/128, causal) beside torch SDPA.
+and attention_varlen prefill (4 x 4096 tokens, then the default tile at 4 x 8192; H=128, D 192/128, causal) beside
+torch SDPA with its own pick of kernel and with its flash path.
 
 Usage: python3 benchmarks/tile_variants.py COPY_GBPS [mla|varlen|all]"""
 
