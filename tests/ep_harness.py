@@ -106,6 +106,14 @@ def expected_pairs(p: Problem, placement: ExpertPlacement, rank: int) -> list[li
     return out
 
 
+def fitting_capacity(p: Problem, placement: ExpertPlacement, least: int) -> int:
+    """The smallest low-latency capacity >= ``least`` with room for every local expert's rows (``world * capacity``
+    per local expert): random routings with repeated experts can need more than the scenario's nominal capacity."""
+    world = placement.world_size
+    most = max((len(rows) for r in range(world) for rows in expected_pairs(p, placement, r)), default=0)
+    return max(least, -(-most // world))
+
+
 def row_bytes(x) -> torch.Tensor:
     if isinstance(x, QTensor):
         return torch.cat([x.data.contiguous().view(torch.uint8), x.scale.contiguous().view(torch.uint8)], dim=-1)

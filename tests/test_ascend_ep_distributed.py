@@ -24,6 +24,7 @@ from ep_harness import (
     check_layout,
     expected_pairs,
     expert,
+    fitting_capacity,
     launch,
     overflow_problem,
     random_problem,
@@ -174,14 +175,16 @@ def sc_ll_bf16(rank: int, world: int) -> None:
 def sc_ll_fp8_repeats(rank: int, world: int) -> None:
     g = _gen("ll_fp8")
     p = random_problem(g, token_counts(g, world, 9), 2 * world, 4, 256, fp8="fp32", repeat=0.2)
-    _run_and_check(p, rank, "low_latency", capacity=9, via=MC2)
+    capacity = fitting_capacity(p, ExpertPlacement.contiguous(p.num_experts, world), 9)
+    _run_and_check(p, rank, "low_latency", capacity=capacity, via=MC2)
 
 
 def sc_ll_reference_combine(rank: int, world: int) -> None:
     """A hidden size combine_v2 does not take (> 7168): the reference low-latency combine on the MC2 handle."""
     g = _gen("ll_wide")
     p = random_problem(g, token_counts(g, world, 3), 2 * world, 2, 7296 // 8 * 8, repeat=0.3)
-    _run_and_check(p, rank, "low_latency", capacity=3, via=(MC2_DISPATCH, "reference (fallback)"))
+    capacity = fitting_capacity(p, ExpertPlacement.contiguous(p.num_experts, world), 3)
+    _run_and_check(p, rank, "low_latency", capacity=capacity, via=(MC2_DISPATCH, "reference (fallback)"))
 
 
 def sc_all_empty(rank: int, world: int) -> None:

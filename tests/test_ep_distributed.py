@@ -21,6 +21,7 @@ from ep_harness import (
     check_layout,
     expected_pairs,
     expert,
+    fitting_capacity,
     launch,
     overflow_problem,
     random_problem,
@@ -144,7 +145,8 @@ def sc_ll_fp8_replicas(rank: int, world: int) -> None:
     g = _gen("ll_fp8")
     num_experts = 4 * world
     p = random_problem(g, token_counts(g, world, 9), num_experts, 4, 256, fp8="fp32", experts=[0, 1, 5, 0, 1, 6, 7])
-    _run_and_check(p, rank, "low_latency", capacity=9, placement=_replica_placement(world, num_experts))
+    placement = _replica_placement(world, num_experts)
+    _run_and_check(p, rank, "low_latency", capacity=fitting_capacity(p, placement, 9), placement=placement)
 
 
 def sc_all_empty(rank: int, world: int) -> None:
