@@ -16,13 +16,11 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from gemm_tiles import SETS, inputs, rel_err
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.bench import time_graph_ms
-from deepinfer.qtensor import quantize_blocks, quantize_rows
 from deepinfer_cuda_sm100 import gemm
-
-SETS = 3
 
 
 @triton.jit
@@ -124,14 +122,8 @@ VARIANTS = [
 ]
 
 
-def rel_err(got, want) -> float:
-    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
-
-
 def shape_row(m: int, n: int, k: int, peak_tflops: float) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
-    a = [quantize_rows(torch.randn(m, k, device="cuda", generator=gen), 128, "fp32") for _ in range(SETS)]
-    w = [quantize_blocks(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5) for _ in range(SETS)]
+    a, w = inputs(m, n, k, seed=m + n + k)
     want = a[0].dequantize() @ w[0].dequantize().t()
     flops = 2 * m * n * k
     row = {"M": m, "N": n, "K": k, "variants": []}
