@@ -304,8 +304,9 @@ def worst(per_rank: list[dict], key_is_time: Callable[[str], bool]) -> dict:
     return out
 
 
-def profile_normal(cfg, *, device, seed: int) -> None:
-    """One bf16 normal-mode dispatch + combine under the torch profiler; rank 0 prints its kernels and host time."""
+def profile_normal(cfg, *, device, seed: int, trace: str) -> None:
+    """One bf16 normal-mode dispatch + combine under the torch profiler; rank 0 prints its kernels and host time and
+    writes the timeline (host ops and kernels) as a Chrome trace to ``trace``."""
     gen = torch.Generator().manual_seed(seed + dist.get_rank())
     x = torch.randn(cfg["tokens"], cfg["hidden"], generator=gen).to(device=device, dtype=torch.bfloat16)
     ids, w = (t.to(device) for t in routing(gen, cfg["tokens"], cfg["experts"], cfg["top_k"]))
@@ -322,6 +323,7 @@ def profile_normal(cfg, *, device, seed: int) -> None:
         torch.cuda.synchronize()
     if dist.get_rank() == 0:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        prof.export_chrome_trace(trace)
 
 
 def main() -> None:
@@ -334,7 +336,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, seconds")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--accelerator", default=None, help="deepinfer backend to measure (default: the selected one)")
-    ap.add_argument("--profile", action="store_true", help="print rank 0's kernels of one bf16 normal-mode round")
+    ap.add_argument(
+        "--profile", action="store_true", help="rank 0's kernels of one bf16 normal-mode round; trace beside --out"
+    )
     args = ap.parse_args()
     cfg = SMALL if args.small else FULL
     iters = args.iters or (5 if args.small else 50)
@@ -414,7 +418,7 @@ def main() -> None:
             low["fp8" if fp8 else "bf16"] = {"worst_rank": worst_rank, "per_rank": ranks}
         report["low_latency"] = low
         if args.profile:
-            profile_normal(cfg, device=device, seed=seed)
+            profile_normal(cfg, device=device, seed=seed, trace=os.path.splitext(args.out)[0] + ".trace.json")
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

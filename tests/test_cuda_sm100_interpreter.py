@@ -20,8 +20,9 @@ import torch
 from ep_harness import expert, launch, random_problem, reference_out, token_counts
 
 import deepinfer
+from deepinfer import QTensor
 from deepinfer.dispatch import batch_invariant, last_resolution
-from deepinfer.ops import ep_combine, ep_dispatch
+from deepinfer.ops import ExpertPlacement, ep_combine, ep_dispatch
 from deepinfer.reference import ep as ep_ref
 
 EXPECTED_FALLBACKS = {("gemm", "M=9 N=64 K=128 fp32")}
@@ -119,56 +120,83 @@ def test_fp8_gemms_read_unaligned_operands():
 
 def setup_rank() -> None:
     deepinfer.use("cuda_sm100")
+    from deepinfer_cuda_sm100 import moe
+
+    moe.PACK_TILE = 64  # a few tokens per program, so that the small cases span several programs
 
 
-def sc_normal_combine(rank: int, world: int) -> list[str]:
-    """The core's multi-rank normal-mode dispatch (the reference, as a fallback), then this backend's combine kernel,
-    in default and batch-invariant mode, for bf16 and FP8 payloads, repeated, skipped and
-    all-skipped slots and a rank without tokens. fp32 expert outputs: bit for bit the core's own combine and the
-    one-process reference. bf16 ones: within the interpreter's fp32 -> bf16 cast, which truncates (a GPU rounds to
-    nearest even)."""
+def payload_bytes(x) -> torch.Tensor:
+    if isinstance(x, QTensor):
+        return torch.cat([x.data.view(torch.uint8), x.scale.view(torch.uint8)], dim=1)
+    return x.view(torch.uint8)
+
+
+def sc_normal(rank: int, world: int) -> list[tuple[str, str]]:
+    """Multi-rank normal mode: this backend's dispatch kernels (the core's exchanges), then its combine kernel, in
+    default and batch-invariant mode, for bf16 and FP8 payloads, repeated, skipped and all-skipped slots, a rank
+    without tokens and replicated experts. The dispatch equals the core's own (its torch index work) byte for byte,
+    handle included; rows of an odd number of bytes go to the core. fp32 expert outputs: the combine is bit for bit
+    the core's and the one-process reference. bf16 ones: within the interpreter's fp32 -> bf16 cast, which
+    truncates (a GPU rounds to nearest even). Returns (dispatch, combine) implementations per case."""
     served = []
+    experts = 4 * world
+    replicated = ExpertPlacement(experts, [range(r * 4, r * 4 + 6) if r == 0 else range(r * 4, r * 4 + 4) for r in
+                                           range(world)])  # fmt: skip
     cases = [
-        ("bf16", 64, None, torch.float32),
-        ("fp8", 256, "fp32", torch.float32),
-        ("bf16_out", 64, None, torch.bfloat16),
-        ("odd_width", 66, None, torch.bfloat16),
+        ("bf16", 64, None, torch.float32, None),
+        ("fp8", 256, "fp32", torch.float32, None),
+        ("bf16_out", 64, None, torch.bfloat16, None),
+        ("odd_width", 66, None, torch.bfloat16, None),
+        ("odd_bytes", 65, None, torch.float32, None),
+        ("replicated", 64, None, torch.float32, replicated),
     ]
+    group = torch.distributed.group.WORLD
     for invariant in (False, True):
-        for name, hidden, fp8, dtype in cases:
+        for name, hidden, fp8, dtype, placement in cases:
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             p = random_problem(
-                g, token_counts(g, world, 24, empty_rank=world - 1), 4 * world, 3, hidden, fp8=fp8, repeat=0.2
+                g, token_counts(g, world, 24, empty_rank=world - 1), experts, 3, hidden, fp8=fp8, repeat=0.2
             )
             p.ids[0][0] = -1
+            label = f"{name}, batch-invariant {invariant}"
             with batch_invariant(invariant):
-                out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=p.num_experts,
-                                  group=torch.distributed.group.WORLD)  # fmt: skip
+                out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=experts, group=group,
+                                  placement=placement)  # fmt: skip
+                dispatched = last_resolution("ep_dispatch")
+                full = placement or ExpertPlacement.contiguous(experts, world)
+                core = ep_ref.dispatch_normal(p.xs[rank], p.ids[rank], p.weights[rank], group=group, placement=full)
                 y = expert(out[0], out[1], out[3], dtype)
                 combined = ep_combine(y, out[4])
-                impl, fallback = last_resolution("ep_combine")
-                core = ep_ref.combine_normal(y, out[4])
+                combiner = last_resolution("ep_combine")
+                core_combined = ep_ref.combine_normal(y, out[4])
                 ref = reference_out(p, rank, dtype)
-            served.append(f"{impl.backend}/{impl.provider}" + (" (fallback)" if fallback else ""))
-            label = f"{name}, batch-invariant {invariant}"
-            assert isinstance(out[4], ep_ref.NormalHandle), label
-            assert combined.dtype == dtype and torch.equal(core, ref), label
+            assert torch.equal(payload_bytes(out[0]), payload_bytes(core[0])), label
+            assert torch.equal(out[1], core[1]) and torch.equal(out[2], core[2]), label
+            assert torch.equal(out[3].expert_offsets, core[3].expert_offsets), label
+            h, hc = out[4], core[4]
+            assert isinstance(h, ep_ref.NormalHandle), label
+            assert torch.equal(h.final, hc.final) and torch.equal(h.pair_pos, hc.pair_pos), label
+            assert (h.send_splits, h.recv_splits, h.copy_splits) == (hc.send_splits, hc.recv_splits, hc.copy_splits)
+            assert combined.dtype == dtype and torch.equal(core_combined, ref), label
             if dtype == torch.float32:
                 assert torch.equal(combined, ref), label
             else:
                 torch.testing.assert_close(combined.float(), ref.float(), rtol=2**-7, atol=0, msg=label)
+            served.append(tuple(f"{i.backend}/{i.provider}" + " (fallback)" * f for i, f in (dispatched, combiner)))
     return served
 
 
-SCENARIOS = {"normal_combine": sc_normal_combine}
+SCENARIOS = {"normal": sc_normal}
 
 
-def test_multi_rank_normal_combine(monkeypatch):
+def test_multi_rank_normal_dispatch_and_combine(monkeypatch):
     """Two Gloo ranks on the CPU, the kernels through the interpreter."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     got = launch(__name__, 2, list(SCENARIOS), pg_timeout_s=60, deadline_s=300)
     for rank in range(2):
-        assert (rank, "normal_combine") in got, f"rank {rank} never reported"
-        err, served, _ = got[(rank, "normal_combine")]
+        assert (rank, "normal") in got, f"rank {rank} never reported"
+        err, served, _ = got[(rank, "normal")]
         assert err is None, f"rank {rank}:\n{err}"
-        assert set(served) == {"cuda_sm100/triton"}, served
+        kernels = ("cuda_sm100/triton", "cuda_sm100/triton")
+        assert served == [("reference/torch (fallback)", "cuda_sm100/triton") if i % 6 == 4 else kernels
+                          for i in range(12)], served  # fmt: skip

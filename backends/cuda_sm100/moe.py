@@ -1,12 +1,14 @@
-"""``moe_route`` (fused group-limited top-k), the one-process ``ep_dispatch`` / ``ep_combine``, and the weighted sum
-of the core's multi-rank normal-mode ``ep_combine``.
+"""``moe_route`` (fused group-limited top-k), the one-process ``ep_dispatch`` / ``ep_combine``, the index work and
+row copies of the core's multi-rank normal-mode ``ep_dispatch``, and the weighted sum of its ``ep_combine``.
 
 ``normal`` dispatch sorts (token, expert) pairs by expert on the device and moves rows with a gather kernel; it
 needs the number of valid pairs on the host (the output size). ``low_latency`` dispatch has fixed shapes and no host
 synchronisation: one program per expert lays out that expert's rows, then one program per pair copies its row (three
 launches in all, for the decode steps that CUDA graphs replay). Combine sums each token's k rows in slot order in
 fp32 (batch-invariant), one kernel for the one-process handle and for the rows a multi-rank normal-mode combine
-brought back.
+brought back. Over a process group, normal mode keeps the core's protocol and exchanges (``ep.dispatch_normal``) and
+replaces its torch index work with three kernels: the sender counts its pairs and copies per program, then writes
+each copy with its record at its place in send order; the receiver copies each pair's row into the layout.
 """
 
 from __future__ import annotations
@@ -326,16 +328,245 @@ def _dispatch_normal(x, ids, weights, num_experts: int):
 
 
 def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placement=None):
+    if group is not None:
+        return ep.dispatch_normal(
+            x,
+            ids,
+            weights,
+            group=group,
+            placement=placement,
+            count=_count_pairs,
+            pack=_pack_copies,
+            unpack=_unpack_pairs,
+        )
     if mode == "low_latency":
         return _dispatch_low_latency(x, ids, weights, num_experts, capacity)
     return _dispatch_normal(x, ids, weights, num_experts)
 
 
 def dispatch_supports(x, ids, weights, *, num_experts, group, mode, capacity, placement=None) -> bool:
-    """One process, experts in their natural order (other placements and process groups go to the core)."""
+    """One process with experts in their natural order; or normal mode over a group of 2 to ``PACK_MAX_WORLD`` ranks
+    holding at most ``PACK_MAX_KEYS`` / world experts each, with rows a whole number of int32 words. Other
+    placements, modes and groups go to the core."""
     x_data = x.data if isinstance(x, QTensor) else x
-    natural = placement is None or tuple(placement.local_experts) == (tuple(range(num_experts)),)
-    return group is None and natural and on_device(x_data, ids, weights)
+    if not on_device(x_data, ids, weights):
+        return False
+    if group is None:
+        return placement is None or tuple(placement.local_experts) == (tuple(range(num_experts)),)
+    world = ep.group_rank_size(group)[1]
+    if mode != "normal" or not 1 < world <= PACK_MAX_WORLD or ep.Payload.of(x).word.itemsize < 4:
+        return False
+    return world * max(len(e) for e in placement.local_experts) <= PACK_MAX_KEYS
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Multi-rank normal dispatch: the core's protocol and exchanges (``ep.dispatch_normal``), with fused kernels for the
+# sender's and the receiver's index work and row copies (``ep.count_pairs`` / ``pack_copies`` / ``unpack_pairs``).
+# The sender's kernels see a block of tokens per program; their pair ranks within (destination, local expert) take a
+# one-hot tile of BT * KP pairs x NK keys, so BT shrinks as the keys grow.
+
+PACK_MAX_WORLD = 64
+PACK_MAX_KEYS = 1024  # world x experts per rank; more go to the core's torch code
+PACK_TILE = 8192  # elements of the one-hot tile
+
+
+@dataclass(frozen=True)
+class _Counted:
+    ids: torch.Tensor  # [T, k] int32, contiguous
+    stats: torch.Tensor  # [programs, world + world * width] int32: copies per destination, pairs per key
+    meta: dict
+
+
+@triton.jit
+def _pair_keys(ids_ptr, holders_ptr, rank_ptr, local_ptr, t, T, me, W, COPIES, K: tl.constexpr, KP: tl.constexpr):
+    """Per pair of tokens ``t`` [BT] and slots [KP]: destination rank (W for a skipped or padding pair), local
+    expert, validity, by the placement's replica rule."""
+    j = tl.arange(0, KP)
+    m = (t[:, None] < T) & (j[None, :] < K)
+    e = tl.load(ids_ptr + t[:, None] * K + j[None, :], mask=m, other=-1)
+    valid = e >= 0
+    e = tl.where(valid, e, 0).to(tl.int64)
+    copy = (t[:, None] + me) % tl.load(holders_ptr + e)
+    d = tl.load(rank_ptr + e * COPIES + copy)
+    local = tl.load(local_ptr + e * COPIES + copy)
+    return tl.where(valid, d, W), local, valid
+
+
+@triton.jit
+def _count_kernel(
+    ids_ptr, holders_ptr, rank_ptr, local_ptr, sent_ptr, stats_ptr, T, me, W, WIDTH, COPIES,
+    K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr, NK: tl.constexpr,
+):  # fmt: skip
+    """Pairs per (destination, local expert) and copies per destination into ``sent`` (atomics); this program's
+    copies per destination and pairs per key (destination * WIDTH + local expert) into its row of ``stats``."""
+    pid = tl.program_id(0)
+    t = pid * BT + tl.arange(0, BT)
+    d, local, valid = _pair_keys(ids_ptr, holders_ptr, rank_ptr, local_ptr, t, T, me, W, COPIES, K, KP)
+    tl.atomic_add(sent_ptr + d * (WIDTH + 1) + local, tl.full(local.shape, 1, tl.int64), mask=valid)
+    w = tl.arange(0, BW)
+    copies = tl.sum(tl.max((d[:, :, None] == w[None, None, :]).to(tl.int32), axis=1), axis=0)
+    row = stats_ptr + pid * (W + W * WIDTH)
+    tl.store(row + w, copies, mask=w < W)
+    tl.atomic_add(sent_ptr + w * (WIDTH + 1) + WIDTH, copies.to(tl.int64), mask=w < W)
+    keys = tl.reshape(tl.where(valid, d * WIDTH + local, -1), (BT * KP,))
+    nk = tl.arange(0, NK)
+    tl.store(row + W + nk, tl.sum((keys[:, None] == nk[None, :]).to(tl.int32), axis=0), mask=nk < W * WIDTH)
+
+
+@triton.jit
+def _pack_kernel(
+    ids_ptr, holders_ptr, rank_ptr, local_ptr, w_ptr, x_ptr, send_ptr, pair_pos_ptr, stats_ptr, cum_ptr, T, me, W,
+    WIDTH, COPIES, NPROG, ROW, SEND_ROW, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
+    NK: tl.constexpr, BWID: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """Writes each copy (x's row, then its record) at its place in send order (destination, token), and each pair's
+    position in (destination, token, slot) order. ``cum`` is ``stats`` summed over programs (inclusive); rows are
+    int32 words. A record is 4 x K int32: local expert (-1: not this copy's), weight bits, rank within the pair's
+    (destination, local expert), rank within its destination."""
+    pid = tl.program_id(0)
+    t = pid * BT + tl.arange(0, BT)
+    d, local, valid = _pair_keys(ids_ptr, holders_ptr, rank_ptr, local_ptr, t, T, me, W, COPIES, K, KP)
+    S = W + W * WIDTH
+    mine, last = cum_ptr + pid * S, cum_ptr + (NPROG - 1) * S
+    own = stats_ptr + pid * S
+    # Copies and pairs of earlier programs, and of all programs, per destination and per key.
+    w = tl.arange(0, BW)
+    wm = w < W
+    before_c = tl.load(mine + w, mask=wm, other=0) - tl.load(own + w, mask=wm, other=0)
+    start_c = tl.cumsum(tl.load(last + w, mask=wm, other=0), axis=0)
+    start_c = start_c - tl.load(last + w, mask=wm, other=0) + before_c
+    nk = tl.arange(0, NK)
+    km = nk < W * WIDTH
+    before_k = tl.load(mine + W + nk, mask=km, other=0) - tl.load(own + W + nk, mask=km, other=0)
+    kw = W + w[:, None] * WIDTH + tl.arange(0, BWID)[None, :]
+    kwm = wm[:, None] & (tl.arange(0, BWID)[None, :] < WIDTH)
+    before_p = tl.sum(tl.load(mine + kw, mask=kwm, other=0) - tl.load(own + kw, mask=kwm, other=0), axis=1)
+    total_p = tl.sum(tl.load(last + kw, mask=kwm, other=0), axis=1)
+    start_p = tl.cumsum(total_p, axis=0) - total_p
+
+    flat_valid = tl.reshape(valid, (BT * KP,))
+    by_dest = tl.reshape((d[:, :, None] == w[None, None, :]).to(tl.int32), (BT * KP, BW))
+    dest_rank = tl.sum(by_dest * (before_p[None, :] + tl.cumsum(by_dest, axis=0) - by_dest), axis=1)
+    pair_pos = tl.where(flat_valid, tl.sum(by_dest * start_p[None, :], axis=1) + dest_rank, tl.sum(total_p, axis=0))
+    keys = tl.reshape(tl.where(valid, d * WIDTH + local, -1), (BT * KP,))
+    by_key = (keys[:, None] == nk[None, :]).to(tl.int32)
+    key_rank = tl.sum(by_key * (before_k[None, :] + tl.cumsum(by_key, axis=0) - by_key), axis=1)
+    j = tl.arange(0, KP)
+    jk = (t[:, None] < T) & (j[None, :] < K)
+    tj = t[:, None] * K + j[None, :]
+    tl.store(pair_pos_ptr + tj, tl.reshape(pair_pos, (BT, KP)).to(tl.int64), mask=jk)
+
+    present = tl.max((d[:, :, None] == w[None, None, :]).to(tl.int32), axis=1)  # [BT, BW]
+    pos_c = start_c[None, :] + tl.cumsum(present, axis=0) - present
+    weight_bits = tl.load(w_ptr + tj, mask=jk, other=0.0).to(tl.int32, bitcast=True)
+    key_rank = tl.reshape(key_rank, (BT, KP))
+    dest_rank = tl.reshape(dest_rank, (BT, KP))
+    tm = t < T
+    for dd in range(0, W):
+        here = (tl.sum(tl.where(w[None, :] == dd, present, 0), axis=1) > 0) & tm
+        row = tl.sum(tl.where(w[None, :] == dd, pos_c, 0), axis=1).to(tl.int64) * SEND_ROW
+        mine_j = d == dd
+        rec = send_ptr + row[:, None] + ROW + j[None, :]
+        rm = here[:, None] & (j[None, :] < K)
+        tl.store(rec, tl.where(mine_j, local, -1).to(tl.int32), mask=rm)
+        tl.store(rec + K, tl.where(mine_j, weight_bits, -1), mask=rm)
+        tl.store(rec + 2 * K, tl.where(mine_j, key_rank, -1), mask=rm)
+        tl.store(rec + 3 * K, tl.where(mine_j, dest_rank, -1), mask=rm)
+        for c0 in range(0, ROW, BC):
+            cols = c0 + tl.arange(0, BC)
+            cm = cols[None, :] < ROW
+            v = tl.load(x_ptr + t[:, None].to(tl.int64) * ROW + cols[None, :], mask=tm[:, None] & cm)
+            tl.store(send_ptr + row[:, None] + cols[None, :], v, mask=here[:, None] & cm)
+
+
+def _pack_meta(tab, world: int, k: int) -> dict:
+    kp, nk = next_pow2(k), next_pow2(world * tab.width)
+    bt = max(1, min(32, PACK_TILE // (kp * nk)))
+    return dict(K=k, KP=kp, BT=bt, BW=next_pow2(world + 1), NK=nk)
+
+
+def _count_pairs(ids, tab, me: int, world: int):
+    tokens, k = ids.shape
+    meta = _pack_meta(tab, world, k)
+    nprog = triton.cdiv(tokens, meta["BT"])
+    ids32 = ids.to(torch.int32).contiguous()
+    sent = torch.zeros(world, tab.width + 1, dtype=torch.int64, device=ids.device)
+    stats = torch.empty(nprog, world + world * tab.width, dtype=torch.int32, device=ids.device)
+    if tokens:
+        _count_kernel[(nprog,)](
+            ids32, tab.holders, tab.rank, tab.local, sent, stats, tokens, me, world, tab.width, tab.rank.shape[1],
+            **meta,
+        )  # fmt: skip
+    return sent, _Counted(ids32, stats, meta)
+
+
+def _pack_copies(x, payload, ids, weights, tab, me: int, world: int, counted: _Counted):
+    tokens, k = ids.shape
+    xw = payload.to_words(x).contiguous().view(torch.int32)
+    row = xw.shape[1]
+    rec = ep.RECORD_FIELDS * k
+    send = torch.empty(min(world, k) * tokens, row + rec, dtype=torch.int32, device=ids.device)
+    pair_pos = torch.empty(tokens, k, dtype=torch.int64, device=ids.device)
+    stats = counted.stats
+    if tokens:
+        _pack_kernel[(stats.shape[0],)](
+            counted.ids, tab.holders, tab.rank, tab.local, weights.float().contiguous(), xw, send, pair_pos, stats,
+            stats.cumsum(0, dtype=torch.int32), tokens, me, world, tab.width, tab.rank.shape[1], stats.shape[0], row,
+            row + rec, BWID=next_pow2(tab.width), BC=256, **counted.meta,
+        )  # fmt: skip
+    return send.view(payload.word), pair_pos
+
+
+@triton.jit
+def _unpack_kernel(
+    buf_ptr, gid_ptr, expert_base_ptr, source_base_ptr, copy_start_ptr, out0_ptr, out1_ptr, ids_ptr, w_ptr,
+    final_ptr, C, W, E_LOCAL, BUF_ROW, ROW, SPLIT, K: tl.constexpr, BCP: tl.constexpr, BW: tl.constexpr,
+    BC: tl.constexpr,
+):  # fmt: skip
+    """Slot ``program_id(1)`` of received copies ``c``: the pair's layout row from its record and its source's
+    bases; its copy's words go to that row of ``out0`` (the first SPLIT) and ``out1`` (the rest), with its id and
+    weight, and ``final[receive index] = row``."""
+    c = tl.program_id(0) * BCP + tl.arange(0, BCP)
+    j = tl.program_id(1)
+    cm = c < C
+    rec = buf_ptr + c.to(tl.int64) * BUF_ROW + ROW + j
+    local = tl.load(rec, mask=cm, other=-1)
+    mask = cm & (local >= 0)
+    w = tl.arange(0, BW)
+    ends = tl.load(copy_start_ptr + 1 + w, mask=w < W, other=2**62)
+    source = tl.sum((c[:, None] >= ends[None, :]).to(tl.int32), axis=1)
+    row = tl.load(expert_base_ptr + source * E_LOCAL + local, mask=mask, other=0) + tl.load(rec + 2 * K, mask=mask)
+    tl.store(final_ptr + tl.load(source_base_ptr + source, mask=mask, other=0) + tl.load(rec + 3 * K, mask=mask), row,
+             mask=mask)  # fmt: skip
+    tl.store(ids_ptr + row, tl.load(gid_ptr + local, mask=mask), mask=mask)
+    tl.store(w_ptr + row, tl.load(rec + K, mask=mask).to(tl.float32, bitcast=True), mask=mask)
+    src = buf_ptr + c.to(tl.int64)[:, None] * BUF_ROW
+    for c0 in range(0, ROW, BC):
+        cols = c0 + tl.arange(0, BC)[None, :]
+        v = tl.load(src + cols, mask=mask[:, None] & (cols < ROW))
+        tl.store(out0_ptr + row[:, None] * SPLIT + cols, v, mask=mask[:, None] & (cols < SPLIT))
+        rest = mask[:, None] & (cols >= SPLIT) & (cols < ROW)
+        tl.store(out1_ptr + row[:, None] * (ROW - SPLIT) + cols - SPLIT, v, mask=rest)
+
+
+def _unpack_pairs(buf, payload, k: int, num_recv: int, tables, global_ids):
+    dev = buf.device
+    b32 = buf.view(torch.int32)
+    row = b32.shape[1] - ep.RECORD_FIELDS * k
+    spans = [(a // 4, b // 4) for a, b in payload.spans]
+    parts = [torch.empty(num_recv, b - a, dtype=torch.int32, device=dev) for a, b in spans]
+    recv_ids = torch.empty(num_recv, dtype=torch.int32, device=dev)
+    recv_w = torch.empty(num_recv, dtype=torch.float32, device=dev)
+    final = torch.empty(num_recv, dtype=torch.int64, device=dev)
+    world, e_local = tables.expert_base.shape
+    if num_recv:
+        bcp = 16
+        _unpack_kernel[(triton.cdiv(b32.shape[0], bcp), k)](
+            b32, global_ids, tables.expert_base, tables.source_base, tables.copy_start, parts[0], parts[-1],
+            recv_ids, recv_w, final, b32.shape[0], world, e_local, b32.shape[1], row, spans[0][1], K=k, BCP=bcp,
+            BW=next_pow2(world), BC=256,
+        )  # fmt: skip
+    return [p.view(payload.word) for p in parts], recv_ids, recv_w, final
 
 
 @triton.jit

@@ -8,16 +8,17 @@ gathers move whole words. Index work runs on the device of the inputs.
 
 normal mode
     1. Each pair gets its destination (rank, local expert) from the placement. A token travels once to each rank
-       that holds any of its experts (one "copy" per (token, rank)), however many of its pairs go there. One
+       that holds any of its experts (one "copy" per (token, rank)), however many of its pairs go there, with a
+       record of them: per slot, the local expert (-1 where the pair goes elsewhere) and the weight. One
        ``all_to_all_single`` exchanges the pair counts per (destination, local expert) and the copy counts per
        destination. While it runs, and before the host reads the counts (the one synchronisation), the device
-       gathers the copies in send order (destination, token) and lays out each pair's record (the index of its
-       copy within the destination's block, its weight) in the pair order (destination, local expert, token, slot).
-    2. One ``all_to_all_single`` moves the copies, one more the pair records; the receiver gathers each pair's row
-       from its copy into its final position in the contiguous layout (local expert, source rank, token, slot).
-    3. ``ep_combine`` sends each output row back along the same path and the source sums ``weight * row`` in fp32
-       over the k slots, with the arithmetic of the one-process reference (a backend may pass a fused kernel for
-       that sum: ``combine_normal``'s ``weighted_sum``).
+       gathers the copies with their records in send order (destination, token).
+    2. One ``all_to_all_single`` moves the copies. The receiver sorts their pairs by local expert, stably (copies
+       arrive by source rank, then token), which is the contiguous layout (local expert, source rank, token, slot),
+       and gathers each pair's row from its copy.
+    3. ``ep_combine`` sends each output row back to its source in receive order (source, token, slot), and the
+       source sums ``weight * row`` in fp32 over the k slots, with the arithmetic of the one-process reference (a
+       backend may pass a fused kernel for that sum: ``combine_normal``'s ``weighted_sum``).
 
 low_latency mode
     Every rank places its tokens (payload, ids, weights) in ``capacity`` fixed rows and one ``all_gather_single``
@@ -68,7 +69,7 @@ def weighted_rows_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
 
 
 @dataclass(frozen=True)
-class _Tables:
+class Tables:
     holders: torch.Tensor  # [E] int64: how many ranks hold each expert
     rank: torch.Tensor  # [E, max_copies] int64: the ranks holding it, ascending
     local: torch.Tensor  # [E, max_copies] int64: its local index on each of them
@@ -77,7 +78,7 @@ class _Tables:
 
 
 @functools.lru_cache(maxsize=32)
-def _tables(placement: ExpertPlacement, device: torch.device) -> _Tables:
+def _tables(placement: ExpertPlacement, device: torch.device) -> Tables:
     holders = placement.expert_ranks
     copies = max(len(h) for h in holders)
     rank = [list(h) + [h[0]] * (copies - len(h)) for h in holders]
@@ -86,7 +87,7 @@ def _tables(placement: ExpertPlacement, device: torch.device) -> _Tables:
     def t(v, dtype=torch.int64):
         return torch.tensor(v, dtype=dtype, device=device)
 
-    return _Tables(
+    return Tables(
         holders=t([len(h) for h in holders]),
         rank=t(rank).view(placement.num_experts, copies),
         local=t(local).view(placement.num_experts, copies),
@@ -95,7 +96,7 @@ def _tables(placement: ExpertPlacement, device: torch.device) -> _Tables:
     )
 
 
-def _destinations(tab: _Tables, ids: torch.Tensor, src_rank, token: torch.Tensor):
+def _destinations(tab: Tables, ids: torch.Tensor, src_rank, token: torch.Tensor):
     """For flat int64 expert ids (-1 = none) of pairs from ``src_rank`` (int or tensor) and token index ``token``:
     ``(valid, rank, local expert)`` per the placement's replica rule ``(src_rank + token) % copies``."""
     valid = ids >= 0
@@ -126,7 +127,7 @@ def _words(t: torch.Tensor, word: torch.dtype = torch.uint8) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Payload:
+class Payload:
     """How a row of ``x`` is laid out as words: its parts (data, and scales for FP8) side by side, each a whole
     number of ``word``s."""
 
@@ -135,11 +136,11 @@ class _Payload:
     scale_format: str = "fp32"
 
     @staticmethod
-    def of(x) -> _Payload:
+    def of(x) -> Payload:
         if isinstance(x, QTensor):
             parts = ((x.data.dtype, x.data.shape[-1]), (x.scale.dtype, x.scale.shape[-1]))
-            return _Payload(parts, x.block, x.scale_format)
-        return _Payload(((x.dtype, x.shape[-1]),))
+            return Payload(parts, x.block, x.scale_format)
+        return Payload(((x.dtype, x.shape[-1]),))
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -228,84 +229,148 @@ def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
     return t.cumsum(0) - t
 
 
-def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
+@dataclass(frozen=True)
+class Counted:
+    """What ``count_pairs`` found, for ``pack_copies``: per pair (flat over ``[T, k]``) its destination (``world``
+    for a skipped pair) and local expert, and per (destination, token) whether a copy goes there."""
+
+    dest: torch.Tensor  # [T * k] int64
+    local: torch.Tensor  # [T * k] int64
+    to: torch.Tensor  # [world, T, k] bool: pair (t, j) goes to rank d
+    counts: torch.Tensor  # [(world + 1) * width] int64: pairs per (destination, local expert), spare row last
+
+
+@dataclass(frozen=True)
+class RecvTables:
+    """Where the received pairs go, from the exchanged counts (device int64): expert_base ``[world, E_local]``, the
+    layout row of the first pair from source s for local expert l; source_base ``[world]``, the receive-order index
+    of the first pair from source s; copy_start ``[world + 1]``, the first received copy of each source."""
+
+    expert_base: torch.Tensor
+    source_base: torch.Tensor
+    copy_start: torch.Tensor
+
+
+RECORD_FIELDS = 4  # per slot of a copy's record: local expert, weight, rank within (source, expert), rank within source
+
+
+def count_pairs(ids, tab: Tables, me: int, world: int):
+    """The sender's counts, first of a normal-mode dispatch: ``(sent, counted)``. sent: ``[world, width + 1]``
+    int64, the pairs for each (destination, local expert), then the copies for each destination. counted: whatever
+    ``pack_copies`` (of the same implementation) needs next."""
+    dev = ids.device
+    tokens, k = ids.shape
+    width = tab.width
+    valid, dest, local = _destinations(tab, ids.reshape(-1).long(), me, torch.arange(tokens * k, device=dev) // k)
+    dest = torch.where(valid, dest, world)  # skipped pairs go to a spare destination
+    to = dest.view(1, tokens, k) == torch.arange(world, device=dev).view(world, 1, 1)
+    counts = torch.zeros((world + 1) * width, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, dest * width + local, torch.ones_like(dest))
+    sent = torch.cat([counts[: world * width].view(world, width), to.any(2).sum(1, keepdim=True)], dim=1)
+    return sent, Counted(dest, local, to, counts)
+
+
+def pack_copies(x, payload: Payload, ids, weights, tab: Tables, me: int, world: int, counted: Counted):
+    """The sender's rows, while the counts travel: ``(send, pair_pos)``.
+
+    send: ``[R, words + 4k * 4 / word size]`` of ``payload.word``, R at least the number of copies: the copies in
+    send order (destination, token), each x's row words then its record, ``RECORD_FIELDS`` x k int32: per slot
+    its local expert (-1 where the slot's pair goes elsewhere), its weight (fp32 bits), its rank among the pairs
+    for its (destination, local expert) in (token, slot) order, and its rank among the pairs for its destination
+    in that order. pair_pos: ``[T, k]`` int64, each pair's position in (destination, token, slot) order over the
+    pairs not skipped; at least their number for a skipped pair."""
+    dev = ids.device
+    tokens, k = ids.shape
+    dest, local, to = counted.dest, counted.local, counted.to
+    width = tab.width
+    n = tokens * k
+    key = dest * width + local
+    by_key = torch.sort(key, stable=True).indices
+    key_rank = torch.empty_like(key)
+    counts = counted.counts
+    key_rank[by_key] = torch.arange(n, device=dev) - _exclusive_cumsum(counts)[key[by_key]]
+    dest_rank = (to.view(world, n).cumsum(1) - 1).gather(0, dest.clamp_max(world - 1).view(1, n)).view(-1)
+    dest_pairs = counts.view(world + 1, width).sum(1)
+    pair_pos = _exclusive_cumsum(dest_pairs)[dest] + dest_rank
+    pair_pos = torch.where(dest < world, pair_pos, n)
+
+    def per_copy(v):  # [T, k] -> [world, T, k]: the slot's value in each destination's copy, -1 elsewhere
+        return torch.where(to, v.view(1, tokens, k), -1)
+
+    record = torch.cat(
+        [per_copy(local.int()), per_copy(weights.float().view(torch.int32)), per_copy(key_rank.int()),
+         per_copy(dest_rank.int())],
+        dim=2,
+    )  # fmt: skip
+    present = to.any(2)
+    order = torch.sort(present.logical_not().view(-1).to(torch.uint8), stable=True).indices[: min(world, k) * tokens]
+    rec_words = record.view(world * tokens, RECORD_FIELDS * k).index_select(0, order).view(payload.word)
+    send = torch.cat([payload.to_words(x).index_select(0, order % tokens), rec_words], dim=1)
+    return send, pair_pos.view(tokens, k)
+
+
+def unpack_pairs(buf, payload: Payload, k: int, num_recv: int, tables: RecvTables, global_ids):
+    """The receiver's side of a normal-mode dispatch: ``buf [C, ...]`` holds the received copies (as ``pack_copies``
+    sends them) by source rank, then token. Returns ``(parts, recv_ids, recv_w, final)`` with the ``num_recv``
+    pairs in layout order: parts, per payload part (``payload.spans``), ``[num_recv, part words]`` contiguous, the
+    pair's copy's words; recv_ids int32 (``global_ids`` of the local expert); recv_w fp32; final ``[num_recv]``
+    int64, the layout row of each pair in receive order (source, token, slot). A pair from source s for local
+    expert l with ranks (r_e, r_s) goes to layout row ``expert_base[s, l] + r_e``, receive index
+    ``source_base[s] + r_s``."""
+    dev = buf.device
+    copies = buf.shape[0]
+    rec = buf[:, payload.words :].contiguous().view(torch.int32).view(copies, RECORD_FIELDS, k).long()
+    local = rec[:, 0]
+    valid = local >= 0
+    source = torch.searchsorted(tables.copy_start[1:], torch.arange(copies, device=dev), right=True).view(-1, 1)
+    row = torch.where(valid, tables.expert_base[source, local.clamp_min(0)] + rec[:, 2], num_recv).view(-1)
+    pair_of_row = torch.empty(num_recv + 1, dtype=torch.int64, device=dev)
+    pair_of_row[row] = torch.arange(copies * k, device=dev)
+    pair = pair_of_row[:num_recv]
+    final = torch.empty(num_recv + 1, dtype=torch.int64, device=dev)
+    final[torch.where(valid, tables.source_base[source] + rec[:, 3], num_recv).view(-1)] = row
+    parts = payload.gather(buf[:, : payload.words], pair // k)
+    recv_w = rec[:, 1].reshape(-1)[pair].int().view(torch.float32)
+    return parts, global_ids[local.reshape(-1)[pair]], recv_w, final[:num_recv]
+
+
+def dispatch_normal(
+    x, ids, weights, *, group, placement: ExpertPlacement, count=count_pairs, pack=pack_copies, unpack=unpack_pairs
+):
+    """Normal-mode ``ep_dispatch`` over ``group``. A backend may pass its own ``count`` / ``pack`` / ``unpack``
+    (all three together) with the contracts of ``count_pairs`` / ``pack_copies`` / ``unpack_pairs``: fused kernels
+    for the index work and the row copies."""
     import torch.distributed as dist
 
     me, world = group_rank_size(group)
-    dev = ids.device
     tokens, k = ids.shape
-    tab = _tables(placement, dev)
+    tab = _tables(placement, ids.device)
     width = tab.width
-    n_local = len(placement.local_experts[me])
+    payload = Payload.of(x)
 
-    flat = ids.reshape(-1).long()
-    token = torch.arange(tokens * k, device=dev) // k
-    valid, dest, local = _destinations(tab, flat, me, token)
-    dest_or_0 = torch.where(valid, dest, 0)
-    # Copies: present[d, t] when token t has a pair for rank d; numbered in send order (destination, token).
-    present = torch.zeros(world, tokens + 1, dtype=torch.bool, device=dev)
-    present[dest_or_0, torch.where(valid, token, tokens)] = True  # skipped pairs mark a spare column
-    present = present[:, :tokens]
-    copies = present.sum(1)
-    position = present.reshape(-1).cumsum(0).view(world, tokens) - 1  # in the whole send order
-    copy_index = position - _exclusive_cumsum(copies)[:, None]  # within the destination's block
-    nkeys = world * width
-    key = torch.where(valid, dest * width + local, nkeys)
-    counts = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    sent = torch.cat([counts[:nkeys].view(world, width), copies[:, None]], dim=1)  # [destination, local experts + 1]
+    sent, counted = count(ids, tab, me, world)
     got = torch.empty_like(sent)
     counts_work = dist.all_to_all_single(got, sent, group=group, async_op=True)
-
-    # Independent of the counts: the copies' rows in send order (at most min(world, k) per token; the unused tail is
-    # gathered but never sent), and the pairs' records in theirs (a stable sort keeps (token, slot) order; skipped
-    # pairs last).
-    slot = torch.where(present, position, world * tokens).reshape(-1)
-    copy_token = torch.zeros(world * tokens + 1, dtype=torch.int64, device=dev)
-    copy_token.scatter_(0, slot, torch.arange(tokens, device=dev).repeat(world))
-    payload = _Payload.of(x)
-    send = payload.to_words(x).index_select(0, copy_token[: min(world, k) * tokens])
-    order = torch.sort(key, stable=True).indices
-    records = torch.stack([copy_index[dest_or_0, token].int(), weights.reshape(-1).float().view(torch.int32)], dim=1)
-    records = records[order]
-    pair_pos = torch.empty_like(order)
-    pair_pos[order] = torch.arange(tokens * k, device=dev)
-
+    send, pair_pos = pack(x, payload, ids, weights, tab, me, world, counted)
     counts_work.wait()
     sent_host, got_host = torch.stack([sent, got]).cpu()  # the one host synchronisation
-    recv_c = got_host[:, :n_local]  # [source, local expert]
+    recv_c = got_host[:, : len(placement.local_experts[me])]  # [source, local expert]
     send_splits, recv_splits = sent_host[:, :width].sum(1).tolist(), recv_c.sum(1).tolist()
     copy_send, copy_recv = sent_host[:, width].tolist(), got_host[:, width].tolist()
     num_sent, num_recv = sum(send_splits), sum(recv_splits)
-    buf = torch.empty(sum(copy_recv), payload.words, dtype=payload.word, device=dev)
-    rows_work = dist.all_to_all_single(buf, send[: sum(copy_send)], copy_recv, copy_send, group=group, async_op=True)
-    rec_buf = torch.empty(num_recv, 2, dtype=torch.int32, device=dev)
-    rec_work = dist.all_to_all_single(rec_buf, records[:num_sent], recv_splits, send_splits, group=group, async_op=True)
+    buf = torch.empty(sum(copy_recv), send.shape[1], dtype=payload.word, device=ids.device)
+    dist.all_to_all_single(buf, send[: sum(copy_send)], copy_recv, copy_send, group=group)
 
-    # Received pairs come in runs by (source, local expert); the layout wants (local expert, source). Per run: its
-    # length, its layout row minus its receive position, and where its source's copies start in ``buf``. One
-    # host-to-device copy for all of it.
-    per_expert = recv_c.sum(0)
-    offsets = torch.zeros(n_local + 1, dtype=torch.int64)
-    offsets[1:] = per_expert.cumsum(0)
-    runs = recv_c.flatten()
-    shift = (offsets[:-1].view(1, -1) + _exclusive_cumsum(recv_c)).flatten() - _exclusive_cumsum(runs)
-    copy_start = _exclusive_cumsum(torch.tensor(copy_recv, dtype=torch.int64)).repeat_interleave(n_local)
-    on_dev = torch.cat([runs, shift, copy_start, per_expert, offsets]).to(dev)
-    runs, shift, copy_start, per_expert_d, offsets_d = on_dev.split([runs.numel()] * 3 + [n_local, n_local + 1])
-    final = torch.repeat_interleave(shift, runs, output_size=num_recv) + torch.arange(num_recv, device=dev)
-    recv_ids = torch.repeat_interleave(tab.global_ids[me], per_expert_d, output_size=num_recv)
-
-    rec_work.wait()
-    source_row = torch.empty(num_recv, dtype=torch.int64, device=dev)
-    source_row.index_copy_(
-        0, final, rec_buf[:, 0].long() + torch.repeat_interleave(copy_start, runs, output_size=num_recv)
-    )
-    recv_w = torch.empty(num_recv, dtype=torch.float32, device=dev)
-    recv_w.index_copy_(0, final, rec_buf[:, 1].contiguous().view(torch.float32))
-    rows_work.wait()
-    recv_x = payload.assemble(payload.gather(buf, source_row), num_recv, (num_recv,))
-
+    # Where each source's pairs go, from the counts; one host-to-device copy. offsets: the layout's expert offsets.
+    offsets = torch.zeros(recv_c.shape[1] + 1, dtype=torch.int64)
+    offsets[1:] = recv_c.sum(0).cumsum(0)
+    expert_base = offsets[:-1] + _exclusive_cumsum(recv_c)
+    source_base = _exclusive_cumsum(torch.tensor(recv_splits))
+    copy_start = _exclusive_cumsum(torch.tensor([*copy_recv, 0]))
+    on_dev = torch.cat([offsets, expert_base.flatten(), source_base, copy_start]).to(ids.device)
+    offsets_d, *rest = on_dev.split([len(offsets), expert_base.numel(), world, world + 1])
+    tables = RecvTables(rest[0].view(world, recv_c.shape[1]), rest[1], rest[2])
+    parts, recv_ids, recv_w, final = unpack(buf, payload, k, num_recv, tables, tab.global_ids[me])
     handle = NormalHandle(
         tokens,
         "normal",
@@ -314,13 +379,13 @@ def dispatch_normal(x, ids, weights, *, group, placement: ExpertPlacement):
         send_splits=send_splits,
         recv_splits=recv_splits,
         final=final,
-        pair_pos=pair_pos.clamp_max(num_sent).view(tokens, k),  # skipped pairs (sorted last) read the zero row
-        weights=torch.where(valid.view(tokens, k), weights, 0.0),
+        pair_pos=pair_pos.clamp_max(num_sent),  # skipped pairs read the zero row
+        weights=torch.where(ids >= 0, weights, 0.0),
         num_sent=num_sent,
         copy_splits=copy_send,
     )
     layout = ExpertLayout(expert_offsets=offsets_d.to(torch.int32))
-    return recv_x, recv_ids, recv_w, layout, handle
+    return payload.assemble(parts, num_recv, (num_recv,)), recv_ids, recv_w, layout, handle
 
 
 def combine_normal(y: torch.Tensor, handle: NormalHandle, weighted_sum=None) -> torch.Tensor:
@@ -371,7 +436,7 @@ def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, 
     dev = ids.device
     tokens, k = ids.shape
     tab = _tables(placement, dev)
-    payload = _Payload.of(x)
+    payload = Payload.of(x)
     pw = payload.width
     if world == 1:  # one process: the routing is already all here
         slots = tokens
