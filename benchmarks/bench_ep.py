@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out ep.json                       # NCCL, one GPU per rank
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --backend gloo --small --out ep.json  # CPU smoke run
+    torchrun --nproc-per-node 2 benchmarks/bench_ep.py --backend gloo-cuda --check-only --out ep.json  # one GPU
 
 1. Correctness: fresh random routings (plus a skewed one: every pair to rank 0's experts, some -1 ids), bf16 and
    FP8 payloads, both modes. Each rank checks its received layout byte for byte against the one-process reference
@@ -329,7 +330,13 @@ def profile_normal(cfg, *, device, seed: int, trace: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON report (written by rank 0)")
-    ap.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    ap.add_argument(
+        "--backend",
+        default="nccl",
+        choices=["nccl", "gloo", "gloo-cuda"],
+        help="gloo-cuda: Gloo with CUDA tensors, ranks sharing the GPUs there are (checks GPU kernels without NCCL)",
+    )
+    ap.add_argument("--check-only", action="store_true", help="correctness only, no timing")
     ap.add_argument("--small", action="store_true", help="small shapes (CPU smoke run)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 50, --small 5)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5, --small 1)")
@@ -350,6 +357,10 @@ def main() -> None:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    elif args.backend == "gloo-cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("gloo", timeout=timeout)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout)
@@ -368,7 +379,7 @@ def main() -> None:
             "backend": args.backend,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.backend == "nccl" else None,
             "NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"],
             "iters": iters,
             "warmup": warmup,
@@ -401,7 +412,7 @@ def main() -> None:
 
     # 2-3. timing (value checks off)
     os.environ["DEEPINFER_VALUE_CHECKS"] = "0"
-    if ok:
+    if ok and not args.check_only:
         normal = {}
         for fp8 in (False, True):
             res = bench_normal(cfg, fp8=fp8, device=device, timer=timer, iters=iters, warmup=warmup, seed=seed)
