@@ -8,31 +8,34 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import on_device
+from ._triton import next_pow2, on_device
 
 
 @triton.jit
-def _race_kernel(probs_ptr, seeds_ptr, best_ptr, best_idx_ptr, V, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, chunk): the winner of the race among tokens ``[chunk * CHUNK, (chunk + 1) * CHUNK)``, its
-    wait and its index (the lowest index among tied waits)."""
-    row = tl.program_id(0).to(tl.int64)
+def _race_kernel(
+    probs_ptr, seeds_ptr, best_ptr, best_idx_ptr, B, V, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
+    """Program (rows, chunk): for each of ``ROWS`` rows, the winner of the race among tokens ``[chunk * CHUNK,
+    (chunk + 1) * CHUNK)``, its wait and its index (the lowest index among tied waits)."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rm = row < B
     chunk = tl.program_id(1)
-    seed = tl.load(seeds_ptr + row)
-    best = tl.full((BLOCK,), -1.0, tl.float32)
-    best_idx = tl.zeros((BLOCK,), tl.int32)
+    seed = tl.load(seeds_ptr + row, mask=rm, other=0)
+    best = tl.full((ROWS, BLOCK), -1.0, tl.float32)
+    best_idx = tl.zeros((ROWS, BLOCK), tl.int32)
     for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         idx = v0 + tl.arange(0, BLOCK)
-        mask = idx < V
-        p = tl.load(probs_ptr + row * V + idx, mask=mask, other=0.0)
-        u = tl.rand(seed, idx)
+        mask = rm[:, None] & (idx[None, :] < V)
+        p = tl.load(probs_ptr + row[:, None] * V + idx[None, :], mask=mask, other=0.0)
+        u = tl.rand(seed[:, None], idx[None, :])
         race = tl.where(mask, p / -tl.log(u), -1.0)  # u = 0 gives an infinite wait: never chosen
         better = race > best
         best = tl.where(better, race, best)
-        best_idx = tl.where(better, idx, best_idx)
-    top = tl.max(best, axis=0)
+        best_idx = tl.where(better, idx[None, :], best_idx)
+    top = tl.max(best, axis=1)
     out = row * tl.num_programs(1) + chunk
-    tl.store(best_ptr + out, top)
-    tl.store(best_idx_ptr + out, tl.min(tl.where(best == top, best_idx, V), axis=0))
+    tl.store(best_ptr + out, top, mask=rm)
+    tl.store(best_idx_ptr + out, tl.min(tl.where(best == top[:, None], best_idx, V), axis=1), mask=rm)
 
 
 RACE_CHUNK = 4096  # tokens per program: a row of a large vocabulary spreads over many multiprocessors
@@ -56,10 +59,14 @@ def sample(logits, temperature, top_p, top_k, seeds):
     if batch == 0:
         return torch.empty(0, dtype=torch.int32, device=logits.device)
     probs = _filtered_probs(logits, temperature, top_p, top_k).contiguous()
-    chunks = triton.cdiv(vocab, RACE_CHUNK)
+    block = min(1024, next_pow2(vocab))
+    chunk = min(RACE_CHUNK, triton.cdiv(vocab, block) * block)
+    rows = 1024 // block  # a small vocabulary: several rows per program
+    chunks = triton.cdiv(vocab, chunk)
     best = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(batch, chunks, dtype=torch.int32, device=logits.device)
-    _race_kernel[(batch, chunks)](probs, seeds, best, best_idx, vocab, CHUNK=RACE_CHUNK, BLOCK=1024)
+    grid = (triton.cdiv(batch, rows), chunks)
+    _race_kernel[grid](probs, seeds, best, best_idx, batch, vocab, CHUNK=chunk, BLOCK=block, ROWS=rows)
     drawn = best_idx.gather(1, best.argmax(dim=1, keepdim=True))[:, 0]  # the first chunk holding the best wait
     return torch.where(temperature == 0, logits.argmax(dim=-1).to(torch.int32), drawn)
 

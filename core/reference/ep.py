@@ -9,16 +9,19 @@ gathers move whole words. Index work runs on the device of the inputs.
 normal mode
     1. Each pair gets its destination (rank, local expert) from the placement. A token travels once to each rank
        that holds any of its experts (one "copy" per (token, rank)), however many of its pairs go there, with a
-       record of them: per slot, the local expert (-1 where the pair goes elsewhere) and the weight. One
-       ``all_to_all_single`` exchanges the pair counts per (destination, local expert) and the copy counts per
-       destination. While it runs, and before the host reads the counts (the one synchronisation), the device
-       gathers the copies with their records in send order (destination, token).
-    2. One ``all_to_all_single`` moves the copies. The receiver sorts their pairs by local expert, stably (copies
-       arrive by source rank, then token), which is the contiguous layout (local expert, source rank, token, slot),
-       and gathers each pair's row from its copy.
+       record of them: per slot, the local expert (-1 where the pair goes elsewhere), the weight, and the pair's
+       rank among the pairs for its (destination, local expert) and among those for its destination, both in
+       (token, slot) order. One ``all_to_all_single`` exchanges the pair counts per (destination, local expert)
+       and the copy counts per destination; while it runs the device packs the copies with their records in send
+       order (destination, token); then the host reads the counts (the one synchronisation).
+    2. One ``all_to_all_single`` moves the copies. From the counts each receiver knows where every source's pairs
+       of each local expert start in the contiguous layout (local expert, source rank, token, slot); a pair's
+       rank puts its row there, copied from its copy.
     3. ``ep_combine`` sends each output row back to its source in receive order (source, token, slot), and the
        source sums ``weight * row`` in fp32 over the k slots, with the arithmetic of the one-process reference (a
        backend may pass a fused kernel for that sum: ``combine_normal``'s ``weighted_sum``).
+    A backend may replace the index work and row copies of steps 1 and 2 with its own kernels
+    (``dispatch_normal``'s ``count`` / ``pack`` / ``unpack``); the exchanges stay here.
 
 low_latency mode
     Every rank places its tokens (payload, ids, weights) in ``capacity`` fixed rows and one ``all_gather_single``
