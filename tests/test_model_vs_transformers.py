@@ -24,8 +24,11 @@ Tolerances (log-probabilities in nats; measured worst cases over 8 fresh seeds i
 - bf16 activations against the fp32 oracle, measured against transformers' own bf16 run on the same prompts (the
   natural scale of bf16 error): the median prompt log-probability error within twice transformers' (+0.01). bf16
   rounding also flips near-tied MoE routing decisions, in both implementations, and a token whose experts differ
-  from the oracle's is off by up to a few nats: such tokens are counted (at most twice transformers' count, +4) and
-  the 90th percentile is taken over the other tokens, within twice transformers' (+0.05); for dense layers also the
+  from the oracle's is off by up to a few nats: such tokens are counted (at most twice transformers' count, +8: a
+  flip in one token reroutes the later tokens that attend to it, so counts come in bursts; over 52 fresh v2lite
+  seeds both averaged 1.9 of 88 tokens, ours at most 6 and once 5 against transformers' 0) and the 90th percentile
+  is taken over the tokens before the first rerouted one of their prompt (in either run: a rerouted token changes
+  what the later tokens attend to), within twice transformers' (+0.05); for dense layers also the
   maximum within four times (+0.05) [the reference is within 1.3x; on the H200, over 8 MoE checkpoints, 12 of our
   13 errors above 0.25 sat on a token with other experts, and 20 of transformers' 25, RESULTS.md]. Triton's CPU
   interpreter truncates every fp32-to-bf16 conversion (a GPU rounds to nearest even), which doubles the error of
@@ -123,6 +126,9 @@ FP8_SHAPES = dict(
 )
 
 
+SEEDS: dict[str, int] = {}  # checkpoint seeds of this run, named in failure messages (DEEPINFER_TEST_SEED repeats one)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     made: dict = {}
@@ -130,7 +136,9 @@ def checkpoints(tmp_path_factory):
     def get(name: str):
         if name not in made:
             root = tmp_path_factory.mktemp(name)
-            seed = FP8_SEED if name.startswith("fp8") else int.from_bytes(os.urandom(2), "little")
+            fresh = int(os.environ.get("DEEPINFER_TEST_SEED", int.from_bytes(os.urandom(2), "little")))
+            seed = FP8_SEED if name.startswith("fp8") else fresh
+            SEEDS[name] = seed
             print(f"checkpoint {name}: seed {seed}")  # shown with a failure, to reproduce it
             if name.startswith("fp8"):
                 src = hf_checkpoint(root / "bf16", seed, **FP8_SHAPES)
@@ -341,14 +349,20 @@ def test_bf16_logprobs_as_close_as_transformers_bf16(
     theirs = _prompt_errors([token_logprobs(lp, p) for lp, p in zip(theirs_lps, prompts)], refs, prompts)
     flips = f"tokens with other experts than the oracle's: ours {int(ours_flip.sum())}, transformers bf16 "
     flips += f"{int(their_flip.sum())} of {len(scored)}"
-    assert int(ours_flip.sum()) <= 2 * int(their_flip.sum()) + 4, flips
-    steady = ~(ours_flip | their_flip)
+    assert int(ours_flip.sum()) <= 2 * int(their_flip.sum()) + 8, f"{flips} (checkpoint seed {SEEDS.get(name)})"
+    # Tokens before the first rerouted token of their prompt, in either run: a rerouted token changes what the later
+    # tokens of its prompt attend to.
+    rerouted = (ours_flip | their_flip).int()
+    prompt_of = torch.tensor([i for i, p in enumerate(prompts) for _ in range(1, len(p))])
+    before = torch.cat([rerouted[prompt_of == i].cumsum(0) for i in range(len(prompts))])
+    steady = before == 0
     ours_med, their_med = ours.median().item(), theirs.median().item()
     ours_q90, their_q90 = ours[steady].quantile(0.9).item(), theirs[steady].quantile(0.9).item()
     detail = (
-        f"ours median {ours_med:.3f}, q90 {ours_q90:.3f} (same experts), max {ours.max():.3f}; transformers bf16 "
+        f"ours median {ours_med:.3f}, q90 {ours_q90:.3f} (before rerouting), max {ours.max():.3f}; transformers bf16 "
         f"median {their_med:.3f}, q90 {their_q90:.3f}, max {theirs.max():.3f}; {flips}"
     )
+    detail += f" (checkpoint seed {SEEDS.get(name)})"
     assert ours_med <= BF16_FACTOR * their_med + 0.01, detail
     assert ours_q90 <= BF16_FACTOR * their_q90 + 0.05, detail
     if name == "dense":
