@@ -8,6 +8,8 @@
 #                every case, so a stopped run keeps its numbers
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
+#   ep           two GPUs (nvidia-h200-x2): dispatch + combine over NCCL, then the model with its experts on both
+#   ep-check     one GPU: the multi-rank dispatch kernels checked by two ranks through Gloo with CUDA tensors
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
 # notes) and this script installs it first.
 set -uo pipefail
@@ -34,5 +36,14 @@ case ${1:-} in
     timeout 560 python3 benchmarks/tile_variants.py 4200 all 2>&1 | tee "$OUT/tiles.txt" | tail -60 ;;
   gemm-tiles)
     timeout "${2:-300}" python3 benchmarks/gemm_tiles.py "$OUT/gemm_tiles.json" all 2>&1 | tail -50 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|gemm-tiles" >&2; exit 2 ;;
+  ep)
+    timeout 220 torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out "$OUT/ep.json" --timeout 120 --profile 2>&1 \
+      | grep -v "^W1" | tail -12
+    timeout 330 torchrun --nproc-per-node 2 benchmarks/ep_model.py "$OUT/ep_model.json" --backend cuda_sm100 2>&1 \
+      | grep -v "^W1" | tail -4 ;;
+  ep-check)
+    timeout 300 torchrun --nproc-per-node 2 benchmarks/bench_ep.py --backend gloo-cuda --check-only \
+      --out "$OUT/ep_check.json" --timeout 200 2>&1 | grep -v "^W1" | tail -4 ;;
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|gemm-tiles|ep|ep-check" >&2
+     exit 2 ;;
 esac
