@@ -17,10 +17,9 @@ import zlib
 
 import pytest
 import torch
-from ep_harness import expert, launch, random_problem, reference_out, token_counts
+from ep_harness import expert, launch, random_problem, reference_out, row_bytes, token_counts
 
 import deepinfer
-from deepinfer import QTensor
 from deepinfer.dispatch import batch_invariant, last_resolution
 from deepinfer.ops import ExpertPlacement, ep_combine, ep_dispatch
 from deepinfer.reference import ep as ep_ref
@@ -125,12 +124,6 @@ def setup_rank() -> None:
     moe.PACK_TILE = 64  # a few tokens per program, so that the small cases span several programs
 
 
-def payload_bytes(x) -> torch.Tensor:
-    if isinstance(x, QTensor):
-        return torch.cat([x.data.view(torch.uint8), x.scale.view(torch.uint8)], dim=1)
-    return x.view(torch.uint8)
-
-
 def sc_normal(rank: int, world: int) -> list[tuple[str, str]]:
     """Multi-rank normal mode: this backend's dispatch kernels (the core's exchanges), then its combine kernel, in
     default and batch-invariant mode, for bf16 and FP8 payloads, repeated, skipped and all-skipped slots, a rank
@@ -170,7 +163,7 @@ def sc_normal(rank: int, world: int) -> list[tuple[str, str]]:
                 combiner = last_resolution("ep_combine")
                 core_combined = ep_ref.combine_normal(y, out[4])
                 ref = reference_out(p, rank, dtype)
-            assert torch.equal(payload_bytes(out[0]), payload_bytes(core[0])), label
+            assert torch.equal(row_bytes(out[0]), row_bytes(core[0])), label
             assert torch.equal(out[1], core[1]) and torch.equal(out[2], core[2]), label
             assert torch.equal(out[3].expert_offsets, core[3].expert_offsets), label
             h, hc = out[4], core[4]

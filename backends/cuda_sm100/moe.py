@@ -433,8 +433,8 @@ def _pack_kernel(
     w = tl.arange(0, BW)
     wm = w < W
     before_c = tl.load(mine + w, mask=wm, other=0) - tl.load(own + w, mask=wm, other=0)
-    start_c = tl.cumsum(tl.load(last + w, mask=wm, other=0), axis=0)
-    start_c = start_c - tl.load(last + w, mask=wm, other=0) + before_c
+    total_c = tl.load(last + w, mask=wm, other=0)
+    start_c = tl.cumsum(total_c, axis=0) - total_c + before_c
     nk = tl.arange(0, NK)
     km = nk < W * WIDTH
     before_k = tl.load(mine + W + nk, mask=km, other=0) - tl.load(own + W + nk, mask=km, other=0)
@@ -445,7 +445,8 @@ def _pack_kernel(
     start_p = tl.cumsum(total_p, axis=0) - total_p
 
     flat_valid = tl.reshape(valid, (BT * KP,))
-    by_dest = tl.reshape((d[:, :, None] == w[None, None, :]).to(tl.int32), (BT * KP, BW))
+    hit = (d[:, :, None] == w[None, None, :]).to(tl.int32)  # [BT, KP, BW]
+    by_dest = tl.reshape(hit, (BT * KP, BW))
     dest_rank = tl.sum(by_dest * (before_p[None, :] + tl.cumsum(by_dest, axis=0) - by_dest), axis=1)
     pair_pos = tl.where(flat_valid, tl.sum(by_dest * start_p[None, :], axis=1) + dest_rank, tl.sum(total_p, axis=0))
     keys = tl.reshape(tl.where(valid, d * WIDTH + local, -1), (BT * KP,))
@@ -456,7 +457,7 @@ def _pack_kernel(
     tj = t[:, None] * K + j[None, :]
     tl.store(pair_pos_ptr + tj, tl.reshape(pair_pos, (BT, KP)).to(tl.int64), mask=jk)
 
-    present = tl.max((d[:, :, None] == w[None, None, :]).to(tl.int32), axis=1)  # [BT, BW]
+    present = tl.max(hit, axis=1)  # [BT, BW]
     pos_c = start_c[None, :] + tl.cumsum(present, axis=0) - present
     weight_bits = tl.load(w_ptr + tj, mask=jk, other=0.0).to(tl.int32, bitcast=True)
     key_rank = tl.reshape(key_rank, (BT, KP))

@@ -235,11 +235,12 @@ def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Counted:
     """What ``count_pairs`` found, for ``pack_copies``: per pair (flat over ``[T, k]``) its destination (``world``
-    for a skipped pair) and local expert, and per (destination, token) whether a copy goes there."""
+    for a skipped pair) and local expert, and per destination which pairs and tokens go there."""
 
     dest: torch.Tensor  # [T * k] int64
     local: torch.Tensor  # [T * k] int64
     to: torch.Tensor  # [world, T, k] bool: pair (t, j) goes to rank d
+    present: torch.Tensor  # [world, T] bool: token t has a copy for rank d
     counts: torch.Tensor  # [(world + 1) * width] int64: pairs per (destination, local expert), spare row last
 
 
@@ -269,8 +270,9 @@ def count_pairs(ids, tab: Tables, me: int, world: int):
     to = dest.view(1, tokens, k) == torch.arange(world, device=dev).view(world, 1, 1)
     counts = torch.zeros((world + 1) * width, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, dest * width + local, torch.ones_like(dest))
-    sent = torch.cat([counts[: world * width].view(world, width), to.any(2).sum(1, keepdim=True)], dim=1)
-    return sent, Counted(dest, local, to, counts)
+    present = to.any(2)
+    sent = torch.cat([counts[: world * width].view(world, width), present.sum(1, keepdim=True)], dim=1)
+    return sent, Counted(dest, local, to, present, counts)
 
 
 def pack_copies(x, payload: Payload, ids, weights, tab: Tables, me: int, world: int, counted: Counted):
@@ -284,7 +286,7 @@ def pack_copies(x, payload: Payload, ids, weights, tab: Tables, me: int, world: 
     pairs not skipped; at least their number for a skipped pair."""
     dev = ids.device
     tokens, k = ids.shape
-    dest, local, to = counted.dest, counted.local, counted.to
+    dest, local, to, present = counted.dest, counted.local, counted.to, counted.present
     width = tab.width
     n = tokens * k
     key = dest * width + local
@@ -305,7 +307,6 @@ def pack_copies(x, payload: Payload, ids, weights, tab: Tables, me: int, world: 
          per_copy(dest_rank.int())],
         dim=2,
     )  # fmt: skip
-    present = to.any(2)
     order = torch.sort(present.logical_not().view(-1).to(torch.uint8), stable=True).indices[: min(world, k) * tokens]
     rec_words = record.view(world * tokens, RECORD_FIELDS * k).index_select(0, order).view(payload.word)
     send = torch.cat([payload.to_words(x).index_select(0, order % tokens), rec_words], dim=1)
