@@ -95,21 +95,24 @@ def main() -> int:
         varlen_variants(8192, VARLEN_VARIANTS[:1])
     if which not in ("mla", "all"):
         return 0
-    variants = [  # (BLOCK_H, BLOCK_N, warps, stages, split); the first is the default tile
-        (64, 64, 8, 2, 1024),
-        (64, 128, 8, 1, 1024),
-        (128, 32, 16, 2, 1024),
-        (128, 64, 16, 1, 1024),
-        (64, 64, 8, 2, 512),
+    variants = [  # (BLOCK_H, BLOCK_N, warps, stages, split, TMA); the first is the default tile
+        (64, 64, 8, 2, 1024, True),
+        (64, 64, 8, 2, 1024, False),
+        (64, 64, 8, 3, 1024, True),
+        (64, 32, 8, 3, 1024, True),
+        (64, 64, 8, 1, 1024, True),
+        (64, 64, 8, 2, 512, True),
     ]
-    for fmt, (batch, ctx) in itertools.product(("bf16", "fp8_ds_mla"), ((64, 4096),)):
+    for fmt, (batch, ctx) in itertools.product(("bf16", "fp8_ds_mla"), ((64, 4096), (128, 16384))):
         inputs = [make(batch, ctx, fmt, s) for s in range(3)]
         with deepinfer.use("reference"):
             ref, _ = ops.mla_decode(**inputs[0])
         width = 1152 if fmt == "bf16" else 656
         nbytes = batch * ctx * width
-        for block_h, block_n, warps, stages, split in variants:
+        flops = 2 * batch * ctx * 128 * (576 + 512)  # QK over 576 columns, PV over 512, for 128 heads
+        for block_h, block_n, warps, stages, split, tma in variants:
             attention.MLA_TILE.update(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            attention.MLA_TMA = tma
             attention.MAX_SPLIT_TOKENS = split  # the span at B=64 (the grid already fills the GPU)
             try:
                 out, _ = ops.mla_decode(**inputs[0])
@@ -117,13 +120,14 @@ def main() -> int:
                 ms = time_ms(inputs)
                 print(
                     f"{fmt} B={batch} ctx={ctx} H=128 | BLOCK_H={block_h} BLOCK_N={block_n} warps={warps} "
-                    f"stages={stages} split={split} | {ms:.3f} ms | {nbytes / ms / 1e6:.0f} GB/s "
-                    f"({100 * nbytes / ms / 1e6 / copy_gbps:.0f}% of copy) | rel err {err:.1e}",
+                    f"stages={stages} split={split} tma={tma} | {ms:.3f} ms | {nbytes / ms / 1e6:.0f} GB/s "
+                    f"({100 * nbytes / ms / 1e6 / copy_gbps:.0f}% of copy) | {flops / ms / 1e9:.0f} TFLOP/s "
+                    f"| rel err {err:.1e}",
                     flush=True,
                 )
             except Exception as e:
                 print(
-                    f"{fmt} BLOCK_H={block_h} BLOCK_N={block_n} warps={warps} stages={stages} split={split}: "
+                    f"{fmt} BLOCK_H={block_h} BLOCK_N={block_n} warps={warps} stages={stages} split={split} tma={tma}: "
                     f"{type(e).__name__}: {str(e)[:120]}",
                     flush=True,
                 )

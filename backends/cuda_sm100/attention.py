@@ -4,7 +4,9 @@
 program reduces one span of the context, then a second kernel merges the spans by their lse. The grid comes from
 the block table's shape rather than from the sequence lengths, so a decode step needs no host synchronisation. By
 default small batches take shorter spans, so that the grid fills the GPU; the batch-invariant variant keeps the span
-fixed, so a row's result cannot depend on the batch.
+fixed, so a row's result cannot depend on the batch. A program holds its output as two [heads, L/2] halves (a TMA box
+is at most 256 wide) and reads whole 64-token blocks of a page by TMA copies; the last, partial block of a span is
+gathered with masks.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.kv_cache import FP8_GROUP
 
-from ._triton import INTERPRET, dot, next_pow2, num_sms, on_device, pow2_ceil, to_bf16, to_e4m3
+from ._triton import INTERPRET, dot, next_pow2, num_sms, on_device, pow2_ceil, tma_ready, to_bf16, to_e4m3
 
 LOG2E = 1.4426950408889634
+GROUP = tl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
 SPLIT_TOKENS = 512  # context tokens per KV split in batch-invariant mode
 # Adaptive spans (default mode): the longest (fewest partials to merge; 1024 beat 512 at B=64, ctx=4096 on the H200)
 # and the shortest (every split writes a [heads, L] fp32 partial: shorter spans cost more bytes than they save).
@@ -25,45 +29,97 @@ MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS = 1024, 64
 # Heads per program (each program reads its span of the cache once for all of them), tokens per step, warps, stages.
 # Measured on the H200 at B=64, ctx=4096 (benchmarks/tile_variants.py, NOTES.md): 64 heads with 8 warps beat 32 heads
 # (bf16 cache 0.53 against 0.55 ms, fp8_ds_mla 0.61 against 1.27 ms); a whole 64-token page per step beat 32 tokens
-# (bf16 0.355 against 0.455 ms, fp8_ds_mla 0.406 against 0.536 ms).
+# (bf16 0.355 against 0.455 ms, fp8_ds_mla 0.406 against 0.536 ms); TMA copies beat pointer loads (bf16 0.314 against
+# 0.339 ms, fp8_ds_mla 0.417 against 0.446 ms).
 MLA_TILE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+MLA_TMA = True  # whole blocks by TMA copies where the cache allows it (see ``_mla_tma``)
 
 
 @triton.jit
-def _load_latent(
+def _load_block(
+    latent_src,
+    rope_src,
     cache_ptr,
     cache_f32_ptr,
     cache_bf16_ptr,
+    first,
     slot,
     valid,
     WIDTH: tl.constexpr,
     L: tl.constexpr,
     R: tl.constexpr,
+    ROPE_AT: tl.constexpr,
+    GH: tl.constexpr,
     FP8: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """The latent [BLOCK_N, L] and rope [BLOCK_N, R] parts of the tokens at ``slot`` (zeros where not ``valid``)."""
-    cols = tl.arange(0, L)
-    rope_cols = tl.arange(0, R)
-    if FP8:
-        base = slot * WIDTH  # bytes
-        raw = tl.load(cache_ptr + base[:, None] + cols[None, :], mask=valid[:, None], other=0)
-        groups = tl.arange(0, L // 128)
-        scale = tl.load(cache_f32_ptr + ((base + L) // 4)[:, None] + groups[None, :], mask=valid[:, None], other=0.0)
-        values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).reshape(BLOCK_N, L // 128, 128)
-        c = (values * scale[:, :, None]).reshape(BLOCK_N, L).to(tl.bfloat16)
-        rope_index = (base + L + 4 * (L // 128)) // 2
-        k_rope = tl.load(cache_bf16_ptr + rope_index[:, None] + rope_cols[None, :], mask=valid[:, None], other=0.0)
+    """The two latent halves [BLOCK_N, L/2] (bf16) and the rope part [BLOCK_N, R] of the tokens in cache rows ``slot``.
+
+    ``TMA``: the rows are ``first + [0, BLOCK_N)``, all valid, read by TMA copies through ``latent_src`` /
+    ``rope_src``. Otherwise they are gathered by pointer, zeros where not ``valid`` (the cache past a sequence may
+    hold anything, NaN included, and P x V must not see it). The rope part starts at column ``ROPE_AT`` of a record
+    (bf16 units); an fp8_ds_mla record holds L e4m3 bytes, then L / 128 fp32 scales, then the rope part."""
+    LH: tl.constexpr = L // 2
+    cols = tl.arange(0, LH)
+    base = slot * WIDTH  # elements of the cache's dtype (bytes for fp8_ds_mla)
+    if TMA:
+        row = first.to(tl.int32)
+        c0 = latent_src.load([row, 0])
+        c1 = latent_src.load([row, LH])
+        k_rope = rope_src.load([row, ROPE_AT])
     else:
-        base = slot * WIDTH  # elements
-        c = tl.load(cache_ptr + base[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
-        k_rope = tl.load(cache_ptr + base[:, None] + L + rope_cols[None, :], mask=valid[:, None], other=0.0)
-    return c, k_rope
+        other = 0 if FP8 else 0.0
+        c0 = tl.load(cache_ptr + base[:, None] + cols[None, :], mask=valid[:, None], other=other)
+        c1 = tl.load(cache_ptr + base[:, None] + LH + cols[None, :], mask=valid[:, None], other=other)
+        rope = (base // 2 if FP8 else base) + ROPE_AT
+        k_rope = tl.load(cache_bf16_ptr + rope[:, None] + tl.arange(0, R)[None, :], mask=valid[:, None], other=0.0)
+    if FP8:  # each e4m3 byte times its 128-group's scale; a half narrower than a group (GH = 1) lies in one group
+        scale_at = ((base + L) // 4)[:, None] + tl.arange(0, GH)[None, :]
+        s0 = tl.load(cache_f32_ptr + scale_at, mask=valid[:, None], other=0.0)
+        s1 = tl.load(cache_f32_ptr + scale_at + LH // GROUP, mask=valid[:, None], other=0.0)
+        c0 = _dequantize(c0, s0, GH)
+        c1 = _dequantize(c1, s1, GH)
+    return c0, c1, k_rope
+
+
+@triton.jit
+def _dequantize(raw, scale, G: tl.constexpr):
+    """e4m3 bytes [N, W] times ``scale`` [N, G] (G equal groups of columns), as bf16."""
+    n: tl.constexpr = raw.shape[0]
+    w: tl.constexpr = raw.shape[1]
+    values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).reshape(n, G, w // G)
+    return (values * scale[:, :, None]).reshape(n, w).to(tl.bfloat16)
+
+
+@triton.jit
+def _mla_step(
+    q0, q1, q_rope, c0, c1, k_rope, acc0, acc1, m_i, l_i, valid, qk_scale, MASK: tl.constexpr, FP32_DOT: tl.constexpr
+):
+    """One block of tokens folded into the running (acc, max, sum), the latent in two halves. ``MASK``: some tokens
+    of the block are past the span."""
+    qk = dot(q0, tl.trans(c0), tl.zeros((q0.shape[0], c0.shape[0]), tl.float32), FP32_DOT)
+    qk = dot(q1, tl.trans(c1), qk, FP32_DOT)
+    qk = dot(q_rope, tl.trans(k_rope), qk, FP32_DOT)
+    if MASK:
+        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])
+    else:  # every score is visible: the scale goes into one FMA with the max
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(c0.dtype)
+    acc0 = dot(p, c0, acc0 * alpha[:, None], FP32_DOT)
+    acc1 = dot(p, c1, acc1 * alpha[:, None], FP32_DOT)
+    return acc0, acc1, m_new, l_i
 
 
 @triton.jit
 def _mla_split_kernel(
     q_ptr,
+    latent_src,
+    rope_src,
     cache_ptr,
     cache_f32_ptr,
     cache_bf16_ptr,
@@ -83,7 +139,10 @@ def _mla_split_kernel(
     R: tl.constexpr,
     WIDTH: tl.constexpr,
     PAGE: tl.constexpr,
+    ROPE_AT: tl.constexpr,
+    GH: tl.constexpr,
     FP8: tl.constexpr,
+    TMA: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -104,35 +163,74 @@ def _mla_split_kernel(
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=hmask)
         return
 
+    LH: tl.constexpr = L // 2
     q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + heads[:, None] * stride_qh
-    q_nope = tl.load(q_row + tl.arange(0, L)[None, :], mask=hmask[:, None], other=0.0)
+    q0 = tl.load(q_row + tl.arange(0, LH)[None, :], mask=hmask[:, None], other=0.0)
+    q1 = tl.load(q_row + LH + tl.arange(0, LH)[None, :], mask=hmask[:, None], other=0.0)
     q_rope = tl.load(q_row + L + tl.arange(0, R)[None, :], mask=hmask[:, None], other=0.0)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, L), tl.float32)
+    acc0 = tl.zeros((BLOCK_H, LH), tl.float32)
+    acc1 = tl.zeros((BLOCK_H, LH), tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
+    table_row = table_ptr + b.to(tl.int64) * stride_table
+    tokens = tl.arange(0, BLOCK_N)
+    # Whole blocks inside one page (spans start on a block boundary): one table entry each and no masks.
+    full = 0
+    if PAGE % BLOCK_N == 0:
+        full = (end - start) // BLOCK_N
+    for i in range(full):
+        n0 = start + i * BLOCK_N
+        first = tl.load(table_row + n0 // PAGE).to(tl.int64) * PAGE + n0 % PAGE
+        c0, c1, k_rope = _load_block(
+            latent_src,
+            rope_src,
+            cache_ptr,
+            cache_f32_ptr,
+            cache_bf16_ptr,
+            first,
+            first + tokens,
+            tokens < BLOCK_N,
+            WIDTH,
+            L,
+            R,
+            ROPE_AT,
+            GH,
+            FP8,
+            TMA,
+        )
+        acc0, acc1, m_i, l_i = _mla_step(
+            q0, q1, q_rope, c0, c1, k_rope, acc0, acc1, m_i, l_i, None, qk_scale, False, FP32_DOT
+        )
+    for n0 in range(start + full * BLOCK_N, end, BLOCK_N):  # the partial last block (every block if pages are short)
+        pos = n0 + tokens
         valid = pos < end
-        if PAGE % BLOCK_N == 0:  # the block lies in one page: one table entry, consecutive slots
-            page = tl.load(table_ptr + b.to(tl.int64) * stride_table + n0 // PAGE)
-            slot = page.to(tl.int64) * PAGE + n0 % PAGE + tl.arange(0, BLOCK_N)
-        else:
-            page = tl.load(table_ptr + b.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
-            slot = page.to(tl.int64) * PAGE + pos % PAGE
-        c, k_rope = _load_latent(cache_ptr, cache_f32_ptr, cache_bf16_ptr, slot, valid, WIDTH, L, R, FP8, BLOCK_N)
-        qk = dot(q_nope, tl.trans(c), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), FP32_DOT)
-        qk = dot(q_rope, tl.trans(k_rope), qk, FP32_DOT) * qk_scale
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = dot(p.to(c.dtype), c, acc * alpha[:, None], FP32_DOT)
-        m_i = m_new
-    out = acc / l_i[:, None]
+        page = tl.load(table_row + pos // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+        c0, c1, k_rope = _load_block(
+            latent_src,
+            rope_src,
+            cache_ptr,
+            cache_f32_ptr,
+            cache_bf16_ptr,
+            slot,
+            slot,
+            valid,
+            WIDTH,
+            L,
+            R,
+            ROPE_AT,
+            GH,
+            FP8,
+            False,
+        )
+        acc0, acc1, m_i, l_i = _mla_step(
+            q0, q1, q_rope, c0, c1, k_rope, acc0, acc1, m_i, l_i, valid, qk_scale, True, FP32_DOT
+        )
     lse = (m_i + tl.log2(l_i)) / 1.4426950408889634  # natural log
-    tl.store(part_out_ptr + part[:, None] * L + tl.arange(0, L)[None, :], out, mask=hmask[:, None])
+    out_row = part_out_ptr + part[:, None] * L + tl.arange(0, LH)[None, :]
+    tl.store(out_row, acc0 / l_i[:, None], mask=hmask[:, None])
+    tl.store(out_row + LH, acc1 / l_i[:, None], mask=hmask[:, None])
     tl.store(part_lse_ptr + part, lse, mask=hmask)
 
 
@@ -173,6 +271,19 @@ def _split_tokens(programs_per_split: int, context: int, sms: int, invariant: bo
     return split
 
 
+def _mla_tma(records, rope_records, half: int, rope_dim: int, rope_at: int, block_n: int, page: int) -> bool:
+    """Whether whole blocks can be read by TMA copies: ``MLA_TMA``, blocks inside a page, boxes of at most 256
+    elements a side, 16-byte aligned rows and column offsets."""
+    return (
+        MLA_TMA
+        and page % block_n == 0
+        and max(half, rope_dim, block_n) <= 256
+        and half * records.element_size() % 16 == 0
+        and rope_at * 2 % 16 == 0
+        and tma_ready(records, rope_records)
+    )
+
+
 def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format, invariant=False):
     batch, s_q, heads, d_qk = q.shape
     rope_dim = d_qk - kv_lora_rank
@@ -191,8 +302,15 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     part_lse = torch.empty(batch * s_q * heads * n_splits, dtype=torch.float32, device=q.device)
     fp8 = kv_format == "fp8_ds_mla"
     flat = kv_cache.view(-1)
+    records = kv_cache.view(-1, kv_cache.shape[2])  # one row per cached token
+    rope_records = records.view(torch.bfloat16) if fp8 else records
+    rope_at = (kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP)) // 2 if fp8 else kv_lora_rank
+    half = kv_lora_rank // 2
+    tma = _mla_tma(records, rope_records, half, rope_dim, rope_at, tile["BLOCK_N"], page)
     _mla_split_kernel[(batch * s_q, head_blocks, n_splits)](
         q,
+        TensorDescriptor.from_tensor(records, [tile["BLOCK_N"], half]) if tma else flat,
+        TensorDescriptor.from_tensor(rope_records, [tile["BLOCK_N"], rope_dim]) if tma else flat,
         flat,
         flat.view(torch.float32) if fp8 else flat,
         flat.view(torch.bfloat16) if fp8 else flat,
@@ -212,7 +330,10 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
         R=rope_dim,
         WIDTH=kv_cache.shape[2],
         PAGE=page,
+        ROPE_AT=rope_at,
+        GH=max(half // FP8_GROUP, 1),
         FP8=fp8,
+        TMA=tma,
         SPLIT=split,
         BLOCK_H=block_h,
         FP32_DOT=INTERPRET,
@@ -225,10 +346,10 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
 
 
 def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format) -> bool:
-    """bf16 queries, power-of-two latent and rope widths. An fp8_ds_mla record must be a multiple of 16 bytes
-    (DeepSeek-V3's 656 is): Triton assumes 16-byte alignment for the per-token rows of ``slot * WIDTH`` and issues
-    16-byte loads, which fault on the 260- and 392-byte records of smaller latents (found with compute-sanitizer
-    on the H200); those go to the reference."""
+    """bf16 queries, power-of-two latent (at least 32: two halves of 16) and rope widths. An fp8_ds_mla record must
+    be a multiple of 16 bytes (DeepSeek-V3's 656 is): Triton assumes 16-byte alignment for the per-token rows of
+    ``slot * WIDTH`` and issues 16-byte loads, which fault on the 260- and 392-byte records of smaller latents (found
+    with compute-sanitizer on the H200); those go to the reference."""
     rope_dim = q.shape[3] - kv_lora_rank
     return (
         on_device(q, kv_cache, block_table, seq_lens)
@@ -237,6 +358,7 @@ def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_r
         and kv_lora_rank == next_pow2(kv_lora_rank)
         and rope_dim == next_pow2(rope_dim)
         and rope_dim >= 16
+        and kv_lora_rank >= 32
         and block_table.stride(1) == 1
         and (kv_format == "bf16" or INTERPRET or kv_cache.shape[2] % 16 == 0)
     )
