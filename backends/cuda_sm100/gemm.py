@@ -399,7 +399,7 @@ def cublas_supports(a, w, *, out_dtype, bias) -> bool:
 # --- grouped GEMM -------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["max_m"])
+@triton.jit(do_not_specialize=["max_m", "GRID_M"])
 def _grouped_gemm_kernel(
     a_src,
     b_src,
@@ -413,6 +413,7 @@ def _grouped_gemm_kernel(
     N,
     K,
     max_m,
+    GRID_M,
     stride_am,
     stride_bn,
     stride_cm,
@@ -424,11 +425,13 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    """Contiguous: program (t, n) takes the t-th M tile over all experts (``tile_offsets`` = cumulative tiles per
-    expert, computed on the device). Masked: program (e * tiles_per_expert + t, n). Rows never cross experts."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """Contiguous: M tile t is the t-th over all experts (``tile_offsets`` = cumulative tiles per expert, computed on
+    the device). Masked: M tile e * tiles_per_expert + t. Rows never cross experts. Programs walk ``GROUP_M`` M
+    tiles (one expert's rows, mostly) down every column tile before the next ones, so those rows stay in L2 while
+    the expert's weight streams past once (``tile_coords`` over ``GRID_M`` M tiles)."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if MASKED:
         tiles = tl.cdiv(max_m, BLOCK_M)
         e = pid_m // tiles
@@ -475,6 +478,7 @@ def _grouped_gemm_kernel(
 # model's decode shape on the H200, benchmarks/gemm_tiles.py: 75 against 87 us for the gate/up product of one token).
 GROUPED_TILE = Tile(64, 128, 4, 3)
 GROUPED_DECODE_TILE = Tile(16, 64, 4, 4)
+GROUPED_GROUP_M = 16  # M tiles walked together down the column tiles (16 x 64 rows: 1024 rows, an expert or two)
 
 
 def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
@@ -504,7 +508,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         tile_offsets = torch.zeros(experts + 1, dtype=torch.int32, device=a_data.device)
         tile_offsets[1:] = torch.cumsum(torch.div(counts + block_m - 1, block_m, rounding_mode="floor"), 0)
         grid_m, offsets = triton.cdiv(rows, block_m) + experts, expert_offsets
-    _grouped_gemm_kernel[(grid_m, triton.cdiv(n, block_n))](
+    _grouped_gemm_kernel[(grid_m * triton.cdiv(n, block_n),)](
         TensorDescriptor.from_tensor(a2, [block_m, block_k]) if tma else a2,
         TensorDescriptor.from_tensor(b, [block_n, block_k]) if tma else b,
         out.view(rows, n),
@@ -517,6 +521,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         n,
         k,
         a_data.shape[1] if masked else 0,
+        grid_m,
         a2.stride(0),
         b.stride(0),
         n,
@@ -528,6 +533,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_E=triton.next_power_of_2(experts),
+        GROUP_M=GROUPED_GROUP_M,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
