@@ -112,12 +112,12 @@ class Check:
         """All entries in [low, high] (a value check: call only where ``value_checks_enabled``)."""
         if t.numel() == 0:
             return
-        lo, hi = int(t.min()), int(t.max())
+        lo, hi = torch.stack([t.min(), t.max()]).tolist()  # one host synchronisation
         if lo < low or hi > high:
             raise self.fail(arg, f"{what} in [{low}, {high}]", f"values in [{lo}, {hi}]")
 
     def nondecreasing_offsets(self, arg: str, t: torch.Tensor, total: int) -> None:
         """offsets[0] == 0, nondecreasing, offsets[-1] == total (a value check)."""
-        first, last = int(t[0]), int(t[-1])
-        if first != 0 or last != total or bool((t[1:] < t[:-1]).any()):
+        first, last, falls = torch.stack([t[0], t[-1], (t[1:] < t[:-1]).any().to(t.dtype)]).tolist()  # one sync
+        if first != 0 or last != total or falls:
             raise self.fail(arg, f"nondecreasing offsets from 0 to {total}", f"{t.tolist() if t.numel() <= 16 else t}")

@@ -407,7 +407,6 @@ def _grouped_gemm_kernel(
     as_ptr,
     bs_ptr,
     offsets_ptr,
-    tile_offsets_ptr,
     masked_ptr,
     E,
     N,
@@ -427,10 +426,10 @@ def _grouped_gemm_kernel(
     BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Contiguous: M tile t is the t-th over all experts (``tile_offsets`` = cumulative tiles per expert, computed on
-    the device). Masked: M tile e * tiles_per_expert + t. Rows never cross experts. Programs walk ``GROUP_M`` M
-    tiles (one expert's rows, mostly) down every column tile before the next ones, so those rows stay in L2 while
-    the expert's weight streams past once (``tile_coords`` over ``GRID_M`` M tiles)."""
+    """Contiguous: M tile t is the t-th over all experts (each program counts the experts' tiles from ``offsets``).
+    Masked: M tile e * tiles_per_expert + t. Rows never cross experts. Programs walk ``GROUP_M`` M tiles (one
+    expert's rows, mostly) down every column tile before the next ones, so those rows stay in L2 while the expert's
+    weight streams past once (``tile_coords`` over ``GRID_M`` M tiles)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if MASKED:
         tiles = tl.cdiv(max_m, BLOCK_M)
@@ -442,11 +441,15 @@ def _grouped_gemm_kernel(
         row0 = e.to(tl.int64) * max_m + first
         row_end = e.to(tl.int64) * max_m + rows_in_expert
     else:
-        ends = tl.load(tile_offsets_ptr + 1 + tl.arange(0, BLOCK_E), mask=tl.arange(0, BLOCK_E) < E, other=2147483647)
+        experts = tl.arange(0, BLOCK_E)
+        starts = tl.load(offsets_ptr + experts, mask=experts < E, other=0)
+        stops = tl.load(offsets_ptr + 1 + experts, mask=experts < E, other=0)
+        tiles = tl.cdiv(stops - starts, BLOCK_M)  # M tiles of each expert (0 past E)
+        ends = tl.where(experts < E, tl.cumsum(tiles, axis=0), 2147483647)
         e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
         if e >= E:
             return
-        tile_start = tl.load(tile_offsets_ptr + e)
+        tile_start = tl.sum(tl.where(experts < e, tiles, 0), axis=0)
         row0 = (tl.load(offsets_ptr + e) + (pid_m - tile_start) * BLOCK_M).to(tl.int64)
         row_end = tl.load(offsets_ptr + e + 1).to(tl.int64)
 
@@ -501,12 +504,8 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     tma = tma_ready(a2, b)
     dummy = out
     if masked:
-        grid_m = experts * triton.cdiv(a_data.shape[1], block_m)
-        tile_offsets = offsets = dummy
-    else:
-        counts = expert_offsets[1:] - expert_offsets[:-1]
-        tile_offsets = torch.zeros(experts + 1, dtype=torch.int32, device=a_data.device)
-        tile_offsets[1:] = torch.cumsum(torch.div(counts + block_m - 1, block_m, rounding_mode="floor"), 0)
+        grid_m, offsets = experts * triton.cdiv(a_data.shape[1], block_m), dummy
+    else:  # at most one partial tile per expert
         grid_m, offsets = triton.cdiv(rows, block_m) + experts, expert_offsets
     _grouped_gemm_kernel[(grid_m * triton.cdiv(n, block_n),)](
         TensorDescriptor.from_tensor(a2, [block_m, block_k]) if tma else a2,
@@ -515,7 +514,6 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         a.scale.reshape(rows, -1).contiguous() if fp8 else dummy,
         w.scale.contiguous() if fp8 else dummy,
         offsets,
-        tile_offsets,
         masked_m if masked else dummy,
         experts,
         n,

@@ -37,10 +37,17 @@ def sample(
     c.index("seeds", seeds, dtype=torch.int64, length=batch)
     c.same_device(logits=logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds)
     if value_checks_enabled(logits) and batch:
-        if bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):
+        bad_temperature, bad_top_p, bad_top_k = torch.stack(  # one host synchronisation for the three checks
+            [
+                ((temperature < 0) | ~torch.isfinite(temperature)).any(),
+                (~((top_p > 0) & (top_p <= 1))).any(),  # NaN fails too
+                (top_k < 0).any(),
+            ]
+        ).tolist()
+        if bad_temperature:
             raise c.fail("temperature", "finite values >= 0", f"{temperature.tolist()[:8]}")
-        if not bool(((top_p > 0) & (top_p <= 1)).all()):  # NaN fails too
+        if bad_top_p:
             raise c.fail("top_p", "values in (0, 1]", f"{top_p.tolist()[:8]}")
-        if bool((top_k < 0).any()):
+        if bad_top_k:
             raise c.fail("top_k", "values >= 0 (0 = off)", f"{top_k.tolist()[:8]}")
     return call("sample", logits=logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds)
