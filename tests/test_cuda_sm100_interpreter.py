@@ -117,6 +117,37 @@ def test_fp8_gemms_read_unaligned_operands():
     assert out.stdout.split("\n")[:2] == ["True False", "True True True True"]
 
 
+MLA_TMA_PATHS = """
+import torch, deepinfer
+from deepinfer import ops
+from deepinfer.conformance.attention import _mla_case
+from deepinfer.conformance.cases import Gen
+from deepinfer_cuda_sm100 import attention
+
+chosen, pick = [], attention._mla_tma
+attention._mla_tma = lambda *a: chosen.append(pick(*a)) or chosen[-1]
+with deepinfer.use("cuda_sm100"):
+    for fmt in ("bf16", "fp8_ds_mla"):
+        kw = _mla_case(2, 1, 16, (100, 200), 64, fmt).make(Gen(3, "cpu"))
+        outs = []
+        for tma in (True, False):
+            attention.MLA_TMA = tma
+            outs.append(ops.mla_decode(**kw))
+        print(fmt, all(torch.equal(a, b) for a, b in zip(*outs)))
+print(chosen)
+"""
+
+
+def test_mla_decode_tma_and_pointer_paths_agree():
+    """At DeepSeek-V3's record layouts (latent 512, rope 64, pages of 64) ``mla_decode`` reads whole blocks by TMA
+    copies, in both cache formats, and gives the same bits as with pointer loads (the partial last block of a span
+    is gathered with masks either way)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", MLA_TMA_PATHS], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["bf16 True", "fp8_ds_mla True", "[True, False, True, False]"]
+
+
 def setup_rank() -> None:
     deepinfer.use("cuda_sm100")
     from deepinfer_cuda_sm100 import moe
