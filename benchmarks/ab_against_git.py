@@ -1,0 +1,133 @@
+"""Same-run A/B of a cuda_sm100 kernel: the backend module as committed at a git revision against the working tree's,
+on the same inputs, alternating the two several times, each checked against the reference before it is timed.
+
+    python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm [--rev HEAD] [--rounds 2] [--eager]
+
+Device time from CUDA graphs (``--eager``: eager medians, host work included). Under the Triton interpreter
+(``TRITON_INTERPRET=1``, no GPU) it runs one small shape per case and times eagerly, which checks the script itself.
+mla_decode: bf16 and fp8_ds_mla caches at B=64 ctx 4096, B=128 ctx 16384, B=32 ctx 1024 (H=128, latent 512 + rope
+64, page 64). grouped_gemm: 32 experts with FP8 activations, gate/up 7168 -> 4096 and down 2048 -> 7168, at 8, 128,
+512 and 1024 rows per expert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+import deepinfer
+from deepinfer import bench, ops
+from deepinfer.kv_cache import allocate_kv_cache, pack_fp8_ds_mla
+from deepinfer.qtensor import quantize_blocks, quantize_rows
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+MODULES = {"mla_decode": "attention", "grouped_gemm": "gemm"}  # op -> file under backends/cuda_sm100
+
+
+def module_at(rev: str, name: str):
+    """The backend module ``name`` as committed at ``rev``, importing the working tree's package for its helpers."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:backends/cuda_sm100/{name}.py"], capture_output=True, text=True, check=True
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / f"{name}_at_rev.py"  # Triton reads a kernel's source from its file
+    path.write_text(source.replace("from ._triton", "from deepinfer_cuda_sm100._triton"))
+    spec = importlib.util.spec_from_file_location(f"{name}_at_rev", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def mla_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
+    heads, shapes = (128, [(64, 4096), (128, 16384), (32, 1024)]) if ON_GPU else (16, [(2, 192)])
+    for fmt in ("bf16", "fp8_ds_mla"):
+        for batch, ctx in shapes:
+            sets = []
+            for seed in range(3):
+                gen = torch.Generator(device=DEVICE).manual_seed(seed)
+                pages = ctx // 64
+                cache = allocate_kv_cache(
+                    batch * pages, 64, kv_lora_rank=512, rope_dim=64, kv_format=fmt, device=DEVICE
+                )
+                latent = torch.randn(batch * pages * 64, 576, device=DEVICE, generator=gen).bfloat16()
+                cache.view(batch * pages * 64, -1).copy_(latent if fmt == "bf16" else pack_fp8_ds_mla(latent, 512))
+                table = torch.randperm(batch * pages, device=DEVICE, generator=gen).view(batch, pages).int()
+                # lengths up to the table's reach, so spans end inside a page and the last block is partial
+                lens = torch.randint(ctx - 100, ctx + 1, (batch,), device=DEVICE, generator=gen).int()
+                q = torch.randn(batch, 1, heads, 576, device=DEVICE, generator=gen).bfloat16()
+                kw = {"q": q, "kv_cache": cache, "block_table": table, "seq_lens": lens, "softmax_scale": 192**-0.5}
+                sets.append(kw | {"kv_lora_rank": 512, "kv_format": fmt})
+            with deepinfer.use("reference"):
+                ref = ops.mla_decode(**sets[0])[0]
+            flops = 2 * batch * ctx * heads * (576 + 512)
+            yield f"{fmt} B={batch} ctx={ctx} H={heads}", sets, flops, lambda out, ref=ref: rel_err(out[0], ref)
+
+
+def grouped_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
+    if ON_GPU:
+        experts, shapes, rows = 32, [(4096, 7168), (7168, 2048)], [8, 128, 512, 1024]
+    else:
+        experts, shapes, rows = 3, [(256, 256)], [9]
+    for n, k in shapes:
+        gen = torch.Generator(device=DEVICE).manual_seed(n)
+        w = quantize_blocks(torch.randn(experts, n, k, device=DEVICE, generator=gen) * k**-0.5)
+        for m in rows:
+            offsets = torch.arange(0, experts + 1, device=DEVICE, dtype=torch.int32) * m
+            sets = [
+                {
+                    "a": quantize_rows(torch.randn(experts * m, k, device=DEVICE, generator=gen), 128, "fp32"),
+                    "w": w,
+                    "expert_offsets": offsets,
+                    "masked_m": None,
+                    "out_dtype": torch.bfloat16,
+                }
+                for _ in range(3)
+            ]
+            with deepinfer.use("reference"):
+                ref = ops.grouped_gemm(**sets[0])
+            flops = 2 * experts * m * n * k
+            yield f"N={n} K={k} rows/expert={m}", sets, flops, lambda out, ref=ref: rel_err(out, ref)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("op", choices=sorted(MODULES))
+    parser.add_argument("--rev", default="HEAD", help="git revision of the 'before' side (default HEAD)")
+    parser.add_argument("--rounds", type=int, default=2, help="times each side is timed, alternating (default 2)")
+    parser.add_argument("--eager", action="store_true", help="eager medians instead of CUDA-graph replays")
+    args = parser.parse_args()
+    deepinfer.use("cuda_sm100")
+    name = MODULES[args.op]
+    sides = {args.rev: module_at(args.rev, name), "tree": importlib.import_module(f"deepinfer_cuda_sm100.{name}")}
+    graphs = ON_GPU and not args.eager
+    for label, sets, flops, check in (mla_cases if args.op == "mla_decode" else grouped_cases)():
+        best = {}
+        for _ in range(args.rounds):
+            for side, module in sides.items():
+                fn = getattr(module, args.op)
+                err = check(fn(**sets[0]))
+                run = lambda i, fn=fn, sets=sets: fn(**sets[i])
+                if graphs:
+                    ms = bench.time_graph_ms(run, sets=len(sets))
+                else:  # the interpreter takes seconds per call: one timed call there
+                    ms = bench.time_ms(run, DEVICE, sets=len(sets), warmup=1 if ON_GPU else 0, reps=30 if ON_GPU else 1)
+                best[side] = min(best.get(side, ms), ms)
+                rate = f"{flops / ms / 1e9:.0f} TFLOP/s"
+                print(f"{label} | {side} | {ms:.3f} ms | {rate} | rel err {err:.1e}", flush=True)
+        print(f"{label} | tree against {args.rev}: {best[args.rev] / best['tree']:.3f}x (best of each)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
