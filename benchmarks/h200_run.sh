@@ -8,6 +8,8 @@
 #                every case, so a stopped run keeps its numbers
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
+#   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode or grouped_gemm) at git REV (default HEAD) against
+#                the working tree
 #   ep           two GPUs (nvidia-h200-x2): dispatch + combine over NCCL, then the model with its experts on both
 #   ep-check     one GPU: the multi-rank dispatch kernels checked by two ranks through Gloo with CUDA tensors
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
@@ -36,6 +38,8 @@ case ${1:-} in
     timeout 560 python3 benchmarks/tile_variants.py 4200 all 2>&1 | tee "$OUT/tiles.txt" | tail -60 ;;
   gemm-tiles)
     timeout "${2:-300}" python3 benchmarks/gemm_tiles.py "$OUT/gemm_tiles.json" all 2>&1 | tail -50 ;;
+  ab)
+    timeout 560 python3 benchmarks/ab_against_git.py "$2" --rev "${3:-HEAD}" 2>&1 | tee "$OUT/ab.txt" | tail -40 ;;
   ep)
     timeout 220 torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out "$OUT/ep.json" --timeout 120 --profile 2>&1 \
       | grep -v "^W1" | tail -12
@@ -44,6 +48,6 @@ case ${1:-} in
   ep-check)
     timeout 300 torchrun --nproc-per-node 2 benchmarks/bench_ep.py --backend gloo-cuda --check-only \
       --out "$OUT/ep_check.json" --timeout 200 2>&1 | grep -v "^W1" | tail -4 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|gemm-tiles|ep|ep-check" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|gemm-tiles|ab|ep|ep-check" >&2
      exit 2 ;;
 esac
