@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from tile_variants import make
 
 import deepinfer
 from deepinfer import bench, ops
-from deepinfer.kv_cache import allocate_kv_cache, pack_fp8_ds_mla
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 
 ON_GPU = torch.cuda.is_available()
@@ -49,21 +49,11 @@ def mla_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
     heads, shapes = (128, [(64, 4096), (128, 16384), (32, 1024)]) if ON_GPU else (16, [(2, 192)])
     for fmt in ("bf16", "fp8_ds_mla"):
         for batch, ctx in shapes:
-            sets = []
-            for seed in range(3):
-                gen = torch.Generator(device=DEVICE).manual_seed(seed)
-                pages = ctx // 64
-                cache = allocate_kv_cache(
-                    batch * pages, 64, kv_lora_rank=512, rope_dim=64, kv_format=fmt, device=DEVICE
-                )
-                latent = torch.randn(batch * pages * 64, 576, device=DEVICE, generator=gen).bfloat16()
-                cache.view(batch * pages * 64, -1).copy_(latent if fmt == "bf16" else pack_fp8_ds_mla(latent, 512))
-                table = torch.randperm(batch * pages, device=DEVICE, generator=gen).view(batch, pages).int()
-                # lengths up to the table's reach, so spans end inside a page and the last block is partial
-                lens = torch.randint(ctx - 100, ctx + 1, (batch,), device=DEVICE, generator=gen).int()
-                q = torch.randn(batch, 1, heads, 576, device=DEVICE, generator=gen).bfloat16()
-                kw = {"q": q, "kv_cache": cache, "block_table": table, "seq_lens": lens, "softmax_scale": 192**-0.5}
-                sets.append(kw | {"kv_lora_rank": 512, "kv_format": fmt})
+            # lengths short of the table's reach by up to 100 tokens, so spans end inside a page
+            sets = [
+                make(batch, ctx, fmt, seed, heads, DEVICE, short=100) | {"kv_lora_rank": 512, "kv_format": fmt}
+                for seed in range(3)
+            ]
             with deepinfer.use("reference"):
                 ref = ops.mla_decode(**sets[0])[0]
             flops = 2 * batch * ctx * heads * (576 + 512)

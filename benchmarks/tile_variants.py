@@ -19,15 +19,17 @@ from deepinfer.kv_cache import pack_fp8_ds_mla
 from deepinfer_cuda_sm100 import attention
 
 
-def make(batch: int, ctx: int, fmt: str, seed: int):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def make(batch: int, ctx: int, fmt: str, seed: int, heads: int = 128, device: str = "cuda", short: int = 0):
+    """mla_decode inputs at DeepSeek-V3's record layout, pages in random order; each sequence holds ``ctx`` tokens,
+    or a random length in ``[ctx - short, ctx]``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     pages = ctx // 64
-    cache = deepinfer.allocate_kv_cache(batch * pages, 64, kv_lora_rank=512, rope_dim=64, kv_format=fmt, device="cuda")
-    latent = torch.randn(batch * pages * 64, 576, device="cuda", generator=gen).bfloat16()
+    cache = deepinfer.allocate_kv_cache(batch * pages, 64, kv_lora_rank=512, rope_dim=64, kv_format=fmt, device=device)
+    latent = torch.randn(batch * pages * 64, 576, device=device, generator=gen).bfloat16()
     cache.view(batch * pages * 64, -1).copy_(latent if fmt == "bf16" else pack_fp8_ds_mla(latent, 512))
-    table = torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages).int()
-    q = torch.randn(batch, 1, 128, 576, device="cuda", generator=gen).bfloat16()
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    table = torch.randperm(batch * pages, device=device, generator=gen).view(batch, pages).int()
+    q = torch.randn(batch, 1, heads, 576, device=device, generator=gen).bfloat16()
+    lens = torch.randint(ctx - short, ctx + 1, (batch,), device=device, generator=gen).int()
     return {"q": q, "kv_cache": cache, "block_table": table, "seq_lens": lens, "softmax_scale": 192**-0.5}
 
 
