@@ -1,5 +1,6 @@
 """Same-run A/B of a cuda_sm100 kernel: the backend module as committed at a git revision against the working tree's,
-on the same inputs, alternating the two several times, each checked against the reference before it is timed.
+on the same inputs, alternating the two several times, each checked against the reference before it is timed
+(worst-row relative error, as ``deepinfer bench`` reports).
 
     python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm [--rev HEAD] [--rounds 2] [--eager]
 
@@ -25,6 +26,7 @@ from tile_variants import make
 
 import deepinfer
 from deepinfer import bench, ops
+from deepinfer.conformance.cases import error
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 
 ON_GPU = torch.cuda.is_available()
@@ -57,7 +59,7 @@ def mla_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
             with deepinfer.use("reference"):
                 ref = ops.mla_decode(**sets[0])[0]
             flops = 2 * batch * ctx * heads * (576 + 512)
-            yield f"{fmt} B={batch} ctx={ctx} H={heads}", sets, flops, lambda out, ref=ref: rel_err(out[0], ref)
+            yield f"{fmt} B={batch} ctx={ctx} H={heads}", sets, flops, lambda out, ref=ref: error(out[0], ref)
 
 
 def grouped_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
@@ -83,11 +85,7 @@ def grouped_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
             with deepinfer.use("reference"):
                 ref = ops.grouped_gemm(**sets[0])
             flops = 2 * experts * m * n * k
-            yield f"N={n} K={k} rows/expert={m}", sets, flops, lambda out, ref=ref: rel_err(out, ref)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
+            yield f"N={n} K={k} rows/expert={m}", sets, flops, lambda out, ref=ref: error(out, ref)
 
 
 def main() -> int:
@@ -114,7 +112,7 @@ def main() -> int:
                     ms = bench.time_ms(run, DEVICE, sets=len(sets), warmup=1 if ON_GPU else 0, reps=30 if ON_GPU else 1)
                 best[side] = min(best.get(side, ms), ms)
                 rate = f"{flops / ms / 1e9:.0f} TFLOP/s"
-                print(f"{label} | {side} | {ms:.3f} ms | {rate} | rel err {err:.1e}", flush=True)
+                print(f"{label} | {side} | {ms:.3f} ms | {rate} | worst-row rel. error {err:.1e}", flush=True)
         print(f"{label} | tree against {args.rev}: {best[args.rev] / best['tree']:.3f}x (best of each)", flush=True)
     return 0
 
