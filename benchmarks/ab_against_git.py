@@ -2,13 +2,14 @@
 on the same inputs, alternating the two several times, each checked against the reference before it is timed
 (worst-row relative error, as ``deepinfer bench`` reports).
 
-    python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm [--rev HEAD] [--rounds 2] [--eager]
+    python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm|gemm_invariant [--rev HEAD] [--rounds 2] [--eager]
 
 Device time from CUDA graphs (``--eager``: eager medians, host work included). Under the Triton interpreter
 (``TRITON_INTERPRET=1``, no GPU) it runs one small shape per case and times eagerly, which checks the script itself.
 mla_decode: bf16 and fp8_ds_mla caches at B=64 ctx 4096, B=128 ctx 16384, B=32 ctx 1024 (H=128, latent 512 + rope
 64, page 64). grouped_gemm: 32 experts with FP8 activations, gate/up 7168 -> 4096 and down 2048 -> 7168, at 8, 128,
-512 and 1024 rows per expert.
+512 and 1024 rows per expert. gemm_invariant: the FP8 ``gemm`` kernel in batch-invariant mode (FP8 activations) at
+the DeepSeek-V3 projections, M = 128 and 4096. Each line also says whether the two sides gave the same bits.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ from deepinfer.qtensor import quantize_blocks, quantize_rows
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-MODULES = {"mla_decode": "attention", "grouped_gemm": "gemm"}  # op -> file under backends/cuda_sm100
+# op -> (file under backends/cuda_sm100, its function)
+MODULES = {"mla_decode": ("attention", "mla_decode"), "grouped_gemm": ("gemm", "grouped_gemm"),
+           "gemm_invariant": ("gemm", "gemm_fp8")}  # fmt: skip
+PROJECTIONS = [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]
 
 
 def module_at(rev: str, name: str):
@@ -88,6 +92,30 @@ def grouped_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
             yield f"N={n} K={k} rows/expert={m}", sets, flops, lambda out, ref=ref: error(out, ref)
 
 
+def gemm_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
+    shapes, rows = (PROJECTIONS, [128, 4096]) if ON_GPU else ([(256, 4096)], [200])  # 8 tiles: spans in program
+    for n, k in shapes:
+        gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+        w = quantize_blocks(torch.randn(n, k, device=DEVICE, generator=gen) * k**-0.5)
+        for m in rows:
+            sets = [
+                {
+                    "a": quantize_rows(torch.randn(m, k, device=DEVICE, generator=gen), 128, "fp32"),
+                    "w": w,
+                    "out_dtype": torch.bfloat16,
+                    "bias": None,
+                    "invariant": True,
+                }
+                for _ in range(3)
+            ]
+            with deepinfer.use("reference"):
+                ref = ops.gemm(sets[0]["a"], w, out_dtype=torch.bfloat16)
+            yield f"M={m} N={n} K={k}", sets, 2 * m * n * k, lambda out, ref=ref: error(out, ref)
+
+
+CASES = {"mla_decode": mla_cases, "grouped_gemm": grouped_cases, "gemm_invariant": gemm_cases}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("op", choices=sorted(MODULES))
@@ -96,15 +124,16 @@ def main() -> int:
     parser.add_argument("--eager", action="store_true", help="eager medians instead of CUDA-graph replays")
     args = parser.parse_args()
     deepinfer.use("cuda_sm100")
-    name = MODULES[args.op]
+    name, function = MODULES[args.op]
     sides = {args.rev: module_at(args.rev, name), "tree": importlib.import_module(f"deepinfer_cuda_sm100.{name}")}
     graphs = ON_GPU and not args.eager
-    for label, sets, flops, check in (mla_cases if args.op == "mla_decode" else grouped_cases)():
-        best = {}
+    for label, sets, flops, check in CASES[args.op]():
+        best, outs = {}, {}
         for _ in range(args.rounds):
             for side, module in sides.items():
-                fn = getattr(module, args.op)
-                err = check(fn(**sets[0]))
+                fn = getattr(module, function)
+                outs[side] = fn(**sets[0])
+                err = check(outs[side])
                 run = lambda i, fn=fn, sets=sets: fn(**sets[i])
                 if graphs:
                     ms = bench.time_graph_ms(run, sets=len(sets))
@@ -113,7 +142,12 @@ def main() -> int:
                 best[side] = min(best.get(side, ms), ms)
                 rate = f"{flops / ms / 1e9:.0f} TFLOP/s"
                 print(f"{label} | {side} | {ms:.3f} ms | {rate} | worst-row rel. error {err:.1e}", flush=True)
-        print(f"{label} | tree against {args.rev}: {best[args.rev] / best['tree']:.3f}x (best of each)", flush=True)
+        same = all(torch.equal(x, y) for x, y in zip(*(torch.utils._pytree.tree_leaves(o) for o in outs.values())))
+        print(
+            f"{label} | tree against {args.rev}: {best[args.rev] / best['tree']:.3f}x (best of each), "
+            f"{'same' if same else 'different'} bits",
+            flush=True,
+        )
     return 0
 
 
