@@ -93,7 +93,7 @@ def grouped_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
 
 
 def gemm_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
-    shapes, rows = (PROJECTIONS, [128, 4096]) if ON_GPU else ([(256, 4096)], [200])  # 8 tiles: spans in program
+    shapes, rows = (PROJECTIONS, [128, 4096]) if ON_GPU else ([(256, 4096)], [70])
     for n, k in shapes:
         gen = torch.Generator(device=DEVICE).manual_seed(n + k)
         w = quantize_blocks(torch.randn(n, k, device=DEVICE, generator=gen) * k**-0.5)

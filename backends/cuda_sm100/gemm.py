@@ -22,7 +22,7 @@ from deepinfer import QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 from deepinfer.qtensor import quantize_blocks
 
-from ._triton import INTERPRET, dot, num_sms, on_device, pow2_ceil, tma_ready, to_e4m3
+from ._triton import INTERPRET, dot, on_device, pow2_ceil, tma_ready, to_e4m3
 
 FP8_BLOCK = 128
 
@@ -127,40 +127,29 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    SUM_SPLITS: tl.constexpr,
 ):
     """C[M, N] = A[M, K] @ B[N, K]^T; FP8: A scales [M, K/128], B scales [ceil(N/128), K/128], BLOCK_K = 128.
-    ``a_src`` / ``b_src`` are TMA descriptors (TMA) or pointers. SPLIT_K > 1 cuts K into SPLIT_K spans, each
-    accumulated from zero. Without SUM_SPLITS, program axis 1 takes one span and stores its fp32 partial product at
-    ``C + split * M * N`` (no bias) for ``_sum_splits_kernel``; with SUM_SPLITS, one program adds its spans' partials
-    in the same order that kernel does, so both launches give the same bits."""
+    ``a_src`` / ``b_src`` are TMA descriptors (TMA) or pointers. SPLIT_K > 1: program axis 1 takes the split's
+    share of the K blocks and stores its fp32 partial product at ``C + split * M * N`` (no bias); the caller sums
+    the partials."""
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m, mask_n = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K if SUM_SPLITS else 1):
-        span = s if SUM_SPLITS else split
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(span * k_span, tl.minimum(K, (span + 1) * k_span), BLOCK_K):
-            a = _load_tile(a_src, pid_m * BLOCK_M, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
-            b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
-            if FP8:
-                part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
-                b_block = pid_n * BLOCK_N // BLOCK_K
-                acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)
-            else:
-                acc = dot(a, tl.trans(b), acc, FP32_DOT)
-        if s == 0:
-            total = acc
+    for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K):
+        a = _load_tile(a_src, pid_m * BLOCK_M, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
+        b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
+        if FP8:
+            part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
+            acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
         else:
-            total = total + acc
-    acc = total
+            acc = dot(a, tl.trans(b), acc, FP32_DOT)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if SPLIT_K > 1 and not SUM_SPLITS:
+    if SPLIT_K > 1:
         c_ptr += split.to(tl.int64) * M * N
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
@@ -194,9 +183,6 @@ class Tile(NamedTuple):
 
 
 SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four: small-M products then stream from every SM
-# Where the tiles alone keep every SM busy (this many programs per SM), one program adds its K spans itself: the same
-# bits as split programs plus ``_sum_splits_kernel``, without their fp32 partials' round trip through memory.
-SUM_SPLITS_MIN_WAVES = 2
 
 
 def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
@@ -225,38 +211,35 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     split = tile.split_k
     block_k = FP8_BLOCK if fp8 else 64
     assert not fp8 or FP8_BLOCK % tile.block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n)
-    in_program = split > 1 and tiles >= SUM_SPLITS_MIN_WAVES * num_sms(out.device.index or 0)
-    target = out if split == 1 or in_program else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     dummy = out
     tma = tma_ready(a, b)
-    _gemm_kernel[(tiles, 1 if in_program else split)](
+    _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
         TensorDescriptor.from_tensor(a, [block_m, block_k]) if tma else a,
         TensorDescriptor.from_tensor(b, [tile.block_n, block_k]) if tma else b,
         target,
         a_scale if fp8 else dummy,
         b_scale if fp8 else dummy,
-        bias if bias is not None and target is out else dummy,
+        bias if bias is not None and split == 1 else dummy,
         m,
         n,
         k,
         a.stride(0),
         b.stride(0),
-        out.stride(0) if target is out else n,
+        out.stride(0) if split == 1 else n,
         FP8=fp8,
         TMA=tma,
-        HAS_BIAS=bias is not None and target is out,
+        HAS_BIAS=bias is not None and split == 1,
         FP32_DOT=INTERPRET,
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=block_k,
         GROUP_M=8,
         SPLIT_K=split,
-        SUM_SPLITS=in_program,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
-    if target is not out:
+    if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             target,
