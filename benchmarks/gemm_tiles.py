@@ -133,7 +133,8 @@ def contiguous_sweep(experts: int, rows: int, n: int, k: int) -> dict:
     a, w = sets[0]["a"], sets[0]["w"]
     want = torch.cat([a.dequantize()[e * rows : (e + 1) * rows] @ QTensor(w.data[e], w.scale[e], (128, 128), "fp32")
                       .dequantize().t() for e in range(experts)])  # fmt: skip
-    row, default = {"experts": experts, "rows": rows, "N": n, "K": k, "tiles": []}, gemm.GROUPED_TILE
+    row, default = {"experts": experts, "rows": rows, "N": n, "K": k, "tiles": []}, (gemm.GROUPED_TILE, gemm.DEEP_K)
+    gemm.DEEP_K = 1 << 62  # each swept tile runs as given, whatever K
     for tile in LARGE_TILES:
         gemm.GROUPED_TILE = tile
         err = rel_err(gemm.grouped_gemm(**sets[0]), want)
@@ -141,7 +142,7 @@ def contiguous_sweep(experts: int, rows: int, n: int, k: int) -> dict:
         row["tiles"].append({"tile": list(tile), "ms": ms, "rel_err": err})
         label = f"grouped contiguous E={experts} rows={rows} N={n} K={k} {list(tile)}"
         print(f"{label}: {ms} ms, rel err {err:.1e}", flush=True)
-    gemm.GROUPED_TILE = default
+    gemm.GROUPED_TILE, gemm.DEEP_K = default
     return row
 
 

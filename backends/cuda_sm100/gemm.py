@@ -183,6 +183,11 @@ class Tile(NamedTuple):
 
 
 SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four: small-M products then stream from every SM
+DEEP_K = 4096  # 64 x 128 tiles of products this deep keep 4 K blocks in flight, not 3 (benchmarks/gemm_kloop.py)
+
+
+def _deep(tile: Tile, k: int) -> Tile:
+    return tile._replace(num_stages=4) if k >= DEEP_K else tile
 
 
 def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
@@ -190,12 +195,12 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     In batch-invariant mode nothing depends on M: the tile is fixed and the split count depends on K alone."""
     split = 4 if fp8 and k >= SPLIT_K_MIN_K else 1
     if invariant:
-        return Tile(64, 128, 4, 3, split)
+        return _deep(Tile(64, 128, 4, 3, split), k)
     if m <= 16:
         return Tile(16, 64, 4, 4, split)
     if m <= 64:
         return Tile(64, 64, 4, 3, split)
-    return Tile(64, 128, 4, 3)
+    return _deep(Tile(64, 128, 4, 3), k)
 
 
 def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile | None = None) -> torch.Tensor:
@@ -497,7 +502,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         return out
     a2 = a_data.reshape(rows, k).contiguous()
     b = (w.data if fp8 else w).contiguous().view(experts * n, k)
-    tile = GROUPED_DECODE_TILE if masked and not batch_invariant_enabled() else GROUPED_TILE
+    tile = GROUPED_DECODE_TILE if masked and not batch_invariant_enabled() else _deep(GROUPED_TILE, k)
     block_m, block_n = tile.block_m, tile.block_n
     block_k = FP8_BLOCK if fp8 else 64
     assert not fp8 or FP8_BLOCK % block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
