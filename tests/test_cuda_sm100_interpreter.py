@@ -117,6 +117,36 @@ def test_fp8_gemms_read_unaligned_operands():
     assert out.stdout.split("\n")[:2] == ["True False", "True True True True"]
 
 
+SPLIT_SUMS = """
+import torch
+from deepinfer.qtensor import quantize_blocks, quantize_rows
+from deepinfer_cuda_sm100 import gemm
+
+g = torch.Generator().manual_seed(11)
+a = quantize_rows(torch.randn(130, 640, generator=g), 128, "fp32")  # 5 K blocks: spans of 2, 2, 1 and none
+w = quantize_blocks(torch.randn(384, 640, generator=g) * 0.06)
+bias = torch.randn(384, generator=g)
+want = a.dequantize() @ w.dequantize().t() + bias
+for dtype in (torch.float32, torch.bfloat16):
+    outs = []
+    for waves in (10**9, 0):  # never / always add the spans inside one program
+        gemm.SUM_SPLITS_MIN_WAVES = waves
+        out = torch.empty(130, 384, dtype=dtype)
+        outs.append(gemm._launch_gemm(a.data, w.data, out, a.scale, w.scale, bias, True, gemm.Tile(64, 128, 4, 3, 4)))
+    err = float((outs[1].float() - want).norm() / want.norm())
+    print(dtype, torch.equal(*outs), err < (1e-5 if dtype == torch.float32 else 1e-2))
+"""
+
+
+def test_gemm_k_spans_added_in_program_match_split_programs():
+    """An FP8 ``gemm`` cut into K spans gives the same bits whether each span is its own program (fp32 partials
+    summed by a second kernel) or one program adds them in the same order, with a bias and an empty last span."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", SPLIT_SUMS], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["torch.float32 True True", "torch.bfloat16 True True"]
+
+
 MLA_TMA_PATHS = """
 import torch, deepinfer
 from deepinfer import ops

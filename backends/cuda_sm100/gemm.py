@@ -22,7 +22,7 @@ from deepinfer import QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 from deepinfer.qtensor import quantize_blocks
 
-from ._triton import INTERPRET, dot, on_device, pow2_ceil, tma_ready, to_e4m3
+from ._triton import INTERPRET, dot, num_sms, on_device, pow2_ceil, tma_ready, to_e4m3
 
 FP8_BLOCK = 128
 
@@ -127,19 +127,26 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SUM_SPLITS: tl.constexpr,
 ):
     """C[M, N] = A[M, K] @ B[N, K]^T; FP8: A scales [M, K/128], B scales [ceil(N/128), K/128], BLOCK_K = 128.
-    ``a_src`` / ``b_src`` are TMA descriptors (TMA) or pointers. SPLIT_K > 1: program axis 1 takes the split's
-    share of the K blocks and stores its fp32 partial product at ``C + split * M * N`` (no bias); the caller sums
-    the partials."""
+    ``a_src`` / ``b_src`` are TMA descriptors (TMA) or pointers. SPLIT_K > 1 cuts K into SPLIT_K spans, each
+    accumulated from zero. Then either program axis 1 takes one span and stores its fp32 partial product at
+    ``C + split * M * N`` (no bias) for ``_sum_splits_kernel``, or (SUM_SPLITS) one program adds its spans'
+    partials in that kernel's order: both give the same bits."""
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m, mask_n = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K):
+    if SUM_SPLITS:
+        first, last = 0, K
+    else:
+        first, last = split * k_span, tl.minimum(K, (split + 1) * k_span)
+    for k0 in range(first, last, BLOCK_K):
         a = _load_tile(a_src, pid_m * BLOCK_M, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
         b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         if FP8:
@@ -147,9 +154,15 @@ def _gemm_kernel(
             acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
         else:
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
+        if SUM_SPLITS:  # a span ends: add its partial to the earlier spans', as _sum_splits_kernel does
+            end = ((k0 + BLOCK_K) % k_span == 0) | (k0 + BLOCK_K >= K)
+            total = tl.where(end, total + acc, total)
+            acc = tl.where(end, 0.0, acc)
+    if SUM_SPLITS:
+        acc = total
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if SPLIT_K > 1:
+    if SPLIT_K > 1 and not SUM_SPLITS:
         c_ptr += split.to(tl.int64) * M * N
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
@@ -183,6 +196,9 @@ class Tile(NamedTuple):
 
 
 SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four: small-M products then stream from every SM
+# Where the tiles alone give every SM this many programs, one program adds its K spans itself: the same bits as
+# split programs plus ``_sum_splits_kernel``, without the fp32 partials' round trip through memory.
+SUM_SPLITS_MIN_WAVES = 2
 DEEP_K = 4096  # 64 x 128 tiles of products this deep keep 4 K blocks in flight, not 3 (benchmarks/gemm_kloop.py)
 
 
@@ -216,35 +232,38 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     split = tile.split_k
     block_k = FP8_BLOCK if fp8 else 64
     assert not fp8 or FP8_BLOCK % tile.block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n)
+    in_program = split > 1 and tiles >= SUM_SPLITS_MIN_WAVES * num_sms(out.device.index or 0)
+    target = out if split == 1 or in_program else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     dummy = out
     tma = tma_ready(a, b)
-    _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
+    _gemm_kernel[(tiles, 1 if in_program else split)](
         TensorDescriptor.from_tensor(a, [block_m, block_k]) if tma else a,
         TensorDescriptor.from_tensor(b, [tile.block_n, block_k]) if tma else b,
         target,
         a_scale if fp8 else dummy,
         b_scale if fp8 else dummy,
-        bias if bias is not None and split == 1 else dummy,
+        bias if bias is not None and target is out else dummy,
         m,
         n,
         k,
         a.stride(0),
         b.stride(0),
-        out.stride(0) if split == 1 else n,
+        out.stride(0) if target is out else n,
         FP8=fp8,
         TMA=tma,
-        HAS_BIAS=bias is not None and split == 1,
+        HAS_BIAS=bias is not None and target is out,
         FP32_DOT=INTERPRET,
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=block_k,
         GROUP_M=8,
         SPLIT_K=split,
+        SUM_SPLITS=in_program,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
-    if split > 1:
+    if target is not out:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             target,
