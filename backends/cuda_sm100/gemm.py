@@ -216,7 +216,8 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
         return Tile(16, 64, 4, 4, split)
     if m <= 64:
         return Tile(64, 64, 4, 3, split)
-    return _deep(Tile(64, 128, 4, 3), k)
+    fills = triton.cdiv(m, 64) * triton.cdiv(n, 128) >= SUM_SPLITS_MIN_WAVES * num_sms()
+    return _deep(Tile(64, 128, 4, 3, 1 if fills else split), k)
 
 
 def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile | None = None) -> torch.Tensor:
@@ -292,7 +293,7 @@ def gemm_fp8(a, w, *, out_dtype, bias, invariant: bool = False):
     )
 
 
-CUBLAS_FP8_MIN_M = 128  # below, the Triton kernel (split over K where the GPU would idle) is faster
+CUBLAS_FP8_MIN_M = 256  # below, the Triton kernel (split over K where the GPU would idle) is faster
 
 
 def gemm_fp8_cublas(a, w, *, out_dtype, bias):
