@@ -21,7 +21,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ class BenchCase:
     name: str
     make: Callable[[Gen], dict[str, Any]]
     flops: float
-    bytes: float
+    bytes: float | Callable[[dict[str, Any]], float]  # a callable counts them on the first input set
     peers: dict[str, Callable[[dict[str, Any]], Any]] = field(default_factory=dict)
     compute: str = "bf16"  # which peak bounds the arithmetic: bf16 or fp8
     fn: Callable[[dict[str, Any]], Any] | None = None
@@ -277,16 +277,30 @@ def moe_layer(kw: dict[str, Any], grouped_gemm: Callable[..., Any] | None = None
     ``kw["mode"]``. ``grouped_gemm`` replaces the op (a peer's products)."""
     gemm = grouped_gemm or ops.grouped_gemm
     w13, w2 = kw["w13"], kw["w2"]
-    weights, ids = ops.moe_route(
-        kw["logits"], kw["bias"], top_k=8, n_group=8, topk_group=4, renormalize=True, routed_scaling_factor=2.5,
-        scoring="sigmoid",
-    )  # fmt: skip
+    weights, ids = _route(kw)
     x = ops.quantize_fp8(kw["x"], block=128, scale_format=w13.scale_format)
     recv, _, _, layout, handle = ops.ep_dispatch(x, ids, weights, num_experts=w13.shape[0], mode=kw["mode"])
     groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m, "out_dtype": torch.bfloat16}
     h = gemm(a=recv, w=w13, **groups)
     a = ops.silu_and_mul(h, quantize=True, scale_format=w2.scale_format, masked_m=layout.masked_m)
     return ops.ep_combine(gemm(a=a, w=w2, **groups), handle)
+
+
+def _route(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing of the layer's tokens: (weights, expert ids), each [T, 8]."""
+    return ops.moe_route(
+        kw["logits"], kw["bias"], top_k=8, n_group=8, topk_group=4, renormalize=True, routed_scaling_factor=2.5,
+        scoring="sigmoid",
+    )  # fmt: skip
+
+
+def _moe_layer_bytes(kw: dict[str, Any]) -> float:
+    """The fewest bytes the layer moves: the FP8 weights of the experts its routing picks (group-limited routing picks
+    fewer distinct experts than it has pairs), each read once, and the bf16 tokens in and out."""
+    with use("reference"):
+        used = _route(kw)[1].unique().numel()
+    tokens, hidden = kw["x"].shape
+    return used * 3 * kw["w2"].shape[2] * hidden + tokens * hidden * 2 * 2
 
 
 def _moe_layer_torch_peers(kw):
@@ -529,17 +543,14 @@ def _moe_layer_cases(quick: bool) -> list[BenchCase]:
                 "mode": mode,
             }
 
-        pairs = t * 8
-        used = min(experts, pairs)  # experts whose weights are read, at most
-        flops = 2 * pairs * (2 * inter * hidden + hidden * inter)
-        nbytes = used * 3 * inter * hidden + t * hidden * 2 * 2
+        flops = 2 * t * 8 * (2 * inter * hidden + hidden * inter)
         out.append(
             BenchCase(
                 "moe_layer",
                 f"T={t} E={experts} top-8 H={hidden} I={inter} fp8 {mode}",
                 make,
                 flops,
-                nbytes,
+                _moe_layer_bytes,
                 {"torch peers (per-expert cuBLAS, torch composites)": _moe_layer_torch_peers},
                 compute="fp8",
                 fn=moe_layer,
@@ -599,6 +610,8 @@ def _bench_case(case: BenchCase, index: int, backend: str, device: str, n_sets: 
     """The rows of one case: the selected backend's implementation, then each peer."""
     rows: list[dict] = []
     inputs = [case.make(Gen(1000 * index + s, device)) for s in range(n_sets)]
+    if callable(case.bytes):
+        case = replace(case, bytes=case.bytes(inputs[0]))
     fn = (lambda _f=case.fn, **kw: _f(kw)) if case.fn else getattr(ops, case.op)
     with use("reference"):
         ref = fn(**inputs[0])
