@@ -208,7 +208,8 @@ def _deep(tile: Tile, k: int) -> Tile:
 
 def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``).
-    In batch-invariant mode nothing depends on M: the tile is fixed and the split count depends on K alone."""
+    In batch-invariant mode nothing depends on M: the tile is fixed and the split count depends on K alone. In the
+    default mode, products over 64 rows split K only where their tiles alone would not fill the GPU."""
     split = 4 if fp8 and k >= SPLIT_K_MIN_K else 1
     if invariant:
         return _deep(Tile(64, 128, 4, 3, split), k)
