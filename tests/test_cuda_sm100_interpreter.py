@@ -147,6 +147,17 @@ def test_gemm_k_spans_added_in_program_match_split_programs():
     assert out.stdout.split("\n")[:2] == ["torch.float32 True True", "torch.bfloat16 True True"]
 
 
+def test_batch_invariant_gemm_launch_shape_ignores_rows():
+    """In batch-invariant mode the FP8 gemm's tile and K spans (what fixes a row's arithmetic) depend on N and K
+    only; whether the spans are summed in one program may depend on M, which the test above shows changes no bit."""
+    from deepinfer_cuda_sm100 import gemm
+
+    for n, k in [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]:
+        tiles = {gemm._tile(m, n, k, True, True) for m in (1, 7, 16, 64, 65, 128, 255, 256, 4096, 8192)}
+        assert len(tiles) == 1, (n, k, tiles)
+        assert next(iter(tiles)).split_k == (4 if k >= gemm.SPLIT_K_MIN_K else 1)
+
+
 MLA_TMA_PATHS = """
 import torch, deepinfer
 from deepinfer import ops
