@@ -8,6 +8,7 @@
 #                every case, so a stopped run keeps its numbers
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
+#   gluon        the Gluon FP8 GEMM prototype (two products in flight) beside cuBLAS and the committed kernel
 #   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against
 #                the working tree
 #   ep           two GPUs (nvidia-h200-x2): dispatch + combine over NCCL, then the model with its experts on both
@@ -38,6 +39,8 @@ case ${1:-} in
     timeout 560 python3 benchmarks/tile_variants.py 4200 all 2>&1 | tee "$OUT/tiles.txt" | tail -60 ;;
   gemm-tiles)
     timeout "${2:-300}" python3 benchmarks/gemm_tiles.py "$OUT/gemm_tiles.json" all 2>&1 | tail -50 ;;
+  gluon)
+    timeout 400 python3 benchmarks/gluon_gemm.py "$OUT/gluon_gemm.json" 2>&1 | tail -40 ;;
   ab)
     timeout 560 python3 benchmarks/ab_against_git.py "$2" --rev "${3:-HEAD}" 2>&1 | tee "$OUT/ab.txt" | tail -40 ;;
   ep)
@@ -48,6 +51,6 @@ case ${1:-} in
   ep-check)
     timeout 300 torchrun --nproc-per-node 2 benchmarks/bench_ep.py --backend gloo-cuda --check-only \
       --out "$OUT/ep_check.json" --timeout 200 2>&1 | grep -v "^W1" | tail -4 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|gemm-tiles|ab|ep|ep-check" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|gemm-tiles|gluon|ab|ep|ep-check" >&2
      exit 2 ;;
 esac

@@ -1,0 +1,200 @@
+"""An FP8 block-scaled GEMM in Gluon (``triton.experimental.gluon``, Triton's lower-level language), to test on the
+device whether overlapping one 128-deep product's MMA with the previous product's scaling lifts the K loop.
+
+The ``tl`` kernel in ``deepinfer_cuda_sm100.gemm`` waits for each product before it scales and adds it, so the
+tensor cores idle while the warpgroup does its FMAs (RESULTS.md, fourth session). ``tl`` gives no control over that
+wait; Gluon does. Here one warpgroup keeps two products in flight: it issues product k, waits until only that one
+is outstanding (so product k - 1 is done), refills the stage k - 1 read, then scales product k - 1 into the
+accumulator while product k runs. Loads are TMA copies into a ring of ``STAGES`` buffers with an mbarrier each.
+
+    python3 benchmarks/gluon_gemm.py OUT.json     (on the GPU: checked against the dequantised product, then timed
+                                                   from CUDA graphs beside cuBLAS and the committed kernel)
+    python3 benchmarks/gluon_gemm.py --compile    (anywhere: compiles the kernel for SM90 and prints its registers)
+
+Written against Triton 3.6's Gluon, the GPU machine's (Gluon is experimental: Triton 3.9 has renamed the TMA copy).
+With ``pip install triton==3.6.0`` beside torch, ``--compile`` gives 223-224 registers, no stack, with 3 / 4 stages.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BM, BN, BK = 64, 128, 128  # one warpgroup's tile; BN = BK = 128 keeps the tile inside one weight-scale block
+
+
+@gluon.jit
+def _scaled(part, as_ptr, bs_ptr, offs_m, M, KB, kb, b_block):
+    """``part * a_scale[m, kb] * b_scale[b_block, kb]`` (the two scales meet per row first)."""
+    sa = gl.load(as_ptr + offs_m * KB + kb, mask=offs_m < M, other=0.0)
+    sb = gl.load(bs_ptr + b_block * KB + kb)
+    return part * gl.expand_dims(sa * sb, 1)
+
+
+@gluon.jit
+def _load_stage(a_desc, b_desc, bar, a_s, b_s, stage, off_m, off_n, kb, pred):
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    mbarrier.expect(bar.index(stage), nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [off_m, kb * 128], bar.index(stage), a_s.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [off_n, kb * 128], bar.index(stage), b_s.index(stage), pred=pred)
+
+
+@gluon.jit
+def fp8_gemm_overlapped(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """C[M, N] (bf16) = A[M, K] @ B[N, K]^T, A scales [M, K/128], B scales [ceil(N/128), K/128], K % 128 == 0."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    pid = gl.program_id(0)
+    grid_m, grid_n = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
+    first_m = pid // (GROUP_M * grid_n) * GROUP_M
+    rows_in_group = gl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * grid_n)) // rows_in_group
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+
+    a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, 128], a_desc.layout)
+    b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bar.index(i), count=1)
+    num_k = K // 128
+    for i in gl.static_range(STAGES):  # K block i into stage i; block j >= STAGES comes when block j - STAGES is done
+        _load_stage(a_desc, b_desc, bar, a_s, b_s, i, off_m, off_n, i, i < num_k)
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+    b_block = off_n // 128
+
+    mbarrier.wait(bar.index(0), 0)
+    part = warpgroup_mma(a_s.index(0), b_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    for k in range(1, num_k):
+        stage = k % STAGES
+        mbarrier.wait(bar.index(stage), (k // STAGES) & 1)
+        nxt = warpgroup_mma(a_s.index(stage), b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        done = warpgroup_mma_wait(1, deps=[part])  # product k - 1 is finished; product k may still run
+        # product k - 1 no longer reads its stage: refill it with K block k - 1 + STAGES
+        refill = k - 1 + STAGES
+        _load_stage(a_desc, b_desc, bar, a_s, b_s, (k - 1) % STAGES, off_m, off_n, refill, refill < num_k)
+        acc += _scaled(done, as_ptr, bs_ptr, offs_m, M, num_k, k - 1, b_block)
+        part = nxt
+    done = warpgroup_mma_wait(0, deps=[part])
+    acc += _scaled(done, as_ptr, bs_ptr, offs_m, M, num_k, num_k - 1, b_block)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bar.index(i))
+
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_n < N, 0)
+    ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * N, 1) + gl.expand_dims(offs_n, 0)
+    gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
+
+
+def descriptors(a: torch.Tensor, b: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the FP8 operands ``a [M, K]`` and ``b [N, K]`` (both K-contiguous) for this kernel's tile."""
+    layout_a = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
+    layout_b = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv)
+    return TensorDescriptor.from_tensor(a, [BM, BK], layout_a), TensorDescriptor.from_tensor(b, [BN, BK], layout_b)
+
+
+def launch(a, w, stages: int = 4) -> torch.Tensor:
+    """``a``, ``w``: FP8 QTensors with (1, 128) and (128, 128) scales."""
+    m, k = a.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
+    a_desc, b_desc = descriptors(a.data, w.data)
+    grid = (triton.cdiv(m, BM) * triton.cdiv(n, BN),)
+    fp8_gemm_overlapped[grid](
+        a_desc, b_desc, out, a.scale, w.scale, m, n, k, STAGES=stages, GROUP_M=8, num_warps=4
+    )  # fmt: skip
+    return out
+
+
+def compile_for_sm90(stages: int = 4) -> None:
+    """Compiles the kernel for SM90 without a GPU and prints its resources (``cuobjdump`` from Triton's wheel)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fp8 = torch.empty(256, 512, dtype=torch.float8_e4m3fn)
+    a_desc, b_desc = descriptors(fp8, fp8)
+    signature = {name: "i32" for name in ("M", "N", "K")}
+    for name, desc in (("a_desc", a_desc), ("b_desc", b_desc)):
+        signature[name] = native_specialize_impl(BaseBackend, desc, False, True, True)[0]
+    signature |= {"c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32", "STAGES": "constexpr", "GROUP_M": "constexpr"}
+    source = GluonASTSource(fp8_gemm_overlapped, signature, {"STAGES": stages, "GROUP_M": 8})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        tool = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+).*STACK:(\d+).*SHARED:(\d+)", usage)
+    print(f"Triton {triton.__version__}, SM90, {stages} stages: registers {found[1]}, stack {found[2]}, "
+          f"shared {kernel.metadata.shared} bytes")  # fmt: skip
+
+
+def shape_row(m: int, n: int, k: int) -> dict:
+    """Checks each side against the dequantised product, then times it from CUDA graphs (same inputs)."""
+    from gemm_tiles import SETS, inputs, rel_err
+
+    from deepinfer.bench import time_graph_ms
+    from deepinfer_cuda_sm100 import gemm
+
+    a, w = inputs(m, n, k, seed=m + n + k)
+    want = a[0].dequantize() @ w[0].dequantize().t()
+    committed = gemm.Tile(64, 128, 4, 4 if k >= gemm.DEEP_K else 3)
+
+    def ours(i):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        return gemm._launch_gemm(a[i].data, w[i].data, out, a[i].scale, w[i].scale, None, False, committed)
+
+    sides = {
+        "cublas": lambda i: gemm.gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None),
+        "committed": ours,
+        "gluon 3 stages": lambda i: launch(a[i], w[i], 3),
+        "gluon 4 stages": lambda i: launch(a[i], w[i], 4),
+    }
+    row = {"M": m, "N": n, "K": k}
+    for name, fn in sides.items():
+        try:
+            err = rel_err(fn(0), want)
+            ms = time_graph_ms(fn, sets=SETS, reps=30) if err < 1e-2 else None
+        except Exception as e:  # a variant the compiler or driver refuses is reported, not hidden
+            row[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"M={m} N={n} K={k} {name}: {row[name]}", flush=True)
+            continue
+        row[name] = {"ms": ms, "rel_err": err}
+        tflops = f"{2 * m * n * k / ms / 1e9:.0f} TFLOP/s" if ms else "-"
+        print(f"M={m} N={n} K={k} {name}: {ms} ms, {tflops}, rel err {err:.1e}", flush=True)
+    return row
+
+
+def main() -> int:
+    if sys.argv[1:] == ["--compile"]:
+        for stages in (3, 4):
+            compile_for_sm90(stages)
+        return 0
+    report = {"device": torch.cuda.get_device_name(), "rows": []}
+    projections = ((24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168))
+    for m, n, k in [(4096, n, k) for n, k in projections] + [(512, 4096, 7168)]:
+        report["rows"].append(shape_row(m, n, k))
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
