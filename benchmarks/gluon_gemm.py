@@ -12,7 +12,7 @@ accumulator while product k runs. Loads are TMA copies into a ring of ``STAGES``
     python3 benchmarks/gluon_gemm.py --compile    (anywhere: compiles the kernel for SM90 and prints its registers)
 
 Written against Triton 3.6's Gluon, the GPU machine's (Gluon is experimental: Triton 3.9 has renamed the TMA copy).
-With ``pip install triton==3.6.0`` beside torch, ``--compile`` gives 223-224 registers, no stack, with 3 / 4 stages.
+With ``pip install triton==3.6.0`` beside torch, ``--compile`` gives 223-224 registers and no stack for every variant.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-BM, BN, BK = 64, 128, 128  # one warpgroup's tile; BN = BK = 128 keeps the tile inside one weight-scale block
+BN, BK = 128, 128  # BN = BK = 128 keeps a tile inside one weight-scale block; BM = 64 rows per warpgroup (4 warps)
 
 
 @gluon.jit
@@ -102,48 +102,54 @@ def fp8_gemm_overlapped(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K, STAGES: 
     gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
 
 
-def descriptors(a: torch.Tensor, b: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of the FP8 operands ``a [M, K]`` and ``b [N, K]`` (both K-contiguous) for this kernel's tile."""
-    layout_a = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
+VARIANTS = [(64, 3), (64, 4), (128, 3)]  # (rows per program, stages)
+
+
+def descriptors(a: torch.Tensor, b: torch.Tensor, block_m: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the FP8 operands ``a [M, K]`` and ``b [N, K]`` (both K-contiguous) for a tile of
+    ``block_m`` x 128."""
+    layout_a = gl.NVMMASharedLayout.get_default_for([block_m, BK], gl.float8e4nv)
     layout_b = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv)
-    return TensorDescriptor.from_tensor(a, [BM, BK], layout_a), TensorDescriptor.from_tensor(b, [BN, BK], layout_b)
+    return TensorDescriptor.from_tensor(a, [block_m, BK], layout_a), TensorDescriptor.from_tensor(b, [BN, BK], layout_b)
 
 
-def launch(a, w, stages: int = 4) -> torch.Tensor:
-    """``a``, ``w``: FP8 QTensors with (1, 128) and (128, 128) scales."""
+def launch(a, w, stages: int = 4, block_m: int = 64) -> torch.Tensor:
+    """``a``, ``w``: FP8 QTensors with (1, 128) and (128, 128) scales. ``block_m`` 64: one warpgroup per program;
+    128: two, each on 64 of the rows, sharing the weight tile."""
     m, k = a.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
-    a_desc, b_desc = descriptors(a.data, w.data)
-    grid = (triton.cdiv(m, BM) * triton.cdiv(n, BN),)
+    a_desc, b_desc = descriptors(a.data, w.data, block_m)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, BN),)
     fp8_gemm_overlapped[grid](
-        a_desc, b_desc, out, a.scale, w.scale, m, n, k, STAGES=stages, GROUP_M=8, num_warps=4
+        a_desc, b_desc, out, a.scale, w.scale, m, n, k, STAGES=stages, GROUP_M=8, num_warps=block_m // 16
     )  # fmt: skip
     return out
 
 
-def compile_for_sm90(stages: int = 4) -> None:
+def compile_for_sm90(stages: int = 4, block_m: int = 64) -> None:
     """Compiles the kernel for SM90 without a GPU and prints its resources (``cuobjdump`` from Triton's wheel)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fp8 = torch.empty(256, 512, dtype=torch.float8_e4m3fn)
-    a_desc, b_desc = descriptors(fp8, fp8)
+    a_desc, b_desc = descriptors(fp8, fp8, block_m)
     signature = {name: "i32" for name in ("M", "N", "K")}
     for name, desc in (("a_desc", a_desc), ("b_desc", b_desc)):
         signature[name] = native_specialize_impl(BaseBackend, desc, False, True, True)[0]
     signature |= {"c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32", "STAGES": "constexpr", "GROUP_M": "constexpr"}
     source = GluonASTSource(fp8_gemm_overlapped, signature, {"STAGES": stages, "GROUP_M": 8})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_m // 16})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         tool = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+).*STACK:(\d+).*SHARED:(\d+)", usage)
-    print(f"Triton {triton.__version__}, SM90, {stages} stages: registers {found[1]}, stack {found[2]}, "
-          f"shared {kernel.metadata.shared} bytes")  # fmt: skip
+    shape = f"{block_m} x {BN}, {stages} stages"
+    print(f"Triton {triton.__version__}, SM90, {shape}: registers {found[1]}, stack {found[2]}, shared "
+          f"{kernel.metadata.shared} bytes")  # fmt: skip
 
 
 def shape_row(m: int, n: int, k: int) -> dict:
@@ -164,8 +170,9 @@ def shape_row(m: int, n: int, k: int) -> dict:
     sides = {
         "cublas": lambda i: gemm.gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None),
         "committed": ours,
-        "gluon 3 stages": lambda i: launch(a[i], w[i], 3),
-        "gluon 4 stages": lambda i: launch(a[i], w[i], 4),
+    } | {
+        f"gluon {block_m} x 128, {stages} stages": lambda i, s=stages, b=block_m: launch(a[i], w[i], s, b)
+        for block_m, stages in VARIANTS
     }
     row = {"M": m, "N": n, "K": k}
     for name, fn in sides.items():
@@ -184,8 +191,8 @@ def shape_row(m: int, n: int, k: int) -> dict:
 
 def main() -> int:
     if sys.argv[1:] == ["--compile"]:
-        for stages in (3, 4):
-            compile_for_sm90(stages)
+        for block_m, stages in VARIANTS:
+            compile_for_sm90(stages, block_m)
         return 0
     report = {"device": torch.cuda.get_device_name(), "rows": []}
     projections = ((24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168))
