@@ -206,6 +206,11 @@ def _deep(tile: Tile, k: int) -> Tile:
     return tile._replace(num_stages=4) if k >= DEEP_K else tile
 
 
+def _fills_gpu(m: int, n: int, block_m: int, block_n: int, device_index: int = 0) -> bool:
+    """Whether the tiles of an [m, n] output alone give every SM ``SUM_SPLITS_MIN_WAVES`` programs."""
+    return triton.cdiv(m, block_m) * triton.cdiv(n, block_n) >= SUM_SPLITS_MIN_WAVES * num_sms(device_index)
+
+
 def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``).
     In batch-invariant mode nothing depends on M: the tile is fixed and the split count depends on K alone. In the
@@ -217,8 +222,7 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
         return Tile(16, 64, 4, 4, split)
     if m <= 64:
         return Tile(64, 64, 4, 3, split)
-    fills = triton.cdiv(m, 64) * triton.cdiv(n, 128) >= SUM_SPLITS_MIN_WAVES * num_sms()
-    return _deep(Tile(64, 128, 4, 3, 1 if fills else split), k)
+    return _deep(Tile(64, 128, 4, 3, 1 if _fills_gpu(m, n, 64, 128) else split), k)
 
 
 def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile | None = None) -> torch.Tensor:
@@ -234,12 +238,11 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     split = tile.split_k
     block_k = FP8_BLOCK if fp8 else 64
     assert not fp8 or FP8_BLOCK % tile.block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n)
-    in_program = split > 1 and tiles >= SUM_SPLITS_MIN_WAVES * num_sms(out.device.index or 0)
+    in_program = split > 1 and _fills_gpu(m, n, block_m, tile.block_n, out.device.index or 0)
     target = out if split == 1 or in_program else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     dummy = out
     tma = tma_ready(a, b)
-    _gemm_kernel[(tiles, 1 if in_program else split)](
+    _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), 1 if in_program else split)](
         TensorDescriptor.from_tensor(a, [block_m, block_k]) if tma else a,
         TensorDescriptor.from_tensor(b, [tile.block_n, block_k]) if tma else b,
         target,
