@@ -34,11 +34,12 @@ BN, BK = 128, 128  # BN = BK = 128 keeps a tile inside one weight-scale block; B
 
 
 @gluon.jit
-def _scaled(part, as_ptr, bs_ptr, offs_m, M, KB, kb, b_block):
-    """``part * a_scale[m, kb] * b_scale[b_block, kb]`` (the two scales meet per row first)."""
+def _row_scale(as_ptr, bs_ptr, offs_m, M, KB, kb, b_block):
+    """``a_scale[m, kb] * b_scale[b_block, kb]`` per row: the factor of K block ``kb``'s product. Gluon does not
+    pipeline loads, so the loop loads each block's factor one iteration before it is needed."""
     sa = gl.load(as_ptr + offs_m * KB + kb, mask=offs_m < M, other=0.0)
     sb = gl.load(bs_ptr + b_block * KB + kb)
-    return part * gl.expand_dims(sa * sb, 1)
+    return gl.expand_dims(sa * sb, 1)
 
 
 @gluon.jit
@@ -81,18 +82,20 @@ def fp8_gemm_overlapped(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K, STAGES: 
 
     mbarrier.wait(bar.index(0), 0)
     part = warpgroup_mma(a_s.index(0), b_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    factor = _row_scale(as_ptr, bs_ptr, offs_m, M, num_k, 0, b_block)
     for k in range(1, num_k):
         stage = k % STAGES
         mbarrier.wait(bar.index(stage), (k // STAGES) & 1)
         nxt = warpgroup_mma(a_s.index(stage), b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        next_factor = _row_scale(as_ptr, bs_ptr, offs_m, M, num_k, k, b_block)
         done = warpgroup_mma_wait(1, deps=[part])  # product k - 1 is finished; product k may still run
         # product k - 1 no longer reads its stage: refill it with K block k - 1 + STAGES
         refill = k - 1 + STAGES
         _load_stage(a_desc, b_desc, bar, a_s, b_s, (k - 1) % STAGES, off_m, off_n, refill, refill < num_k)
-        acc += _scaled(done, as_ptr, bs_ptr, offs_m, M, num_k, k - 1, b_block)
-        part = nxt
+        acc += done * factor
+        part, factor = nxt, next_factor
     done = warpgroup_mma_wait(0, deps=[part])
-    acc += _scaled(done, as_ptr, bs_ptr, offs_m, M, num_k, num_k - 1, b_block)
+    acc += done * factor
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bar.index(i))
 
