@@ -44,7 +44,11 @@ def module_at(rev: str, name: str):
         ["git", "show", f"{rev}:backends/cuda_sm100/{name}.py"], capture_output=True, text=True, check=True
     ).stdout
     path = Path(tempfile.mkdtemp()) / f"{name}_at_rev.py"  # Triton reads a kernel's source from its file
-    path.write_text(source.replace("from ._triton", "from deepinfer_cuda_sm100._triton"))
+    path.write_text(
+        source.replace("from . import", "from deepinfer_cuda_sm100 import").replace(
+            "from .", "from deepinfer_cuda_sm100."
+        )
+    )
     spec = importlib.util.spec_from_file_location(f"{name}_at_rev", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

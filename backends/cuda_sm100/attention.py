@@ -6,7 +6,8 @@ the block table's shape rather than from the sequence lengths, so a decode step 
 default small batches take shorter spans, so that the grid fills the GPU; the batch-invariant variant keeps the span
 fixed, so a row's result cannot depend on the batch. A program holds its output as two [heads, L/2] halves (a TMA box
 is at most 256 wide) and reads whole 64-token blocks of a page by TMA copies; the last, partial block of a span is
-gathered with masks.
+gathered with masks. On Hopper, DeepSeek-V3's bf16 cache goes to the warp-specialized Gluon split kernel in
+``mla_gluon`` instead (same partial outputs, same merge).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from deepinfer.kv_cache import FP8_GROUP
 
 from ._triton import INTERPRET, dot, next_pow2, num_sms, on_device, pow2_ceil, tma_ready, to_bf16, to_e4m3
+
+try:
+    from . import mla_gluon
+except ImportError:  # a Triton without Gluon's Hopper language: the tl split kernel serves every call
+    mla_gluon = None
 
 LOG2E = 1.4426950408889634
 GROUP = tl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
@@ -33,6 +39,7 @@ MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS = 1024, 64
 # 0.339 ms, fp8_ds_mla 0.417 against 0.446 ms).
 MLA_TILE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 MLA_TMA = True  # whole blocks by TMA copies where the cache allows it (see ``_mla_tma``)
+MLA_GLUON = True  # the warp-specialized Gluon split kernel where it applies (see ``mla_gluon.takes``)
 
 
 @triton.jit
@@ -307,38 +314,43 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     rope_at = (kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP)) // 2 if fp8 else kv_lora_rank
     half = kv_lora_rank // 2
     tma = _mla_tma(records, rope_records, half, rope_dim, rope_at, tile["BLOCK_N"], page)
-    _mla_split_kernel[(batch * s_q, head_blocks, n_splits)](
-        q,
-        TensorDescriptor.from_tensor(records, [tile["BLOCK_N"], half]) if tma else flat,
-        TensorDescriptor.from_tensor(rope_records, [tile["BLOCK_N"], rope_dim]) if tma else flat,
-        flat,
-        flat.view(torch.float32) if fp8 else flat,
-        flat.view(torch.bfloat16) if fp8 else flat,
-        block_table,
-        seq_lens,
-        part_out,
-        part_lse,
-        softmax_scale,
-        s_q,
-        heads,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        block_table.stride(0),
-        n_splits,
-        L=kv_lora_rank,
-        R=rope_dim,
-        WIDTH=kv_cache.shape[2],
-        PAGE=page,
-        ROPE_AT=rope_at,
-        GH=max(half // FP8_GROUP, 1),
-        FP8=fp8,
-        TMA=tma,
-        SPLIT=split,
-        BLOCK_H=block_h,
-        FP32_DOT=INTERPRET,
-        **tile,
-    )
+    if MLA_GLUON and mla_gluon is not None and mla_gluon.takes(q, kv_cache, kv_lora_rank, kv_format, tma):
+        mla_gluon.launch_split(
+            q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page
+        )
+    else:
+        _mla_split_kernel[(batch * s_q, head_blocks, n_splits)](
+            q,
+            TensorDescriptor.from_tensor(records, [tile["BLOCK_N"], half]) if tma else flat,
+            TensorDescriptor.from_tensor(rope_records, [tile["BLOCK_N"], rope_dim]) if tma else flat,
+            flat,
+            flat.view(torch.float32) if fp8 else flat,
+            flat.view(torch.bfloat16) if fp8 else flat,
+            block_table,
+            seq_lens,
+            part_out,
+            part_lse,
+            softmax_scale,
+            s_q,
+            heads,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            block_table.stride(0),
+            n_splits,
+            L=kv_lora_rank,
+            R=rope_dim,
+            WIDTH=kv_cache.shape[2],
+            PAGE=page,
+            ROPE_AT=rope_at,
+            GH=max(half // FP8_GROUP, 1),
+            FP8=fp8,
+            TMA=tma,
+            SPLIT=split,
+            BLOCK_H=block_h,
+            FP32_DOT=INTERPRET,
+            **tile,
+        )
     _mla_merge_kernel[(batch * s_q * heads,)](
         part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits), CHUNK=8
     )

@@ -1,0 +1,321 @@
+"""``mla_decode``'s split kernel for Hopper (SM90) in Gluon, Triton's lower-level language: bf16 cache, latent 512,
+rope 64, pages of a multiple of 64 tokens, at least 64 heads. ``attention.mla_decode`` launches it in place of its
+``tl`` split kernel where ``takes`` says so; the partial outputs, the splits and the merge are the same.
+
+Why a second kernel: with 64 heads per program and two warpgroups, Triton's ``tl`` gives both warpgroups the same rows
+of the chained products, so both compute the same scores (112 instead of 73 GFLOP issued at B=64, ctx 4096).
+Here the two warpgroups have different jobs (``gl.warp_specialize``), FlashMLA's division of the work:
+
+- the first computes S = Q K^T of a 64-token block, its softmax, hands P and the row rescale factor to the second
+  through shared memory, multiplies P by the left half of the latent, and refills the block's stage by TMA;
+- the second multiplies each P by the right half of the latent.
+
+The query (64 x 576) and two stages of 64 cached tokens fill the shared memory (one program per SM). Whole blocks come
+by TMA copies; the last, partial block of a span is gathered by pointer with zeros past the span. Measured on the
+H200 beside the ``tl`` kernel: benchmarks/NOTES.md (eighth session).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_H, BLOCK_N, L, R, LH = (gl.constexpr(v) for v in (64, 64, 512, 64, 256))  # heads, tokens, latent, rope, half
+LOG2E = gl.constexpr(1.4426950408889634)
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+# Gluon is experimental and renames things: Triton 3.6 (the H200 machine's) has ``tma.async_copy_global_to_shared``
+# and ``gl.thread_barrier``; later versions ``tma.async_load`` and ``gl.barrier``, and refuse the old names.
+TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
+RIGHT_REGS = 192  # registers per thread of the second warpgroup (its [64, 256] fp32 accumulator takes 128)
+
+
+@gluon.jit
+def _load_block(lat_desc, rope_desc, ready, c0_s, c1_s, kr_s, stage, row, pred):
+    """TMA copies of cache rows ``row + [0, 64)`` into ``stage``: the two latent halves and the rope part."""
+    nbytes: gl.constexpr = 2 * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
+    mbarrier.expect(ready.index(stage), nbytes, pred=pred)
+    TMA_LOAD(lat_desc, [row, 0], ready.index(stage), c0_s.index(stage), pred=pred)
+    TMA_LOAD(lat_desc, [row, LH], ready.index(stage), c1_s.index(stage), pred=pred)
+    TMA_LOAD(rope_desc, [row, L], ready.index(stage), kr_s.index(stage), pred=pred)
+
+
+@gluon.jit
+def _gather_block(cache_ptr, table_row, n0, end, c0_s, c1_s, kr_s, stage, PAGE: gl.constexpr, WIDTH: gl.constexpr):
+    """Tokens ``n0 + [0, 64)`` of a span gathered by pointer into ``stage``, zeros at and past ``end`` (the cache past a
+    sequence may hold NaN, which P x V must not see). 16 tokens at a time: products in flight hold most registers."""
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    CHUNK: gl.constexpr = 16
+    cols = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, rows)), 0)
+    rope_cols = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, rows)), 0)
+    for r in gl.static_range(0, BLOCK_N, CHUNK):
+        pos = n0 + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, rows))
+        valid = pos < end
+        page = gl.load(table_row + pos // PAGE, mask=valid, other=0)
+        base = gl.expand_dims((page.to(gl.int64) * PAGE + pos % PAGE) * WIDTH, 1)
+        valid = gl.expand_dims(valid, 1)
+        c0_s.index(stage).slice(r, CHUNK).store(gl.load(cache_ptr + base + cols, mask=valid, other=0.0))
+        c1_s.index(stage).slice(r, CHUNK).store(gl.load(cache_ptr + base + LH + cols, mask=valid, other=0.0))
+        kr_s.index(stage).slice(r, CHUNK).store(gl.load(cache_ptr + base + L + rope_cols, mask=valid, other=0.0))
+    fence_async_shared()
+    BARRIER()
+
+
+@gluon.jit
+def _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh):
+    """The program's 64 query heads into shared memory as the A operands of S = Q K^T: two latent halves and the rope
+    part, zeros for heads past ``H``."""
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
+    q_row = gl.expand_dims(q_ptr + b.to(gl.int64) * stride_qb + s * stride_qs + heads * stride_qh, 1)
+    hmask = gl.expand_dims(heads < H, 1)
+    cols = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, rows)), 0)
+    rope_cols = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, rows)), 0)
+    half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LH], gl.bfloat16)
+    rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16)
+    # one part at a time: the three together would hold 144 registers per thread
+    q0 = gl.load(q_row + cols, mask=hmask, other=0.0)
+    q0_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q0)
+    q1 = gl.load(q_row + LH + cols, mask=hmask, other=0.0)
+    q1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q1)
+    q_rope = gl.load(q_row + L + rope_cols, mask=hmask, other=0.0)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], rope_layout, q_rope)
+    return q0_s, q1_s, qr_s
+
+
+@gluon.jit
+def _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, stage):
+    """Issues S = Q K^T of the block in ``stage`` (two latent halves, then the rope part), asynchronously."""
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    s = warpgroup_mma(q0_s, c0_s.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(q1_s, c1_s.index(stage).permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(qr_s, kr_s.index(stage).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _part_rows(row, pid_h, split, H, n_splits):
+    """Rows of the partial outputs that this program's heads write, and which heads exist."""
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
+    return (row.to(gl.int64) * H + heads) * n_splits + split, heads < H
+
+
+@gluon.jit
+def _store_half(part_out_ptr, o, inv_l, part, hmask, col0):
+    cols = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, O_LAYOUT)), 0)
+    gl.store(part_out_ptr + gl.expand_dims(part * L + col0, 1) + cols, o * inv_l, mask=gl.expand_dims(hmask, 1))
+
+
+@gluon.jit
+def _refill(lat_desc, rope_desc, kv_ready, kv_free, c0_s, c1_s, kr_s, table_row, start, full, i, PAGE: gl.constexpr):
+    """Once the second warpgroup is done with block i, its stage takes block i + 2 (if that is a whole block)."""
+    stage = i % 2
+    mbarrier.wait(kv_free.index(stage), (i // 2) & 1)
+    n0 = start + (i + 2) * BLOCK_N
+    refill = i + 2 < full
+    first = gl.load(table_row + n0 // PAGE, mask=refill, other=0) * PAGE + n0 % PAGE
+    _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, stage, first, refill)
+
+
+@gluon.jit
+def _scores_softmax_left(
+    q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc, rope_desc,
+    cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits,
+    PAGE: gl.constexpr, WIDTH: gl.constexpr,
+):  # fmt: skip
+    """The first warpgroup. Block i: softmax of S_i; P_i and its row factor published to the second warpgroup;
+    P_i x V_i[:, :256] issued and S_{i+1} behind it; the stage refilled with block i + 2 once the second warpgroup
+    is done with it. At the end, 1 / l for the second warpgroup, then this half of the output and the lse."""
+    full = (end - start) // BLOCK_N  # whole blocks: a span starts on a block boundary, a block lies in one page
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
+    if full == 0:
+        _gather_block(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, 0, PAGE, WIDTH)
+    else:
+        mbarrier.wait(kv_ready.index(0), 0)
+    s = warpgroup_mma_wait(0, deps=[_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, 0)])
+    for i in range(n_blocks):
+        stage = i % 2
+        s = gl.where(gl.expand_dims(start + i * BLOCK_N + tokens < end, 0), s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        mbarrier.wait(p_free, (i & 1) ^ 1)  # the second warpgroup is done with P_{i-1}
+        p_s.store(p.to(gl.bfloat16))
+        a_s.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+        pv = warpgroup_mma(p_s, c0_s.index(stage), o * alpha_o, is_async=True)
+        nxt = i + 1
+        if nxt < n_blocks:
+            if nxt < full:
+                mbarrier.wait(kv_ready.index(nxt % 2), (nxt // 2) & 1)
+            else:  # the partial last block: its stage held block i - 1, released in the previous iteration
+                _gather_block(cache_ptr, table_row, start + nxt * BLOCK_N, end, c0_s, c1_s, kr_s, nxt % 2, PAGE, WIDTH)
+            s_next = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, nxt % 2)
+            o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
+        else:
+            o = warpgroup_mma_wait(0, deps=[pv])
+        _refill(lat_desc, rope_desc, kv_ready, kv_free, c0_s, c1_s, kr_s, table_row, start, full, i, PAGE)
+    mbarrier.wait(p_free, (n_blocks & 1) ^ 1)
+    a_s.store(1.0 / l_i)
+    mbarrier.arrive(p_ready, count=1)
+
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits)
+    inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_LAYOUT)), 1)
+    _store_half(part_out_ptr, o, inv_l, part, hmask, 0)
+    lse = (m_i + gl.log2(l_i)) / LOG2E  # natural log
+    gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, O_LAYOUT)), mask=hmask)
+
+
+@gluon.jit
+def _right(p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H, n_splits):
+    """The second warpgroup: P_i x V_i[:, 256:] for each block once P_i and its row factor are published, then this
+    half of the output scaled by the 1 / l the first warpgroup publishes last."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
+    for i in range(n_blocks):
+        mbarrier.wait(p_ready, i & 1)
+        alpha = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
+        o = warpgroup_mma(p_s, c1_s.index(i % 2), o * alpha)
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(kv_free.index(i % 2), count=1)
+    mbarrier.wait(p_ready, n_blocks & 1)
+    inv_l = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits)
+    _store_half(part_out_ptr, o, inv_l, part, hmask, LH)
+
+
+@gluon.jit
+def _mla_split_kernel(
+    q_ptr,
+    lat_desc,
+    rope_desc,
+    cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    S_q,
+    H,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_table,
+    n_splits,
+    PAGE: gl.constexpr,
+    WIDTH: gl.constexpr,
+    SPLIT: gl.constexpr,
+    RIGHT_REGS: gl.constexpr,
+):
+    """``attention._mla_split_kernel``'s contract (one (query row, 64 heads, KV split) per program) for a bf16 cache;
+    launched with 4 warps, to which the second warpgroup adds 4."""
+    row = gl.program_id(0)
+    pid_h = gl.program_id(1)
+    split = gl.program_id(2)
+    b = row // S_q
+    s = row % S_q
+    limit = gl.load(seq_lens_ptr + b) - S_q + s + 1  # positions < limit are visible to this query
+    start = split * SPLIT
+    end = gl.minimum(start + SPLIT, limit)
+    if start >= end:
+        part, hmask = _part_rows(row, pid_h, split, H, n_splits)
+        empty = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, O_LAYOUT))
+        gl.store(part_lse_ptr + part, empty, mask=hmask)
+        return
+
+    q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh)
+    c0_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], lat_desc.layout)
+    c1_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], lat_desc.layout)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], rope_desc.layout)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], kr_s.layout)
+    a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a stage's copies landed
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # second warpgroup done with it
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # P and its factor published
+    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # second warpgroup done with P
+    for i in gl.static_range(2):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=1)
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+
+    table_row = table_ptr + b.to(gl.int64) * stride_table
+    full = (end - start) // BLOCK_N
+    for i in gl.static_range(2):
+        n0 = start + i * BLOCK_N
+        first = gl.load(table_row + n0 // PAGE, mask=i < full, other=0) * PAGE + n0 % PAGE
+        _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, i, first, i < full)
+    fence_async_shared()
+    BARRIER()  # the query's stores are visible to the tensor cores
+    qk_scale = scale * LOG2E  # exp2 domain
+    gl.warp_specialize(
+        [
+            (
+                _scores_softmax_left,
+                (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc,
+                 rope_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
+                 split, H, n_splits, PAGE, WIDTH),
+            ),
+            (_right, (p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H,
+                      n_splits)),
+        ],
+        [4],
+        [RIGHT_REGS],
+    )  # fmt: skip
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:
+    """Whether this kernel serves the call: an SM90 GPU (wgmma is Hopper's), a bf16 cache whose records TMA can read
+    (``tma``), latent 512 and rope 64, pages of a multiple of 64 tokens, at least 64 heads."""
+    return (
+        q.is_cuda
+        and _hopper(q.device.index or 0)
+        and kv_format == "bf16"
+        and tma
+        and kv_lora_rank == L.value
+        and q.shape[3] == L.value + R.value
+        and kv_cache.shape[1] % BLOCK_N.value == 0
+        and q.shape[2] >= BLOCK_H.value
+    )
+
+
+def launch_split(q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page) -> None:
+    """Fills ``part_out`` / ``part_lse`` as ``attention._mla_split_kernel`` does; ``records``: the cache as one
+    [tokens, 576] row per cached token."""
+    n, half, rope = BLOCK_N.value, LH.value, R.value
+    lat_desc = TensorDescriptor.from_tensor(
+        records, [n, half], gl.NVMMASharedLayout.get_default_for([n, half], gl.bfloat16)
+    )
+    rope_desc = TensorDescriptor.from_tensor(
+        records, [n, rope], gl.NVMMASharedLayout.get_default_for([n, rope], gl.bfloat16)
+    )
+    batch, s_q, heads, _ = q.shape
+    _mla_split_kernel[(batch * s_q, -(-heads // BLOCK_H.value), n_splits)](
+        q, lat_desc, rope_desc, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
+        q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
+        PAGE=page, WIDTH=records.shape[1], SPLIT=split, RIGHT_REGS=RIGHT_REGS, num_warps=4,
+    )  # fmt: skip
