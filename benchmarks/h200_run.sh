@@ -10,7 +10,8 @@
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 #   gluon        the Gluon FP8 GEMM prototype (two products in flight) beside cuBLAS and the committed kernel
 #   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against
-#                the working tree
+#                the working tree; the device copy's .git can lag this machine's commits (seen in the eighth session:
+#                its HEAD was an earlier session's), so REV must be a commit it has
 #   ep           two GPUs (nvidia-h200-x2): dispatch + combine over NCCL, then the model with its experts on both
 #   ep-check     one GPU: the multi-rank dispatch kernels checked by two ranks through Gloo with CUDA tensors
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
