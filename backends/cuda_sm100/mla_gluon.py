@@ -43,8 +43,12 @@ RIGHT_REGS = 192  # registers per thread of the second warpgroup (its [64, 256] 
 
 
 @gluon.jit
-def _load_block(lat_desc, rope_desc, ready, c0_s, c1_s, kr_s, stage, row, pred):
-    """TMA copies of cache rows ``row + [0, 64)`` into ``stage``: the two latent halves and the rope part."""
+def _load_block(lat_desc, rope_desc, ready, c0_s, c1_s, kr_s, stage, table_row, start, j, full, PAGE: gl.constexpr):
+    """TMA copies of block ``j`` of the span (tokens ``start + 64 j + [0, 64)``, inside one page) into ``stage``: the
+    two latent halves and the rope part; nothing if it is not a whole block (``j >= full``)."""
+    n0 = start + j * BLOCK_N
+    pred = j < full
+    row = gl.load(table_row + n0 // PAGE, mask=pred, other=0) * PAGE + n0 % PAGE
     nbytes: gl.constexpr = 2 * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
     mbarrier.expect(ready.index(stage), nbytes, pred=pred)
     TMA_LOAD(lat_desc, [row, 0], ready.index(stage), c0_s.index(stage), pred=pred)
@@ -122,10 +126,7 @@ def _refill(lat_desc, rope_desc, kv_ready, kv_free, c0_s, c1_s, kr_s, table_row,
     """Once the second warpgroup is done with block i, its stage takes block i + 2 (if that is a whole block)."""
     stage = i % 2
     mbarrier.wait(kv_free.index(stage), (i // 2) & 1)
-    n0 = start + (i + 2) * BLOCK_N
-    refill = i + 2 < full
-    first = gl.load(table_row + n0 // PAGE, mask=refill, other=0) * PAGE + n0 % PAGE
-    _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, stage, first, refill)
+    _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, stage, table_row, start, i + 2, full, PAGE)
 
 
 @gluon.jit
@@ -261,9 +262,7 @@ def _mla_split_kernel(
     table_row = table_ptr + b.to(gl.int64) * stride_table
     full = (end - start) // BLOCK_N
     for i in gl.static_range(2):
-        n0 = start + i * BLOCK_N
-        first = gl.load(table_row + n0 // PAGE, mask=i < full, other=0) * PAGE + n0 % PAGE
-        _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, i, first, i < full)
+        _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, i, table_row, start, i, full, PAGE)
     fence_async_shared()
     BARRIER()  # the query's stores are visible to the tensor cores
     qk_scale = scale * LOG2E  # exp2 domain
