@@ -3,6 +3,10 @@ on the same inputs, alternating the two several times, each checked against the 
 (worst-row relative error, as ``deepinfer bench`` reports).
 
     python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm|gemm_invariant [--rev HEAD] [--rounds 2] [--eager]
+    python3 benchmarks/ab_against_git.py mla_decode --set attention.MLA_GLUON=False --set mla_gluon.FP8_CHUNK=16
+
+``--set MODULE.NAME=VALUE[,...]`` compares the working tree against itself with those module constants of
+``backends/cuda_sm100`` changed (one side per ``--set``), instead of against a git revision.
 
 Device time from CUDA graphs (``--eager``: eager medians, host work included). Under the Triton interpreter
 (``TRITON_INTERPRET=1``, no GPU) it runs one small shape per case and times eagerly, which checks the script itself.
@@ -15,6 +19,8 @@ the DeepSeek-V3 projections, M = 128 and 4096. Each line also says whether the t
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -120,38 +126,71 @@ def gemm_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
 CASES = {"mla_decode": mla_cases, "grouped_gemm": grouped_cases, "gemm_invariant": gemm_cases}
 
 
+@contextlib.contextmanager
+def settings(spec: str):
+    """Module constants of the backend changed for the duration: ``"attention.MLA_GLUON=False,..."``."""
+    old = []
+    for item in filter(None, spec.split(",")):
+        name, value = item.split("=", 1)
+        module_name, attr = name.rsplit(".", 1)
+        module = importlib.import_module(f"deepinfer_cuda_sm100.{module_name}")
+        old.append((module, attr, getattr(module, attr)))  # a misspelt name fails here
+        setattr(module, attr, ast.literal_eval(value))
+    try:
+        yield
+    finally:
+        for module, attr, value in reversed(old):
+            setattr(module, attr, value)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("op", choices=sorted(MODULES))
     parser.add_argument("--rev", default="HEAD", help="git revision of the 'before' side (default HEAD)")
     parser.add_argument("--rounds", type=int, default=2, help="times each side is timed, alternating (default 2)")
     parser.add_argument("--eager", action="store_true", help="eager medians instead of CUDA-graph replays")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE[,...]",
+        help="a side with these backend constants changed, in place of --rev (repeatable)",
+    )
     args = parser.parse_args()
     deepinfer.use("cuda_sm100")
     name, function = MODULES[args.op]
-    sides = {args.rev: module_at(args.rev, name), "tree": importlib.import_module(f"deepinfer_cuda_sm100.{name}")}
+    tree = importlib.import_module(f"deepinfer_cuda_sm100.{name}")
+    if args.set:  # (module, settings) per side
+        sides = {spec: (tree, spec) for spec in args.set} | {"tree": (tree, "")}
+    else:
+        sides = {args.rev: (module_at(args.rev, name), ""), "tree": (tree, "")}
     graphs = ON_GPU and not args.eager
     for label, sets, flops, check in CASES[args.op]():
         best, outs = {}, {}
         for _ in range(args.rounds):
-            for side, module in sides.items():
+            for side, (module, spec) in sides.items():
                 fn = getattr(module, function)
-                outs[side] = fn(**sets[0])
-                err = check(outs[side])
                 run = lambda i, fn=fn, sets=sets: fn(**sets[i])
-                if graphs:
-                    ms = bench.time_graph_ms(run, sets=len(sets))
-                else:  # the interpreter takes seconds per call: one timed call there
-                    ms = bench.time_ms(run, DEVICE, sets=len(sets), warmup=1 if ON_GPU else 0, reps=30 if ON_GPU else 1)
+                with settings(spec):
+                    outs[side] = fn(**sets[0])
+                    err = check(outs[side])
+                    if graphs:
+                        ms = bench.time_graph_ms(run, sets=len(sets))
+                    else:  # the interpreter takes seconds per call: one timed call there
+                        ms = bench.time_ms(run, DEVICE, sets=len(sets), warmup=1 if ON_GPU else 0,
+                                           reps=30 if ON_GPU else 1)  # fmt: skip
                 best[side] = min(best.get(side, ms), ms)
                 rate = f"{flops / ms / 1e9:.0f} TFLOP/s"
                 print(f"{label} | {side} | {ms:.3f} ms | {rate} | worst-row rel. error {err:.1e}", flush=True)
-        same = all(torch.equal(x, y) for x, y in zip(*(torch.utils._pytree.tree_leaves(o) for o in outs.values())))
-        print(
-            f"{label} | tree against {args.rev}: {best[args.rev] / best['tree']:.3f}x (best of each), "
-            f"{'same' if same else 'different'} bits",
-            flush=True,
-        )
+        tree_out = torch.utils._pytree.tree_leaves(outs["tree"])
+        for side in sides:
+            if side != "tree":
+                same = all(torch.equal(x, y) for x, y in zip(tree_out, torch.utils._pytree.tree_leaves(outs[side])))
+                print(
+                    f"{label} | tree against {side}: {best[side] / best['tree']:.3f}x (best of each), "
+                    f"{'same' if same else 'different'} bits",
+                    flush=True,
+                )
     return 0
 
 

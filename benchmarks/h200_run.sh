@@ -12,6 +12,8 @@
 #   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against
 #                the working tree; the device copy's .git can lag this machine's commits (seen in the eighth session:
 #                its HEAD was an earlier session's), so REV must be a commit it has
+#   ab-set OP SETTINGS...  same-run A/B of the working tree against itself with backend constants changed, one side
+#                per SETTINGS (MODULE.NAME=VALUE[,...], e.g. attention.MLA_GLUON=False)
 #   ep           two GPUs (nvidia-h200-x2): dispatch + combine over NCCL, then the model with its experts on both
 #   ep-check     one GPU: the multi-rank dispatch kernels checked by two ranks through Gloo with CUDA tensors
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
@@ -44,6 +46,10 @@ case ${1:-} in
     timeout 400 python3 benchmarks/gluon_gemm.py "$OUT/gluon_gemm.json" 2>&1 | tail -40 ;;
   ab)
     timeout 560 python3 benchmarks/ab_against_git.py "$2" --rev "${3:-HEAD}" 2>&1 | tee "$OUT/ab.txt" | tail -40 ;;
+  ab-set)
+    op=$2; shift 2
+    timeout 560 python3 benchmarks/ab_against_git.py "$op" $(printf -- '--set %s ' "$@") 2>&1 | tee "$OUT/ab.txt" \
+      | tail -60 ;;
   ep)
     timeout 220 torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out "$OUT/ep.json" --timeout 120 --profile 2>&1 \
       | grep -v "^W1" | tail -12
@@ -52,6 +58,6 @@ case ${1:-} in
   ep-check)
     timeout 300 torchrun --nproc-per-node 2 benchmarks/bench_ep.py --backend gloo-cuda --check-only \
       --out "$OUT/ep_check.json" --timeout 200 2>&1 | grep -v "^W1" | tail -4 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|gemm-tiles|gluon|ab|ep|ep-check" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|gemm-tiles|gluon|ab|ab-set|ep|ep-check" >&2
      exit 2 ;;
 esac

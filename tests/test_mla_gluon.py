@@ -25,25 +25,42 @@ MAX_SHARED = 227 * 1024  # an SM90 block's shared memory
 
 def _descriptor(records: torch.Tensor, cols: int):
     layout = gl.NVMMASharedLayout.get_default_for([64, cols], gl.bfloat16)
-    return TensorDescriptor.from_tensor(records, [64, cols], layout)
+    return native_specialize_impl(
+        BaseBackend, TensorDescriptor.from_tensor(records, [64, cols], layout), False, True, True
+    )[0]
 
 
-def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split():
-    records = torch.empty(4096, 576, dtype=torch.bfloat16)
-    signature = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+def _compile(kv_format: str):
+    """The split kernel as ``launch_split`` specialises it for DeepSeek-V3's cache in ``kv_format``, 64-token pages."""
+    fp8 = kv_format == "fp8_ds_mla"
+    signature = {"q_ptr": "*bf16", "cache_ptr": "*u8" if fp8 else "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
     signature |= {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "n_splits"), "i32")
-    for name, cols in (("lat_desc", 256), ("rope_desc", 64)):
-        signature[name] = native_specialize_impl(BaseBackend, _descriptor(records, cols), False, True, True)[0]
-    constants = {"PAGE": 64, "WIDTH": 576, "SPLIT": 1024, "RIGHT_REGS": mla_gluon.RIGHT_REGS}
+    constants = {"PAGE": 64, "SPLIT": 1024, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK}
+    if fp8:  # the rope part by TMA from the records seen as bf16, the latent dequantised by the kernel
+        signature["rope_desc"] = _descriptor(torch.empty(4096, 328, dtype=torch.bfloat16), 64)
+        constants |= {"lat_desc": None, "WIDTH": 656, "RIGHT_REGS": mla_gluon.FP8_RIGHT_REGS}
+        constants |= {"FILL_REGS": mla_gluon.FP8_FILL_REGS}
+    else:
+        records = torch.empty(4096, 576, dtype=torch.bfloat16)
+        signature |= {"lat_desc": _descriptor(records, 256), "rope_desc": _descriptor(records, 64)}
+        constants |= {"WIDTH": 576, "RIGHT_REGS": mla_gluon.RIGHT_REGS, "FILL_REGS": 0}
     signature |= dict.fromkeys(constants, "constexpr")
-    source = GluonASTSource(mla_gluon._mla_split_kernel, signature, constants)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    names = mla_gluon._mla_split_kernel.arg_names
+    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items() if kind[0] == "*"}
+    source = GluonASTSource(mla_gluon._mla_split_kernel, signature, constants, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_format):
+    kernel = _compile(kv_format)
     ptx = kernel.asm["ptx"]
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
     # scores: [64 heads, 64 tokens] over 576 = 36 steps of k16, at two call sites (first block, then each next one);
     # P x V: 64 tokens = 4 steps of k16 per warpgroup, each warpgroup on its own 256 latent columns
     assert {shape: shapes.count(shape) for shape in set(shapes)} == {"m64n64k16": 72, "m64n256k16": 8}
-    assert "setmaxnreg" in ptx  # the two warpgroups are specialised
+    # the warpgroups are specialised: registers move to the first; with fp8_ds_mla a third one dequantises
+    assert len(re.findall(r"setmaxnreg\.dec", ptx)) >= (2 if kv_format == "fp8_ds_mla" else 1)
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv_format == "fp8_ds_mla")
     assert kernel.metadata.shared <= MAX_SHARED

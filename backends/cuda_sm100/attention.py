@@ -6,8 +6,8 @@ the block table's shape rather than from the sequence lengths, so a decode step 
 default small batches take shorter spans, so that the grid fills the GPU; the batch-invariant variant keeps the span
 fixed, so a row's result cannot depend on the batch. A program holds its output as two [heads, L/2] halves (a TMA box
 is at most 256 wide) and reads whole 64-token blocks of a page by TMA copies; the last, partial block of a span is
-gathered with masks. On Hopper, DeepSeek-V3's bf16 cache goes to the warp-specialized Gluon split kernel in
-``mla_gluon`` instead (same partial outputs, same merge).
+gathered with masks. On Hopper, DeepSeek-V3's shapes (bf16 or fp8_ds_mla cache) go to the warp-specialized Gluon
+split kernel in ``mla_gluon`` instead (same partial outputs, same merge).
 """
 
 from __future__ import annotations

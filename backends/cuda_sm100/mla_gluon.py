@@ -1,18 +1,22 @@
-"""``mla_decode``'s split kernel for Hopper (SM90) in Gluon, Triton's lower-level language: bf16 cache, latent 512,
-rope 64, pages of a multiple of 64 tokens, at least 64 heads. ``attention.mla_decode`` launches it in place of its
-``tl`` split kernel where ``takes`` says so; the partial outputs, the splits and the merge are the same.
+"""``mla_decode``'s split kernel for Hopper (SM90) in Gluon, Triton's lower-level language: a bf16 or fp8_ds_mla cache,
+latent 512, rope 64, pages of a multiple of 64 tokens, at least 64 heads. ``attention.mla_decode`` launches it in place
+of its ``tl`` split kernel where ``takes`` says so; the partial outputs, the splits and the merge are the same.
 
 Why a second kernel: with 64 heads per program and two warpgroups, Triton's ``tl`` gives both warpgroups the same rows
 of the chained products, so both compute the same scores (112 instead of 73 GFLOP issued at B=64, ctx 4096).
-Here the two warpgroups have different jobs (``gl.warp_specialize``), FlashMLA's division of the work:
+Here the warpgroups have different jobs (``gl.warp_specialize``), FlashMLA's division of the work:
 
 - the first computes S = Q K^T of a 64-token block, its softmax, hands P and the row rescale factor to the second
-  through shared memory, multiplies P by the left half of the latent, and refills the block's stage by TMA;
-- the second multiplies each P by the right half of the latent.
+  through shared memory, multiplies P by the left half of the latent, and (bf16 cache) refills the block's stage by
+  TMA;
+- the second multiplies each P by the right half of the latent;
+- with an fp8_ds_mla cache, a third fills the stages: it loads the e4m3 latent and its scales by pointer a few tokens
+  at a time, stores it dequantised to bf16, and brings the rope part (bf16 already) by TMA.
 
-The query (64 x 576) and two stages of 64 cached tokens fill the shared memory (one program per SM). Whole blocks come
-by TMA copies; the last, partial block of a span is gathered by pointer with zeros past the span. Measured on the
-H200 beside the ``tl`` kernel: benchmarks/NOTES.md (eighth session).
+The query (64 x 576) and two stages of 64 cached tokens in bf16 fill the shared memory (one program per SM), which
+leaves no room for a raw fp8 stage. With a bf16 cache whole blocks come by TMA copies and the last, partial block of a
+span is gathered by pointer with zeros past the span. Measured on the H200 beside the ``tl`` kernel:
+benchmarks/NOTES.md (eighth and ninth sessions).
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=
 TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
 RIGHT_REGS = 192  # registers per thread of the second warpgroup (its [64, 256] fp32 accumulator takes 128)
+GROUP = gl.constexpr(128)  # fp8_ds_mla latent columns per scale
+ROPE_AT = gl.constexpr((512 + 4 * 512 // 128) // 2)  # the rope part's first column in an fp8_ds_mla record, bf16 units
+# fp8_ds_mla: a third warpgroup dequantises the cache, CHUNK tokens at a time (one chunk stored while the next one
+# loads). Registers per thread of the second and the third warpgroup; the first gets the rest of 512 (240).
+FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
 
 
 @gluon.jit
@@ -75,6 +84,87 @@ def _gather_block(cache_ptr, table_row, n0, end, c0_s, c1_s, kr_s, stage, PAGE: 
         kr_s.index(stage).slice(r, CHUNK).store(gl.load(cache_ptr + base + L + rope_cols, mask=valid, other=0.0))
     fence_async_shared()
     BARRIER()
+
+
+@gluon.jit
+def _fp8_chunk(cache_ptr, page, n0, end, PAGE: gl.constexpr, WIDTH: gl.constexpr, CHUNK: gl.constexpr):
+    """The latent of tokens ``n0 + [0, CHUNK)`` of an fp8_ds_mla span, in cache page ``page``, as stored, zeros at and
+    past ``end``: the two halves' e4m3 bytes and the four 128-column scales."""
+    lat: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
+    first = cache_ptr + (page.to(gl.int64) * PAGE + n0 % PAGE) * WIDTH  # the chunk's first record
+    tokens = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, lat))
+    valid = n0 + tokens < end
+    record = first + tokens * WIDTH
+    at = gl.expand_dims(record, 1) + gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, lat)), 0)
+    c0 = gl.load(at, mask=gl.expand_dims(valid, 1), other=0)
+    c1 = gl.load(at + LH, mask=gl.expand_dims(valid, 1), other=0)
+    scales = (record + L).to(gl.pointer_type(gl.float32), bitcast=True)
+    s0 = gl.load(scales, mask=valid, other=0.0)
+    s1 = gl.load(scales + 1, mask=valid, other=0.0)
+    s2 = gl.load(scales + 2, mask=valid, other=0.0)
+    s3 = gl.load(scales + 3, mask=valid, other=0.0)
+    return c0, c1, s0, s1, s2, s3
+
+
+@gluon.jit
+def _dequantize_half(raw, s_lo, s_hi):
+    """e4m3 bytes [CHUNK, 256] (two 128-column groups) times their groups' scales, as bf16."""
+    first = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, raw.type.layout)), 0) < GROUP
+    scale = gl.where(first, gl.expand_dims(s_lo, 1), gl.expand_dims(s_hi, 1))
+    return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
+
+
+@gluon.jit
+def _store_chunk(chunk, c0_s, c1_s, stage, r):
+    """A chunk from ``_fp8_chunk``, dequantised, into rows ``r + [0, CHUNK)`` of ``stage``."""
+    c0, c1, s0, s1, s2, s3 = chunk
+    c0_s.index(stage).slice(r, c0.shape[0]).store(_dequantize_half(c0, s0, s1))
+    c1_s.index(stage).slice(r, c0.shape[0]).store(_dequantize_half(c1, s2, s3))
+
+
+@gluon.jit
+def _dequantize_fp8(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, kv_free,
+                    PAGE: gl.constexpr, WIDTH: gl.constexpr, CHUNK: gl.constexpr):  # fmt: skip
+    """The third warpgroup, for an fp8_ds_mla cache: each block of the span into its stage once both other warpgroups
+    are done with the stage's previous block, the latent dequantised to bf16 (zeros past the span), the rope part
+    (bf16 already) by a TMA copy. Loads run two chunks ahead of the stores (registers hold three chunks), so that
+    their latency overlaps the stores and the wait for a free stage."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    # a block lies in one page: its page number is loaded two blocks ahead, off the loads' critical path
+    page = gl.load(table_row + start // PAGE)
+    page_next = gl.load(table_row + (start + BLOCK_N) // PAGE, mask=start + BLOCK_N < end, other=0)
+    now = _fp8_chunk(cache_ptr, page, start, end, PAGE, WIDTH, CHUNK)
+    ahead = _fp8_chunk(cache_ptr, page, start + CHUNK, end, PAGE, WIDTH, CHUNK)
+    for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
+        for stage in gl.static_range(2):
+            i = i2 + stage
+            if i < n_blocks:
+                page, page_next, now, ahead = _fill_stage(
+                    cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, kv_free, i, stage,
+                    page, page_next, now, ahead, PAGE, WIDTH, CHUNK,
+                )  # fmt: skip
+
+
+@gluon.jit
+def _fill_stage(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, kv_free, i,
+                stage: gl.constexpr, page, page_next, now, ahead, PAGE: gl.constexpr, WIDTH: gl.constexpr,
+                CHUNK: gl.constexpr):  # fmt: skip
+    n0 = start + i * BLOCK_N
+    page_after = gl.load(table_row + (n0 + 2 * BLOCK_N) // PAGE, mask=n0 + 2 * BLOCK_N < end, other=0)
+    mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
+    mbarrier.expect(kv_ready.index(stage), rope_desc.block_type.nbytes)  # one of kv_ready's two arrivals
+    TMA_LOAD(rope_desc, [page * PAGE + n0 % PAGE, ROPE_AT], kv_ready.index(stage), kr_s.index(stage))
+    for r in gl.static_range(0, BLOCK_N, CHUNK):
+        if r + 2 * CHUNK < BLOCK_N:
+            nxt = _fp8_chunk(cache_ptr, page, n0 + r + 2 * CHUNK, end, PAGE, WIDTH, CHUNK)
+        else:
+            nxt = _fp8_chunk(cache_ptr, page_next, n0 + r + 2 * CHUNK, end, PAGE, WIDTH, CHUNK)
+        _store_chunk(now, c0_s, c1_s, stage, r)
+        now = ahead
+        ahead = nxt
+    fence_async_shared()
+    mbarrier.arrive(kv_ready.index(stage), count=1)
+    return page_next, page_after, now, ahead
 
 
 @gluon.jit
@@ -130,24 +220,36 @@ def _refill(lat_desc, rope_desc, kv_ready, kv_free, c0_s, c1_s, kr_s, table_row,
 
 
 @gluon.jit
+def _block_ready(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, j, full, PAGE: gl.constexpr,
+                 WIDTH: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+    """Block ``j`` of the span in its stage: waits for its TMA copies or (``FP8``) its dequantisation, or gathers a
+    bf16 cache's partial last block (its stage held block j - 2, released before block j - 1's scores)."""
+    if FP8:
+        mbarrier.wait(kv_ready.index(j % 2), (j // 2) & 1)
+    else:
+        if j < full:
+            mbarrier.wait(kv_ready.index(j % 2), (j // 2) & 1)
+        else:
+            _gather_block(cache_ptr, table_row, start + j * BLOCK_N, end, c0_s, c1_s, kr_s, j % 2, PAGE, WIDTH)
+
+
+@gluon.jit
 def _scores_softmax_left(
     q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc, rope_desc,
     cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits,
-    PAGE: gl.constexpr, WIDTH: gl.constexpr,
+    PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr,
 ):  # fmt: skip
     """The first warpgroup. Block i: softmax of S_i; P_i and its row factor published to the second warpgroup;
-    P_i x V_i[:, :256] issued and S_{i+1} behind it; the stage refilled with block i + 2 once the second warpgroup
-    is done with it. At the end, 1 / l for the second warpgroup, then this half of the output and the lse."""
-    full = (end - start) // BLOCK_N  # whole blocks: a span starts on a block boundary, a block lies in one page
+    P_i x V_i[:, :256] issued and S_{i+1} behind it; then, with a bf16 cache, the stage refilled with block i + 2
+    once the second warpgroup is done with it (with fp8_ds_mla the third warpgroup fills every stage). At the end,
+    1 / l for the second warpgroup, then this half of the output and the lse."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
+    full = (end - start) // BLOCK_N  # whole blocks: a span starts on a block boundary, a block lies in one page
     tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
     o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
-    if full == 0:
-        _gather_block(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, 0, PAGE, WIDTH)
-    else:
-        mbarrier.wait(kv_ready.index(0), 0)
+    _block_ready(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, 0, full, PAGE, WIDTH, FP8)
     s = warpgroup_mma_wait(0, deps=[_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, 0)])
     for i in range(n_blocks):
         stage = i % 2
@@ -166,15 +268,15 @@ def _scores_softmax_left(
         pv = warpgroup_mma(p_s, c0_s.index(stage), o * alpha_o, is_async=True)
         nxt = i + 1
         if nxt < n_blocks:
-            if nxt < full:
-                mbarrier.wait(kv_ready.index(nxt % 2), (nxt // 2) & 1)
-            else:  # the partial last block: its stage held block i - 1, released in the previous iteration
-                _gather_block(cache_ptr, table_row, start + nxt * BLOCK_N, end, c0_s, c1_s, kr_s, nxt % 2, PAGE, WIDTH)
+            _block_ready(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, nxt, full, PAGE, WIDTH, FP8)
             s_next = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, nxt % 2)
             o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
         else:
             o = warpgroup_mma_wait(0, deps=[pv])
-        _refill(lat_desc, rope_desc, kv_ready, kv_free, c0_s, c1_s, kr_s, table_row, start, full, i, PAGE)
+        if FP8:
+            mbarrier.arrive(kv_free.index(stage), count=1)
+        else:
+            _refill(lat_desc, rope_desc, kv_ready, kv_free, c0_s, c1_s, kr_s, table_row, start, full, i, PAGE)
     mbarrier.wait(p_free, (n_blocks & 1) ^ 1)
     a_s.store(1.0 / l_i)
     mbarrier.arrive(p_ready, count=1)
@@ -225,10 +327,14 @@ def _mla_split_kernel(
     PAGE: gl.constexpr,
     WIDTH: gl.constexpr,
     SPLIT: gl.constexpr,
+    FP8: gl.constexpr,
     RIGHT_REGS: gl.constexpr,
+    FILL_REGS: gl.constexpr,
+    CHUNK: gl.constexpr,
 ):
-    """``attention._mla_split_kernel``'s contract (one (query row, 64 heads, KV split) per program) for a bf16 cache;
-    launched with 4 warps, to which the second warpgroup adds 4."""
+    """``attention._mla_split_kernel``'s contract (one (query row, 64 heads, KV split) per program). Launched with 4
+    warps, to which the second warpgroup adds 4, and with ``FP8`` (an fp8_ds_mla cache at ``cache_ptr``, bytes; no
+    descriptors) the third 4 more."""
     row = gl.program_id(0)
     pid_h = gl.program_id(1)
     split = gl.program_id(2)
@@ -244,42 +350,60 @@ def _mla_split_kernel(
         return
 
     q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh)
-    c0_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], lat_desc.layout)
-    c1_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], lat_desc.layout)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], rope_desc.layout)
+    half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LH], gl.bfloat16)
+    rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
+    c0_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    c1_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], rope_layout)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], kr_s.layout)
     a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a stage's copies landed
-    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # second warpgroup done with it
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # its consumers are done
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # P and its factor published
     p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # second warpgroup done with P
     for i in gl.static_range(2):
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=1)
+        mbarrier.init(kv_ready.index(i), count=2 if FP8 else 1)  # fp8: the rope's copy and the latent's stores
+        mbarrier.init(kv_free.index(i), count=2 if FP8 else 1)  # fp8: both warpgroups release it
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
 
     table_row = table_ptr + b.to(gl.int64) * stride_table
-    full = (end - start) // BLOCK_N
-    for i in gl.static_range(2):
-        _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, i, table_row, start, i, full, PAGE)
+    if not FP8:
+        full = (end - start) // BLOCK_N
+        for i in gl.static_range(2):
+            _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, i, table_row, start, i, full, PAGE)
     fence_async_shared()
     BARRIER()  # the query's stores are visible to the tensor cores
     qk_scale = scale * LOG2E  # exp2 domain
-    gl.warp_specialize(
-        [
-            (
-                _scores_softmax_left,
-                (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc,
-                 rope_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
-                 split, H, n_splits, PAGE, WIDTH),
-            ),
-            (_right, (p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H,
-                      n_splits)),
-        ],
-        [4],
-        [RIGHT_REGS],
-    )  # fmt: skip
+    # the argument tuples are written out in each call: a tuple assigned to a name loses its constexprs
+    if FP8:
+        gl.warp_specialize(
+            [
+                (_scores_softmax_left,
+                 (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc,
+                  rope_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
+                  split, H, n_splits, PAGE, WIDTH, FP8)),
+                (_right, (p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H,
+                          n_splits)),
+                (_dequantize_fp8, (cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, kv_free,
+                                   PAGE, WIDTH, CHUNK)),
+            ],
+            [4, 4],
+            [RIGHT_REGS, FILL_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_scores_softmax_left,
+                 (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc,
+                  rope_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
+                  split, H, n_splits, PAGE, WIDTH, FP8)),
+                (_right, (p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H,
+                          n_splits)),
+            ],
+            [4],
+            [RIGHT_REGS],
+        )  # fmt: skip
 
 
 @functools.cache
@@ -288,12 +412,13 @@ def _hopper(index: int) -> bool:
 
 
 def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:
-    """Whether this kernel serves the call: an SM90 GPU (wgmma is Hopper's), a bf16 cache whose records TMA can read
-    (``tma``), latent 512 and rope 64, pages of a multiple of 64 tokens, at least 64 heads."""
+    """Whether this kernel serves the call: an SM90 GPU (wgmma is Hopper's), latent 512 and rope 64, at least 64 heads,
+    pages of a multiple of 64 tokens (a block lies in one page), and a cache whose records TMA can read (``tma``:
+    the whole bf16 record, or the bf16 rope part of an fp8_ds_mla record)."""
     return (
         q.is_cuda
         and _hopper(q.device.index or 0)
-        and kv_format == "bf16"
+        and kv_format in ("bf16", "fp8_ds_mla")
         and tma
         and kv_lora_rank == L.value
         and q.shape[3] == L.value + R.value
@@ -303,18 +428,20 @@ def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format:
 
 
 def launch_split(q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page) -> None:
-    """Fills ``part_out`` / ``part_lse`` as ``attention._mla_split_kernel`` does; ``records``: the cache as one
-    [tokens, 576] row per cached token."""
-    n, half, rope = BLOCK_N.value, LH.value, R.value
-    lat_desc = TensorDescriptor.from_tensor(
-        records, [n, half], gl.NVMMASharedLayout.get_default_for([n, half], gl.bfloat16)
+    """Fills ``part_out`` / ``part_lse`` as ``attention._mla_split_kernel`` does; ``records``: the cache as one row per
+    cached token ([tokens, 576] bf16 or [tokens, 656] fp8_ds_mla bytes)."""
+    fp8 = records.dtype == torch.uint8
+    n, bf16 = BLOCK_N.value, records.view(torch.bfloat16)  # an fp8 record's rope part is bf16
+    descriptor = lambda cols: TensorDescriptor.from_tensor(
+        bf16, [n, cols], gl.NVMMASharedLayout.get_default_for([n, cols], gl.bfloat16)
     )
-    rope_desc = TensorDescriptor.from_tensor(
-        records, [n, rope], gl.NVMMASharedLayout.get_default_for([n, rope], gl.bfloat16)
-    )
+    if fp8:  # the latent is dequantised by the kernel; TMA copies bring the rope part only
+        descriptors, regs = (None, descriptor(R.value)), {"RIGHT_REGS": FP8_RIGHT_REGS, "FILL_REGS": FP8_FILL_REGS}
+    else:
+        descriptors, regs = (descriptor(LH.value), descriptor(R.value)), {"RIGHT_REGS": RIGHT_REGS, "FILL_REGS": 0}
     batch, s_q, heads, _ = q.shape
     _mla_split_kernel[(batch * s_q, -(-heads // BLOCK_H.value), n_splits)](
-        q, lat_desc, rope_desc, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
+        q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
-        PAGE=page, WIDTH=records.shape[1], SPLIT=split, RIGHT_REGS=RIGHT_REGS, num_warps=4,
+        PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, **regs, num_warps=4,
     )  # fmt: skip
