@@ -1,0 +1,454 @@
+# Prototype, not used: the fp8_ds_mla filler with the e4m3 latent brought by TMA into the bf16 stage and dequantised in
+# place (measured 1.04-1.11x slower than the committed register filler, NOTES.md ninth session). Kept for the record.
+"""``mla_decode``'s split kernel for Hopper (SM90) in Gluon, Triton's lower-level language: a bf16 or fp8_ds_mla cache,
+latent 512, rope 64, pages of a multiple of 64 tokens, at least 64 heads. ``attention.mla_decode`` launches it in place
+of its ``tl`` split kernel where ``takes`` says so; the partial outputs, the splits and the merge are the same.
+
+Why a second kernel: with 64 heads per program and two warpgroups, Triton's ``tl`` gives both warpgroups the same rows
+of the chained products, so both compute the same scores (112 instead of 73 GFLOP issued at B=64, ctx 4096).
+Here the warpgroups have different jobs (``gl.warp_specialize``), FlashMLA's division of the work:
+
+- the first computes S = Q K^T of a 64-token block, its softmax, hands P and the row rescale factor to the second
+  through shared memory, multiplies P by the left half of the latent, and (bf16 cache) refills the block's stage by
+  TMA;
+- the second multiplies each P by the right half of the latent;
+- with an fp8_ds_mla cache, a third fills the stages: it loads the e4m3 latent and its scales by pointer a few tokens
+  at a time, stores it dequantised to bf16, and brings the rope part (bf16 already) by TMA.
+
+The query (64 x 576) and two stages of 64 cached tokens in bf16 fill the shared memory (one program per SM), which
+leaves no room for a raw fp8 stage. With a bf16 cache whole blocks come by TMA copies and the last, partial block of a
+span is gathered by pointer with zeros past the span. Measured on the H200 beside the ``tl`` kernel:
+benchmarks/NOTES.md (eighth and ninth sessions).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_H, BLOCK_N, L, R, LH = (gl.constexpr(v) for v in (64, 64, 512, 64, 256))  # heads, tokens, latent, rope, half
+LOG2E = gl.constexpr(1.4426950408889634)
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+# Gluon is experimental and renames things: Triton 3.6 (the H200 machine's) has ``tma.async_copy_global_to_shared``
+# and ``gl.thread_barrier``; later versions ``tma.async_load`` and ``gl.barrier``, and refuse the old names.
+TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
+RIGHT_REGS = 192  # registers per thread of the second warpgroup (its [64, 256] fp32 accumulator takes 128)
+GROUP = gl.constexpr(128)  # fp8_ds_mla latent columns per scale
+ROPE_AT = gl.constexpr((512 + 4 * 512 // 128) // 2)  # the rope part's first column in an fp8_ds_mla record, bf16 units
+# fp8_ds_mla: registers per thread of the second and the third warpgroup (the first gets the rest of 512), and the
+# third's layout for 16 tokens of one 128-column scale group of e4m3 bytes (16 per thread)
+FP8_RIGHT_REGS, FP8_FILL_REGS = 160, 104
+RAW_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+# Gluon renamed the reinterpretation of shared memory as another dtype (``_reinterpret`` in Triton 3.6)
+NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def _load_block(lat_desc, rope_desc, ready, c0_s, c1_s, kr_s, stage, table_row, start, j, full, PAGE: gl.constexpr):
+    """TMA copies of block ``j`` of the span (tokens ``start + 64 j + [0, 64)``, inside one page) into ``stage``: the
+    two latent halves and the rope part; nothing if it is not a whole block (``j >= full``)."""
+    n0 = start + j * BLOCK_N
+    pred = j < full
+    row = gl.load(table_row + n0 // PAGE, mask=pred, other=0) * PAGE + n0 % PAGE
+    nbytes: gl.constexpr = 2 * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
+    mbarrier.expect(ready.index(stage), nbytes, pred=pred)
+    TMA_LOAD(lat_desc, [row, 0], ready.index(stage), c0_s.index(stage), pred=pred)
+    TMA_LOAD(lat_desc, [row, LH], ready.index(stage), c1_s.index(stage), pred=pred)
+    TMA_LOAD(rope_desc, [row, L], ready.index(stage), kr_s.index(stage), pred=pred)
+
+
+@gluon.jit
+def _gather_block(cache_ptr, table_row, n0, end, c0_s, c1_s, kr_s, stage, PAGE: gl.constexpr, WIDTH: gl.constexpr):
+    """Tokens ``n0 + [0, 64)`` of a span gathered by pointer into ``stage``, zeros at and past ``end`` (the cache past a
+    sequence may hold NaN, which P x V must not see). 16 tokens at a time: products in flight hold most registers."""
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    CHUNK: gl.constexpr = 16
+    cols = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, rows)), 0)
+    rope_cols = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, rows)), 0)
+    for r in gl.static_range(0, BLOCK_N, CHUNK):
+        pos = n0 + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, rows))
+        valid = pos < end
+        page = gl.load(table_row + pos // PAGE, mask=valid, other=0)
+        base = gl.expand_dims((page.to(gl.int64) * PAGE + pos % PAGE) * WIDTH, 1)
+        valid = gl.expand_dims(valid, 1)
+        c0_s.index(stage).slice(r, CHUNK).store(gl.load(cache_ptr + base + cols, mask=valid, other=0.0))
+        c1_s.index(stage).slice(r, CHUNK).store(gl.load(cache_ptr + base + LH + cols, mask=valid, other=0.0))
+        kr_s.index(stage).slice(r, CHUNK).store(gl.load(cache_ptr + base + L + rope_cols, mask=valid, other=0.0))
+    fence_async_shared()
+    BARRIER()
+
+
+@gluon.jit
+def _group_scales(cache_ptr, row, n0, end, g, WIDTH: gl.constexpr):
+    """The scale of latent group ``g`` for each of tokens ``n0 + [0, 16)`` (cache rows ``row + [0, 16)``), in the
+    row layout of ``_dequantize_rows``; 0 at and past ``end``."""
+    tokens = gl.arange(0, 16, layout=gl.SliceLayout(1, RAW_ROWS))
+    scales = (cache_ptr + (row + tokens).to(gl.int64) * WIDTH + L).to(gl.pointer_type(gl.float32), bitcast=True)
+    return gl.load(scales + g, mask=n0 + tokens < end, other=0.0)
+
+
+@gluon.jit
+def _dequantize_rows(raw, scale):
+    """e4m3 bytes [16, 128] (one latent group of 16 tokens) times each token's scale, as bf16; zeros where the scale
+    is 0 (tokens past the span, whose bytes may be NaN)."""
+    values = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 1)
+    return gl.where(gl.expand_dims(scale != 0.0, 1), values, 0.0).to(gl.bfloat16)
+
+
+@gluon.jit
+def _dequantize_fp8(lat_desc, rope_desc, cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, raw_ready, kv_ready,
+                    kv_free, PAGE: gl.constexpr, WIDTH: gl.constexpr):  # fmt: skip
+    """The third warpgroup, for an fp8_ds_mla cache. Once both other warpgroups are done with a stage, TMA copies
+    bring the next block's e4m3 latent into the stage's right half (raw bytes take half the room of bf16) and its rope
+    part (bf16 already) into place; then the latent is dequantised to bf16 in place, zeros past the span."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    page = gl.load(table_row + start // PAGE)  # a block lies in one page; the next block's page is loaded a block ahead
+    for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
+        for stage in gl.static_range(2):
+            i = i2 + stage
+            if i < n_blocks:
+                page = _fill_stage(
+                    lat_desc, rope_desc, cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, raw_ready, kv_ready,
+                    kv_free, i, stage, page, PAGE, WIDTH,
+                )  # fmt: skip
+
+
+@gluon.jit
+def _fill_stage(lat_desc, rope_desc, cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, raw_ready, kv_ready, kv_free,
+                i, stage: gl.constexpr, page, PAGE: gl.constexpr, WIDTH: gl.constexpr):  # fmt: skip
+    """Block ``i`` of the span (in page ``page``) into ``stage``; returns the next block's page.
+
+    The e4m3 latent lands as four [64, 128] byte tiles (one per scale group) where the bf16 right half will be: tiles
+    0-1 under its columns 0-127, tiles 2-3 under 128-255. Groups 0-1 go to the left half, group 2 over tiles 0-1,
+    and group 3, read whole into registers first, over tiles 2-3."""
+    n0 = start + i * BLOCK_N
+    row = page * PAGE + n0 % PAGE
+    page_next = gl.load(table_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < end, other=0)
+    mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
+    if NEW_REINTERPRET:
+        raw = c1_s.index(stage).reinterpret(gl.uint8, [4, BLOCK_N, GROUP], lat_desc.layout)
+    else:
+        raw = c1_s.index(stage)._reinterpret(gl.uint8, [4, BLOCK_N, GROUP], lat_desc.layout)
+    mbarrier.expect(raw_ready.index(stage), 4 * lat_desc.block_type.nbytes)
+    for g in gl.static_range(4):
+        TMA_LOAD(lat_desc, [row, g * GROUP], raw_ready.index(stage), raw.index(g))
+    mbarrier.expect(kv_ready.index(stage), rope_desc.block_type.nbytes)  # one of kv_ready's two arrivals
+    TMA_LOAD(rope_desc, [row, ROPE_AT], kv_ready.index(stage), kr_s.index(stage))
+    mbarrier.wait(raw_ready.index(stage), (i // 2) & 1)
+    for g in gl.static_range(3):  # groups 0 and 1 into the left half, group 2 into the right half's columns 0-127
+        for r in gl.static_range(0, BLOCK_N, 16):
+            scale = _group_scales(cache_ptr, row + r, n0 + r, end, g, WIDTH)
+            values = _dequantize_rows(raw.index(g).slice(r, 16).load(RAW_ROWS), scale)
+            if g < 2:
+                c0_s.index(stage).slice(r, 16).slice(g * GROUP, GROUP, dim=1).store(values)
+            else:
+                c1_s.index(stage).slice(r, 16).slice(0, GROUP, dim=1).store(values)
+        if g == 1:
+            BARRIER()  # tiles 0-1 are read before group 2 overwrites them
+    tile = raw.index(3)
+    last = (tile.slice(0, 16).load(RAW_ROWS), tile.slice(16, 16).load(RAW_ROWS), tile.slice(32, 16).load(RAW_ROWS),
+            tile.slice(48, 16).load(RAW_ROWS))  # fmt: skip
+    BARRIER()  # group 3's bytes are all in registers before they are overwritten
+    for r in gl.static_range(0, BLOCK_N, 16):
+        scale = _group_scales(cache_ptr, row + r, n0 + r, end, 3, WIDTH)
+        values = _dequantize_rows(last[r // 16], scale)
+        c1_s.index(stage).slice(r, 16).slice(GROUP, GROUP, dim=1).store(values)
+    fence_async_shared()
+    mbarrier.arrive(kv_ready.index(stage), count=1)
+    return page_next
+
+
+@gluon.jit
+def _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh):
+    """The program's 64 query heads into shared memory as the A operands of S = Q K^T: two latent halves and the rope
+    part, zeros for heads past ``H``."""
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
+    q_row = gl.expand_dims(q_ptr + b.to(gl.int64) * stride_qb + s * stride_qs + heads * stride_qh, 1)
+    hmask = gl.expand_dims(heads < H, 1)
+    cols = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, rows)), 0)
+    rope_cols = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, rows)), 0)
+    half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LH], gl.bfloat16)
+    rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16)
+    # one part at a time: the three together would hold 144 registers per thread
+    q0 = gl.load(q_row + cols, mask=hmask, other=0.0)
+    q0_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q0)
+    q1 = gl.load(q_row + LH + cols, mask=hmask, other=0.0)
+    q1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q1)
+    q_rope = gl.load(q_row + L + rope_cols, mask=hmask, other=0.0)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], rope_layout, q_rope)
+    return q0_s, q1_s, qr_s
+
+
+@gluon.jit
+def _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, stage):
+    """Issues S = Q K^T of the block in ``stage`` (two latent halves, then the rope part), asynchronously."""
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    s = warpgroup_mma(q0_s, c0_s.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(q1_s, c1_s.index(stage).permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(qr_s, kr_s.index(stage).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _part_rows(row, pid_h, split, H, n_splits):
+    """Rows of the partial outputs that this program's heads write, and which heads exist."""
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
+    return (row.to(gl.int64) * H + heads) * n_splits + split, heads < H
+
+
+@gluon.jit
+def _store_half(part_out_ptr, o, inv_l, part, hmask, col0):
+    cols = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, O_LAYOUT)), 0)
+    gl.store(part_out_ptr + gl.expand_dims(part * L + col0, 1) + cols, o * inv_l, mask=gl.expand_dims(hmask, 1))
+
+
+@gluon.jit
+def _refill(lat_desc, rope_desc, kv_ready, kv_free, c0_s, c1_s, kr_s, table_row, start, full, i, PAGE: gl.constexpr):
+    """Once the second warpgroup is done with block i, its stage takes block i + 2 (if that is a whole block)."""
+    stage = i % 2
+    mbarrier.wait(kv_free.index(stage), (i // 2) & 1)
+    _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, stage, table_row, start, i + 2, full, PAGE)
+
+
+@gluon.jit
+def _block_ready(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, j, full, PAGE: gl.constexpr,
+                 WIDTH: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+    """Block ``j`` of the span in its stage: waits for its TMA copies or (``FP8``) its dequantisation, or gathers a
+    bf16 cache's partial last block (its stage held block j - 2, released before block j - 1's scores)."""
+    if FP8:
+        mbarrier.wait(kv_ready.index(j % 2), (j // 2) & 1)
+    else:
+        if j < full:
+            mbarrier.wait(kv_ready.index(j % 2), (j // 2) & 1)
+        else:
+            _gather_block(cache_ptr, table_row, start + j * BLOCK_N, end, c0_s, c1_s, kr_s, j % 2, PAGE, WIDTH)
+
+
+@gluon.jit
+def _scores_softmax_left(
+    q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc, rope_desc,
+    cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits,
+    PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr,
+):  # fmt: skip
+    """The first warpgroup. Block i: softmax of S_i; P_i and its row factor published to the second warpgroup;
+    P_i x V_i[:, :256] issued and S_{i+1} behind it; then, with a bf16 cache, the stage refilled with block i + 2
+    once the second warpgroup is done with it (with fp8_ds_mla the third warpgroup fills every stage). At the end,
+    1 / l for the second warpgroup, then this half of the output and the lse."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    full = (end - start) // BLOCK_N  # whole blocks: a span starts on a block boundary, a block lies in one page
+    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
+    _block_ready(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, 0, full, PAGE, WIDTH, FP8)
+    s = warpgroup_mma_wait(0, deps=[_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, 0)])
+    for i in range(n_blocks):
+        stage = i % 2
+        s = gl.where(gl.expand_dims(start + i * BLOCK_N + tokens < end, 0), s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        mbarrier.wait(p_free, (i & 1) ^ 1)  # the second warpgroup is done with P_{i-1}
+        p_s.store(p.to(gl.bfloat16))
+        a_s.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+        pv = warpgroup_mma(p_s, c0_s.index(stage), o * alpha_o, is_async=True)
+        nxt = i + 1
+        if nxt < n_blocks:
+            _block_ready(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, nxt, full, PAGE, WIDTH, FP8)
+            s_next = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, nxt % 2)
+            o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
+        else:
+            o = warpgroup_mma_wait(0, deps=[pv])
+        if FP8:
+            mbarrier.arrive(kv_free.index(stage), count=1)
+        else:
+            _refill(lat_desc, rope_desc, kv_ready, kv_free, c0_s, c1_s, kr_s, table_row, start, full, i, PAGE)
+    mbarrier.wait(p_free, (n_blocks & 1) ^ 1)
+    a_s.store(1.0 / l_i)
+    mbarrier.arrive(p_ready, count=1)
+
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits)
+    inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_LAYOUT)), 1)
+    _store_half(part_out_ptr, o, inv_l, part, hmask, 0)
+    lse = (m_i + gl.log2(l_i)) / LOG2E  # natural log
+    gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, O_LAYOUT)), mask=hmask)
+
+
+@gluon.jit
+def _right(p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H, n_splits):
+    """The second warpgroup: P_i x V_i[:, 256:] for each block once P_i and its row factor are published, then this
+    half of the output scaled by the 1 / l the first warpgroup publishes last."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
+    for i in range(n_blocks):
+        mbarrier.wait(p_ready, i & 1)
+        alpha = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
+        o = warpgroup_mma(p_s, c1_s.index(i % 2), o * alpha)
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(kv_free.index(i % 2), count=1)
+    mbarrier.wait(p_ready, n_blocks & 1)
+    inv_l = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits)
+    _store_half(part_out_ptr, o, inv_l, part, hmask, LH)
+
+
+@gluon.jit
+def _mla_split_kernel(
+    q_ptr,
+    lat_desc,
+    rope_desc,
+    cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    S_q,
+    H,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_table,
+    n_splits,
+    PAGE: gl.constexpr,
+    WIDTH: gl.constexpr,
+    SPLIT: gl.constexpr,
+    FP8: gl.constexpr,
+    RIGHT_REGS: gl.constexpr,
+    FILL_REGS: gl.constexpr,
+):
+    """``attention._mla_split_kernel``'s contract (one (query row, 64 heads, KV split) per program). Launched with 4
+    warps, to which the second warpgroup adds 4, and with ``FP8`` (an fp8_ds_mla cache at ``cache_ptr``, bytes; no
+    descriptors) the third 4 more."""
+    row = gl.program_id(0)
+    pid_h = gl.program_id(1)
+    split = gl.program_id(2)
+    b = row // S_q
+    s = row % S_q
+    limit = gl.load(seq_lens_ptr + b) - S_q + s + 1  # positions < limit are visible to this query
+    start = split * SPLIT
+    end = gl.minimum(start + SPLIT, limit)
+    if start >= end:
+        part, hmask = _part_rows(row, pid_h, split, H, n_splits)
+        empty = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, O_LAYOUT))
+        gl.store(part_lse_ptr + part, empty, mask=hmask)
+        return
+
+    q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh)
+    half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LH], gl.bfloat16)
+    rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
+    c0_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    c1_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], rope_layout)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], kr_s.layout)
+    a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a stage's copies landed
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # its consumers are done
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # P and its factor published
+    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # second warpgroup done with P
+    raw_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # fp8: raw bytes landed
+    for i in gl.static_range(2):
+        mbarrier.init(raw_ready.index(i), count=1)
+        mbarrier.init(kv_ready.index(i), count=2 if FP8 else 1)  # fp8: the rope's copy and the latent's stores
+        mbarrier.init(kv_free.index(i), count=2 if FP8 else 1)  # fp8: both warpgroups release it
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+
+    table_row = table_ptr + b.to(gl.int64) * stride_table
+    if not FP8:
+        full = (end - start) // BLOCK_N
+        for i in gl.static_range(2):
+            _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, i, table_row, start, i, full, PAGE)
+    fence_async_shared()
+    BARRIER()  # the query's stores are visible to the tensor cores
+    qk_scale = scale * LOG2E  # exp2 domain
+    # the argument tuples are written out in each call: a tuple assigned to a name loses its constexprs
+    if FP8:
+        gl.warp_specialize(
+            [
+                (_scores_softmax_left,
+                 (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc,
+                  rope_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
+                  split, H, n_splits, PAGE, WIDTH, FP8)),
+                (_right, (p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H,
+                          n_splits)),
+                (_dequantize_fp8, (lat_desc, rope_desc, cache_ptr, table_row, start, end, c0_s, c1_s, kr_s,
+                                   raw_ready, kv_ready, kv_free, PAGE, WIDTH)),
+            ],
+            [4, 4],
+            [RIGHT_REGS, FILL_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_scores_softmax_left,
+                 (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc,
+                  rope_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
+                  split, H, n_splits, PAGE, WIDTH, FP8)),
+                (_right, (p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H,
+                          n_splits)),
+            ],
+            [4],
+            [RIGHT_REGS],
+        )  # fmt: skip
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:
+    """Whether this kernel serves the call: an SM90 GPU (wgmma is Hopper's), latent 512 and rope 64, at least 64 heads,
+    pages of a multiple of 64 tokens (a block lies in one page), and a cache whose records TMA can read (``tma``:
+    the whole bf16 record, or the bf16 rope part of an fp8_ds_mla record)."""
+    return (
+        q.is_cuda
+        and _hopper(q.device.index or 0)
+        and kv_format in ("bf16", "fp8_ds_mla")
+        and tma
+        and kv_lora_rank == L.value
+        and q.shape[3] == L.value + R.value
+        and kv_cache.shape[1] % BLOCK_N.value == 0
+        and q.shape[2] >= BLOCK_H.value
+    )
+
+
+def launch_split(q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page) -> None:
+    """Fills ``part_out`` / ``part_lse`` as ``attention._mla_split_kernel`` does; ``records``: the cache as one row per
+    cached token ([tokens, 576] bf16 or [tokens, 656] fp8_ds_mla bytes)."""
+    fp8 = records.dtype == torch.uint8
+    n = BLOCK_N.value
+
+    def descriptor(source, cols, dtype):
+        return TensorDescriptor.from_tensor(source, [n, cols], gl.NVMMASharedLayout.get_default_for([n, cols], dtype))
+
+    rope = descriptor(records.view(torch.bfloat16), R.value, gl.bfloat16)  # an fp8 record's rope part is bf16
+    if fp8:  # the latent as e4m3 bytes, one 128-column scale group per copy
+        latent, regs = descriptor(records, GROUP.value, gl.uint8), (FP8_RIGHT_REGS, FP8_FILL_REGS)
+    else:
+        latent, regs = descriptor(records, LH.value, gl.bfloat16), (RIGHT_REGS, 0)
+    batch, s_q, heads, _ = q.shape
+    _mla_split_kernel[(batch * s_q, -(-heads // BLOCK_H.value), n_splits)](
+        q, latent, rope, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
+        q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
+        PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, RIGHT_REGS=regs[0], FILL_REGS=regs[1], num_warps=4,
+    )  # fmt: skip
