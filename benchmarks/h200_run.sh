@@ -7,6 +7,7 @@
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
+#   spans        mla_decode's default span rule beside fixed spans of 512, 1024, 2048 tokens, B = 1 ... 128
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 #   gluon        the Gluon FP8 GEMM prototype (two products in flight) beside cuBLAS and the committed kernel
 #   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against
@@ -40,6 +41,8 @@ case ${1:-} in
     echo "bench exit $?" ;;
   tiles)
     timeout 560 python3 benchmarks/tile_variants.py 4200 all 2>&1 | tee "$OUT/tiles.txt" | tail -60 ;;
+  spans)
+    timeout 400 python3 benchmarks/mla_spans.py 2>&1 | tee "$OUT/spans.txt" | tail -20 ;;
   gemm-tiles)
     timeout "${2:-300}" python3 benchmarks/gemm_tiles.py "$OUT/gemm_tiles.json" all 2>&1 | tail -50 ;;
   gluon)
@@ -58,6 +61,6 @@ case ${1:-} in
   ep-check)
     timeout 300 torchrun --nproc-per-node 2 benchmarks/bench_ep.py --backend gloo-cuda --check-only \
       --out "$OUT/ep_check.json" --timeout 200 2>&1 | grep -v "^W1" | tail -4 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|gemm-tiles|gluon|ab|ab-set|ep|ep-check" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|ab|ab-set|ep|ep-check" >&2
      exit 2 ;;
 esac
