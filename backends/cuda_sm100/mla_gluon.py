@@ -46,8 +46,8 @@ BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
 RIGHT_REGS = 192  # registers per thread of the second warpgroup (its [64, 256] fp32 accumulator takes 128)
 GROUP = gl.constexpr(128)  # fp8_ds_mla latent columns per scale
 ROPE_AT = gl.constexpr((512 + 4 * 512 // 128) // 2)  # the rope part's first column in an fp8_ds_mla record, bf16 units
-# fp8_ds_mla: a third warpgroup dequantises the cache, CHUNK tokens at a time (one chunk stored while the next one
-# loads). Registers per thread of the second and the third warpgroup; the first gets the rest of 512 (240).
+# fp8_ds_mla: a third warpgroup dequantises the cache, CHUNK tokens at a time (loads two chunks ahead of the stores).
+# Registers per thread of the second and the third warpgroup; the first gets the rest of 512 (224).
 FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
 
 
@@ -149,6 +149,8 @@ def _dequantize_fp8(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_
 def _fill_stage(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, kv_free, i,
                 stage: gl.constexpr, page, page_next, now, ahead, PAGE: gl.constexpr, WIDTH: gl.constexpr,
                 CHUNK: gl.constexpr):  # fmt: skip
+    """Block ``i`` of the span (in page ``page``) into ``stage``, with the chunks ``now`` and ``ahead`` already loaded;
+    returns the next block's and the one after's pages and their first two chunks."""
     n0 = start + i * BLOCK_N
     page_after = gl.load(table_row + (n0 + 2 * BLOCK_N) // PAGE, mask=n0 + 2 * BLOCK_N < end, other=0)
     mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
@@ -333,8 +335,8 @@ def _mla_split_kernel(
     CHUNK: gl.constexpr,
 ):
     """``attention._mla_split_kernel``'s contract (one (query row, 64 heads, KV split) per program). Launched with 4
-    warps, to which the second warpgroup adds 4, and with ``FP8`` (an fp8_ds_mla cache at ``cache_ptr``, bytes; no
-    descriptors) the third 4 more."""
+    warps, to which the second warpgroup adds 4, and with ``FP8`` (an fp8_ds_mla cache at ``cache_ptr``, bytes;
+    ``lat_desc`` None, ``rope_desc`` over the records seen as bf16) the third 4 more."""
     row = gl.program_id(0)
     pid_h = gl.program_id(1)
     split = gl.program_id(2)
