@@ -3,7 +3,7 @@ on the same inputs, alternating the two several times, each checked against the 
 (worst-row relative error, as ``deepinfer bench`` reports).
 
     python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm|gemm_invariant [--rev HEAD] [--rounds 2] [--eager]
-    python3 benchmarks/ab_against_git.py mla_decode --set attention.MLA_GLUON=False --set mla_gluon.FP8_CHUNK=16
+    python3 benchmarks/ab_against_git.py mla_decode --set attention.MLA_GLUON=False --set mla_gluon.FP8_FILL_REGS=112
 
 ``--set MODULE.NAME=VALUE[,...]`` compares the working tree against itself with those module constants of
 ``backends/cuda_sm100`` changed (one side per ``--set``), instead of against a git revision.
