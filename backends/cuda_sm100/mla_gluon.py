@@ -35,6 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from deepinfer.kv_cache import FP8_GROUP
+
 BLOCK_H, BLOCK_N, L, R, LH = (gl.constexpr(v) for v in (64, 64, 512, 64, 256))  # heads, tokens, latent, rope, half
 LOG2E = gl.constexpr(1.4426950408889634)
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
@@ -44,8 +46,9 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=
 TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
 RIGHT_REGS = 192  # registers per thread of the second warpgroup (its [64, 256] fp32 accumulator takes 128)
-GROUP = gl.constexpr(128)  # fp8_ds_mla latent columns per scale
-ROPE_AT = gl.constexpr((512 + 4 * 512 // 128) // 2)  # the rope part's first column in an fp8_ds_mla record, bf16 units
+GROUP = gl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
+# the rope part's first column in an fp8_ds_mla record (after the e4m3 latent and its fp32 scales), bf16 units
+ROPE_AT = gl.constexpr((L.value + 4 * (L.value // FP8_GROUP)) // 2)
 # fp8_ds_mla: a third warpgroup dequantises the cache, CHUNK tokens at a time (loads two chunks ahead of the stores).
 # Registers per thread of the second and the third warpgroup; the first gets the rest of 512 (224).
 FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
