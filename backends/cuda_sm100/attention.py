@@ -28,10 +28,11 @@ except ImportError:  # a Triton without Gluon's Hopper language: the tl split ke
 
 LOG2E = 1.4426950408889634
 GROUP = tl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
-SPLIT_TOKENS = 512  # context tokens per KV split in batch-invariant mode
-# Adaptive spans (default mode): the longest (fewest partials to merge; 1024 beat 512 at B=64, ctx=4096 on the H200)
-# and the shortest (every split writes a [heads, L] fp32 partial: shorter spans cost more bytes than they save).
-MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS = 1024, 64
+SPLIT_TOKENS = 1024  # context tokens per KV split in batch-invariant mode
+# Adaptive spans (default mode): the longest (fewest partials to merge), the shortest (every split writes a
+# [heads, L] fp32 partial: shorter spans cost more bytes than they save), and how full the grid must be before a
+# longer span is taken, in programs per multiprocessor. NOTES.md (ninth session) has the measurements behind them.
+MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, GRID_FILL = 2048, 64, 0.5
 # Heads per program (each program reads its span of the cache once for all of them), tokens per step, warps, stages.
 # Measured on the H200 at B=64, ctx=4096 (benchmarks/tile_variants.py, NOTES.md): 64 heads with 8 warps beat 32 heads
 # (bf16 cache 0.53 against 0.55 ms, fp8_ds_mla 0.61 against 1.27 ms); a whole 64-token page per step beat 32 tokens
@@ -268,12 +269,12 @@ def _mla_merge_kernel(
 
 def _split_tokens(programs_per_split: int, context: int, sms: int, invariant: bool) -> int:
     """Context tokens per KV split: ``SPLIT_TOKENS`` when ``invariant``; else ``MAX_SPLIT_TOKENS``, halved (down to
-    ``MIN_SPLIT_TOKENS``) while the grid of ``programs_per_split x splits`` programs has fewer than one program per
-    multiprocessor."""
+    ``MIN_SPLIT_TOKENS``) while the grid of ``programs_per_split x splits`` programs has fewer than ``GRID_FILL``
+    programs per multiprocessor."""
     if invariant:
         return SPLIT_TOKENS
     split = MAX_SPLIT_TOKENS
-    while split > MIN_SPLIT_TOKENS and programs_per_split * triton.cdiv(context, split) < sms:
+    while split > MIN_SPLIT_TOKENS and programs_per_split * triton.cdiv(context, split) < GRID_FILL * sms:
         split //= 2
     return split
 

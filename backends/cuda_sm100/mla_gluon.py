@@ -7,9 +7,11 @@ of the chained products, so both compute the same scores (112 instead of 73 GFLO
 Here the warpgroups have different jobs (``gl.warp_specialize``), FlashMLA's division of the work:
 
 - the first computes S = Q K^T of a 64-token block, its softmax, hands P and the row rescale factor to the second
-  through shared memory, multiplies P by the left half of the latent, and (bf16 cache) refills the block's stage by
-  TMA;
-- the second multiplies each P by the right half of the latent;
+  through shared memory, multiplies P by the left half of the latent, and (bf16 cache) refills that half of the
+  block's stage by TMA as soon as it is done with it;
+- the second multiplies each P by the right half of the latent, then (bf16 cache) refills the right half and the
+  rope part of the stage (S of the block was done before P existed): they land first, and S of a block starts on
+  them;
 - with an fp8_ds_mla cache, a third fills the stages: it loads the e4m3 latent and its scales by pointer a few tokens
   at a time, stores it dequantised to bf16, and brings the rope part (bf16 already) by TMA.
 
@@ -55,17 +57,27 @@ FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
 
 
 @gluon.jit
-def _load_block(lat_desc, rope_desc, ready, c0_s, c1_s, kr_s, stage, table_row, start, j, full, PAGE: gl.constexpr):
-    """TMA copies of block ``j`` of the span (tokens ``start + 64 j + [0, 64)``, inside one page) into ``stage``: the
-    two latent halves and the rope part; nothing if it is not a whole block (``j >= full``)."""
+def _block_row(table_row, start, j, full, PAGE: gl.constexpr):
+    """The cache row of block ``j``'s first token (tokens ``start + 64 j + [0, 64)`` lie in one page); a whole block's
+    only (``j < full``): the refills load it a block ahead of their copies."""
     n0 = start + j * BLOCK_N
-    pred = j < full
-    row = gl.load(table_row + n0 // PAGE, mask=pred, other=0) * PAGE + n0 % PAGE
-    nbytes: gl.constexpr = 2 * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
-    mbarrier.expect(ready.index(stage), nbytes, pred=pred)
-    TMA_LOAD(lat_desc, [row, 0], ready.index(stage), c0_s.index(stage), pred=pred)
-    TMA_LOAD(lat_desc, [row, LH], ready.index(stage), c1_s.index(stage), pred=pred)
-    TMA_LOAD(rope_desc, [row, L], ready.index(stage), kr_s.index(stage), pred=pred)
+    return gl.load(table_row + n0 // PAGE, mask=j < full, other=0) * PAGE + n0 % PAGE
+
+
+@gluon.jit
+def _load_left(lat_desc, left_ready, c0_s, stage, row, pred):
+    """TMA copy of a block's left latent half (cache row ``row`` on) into ``stage``, if ``pred``."""
+    mbarrier.expect(left_ready.index(stage), lat_desc.block_type.nbytes, pred=pred)
+    TMA_LOAD(lat_desc, [row, 0], left_ready.index(stage), c0_s.index(stage), pred=pred)
+
+
+@gluon.jit
+def _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, stage, row, pred):
+    """TMA copies of a block's right latent half and rope part into ``stage``, if ``pred``."""
+    nbytes: gl.constexpr = lat_desc.block_type.nbytes + rope_desc.block_type.nbytes
+    mbarrier.expect(right_ready.index(stage), nbytes, pred=pred)
+    TMA_LOAD(lat_desc, [row, LH], right_ready.index(stage), c1_s.index(stage), pred=pred)
+    TMA_LOAD(rope_desc, [row, L], right_ready.index(stage), kr_s.index(stage), pred=pred)
 
 
 @gluon.jit
@@ -126,7 +138,7 @@ def _store_chunk(chunk, c0_s, c1_s, stage, r):
 
 
 @gluon.jit
-def _dequantize_fp8(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, kv_free,
+def _dequantize_fp8(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free,
                     PAGE: gl.constexpr, WIDTH: gl.constexpr, CHUNK: gl.constexpr):  # fmt: skip
     """The third warpgroup, for an fp8_ds_mla cache: each block of the span into its stage once both other warpgroups
     are done with the stage's previous block, the latent dequantised to bf16 (zeros past the span), the rope part
@@ -143,13 +155,13 @@ def _dequantize_fp8(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_
             i = i2 + stage
             if i < n_blocks:
                 page, page_next, now, ahead = _fill_stage(
-                    cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, kv_free, i, stage,
-                    page, page_next, now, ahead, PAGE, WIDTH, CHUNK,
+                    cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free,
+                    i, stage, page, page_next, now, ahead, PAGE, WIDTH, CHUNK,
                 )  # fmt: skip
 
 
 @gluon.jit
-def _fill_stage(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, kv_free, i,
+def _fill_stage(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, i,
                 stage: gl.constexpr, page, page_next, now, ahead, PAGE: gl.constexpr, WIDTH: gl.constexpr,
                 CHUNK: gl.constexpr):  # fmt: skip
     """Block ``i`` of the span (in page ``page``) into ``stage``, with the chunks ``now`` and ``ahead`` already loaded;
@@ -157,8 +169,8 @@ def _fill_stage(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, k
     n0 = start + i * BLOCK_N
     page_after = gl.load(table_row + (n0 + 2 * BLOCK_N) // PAGE, mask=n0 + 2 * BLOCK_N < end, other=0)
     mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
-    mbarrier.expect(kv_ready.index(stage), rope_desc.block_type.nbytes)  # one of kv_ready's two arrivals
-    TMA_LOAD(rope_desc, [page * PAGE + n0 % PAGE, ROPE_AT], kv_ready.index(stage), kr_s.index(stage))
+    mbarrier.expect(right_ready.index(stage), rope_desc.block_type.nbytes)  # one of right_ready's two arrivals
+    TMA_LOAD(rope_desc, [page * PAGE + n0 % PAGE, ROPE_AT], right_ready.index(stage), kr_s.index(stage))
     for r in gl.static_range(0, BLOCK_N, CHUNK):
         if r + 2 * CHUNK < BLOCK_N:
             nxt = _fp8_chunk(cache_ptr, page, n0 + r + 2 * CHUNK, end, PAGE, WIDTH, CHUNK)
@@ -168,7 +180,8 @@ def _fill_stage(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, k
         now = ahead
         ahead = nxt
     fence_async_shared()
-    mbarrier.arrive(kv_ready.index(stage), count=1)
+    mbarrier.arrive(right_ready.index(stage), count=1)
+    mbarrier.arrive(left_ready.index(stage), count=1)
     return page_next, page_after, now, ahead
 
 
@@ -195,12 +208,19 @@ def _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh):
 
 
 @gluon.jit
-def _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, stage):
-    """Issues S = Q K^T of the block in ``stage`` (two latent halves, then the rope part), asynchronously."""
+def _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, wait):
+    """Issues S = Q K^T of block ``j`` (in stage ``j % 2``) asynchronously: the right latent half and the rope part
+    first, then the left half, each once its copy has landed (``wait``; else the stage is filled already)."""
+    stage = j % 2
+    phase = (j // 2) & 1
+    if wait:
+        mbarrier.wait(right_ready.index(stage), phase)
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
-    s = warpgroup_mma(q0_s, c0_s.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
-    s = warpgroup_mma(q1_s, c1_s.index(stage).permute((1, 0)), s, is_async=True)
-    return warpgroup_mma(qr_s, kr_s.index(stage).permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q1_s, c1_s.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(qr_s, kr_s.index(stage).permute((1, 0)), s, is_async=True)
+    if wait:
+        mbarrier.wait(left_ready.index(stage), phase)
+    return warpgroup_mma(q0_s, c0_s.index(stage).permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
@@ -217,47 +237,42 @@ def _store_half(part_out_ptr, o, inv_l, part, hmask, col0):
 
 
 @gluon.jit
-def _refill(lat_desc, rope_desc, kv_ready, kv_free, c0_s, c1_s, kr_s, table_row, start, full, i, PAGE: gl.constexpr):
-    """Once the second warpgroup is done with block i, its stage takes block i + 2 (if that is a whole block)."""
-    stage = i % 2
-    mbarrier.wait(kv_free.index(stage), (i // 2) & 1)
-    _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, stage, table_row, start, i + 2, full, PAGE)
-
-
-@gluon.jit
-def _block_ready(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, j, full, PAGE: gl.constexpr,
-                 WIDTH: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
-    """Block ``j`` of the span in its stage: waits for its TMA copies or (``FP8``) its dequantisation, or gathers a
-    bf16 cache's partial last block (its stage held block j - 2, released before block j - 1's scores)."""
+def _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row, start, end, j,
+                  full, PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+    """S of block ``j``, issued once the block is in its stage: its TMA copies or (``FP8``) its dequantisation waited
+    for, or a bf16 cache's partial last block gathered first (the stage held block j - 2, whose consumers are done)."""
     if FP8:
-        mbarrier.wait(kv_ready.index(j % 2), (j // 2) & 1)
+        copies = False
     else:
-        if j < full:
-            mbarrier.wait(kv_ready.index(j % 2), (j // 2) & 1)
-        else:
+        copies = j < full
+        if not copies:
             _gather_block(cache_ptr, table_row, start + j * BLOCK_N, end, c0_s, c1_s, kr_s, j % 2, PAGE, WIDTH)
+    return _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, FP8 or copies)
 
 
 @gluon.jit
 def _scores_softmax_left(
-    q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc, rope_desc,
+    q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
     cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits,
     PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr,
 ):  # fmt: skip
     """The first warpgroup. Block i: softmax of S_i; P_i and its row factor published to the second warpgroup;
-    P_i x V_i[:, :256] issued and S_{i+1} behind it; then, with a bf16 cache, the stage refilled with block i + 2
-    once the second warpgroup is done with it (with fp8_ds_mla the third warpgroup fills every stage). At the end,
-    1 / l for the second warpgroup, then this half of the output and the lse."""
+    P_i x V_i[:, :256] issued and S_{i+1} behind it; then, with a bf16 cache, the stage's left half refilled with
+    block i + 2 (the second warpgroup refills the rest; with fp8_ds_mla the third warpgroup fills every stage). At the
+    end, 1 / l for the second warpgroup, then this half of the output and the lse."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N  # whole blocks: a span starts on a block boundary, a block lies in one page
     tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
     o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
-    _block_ready(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, 0, full, PAGE, WIDTH, FP8)
-    s = warpgroup_mma_wait(0, deps=[_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, 0)])
+    s = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row, start, end,
+                      0, full, PAGE, WIDTH, FP8)  # fmt: skip
+    s = warpgroup_mma_wait(0, deps=[s])
     for i in range(n_blocks):
         stage = i % 2
+        if not FP8:
+            refill_row = _block_row(table_row, start, i + 2, full, PAGE)  # loaded early, used after the products
         s = gl.where(gl.expand_dims(start + i * BLOCK_N + tokens < end, 0), s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         p = gl.exp2(s - gl.expand_dims(m_new, 1))
@@ -273,15 +288,15 @@ def _scores_softmax_left(
         pv = warpgroup_mma(p_s, c0_s.index(stage), o * alpha_o, is_async=True)
         nxt = i + 1
         if nxt < n_blocks:
-            _block_ready(cache_ptr, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, nxt, full, PAGE, WIDTH, FP8)
-            s_next = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, nxt % 2)
+            s_next = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
+                                   start, end, nxt, full, PAGE, WIDTH, FP8)  # fmt: skip
             o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
         else:
             o = warpgroup_mma_wait(0, deps=[pv])
         if FP8:
             mbarrier.arrive(kv_free.index(stage), count=1)
-        else:
-            _refill(lat_desc, rope_desc, kv_ready, kv_free, c0_s, c1_s, kr_s, table_row, start, full, i, PAGE)
+        else:  # this warpgroup is done with the left half: block i + 2's comes now
+            _load_left(lat_desc, left_ready, c0_s, stage, refill_row, i + 2 < full)
     mbarrier.wait(p_free, (n_blocks & 1) ^ 1)
     a_s.store(1.0 / l_i)
     mbarrier.arrive(p_ready, count=1)
@@ -294,17 +309,25 @@ def _scores_softmax_left(
 
 
 @gluon.jit
-def _right(p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H, n_splits):
-    """The second warpgroup: P_i x V_i[:, 256:] for each block once P_i and its row factor are published, then this
-    half of the output scaled by the 1 / l the first warpgroup publishes last."""
+def _right(p_s, a_s, c1_s, kr_s, right_ready, kv_free, p_ready, p_free, lat_desc, rope_desc, table_row, part_out_ptr,
+           start, end, row, pid_h, split, H, n_splits, PAGE: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+    """The second warpgroup: P_i x V_i[:, 256:] for each block once P_i and its row factor are published; then, with a
+    bf16 cache, the stage's right half and rope part refilled with block i + 2 (S_i is done before P_i exists). At
+    the end, this half of the output scaled by the 1 / l the first warpgroup publishes last."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
+    full = (end - start) // BLOCK_N
     o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
     for i in range(n_blocks):
+        if not FP8:
+            refill_row = _block_row(table_row, start, i + 2, full, PAGE)
         mbarrier.wait(p_ready, i & 1)
         alpha = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
         o = warpgroup_mma(p_s, c1_s.index(i % 2), o * alpha)
         mbarrier.arrive(p_free, count=1)
-        mbarrier.arrive(kv_free.index(i % 2), count=1)
+        if FP8:
+            mbarrier.arrive(kv_free.index(i % 2), count=1)
+        else:
+            _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i % 2, refill_row, i + 2 < full)
     mbarrier.wait(p_ready, n_blocks & 1)
     inv_l = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
     part, hmask = _part_rows(row, pid_h, split, H, n_splits)
@@ -362,13 +385,16 @@ def _mla_split_kernel(
     kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], rope_layout)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], kr_s.layout)
     a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a stage's copies landed
-    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # its consumers are done
+    # a stage's right half and rope part landed / its left half landed / (fp8_ds_mla) its consumers are done with it
+    right_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    left_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # P and its factor published
     p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # second warpgroup done with P
     for i in gl.static_range(2):
-        mbarrier.init(kv_ready.index(i), count=2 if FP8 else 1)  # fp8: the rope's copy and the latent's stores
-        mbarrier.init(kv_free.index(i), count=2 if FP8 else 1)  # fp8: both warpgroups release it
+        mbarrier.init(right_ready.index(i), count=2 if FP8 else 1)  # fp8: the rope's copy and the latent's stores
+        mbarrier.init(left_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=2)  # fp8 only: both warpgroups release it
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
 
@@ -376,7 +402,9 @@ def _mla_split_kernel(
     if not FP8:
         full = (end - start) // BLOCK_N
         for i in gl.static_range(2):
-            _load_block(lat_desc, rope_desc, kv_ready, c0_s, c1_s, kr_s, i, table_row, start, i, full, PAGE)
+            first = _block_row(table_row, start, i, full, PAGE)
+            _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i, first, i < full)
+            _load_left(lat_desc, left_ready, c0_s, i, first, i < full)
     fence_async_shared()
     BARRIER()  # the query's stores are visible to the tensor cores
     qk_scale = scale * LOG2E  # exp2 domain
@@ -385,13 +413,13 @@ def _mla_split_kernel(
         gl.warp_specialize(
             [
                 (_scores_softmax_left,
-                 (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc,
-                  rope_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
+                 (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
+                  lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
                   split, H, n_splits, PAGE, WIDTH, FP8)),
-                (_right, (p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H,
-                          n_splits)),
-                (_dequantize_fp8, (cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, kv_ready, kv_free,
-                                   PAGE, WIDTH, CHUNK)),
+                (_right, (p_s, a_s, c1_s, kr_s, right_ready, kv_free, p_ready, p_free, lat_desc, rope_desc, table_row,
+                          part_out_ptr, start, end, row, pid_h, split, H, n_splits, PAGE, FP8)),
+                (_dequantize_fp8, (cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready,
+                                   left_ready, kv_free, PAGE, WIDTH, CHUNK)),
             ],
             [4, 4],
             [RIGHT_REGS, FILL_REGS],
@@ -400,11 +428,11 @@ def _mla_split_kernel(
         gl.warp_specialize(
             [
                 (_scores_softmax_left,
-                 (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, lat_desc,
-                  rope_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
+                 (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
+                  lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
                   split, H, n_splits, PAGE, WIDTH, FP8)),
-                (_right, (p_s, a_s, c1_s, kv_free, p_ready, p_free, part_out_ptr, start, end, row, pid_h, split, H,
-                          n_splits)),
+                (_right, (p_s, a_s, c1_s, kr_s, right_ready, kv_free, p_ready, p_free, lat_desc, rope_desc, table_row,
+                          part_out_ptr, start, end, row, pid_h, split, H, n_splits, PAGE, FP8)),
             ],
             [4],
             [RIGHT_REGS],

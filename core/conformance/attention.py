@@ -184,6 +184,7 @@ def cases(shapes: str) -> list[Case]:
             _mla_case(2, 2, 8, (2, 9), 16, "bf16", 128, 64),
             _mla_case(4, 3, 4, (3, 70), 64, "bf16", 128, 32, pad_row=True),
             _mla_case(2, 1, 16, (100, 300), 64, "bf16"),
+            _mla_case(1, 1, 16, (200, 300), 64, "bf16"),  # a grid of one program per span: the context splits
             _mla_case(3, 1, 4, (1, 40), 16, "fp8_ds_mla", 128, 64),
             _mla_case(2, 4, 4, (4, 90), 64, "fp8_ds_mla", 256, 64, pad_row=True),
             _mla_case(1, 2, 8, (150, 150), 64, "fp8_ds_mla"),
