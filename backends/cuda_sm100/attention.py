@@ -28,7 +28,10 @@ except ImportError:  # a Triton without Gluon's Hopper language: the tl split ke
 
 LOG2E = 1.4426950408889634
 GROUP = tl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
-SPLIT_TOKENS = 1024  # context tokens per KV split in batch-invariant mode
+# Context tokens per KV split in batch-invariant mode: the default mode's longest span, so that once the rows alone
+# give half a program per SM (33 rows of 128 heads on 132 SMs) both modes make the same launches; smaller batches
+# pay for it (NOTES.md, tenth session).
+SPLIT_TOKENS = 2048
 # Adaptive spans (default mode): the longest (fewest partials to merge), the shortest (every split writes a
 # [heads, L] fp32 partial: shorter spans cost more bytes than they save), and how full the grid must be before a
 # longer span is taken, in programs per multiprocessor. NOTES.md (ninth session) has the measurements behind them.
