@@ -439,6 +439,262 @@ def _mla_split_kernel(
         )  # fmt: skip
 
 
+# The bf16 kernel's two warpgroups take alternate blocks (FlashMLA's schedule for Hopper). Named mbarriers and shared
+# vectors, by index: the even warpgroup's running max and the odd one's; P of the even block rescaled, P of the odd
+# block, published / consumed; each warpgroup's softmax sum at the end.
+M_EVEN, M_ODD, P_EVEN_READY, P_ODD_READY, P_EVEN_FREE, P_ODD_FREE, L_EVEN, L_ODD = (gl.constexpr(i) for i in range(8))
+LEFT, RIGHT, ROPE = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # parts of a stage, each with its own copy
+ALTERNATE = False  # the variant of NOTES.md (tenth session): correct, 0.87-0.91x the kept kernel
+ODD_REGS = 240  # registers per thread of the odd warpgroup (the even one, the default partition, gets as many)
+
+
+@gluon.jit
+def _copy_part(desc, ready, part_s, part: gl.constexpr, stage: gl.constexpr, row, col, pred):
+    """TMA copy of one part of a block (cache rows ``row + [0, 64)``, columns ``col`` on) into ``stage``, if
+    ``pred``; ``ready.index(2 part + stage)`` counts its bytes."""
+    mbarrier.expect(ready.index(2 * part + stage), desc.block_type.nbytes, pred=pred)
+    TMA_LOAD(desc, [row, col], ready.index(2 * part + stage), part_s.index(stage), pred=pred)
+
+
+@gluon.jit
+def _alternate_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, ready, bars, cache_ptr, table_row, start, end, j, full,
+                      qk_scale, STAGE: gl.constexpr, PAGE: gl.constexpr, WIDTH: gl.constexpr):  # fmt: skip
+    """S = Q K^T of block ``j`` (in ``STAGE``, its warpgroup's own), in the exp2 domain, -inf past the span. The
+    latent half its own warpgroup refilled comes first (even blocks: the left half; odd: the right half), the rope
+    part last (it held P until the other warpgroup's product was done). A partial last block is gathered first, once
+    the other warpgroup is done with the stage's previous block."""
+    copies = j < full
+    phase = (j // 2) & 1
+    if not copies:
+        if j >= 2:
+            mbarrier.wait(bars.index(P_EVEN_FREE if STAGE == 0 else P_ODD_FREE), phase ^ 1)
+        _gather_block(cache_ptr, table_row, start + j * BLOCK_N, end, c0_s, c1_s, kr_s, STAGE, PAGE, WIDTH)
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    if STAGE == 0:
+        first_q, first_s, first_part, second_q, second_s, second_part = q0_s, c0_s, LEFT, q1_s, c1_s, RIGHT
+    else:
+        first_q, first_s, first_part, second_q, second_s, second_part = q1_s, c1_s, RIGHT, q0_s, c0_s, LEFT
+    if copies:
+        mbarrier.wait(ready.index(2 * first_part + STAGE), phase)
+    s = warpgroup_mma(first_q, first_s.index(STAGE).permute((1, 0)), s, use_acc=False, is_async=True)
+    if copies:
+        mbarrier.wait(ready.index(2 * second_part + STAGE), phase)
+    s = warpgroup_mma(second_q, second_s.index(STAGE).permute((1, 0)), s, is_async=True)
+    if copies:
+        mbarrier.wait(ready.index(2 * ROPE + STAGE), phase)
+    s = warpgroup_mma(qr_s, kr_s.index(STAGE).permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s])
+    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    return gl.where(gl.expand_dims(start + j * BLOCK_N + tokens < end, 0), s * qk_scale, float("-inf"))
+
+
+@gluon.jit
+def _rows(v):
+    """A per-head vector of the scores' layout as a column that scales the output's layout."""
+    return gl.expand_dims(gl.convert_layout(v, gl.SliceLayout(1, O_LAYOUT)), 1)
+
+
+@gluon.jit
+def _finish(o, m_i, l_i, vecs, bars, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits,
+            EVEN: gl.constexpr):  # fmt: skip
+    """Exchanges the two warpgroups' softmax sums (each summed its own blocks' P against the common final max), then
+    stores this warpgroup's half of the output (the even one: the left half and the lse)."""
+    mine: gl.constexpr = L_EVEN if EVEN else L_ODD
+    other: gl.constexpr = L_ODD if EVEN else L_EVEN
+    vecs.index(mine).store(l_i)
+    mbarrier.arrive(bars.index(mine), count=1)
+    mbarrier.wait(bars.index(other), 0)
+    l_i = l_i + vecs.index(other).load(gl.SliceLayout(1, S_LAYOUT))
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits)
+    _store_half(part_out_ptr, o, _rows(1.0 / l_i), part, hmask, 0 if EVEN else LH)
+    if EVEN:
+        lse = (m_i + gl.log2(l_i)) / LOG2E  # natural log
+        gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, O_LAYOUT)), mask=hmask)
+
+
+@gluon.jit
+def _even_blocks(
+    q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, ready, bars, vecs, lat_desc, cache_ptr, table_row, start, end, qk_scale,
+    part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, PAGE: gl.constexpr, WIDTH: gl.constexpr,
+):  # fmt: skip
+    """The even warpgroup (blocks 0, 2, ... in stage 0; the left half of the output). Per pair of blocks (2k, 2k+1):
+    softmax of S_2k against the running max, published; P_2k x V_2k[:, :256] while the odd warpgroup does the
+    softmax of S_2k+1; with the pair's max from it, P_2k rescaled and handed over (in the stage's rope slot, whose
+    S is done) for P_2k x V_2k[:, 256:]; P_2k+1 x V_2k+1[:, :256]; refills: the left half of stage 0 after its
+    product, the left half of stage 1 after its; S_2k+2. A last, unpaired block sets the final max itself."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    full = (end - start) // BLOCK_N
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
+    s = _alternate_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, ready, bars, cache_ptr, table_row, start, end, 0, full,
+                          qk_scale, 0, PAGE, WIDTH)  # fmt: skip
+    for k in range(n_blocks // 2):
+        j = 2 * k
+        phase = k & 1
+        row_even = _block_row(table_row, start, j + 2, full, PAGE)  # refill rows, loaded ahead of their copies
+        row_odd = _block_row(table_row, start, j + 3, full, PAGE)
+        m_even = gl.maximum(m_i, gl.max(s, axis=1))
+        vecs.index(M_EVEN).store(m_even)
+        mbarrier.arrive(bars.index(M_EVEN), count=1)
+        p = gl.exp2(s - gl.expand_dims(m_even, 1))
+        alpha = gl.exp2(m_i - m_even)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        kr_s.index(0).store(p.to(gl.bfloat16))  # S_2k is done with the rope slot
+        fence_async_shared()
+        pv = warpgroup_mma(kr_s.index(0), c0_s.index(0), o * _rows(alpha), is_async=True)
+        mbarrier.wait(bars.index(M_ODD), phase)
+        m_i = vecs.index(M_ODD).load(gl.SliceLayout(1, S_LAYOUT))  # the pair's max
+        rescale = gl.exp2(m_even - m_i)
+        l_i = l_i * rescale
+        o = warpgroup_mma_wait(0, deps=[pv])
+        _copy_part(lat_desc, ready, c0_s, LEFT, 0, row_even, 0, j + 2 < full)
+        kr_s.index(0).store((p * gl.expand_dims(rescale, 1)).to(gl.bfloat16))
+        fence_async_shared()
+        mbarrier.arrive(bars.index(P_EVEN_READY), count=1)
+        mbarrier.wait(bars.index(P_ODD_READY), phase)
+        o = warpgroup_mma(kr_s.index(1), c0_s.index(1), o * _rows(rescale))
+        mbarrier.arrive(bars.index(P_ODD_FREE), count=1)
+        _copy_part(lat_desc, ready, c0_s, LEFT, 1, row_odd, 0, j + 3 < full)
+        if j + 2 < n_blocks:
+            s = _alternate_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, ready, bars, cache_ptr, table_row, start, end,
+                                  j + 2, full, qk_scale, 0, PAGE, WIDTH)  # fmt: skip
+    if n_blocks % 2 == 1:  # the last block, unpaired: its max is the final one
+        m_last = gl.maximum(m_i, gl.max(s, axis=1))
+        vecs.index(M_EVEN).store(m_last)
+        mbarrier.arrive(bars.index(M_EVEN), count=1)
+        p = gl.exp2(s - gl.expand_dims(m_last, 1))
+        alpha = gl.exp2(m_i - m_last)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_last
+        kr_s.index(0).store(p.to(gl.bfloat16))
+        fence_async_shared()
+        mbarrier.arrive(bars.index(P_EVEN_READY), count=1)
+        o = warpgroup_mma(kr_s.index(0), c0_s.index(0), o * _rows(alpha))
+    _finish(o, m_i, l_i, vecs, bars, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, True)
+
+
+@gluon.jit
+def _odd_blocks(
+    q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, ready, bars, vecs, lat_desc, rope_desc, cache_ptr, table_row, start, end,
+    qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, PAGE: gl.constexpr, WIDTH: gl.constexpr,
+):  # fmt: skip
+    """The odd warpgroup (blocks 1, 3, ... in stage 1; the right half of the output). Per pair (2k, 2k+1): S_2k+1
+    runs during the even warpgroup's softmax; then its softmax against the even block's max gives the pair's max,
+    published; P_2k+1 handed over (in stage 1's rope slot) and P_2k+1 x V_2k+1[:, 256:]; P_2k x V_2k[:, 256:] once
+    the even warpgroup has rescaled it; refills: the right half of stage 1, the right half and the rope part of
+    stage 0 after their products, stage 1's rope part (P_2k+1) once the even warpgroup's product is done too; S_2k+3.
+    For a last, unpaired block only its P x V[:, 256:]."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    full = (end - start) // BLOCK_N
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    if n_blocks > 1:
+        s = _alternate_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, ready, bars, cache_ptr, table_row, start, end, 1,
+                              full, qk_scale, 1, PAGE, WIDTH)  # fmt: skip
+    for k in range(n_blocks // 2):
+        j = 2 * k + 1
+        phase = k & 1
+        row_even = _block_row(table_row, start, j + 1, full, PAGE)
+        row_odd = _block_row(table_row, start, j + 2, full, PAGE)
+        mbarrier.wait(bars.index(M_EVEN), phase)
+        m_pair = gl.maximum(vecs.index(M_EVEN).load(gl.SliceLayout(1, S_LAYOUT)), gl.max(s, axis=1))
+        vecs.index(M_ODD).store(m_pair)
+        mbarrier.arrive(bars.index(M_ODD), count=1)
+        p = gl.exp2(s - gl.expand_dims(m_pair, 1))
+        alpha = gl.exp2(m_i - m_pair)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_pair
+        kr_s.index(1).store(p.to(gl.bfloat16))  # S_2k+1 is done with the rope slot
+        fence_async_shared()
+        mbarrier.arrive(bars.index(P_ODD_READY), count=1)
+        pv = warpgroup_mma(kr_s.index(1), c1_s.index(1), o * _rows(alpha), is_async=True)
+        mbarrier.wait(bars.index(P_EVEN_READY), phase)
+        pv = warpgroup_mma(kr_s.index(0), c1_s.index(0), pv, is_async=True)
+        o = warpgroup_mma_wait(0, deps=[pv])
+        mbarrier.arrive(bars.index(P_EVEN_FREE), count=1)
+        _copy_part(lat_desc, ready, c1_s, RIGHT, 1, row_odd, LH, j + 2 < full)
+        _copy_part(lat_desc, ready, c1_s, RIGHT, 0, row_even, LH, j + 1 < full)
+        _copy_part(rope_desc, ready, kr_s, ROPE, 0, row_even, L, j + 1 < full)
+        mbarrier.wait(bars.index(P_ODD_FREE), phase)  # the even warpgroup is done with P_2k+1 too
+        _copy_part(rope_desc, ready, kr_s, ROPE, 1, row_odd, L, j + 2 < full)
+        if j + 2 < n_blocks:
+            s = _alternate_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, ready, bars, cache_ptr, table_row, start, end,
+                                  j + 2, full, qk_scale, 1, PAGE, WIDTH)  # fmt: skip
+    if n_blocks % 2 == 1:
+        phase = (n_blocks // 2) & 1
+        mbarrier.wait(bars.index(M_EVEN), phase)
+        m_last = vecs.index(M_EVEN).load(gl.SliceLayout(1, S_LAYOUT))
+        alpha = gl.exp2(m_i - m_last)
+        l_i = l_i * alpha
+        m_i = m_last
+        mbarrier.wait(bars.index(P_EVEN_READY), phase)
+        o = warpgroup_mma(kr_s.index(0), c1_s.index(0), o * _rows(alpha))
+    _finish(o, m_i, l_i, vecs, bars, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, False)
+
+
+@gluon.jit
+def _mla_alternate_kernel(
+    q_ptr, lat_desc, rope_desc, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, scale, S_q, H,
+    stride_qb, stride_qs, stride_qh, stride_table, n_splits, PAGE: gl.constexpr, WIDTH: gl.constexpr,
+    SPLIT: gl.constexpr, ODD_REGS: gl.constexpr,
+):  # fmt: skip
+    """``attention._mla_split_kernel``'s contract for a bf16 cache, the two warpgroups on alternate blocks. Launched
+    with 4 warps, to which the odd warpgroup adds 4."""
+    row = gl.program_id(0)
+    pid_h = gl.program_id(1)
+    split = gl.program_id(2)
+    b = row // S_q
+    s = row % S_q
+    limit = gl.load(seq_lens_ptr + b) - S_q + s + 1  # positions < limit are visible to this query
+    start = split * SPLIT
+    end = gl.minimum(start + SPLIT, limit)
+    if start >= end:
+        part, hmask = _part_rows(row, pid_h, split, H, n_splits)
+        empty = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, O_LAYOUT))
+        gl.store(part_lse_ptr + part, empty, mask=hmask)
+        return
+
+    q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh)
+    half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LH], gl.bfloat16)
+    rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
+    c0_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    c1_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], rope_layout)  # also P, once S is done
+    ready = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # (part, stage): its copy landed
+    bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+    vecs = gl.allocate_shared_memory(gl.float32, [8, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    for i in gl.static_range(6):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(8):
+        mbarrier.init(bars.index(i), count=1)
+
+    table_row = table_ptr + b.to(gl.int64) * stride_table
+    full = (end - start) // BLOCK_N
+    for i in gl.static_range(2):
+        first = _block_row(table_row, start, i, full, PAGE)
+        _copy_part(lat_desc, ready, c0_s, LEFT, i, first, 0, i < full)
+        _copy_part(lat_desc, ready, c1_s, RIGHT, i, first, LH, i < full)
+        _copy_part(rope_desc, ready, kr_s, ROPE, i, first, L, i < full)
+    fence_async_shared()
+    BARRIER()  # the query's stores are visible to the tensor cores
+    qk_scale = scale * LOG2E  # exp2 domain
+    gl.warp_specialize(
+        [
+            (_even_blocks,
+             (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, ready, bars, vecs, lat_desc, cache_ptr, table_row, start, end,
+              qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, PAGE, WIDTH)),
+            (_odd_blocks,
+             (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, ready, bars, vecs, lat_desc, rope_desc, cache_ptr, table_row, start,
+              end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, PAGE, WIDTH)),
+        ],
+        [4],
+        [ODD_REGS],
+    )  # fmt: skip
+
+
 @functools.cache
 def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -473,7 +729,15 @@ def launch_split(q, records, block_table, seq_lens, part_out, part_lse, softmax_
     else:
         descriptors, regs = (descriptor(LH.value), descriptor(R.value)), {"RIGHT_REGS": RIGHT_REGS, "FILL_REGS": 0}
     batch, s_q, heads, _ = q.shape
-    _mla_split_kernel[(batch * s_q, -(-heads // BLOCK_H.value), n_splits)](
+    grid = (batch * s_q, -(-heads // BLOCK_H.value), n_splits)
+    if not fp8 and ALTERNATE:
+        _mla_alternate_kernel[grid](
+            q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
+            q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
+            PAGE=page, WIDTH=records.shape[1], SPLIT=split, ODD_REGS=ODD_REGS, num_warps=4,
+        )  # fmt: skip
+        return
+    _mla_split_kernel[grid](
         q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
         PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, **regs, num_warps=4,
