@@ -28,14 +28,14 @@ except ImportError:  # a Triton without Gluon's Hopper language: the tl split ke
 
 LOG2E = 1.4426950408889634
 GROUP = tl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
-# Context tokens per KV split in batch-invariant mode: the default mode's longest span, so that once the rows alone
-# give half a program per SM (33 rows of 128 heads on 132 SMs) both modes make the same launches; smaller batches
-# pay for it (NOTES.md, tenth session).
+# Context tokens per KV split in batch-invariant mode: from 32 rows of 128 heads on, 2048 costs at most 1.11x the
+# default mode's spans, except at ctx 1024; 4096 would cost 1.57x at 32 rows and ctx 4096. Smaller batches pay more
+# (NOTES.md, tenth session).
 SPLIT_TOKENS = 2048
 # Adaptive spans (default mode): the longest (fewest partials to merge), the shortest (every split writes a
 # [heads, L] fp32 partial: shorter spans cost more bytes than they save), and how full the grid must be before a
-# longer span is taken, in programs per multiprocessor. NOTES.md (ninth session) has the measurements behind them.
-MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, GRID_FILL = 2048, 64, 0.5
+# longer span is taken, in programs per multiprocessor. NOTES.md (ninth and tenth sessions) has the measurements.
+MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, GRID_FILL = 4096, 64, 0.5
 # Heads per program (each program reads its span of the cache once for all of them), tokens per step, warps, stages.
 # Measured on the H200 at B=64, ctx=4096 (benchmarks/tile_variants.py, NOTES.md): 64 heads with 8 warps beat 32 heads
 # (bf16 cache 0.53 against 0.55 ms, fp8_ds_mla 0.61 against 1.27 ms); a whole 64-token page per step beat 32 tokens
