@@ -6,7 +6,9 @@ on the same inputs, alternating the two several times, each checked against the 
     python3 benchmarks/ab_against_git.py mla_decode --set attention.MLA_GLUON=False --set mla_gluon.FP8_FILL_REGS=112
 
 ``--set MODULE.NAME=VALUE[,...]`` compares the working tree against itself with those module constants of
-``backends/cuda_sm100`` changed (one side per ``--set``), instead of against a git revision.
+``backends/cuda_sm100`` changed (one side per ``--set``), instead of against a git revision. A VALUE of ``@OTHER``
+sets the name to the backend's module OTHER, e.g. ``--set attention.mla_gluon=@mla_gluon_before`` with a copy of
+``mla_gluon.py`` saved beside it (not committed) as the other side of a kernel A/B.
 
 Device time from CUDA graphs (``--eager``: eager medians, host work included). Under the Triton interpreter
 (``TRITON_INTERPRET=1``, no GPU) it runs one small shape per case and times eagerly, which checks the script itself.
@@ -128,14 +130,18 @@ CASES = {"mla_decode": mla_cases, "grouped_gemm": grouped_cases, "gemm_invariant
 
 @contextlib.contextmanager
 def settings(spec: str):
-    """Module constants of the backend changed for the duration: ``"attention.MLA_GLUON=False,..."``."""
+    """Module constants of the backend changed for the duration: ``"attention.MLA_GLUON=False,..."``; ``@OTHER``
+    stands for the backend's module OTHER."""
     old = []
     for item in filter(None, spec.split(",")):
         name, value = item.split("=", 1)
         module_name, attr = name.rsplit(".", 1)
         module = importlib.import_module(f"deepinfer_cuda_sm100.{module_name}")
         old.append((module, attr, getattr(module, attr)))  # a misspelt name fails here
-        setattr(module, attr, ast.literal_eval(value))
+        if value.startswith("@"):
+            setattr(module, attr, importlib.import_module(f"deepinfer_cuda_sm100.{value[1:]}"))
+        else:
+            setattr(module, attr, ast.literal_eval(value))
     try:
         yield
     finally:

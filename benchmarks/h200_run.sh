@@ -7,7 +7,7 @@
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
-#   spans        mla_decode's default span rule beside fixed spans of 512, 1024, 2048 tokens, B = 1 ... 128
+#   spans        mla_decode's default span rule beside fixed spans of 1024, 2048, 4096 tokens, B = 1 ... 128
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 #   gluon        the Gluon FP8 GEMM prototype (two products in flight) beside cuBLAS and the committed kernel
 #   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against

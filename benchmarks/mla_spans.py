@@ -4,7 +4,7 @@
 Device time from CUDA graphs, bf16 cache, H=128, latent 512 + rope 64, pages of 64, lengths up to 100 tokens short
 of the table's reach.
 
-Usage: python3 benchmarks/mla_spans.py [SPAN ...]   (default spans: 512 1024 2048)"""
+Usage: python3 benchmarks/mla_spans.py [SPAN ...]   (default spans: 1024 2048 4096)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from deepinfer_cuda_sm100 import attention
 
 
 def main() -> None:
-    spans = [int(s) for s in sys.argv[1:]] or [512, 1024, 2048]
+    spans = [int(s) for s in sys.argv[1:]] or [1024, 2048, 4096]
     deepinfer.use("cuda_sm100")
     for batch in (1, 8, 32, 64, 128):
         for ctx in (1024, 4096, 16384):
