@@ -241,13 +241,12 @@ def _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, c
                   full, PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
     """S of block ``j``, issued once the block is in its stage: its TMA copies or (``FP8``) its dequantisation waited
     for, or a bf16 cache's partial last block gathered first (the stage held block j - 2, whose consumers are done)."""
-    if FP8:
-        copies = False
-    else:
-        copies = j < full
-        if not copies:
+    wait = True  # for the filler's stores (fp8_ds_mla) or the copies of a whole block
+    if not FP8:
+        wait = j < full
+        if not wait:
             _gather_block(cache_ptr, table_row, start + j * BLOCK_N, end, c0_s, c1_s, kr_s, j % 2, PAGE, WIDTH)
-    return _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, FP8 or copies)
+    return _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, wait)
 
 
 @gluon.jit
