@@ -158,6 +158,26 @@ def test_batch_invariant_gemm_launch_shape_ignores_rows():
         assert next(iter(tiles)).split_k == (4 if k >= gemm.SPLIT_K_MIN_K else 1)
 
 
+def test_mla_decode_spans_fill_the_grid_and_ignore_rows_when_invariant():
+    """``mla_decode``'s KV spans: whole 64-token blocks between the shortest and the longest span; the longest span
+    whose grid gives ``GRID_FILL`` programs per SM (or the shortest); in batch-invariant mode one span whatever the
+    rows."""
+    from deepinfer_cuda_sm100 import attention
+
+    lo, hi, fill, sms = attention.MIN_SPLIT_TOKENS, attention.MAX_SPLIT_TOKENS, attention.GRID_FILL, 132
+    grid = lambda programs, context, split: programs * -(-context // split)
+    picked = set()
+    for programs in (1, 2, 16, 64, 66, 128, 256):
+        for context in (64, 1000, 4096, 16384, 131072):
+            split = attention._split_tokens(programs, context, sms, invariant=False)
+            picked.add(split)
+            assert lo <= split <= hi and split % 64 == 0, (programs, context, split)
+            assert grid(programs, context, split) >= fill * sms or split == lo, (programs, context, split)
+            assert split == hi or grid(programs, context, 2 * split) < fill * sms, (programs, context, split)
+            assert attention._split_tokens(programs, context, sms, invariant=True) == attention.SPLIT_TOKENS
+    assert {lo, hi} <= picked and len(picked) > 3, picked
+
+
 MLA_TMA_PATHS = """
 import torch, deepinfer
 from deepinfer import ops
