@@ -14,8 +14,9 @@
    ``all_to_all_single`` calls moving the same bytes with the same splits in the same run (dispatch payload and
    weights one way, combine payload back). Reports GB/s of each and their ratio (target >= 0.8), for bf16 and FP8
    dispatch (combine always bf16). Both figures count one payload row per (token, expert) pair. The dispatch
-   itself sends a token once to each rank that holds its experts, so it puts fewer payload bytes on the wire than
-   the raw exchange.
+   itself sends a token once to each rank that holds its experts, and the combine returns one fp32 partial sum per
+   (token, rank) where that is not more bytes (``combine`` in the report), so both put fewer bytes on the wire than
+   the raw exchange (``bytes_ours_moves_per_rank``).
 3. low_latency mode at 128 tokens (capacity 128): dispatch and combine latency, eagerly and replayed from one
    CUDA graph (the graph result is reported, or the reason it could not be captured).
 
@@ -44,6 +45,7 @@ import deepinfer
 from deepinfer import QTensor
 from deepinfer.ops import ep_combine, ep_dispatch
 from deepinfer.qtensor import quantize_rows
+from deepinfer.reference.ep import sums_per_rank
 
 FULL = {"tokens": 4096, "hidden": 7168, "experts": 256, "top_k": 8, "ll_tokens": 128}
 SMALL = {"tokens": 64, "hidden": 256, "experts": 16, "top_k": 4, "ll_tokens": 16}
@@ -173,7 +175,7 @@ def bench_normal(cfg, *, fp8: bool, device, timer: Timer, iters: int, warmup: in
     combine_width = 2 * hidden
     ours = {"dispatch": [], "combine": [], "total": []}
     raw = {"dispatch_dir": [], "combine_dir": [], "total": []}
-    sent_bytes, cross_bytes, wire_bytes = [], [], []
+    sent_bytes, cross_bytes, wire_bytes, partial = [], [], [], False
     for it in range(warmup + iters):
         ids, w = routings[it % len(routings)]
         dist.barrier()
@@ -211,14 +213,18 @@ def bench_normal(cfg, *, fp8: bool, device, timer: Timer, iters: int, warmup: in
             total_rows = sum(send)
             sent_bytes.append(total_rows * (payload_width + 4 + combine_width))
             cross_bytes.append((total_rows - send[rank]) * (payload_width + 4 + combine_width))
-            # What ours moves: one payload row per token copy, an 8-byte record per pair, the combine rows back.
-            wire_bytes.append(sum(handle.copy_splits) * payload_width + total_rows * (8 + combine_width))
+            # What ours moves: per token copy its payload row and a record of 4 int32 per slot, then the combine's
+            # fp32 partial sums (one per received copy) or its rows (one per pair) back.
+            partial = sums_per_rank(y, handle)
+            back = sum(handle.copy_recv_splits) * 4 * hidden if partial else total_rows * combine_width
+            wire_bytes.append(sum(handle.copy_splits) * (payload_width + 16 * k) + back)
     med = {f"ours_{k_}_ms": median(v) for k_, v in ours.items()} | {f"raw_{k_}_ms": median(v) for k_, v in raw.items()}
     nbytes = median(sent_bytes)
     out = {
         "bytes_sent_per_rank": nbytes,
         "bytes_crossing_ranks_per_rank": median(cross_bytes),
         "bytes_ours_moves_per_rank": median(wire_bytes),
+        "combine": "per-rank fp32 partial sums" if partial else "a row per pair",
         **med,
         "ours_GBps": nbytes / med["ours_total_ms"] / 1e6,
         "raw_GBps": nbytes / med["raw_total_ms"] / 1e6,

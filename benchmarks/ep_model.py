@@ -11,9 +11,9 @@
    - ``invariant_eager``: batch-invariant mode, no CUDA graphs, so every step dispatches in normal mode, whose
      combine adds each token's products in the one-process order: tokens and log-probabilities must be bitwise
      those of one process;
-   - ``default``: the engine as it ships (CUDA graphs on CUDA, decode steps in low-latency mode, whose combine adds
-     per-rank fp32 partial sums): reports how many sequences match one process token for token, the first step
-     where each one that does not diverges, and the largest log-probability difference before it.
+   - ``default``: the engine as it ships (CUDA graphs on CUDA, decode steps in low-latency mode; the combines of
+     both modes add per-rank fp32 partial sums): reports how many sequences match one process token for token, the
+     first step where each one that does not diverges, and the largest log-probability difference before it.
    Each setting generates twice; the second, timed by the host clock, gives generated tokens per second.
 3. The group's LLMs are dropped; rank 0 then does the same with ``LLM(path, backend)`` holding every expert.
 

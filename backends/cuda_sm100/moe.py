@@ -5,10 +5,11 @@ row copies of the core's multi-rank normal-mode ``ep_dispatch``, and the weighte
 needs the number of valid pairs on the host (the output size). ``low_latency`` dispatch has fixed shapes and no host
 synchronisation: one program per expert lays out that expert's rows, then one program per pair copies its row (three
 launches in all, for the decode steps that CUDA graphs replay). Combine sums each token's k rows in slot order in
-fp32 (batch-invariant), one kernel for the one-process handle and for the rows a multi-rank normal-mode combine
-brought back. Over a process group, normal mode keeps the core's protocol and exchanges (``ep.dispatch_normal``) and
-replaces its torch index work with three kernels: the sender counts its pairs and copies per program, then writes
-each copy with its record at its place in send order; the receiver copies each pair's row into the layout.
+fp32 (batch-invariant), one kernel for the one-process handle, for the rows a multi-rank normal-mode combine brings
+back and for its per-rank partial sums. Over a process group, normal mode keeps the core's protocol and exchanges
+(``ep.dispatch_normal``) and replaces its torch index work with three kernels: the sender counts its pairs and
+copies per program, then writes each copy with its record at its place in send order; the receiver copies each
+pair's row into the layout.
 """
 
 from __future__ import annotations
@@ -415,14 +416,14 @@ def _count_kernel(
 
 @triton.jit
 def _pack_kernel(
-    ids_ptr, holders_ptr, rank_ptr, local_ptr, w_ptr, x_ptr, send_ptr, pair_pos_ptr, stats_ptr, cum_ptr, T, me, W,
-    WIDTH, COPIES, NPROG, ROW, SEND_ROW, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
-    NK: tl.constexpr, BWID: tl.constexpr, BC: tl.constexpr,
+    ids_ptr, holders_ptr, rank_ptr, local_ptr, w_ptr, x_ptr, send_ptr, pair_pos_ptr, copy_pos_ptr, stats_ptr, cum_ptr,
+    T, me, W, WIDTH, COPIES, NPROG, ROW, SEND_ROW, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+    BW: tl.constexpr, NK: tl.constexpr, BWID: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    """Writes each copy (x's row, then its record) at its place in send order (destination, token), and each pair's
-    position in (destination, token, slot) order. ``cum`` is ``stats`` summed over programs (inclusive); rows are
-    int32 words. A record is 4 x K int32: local expert (-1: not this copy's), weight bits, rank within the pair's
-    (destination, local expert), rank within its destination."""
+    """Writes each copy (x's row, then its record) at its place in send order (destination, token), that place per
+    (token, destination) (-1: no copy), and each pair's position in (destination, token, slot) order. ``cum`` is
+    ``stats`` summed over programs (inclusive); rows are int32 words. A record is 4 x K int32: local expert (-1: not
+    this copy's), weight bits, rank within the pair's (destination, local expert), rank within its destination."""
     pid = tl.program_id(0)
     t = pid * BT + tl.arange(0, BT)
     d, local, valid = _pair_keys(ids_ptr, holders_ptr, rank_ptr, local_ptr, t, T, me, W, COPIES, K, KP)
@@ -465,7 +466,9 @@ def _pack_kernel(
     tm = t < T
     for dd in range(0, W):
         here = (tl.sum(tl.where(w[None, :] == dd, present, 0), axis=1) > 0) & tm
-        row = tl.sum(tl.where(w[None, :] == dd, pos_c, 0), axis=1).to(tl.int64) * SEND_ROW
+        pos = tl.sum(tl.where(w[None, :] == dd, pos_c, 0), axis=1).to(tl.int64)
+        tl.store(copy_pos_ptr + t * W + dd, tl.where(here, pos, -1), mask=tm)
+        row = pos * SEND_ROW
         mine_j = d == dd
         rec = send_ptr + row[:, None] + ROW + j[None, :]
         rm = here[:, None] & (j[None, :] < K)
@@ -508,25 +511,26 @@ def _pack_copies(x, payload, ids, weights, tab, me: int, world: int, counted: _C
     rec = ep.RECORD_FIELDS * k
     send = torch.empty(min(world, k) * tokens, row + rec, dtype=torch.int32, device=ids.device)
     pair_pos = torch.empty(tokens, k, dtype=torch.int64, device=ids.device)
+    copy_pos = torch.empty(tokens, world, dtype=torch.int64, device=ids.device)
     stats = counted.stats
     if tokens:
         _pack_kernel[(stats.shape[0],)](
-            counted.ids, tab.holders, tab.rank, tab.local, weights.float().contiguous(), xw, send, pair_pos, stats,
-            stats.cumsum(0, dtype=torch.int32), tokens, me, world, tab.width, tab.rank.shape[1], stats.shape[0], row,
-            row + rec, BWID=next_pow2(tab.width), BC=256, **counted.meta,
+            counted.ids, tab.holders, tab.rank, tab.local, weights.float().contiguous(), xw, send, pair_pos, copy_pos,
+            stats, stats.cumsum(0, dtype=torch.int32), tokens, me, world, tab.width, tab.rank.shape[1],
+            stats.shape[0], row, row + rec, BWID=next_pow2(tab.width), BC=256, **counted.meta,
         )  # fmt: skip
-    return send.view(payload.word), pair_pos
+    return send.view(payload.word), pair_pos, copy_pos
 
 
 @triton.jit
 def _unpack_kernel(
     buf_ptr, gid_ptr, expert_base_ptr, source_base_ptr, copy_start_ptr, out0_ptr, out1_ptr, ids_ptr, w_ptr,
-    final_ptr, C, W, E_LOCAL, BUF_ROW, ROW, SPLIT, K: tl.constexpr, BCP: tl.constexpr, BW: tl.constexpr,
-    BC: tl.constexpr,
+    final_ptr, copy_rows_ptr, C, W, E_LOCAL, BUF_ROW, ROW, SPLIT, K: tl.constexpr, BCP: tl.constexpr,
+    BW: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """Slot ``program_id(1)`` of received copies ``c``: the pair's layout row from its record and its source's
     bases; its copy's words go to that row of ``out0`` (the first SPLIT) and ``out1`` (the rest), with its id and
-    weight, and ``final[receive index] = row``."""
+    weight; ``final[receive index] = row`` and ``copy_rows[c, slot] = row`` (-1 for a slot not sent here)."""
     c = tl.program_id(0) * BCP + tl.arange(0, BCP)
     j = tl.program_id(1)
     cm = c < C
@@ -537,6 +541,7 @@ def _unpack_kernel(
     ends = tl.load(copy_start_ptr + 1 + w, mask=w < W, other=2**62)
     source = tl.sum((c[:, None] >= ends[None, :]).to(tl.int32), axis=1)
     row = tl.load(expert_base_ptr + source * E_LOCAL + local, mask=mask, other=0) + tl.load(rec + 2 * K, mask=mask)
+    tl.store(copy_rows_ptr + c.to(tl.int64) * K + j, tl.where(mask, row, -1).to(tl.int64), mask=cm)
     tl.store(final_ptr + tl.load(source_base_ptr + source, mask=mask, other=0) + tl.load(rec + 3 * K, mask=mask), row,
              mask=mask)  # fmt: skip
     tl.store(ids_ptr + row, tl.load(gid_ptr + local, mask=mask), mask=mask)
@@ -559,15 +564,16 @@ def _unpack_pairs(buf, payload, k: int, num_recv: int, tables, global_ids):
     recv_ids = torch.empty(num_recv, dtype=torch.int32, device=dev)
     recv_w = torch.empty(num_recv, dtype=torch.float32, device=dev)
     final = torch.empty(num_recv, dtype=torch.int64, device=dev)
+    copy_rows = torch.empty(b32.shape[0], k, dtype=torch.int64, device=dev)
     world, e_local = tables.expert_base.shape
     if num_recv:
         bcp = 16
         _unpack_kernel[(triton.cdiv(b32.shape[0], bcp), k)](
             b32, global_ids, tables.expert_base, tables.source_base, tables.copy_start, parts[0], parts[-1],
-            recv_ids, recv_w, final, b32.shape[0], world, e_local, b32.shape[1], row, spans[0][1], K=k, BCP=bcp,
-            BW=next_pow2(world), BC=256,
+            recv_ids, recv_w, final, copy_rows, b32.shape[0], world, e_local, b32.shape[1], row, spans[0][1], K=k,
+            BCP=bcp, BW=next_pow2(world), BC=256,
         )  # fmt: skip
-    return [p.view(payload.word) for p in parts], recv_ids, recv_w, final
+    return [p.view(payload.word) for p in parts], recv_ids, recv_w, final, copy_rows
 
 
 @triton.jit

@@ -336,12 +336,13 @@ def ep_combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     y: the expert outputs in the received layout of ``handle`` (``[M, H']`` or ``[E_local, max_m, H']``); rows past
     ``masked_m`` are never read. Its hidden size may differ from the dispatched one (the same on every rank).
 
-    Several ranks: a collective over the dispatch's group (every rank calls it, in dispatch order). ``normal``: each
+    Several ranks: a collective over the dispatch's group (every rank calls it, in dispatch order, with y of the same
+    dtype and hidden size, in the same batch-invariant mode). Each rank sums, per source token, the weighted rows of
+    its own experts (fp32) and sends that fp32 partial sum back; the source adds the partial sums in rank order, so
+    the result differs from one process by fp32 reassociation only. Exception, ``normal`` mode in batch-invariant
+    mode, or where the fp32 partial sums could be more bytes than y's rows (bf16 y with more than k/2 ranks): each
     row goes back to its source, which forms ``weight * row`` in fp32 and sums the k products in fp32 with the
-    arithmetic of one process. ``low_latency``: each rank sums, per source token, the weighted rows of its own
-    experts (fp32) and sends that fp32 partial sum back; the source adds the partial sums in rank order (so the
-    result differs from one process by fp32 reassociation only). A source token that lost a row to capacity overflow
-    gets NaN (see ``ep_dispatch``).
+    arithmetic of one process. A source token that lost a row to capacity overflow gets NaN (see ``ep_dispatch``).
 
     """
     c = Check("ep_combine")

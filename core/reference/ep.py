@@ -17,9 +17,13 @@ normal mode
     2. One ``all_to_all_single`` moves the copies. From the counts each receiver knows where every source's pairs
        of each local expert start in the contiguous layout (local expert, source rank, token, slot); a pair's
        rank puts its row there, copied from its copy.
-    3. ``ep_combine`` sends each output row back to its source in receive order (source, token, slot), and the
-       source sums ``weight * row`` in fp32 over the k slots, with the arithmetic of the one-process reference (a
-       backend may pass a fused kernel for that sum: ``combine_normal``'s ``weighted_sum``).
+    3. ``ep_combine`` sums on each rank, per received copy, ``weight * row`` over the copy's pairs in fp32, and one
+       ``all_to_all_single`` returns those partial sums to the sources, which add them in fp32 (the copies cross
+       in the reverse direction of step 2: at EP=2 with top-8 that is half the bytes of one bf16 row per pair).
+       In batch-invariant mode, or where fp32 partial sums could be more bytes than the pair rows, each output row
+       goes back to its source instead, in receive order (source, token, slot), and the source sums ``weight *
+       row`` over the k slots with the arithmetic of the one-process reference (``sums_per_rank`` decides). A
+       backend may pass a fused kernel for the sums: ``combine_normal``'s ``weighted_sum``.
     A backend may replace the index work and row copies of steps 1 and 2 with its own kernels
     (``dispatch_normal``'s ``count`` / ``pack`` / ``unpack``); the exchanges stay here.
 
@@ -65,6 +69,19 @@ def weighted_rows_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     for j in range(rows.shape[1]):
         out += products[:, j]
     return out
+
+
+def weighted_gather_sum(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[t] = sum_j weights[t, j] * rows[index[t, j]]`` over the slots with ``index >= 0`` (-1 adds nothing),
+    with the arithmetic of ``weighted_rows_sum``, rounded to out's dtype: rows ``[R, H]``, index ``[T, k]`` int64,
+    weights ``[T, k]`` fp32, out ``[T, H]``. The contract of ``combine_normal``'s ``weighted_sum``."""
+    if rows.shape[0] == 0:
+        out.zero_()
+        return
+    valid = index >= 0
+    # Rows no slot names may hold anything (even NaN): select, never multiply them by zero.
+    picked = torch.where(valid.unsqueeze(-1), rows[index.clamp_min(0)], 0)
+    out.copy_(weighted_rows_sum(picked, torch.where(valid, weights, 0.0)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -213,10 +230,16 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 @dataclass
 class NormalHandle(DispatchHandle):
-    """group; send_splits / recv_splits: pairs sent to / received from each rank (``ep_combine`` returns one row
-    per pair); final: ``[M]`` layout row of each received pair (receive order: by source rank); pair_pos: ``[T, k]``
-    position of each pair in the send order (``num_sent`` for a skipped pair); weights: ``[T, k]`` routing weights,
-    0 where skipped; copy_splits: token copies sent to each rank (the payload rows dispatch put on the wire)."""
+    """group; send_splits / recv_splits: pairs sent to / received from each rank; final: ``[M]`` layout row of each
+    received pair (receive order: by source rank); pair_pos: ``[T, k]`` position of each pair in the send order
+    (``num_sent`` for a skipped pair); weights: ``[T, k]`` routing weights, 0 where skipped. Those serve a combine
+    that returns one row per pair.
+
+    For a combine by partial sums (None where the dispatch did not make them): copy_splits / copy_recv_splits: token
+    copies sent to / received from each rank (the payload rows dispatch put on the wire); copy_rows: ``[C, k]``
+    int64, the layout row of each slot of each received copy (receive order), -1 where the slot's pair went
+    elsewhere; copy_weights: ``[C, k]`` fp32 their weights (0 at -1); copy_pos: ``[T, world]`` int64, the position
+    of token t's copy for rank d in the send order (destination, token), -1 where it has none."""
 
     group: object = None
     send_splits: list[int] = None
@@ -226,6 +249,10 @@ class NormalHandle(DispatchHandle):
     weights: torch.Tensor = None
     num_sent: int = 0
     copy_splits: list[int] = None
+    copy_recv_splits: list[int] = None
+    copy_rows: torch.Tensor = None
+    copy_weights: torch.Tensor = None
+    copy_pos: torch.Tensor = None
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
@@ -276,14 +303,15 @@ def count_pairs(ids, tab: Tables, me: int, world: int):
 
 
 def pack_copies(x, payload: Payload, ids, weights, tab: Tables, me: int, world: int, counted: Counted):
-    """The sender's rows, while the counts travel: ``(send, pair_pos)``.
+    """The sender's rows, while the counts travel: ``(send, pair_pos, copy_pos)``.
 
     send: ``[R, words + 4k * 4 / word size]`` of ``payload.word``, R at least the number of copies: the copies in
     send order (destination, token), each x's row words then its record, ``RECORD_FIELDS`` x k int32: per slot
     its local expert (-1 where the slot's pair goes elsewhere), its weight (fp32 bits), its rank among the pairs
     for its (destination, local expert) in (token, slot) order, and its rank among the pairs for its destination
     in that order. pair_pos: ``[T, k]`` int64, each pair's position in (destination, token, slot) order over the
-    pairs not skipped; at least their number for a skipped pair."""
+    pairs not skipped; at least their number for a skipped pair. copy_pos: ``[T, world]`` int64, the row of send
+    holding token t's copy for rank d, -1 where it has none."""
     dev = ids.device
     tokens, k = ids.shape
     dest, local, to, present = counted.dest, counted.local, counted.to, counted.present
@@ -310,16 +338,19 @@ def pack_copies(x, payload: Payload, ids, weights, tab: Tables, me: int, world: 
     order = torch.sort(present.logical_not().view(-1).to(torch.uint8), stable=True).indices[: min(world, k) * tokens]
     rec_words = record.view(world * tokens, RECORD_FIELDS * k).index_select(0, order).view(payload.word)
     send = torch.cat([payload.to_words(x).index_select(0, order % tokens), rec_words], dim=1)
-    return send, pair_pos.view(tokens, k)
+    flat = present.view(-1)
+    copy_pos = torch.where(flat, flat.cumsum(0) - 1, -1).view(world, tokens).t().contiguous()
+    return send, pair_pos.view(tokens, k), copy_pos
 
 
 def unpack_pairs(buf, payload: Payload, k: int, num_recv: int, tables: RecvTables, global_ids):
     """The receiver's side of a normal-mode dispatch: ``buf [C, ...]`` holds the received copies (as ``pack_copies``
-    sends them) by source rank, then token. Returns ``(parts, recv_ids, recv_w, final)`` with the ``num_recv``
-    pairs in layout order: parts, per payload part (``payload.spans``), ``[num_recv, part words]`` contiguous, the
-    pair's copy's words; recv_ids int32 (``global_ids`` of the local expert); recv_w fp32; final ``[num_recv]``
-    int64, the layout row of each pair in receive order (source, token, slot). A pair from source s for local
-    expert l with ranks (r_e, r_s) goes to layout row ``expert_base[s, l] + r_e``, receive index
+    sends them) by source rank, then token. Returns ``(parts, recv_ids, recv_w, final, copy_rows)`` with the
+    ``num_recv`` pairs in layout order: parts, per payload part (``payload.spans``), ``[num_recv, part words]``
+    contiguous, the pair's copy's words; recv_ids int32 (``global_ids`` of the local expert); recv_w fp32; final
+    ``[num_recv]`` int64, the layout row of each pair in receive order (source, token, slot); copy_rows ``[C, k]``
+    int64, the layout row of slot j of copy c, -1 where that slot's pair went elsewhere. A pair from source s for
+    local expert l with ranks (r_e, r_s) goes to layout row ``expert_base[s, l] + r_e``, receive index
     ``source_base[s] + r_s``."""
     dev = buf.device
     copies = buf.shape[0]
@@ -335,7 +366,8 @@ def unpack_pairs(buf, payload: Payload, k: int, num_recv: int, tables: RecvTable
     final[torch.where(valid, tables.source_base[source] + rec[:, 3], num_recv).view(-1)] = row
     parts = payload.gather(buf[:, : payload.words], pair // k)
     recv_w = rec[:, 1].reshape(-1)[pair].int().view(torch.float32)
-    return parts, global_ids[local.reshape(-1)[pair]], recv_w, final[:num_recv]
+    copy_rows = torch.where(valid, row.view(copies, k), -1)
+    return parts, global_ids[local.reshape(-1)[pair]], recv_w, final[:num_recv], copy_rows
 
 
 def dispatch_normal(
@@ -355,7 +387,7 @@ def dispatch_normal(
     sent, counted = count(ids, tab, me, world)
     got = torch.empty_like(sent)
     counts_work = dist.all_to_all_single(got, sent, group=group, async_op=True)
-    send, pair_pos = pack(x, payload, ids, weights, tab, me, world, counted)
+    send, pair_pos, copy_pos = pack(x, payload, ids, weights, tab, me, world, counted)
     counts_work.wait()
     sent_host, got_host = torch.stack([sent, got]).cpu()  # the one host synchronisation
     recv_c = got_host[:, : len(placement.local_experts[me])]  # [source, local expert]
@@ -374,7 +406,7 @@ def dispatch_normal(
     on_dev = torch.cat([offsets, expert_base.flatten(), source_base, copy_start]).to(ids.device)
     offsets_d, *rest = on_dev.split([len(offsets), expert_base.numel(), world, world + 1])
     tables = RecvTables(rest[0].view(world, recv_c.shape[1]), rest[1], rest[2])
-    parts, recv_ids, recv_w, final = unpack(buf, payload, k, num_recv, tables, tab.global_ids[me])
+    parts, recv_ids, recv_w, final, copy_rows = unpack(buf, payload, k, num_recv, tables, tab.global_ids[me])
     handle = NormalHandle(
         tokens,
         "normal",
@@ -387,33 +419,57 @@ def dispatch_normal(
         weights=torch.where(ids >= 0, weights, 0.0),
         num_sent=num_sent,
         copy_splits=copy_send,
+        copy_recv_splits=copy_recv,
+        copy_rows=copy_rows,
+        copy_weights=torch.where(copy_rows >= 0, recv_w[copy_rows.clamp_min(0)], 0.0),
+        copy_pos=copy_pos,
     )
     layout = ExpertLayout(expert_offsets=offsets_d.to(torch.int32))
     return payload.assemble(parts, num_recv, (num_recv,)), recv_ids, recv_w, layout, handle
 
 
-def combine_normal(y: torch.Tensor, handle: NormalHandle, weighted_sum=None) -> torch.Tensor:
+def sums_per_rank(y: torch.Tensor, handle: NormalHandle) -> bool:
+    """Whether ``combine_normal`` returns per-rank partial sums (true) or one row per pair: partial sums unless
+    batch-invariant mode is on, the handle has no copy tables, or fp32 partial sums could be more bytes than y's
+    rows, one per pair (``4 * min(world, k) > y.element_size() * k``: a token has at most min(world, k) copies).
+    Every rank decides alike: the rule reads only what the ranks share (mode, world size, k, y's dtype)."""
+    world, k = len(handle.send_splits), handle.weights.shape[1]
+    return handle.copy_rows is not None and not batch_invariant_enabled() and 4 * min(world, k) <= y.element_size() * k
+
+
+def combine_normal(y: torch.Tensor, handle: NormalHandle, weighted_sum=weighted_gather_sum) -> torch.Tensor:
     """``ep_combine`` of a normal-mode dispatch: ``y [M, H]`` in the received layout; returns ``[T, H]`` in y's dtype.
 
-    weighted_sum: None for ``weighted_rows_sum``, or ``fn(rows, pair_pos, weights, out)`` that writes, for each token
-    ``t``, ``out[t] = sum_j weights[t, j] * rows[pair_pos[t, j]]`` into ``out [T, H]`` (y's dtype, contiguous):
-    ``rows [num_sent + 1, H]`` y's dtype, contiguous, the last row zero (the row of skipped pairs); ``pair_pos [T,
-    k]`` int64 and ``weights [T, k]`` fp32 (0 where skipped), both contiguous. For results equal to the reference it
-    must round each product to fp32 and add the k products to a zero fp32 accumulator in slot order, then round to
-    y's dtype (the batch-invariant arithmetic of ``weighted_rows_sum``)."""
+    Per-rank partial sums (``sums_per_rank``): each rank sums ``weight * row`` over each received copy's pairs in
+    fp32, in slot order; the sums travel back as fp32 and the source adds its copies' sums in rank order, in fp32,
+    then rounds to y's dtype. The result differs from one process by fp32 reassociation only. Otherwise each row
+    goes back to its source, which adds the k products to a zero fp32 accumulator in slot order: the arithmetic of
+    one process.
+
+    weighted_sum: ``fn(rows, index, weights, out)`` with the contract of ``weighted_gather_sum`` (a backend's fused
+    kernel): ``out[t] = sum_j weights[t, j] * rows[index[t, j]]`` over ``index >= 0``, each product rounded to fp32
+    and added to a zero fp32 accumulator in slot order, then rounded to out's dtype. Arguments are contiguous:
+    ``rows [R, H]``, ``index [T, k]`` int64, ``weights [T, k]`` fp32, ``out [T, H]`` (y's dtype, or fp32 for the
+    partial sums)."""
     import torch.distributed as dist
 
     hidden, dev = y.shape[-1], y.device
+    y = y.contiguous()
+    out = torch.empty(handle.num_tokens, hidden, dtype=y.dtype, device=dev)
+    if sums_per_rank(y, handle):
+        partial = torch.empty(handle.copy_rows.shape[0], hidden, dtype=torch.float32, device=dev)
+        weighted_sum(y, handle.copy_rows, handle.copy_weights, partial)
+        back = torch.empty(sum(handle.copy_splits), hidden, dtype=torch.float32, device=dev)
+        dist.all_to_all_single(back, partial, handle.copy_splits, handle.copy_recv_splits, group=handle.group)
+        ones = torch.ones(handle.copy_pos.shape, dtype=torch.float32, device=dev)
+        weighted_sum(back, handle.copy_pos, ones, out)
+        return out
     word = _word(hidden * y.element_size())
     back = torch.empty(handle.num_sent + 1, hidden * y.element_size() // word.itemsize, dtype=word, device=dev)
     back[handle.num_sent].zero_()  # skipped pairs read this zero row
     send = _words(y, word).index_select(0, handle.final)
     dist.all_to_all_single(back[: handle.num_sent], send, handle.send_splits, handle.recv_splits, group=handle.group)
-    rows = back.view(y.dtype)
-    if weighted_sum is None:
-        return weighted_rows_sum(rows[handle.pair_pos], handle.weights).to(y.dtype)
-    out = torch.empty(handle.num_tokens, hidden, dtype=y.dtype, device=dev)
-    weighted_sum(rows, handle.pair_pos, handle.weights, out)
+    weighted_sum(back.view(y.dtype), handle.pair_pos.contiguous(), handle.weights.contiguous(), out)
     return out
 
 

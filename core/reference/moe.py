@@ -100,11 +100,6 @@ def ep_combine(y, handle):
         return ep.combine_normal(y, handle)
     if isinstance(handle, ep.LowLatencyHandle):
         return ep.combine_low_latency(y, handle)
-    flat = y.reshape(-1, y.shape[-1])
-    rows = handle.pair_rows
-    if flat.shape[0] == 0:
-        return torch.zeros(handle.num_tokens, y.shape[-1], dtype=y.dtype, device=y.device)
-    valid = rows >= 0
-    # Unused rows may hold anything (even NaN): select, never multiply them by zero.
-    picked = torch.where(valid.unsqueeze(-1), flat[rows.clamp_min(0)], 0)  # [T, k, H]
-    return ep.weighted_rows_sum(picked, torch.where(valid, handle.weights, 0.0)).to(y.dtype)
+    out = torch.empty(handle.num_tokens, y.shape[-1], dtype=y.dtype, device=y.device)
+    ep.weighted_gather_sum(y.reshape(-1, y.shape[-1]), handle.pair_rows, handle.weights, out)
+    return out
