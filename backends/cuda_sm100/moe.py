@@ -525,12 +525,13 @@ def _pack_copies(x, payload, ids, weights, tab, me: int, world: int, counted: _C
 @triton.jit
 def _unpack_kernel(
     buf_ptr, gid_ptr, expert_base_ptr, source_base_ptr, copy_start_ptr, out0_ptr, out1_ptr, ids_ptr, w_ptr,
-    final_ptr, copy_rows_ptr, C, W, E_LOCAL, BUF_ROW, ROW, SPLIT, K: tl.constexpr, BCP: tl.constexpr,
+    final_ptr, copy_rows_ptr, copy_w_ptr, C, W, E_LOCAL, BUF_ROW, ROW, SPLIT, K: tl.constexpr, BCP: tl.constexpr,
     BW: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """Slot ``program_id(1)`` of received copies ``c``: the pair's layout row from its record and its source's
     bases; its copy's words go to that row of ``out0`` (the first SPLIT) and ``out1`` (the rest), with its id and
-    weight; ``final[receive index] = row`` and ``copy_rows[c, slot] = row`` (-1 for a slot not sent here)."""
+    weight; ``final[receive index] = row``, ``copy_rows[c, slot] = row`` and ``copy_w[c, slot]`` its weight (-1 and 0
+    for a slot not sent here)."""
     c = tl.program_id(0) * BCP + tl.arange(0, BCP)
     j = tl.program_id(1)
     cm = c < C
@@ -541,11 +542,13 @@ def _unpack_kernel(
     ends = tl.load(copy_start_ptr + 1 + w, mask=w < W, other=2**62)
     source = tl.sum((c[:, None] >= ends[None, :]).to(tl.int32), axis=1)
     row = tl.load(expert_base_ptr + source * E_LOCAL + local, mask=mask, other=0) + tl.load(rec + 2 * K, mask=mask)
+    weight = tl.load(rec + K, mask=mask, other=0).to(tl.float32, bitcast=True)
     tl.store(copy_rows_ptr + c.to(tl.int64) * K + j, tl.where(mask, row, -1).to(tl.int64), mask=cm)
+    tl.store(copy_w_ptr + c.to(tl.int64) * K + j, weight, mask=cm)
     tl.store(final_ptr + tl.load(source_base_ptr + source, mask=mask, other=0) + tl.load(rec + 3 * K, mask=mask), row,
              mask=mask)  # fmt: skip
     tl.store(ids_ptr + row, tl.load(gid_ptr + local, mask=mask), mask=mask)
-    tl.store(w_ptr + row, tl.load(rec + K, mask=mask).to(tl.float32, bitcast=True), mask=mask)
+    tl.store(w_ptr + row, weight, mask=mask)
     src = buf_ptr + c.to(tl.int64)[:, None] * BUF_ROW
     for c0 in range(0, ROW, BC):
         cols = c0 + tl.arange(0, BC)[None, :]
@@ -565,15 +568,16 @@ def _unpack_pairs(buf, payload, k: int, num_recv: int, tables, global_ids):
     recv_w = torch.empty(num_recv, dtype=torch.float32, device=dev)
     final = torch.empty(num_recv, dtype=torch.int64, device=dev)
     copy_rows = torch.empty(b32.shape[0], k, dtype=torch.int64, device=dev)
+    copy_w = torch.empty(b32.shape[0], k, dtype=torch.float32, device=dev)
     world, e_local = tables.expert_base.shape
     if num_recv:
         bcp = 16
         _unpack_kernel[(triton.cdiv(b32.shape[0], bcp), k)](
             b32, global_ids, tables.expert_base, tables.source_base, tables.copy_start, parts[0], parts[-1],
-            recv_ids, recv_w, final, copy_rows, b32.shape[0], world, e_local, b32.shape[1], row, spans[0][1], K=k,
-            BCP=bcp, BW=next_pow2(world), BC=256,
+            recv_ids, recv_w, final, copy_rows, copy_w, b32.shape[0], world, e_local, b32.shape[1], row, spans[0][1],
+            K=k, BCP=bcp, BW=next_pow2(world), BC=256,
         )  # fmt: skip
-    return [p.view(payload.word) for p in parts], recv_ids, recv_w, final, copy_rows
+    return [p.view(payload.word) for p in parts], recv_ids, recv_w, final, copy_rows, copy_w
 
 
 @triton.jit

@@ -345,13 +345,13 @@ def pack_copies(x, payload: Payload, ids, weights, tab: Tables, me: int, world: 
 
 def unpack_pairs(buf, payload: Payload, k: int, num_recv: int, tables: RecvTables, global_ids):
     """The receiver's side of a normal-mode dispatch: ``buf [C, ...]`` holds the received copies (as ``pack_copies``
-    sends them) by source rank, then token. Returns ``(parts, recv_ids, recv_w, final, copy_rows)`` with the
-    ``num_recv`` pairs in layout order: parts, per payload part (``payload.spans``), ``[num_recv, part words]``
+    sends them) by source rank, then token. Returns ``(parts, recv_ids, recv_w, final, copy_rows, copy_w)`` with
+    the ``num_recv`` pairs in layout order: parts, per payload part (``payload.spans``), ``[num_recv, part words]``
     contiguous, the pair's copy's words; recv_ids int32 (``global_ids`` of the local expert); recv_w fp32; final
     ``[num_recv]`` int64, the layout row of each pair in receive order (source, token, slot); copy_rows ``[C, k]``
-    int64, the layout row of slot j of copy c, -1 where that slot's pair went elsewhere. A pair from source s for
-    local expert l with ranks (r_e, r_s) goes to layout row ``expert_base[s, l] + r_e``, receive index
-    ``source_base[s] + r_s``."""
+    int64, the layout row of slot j of copy c, -1 where that slot's pair went elsewhere; copy_w ``[C, k]`` fp32,
+    its weight, 0 at -1. A pair from source s for local expert l with ranks (r_e, r_s) goes to layout row
+    ``expert_base[s, l] + r_e``, receive index ``source_base[s] + r_s``."""
     dev = buf.device
     copies = buf.shape[0]
     rec = buf[:, payload.words :].contiguous().view(torch.int32).view(copies, RECORD_FIELDS, k).long()
@@ -365,9 +365,9 @@ def unpack_pairs(buf, payload: Payload, k: int, num_recv: int, tables: RecvTable
     final = torch.empty(num_recv + 1, dtype=torch.int64, device=dev)
     final[torch.where(valid, tables.source_base[source] + rec[:, 3], num_recv).view(-1)] = row
     parts = payload.gather(buf[:, : payload.words], pair // k)
-    recv_w = rec[:, 1].reshape(-1)[pair].int().view(torch.float32)
-    copy_rows = torch.where(valid, row.view(copies, k), -1)
-    return parts, global_ids[local.reshape(-1)[pair]], recv_w, final[:num_recv], copy_rows
+    weights = rec[:, 1].int().view(torch.float32)  # [C, k]
+    copy_rows, copy_w = torch.where(valid, row.view(copies, k), -1), torch.where(valid, weights, 0.0)
+    return parts, global_ids[local.reshape(-1)[pair]], weights.reshape(-1)[pair], final[:num_recv], copy_rows, copy_w
 
 
 def dispatch_normal(
@@ -406,7 +406,7 @@ def dispatch_normal(
     on_dev = torch.cat([offsets, expert_base.flatten(), source_base, copy_start]).to(ids.device)
     offsets_d, *rest = on_dev.split([len(offsets), expert_base.numel(), world, world + 1])
     tables = RecvTables(rest[0].view(world, recv_c.shape[1]), rest[1], rest[2])
-    parts, recv_ids, recv_w, final, copy_rows = unpack(buf, payload, k, num_recv, tables, tab.global_ids[me])
+    parts, recv_ids, recv_w, final, copy_rows, copy_w = unpack(buf, payload, k, num_recv, tables, tab.global_ids[me])
     handle = NormalHandle(
         tokens,
         "normal",
@@ -421,7 +421,7 @@ def dispatch_normal(
         copy_splits=copy_send,
         copy_recv_splits=copy_recv,
         copy_rows=copy_rows,
-        copy_weights=torch.where(copy_rows >= 0, recv_w[copy_rows.clamp_min(0)], 0.0),
+        copy_weights=copy_w,
         copy_pos=copy_pos,
     )
     layout = ExpertLayout(expert_offsets=offsets_d.to(torch.int32))
