@@ -575,14 +575,8 @@ def combine_low_latency(y: torch.Tensor, handle: LowLatencyHandle) -> torch.Tens
 
     _, world = group_rank_size(handle.group)
     hidden, dev = y.shape[-1], y.device
-    flat = y.reshape(-1, hidden)
-    mine = handle.mine.unsqueeze(-1)
-    if flat.shape[0]:
-        # Rows of pairs held elsewhere are never read as values: the index is clamped and the row replaced by 0.
-        picked = torch.where(mine, flat[torch.where(handle.mine, handle.rows, 0)], 0)
-    else:
-        picked = torch.zeros(*handle.mine.shape, hidden, dtype=y.dtype, device=dev)
-    partial = weighted_rows_sum(picked, handle.weights)  # [slots, H] fp32: this rank's share of each token
+    partial = torch.empty(handle.mine.shape[0], hidden, dtype=torch.float32, device=dev)  # this rank's share
+    weighted_gather_sum(y.reshape(-1, hidden), torch.where(handle.mine, handle.rows, -1), handle.weights, partial)
     if world > 1:
         back = torch.empty_like(partial)
         dist.all_to_all_single(back, partial, group=handle.group)  # block s (rank s's tokens) goes to rank s
