@@ -17,10 +17,19 @@ import zlib
 
 import pytest
 import torch
-from ep_harness import expert, launch, random_problem, reference_out, row_bytes, token_counts
+from ep_harness import (
+    expert,
+    fitting_capacity,
+    launch,
+    overflow_problem,
+    random_problem,
+    reference_out,
+    row_bytes,
+    token_counts,
+)
 
 import deepinfer
-from deepinfer.dispatch import batch_invariant, last_resolution
+from deepinfer.dispatch import batch_invariant, batch_invariant_enabled, last_resolution
 from deepinfer.ops import ExpertPlacement, ep_combine, ep_dispatch
 from deepinfer.reference import ep as ep_ref
 
@@ -282,7 +291,80 @@ def sc_normal(rank: int, world: int) -> list[tuple[str, str]]:
     return served
 
 
-SCENARIOS = {"normal": sc_normal}
+def _low_latency_case(rank, world, p, capacity, placement, dtype, label) -> tuple[str, str]:
+    """One low-latency dispatch and combine through this backend, beside the core's own on the same inputs: the
+    same layout (rows below ``masked_m``), ids, weights, ``masked_m``, overflow and handle; the combine within fp32
+    reassociation of the core's, bit for bit in batch-invariant mode. Returns the (dispatch, combine) served."""
+    group = torch.distributed.group.WORLD
+    full = placement or ExpertPlacement.contiguous(p.num_experts, world)
+    x, ids, w = p.xs[rank], p.ids[rank], p.weights[rank]
+    out = ep_dispatch(x, ids, w, num_experts=p.num_experts, group=group, mode="low_latency", capacity=capacity,
+                      placement=full)  # fmt: skip
+    dispatched = last_resolution("ep_dispatch")
+    core = ep_ref.dispatch_low_latency(x, ids, w, group=group, placement=full, capacity=capacity)
+    y = expert(out[0], out[1], out[3], dtype)
+    combined = ep_combine(y, out[4])
+    combiner = last_resolution("ep_combine")
+    core_combined = ep_ref.combine_low_latency(y, core[4])
+    masked_m = out[3].masked_m
+    assert torch.equal(masked_m, core[3].masked_m), label
+    assert torch.equal(out[1], core[1]) and torch.equal(out[2], core[2]), label
+    for e, m in enumerate(masked_m.tolist()):
+        assert torch.equal(row_bytes(out[0])[e, :m], row_bytes(core[0])[e, :m]), (label, e)
+    h, hc = out[4], core[4]
+    assert bool(h.overflow) == bool(hc.overflow), label
+    assert torch.equal(h.mine, hc.mine) and torch.equal(h.rows[h.mine], hc.rows[hc.mine]), label
+    assert torch.equal(h.weights, hc.weights) and torch.equal(h.lost, hc.lost), label
+    assert torch.equal(torch.isnan(combined), torch.isnan(core_combined)), label
+    if batch_invariant_enabled():
+        assert torch.equal(combined, core_combined), label
+    else:
+        torch.testing.assert_close(combined, core_combined, rtol=1e-5, atol=1e-5, equal_nan=True, msg=label)
+    return tuple(f"{i.backend}/{i.provider}" + " (fallback)" * f for i, f in (dispatched, combiner))
+
+
+def sc_low_latency(rank: int, world: int) -> list[tuple[str, str]]:
+    """Multi-rank low-latency mode: this backend's placement kernels (the core's exchange), then its combine kernel,
+    in default and batch-invariant mode, for bf16 and FP8 payloads, repeated, skipped and all-skipped slots, a rank
+    without tokens and replicated experts, each beside the core's own (``_low_latency_case``); then capacity
+    overflow with value checks off (the same lost rows, NaN for the same tokens). fp32 expert outputs also match the
+    one-process reference within fp32 reassociation. Returns (dispatch, combine) implementations per case."""
+    served = []
+    experts = 4 * world
+    replicated = ExpertPlacement(experts, [range(r * 4, r * 4 + 6) if r == 0 else range(r * 4, r * 4 + 4) for r in
+                                           range(world)])  # fmt: skip
+    # (name, hidden, FP8 scale format, placement, rank without tokens)
+    cases = [
+        ("bf16", 64, None, None, world - 1),
+        ("fp8", 256, "fp32", None, None),
+        ("replicated", 64, None, replicated, None),
+    ]
+    for invariant in (False, True):
+        for name, hidden, fp8, placement, empty in cases:
+            g = torch.Generator().manual_seed(zlib.crc32(("ll" + name).encode()))
+            p = random_problem(g, token_counts(g, world, 12, empty_rank=empty), experts, 3, hidden, fp8=fp8, repeat=0.2)
+            p.ids[0][0] = -1
+            full = placement or ExpertPlacement.contiguous(experts, world)
+            capacity = fitting_capacity(p, full, 12)
+            label = f"low-latency {name}, batch-invariant {invariant}"
+            with batch_invariant(invariant):
+                served.append(_low_latency_case(rank, world, p, capacity, placement, torch.float32, label))
+                y_ref = reference_out(p, rank, torch.float32)
+            group = torch.distributed.group.WORLD
+            out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=experts, group=group,
+                              mode="low_latency", capacity=capacity, placement=full)  # fmt: skip
+            combined = ep_combine(expert(out[0], out[1], out[3], torch.float32), out[4])
+            torch.testing.assert_close(combined, y_ref, rtol=1e-5, atol=1e-5, msg=label)
+    p, capacity = overflow_problem(torch.Generator().manual_seed(7), world, 64)
+    os.environ["DEEPINFER_VALUE_CHECKS"] = "0"
+    try:
+        served.append(_low_latency_case(rank, world, p, capacity, None, torch.float32, "low-latency overflow"))
+    finally:
+        del os.environ["DEEPINFER_VALUE_CHECKS"]
+    return served
+
+
+SCENARIOS = {"normal": sc_normal, "low_latency": sc_low_latency}
 
 
 def test_multi_rank_normal_dispatch_and_combine(monkeypatch):
@@ -296,3 +378,7 @@ def test_multi_rank_normal_dispatch_and_combine(monkeypatch):
         kernels = ("cuda_sm100/triton", "cuda_sm100/triton")
         assert served == [("reference/torch (fallback)", "cuda_sm100/triton") if i % 6 == 4 else kernels
                           for i in range(12)], served  # fmt: skip
+        assert (rank, "low_latency") in got, f"rank {rank} never reported low_latency"
+        err, served, _ = got[(rank, "low_latency")]
+        assert err is None, f"rank {rank}:\n{err}"
+        assert served == [kernels] * 7, served

@@ -9,7 +9,9 @@ fp32 (batch-invariant), one kernel for the one-process handle, for the rows a mu
 back and for its per-rank partial sums. Over a process group, normal mode keeps the core's protocol and exchanges
 (``ep.dispatch_normal``) and replaces its torch index work with three kernels: the sender counts its pairs and
 copies per program, then writes each copy with its record at its place in send order; the receiver copies each
-pair's row into the layout.
+pair's row into the layout. Low-latency mode keeps the core's all-gather of the routing
+(``ep.dispatch_low_latency``); two kernels rank every pair of the gathered routing per destination and copy this
+rank's rows (the core's torch code takes about 70 device ops for that).
 """
 
 from __future__ import annotations
@@ -329,6 +331,10 @@ def _dispatch_normal(x, ids, weights, num_experts: int):
 
 
 def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placement=None):
+    if group is not None and mode == "low_latency":
+        return ep.dispatch_low_latency(
+            x, ids, weights, group=group, placement=placement, capacity=capacity, place=_place_pairs
+        )
     if group is not None:
         return ep.dispatch_normal(
             x,
@@ -346,18 +352,18 @@ def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placemen
 
 
 def dispatch_supports(x, ids, weights, *, num_experts, group, mode, capacity, placement=None) -> bool:
-    """One process with experts in their natural order; or normal mode over a group of 2 to ``PACK_MAX_WORLD`` ranks
-    holding at most ``PACK_MAX_KEYS`` / world experts each, with rows a whole number of int32 words. Other
-    placements, modes and groups go to the core."""
+    """One process with experts in their natural order; or a group of 2 to ``PACK_MAX_WORLD`` ranks with rows a
+    whole number of int32 words, in low-latency mode, or in normal mode with at most ``PACK_MAX_KEYS`` / world
+    experts per rank. Other placements, modes and groups go to the core."""
     x_data = x.data if isinstance(x, QTensor) else x
     if not on_device(x_data, ids, weights):
         return False
     if group is None:
         return placement is None or tuple(placement.local_experts) == (tuple(range(num_experts)),)
     world = ep.group_rank_size(group)[1]
-    if mode != "normal" or not 1 < world <= PACK_MAX_WORLD or ep.Payload.of(x).word.itemsize < 4:
+    if not 1 < world <= PACK_MAX_WORLD or ep.Payload.of(x).word.itemsize < 4:
         return False
-    return world * max(len(e) for e in placement.local_experts) <= PACK_MAX_KEYS
+    return mode == "low_latency" or world * max(len(e) for e in placement.local_experts) <= PACK_MAX_KEYS
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -580,6 +586,113 @@ def _unpack_pairs(buf, payload, k: int, num_recv: int, tables, global_ids):
     return [p.view(payload.word) for p in parts], recv_ids, recv_w, final, copy_rows, copy_w
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Multi-rank low-latency dispatch: the core's exchange (``ep.dispatch_low_latency``), with two kernels for the
+# receiver's index work and row copies (``ep.place_pairs``): one program per (destination, local expert) of the whole
+# group ranks that key's pairs of the gathered routing in (slot, j) order, then one program per pair copies a row
+# held here.
+
+
+@triton.jit
+def _gathered_keys(ids_ptr, holders_ptr, rank_ptr, local_ptr, p, P, per_rank, WIDTH, COPIES, K: tl.constexpr):
+    """Per flat pair ``p`` of the gathered routing (slot ``p // K`` holds token ``slot % per_rank`` of rank ``slot //
+    per_rank``): its key, destination * WIDTH + local expert by the placement's replica rule (-1 for a skipped or
+    padding pair), and its expert id."""
+    e = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    valid = e >= 0
+    e64 = tl.where(valid, e, 0).to(tl.int64)
+    slot = p // K
+    copy = (slot % per_rank + slot // per_rank) % tl.load(holders_ptr + e64, mask=valid, other=1)
+    d = tl.load(rank_ptr + e64 * COPIES + copy, mask=valid, other=0)
+    local = tl.load(local_ptr + e64 * COPIES + copy, mask=valid, other=0)
+    return tl.where(valid, d * WIDTH + local, -1), e
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr, w_ptr, holders_ptr, rank_ptr, local_ptr, rows_ptr, mine_ptr, lost_ptr, recv_ids_ptr, recv_w_ptr,
+    masked_m_ptr, overflow_ptr, P, per_rank, me, WIDTH, COPIES, N_LOCAL, max_m, K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program ``key`` (destination * WIDTH + local expert): its pairs, in flat order, take ranks 0, 1, ...; those
+    below ``max_m`` are delivered. Writes each of its pairs' ``rows`` (layout row where held here, else -1) and
+    ``mine``, marks the slots of pairs past ``max_m`` in ``lost`` and sets ``overflow``; for a key of this rank, the
+    ids and weights of its rows (-1 and 0 where unused) and its ``masked_m``. Program 0 also writes the skipped
+    pairs (-1, not mine)."""
+    key = tl.program_id(0)
+    lidx = key % WIDTH
+    own = (key // WIDTH == me) & (lidx < N_LOCAL)
+    count = tl.full((), 0, tl.int32)
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        keys, e = _gathered_keys(ids_ptr, holders_ptr, rank_ptr, local_ptr, p, P, per_rank, WIDTH, COPIES, K)
+        hit = keys == key
+        rank = count + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        delivered = hit & (rank < max_m) & (tl.zeros((BLOCK,), tl.int32) + own.to(tl.int32) > 0)  # own, per lane
+        row = lidx * max_m + rank
+        tl.store(rows_ptr + p, tl.where(delivered, row, -1).to(tl.int64), mask=hit)
+        tl.store(mine_ptr + p, delivered.to(tl.int8), mask=hit)
+        tl.store(lost_ptr + p // K, tl.full((BLOCK,), 1, tl.int8), mask=hit & (rank >= max_m))
+        if key == 0:
+            skipped = (p < P) & (keys < 0)
+            tl.store(rows_ptr + p, tl.full((BLOCK,), -1, tl.int64), mask=skipped)
+            tl.store(mine_ptr + p, tl.zeros((BLOCK,), tl.int8), mask=skipped)
+        tl.store(recv_ids_ptr + row, e, mask=delivered)
+        tl.store(recv_w_ptr + row, tl.load(w_ptr + p, mask=delivered, other=0.0), mask=delivered)
+        count += tl.sum(hit.to(tl.int32), axis=0)
+    if own:
+        kept = tl.minimum(count, max_m)
+        tl.store(masked_m_ptr + lidx, kept)
+        for s0 in range(kept, max_m, BLOCK):
+            s = s0 + tl.arange(0, BLOCK)
+            tl.store(recv_ids_ptr + lidx * max_m + s, tl.full((BLOCK,), -1, tl.int32), mask=s < max_m)
+            tl.store(recv_w_ptr + lidx * max_m + s, tl.zeros((BLOCK,), tl.float32), mask=s < max_m)
+    if count > max_m:
+        tl.store(overflow_ptr, 1)
+
+
+@triton.jit
+def _place_rows_kernel(src_ptr, out0_ptr, out1_ptr, rows_ptr, SRC_ROW, ROW, SPLIT, K: tl.constexpr, BC: tl.constexpr):
+    """Program p (pair): if held here, its slot's payload words (``ROW`` int32, the first ``SPLIT`` to ``out0``, the
+    rest to ``out1``) go to its layout row."""
+    p = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + p)
+    if row < 0:
+        return
+    src = src_ptr + (p // K) * SRC_ROW
+    for c0 in range(0, ROW, BC):
+        cols = c0 + tl.arange(0, BC)
+        v = tl.load(src + cols, mask=cols < ROW)
+        tl.store(out0_ptr + row * SPLIT + cols, v, mask=cols < SPLIT)
+        tl.store(out1_ptr + row * (ROW - SPLIT) + cols - SPLIT, v, mask=(cols >= SPLIT) & (cols < ROW))
+
+
+def _place_pairs(g_x, g_ids, g_w, payload, tab, me: int, world: int, per_rank: int, max_m: int):
+    dev = g_ids.device
+    slots, k = g_ids.shape
+    n_local = len(tab.global_ids[me])
+    size = n_local * max_m
+    src = g_x.view(torch.int32)
+    spans = [(a // 4, b // 4) for a, b in payload.spans]
+    parts = [torch.empty(size, b - a, dtype=torch.int32, device=dev) for a, b in spans]
+    recv_ids = torch.empty(size, dtype=torch.int32, device=dev)
+    recv_w = torch.empty(size, dtype=torch.float32, device=dev)
+    masked_m = torch.empty(n_local, dtype=torch.int32, device=dev)
+    overflow = torch.zeros((), dtype=torch.bool, device=dev)
+    rows = torch.empty(slots, k, dtype=torch.int64, device=dev)
+    mine = torch.empty(slots, k, dtype=torch.bool, device=dev)
+    lost = torch.zeros(slots, dtype=torch.bool, device=dev)
+    _place_kernel[(world * tab.width,)](
+        g_ids.contiguous(), g_w.contiguous(), tab.holders, tab.rank, tab.local, rows, mine.view(torch.int8),
+        lost.view(torch.int8), recv_ids, recv_w, masked_m, overflow.view(torch.int8), slots * k, max(per_rank, 1), me,
+        tab.width, tab.rank.shape[1], n_local, max_m, K=k, BLOCK=1024,
+    )  # fmt: skip
+    if slots and size:
+        _place_rows_kernel[(slots * k,)](
+            src, parts[0], parts[-1], rows, src.stride(0), src.shape[1], spans[0][1], K=k, BC=1024
+        )
+    return ep.Placed([p.view(payload.word) for p in parts], recv_ids, recv_w, masked_m, overflow, rows, mine, lost)
+
+
 @triton.jit
 def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -619,6 +732,8 @@ def _weighted_sum(rows: torch.Tensor, pair_rows: torch.Tensor, weights: torch.Te
 def ep_combine(y, handle):
     if isinstance(handle, ep.NormalHandle):
         return ep.combine_normal(y, handle, weighted_sum=_weighted_sum)
+    if isinstance(handle, ep.LowLatencyHandle):
+        return ep.combine_low_latency(y, handle, weighted_sum=_weighted_sum)
     hidden = y.shape[-1]
     out = torch.empty(handle.num_tokens, hidden, dtype=y.dtype, device=y.device)
     _weighted_sum(y.reshape(-1, hidden), handle.pair_rows, handle.weights, out)
@@ -626,5 +741,5 @@ def ep_combine(y, handle):
 
 
 def combine_supports(y, handle) -> bool:
-    """The one-process handle of this backend's dispatch, or the core's multi-rank normal-mode handle."""
-    return isinstance(handle, (GpuHandle, ep.NormalHandle)) and on_device(y)
+    """The one-process handle of this backend's dispatch, or a handle of the core's multi-rank dispatch."""
+    return isinstance(handle, (GpuHandle, ep.NormalHandle, ep.LowLatencyHandle)) and on_device(y)

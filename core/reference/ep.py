@@ -480,8 +480,9 @@ def combine_normal(y: torch.Tensor, handle: NormalHandle, weighted_sum=weighted_
 @dataclass
 class LowLatencyHandle(DispatchHandle):
     """group; capacity: token slots per rank; rows: ``[S, k]`` layout row (flat over ``[E_local, max_m]``) of each
-    pair of the gathered routing held here, else a spare row; mine: ``[S, k]`` whether the pair is held here;
-    weights: ``[S, k]`` its weight where held here, else 0; lost: ``[T]`` this rank's tokens that lost a row."""
+    pair of the gathered routing held here (any value elsewhere: never read); mine: ``[S, k]`` whether the pair is
+    held here; weights: ``[S, k]`` its weight where held here, else 0; lost: ``[T]`` this rank's tokens that lost a
+    row."""
 
     group: object = None
     capacity: int = 0
@@ -491,7 +492,75 @@ class LowLatencyHandle(DispatchHandle):
     lost: torch.Tensor = None
 
 
-def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, capacity: int):
+@dataclass(frozen=True)
+class Placed:
+    """A low-latency receiver's result (``place_pairs``), with ``L = E_local * max_m`` layout rows and ``S`` gathered
+    token slots: parts, per payload part (``payload.spans``), ``[L, part words]`` (rows at or past ``masked_m`` of
+    their expert unspecified); recv_ids ``[L]`` int32 global ids (-1 unused); recv_w ``[L]`` fp32 (0 unused);
+    masked_m ``[E_local]`` int32; overflow, 0-d bool: some (destination, expert) of the whole group had more than
+    ``max_m`` pairs; rows, mine ``[S, k]``: as ``LowLatencyHandle``'s; lost ``[S]`` bool: the slot's token lost a
+    pair to overflow (on whichever rank)."""
+
+    parts: list
+    recv_ids: torch.Tensor
+    recv_w: torch.Tensor
+    masked_m: torch.Tensor
+    overflow: torch.Tensor
+    rows: torch.Tensor
+    mine: torch.Tensor
+    lost: torch.Tensor
+
+
+def place_pairs(g_x, g_ids, g_w, payload: Payload, tab: Tables, me: int, world: int, per_rank: int, max_m: int):
+    """The receiver's side of a low-latency dispatch, the same computation on every rank: each pair of the gathered
+    routing (``g_ids`` / ``g_w`` ``[S, k]``, slot ``s`` holding token ``s % per_rank`` of rank ``s // per_rank``)
+    gets its destination (rank, local expert) by the placement's replica rule and its rank among the pairs of that
+    destination in (slot, j) order; those below ``max_m`` are delivered. This rank places the rows of its own pairs
+    (``g_x [S, words]``, the payload words of each slot). Returns a ``Placed``."""
+    dev = g_ids.device
+    slots, k = g_ids.shape
+    n = slots * k
+    flat = g_ids.reshape(-1).long()
+    pair = torch.arange(n, device=dev)
+    token_row = pair // k
+    valid, owner, local = _destinations(tab, flat, token_row // max(per_rank, 1), token_row % max(per_rank, 1))
+    nkeys = world * tab.width
+    key = torch.where(valid, owner * tab.width + local, nkeys)
+    counts = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    order = torch.sort(key, stable=True).indices  # (owner, local expert), then (source, token, slot)
+    slot = torch.empty_like(key)
+    slot.scatter_(0, order, pair - _exclusive_cumsum(counts)[key[order]])
+    kept = valid & (slot < max_m)
+    mine = kept & (owner == me)
+    n_local = len(tab.global_ids[me])
+    spare = n_local * max_m + token_row  # one spare row per gathered token: indices stay distinct per slot j
+    rows = torch.where(mine, local * max_m + slot, spare).view(slots, k)
+
+    outs = payload.alloc(n_local * max_m + slots, dev)
+    recv_ids = torch.full((n_local * max_m + slots,), -1, dtype=torch.int32, device=dev)
+    recv_w = torch.zeros(n_local * max_m + slots, dtype=torch.float32, device=dev)
+    for j in range(k):
+        if slots:
+            payload.place(outs, rows[:, j], g_x)
+        recv_ids.index_copy_(0, rows[:, j], g_ids[:, j])
+        recv_w.index_copy_(0, rows[:, j], g_w[:, j])
+    size = n_local * max_m
+    return Placed(
+        parts=[o[:size] for o in outs],
+        recv_ids=recv_ids[:size],
+        recv_w=recv_w[:size],
+        masked_m=counts[me * tab.width : me * tab.width + n_local].clamp(max=max_m).to(torch.int32),
+        overflow=(counts[:nkeys] > max_m).any(),
+        rows=rows,
+        mine=mine.view(slots, k),
+        lost=(valid & ~kept).view(slots, k).any(-1),
+    )
+
+
+def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, capacity: int, place=place_pairs):
+    """Low-latency ``ep_dispatch``. A backend may pass its own ``place`` with the contract of ``place_pairs`` (fused
+    kernels for the receiver's index work and row copies); the exchange stays here."""
     me, world = group_rank_size(group)
     dev = ids.device
     tokens, k = ids.shape
@@ -516,67 +585,39 @@ def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, 
         g_w = gathered[:, pw + 4 * k :].contiguous().view(torch.float32)
     per_rank = capacity if world > 1 else tokens
     max_m = world * capacity
-    n = slots * k
-
-    # The same computation on every rank: destination and slot of every pair of every rank.
-    flat = g_ids.reshape(-1).long()
-    pair = torch.arange(n, device=dev)
-    token_row = pair // k
-    valid, owner, local = _destinations(tab, flat, token_row // max(per_rank, 1), token_row % max(per_rank, 1))
-    nkeys = world * tab.width
-    key = torch.where(valid, owner * tab.width + local, nkeys)
-    counts = torch.zeros(nkeys + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    order = torch.sort(key, stable=True).indices  # (owner, local expert), then (source, token, slot)
-    slot = torch.empty_like(key)
-    slot.scatter_(0, order, pair - _exclusive_cumsum(counts)[key[order]])
-    kept = valid & (slot < max_m)
-    mine = kept & (owner == me)
+    placed = place(g_x, g_ids.reshape(slots, k), g_w.reshape(slots, k), payload, tab, me, world, per_rank, max_m)
     n_local = len(placement.local_experts[me])
-    spare = n_local * max_m + token_row  # one spare row per gathered token: indices stay distinct per slot j
-    rows = torch.where(mine, local * max_m + slot, spare).view(slots, k)
-
-    outs = payload.alloc(n_local * max_m + slots, dev)
-    recv_ids = torch.full((n_local * max_m + slots,), -1, dtype=torch.int32, device=dev)
-    recv_w = torch.zeros(n_local * max_m + slots, dtype=torch.float32, device=dev)
-    g_ids_2d, g_w_2d = g_ids.reshape(slots, k), g_w.reshape(slots, k)
-    for j in range(k):
-        if slots:
-            payload.place(outs, rows[:, j], g_x)
-        recv_ids.index_copy_(0, rows[:, j], g_ids_2d[:, j])
-        recv_w.index_copy_(0, rows[:, j], g_w_2d[:, j])
     lead = (n_local, max_m)
-    recv_x = payload.assemble(outs, n_local * max_m, lead)
-    masked_m = counts[me * tab.width : me * tab.width + n_local].clamp(max=max_m).to(torch.int32)
-    lost = (valid & ~kept).view(world, per_rank, k)[me, :tokens].any(-1)
     handle = LowLatencyHandle(
         tokens,
         "low_latency",
         lead,
-        overflow=(counts[:nkeys] > max_m).any(),
+        overflow=placed.overflow,
         group=group,
         capacity=capacity,
-        rows=rows,
-        mine=mine.view(slots, k),
-        weights=torch.where(mine.view(slots, k), g_w_2d, 0.0),
-        lost=lost,
+        rows=placed.rows,
+        mine=placed.mine,
+        weights=torch.where(placed.mine, g_w.reshape(slots, k), 0.0),
+        lost=placed.lost[me * per_rank : me * per_rank + tokens],
     )
     return (
-        recv_x,
-        recv_ids[: n_local * max_m].view(lead),
-        recv_w[: n_local * max_m].view(lead),
-        ExpertLayout(masked_m=masked_m),
+        payload.assemble(placed.parts, n_local * max_m, lead),
+        placed.recv_ids.view(lead),
+        placed.recv_w.view(lead),
+        ExpertLayout(masked_m=placed.masked_m),
         handle,
     )
 
 
-def combine_low_latency(y: torch.Tensor, handle: LowLatencyHandle) -> torch.Tensor:
+def combine_low_latency(y: torch.Tensor, handle: LowLatencyHandle, weighted_sum=weighted_gather_sum) -> torch.Tensor:
+    """``ep_combine`` of a low-latency dispatch (``weighted_sum``: as ``combine_normal``'s)."""
     import torch.distributed as dist
 
     _, world = group_rank_size(handle.group)
     hidden, dev = y.shape[-1], y.device
     partial = torch.empty(handle.mine.shape[0], hidden, dtype=torch.float32, device=dev)  # this rank's share
-    weighted_gather_sum(y.reshape(-1, hidden), torch.where(handle.mine, handle.rows, -1), handle.weights, partial)
+    rows = torch.where(handle.mine, handle.rows, -1)
+    weighted_sum(y.reshape(-1, hidden).contiguous(), rows, handle.weights.contiguous(), partial)
     if world > 1:
         back = torch.empty_like(partial)
         dist.all_to_all_single(back, partial, group=handle.group)  # block s (rank s's tokens) goes to rank s
