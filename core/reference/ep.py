@@ -31,7 +31,8 @@ low_latency mode
     Every rank places its tokens (payload, ids, weights) in ``capacity`` fixed rows and one ``all_gather_single``
     gives every rank the whole routing. Each rank computes the same destination and slot for every pair of every
     rank (so capacity overflow is known everywhere alike) and scatters its own pairs into ``[E_local, world *
-    capacity, H]``. ``ep_combine`` sums, per source token, the weighted rows of the local experts (fp32) and one
+    capacity, H]`` (a backend may do that with its own kernels: ``dispatch_low_latency``'s ``place``).
+    ``ep_combine`` sums, per source token, the weighted rows of the local experts (fp32) and one
     ``all_to_all_single`` of fixed size returns those partial sums; the source adds them in rank order. No host
     synchronisation and no data-dependent shape anywhere. One process runs the same code without the exchanges.
 """
