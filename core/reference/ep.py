@@ -586,7 +586,7 @@ def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, 
         g_w = gathered[:, pw + 4 * k :].contiguous().view(torch.float32)
     per_rank = capacity if world > 1 else tokens
     max_m = world * capacity
-    placed = place(g_x, g_ids.reshape(slots, k), g_w.reshape(slots, k), payload, tab, me, world, per_rank, max_m)
+    placed = place(g_x, g_ids, g_w, payload, tab, me, world, per_rank, max_m)  # g_ids, g_w: [slots, k]
     n_local = len(placement.local_experts[me])
     lead = (n_local, max_m)
     handle = LowLatencyHandle(
@@ -598,7 +598,7 @@ def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, 
         capacity=capacity,
         rows=placed.rows,
         mine=placed.mine,
-        weights=torch.where(placed.mine, g_w.reshape(slots, k), 0.0),
+        weights=torch.where(placed.mine, g_w, 0.0),
         lost=placed.lost[me * per_rank : me * per_rank + tokens],
     )
     return (
