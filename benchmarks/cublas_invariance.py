@@ -21,7 +21,7 @@ import torch
 from deepinfer.conformance.gemm import V3_PROJECTIONS
 from deepinfer.qtensor import QTensor, quantize_blocks, quantize_rows
 
-ROW_COUNTS = (4, 8, 16, 64, 128, 256, 512, 1024, 2048)
+ROW_COUNTS = (4, 8, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048)
 
 
 def main() -> None:

@@ -2,11 +2,13 @@
 timed from CUDA graphs (median device time over rotated weights, so small products stream from memory, not L2),
 beside cuBLAS block-scaled ``scaled_mm`` in the same run.
 
-    python3 benchmarks/gemm_tiles.py OUT.json [small|grouped|invariant|large|all]
+    python3 benchmarks/gemm_tiles.py OUT.json [small|grouped|invariant|large|all|unsplit]
 
 small: M = 1, 8, 64 over BLOCK_N x stages x split-K (the default mode's tiles below ``CUBLAS_FP8_MIN_M``).
 grouped: ``grouped_gemm`` tiles at the model's decode shape (masked layout, 256 experts, 1 or 64 tokens top-8).
 invariant: tiles that do not depend on M (batch-invariant mode) at M = 1, 64, 512, 4096.
+unsplit: 64-row tiles without a split over K at M = 1 ... 256, each also compared bit for bit with the 64 x 128
+launch (and with cuBLAS from 64 rows, which computes each element the same way: ``cublas_bits.py``).
 large: tiles where rows are many: M=4096 for two projections, and ``grouped_gemm`` contiguous with 32 experts x
 512 rows (gate/up and down).
 Activations arrive quantised; the weights are the DeepSeek-V3 projections of the issue's table.
@@ -73,6 +75,24 @@ def small_tiles(m: int) -> list[gemm.Tile]:
 
 INVARIANT_TILES = [gemm.Tile(*t) for t in [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
                                             (64, 64, 4, 4), (128, 64, 4, 4)]]  # fmt: skip
+
+
+UNSPLIT_TILES = [gemm.Tile(64, bn, 4, stages) for bn in (16, 32, 64, 128) for stages in (3, 4, 6)]
+
+
+def unsplit_sweep(m: int, n: int, k: int) -> dict:
+    row = sweep(m, n, k, UNSPLIT_TILES)
+    a, w = inputs(m, n, k, seed=m * 7 + n + k)
+    canon = launch(a[0], w[0], gemm.Tile(64, 128, 4, 3)).view(torch.int16)
+    row["bits_equal_64x128"] = [torch.equal(launch(a[0], w[0], t).view(torch.int16), canon) for t in UNSPLIT_TILES]
+    if m >= 64:
+        cublas = gemm.gemm_fp8_cublas(a[0], w[0], out_dtype=torch.bfloat16, bias=None)
+        row["bits_equal_cublas"] = torch.equal(cublas.view(torch.int16), canon)
+    default = gemm._tile(m, n, k, True, False)
+    row["default_ms"] = time_graph_ms(lambda i: launch(a[i], w[i], default), sets=SETS, reps=50)
+    print(f"  default {list(default)} {row['default_ms']:.4f} ms; bits equal {row['bits_equal_64x128']}, "
+          f"cuBLAS {row.get('bits_equal_cublas')}", flush=True)  # fmt: skip
+    return row
 
 
 def save(report: dict, path: str) -> None:
@@ -164,6 +184,11 @@ def main() -> None:
         save(report, out_path)
         for n, k in ((4096, 7168), (7168, 2048)):
             report["large"].append(contiguous_sweep(32, 512, n, k))
+            save(report, out_path)
+    if which == "unsplit":
+        report["unsplit"] = []
+        for (n, k), m in itertools.product(V3_PROJECTIONS, (1, 8, 64, 128, 256)):
+            report["unsplit"].append(unsplit_sweep(m, n, k))
             save(report, out_path)
     if which in ("invariant", "all"):
         for (n, k), m in itertools.product(V3_PROJECTIONS, (1, 64, 512, 4096)):
