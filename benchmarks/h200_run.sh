@@ -18,6 +18,7 @@
 #   ep           two GPUs (nvidia-h200-x2): dispatch + combine over NCCL, then the model with its experts on both
 #   ep-check     one GPU: the multi-rank dispatch kernels checked by two ranks through Gloo with CUDA tensors
 #   cublas-invariance  whether cuBLAS's block-scaled FP8 product keeps a row's bits whatever the row count
+#   gemm-invariant  what batch-invariant mode costs FP8 gemm at M = 1 ... 4096, and that its rows keep their bits
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
 # notes) and this script installs it first.
 set -uo pipefail
@@ -64,6 +65,8 @@ case ${1:-} in
       --out "$OUT/ep_check.json" --timeout 200 2>&1 | grep -v "^W1" | tail -4 ;;
   cublas-invariance)
     timeout 300 python3 benchmarks/cublas_invariance.py 2>&1 | tee "$OUT/cublas_invariance.txt" | tail -10 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|ab|ab-set|ep|ep-check|cublas-invariance" >&2
+  gemm-invariant)
+    timeout 300 python3 benchmarks/gemm_invariant_cost.py "$OUT/gemm_invariant.json" 2>&1 | tail -40 ;;
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|ab|ab-set|ep|ep-check|cublas-invariance|gemm-invariant" >&2
      exit 2 ;;
 esac

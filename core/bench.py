@@ -350,7 +350,7 @@ def _gemm_cases(quick: bool) -> list[BenchCase]:
                     2 * m * n * k,
                     m * k + n * k + m * n * 2,
                     {"torch scaled_mm blockwise": _scaled_mm_blockwise}
-                    | ({"same op, batch-invariant mode": _batch_invariant_peer("gemm")} if m in (128, 4096) else {}),
+                    | ({"same op, batch-invariant mode": _batch_invariant_peer("gemm")} if m in (1, 128, 4096) else {}),
                     compute="fp8",
                 )
             )

@@ -126,45 +126,87 @@ def test_fp8_gemms_read_unaligned_operands():
     assert out.stdout.split("\n")[:2] == ["True False", "True True True True"]
 
 
-SPLIT_SUMS = """
+UNSPLIT_TILES = """
 import torch
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 from deepinfer_cuda_sm100 import gemm
 
 g = torch.Generator().manual_seed(11)
-a = quantize_rows(torch.randn(130, 640, generator=g), 128, "fp32")  # 5 K blocks: spans of 2, 2, 1 and none
+a = quantize_rows(torch.randn(130, 640, generator=g), 128, "fp32")
 w = quantize_blocks(torch.randn(384, 640, generator=g) * 0.06)
 bias = torch.randn(384, generator=g)
 want = a.dequantize() @ w.dequantize().t() + bias
+tiles = [gemm.Tile(64, n, 4, stages) for n, stages in ((128, 3), (64, 4), (32, 6), (16, 3))]
 for dtype in (torch.float32, torch.bfloat16):
-    outs = []
-    for waves in (10**9, 0):  # never / always add the spans inside one program
-        gemm.SUM_SPLITS_MIN_WAVES = waves
-        out = torch.empty(130, 384, dtype=dtype)
-        outs.append(gemm._launch_gemm(a.data, w.data, out, a.scale, w.scale, bias, True, gemm.Tile(64, 128, 4, 3, 4)))
-    err = float((outs[1].float() - want).norm() / want.norm())
-    print(dtype, torch.equal(*outs), err < (1e-5 if dtype == torch.float32 else 1e-2))
+    outs = [gemm._launch_gemm(a.data, w.data, torch.empty(130, 384, dtype=dtype), a.scale, w.scale, bias, True, t)
+            for t in tiles]
+    split = gemm._launch_gemm(a.data, w.data, torch.empty(130, 384, dtype=dtype), a.scale, w.scale, bias, False,
+                              gemm.Tile(16, 64, 4, 4, 4))  # 5 K blocks: spans of 2, 2, 1 and none
+    err = lambda got: float((got.float() - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    print(dtype, all(torch.equal(outs[0], o) for o in outs[1:]), err(outs[0]), err(split))
 """
 
 
-def test_gemm_k_spans_added_in_program_match_split_programs():
-    """An FP8 ``gemm`` cut into K spans gives the same bits whether each span is its own program (fp32 partials
-    summed by a second kernel) or one program adds them in the same order, with a bias and an empty last span."""
+def test_fp8_gemm_bits_do_not_depend_on_the_unsplit_tile():
+    """Unsplit FP8 ``gemm`` launches of 64-row tiles 128, 64, 32 and 16 columns wide (any stage count) give the same
+    bits, with a bias and fp32 or bf16 results: batch-invariant mode may pick its tile by row count. A launch split
+    over K (an empty last span included) stays within the reference's bound."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", SPLIT_SUMS], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", UNSPLIT_TILES], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["torch.float32 True True", "torch.bfloat16 True True"]
+    assert out.stdout.split("\n")[:2] == ["torch.float32 True True True", "torch.bfloat16 True True True"]
 
 
-def test_batch_invariant_gemm_launch_shape_ignores_rows():
-    """In batch-invariant mode the FP8 gemm's tile and K spans (what fixes a row's arithmetic) depend on N and K
-    only; whether the spans are summed in one program may depend on M, which the test above shows changes no bit."""
+def test_batch_invariant_gemm_never_splits_k(monkeypatch):
+    """In batch-invariant mode the FP8 gemm keeps 64-row tiles and never splits K, whatever M: what fixes a row's
+    arithmetic (the tile's width may follow M, which the test above shows changes no bit)."""
     from deepinfer_cuda_sm100 import gemm
 
+    monkeypatch.setattr(gemm, "num_sms", lambda *_: 132)  # the H200's
+
     for n, k in [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]:
-        tiles = {gemm._tile(m, n, k, True, True) for m in (1, 7, 16, 64, 65, 128, 255, 256, 4096, 8192)}
-        assert len(tiles) == 1, (n, k, tiles)
-        assert next(iter(tiles)).split_k == (4 if k >= gemm.SPLIT_K_MIN_K else 1)
+        for m in (1, 7, 16, 64, 65, 128, 255, 256, 4096, 8192):
+            tile = gemm._tile(m, n, k, True, True)
+            assert tile.block_m == 64 and tile.split_k == 1, (m, n, k, tile)
+        assert gemm._tile(1, n, k, True, False).split_k == (4 if k >= gemm.SPLIT_K_MIN_K else 1)
+
+
+CUBLAS_PROBE = """
+import torch
+from deepinfer.qtensor import quantize_blocks, quantize_rows
+from deepinfer_cuda_sm100 import gemm
+
+g = torch.Generator().manual_seed(5)
+w = quantize_blocks(torch.randn(256, 512, generator=g) * 0.05)
+unsplit = lambda a, w, out_dtype, bias: gemm.gemm_fp8(a, w, out_dtype=out_dtype, bias=bias, invariant=True)
+
+def off_by_one_bit(a, w, out_dtype, bias):
+    out = unsplit(a, w, out_dtype, bias)
+    out.view(torch.int16)[-1, -1] ^= 1
+    return out
+
+gemm.cublas_fp8_supports = lambda a, w, **kw: True  # stands in for a GPU with cuBLAS
+capturing = [False]
+torch.cuda.is_current_stream_capturing = lambda: capturing[0]
+ask = lambda m: gemm.cublas_fp8_invariant_supports(
+    quantize_rows(torch.randn(m, 512, generator=g), 128, "fp32"), w, out_dtype=torch.bfloat16, bias=None)
+gemm.gemm_fp8_cublas = lambda a, w, *, out_dtype, bias: unsplit(a, w, out_dtype, bias)  # same bits
+first = ask(256)
+gemm.gemm_fp8_cublas = off_by_one_bit  # asked again only at a new row count
+print(first, ask(256), ask(320))
+capturing[0] = True
+print(ask(384), (384, 256, 512, 0) in gemm._cublas_unsplit)
+"""
+
+
+def test_cublas_serves_batch_invariant_mode_only_where_it_gave_the_unsplit_bits():
+    """The wiring of ``cublas_fp8_invariant_supports`` with a test double for cuBLAS (the interpreter has none): a
+    stand-in that gives the unsplit kernel's bits is taken, and that answer is kept for the row count; one that differs
+    by a single bit at a new row count is declined; inside graph capture an unasked row count is declined unasked."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", CUBLAS_PROBE], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["True True False", "False False"]
 
 
 def test_mla_decode_spans_fill_the_grid_and_ignore_rows_when_invariant():

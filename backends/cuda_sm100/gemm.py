@@ -1,8 +1,13 @@
 """``quantize_fp8``, ``gemm``, ``grouped_gemm`` with DeepSeek block scaling.
 
 FP8 products accumulate per 128-wide K block in fp32 and apply both scales per block (as DeepGEMM does). bf16
-products go to cuBLAS through torch by default; the Triton bf16 kernel is the batch-invariant variant. Kernels
-whose tile shape never depends on M are batch-invariant: a row's result cannot depend on how many rows there are.
+products go to cuBLAS through torch by default; the Triton bf16 kernel is the batch-invariant variant.
+
+Batch invariance is a matter of each element's arithmetic, not of the launch shape. Without a split over K, every
+tile of 64-row multiples (tensor-core products of 64 rows) computes an element the same way: the K-ordered sum of
+its 128-deep products, each accumulated from zero and scaled. cuBLAS's block-scaled FP8 product gives exactly those
+bits from 64 rows on (``benchmarks/cublas_bits.py``), so batch-invariant mode may take it, row count by row count,
+once it has been seen to (``cublas_fp8_invariant_supports``).
 """
 
 from __future__ import annotations
@@ -127,26 +132,19 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    SUM_SPLITS: tl.constexpr,
 ):
     """C[M, N] = A[M, K] @ B[N, K]^T; FP8: A scales [M, K/128], B scales [ceil(N/128), K/128], BLOCK_K = 128.
     ``a_src`` / ``b_src`` are TMA descriptors (TMA) or pointers. SPLIT_K > 1 cuts K into SPLIT_K spans, each
-    accumulated from zero. Then either program axis 1 takes one span and stores its fp32 partial product at
-    ``C + split * M * N`` (no bias) for ``_sum_splits_kernel``, or (SUM_SPLITS) one program adds its spans'
-    partials in that kernel's order: both give the same bits."""
+    accumulated from zero by the programs of axis 1, which store their fp32 partial products at ``C + split * M * N``
+    (no bias) for ``_sum_splits_kernel``."""
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m, mask_n = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    if SUM_SPLITS:
-        first, last = 0, K
-    else:
-        first, last = split * k_span, tl.minimum(K, (split + 1) * k_span)
-    for k0 in range(first, last, BLOCK_K):
+    for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K):
         a = _load_tile(a_src, pid_m * BLOCK_M, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
         b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         if FP8:
@@ -154,15 +152,9 @@ def _gemm_kernel(
             acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
         else:
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
-        if SUM_SPLITS:  # a span ends: add its partial to the earlier spans', as _sum_splits_kernel does
-            end = ((k0 + BLOCK_K) % k_span == 0) | (k0 + BLOCK_K >= K)
-            total = tl.where(end, total + acc, total)
-            acc = tl.where(end, 0.0, acc)
-    if SUM_SPLITS:
-        acc = total
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if SPLIT_K > 1 and not SUM_SPLITS:
+    if SPLIT_K > 1:
         c_ptr += split.to(tl.int64) * M * N
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
@@ -195,10 +187,9 @@ class Tile(NamedTuple):
     split_k: int = 1
 
 
-SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four: small-M products then stream from every SM
-# Where the tiles alone give every SM this many programs, one program adds its K spans itself: the same bits as
-# split programs plus ``_sum_splits_kernel``, without the fp32 partials' round trip through memory.
-SUM_SPLITS_MIN_WAVES = 2
+SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four where their tiles would leave SMs idle
+FILL_WAVES = 2  # ... that is, where the tiles give fewer programs than this many per SM
+MIN_COLUMN_TILES = 40  # unsplit tiles narrow until N gives this many (about a third of the H200's SMs) or 32 wide
 DEEP_K = 4096  # 64 x 128 tiles of products this deep keep 4 K blocks in flight, not 3 (benchmarks/gemm_kloop.py)
 
 
@@ -206,23 +197,34 @@ def _deep(tile: Tile, k: int) -> Tile:
     return tile._replace(num_stages=4) if k >= DEEP_K else tile
 
 
-def _fills_gpu(m: int, n: int, block_m: int, block_n: int, device_index: int = 0) -> bool:
-    """Whether the tiles of an [m, n] output alone give every SM ``SUM_SPLITS_MIN_WAVES`` programs."""
-    return triton.cdiv(m, block_m) * triton.cdiv(n, block_n) >= SUM_SPLITS_MIN_WAVES * num_sms(device_index)
+def _fills_gpu(m: int, n: int, block_m: int, block_n: int) -> bool:
+    """Whether the tiles of an [m, n] output alone give every SM ``FILL_WAVES`` programs."""
+    return triton.cdiv(m, block_m) * triton.cdiv(n, block_n) >= FILL_WAVES * num_sms()
 
 
 def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``).
-    In batch-invariant mode nothing depends on M: the tile is fixed and the split count depends on K alone. In the
-    default mode, products over 64 rows split K only where their tiles alone would not fill the GPU."""
-    split = 4 if fp8 and k >= SPLIT_K_MIN_K else 1
+    Batch-invariant mode never splits K and keeps 64-row tiles, whose bits do not depend on the tile (module
+    docstring); the tile's width follows the grid. The default mode splits K where the tiles would not fill the GPU,
+    and below 64 rows takes 16-row tiles."""
+    if not fp8:
+        return _deep(Tile(64, 128, 4, 3), k)
     if invariant:
-        return _deep(Tile(64, 128, 4, 3, split), k)
-    if m <= 16:
-        return Tile(16, 64, 4, 4, split)
-    if m <= 64:
-        return Tile(64, 64, 4, 3, split)
-    return _deep(Tile(64, 128, 4, 3, 1 if _fills_gpu(m, n, 64, 128) else split), k)
+        return _unsplit_tile(m, n, k)
+    tile = Tile(16, 64, 4, 4) if m <= 16 else Tile(64, 64, 4, 3) if m <= 64 else _deep(Tile(64, 128, 4, 3), k)
+    fills = _fills_gpu(m, n, tile.block_m, tile.block_n)
+    return tile._replace(split_k=4 if k >= SPLIT_K_MIN_K and not fills else 1)
+
+
+def _unsplit_tile(m: int, n: int, k: int) -> Tile:
+    """Where 64 x 128 tiles fill the GPU, those; else the widest of 128, 64, 32 columns that still cuts N into
+    ``MIN_COLUMN_TILES`` tiles, with 6 K blocks in flight for long products where each SM has at most one program
+    (``benchmarks/gemm_tiles.py unsplit``)."""
+    if _fills_gpu(m, n, 64, 128):
+        return _deep(Tile(64, 128, 4, 3), k)
+    block_n = next((bn for bn in (128, 64) if triton.cdiv(n, bn) >= MIN_COLUMN_TILES), 32)
+    one_wave = triton.cdiv(m, 64) * triton.cdiv(n, block_n) <= num_sms()
+    return Tile(64, block_n, 4, 6) if one_wave and k >= 2048 else _deep(Tile(64, block_n, 4, 3), k)
 
 
 def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile | None = None) -> torch.Tensor:
@@ -238,11 +240,10 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     split = tile.split_k
     block_k = FP8_BLOCK if fp8 else 64
     assert not fp8 or FP8_BLOCK % tile.block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
-    in_program = split > 1 and _fills_gpu(m, n, block_m, tile.block_n, out.device.index or 0)
-    target = out if split == 1 or in_program else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     dummy = out
     tma = tma_ready(a, b)
-    _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), 1 if in_program else split)](
+    _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
         TensorDescriptor.from_tensor(a, [block_m, block_k]) if tma else a,
         TensorDescriptor.from_tensor(b, [tile.block_n, block_k]) if tma else b,
         target,
@@ -264,7 +265,6 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
         BLOCK_K=block_k,
         GROUP_M=8,
         SPLIT_K=split,
-        SUM_SPLITS=in_program,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
@@ -355,6 +355,34 @@ def _cublas_fp8_ready() -> bool:
     if _cublas_fp8_agrees.cache_info().currsize or not torch.cuda.is_current_stream_capturing():
         return _cublas_fp8_agrees()
     return False  # never ask for the first time inside a CUDA graph capture
+
+
+_cublas_unsplit: dict[tuple[int, int, int, int], bool] = {}
+
+
+def cublas_fp8_invariant_supports(a, w, *, out_dtype, bias) -> bool:
+    """cuBLAS in batch-invariant mode: where it runs, and only at a row count where it gave the unsplit Triton
+    kernel's bits (asked once per row count and weight shape, outside graph capture, on random activations)."""
+    if not cublas_fp8_supports(a, w, out_dtype=out_dtype, bias=bias):
+        return False
+    m = (a.data if isinstance(a, QTensor) else a).shape[0]
+    key = (m, *w.shape, w.data.device.index or 0)
+    if key not in _cublas_unsplit:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _cublas_unsplit[key] = _cublas_gives_unsplit_bits(m, w)
+    return _cublas_unsplit[key]
+
+
+def _cublas_gives_unsplit_bits(m: int, w: QTensor) -> bool:
+    device, k = w.data.device, w.shape[1]
+    gen = torch.Generator(device=device).manual_seed(m)
+    code = torch.randint(0, 254, (m, k), dtype=torch.uint8, device=device, generator=gen)
+    data = (code + (code >= 127).to(torch.uint8)).view(torch.float8_e4m3fn)  # any sign and magnitude, never NaN
+    scale = torch.randint(-8, 8, (m, k // FP8_BLOCK), device=device, generator=gen).float().exp2()
+    a = QTensor(data, scale, (1, FP8_BLOCK), w.scale_format)
+    want = gemm_fp8(a, w, out_dtype=torch.bfloat16, bias=None, invariant=True).view(torch.int16)
+    return torch.equal(gemm_fp8_cublas(a, w, out_dtype=torch.bfloat16, bias=None).view(torch.int16), want)
 
 
 def gemm_triton(a, w, *, out_dtype, bias):

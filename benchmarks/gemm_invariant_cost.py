@@ -1,0 +1,65 @@
+"""What batch-invariant mode costs FP8 ``gemm`` on cuda_sm100, row count by row count (one CUDA GPU).
+
+    python3 benchmarks/gemm_invariant_cost.py OUT.json
+
+For each DeepSeek-V3 projection and M = 1 ... 4096: the graph time of ``ops.gemm`` in the default mode and in
+batch-invariant mode (FP8 activations, rotated input sets), which implementation each ran, and whether the
+batch-invariant rows of an M-row product equal, bit for bit, the same rows of the 4096-row product.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import deepinfer
+from deepinfer import QTensor, ops
+from deepinfer.bench import time_graph_ms
+from deepinfer.conformance.gemm import V3_PROJECTIONS
+from deepinfer.dispatch import batch_invariant, last_resolution
+from deepinfer.qtensor import quantize_blocks, quantize_rows
+
+ROWS = (1, 8, 64, 128, 256, 4096)
+SETS = 4
+
+
+def main() -> None:
+    deepinfer.use("cuda_sm100")
+    report = []
+    for n, k in V3_PROJECTIONS:
+        gen = torch.Generator(device="cuda").manual_seed(n + k)
+        whole = [
+            quantize_rows(torch.randn(max(ROWS), k, device="cuda", generator=gen), 128, "fp32") for _ in range(SETS)
+        ]
+        w = [quantize_blocks(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5) for _ in range(SETS)]
+        with batch_invariant():
+            ref = ops.gemm(whole[0], w[0], out_dtype=torch.bfloat16)
+        for m in ROWS:
+            a = [QTensor(x.data[:m], x.scale[:m], x.block, x.scale_format) for x in whole]
+            row = {"N": n, "K": k, "M": m}
+            for mode, invariant in (("default", False), ("invariant", True)):
+                with batch_invariant(invariant):
+                    out = ops.gemm(a[0], w[0], out_dtype=torch.bfloat16)
+                    impl = last_resolution("gemm")[0].provider
+                    row[f"{mode}_ms"] = time_graph_ms(
+                        lambda i, a=a, w=w: ops.gemm(a[i], w[i], out_dtype=torch.bfloat16), sets=SETS
+                    )
+                row[f"{mode}_impl"] = impl
+                if invariant:
+                    row["rows_equal_4096"] = bool(torch.equal(out.view(torch.int16), ref[:m].view(torch.int16)))
+            row["cost"] = row["invariant_ms"] / row["default_ms"]
+            report.append(row)
+            print(
+                f"N={n:>5} K={k:>5} M={m:>4}: default {row['default_ms']:.4f} ms ({row['default_impl']}), "
+                f"invariant {row['invariant_ms']:.4f} ms ({row['invariant_impl']}): {row['cost']:.2f}x; "
+                f"rows equal at 4096: {row['rows_equal_4096']}",
+                flush=True,
+            )
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
