@@ -1,15 +1,17 @@
-"""Whether cuBLAS's block-scaled FP8 product gives a row the same bits whatever batch it is in (one CUDA GPU).
+"""Whether cuBLAS's block-scaled FP8 product gives a row the same bits whatever batch it is in, and whether the
+unsplit Triton FP8 kernel gives cuBLAS's bits (one CUDA GPU).
 
     python3 benchmarks/cublas_invariance.py [--rows 4096] [--trials 3]
 
-Batch-invariant mode runs FP8 ``gemm`` through the Triton kernel, which costs 1.20-1.74x cuBLAS at M = 4096
-(RESULTS.md, seventh session); cuBLAS is left out because its heuristics pick tiles by M. A tile need not change a
-row's arithmetic, though: if each output element is the K-ordered sum of scaled 128-deep partial products whatever
-the tile (no split over K), cuBLAS would be batch-invariant and that mode could use it at every M. This checks it.
-For each DeepSeek-V3 projection (N, K): the product of ``--rows`` fresh random FP8 rows (1 x 128 scales) with FP8
-weights (128 x 128 scales) by ``gemm_fp8_cublas``, the function cuda_sm100 calls, then of ``--trials`` slices of
-M rows at random offsets for each M, each compared bit for bit with the same rows of the whole product. Prints the
-M values whose slices all matched and those where one did not.
+If each output element is the K-ordered sum of scaled 128-deep partial products whatever the tile (no split over
+K), a product is batch-invariant, and any two kernels that compute an element that way give the same bits. For
+each DeepSeek-V3 projection (N, K), with ``--rows`` fresh random FP8 rows (1 x 128 scales) and FP8 weights
+(128 x 128 scales):
+1. slices: ``gemm_fp8_cublas`` (the function cuda_sm100 calls) on ``--trials`` slices of M rows at random offsets
+   for each M, each compared bit for bit with the same rows of the whole product: the M values whose slices all
+   matched and those where one did not;
+2. Triton: the share of output elements (bf16 and fp32 results) where the Triton kernel without a split over K,
+   for several launch shapes, equals cuBLAS on the whole product.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from deepinfer.conformance.gemm import V3_PROJECTIONS
 from deepinfer.qtensor import QTensor, quantize_blocks, quantize_rows
 
 ROW_COUNTS = (4, 8, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048)
+TILES = ((64, 128, 4, 3), (64, 64, 4, 3), (16, 64, 4, 4), (16, 32, 4, 4), (128, 128, 8, 3))
 
 
 def main() -> None:
@@ -32,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cublas_invariance.py needs a CUDA GPU (cuBLAS's block-scaled FP8 product)")
-    from deepinfer_cuda_sm100.gemm import gemm_fp8_cublas
+    from deepinfer_cuda_sm100.gemm import Tile, _launch_gemm, gemm_fp8_cublas
 
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -51,6 +54,14 @@ def main() -> None:
             (same if ok else differ).append(m)
         all_equal &= not differ
         print(f"N={n:>5} K={k:>5}: same bits at M = {same or '-'}; different at M = {differ or '-'}")
+        line = []
+        for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+            want = gemm_fp8_cublas(a, w, out_dtype=dtype, bias=None)
+            for bm, bn, warps, stages in TILES:
+                out = torch.empty(args.rows, n, dtype=dtype, device="cuda")
+                _launch_gemm(a.data, w.data, out, a.scale, w.scale, None, True, Tile(bm, bn, warps, stages))
+                line.append(f"{str(dtype)[6:]} {bm}x{bn}: {(out.view(bits) == want.view(bits)).float().mean():.6f}")
+        print("  Triton unsplit, share of elements equal to cuBLAS: " + "; ".join(line), flush=True)
     print("every slice matched: batch-invariant here" if all_equal else "some slice differed: not batch-invariant")
 
 

@@ -8,7 +8,7 @@ small: M = 1, 8, 64 over BLOCK_N x stages x split-K (the default mode's tiles be
 grouped: ``grouped_gemm`` tiles at the model's decode shape (masked layout, 256 experts, 1 or 64 tokens top-8).
 invariant: tiles that do not depend on M (batch-invariant mode) at M = 1, 64, 512, 4096.
 unsplit: 64-row tiles without a split over K at M = 1 ... 256, each also compared bit for bit with the 64 x 128
-launch (and with cuBLAS from 64 rows, which computes each element the same way: ``cublas_bits.py``).
+launch (and with cuBLAS from 64 rows, which computes each element the same way: ``cublas_invariance.py``).
 large: tiles where rows are many: M=4096 for two projections, and ``grouped_gemm`` contiguous with 32 experts x
 512 rows (gate/up and down).
 Activations arrive quantised; the weights are the DeepSeek-V3 projections of the issue's table.
@@ -81,7 +81,9 @@ INVARIANT_TILES = [gemm.Tile(*t) for t in [(64, 128, 4, 3), (64, 128, 4, 4), (12
                                             (64, 64, 4, 4), (128, 64, 4, 4)]]  # fmt: skip
 
 
-UNSPLIT_TILES = [gemm.Tile(64, bn, 4, stages) for bn in (16, 32, 64, 128) for stages in (3, 4, 6, 8)]
+UNSPLIT_TILES = [
+    gemm.Tile(64, bn, 4, st, 1, paired) for bn in (32, 64, 128) for st in (3, 4, 6) for paired in (False, True)
+]
 
 
 def unsplit_sweep(m: int, n: int, k: int) -> dict:
