@@ -81,9 +81,7 @@ INVARIANT_TILES = [gemm.Tile(*t) for t in [(64, 128, 4, 3), (64, 128, 4, 4), (12
                                             (64, 64, 4, 4), (128, 64, 4, 4)]]  # fmt: skip
 
 
-UNSPLIT_TILES = [
-    gemm.Tile(64, bn, 4, st, 1, paired) for bn in (32, 64, 128) for st in (3, 4, 6) for paired in (False, True)
-]
+UNSPLIT_TILES = [gemm.Tile(64, bn, 4, stages) for bn in (16, 32, 64, 128) for stages in (3, 4, 6, 8)]
 
 
 def unsplit_sweep(m: int, n: int, k: int) -> dict:

@@ -132,14 +132,11 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    PAIRED: tl.constexpr,
 ):
     """C[M, N] = A[M, K] @ B[N, K]^T; FP8: A scales [M, K/128], B scales [ceil(N/128), K/128], BLOCK_K = 128.
     ``a_src`` / ``b_src`` are TMA descriptors (TMA) or pointers. SPLIT_K > 1 cuts K into SPLIT_K spans, each
     accumulated from zero by the programs of axis 1, which store their fp32 partial products at ``C + split * M * N``
-    (no bias) for ``_sum_splits_kernel``. PAIRED (FP8, an even number of K blocks per span): each trip issues two
-    K blocks' products before it adds either, in K order, so the second product's latency hides behind the first's:
-    the same bits as one block per trip."""
+    (no bias) for ``_sum_splits_kernel``."""
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -147,21 +144,12 @@ def _gemm_kernel(
     mask_m, mask_n = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    b_block = pid_n * BLOCK_N // BLOCK_K
-    for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K * (2 if PAIRED else 1)):
+    for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K):
         a = _load_tile(a_src, pid_m * BLOCK_M, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
         b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         if FP8:
             part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
-            if PAIRED:
-                k1 = k0 + BLOCK_K
-                a = _load_tile(a_src, pid_m * BLOCK_M, offs_m, mask_m, stride_am, k1, K, BLOCK_K, TMA)
-                b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k1, K, BLOCK_K, TMA)
-                part1 = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
-                acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)
-                acc = _add_scaled(acc, part1, as_ptr, bs_ptr, offs_m, mask_m, b_block, k1, K, BLOCK_K)
-            else:
-                acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)
+            acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
         else:
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
     if HAS_BIAS:
@@ -197,7 +185,6 @@ class Tile(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1
-    paired: bool = False
 
 
 SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four where their tiles would leave SMs idle
@@ -278,7 +265,6 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
         BLOCK_K=block_k,
         GROUP_M=8,
         SPLIT_K=split,
-        PAIRED=tile.paired and fp8 and triton.cdiv(k, block_k) % (2 * split) == 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
