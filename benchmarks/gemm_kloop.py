@@ -1,13 +1,15 @@
 """K-loop variants of the FP8 block-scaled GEMM on the device, each checked against the dequantised product, then
 timed from CUDA graphs beside cuBLAS block-scaled ``scaled_mm`` and the committed kernel in the same run.
 
-    python3 benchmarks/gemm_kloop.py OUT.json
+    python3 benchmarks/gemm_kloop.py OUT.json [persistent]
 
 Variants (see NOTES.md): how the two block scales meet the fp32 partial product (an outer product of both per
 element, or the weight scale folded into the row scales so one FMA per element remains), loads through pointers or
 TMA descriptors, one or two 128-deep products in flight per loop trip, Triton's warp specialisation; then (this
 sweep) a register cap (``maxnreg``) so that three or four programs share an SM, the tile's columns as two
-independent products per K block, and activation scales read from a K-block-major copy.
+independent products per K block, and activation scales read from a K-block-major copy. ``persistent``: only the
+twelfth session's persistent kernel (one or two programs per SM walking the tiles, TMA stores), beside cuBLAS and
+the committed launch.
 """
 
 from __future__ import annotations
@@ -123,6 +125,27 @@ def _halves_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K, SCALES_T: tl.
             tl.store(ptrs, acc1.to(tl.bfloat16), mask=mask)
 
 
+@triton.jit
+def _persistent_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K, GRID: tl.constexpr, STAGES: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    """Program p walks tiles p, p + GRID, ...; the (tile, K block) loop is flattened, so the next tile's copies are
+    in flight while this tile's result is stored (TMA). Per element the arithmetic of the unsplit kernel."""
+    kbs = K // 128
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, GRID, flatten=True, num_stages=STAGES):
+        pid_m, pid_n = gemm.tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        sb_row = bs_ptr + (pid_n * BLOCK_N // 128) * kbs
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kbs):
+            a = a_desc.load([pid_m * BLOCK_M, kb * 128])
+            b = b_desc.load([pid_n * BLOCK_N, kb * 128])
+            part = tl.dot(a, b.T)
+            sa = tl.load(as_ptr + offs_m * kbs + kb, mask=offs_m < M, other=0.0)
+            acc = acc + part * (sa * tl.load(sb_row + kb))[:, None]
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(tl.bfloat16))
+
+
 def launch(v: dict, a, w, scales_t=None):
     m, k = a.shape
     n = w.shape[0]
@@ -130,6 +153,17 @@ def launch(v: dict, a, w, scales_t=None):
     bm, bn = v["BLOCK_M"], v["BLOCK_N"]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     extra = {"maxnreg": v["maxnreg"]} if v["maxnreg"] else {}
+    if v["persistent"]:
+        grid_size = min(
+            grid[0], v["persistent"] * torch.cuda.get_device_properties(a.data.device).multi_processor_count
+        )
+        descs = [
+            TensorDescriptor.from_tensor(t, blk)
+            for t, blk in ((a.data, [bm, 128]), (w.data, [bn, 128]), (out, [bm, bn]))
+        ]
+        _persistent_kernel[(grid_size,)](*descs, a.scale, w.scale, m, n, k, GRID=grid_size, STAGES=v["stages"],
+                                         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=v["warps"])  # fmt: skip
+        return out
     if v["halves"]:
         a_desc = TensorDescriptor.from_tensor(a.data, [bm, 128])
         b_desc = TensorDescriptor.from_tensor(w.data, [bn // v["halves"], 128])
@@ -147,11 +181,17 @@ def launch(v: dict, a, w, scales_t=None):
     return out
 
 
-def variant(bm, bn, warps, stages, *, fold=False, unroll=1, tma=False, ws=False, maxnreg=0, halves=0, scales_t=False):
+def variant(bm, bn, warps, stages, *, fold=False, unroll=1, tma=False, ws=False, maxnreg=0, halves=0, scales_t=False,
+            persistent=0):  # fmt: skip
     return dict(BLOCK_M=bm, BLOCK_N=bn, warps=warps, stages=stages, fold=fold, unroll=unroll, tma=tma, ws=ws,
-                maxnreg=maxnreg, halves=halves, scales_t=scales_t)  # fmt: skip
+                maxnreg=maxnreg, halves=halves, scales_t=scales_t, persistent=persistent)  # fmt: skip
 
 
+PERSISTENT = [  # twelfth session: programs per SM x tile
+    variant(128, 128, 8, 3, persistent=1),
+    variant(128, 128, 8, 4, persistent=1),
+    variant(64, 128, 4, 4, persistent=2),
+]
 VARIANTS = [  # the fourth session's variants are in its RESULTS.md table; these are the seventh session's
     variant(64, 128, 4, 3, fold=True, tma=True, maxnreg=168),  # three programs per SM instead of two
     variant(64, 128, 4, 2, fold=True, tma=True, maxnreg=168),
@@ -196,7 +236,7 @@ def shape_row(m: int, n: int, k: int, peak_tflops: float) -> dict:
     record("committed", lambda i: gemm._launch_gemm(
         a[i].data, w[i].data, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"), a[i].scale, w[i].scale,
         None, False, committed))  # fmt: skip
-    for v in VARIANTS:
+    for v in PERSISTENT if "persistent" in sys.argv else VARIANTS:
         name = ",".join(f"{key}={val}" for key, val in v.items())
         record(name, lambda i, v=v: launch(v, a[i], w[i], scales_t[i]))
     return row
