@@ -129,7 +129,8 @@ def _halves_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K, SCALES_T: tl.
 def _persistent_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K, GRID: tl.constexpr, STAGES: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
     """Program p walks tiles p, p + GRID, ...; the (tile, K block) loop is flattened, so the next tile's copies are
-    in flight while this tile's result is stored (TMA). Per element the arithmetic of the unsplit kernel."""
+    in flight while this tile's result is stored (TMA). Each element is the unsplit kernel's expression (the bits were
+    not compared)."""
     kbs = K // 128
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, GRID, flatten=True, num_stages=STAGES):
