@@ -17,7 +17,8 @@
 #                per SETTINGS (MODULE.NAME=VALUE[,...], e.g. attention.MLA_GLUON=False)
 #   ep           two GPUs (nvidia-h200-x2): dispatch + combine over NCCL, then the model with its experts on both
 #   ep-check     one GPU: the multi-rank dispatch kernels checked by two ranks through Gloo with CUDA tensors
-#   cublas-invariance  whether cuBLAS's block-scaled FP8 product keeps a row's bits whatever the row count
+#   cublas-invariance  whether cuBLAS's block-scaled FP8 product keeps a row's bits whatever the row count, and
+#                whether the unsplit Triton kernel gives its bits
 #   gemm-invariant  what batch-invariant mode costs FP8 gemm at M = 1 ... 4096, and that its rows keep their bits
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
 # notes) and this script installs it first.
