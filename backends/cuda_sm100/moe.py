@@ -568,8 +568,8 @@ def _unpack_pairs(buf, payload, k: int, num_recv: int, tables, global_ids):
     dev = buf.device
     b32 = buf.view(torch.int32)
     row = b32.shape[1] - ep.RECORD_FIELDS * k
-    spans = [(a // 4, b // 4) for a, b in payload.spans]
-    parts = [torch.empty(num_recv, b - a, dtype=torch.int32, device=dev) for a, b in spans]
+    parts = payload.alloc(num_recv, dev)
+    out32 = [p.view(torch.int32) for p in parts]
     recv_ids = torch.empty(num_recv, dtype=torch.int32, device=dev)
     recv_w = torch.empty(num_recv, dtype=torch.float32, device=dev)
     final = torch.empty(num_recv, dtype=torch.int64, device=dev)
@@ -579,11 +579,11 @@ def _unpack_pairs(buf, payload, k: int, num_recv: int, tables, global_ids):
     if num_recv:
         bcp = 16
         _unpack_kernel[(triton.cdiv(b32.shape[0], bcp), k)](
-            b32, global_ids, tables.expert_base, tables.source_base, tables.copy_start, parts[0], parts[-1],
-            recv_ids, recv_w, final, copy_rows, copy_w, b32.shape[0], world, e_local, b32.shape[1], row, spans[0][1],
-            K=k, BCP=bcp, BW=next_pow2(world), BC=256,
+            b32, global_ids, tables.expert_base, tables.source_base, tables.copy_start, out32[0], out32[-1],
+            recv_ids, recv_w, final, copy_rows, copy_w, b32.shape[0], world, e_local, b32.shape[1], row,
+            payload.spans[0][1] // 4, K=k, BCP=bcp, BW=next_pow2(world), BC=256,
         )  # fmt: skip
-    return [p.view(payload.word) for p in parts], recv_ids, recv_w, final, copy_rows, copy_w
+    return parts, recv_ids, recv_w, final, copy_rows, copy_w
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -672,8 +672,8 @@ def _place_pairs(g_x, g_ids, g_w, payload, tab, me: int, world: int, per_rank: i
     n_local = len(tab.global_ids[me])
     size = n_local * max_m
     src = g_x.view(torch.int32)
-    spans = [(a // 4, b // 4) for a, b in payload.spans]
-    parts = [torch.empty(size, b - a, dtype=torch.int32, device=dev) for a, b in spans]
+    parts = payload.alloc(size, dev)
+    out32 = [p.view(torch.int32) for p in parts]
     recv_ids = torch.empty(size, dtype=torch.int32, device=dev)
     recv_w = torch.empty(size, dtype=torch.float32, device=dev)
     masked_m = torch.empty(n_local, dtype=torch.int32, device=dev)
@@ -688,9 +688,9 @@ def _place_pairs(g_x, g_ids, g_w, payload, tab, me: int, world: int, per_rank: i
     )  # fmt: skip
     if slots and size:
         _place_rows_kernel[(slots * k,)](
-            src, parts[0], parts[-1], rows, src.stride(0), src.shape[1], spans[0][1], K=k, BC=1024
+            src, out32[0], out32[-1], rows, src.stride(0), src.shape[1], payload.spans[0][1] // 4, K=k, BC=1024
         )
-    return ep.Placed([p.view(payload.word) for p in parts], recv_ids, recv_w, masked_m, overflow, rows, mine, lost)
+    return ep.Placed(parts, recv_ids, recv_w, masked_m, overflow, rows, mine, lost)
 
 
 @triton.jit
