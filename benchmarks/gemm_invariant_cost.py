@@ -4,7 +4,9 @@
 
 For each DeepSeek-V3 projection and M = 1 ... 4096: the graph time of ``ops.gemm`` in the default mode and in
 batch-invariant mode (FP8 activations, rotated input sets), which implementation each ran, and whether the
-batch-invariant rows of an M-row product equal, bit for bit, the same rows of the 4096-row product.
+batch-invariant rows of an M-row product equal, bit for bit, the same rows of the 4096-row product. From 64 rows
+also cuBLAS's block-scaled product called directly (``gemm_fp8_cublas``; batch-invariant mode takes it only from
+``CUBLAS_FP8_MIN_M`` rows): its graph time and whether its rows equal the same rows of the 4096-row product.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from deepinfer.bench import time_graph_ms
 from deepinfer.conformance.gemm import V3_PROJECTIONS
 from deepinfer.dispatch import batch_invariant, last_resolution
 from deepinfer.qtensor import quantize_blocks, quantize_rows
+from deepinfer_cuda_sm100.gemm import gemm_fp8_cublas
 
-ROWS = (1, 8, 64, 128, 256, 4096)
+ROWS = (1, 8, 64, 96, 128, 192, 256, 4096)
 SETS = 4
 
 
@@ -50,13 +53,19 @@ def main() -> None:
                 if invariant:
                     row["rows_equal_4096"] = bool(torch.equal(out.view(torch.int16), ref[:m].view(torch.int16)))
             row["cost"] = row["invariant_ms"] / row["default_ms"]
-            report.append(row)
-            print(
+            line = (
                 f"N={n:>5} K={k:>5} M={m:>4}: default {row['default_ms']:.4f} ms ({row['default_impl']}), "
                 f"invariant {row['invariant_ms']:.4f} ms ({row['invariant_impl']}): {row['cost']:.2f}x; "
-                f"rows equal at 4096: {row['rows_equal_4096']}",
-                flush=True,
+                f"rows equal at 4096: {row['rows_equal_4096']}"
             )
+            if m >= 64:
+                cublas = lambda i, a=a, w=w: gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None)
+                row["cublas_ms"] = time_graph_ms(cublas, sets=SETS)
+                row["cublas_equal_4096"] = bool(torch.equal(cublas(0).view(torch.int16), ref[:m].view(torch.int16)))
+                line += f"; cuBLAS {row['cublas_ms']:.4f} ms ({row['cublas_ms'] / row['default_ms']:.2f}x), "
+                line += f"rows equal at 4096: {row['cublas_equal_4096']}"
+            report.append(row)
+            print(line, flush=True)
             with open(sys.argv[1], "w") as f:
                 json.dump(report, f, indent=1)
 

@@ -10,6 +10,12 @@ accumulator while product k runs. Loads are TMA copies into a ring of ``STAGES``
     python3 benchmarks/gluon_gemm.py OUT.json     (on the GPU: checked against the dequantised product, then timed
                                                    from CUDA graphs beside cuBLAS and the committed kernel)
     python3 benchmarks/gluon_gemm.py --compile    (anywhere: compiles the kernel for SM90 and prints its registers)
+    python3 benchmarks/gluon_gemm.py OUT.json small  (on the GPU: batch-invariant mode's small row counts, below)
+
+``small``: the kernel never splits K and accumulates each 128-deep product as ``acc + part * (sa * sb)``, the
+arithmetic of the unsplit ``tl`` kernel, so it must give that kernel's bits at any tile width. At M = 1 ... 128 on
+the DeepSeek-V3 projections, each width (32, 64, 128 columns) and depth (4, 6, 8 stages) is checked bit for bit
+against ``triton-fp8-unsplit`` and timed beside it and beside the default mode (graph times).
 
 Written against Triton 3.6's Gluon, the GPU machine's (Gluon is experimental: Triton 3.9 has renamed the TMA copy).
 With ``pip install triton==3.6.0`` beside torch, ``--compile`` gives 223-224 registers and no stack for every variant.
@@ -108,22 +114,28 @@ def fp8_gemm_overlapped(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, K, STAGES: 
 VARIANTS = [(64, 3), (64, 4), (128, 3)]  # (rows per program, stages)
 
 
-def descriptors(a: torch.Tensor, b: torch.Tensor, block_m: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+def descriptors(
+    a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int = BN
+) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of the FP8 operands ``a [M, K]`` and ``b [N, K]`` (both K-contiguous) for a tile of
-    ``block_m`` x 128."""
+    ``block_m`` x ``block_n``."""
     layout_a = gl.NVMMASharedLayout.get_default_for([block_m, BK], gl.float8e4nv)
-    layout_b = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv)
-    return TensorDescriptor.from_tensor(a, [block_m, BK], layout_a), TensorDescriptor.from_tensor(b, [BN, BK], layout_b)
+    layout_b = gl.NVMMASharedLayout.get_default_for([block_n, BK], gl.float8e4nv)
+    return (
+        TensorDescriptor.from_tensor(a, [block_m, BK], layout_a),
+        TensorDescriptor.from_tensor(b, [block_n, BK], layout_b),
+    )
 
 
-def launch(a, w, stages: int = 4, block_m: int = 64) -> torch.Tensor:
+def launch(a, w, stages: int = 4, block_m: int = 64, block_n: int = BN) -> torch.Tensor:
     """``a``, ``w``: FP8 QTensors with (1, 128) and (128, 128) scales. ``block_m`` 64: one warpgroup per program;
-    128: two, each on 64 of the rows, sharing the weight tile."""
+    128: two, each on 64 of the rows, sharing the weight tile. ``block_n`` divides 128 (a tile lies in one weight
+    scale block)."""
     m, k = a.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
-    a_desc, b_desc = descriptors(a.data, w.data, block_m)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, BN),)
+    a_desc, b_desc = descriptors(a.data, w.data, block_m, block_n)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     fp8_gemm_overlapped[grid](
         a_desc, b_desc, out, a.scale, w.scale, m, n, k, STAGES=stages, GROUP_M=8, num_warps=block_m // 16
     )  # fmt: skip
@@ -192,10 +204,67 @@ def shape_row(m: int, n: int, k: int) -> dict:
     return row
 
 
+SMALL_ROWS = (1, 8, 64, 128)
+SMALL_TILES = [(bn, stages) for bn in (32, 64, 128) for stages in (4, 6, 8)]
+
+
+def small_row(m: int, n: int, k: int) -> dict:
+    """Batch-invariant mode at a small row count: every Gluon width and depth against the unsplit ``tl`` kernel's
+    bits, timed beside it and beside the default mode (``ops.gemm``, which splits K where the GPU would idle)."""
+    from gemm_tiles import SETS, inputs
+
+    from deepinfer import ops
+    from deepinfer.bench import time_graph_ms
+    from deepinfer.dispatch import batch_invariant
+    from deepinfer_cuda_sm100 import gemm
+
+    a, w = inputs(m, n, k, seed=m + n + k)
+    unsplit = lambda i: gemm.gemm_fp8(a[i], w[i], out_dtype=torch.bfloat16, bias=None, invariant=True)
+    want = unsplit(0).view(torch.int16)
+    default = lambda i: ops.gemm(a[i], w[i], out_dtype=torch.bfloat16)
+    with batch_invariant(False):
+        row = {"M": m, "N": n, "K": k, "default_ms": time_graph_ms(default, sets=SETS)}
+    row["unsplit_ms"] = time_graph_ms(unsplit, sets=SETS)
+    line = f"M={m:>4} N={n:>5} K={k:>5}: default {row['default_ms']:.4f}, unsplit {row['unsplit_ms']:.4f} ms"
+    best = None
+    for bn, stages in SMALL_TILES:
+        name = f"gluon 64x{bn} {stages}st"
+        fn = lambda i, s=stages, b=bn: launch(a[i], w[i], s, 64, b)
+        try:
+            same = bool(torch.equal(fn(0).view(torch.int16), want))
+            ms = time_graph_ms(fn, sets=SETS)
+        except Exception as e:  # a launch the compiler or driver refuses is reported, not hidden
+            row[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        row[name] = {"ms": ms, "bits_equal_unsplit": same}
+        if same and (best is None or ms < row[best]["ms"]):
+            best = name
+        if not same:
+            line += f" | {name} BITS DIFFER"
+    if best:
+        ms = row[best]["ms"]
+        line += f" | best {best} {ms:.4f} ms: {row['unsplit_ms'] / ms:.2f}x unsplit,"
+        line += f" {ms / row['default_ms']:.2f}x default"
+    print(line, flush=True)
+    return row
+
+
 def main() -> int:
     if sys.argv[1:] == ["--compile"]:
         for block_m, stages in VARIANTS:
             compile_for_sm90(stages, block_m)
+        return 0
+    if sys.argv[2:] == ["small"]:
+        import deepinfer
+
+        deepinfer.use("cuda_sm100")
+        projections = ((24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168))
+        rows = []
+        for n, k in projections:
+            for m in SMALL_ROWS:
+                rows.append(small_row(m, n, k))
+                with open(sys.argv[1], "w") as f:
+                    json.dump(rows, f, indent=1)
         return 0
     report = {"device": torch.cuda.get_device_name(), "rows": []}
     projections = ((24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168))

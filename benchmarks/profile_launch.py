@@ -1,0 +1,53 @@
+"""One op's launches on cuda_sm100, for a profiler to read (one CUDA GPU).
+
+    ncu --clock-control none -k regex:KERNEL --launch-skip 3 --launch-count 1 --section SourceCounters \
+        -o REPORT python3 benchmarks/profile_launch.py CASE
+    ncu --import REPORT.ncu-rep --page source --csv --print-source sass > REPORT.csv
+
+CASE is one of
+- ``mla``: ``mla_decode``, bf16 cache, H=128, B=64, context 4096 (kernel ``mla_split``);
+- ``gemm-invariant``: batch-invariant FP8 ``gemm``, M=1, (N, K) = (2112, 7168) (kernel ``_gemm_kernel``).
+Each launches six times on fresh random inputs after one warm-up (compilation) launch; ``benchmarks/stall_ledger.py``
+sums the per-instruction stall samples of the CSV.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from tile_variants import make
+
+import deepinfer
+from deepinfer import ops
+from deepinfer.dispatch import batch_invariant
+from deepinfer.qtensor import quantize_blocks, quantize_rows
+
+
+def mla_inputs(seed: int) -> dict:
+    return make(64, 4096, "bf16", seed) | {"kv_lora_rank": 512, "kv_format": "bf16"}
+
+
+def gemm_inputs(seed: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = quantize_rows(torch.randn(1, 7168, device="cuda", generator=gen), 128, "fp32")
+    w = quantize_blocks(torch.randn(2112, 7168, device="cuda", generator=gen) * 7168**-0.5)
+    return {"a": a, "w": w, "out_dtype": torch.bfloat16}
+
+
+CASES = {"mla": (ops.mla_decode, mla_inputs, False), "gemm-invariant": (ops.gemm, gemm_inputs, True)}
+
+
+def main() -> None:
+    if len(sys.argv) != 2 or sys.argv[1] not in CASES:
+        raise SystemExit(f"usage: profile_launch.py {{{'|'.join(CASES)}}}")
+    op, inputs, invariant = CASES[sys.argv[1]]
+    deepinfer.use("cuda_sm100")
+    with batch_invariant(invariant):
+        for seed in range(7):
+            op(**inputs(seed))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
