@@ -5,7 +5,7 @@
     ncu --import REPORT.ncu-rep --page source --csv --print-source sass > REPORT.csv
 
 CASE is one of
-- ``mla``: ``mla_decode``, bf16 cache, H=128, B=64, context 4096 (kernel ``mla_split``);
+- ``mla`` / ``mla-fp8``: ``mla_decode``, bf16 / fp8_ds_mla cache, H=128, B=64, context 4096 (kernel ``mla_split``);
 - ``gemm-invariant``: batch-invariant FP8 ``gemm``, M=1, (N, K) = (2112, 7168) (kernel ``_gemm_kernel``).
 Each launches six times on fresh random inputs after one warm-up (compilation) launch; ``benchmarks/stall_ledger.py``
 sums the per-instruction stall samples of the CSV.
@@ -24,8 +24,8 @@ from deepinfer.dispatch import batch_invariant
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 
 
-def mla_inputs(seed: int) -> dict:
-    return make(64, 4096, "bf16", seed) | {"kv_lora_rank": 512, "kv_format": "bf16"}
+def mla_inputs(seed: int, fmt: str = "bf16") -> dict:
+    return make(64, 4096, fmt, seed) | {"kv_lora_rank": 512, "kv_format": fmt}
 
 
 def gemm_inputs(seed: int) -> dict:
@@ -35,7 +35,11 @@ def gemm_inputs(seed: int) -> dict:
     return {"a": a, "w": w, "out_dtype": torch.bfloat16}
 
 
-CASES = {"mla": (ops.mla_decode, mla_inputs, False), "gemm-invariant": (ops.gemm, gemm_inputs, True)}
+CASES = {
+    "mla": (ops.mla_decode, mla_inputs, False),
+    "mla-fp8": (ops.mla_decode, lambda seed: mla_inputs(seed, "fp8_ds_mla"), False),
+    "gemm-invariant": (ops.gemm, gemm_inputs, True),
+}
 
 
 def main() -> None:
