@@ -260,6 +260,43 @@ def test_mla_decode_tma_and_pointer_paths_agree():
     assert out.stdout.split("\n")[:3] == ["bf16 True", "fp8_ds_mla True", "[True, False, True, False]"]
 
 
+MLA_DIRECT = """
+import torch, deepinfer
+from deepinfer import ops
+from deepinfer.kv_cache import pack_fp8_ds_mla
+from deepinfer_cuda_sm100 import attention
+
+empty = torch.empty
+torch.empty = lambda *a, **k: empty(*a, **k).fill_(7)  # what a kernel leaves unwritten is not zero by chance
+g = torch.Generator().manual_seed(0)
+with deepinfer.use("cuda_sm100"):
+    for fmt in ("bf16", "fp8_ds_mla"):
+        cache = deepinfer.allocate_kv_cache(6, 64, kv_lora_rank=512, rope_dim=64, kv_format=fmt, device="cpu")
+        latent = torch.randn(6 * 64, 576, generator=g).bfloat16()
+        cache.view(6 * 64, -1).copy_(latent if fmt == "bf16" else pack_fp8_ds_mla(latent, 512))
+        kw = dict(q=torch.randn(3, 1, 16, 576, generator=g).bfloat16(), kv_cache=cache, softmax_scale=0.1,
+                  block_table=torch.randperm(6, generator=g).view(3, 2).int(), kv_format=fmt,
+                  seq_lens=torch.tensor([0, 37, 64], dtype=torch.int32))
+        runs = []
+        for span in (128, 64):  # one span over the 128-token table: written directly; two, the second empty: merged
+            attention._split_tokens = lambda *a, span=span: span
+            runs.append(ops.mla_decode(**kw))
+        (direct, direct_lse), (merged, merged_lse) = runs
+        print(fmt, torch.equal(direct, merged), torch.equal(direct_lse, merged_lse), bool((direct[0] == 0).all()),
+              bool((direct_lse[0] == float("-inf")).all()), bool(direct[1:].abs().amax() > 0))
+"""
+
+
+def test_mla_decode_one_span_writes_the_merged_result():
+    """Where one KV span covers the context, the split kernel writes the output and lse itself; they equal, bit for
+    bit, what the merge gives when the same span is one of two (the other empty), and a row that sees nothing gets
+    zeros and lse = -inf, as the merge would give it."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", MLA_DIRECT], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["bf16 True True True True True", "fp8_ds_mla True True True True True"]
+
+
 def setup_rank() -> None:
     deepinfer.use("cuda_sm100")
     from deepinfer_cuda_sm100 import moe

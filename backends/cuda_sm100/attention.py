@@ -1,13 +1,14 @@
 """``mla_decode``, ``attention_varlen``, ``write_kv_cache``.
 
 ``mla_decode`` is split-KV flash decoding over the paged latent cache: every (query row, head block, KV split)
-program reduces one span of the context, then a second kernel merges the spans by their lse. The grid comes from
+program reduces one span of the context, then a second kernel merges the spans by their lse (where one span covers
+the context, the split kernel writes the output and lse itself: the merge of one span is exact). The grid comes from
 the block table's shape rather than from the sequence lengths, so a decode step needs no host synchronisation. By
 default small batches take shorter spans, so that the grid fills the GPU; the batch-invariant variant keeps the span
 fixed, so a row's result cannot depend on the batch. A program holds its output as two [heads, L/2] halves (a TMA box
 is at most 256 wide) and reads whole 64-token blocks of a page by TMA copies; the last, partial block of a span is
 gathered with masks. On Hopper, DeepSeek-V3's shapes (bf16 or fp8_ds_mla cache) go to the warp-specialized Gluon
-split kernel in ``mla_gluon`` instead (same partial outputs, same merge).
+split kernel in ``mla_gluon`` instead (same partial outputs, same merge, same direct output).
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def _mla_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     row = tl.program_id(0)  # b * S_q + s
     pid_h = tl.program_id(1)
@@ -172,6 +174,9 @@ def _mla_split_kernel(
     part = (row.to(tl.int64) * H + heads) * n_splits + split
     if start >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=hmask)
+        if DIRECT:  # no merge follows: the output's rows are zeros
+            zeros = tl.zeros((BLOCK_H, L), part_out_ptr.dtype.element_ty)
+            tl.store(part_out_ptr + part[:, None] * L + tl.arange(0, L)[None, :], zeros, mask=hmask[:, None])
         return
 
     LH: tl.constexpr = L // 2
@@ -240,8 +245,8 @@ def _mla_split_kernel(
         )
     lse = (m_i + tl.log2(l_i)) / 1.4426950408889634  # natural log
     out_row = part_out_ptr + part[:, None] * L + tl.arange(0, LH)[None, :]
-    tl.store(out_row, acc0 / l_i[:, None], mask=hmask[:, None])
-    tl.store(out_row + LH, acc1 / l_i[:, None], mask=hmask[:, None])
+    tl.store(out_row, (acc0 / l_i[:, None]).to(part_out_ptr.dtype.element_ty), mask=hmask[:, None])
+    tl.store(out_row + LH, (acc1 / l_i[:, None]).to(part_out_ptr.dtype.element_ty), mask=hmask[:, None])
     tl.store(part_lse_ptr + part, lse, mask=hmask)
 
 
@@ -309,8 +314,11 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     context = block_table.shape[1] * page
     split = _split_tokens(batch * s_q * head_blocks, context, num_sms(q.device.index or 0), invariant)
     n_splits = triton.cdiv(context, split)
-    part_out = torch.empty(batch * s_q * heads * n_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch * s_q * heads * n_splits, dtype=torch.float32, device=q.device)
+    if n_splits == 1:  # one span covers the context: the split kernel writes the output, no merge
+        part_out, part_lse = out.view(-1, kv_lora_rank), lse.view(-1)
+    else:
+        part_out = torch.empty(batch * s_q * heads * n_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch * s_q * heads * n_splits, dtype=torch.float32, device=q.device)
     fp8 = kv_format == "fp8_ds_mla"
     flat = kv_cache.view(-1)
     records = kv_cache.view(-1, kv_cache.shape[2])  # one row per cached token
@@ -353,11 +361,13 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
             SPLIT=split,
             BLOCK_H=block_h,
             FP32_DOT=INTERPRET,
+            DIRECT=n_splits == 1,
             **tile,
         )
-    _mla_merge_kernel[(batch * s_q * heads,)](
-        part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits), CHUNK=8
-    )
+    if n_splits > 1:
+        _mla_merge_kernel[(batch * s_q * heads,)](
+            part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits), CHUNK=8
+        )
     return out, lse
 
 

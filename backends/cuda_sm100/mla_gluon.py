@@ -232,8 +232,11 @@ def _part_rows(row, pid_h, split, H, n_splits):
 
 @gluon.jit
 def _store_half(part_out_ptr, o, inv_l, part, hmask, col0):
+    """Columns ``col0 + [0, 256)`` of the program's rows of ``part_out``, in its dtype (the bf16 output itself when
+    the span is the whole context)."""
     cols = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, O_LAYOUT)), 0)
-    gl.store(part_out_ptr + gl.expand_dims(part * L + col0, 1) + cols, o * inv_l, mask=gl.expand_dims(hmask, 1))
+    gl.store(part_out_ptr + gl.expand_dims(part * L + col0, 1) + cols, (o * inv_l).to(part_out_ptr.dtype.element_ty),
+             mask=gl.expand_dims(hmask, 1))  # fmt: skip
 
 
 @gluon.jit
@@ -358,10 +361,12 @@ def _mla_split_kernel(
     RIGHT_REGS: gl.constexpr,
     FILL_REGS: gl.constexpr,
     CHUNK: gl.constexpr,
+    DIRECT: gl.constexpr,
 ):
     """``attention._mla_split_kernel``'s contract (one (query row, 64 heads, KV split) per program). Launched with 4
     warps, to which the second warpgroup adds 4, and with ``FP8`` (an fp8_ds_mla cache at ``cache_ptr``, bytes;
-    ``lat_desc`` None, ``rope_desc`` over the records seen as bf16) the third 4 more."""
+    ``lat_desc`` None, ``rope_desc`` over the records seen as bf16) the third 4 more. ``DIRECT``: one split covers
+    the context, and ``part_out`` / ``part_lse`` are the output and lse themselves (zeros where nothing is visible)."""
     row = gl.program_id(0)
     pid_h = gl.program_id(1)
     split = gl.program_id(2)
@@ -374,6 +379,13 @@ def _mla_split_kernel(
         part, hmask = _part_rows(row, pid_h, split, H, n_splits)
         empty = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, O_LAYOUT))
         gl.store(part_lse_ptr + part, empty, mask=hmask)
+        if DIRECT:  # no merge follows: the output's rows are zeros
+            rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+            heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
+            at = part_out_ptr + gl.expand_dims((row.to(gl.int64) * H + heads) * L, 1)
+            cols = gl.expand_dims(gl.arange(0, L, layout=gl.SliceLayout(0, rows)), 0)
+            zeros = gl.zeros([BLOCK_H, L], part_out_ptr.dtype.element_ty, rows)
+            gl.store(at + cols, zeros, mask=gl.expand_dims(heads < H, 1))
         return
 
     q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh)
@@ -475,5 +487,6 @@ def launch_split(q, records, block_table, seq_lens, part_out, part_lse, softmax_
     _mla_split_kernel[(batch * s_q, -(-heads // BLOCK_H.value), n_splits)](
         q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
-        PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, **regs, num_warps=4,
+        PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, DIRECT=n_splits == 1, **regs,
+        num_warps=4,
     )  # fmt: skip
