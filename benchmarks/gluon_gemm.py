@@ -204,6 +204,7 @@ def shape_row(m: int, n: int, k: int) -> dict:
     return row
 
 
+PROJECTIONS = ((24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168))  # DeepSeek-V3
 SMALL_ROWS = (1, 8, 64, 128)
 SMALL_TILES = [(bn, stages) for bn in (32, 64, 128) for stages in (4, 6, 8)]
 
@@ -258,17 +259,15 @@ def main() -> int:
         import deepinfer
 
         deepinfer.use("cuda_sm100")
-        projections = ((24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168))
         rows = []
-        for n, k in projections:
+        for n, k in PROJECTIONS:
             for m in SMALL_ROWS:
                 rows.append(small_row(m, n, k))
                 with open(sys.argv[1], "w") as f:
                     json.dump(rows, f, indent=1)
         return 0
     report = {"device": torch.cuda.get_device_name(), "rows": []}
-    projections = ((24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168))
-    for m, n, k in [(4096, n, k) for n, k in projections] + [(512, 4096, 7168)]:
+    for m, n, k in [(4096, n, k) for n, k in PROJECTIONS] + [(512, 4096, 7168)]:
         report["rows"].append(shape_row(m, n, k))
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
