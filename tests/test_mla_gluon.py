@@ -30,13 +30,14 @@ def _descriptor(records: torch.Tensor, cols: int):
     )[0]
 
 
-def _compile(kv_format: str):
-    """The split kernel as ``launch_split`` specialises it for DeepSeek-V3's cache in ``kv_format``, 64-token pages."""
+def _compile(kv_format: str, direct: bool):
+    """The split kernel as ``launch_split`` specialises it for DeepSeek-V3's cache in ``kv_format``, 64-token pages;
+    ``direct``: one split, written to the bf16 output itself."""
     fp8 = kv_format == "fp8_ds_mla"
     signature = {"q_ptr": "*bf16", "cache_ptr": "*u8" if fp8 else "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
-    signature |= {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
+    signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "n_splits"), "i32")
-    constants = {"PAGE": 64, "SPLIT": 1024, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK}
+    constants = {"PAGE": 64, "SPLIT": 1024, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK, "DIRECT": direct}
     if fp8:  # the rope part by TMA from the records seen as bf16, the latent dequantised by the kernel
         signature["rope_desc"] = _descriptor(torch.empty(4096, 328, dtype=torch.bfloat16), 64)
         constants |= {"lat_desc": None, "WIDTH": 656, "RIGHT_REGS": mla_gluon.FP8_RIGHT_REGS}
@@ -52,9 +53,10 @@ def _compile(kv_format: str):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_format):
-    kernel = _compile(kv_format)
+def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_format, direct):
+    kernel = _compile(kv_format, direct)
     ptx = kernel.asm["ptx"]
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
     # scores: [64 heads, 64 tokens] over 576 = 36 steps of k16, at two call sites (first block, then each next one);
