@@ -3,7 +3,9 @@
 Every step it builds one batch under a token budget (``max_num_batched_tokens``) and a seat limit
 (``max_num_seqs``), oldest request first:
 
-1. swapped-out sequences come back when their pages fit again;
+1. swapped-out sequences come back when their pages fit again beside what the running sequences need for their own
+   next step (else a sequence swapped back in could take the pages an older one's prefill waits for, be preempted
+   for it as the newest, and come back again, for ever);
 2. every running sequence whose only pending token is a generated one decodes it; if the cache has no page for it, the
    newest running sequence not yet scheduled is preempted (possibly the one asking);
 3. running sequences in the middle of their prefill get their next chunk, then waiting requests are admitted
@@ -138,9 +140,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
 
+        reserved = sum(max(0, self._pages_for_next_step(s) - len(s.block_table)) for s in self.running)
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            if self._pages_for_next_step(seq) > self.allocator.num_free:
+            if self._pages_for_next_step(seq) > self.allocator.num_free - reserved:
                 break
             self.swapped.pop(0)
             seq.block_table = self.allocator.allocate(seq.swapped_pages)

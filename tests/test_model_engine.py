@@ -81,6 +81,28 @@ def test_block_allocator_hands_out_and_takes_back_pages():
         alloc.free(pages[:1])
 
 
+def test_a_swapped_sequence_does_not_come_back_into_pages_a_running_prefill_needs():
+    """An older request in the middle of its prefill needs 2 more of the 3 free pages; a newer one swapped out needs
+    3 to come back. Taking them would block the prefill, the newer one would be preempted again as the newest, and
+    the two would trade places for ever: the prefill goes first, the swapped one stays out."""
+    from deepinfer.model.scheduler import Scheduler
+    from deepinfer.model.sequence import Status
+
+    alloc = BlockAllocator(num_blocks=5, block_size=8)
+    sched = Scheduler(alloc, max_num_seqs=2, max_num_batched_tokens=48, chunk_size=16, preemption_mode="swap",
+                      swap_out=list, swap_in=lambda handle, pages: None)  # fmt: skip
+    older = Sequence("older", 0, list(range(26)), SamplingParams(), seed=0)
+    newer = Sequence("newer", 1, list(range(21)), SamplingParams(), seed=0)
+    older.num_computed, older.status = 16, Status.RUNNING
+    alloc.grow(older, 16)
+    sched.running.append(older)
+    newer.num_computed, newer.status, newer.swapped, newer.swapped_pages = 16, Status.SWAPPED, [0, 1], 2
+    sched.swapped.append(newer)
+    batch = sched.schedule()
+    assert [(c.seq.request_id, c.start, c.end) for c in batch.prefills] == [("older", 16, 26)] and not batch.decodes
+    assert sched.swapped == [newer] and alloc.num_free == 1
+
+
 def test_chunked_prefill_equals_unchunked(make):
     prompts = random_prompts(258, [37, 5, 22, 64], seed=1)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
@@ -138,6 +160,7 @@ def test_random_cache_pressure_never_loses_or_leaks(make, trial):
     num_blocks = rng.randint(-(-max(len(p) for p in prompts) // block_size) + 1, -(-need // block_size) * 2)
     mode = rng.choice(["swap", "recompute"])
     chunk = rng.choice([4, 8, 16])
+    where = f"seed {seed}: {n} requests, {num_blocks} pages of {block_size}, {mode}"
     with deepinfer.batch_invariant():
         ample = make(block_size=block_size).generate(prompts, params)
         llm = make(
@@ -148,8 +171,11 @@ def test_random_cache_pressure_never_loses_or_leaks(make, trial):
             prefill_chunk_size=chunk,
             max_num_batched_tokens=chunk * rng.randint(1, 3),
         )
-        tight = llm.generate(prompts, params)
-    where = f"seed {seed}: {n} requests, {num_blocks} pages of {block_size}, {mode}"
+        try:
+            tight = llm.generate(prompts, params)
+        except Exception as e:  # a schedule that fails (not only a wrong result) must name its seed too
+            e.add_note(where)
+            raise
     assert llm.engine.allocator.num_free == num_blocks, where
     capacity = num_blocks * block_size
     for a, b, p, sp in zip(tight, ample, prompts, params):
