@@ -114,6 +114,10 @@ class Check:
         if t.numel() == 0:
             return
         lo, hi = torch.stack([t.min(), t.max()]).tolist()  # one host synchronisation
+        self.bounds_in_range(arg, lo, hi, low, high, what=what)
+
+    def bounds_in_range(self, arg: str, lo: int, hi: int, low: int, high: int, *, what: str = "values") -> None:
+        """The smallest and largest entry, already read on the host, in [low, high]."""
         if lo < low or hi > high:
             raise self.fail(arg, f"{what} in [{low}, {high}]", f"values in [{lo}, {hi}]")
 

@@ -74,9 +74,15 @@ def mla_decode(
     c.same_device(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
     if value_checks_enabled(q) and batch:
         num_blocks, block_size = kv_cache.shape[:2]
-        c.values_in_range("seq_lens", seq_lens, 0, block_table.shape[1] * block_size, what="lengths")
-        used = torch.arange(block_table.shape[1], device=q.device) * block_size < seq_lens[:, None]
-        c.values_in_range("block_table", block_table[used], 0, num_blocks - 1, what="page ids of used pages")
+        bounds = [seq_lens.min(), seq_lens.max()]
+        if block_table.shape[1]:  # the used pages' smallest and largest id (int32 limits where a row uses none)
+            used = torch.arange(block_table.shape[1], device=q.device) * block_size < seq_lens[:, None]
+            limit = torch.iinfo(torch.int32)
+            bounds += [block_table.where(used, limit.max).min(), block_table.where(used, limit.min).max()]
+        values = torch.stack(bounds).tolist()  # one host synchronisation for both checks
+        c.bounds_in_range("seq_lens", *values[:2], 0, block_table.shape[1] * block_size, what="lengths")
+        if len(values) == 4 and values[2] <= values[3]:
+            c.bounds_in_range("block_table", *values[2:], 0, num_blocks - 1, what="page ids of used pages")
     return call(
         "mla_decode",
         q=q,
