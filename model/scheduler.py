@@ -140,7 +140,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        reserved = sum(max(0, self._pages_for_next_step(s) - len(s.block_table)) for s in self.running)
+        reserved = sum(self.allocator.missing(s, self._next_end(s)) for s in self.running)
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             if self._pages_for_next_step(seq) > self.allocator.num_free - reserved:
@@ -187,10 +187,13 @@ class Scheduler:
             budget -= end - seq.num_computed
         return batch
 
+    def _next_end(self, seq: Sequence) -> int:
+        """Tokens ``seq`` holds after its next step: one more in decode, the next chunk's end in prefill."""
+        return seq.num_computed + 1 if seq.is_decode else self.chunk_end(seq)
+
     def _pages_for_next_step(self, seq: Sequence) -> int:
         """Pages ``seq`` holds after its next step (for a swapped sequence, at least the pages it comes back to)."""
-        end = seq.num_computed + 1 if seq.is_decode else self.chunk_end(seq)
-        return max(seq.swapped_pages, self.allocator.blocks_for(end))
+        return max(seq.swapped_pages, self.allocator.blocks_for(self._next_end(seq)))
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
         """Preempts the newest unscheduled running sequences until ``seq`` can hold ``num_tokens``; False when
