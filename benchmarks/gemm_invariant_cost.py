@@ -6,8 +6,7 @@ For each DeepSeek-V3 projection and M = 1 ... 4096: the graph time of ``ops.gemm
 batch-invariant mode (FP8 activations, rotated input sets), which implementation each ran, and whether the
 batch-invariant rows of an M-row product equal, bit for bit, the same rows of the 4096-row product. From 64 rows
 also cuBLAS's block-scaled product called directly (``gemm_fp8_cublas``; batch-invariant mode takes it only from
-``CUBLAS_FP8_MIN_M`` rows): its graph time and whether its rows equal the same rows of the 4096-row product. Where
-batch-invariant mode splits K by block products, also the unsplit launch it replaced, timed and compared likewise.
+``CUBLAS_FP8_MIN_M`` rows): its graph time and whether its rows equal the same rows of the 4096-row product.
 """
 
 from __future__ import annotations
@@ -23,18 +22,10 @@ from deepinfer.bench import time_graph_ms
 from deepinfer.conformance.gemm import V3_PROJECTIONS
 from deepinfer.dispatch import batch_invariant, last_resolution
 from deepinfer.qtensor import quantize_blocks, quantize_rows
-from deepinfer_cuda_sm100 import gemm as cuda_gemm
 from deepinfer_cuda_sm100.gemm import gemm_fp8_cublas
 
-ROWS = (1, 4, 8, 16, 64, 96, 128, 192, 256, 4096)
+ROWS = (1, 8, 64, 96, 128, 192, 256, 4096)
 SETS = 4
-
-
-def unsplit_gemm(a: QTensor, w: QTensor) -> torch.Tensor:
-    """The batch-invariant launch without a split over K (what block products replace at a few rows)."""
-    (m, k), n = a.shape, w.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
-    return cuda_gemm._launch_gemm(a.data, w.data, out, a.scale, w.scale, None, True, cuda_gemm._unsplit_tile(m, n, k))
 
 
 def main() -> None:
@@ -67,12 +58,6 @@ def main() -> None:
                 f"invariant {row['invariant_ms']:.4f} ms ({row['invariant_impl']}): {row['cost']:.2f}x; "
                 f"rows equal at 4096: {row['rows_equal_4096']}"
             )
-            if cuda_gemm._tile(m, n, k, True, True).block_products:
-                unsplit = lambda i, a=a, w=w: unsplit_gemm(a[i], w[i])
-                row["unsplit_ms"] = time_graph_ms(unsplit, sets=SETS)
-                row["unsplit_equal_4096"] = bool(torch.equal(unsplit(0).view(torch.int16), ref[:m].view(torch.int16)))
-                line += f"; unsplit {row['unsplit_ms']:.4f} ms ({row['unsplit_ms'] / row['default_ms']:.2f}x), "
-                line += f"rows equal at 4096: {row['unsplit_equal_4096']}"
             if m >= 64:
                 cublas = lambda i, a=a, w=w: gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None)
                 row["cublas_ms"] = time_graph_ms(cublas, sets=SETS)

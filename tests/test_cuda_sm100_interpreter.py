@@ -137,7 +137,6 @@ w = quantize_blocks(torch.randn(384, 640, generator=g) * 0.06)
 bias = torch.randn(384, generator=g)
 want = a.dequantize() @ w.dequantize().t() + bias
 tiles = [gemm.Tile(64, n, 4, stages) for n, stages in ((128, 3), (64, 4), (32, 6), (16, 3))]
-tiles.append(gemm.Tile(64, 64, 4, 4, 4, block_products=True))  # 5 K blocks: spans of 2, 2, 1 and none
 for dtype in (torch.float32, torch.bfloat16):
     outs = [gemm._launch_gemm(a.data, w.data, torch.empty(130, 384, dtype=dtype), a.scale, w.scale, bias, True, t)
             for t in tiles]
@@ -149,29 +148,26 @@ for dtype in (torch.float32, torch.bfloat16):
 
 
 def test_fp8_gemm_bits_do_not_depend_on_the_unsplit_tile():
-    """Unsplit FP8 ``gemm`` launches of 64-row tiles 128, 64, 32 and 16 columns wide (any stage count), and a launch
-    split over K by block products (an empty last span included), give the same bits, with a bias and fp32 or bf16
-    results: batch-invariant mode may pick its tile by row count. A launch split over K by partial sums stays within
-    the reference's bound."""
+    """Unsplit FP8 ``gemm`` launches of 64-row tiles 128, 64, 32 and 16 columns wide (any stage count) give the same
+    bits, with a bias and fp32 or bf16 results: batch-invariant mode may pick its tile by row count. A launch split
+    over K (an empty last span included) stays within the reference's bound."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", UNSPLIT_TILES], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["torch.float32 True True True", "torch.bfloat16 True True True"]
 
 
-def test_batch_invariant_gemm_never_splits_k_into_partial_sums(monkeypatch):
-    """In batch-invariant mode the FP8 gemm keeps 64-row tiles and splits K only by block products, whatever M: what
-    fixes a row's arithmetic (the tile's width and the split may follow M, which the test above shows changes no
-    bit). Block products serve a few rows of the long products, where unsplit tiles would leave SMs idle."""
+def test_batch_invariant_gemm_never_splits_k(monkeypatch):
+    """In batch-invariant mode the FP8 gemm keeps 64-row tiles and never splits K, whatever M: what fixes a row's
+    arithmetic (the tile's width may follow M, which the test above shows changes no bit)."""
     from deepinfer_cuda_sm100 import gemm
 
     monkeypatch.setattr(gemm, "num_sms", lambda *_: 132)  # the H200's
 
     for n, k in [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]:
-        for m in (1, 7, 8, 9, 16, 64, 65, 128, 255, 256, 4096, 8192):
+        for m in (1, 7, 16, 64, 65, 128, 255, 256, 4096, 8192):
             tile = gemm._tile(m, n, k, True, True)
-            assert tile.block_m == 64 and (tile.split_k == 1 or tile.block_products), (m, n, k, tile)
-            assert tile.block_products == (m <= gemm.BLOCK_PRODUCTS_MAX_M and k >= gemm.SPLIT_K_MIN_K), (m, n, k)
+            assert tile.block_m == 64 and tile.split_k == 1, (m, n, k, tile)
         assert gemm._tile(1, n, k, True, False).split_k == (4 if k >= gemm.SPLIT_K_MIN_K else 1)
 
 

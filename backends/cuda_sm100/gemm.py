@@ -7,9 +7,7 @@ Batch invariance is a matter of each element's arithmetic, not of the launch sha
 tile of 64-row multiples (tensor-core products of 64 rows) computes an element the same way: the K-ordered sum of
 its 128-deep products, each accumulated from zero and scaled. cuBLAS's block-scaled FP8 product gives exactly those
 bits from 64 rows on (``benchmarks/cublas_invariance.py``), so batch-invariant mode may take it, row count by row count,
-once it has been seen to (``cublas_fp8_invariant_supports``). Where a few rows leave most SMs idle, batch-invariant
-mode splits K after all, but keeps the arithmetic: each program stores its 128-deep products unscaled, and a second
-kernel adds them in K order as the unsplit loop does (``_sum_block_products_kernel``).
+once it has been seen to (``cublas_fp8_invariant_supports``).
 """
 
 from __future__ import annotations
@@ -134,13 +132,11 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    BLOCK_PRODUCTS: tl.constexpr,
 ):
     """C[M, N] = A[M, K] @ B[N, K]^T; FP8: A scales [M, K/128], B scales [ceil(N/128), K/128], BLOCK_K = 128.
     ``a_src`` / ``b_src`` are TMA descriptors (TMA) or pointers. SPLIT_K > 1 cuts K into SPLIT_K spans, each
     accumulated from zero by the programs of axis 1, which store their fp32 partial products at ``C + split * M * N``
-    (no bias) for ``_sum_splits_kernel``. BLOCK_PRODUCTS (FP8): no accumulation; the unscaled product of K block
-    ``kb`` goes to ``C + kb * M * N`` (fp32) for ``_sum_block_products_kernel``."""
+    (no bias) for ``_sum_splits_kernel``."""
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -153,18 +149,9 @@ def _gemm_kernel(
         b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         if FP8:
             part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
-            if BLOCK_PRODUCTS:
-                tl.store(
-                    c_ptr + (k0 // BLOCK_K * M + offs_m[:, None]) * N + offs_n[None, :],
-                    part,
-                    mask=mask_m[:, None] & mask_n[None, :],
-                )
-            else:
-                acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
+            acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
         else:
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
-    if BLOCK_PRODUCTS:
-        return
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if SPLIT_K > 1:
@@ -192,49 +179,17 @@ def _sum_splits_kernel(
     tl.store(out_ptr + (i // N) * stride_om + i % N, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _sum_block_products_kernel(
-    parts_ptr,
-    as_ptr,
-    bs_ptr,
-    bias_ptr,
-    out_ptr,
-    MN,
-    N,
-    stride_om,
-    KB: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """out[m, n] from the unscaled 128-deep products ``parts[KB, M, N]`` (fp32): each scaled and added in K order
-    by ``_add_scaled``'s arithmetic, then the bias, rounded once: the unsplit ``_gemm_kernel``'s bits."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < MN
-    m, n = i // N, i % N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for kb in tl.static_range(KB):
-        part = tl.load(parts_ptr + kb * MN + i, mask=mask, other=0.0)
-        sa = tl.load(as_ptr + m * KB + kb, mask=mask, other=0.0)
-        sb = tl.load(bs_ptr + n // 128 * KB + kb, mask=mask, other=0.0)
-        acc = acc + part * (sa * sb)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 class Tile(NamedTuple):
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     split_k: int = 1
-    block_products: bool = False  # the spans store each K block's product; a second kernel adds them in K order
 
 
 SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four where their tiles would leave SMs idle
 FILL_WAVES = 2  # ... that is, where the tiles give fewer programs than this many per SM
 MIN_COLUMN_TILES = 40  # unsplit tiles narrow until N gives this many (about a third of the H200's SMs) or 32 wide
-BLOCK_PRODUCTS_MAX_M = 16  # batch-invariant mode splits K (keeping each block's product) up to this many rows
 DEEP_K = 4096  # 64 x 128 tiles of products this deep keep 4 K blocks in flight, not 3 (benchmarks/gemm_kloop.py)
 
 
@@ -249,14 +204,12 @@ def _fills_gpu(m: int, n: int, block_m: int, block_n: int) -> bool:
 
 def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``).
-    Batch-invariant mode keeps 64-row tiles, whose bits do not depend on the tile (module docstring), and splits K
-    only by block products (a few rows of a long product); the tile's width follows the grid. The default mode splits
-    K where the tiles would not fill the GPU, and below 64 rows takes 16-row tiles."""
+    Batch-invariant mode never splits K and keeps 64-row tiles, whose bits do not depend on the tile (module
+    docstring); the tile's width follows the grid. The default mode splits K where the tiles would not fill the GPU,
+    and below 64 rows takes 16-row tiles."""
     if not fp8:
         return _deep(Tile(64, 128, 4, 3), k)
     if invariant:
-        if m <= BLOCK_PRODUCTS_MAX_M and k >= SPLIT_K_MIN_K and not _fills_gpu(m, n, 64, 64):
-            return Tile(64, 64, 4, 4, split_k=4, block_products=True)
         return _unsplit_tile(m, n, k)
     tile = Tile(16, 64, 4, 4) if m <= 16 else Tile(64, 64, 4, 3) if m <= 64 else _deep(Tile(64, 128, 4, 3), k)
     fills = _fills_gpu(m, n, tile.block_m, tile.block_n)
@@ -287,11 +240,7 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     split = tile.split_k
     block_k = FP8_BLOCK if fp8 else 64
     assert not fp8 or FP8_BLOCK % tile.block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
-    assert fp8 or not tile.block_products, "block products are FP8 products"
-    if tile.block_products:
-        target = torch.empty(triton.cdiv(k, block_k), m, n, dtype=torch.float32, device=out.device)
-    else:
-        target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     dummy = out
     tma = tma_ready(a, b)
     _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
@@ -316,26 +265,10 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
         BLOCK_K=block_k,
         GROUP_M=8,
         SPLIT_K=split,
-        BLOCK_PRODUCTS=tile.block_products,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
-    if tile.block_products:
-        block = 128
-        _sum_block_products_kernel[(triton.cdiv(m * n, block),)](
-            target,
-            a_scale,
-            b_scale,
-            bias if bias is not None else dummy,
-            out,
-            m * n,
-            n,
-            out.stride(0),
-            KB=target.shape[0],
-            HAS_BIAS=bias is not None,
-            BLOCK=block,
-        )
-    elif target is not out:
+    if target is not out:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             target,
