@@ -418,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--batch-invariant", action="store_true", help="load and decode in batch-invariant mode")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--hf-steps", type=int, default=5)
     p.add_argument("--hf-batches", help="batch sizes for transformers (default: the same)")
@@ -453,19 +454,20 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
         max_batch = max(batches)
         blocks = max_batch * math.ceil(args.context / 64) + 64
-        llm = LLM(
-            path,
-            backend,
-            device=device,
-            kv_format=args.kv_format,
-            num_blocks=blocks,
-            max_num_seqs=max_batch,
-            max_model_len=args.context + 64,
-            enforce_eager=args.enforce_eager,
-        )
-        graphs = llm.engine.runner.graphs is not None
-        with deepinfer.use(backend):
-            ours = bench_ours(llm, batches, args.context, args.steps, args.warmup, bandwidth, args.profile)
+        with deepinfer.batch_invariant(args.batch_invariant):
+            llm = LLM(
+                path,
+                backend,
+                device=device,
+                kv_format=args.kv_format,
+                num_blocks=blocks,
+                max_num_seqs=max_batch,
+                max_model_len=args.context + 64,
+                enforce_eager=args.enforce_eager,
+            )
+            graphs = llm.engine.runner.graphs is not None
+            with deepinfer.use(backend):
+                ours = bench_ours(llm, batches, args.context, args.steps, args.warmup, bandwidth, args.profile)
         del llm
         gc.collect()
         if device.type == "cuda":
@@ -478,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     by_batch = {r["batch"]: r for r in hf if "tokens_per_s" in r}
     print(
         f"decode at context {args.context}, {args.layers} layers, {args.kv_format} cache, backend {backend}, "
-        f"CUDA graphs {'on' if graphs else 'off'}, copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+        f"CUDA graphs {'on' if graphs else 'off'}, batch-invariant {'on' if args.batch_invariant else 'off'}, "
+        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
     )
     print(
         f"{'batch':>6} {'ms/step':>9} {'tok/s':>10} {'roofline tok/s':>15} {'% roofline':>11} "
@@ -501,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "context": args.context,
         "kv_format": args.kv_format,
         "cuda_graphs": graphs,
+        "batch_invariant": args.batch_invariant,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "ours": ours,
         "transformers": hf,

@@ -7,6 +7,10 @@ them in with two transfers (int64 and int32 fields), then replays the graph. Pad
 dropped. The captured forward dispatches experts in ``low_latency`` mode (fixed capacity, no host synchronisation)
 and computes the logits of every row, so sampling stays outside the graph.
 
+The graphs hold the kernels of the mode that was on at capture, default or batch-invariant: they are replayed only
+in that mode. In batch-invariant mode a row's bits do not depend on the bucket, the padding or the dispatch mode, so
+a step replayed from a graph gives the bits of the same step run eagerly.
+
 Capture needs every op on the decode path to be free of host synchronisation on the chosen backend; if capture
 fails (for example an op falls back to the reference), the graphs are dropped with a warning and decode runs
 eagerly.
@@ -17,6 +21,8 @@ from __future__ import annotations
 import warnings
 
 import torch
+
+import deepinfer
 
 from .deepseek_v3 import DeepseekV3
 from .forward_batch import ForwardBatch
@@ -46,6 +52,7 @@ class DecodeGraphs:
         self.narrow = torch.zeros(max_batch * (2 + max_blocks), dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.invariant = False  # the batch-invariant mode of the capture
 
     def _forward(self, b: int) -> torch.Tensor:
         batch = ForwardBatch(
@@ -62,6 +69,7 @@ class DecodeGraphs:
         """Captures every bucket, largest first (they share one memory pool). Returns False, with a warning and
         no graphs kept, if any capture fails."""
         pool = None
+        self.invariant = deepinfer.batch_invariant_enabled()
         try:
             for b in reversed(self.sizes):
                 self.wide[b : 2 * b].fill_(-1)  # the warm-up runs write no cache slot

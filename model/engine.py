@@ -41,7 +41,8 @@ class LLMEngine:
     enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens, within ``kv_cache_bytes``; on a GPU
     ``kv_cache_bytes`` defaults to 90% of the free memory less a reserve for activations). chunk_size: prefill
     chunk length (chunks end at its multiples). cuda_graphs: capture decode graphs when the backend declares
-    ``cuda_graphs`` (never in batch-invariant mode).
+    ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now; they are replayed only in that
+    mode.
 
     Expert parallelism (``model.ep`` over several ranks): every rank constructs the engine with the same arguments
     and then adds the same requests in the same order and steps alike; ``step`` and ``run_until_done`` are then
@@ -101,7 +102,7 @@ class LLMEngine:
             graphs = DecodeGraphs(model, list(self.kv_cache.unbind(0)), max_batch=max_num_seqs, max_blocks=max_blocks)
         self.runner = ModelRunner(model, self.kv_cache, self.allocator, graphs=graphs)
         if graphs is not None:
-            captured = not deepinfer.batch_invariant_enabled() and graphs.capture()
+            captured = graphs.capture()
             if self.sync is not None:  # a step's MoE mode depends on the graphs: all ranks use them or none does
                 captured = self.sync.min_int(int(captured)) == 1
             if not captured:

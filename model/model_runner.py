@@ -130,7 +130,7 @@ class ModelRunner:
             self.graphs is not None
             and not batch.prefills
             and self.graphs.fits(len(batch.decodes))
-            and not deepinfer.batch_invariant_enabled()
+            and self.graphs.invariant == deepinfer.batch_invariant_enabled()
         )
         if use_graph:
             logits = self._graph_logits(batch)

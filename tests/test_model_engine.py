@@ -266,6 +266,38 @@ def test_text_prompts_and_request_errors(make, tmp_path):
         (tmp_path / "tokenizer.json").rename(llm.path / "tokenizer.json")
 
 
+class Replayed(Exception):
+    pass
+
+
+class GraphsStandIn:
+    """Stands in for ``DecodeGraphs`` captured in one batch-invariant mode: every batch fits, replaying raises."""
+
+    def __init__(self, invariant: bool):
+        self.invariant = invariant
+
+    def fits(self, n: int) -> bool:
+        return True
+
+    def run(self, **inputs):
+        raise Replayed
+
+
+@pytest.mark.parametrize("captured_invariant", [False, True])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_decode_graphs_replay_only_in_the_mode_they_were_captured_in(make, invariant, captured_invariant):
+    llm = make(max_num_seqs=2)
+    llm.engine.runner.graphs = GraphsStandIn(captured_invariant)
+    prompts = random_prompts(258, [3, 6], seed=0)
+    with deepinfer.batch_invariant(invariant):
+        if invariant == captured_invariant:
+            with pytest.raises(Replayed):  # the first decode-only step replays
+                llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        else:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+            assert [len(t) for t in tokens(outs)] == [4, 4]
+
+
 def test_backend_is_pinned_per_llm(ckpt, deepinfer_device):
     llm = LLM(ckpt, "reference", device=deepinfer_device, progress=False)
     assert llm.backend == "reference"
