@@ -13,6 +13,7 @@ from .kv_cache import allocate_kv_cache
 from .qtensor import QTensor
 from .records import BackendSpec, OpImpl
 from .selection import available_backends, current_backend, use
+from .validation import value_checks
 
 __version__ = "0.1.0"
 
@@ -35,4 +36,5 @@ __all__ = [
     "ops",
     "prepare_weight",
     "use",
+    "value_checks",
 ]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -23,15 +24,30 @@ def _shape(t: torch.Tensor) -> str:
     return str(list(t.shape))
 
 
+_checks_off: list[bool] = []
+
+
 def value_checks_enabled(*tensors: torch.Tensor) -> bool:
     """Whether checks that read index values (and so synchronise with the device) run.
 
-    On by default; ``DEEPINFER_VALUE_CHECKS=0`` turns them off, and they are skipped while a CUDA graph is being
-    captured (reading values there is impossible).
+    On by default. ``DEEPINFER_VALUE_CHECKS=0`` turns them off, and so does ``value_checks(False)`` inside its block.
+    They are skipped while a CUDA graph is being captured (reading values there is impossible).
     """
-    if os.environ.get("DEEPINFER_VALUE_CHECKS", "1") == "0":
+    if os.environ.get("DEEPINFER_VALUE_CHECKS", "1") == "0" or (_checks_off and _checks_off[-1]):
         return False
     return not (any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, the checks that read index values run (``enabled``, unless ``DEEPINFER_VALUE_CHECKS=0``) or
+    not. For callers that build the index tensors themselves, such as an engine's page tables: each check waits for
+    the device, so an eager caller that keeps them loses the overlap of its host and device work."""
+    _checks_off.append(not enabled)
+    try:
+        yield
+    finally:
+        _checks_off.pop()
 
 
 class Check:

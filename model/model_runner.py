@@ -3,6 +3,10 @@
 The paged cache of all layers is one tensor ``[layers, num_blocks, block_size, width]`` (``kv_caches[l]`` is layer
 ``l``'s cache as the ops take it). Decode rows come first in the packed batch, then the prefill chunks. A
 decode-only step replays a captured CUDA graph when the backend supports them (``cuda_graphs.py``).
+
+The forward runs without the ops' value checks (``deepinfer.value_checks(False)``): the page tables, slots,
+positions and sequence lengths come from the allocator and the scheduler, and the expert ids and offsets from the
+backend's own ops. Each check would wait for the device, several times per layer in an eager step.
 """
 
 from __future__ import annotations
@@ -136,7 +140,8 @@ class ModelRunner:
             logits = self._graph_logits(batch)
         else:
             input_ids, fb = self.prepare(batch)
-            hidden = self.model.forward(input_ids, fb, self.kv_caches)
+            with deepinfer.value_checks(False):
+                hidden = self.model.forward(input_ids, fb, self.kv_caches)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
         result = StepResult()
         if not rows:

@@ -3,6 +3,7 @@ log-probabilities and the offline API, on a small checkpoint and the selected ba
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 
@@ -296,6 +297,20 @@ def test_decode_graphs_replay_only_in_the_mode_they_were_captured_in(make, invar
         else:
             outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
             assert [len(t) for t in tokens(outs)] == [4, 4]
+
+
+def test_the_forward_runs_without_value_checks(make, monkeypatch):
+    """The engine builds the page tables, slots and positions itself: its forward skips the ops' value checks
+    (each waits for the device), which still run for a direct call."""
+    rope_module = importlib.import_module("deepinfer.ops.rope")
+    seen = []
+    checks = rope_module.value_checks_enabled
+    monkeypatch.setattr(rope_module, "value_checks_enabled", lambda *t: seen.append(checks(*t)) or seen[-1])
+    llm = make(max_num_seqs=2)
+    llm.generate(random_prompts(258, [3, 6], seed=1), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert seen and not any(seen)
+    with pytest.raises(deepinfer.InputError, match="positions"):
+        deepinfer.ops.rope(torch.randn(1, 2, 8), torch.tensor([16]), torch.randn(16, 8))
 
 
 def test_backend_is_pinned_per_llm(ckpt, deepinfer_device):

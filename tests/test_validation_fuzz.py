@@ -906,3 +906,23 @@ def test_moe_route_reference_fuzz(data):
     hw, hids = sorted_by_id(*hf_route(logits, bias, **kw, scale=scale))
     assert torch.equal(ids, hids)
     torch.testing.assert_close(w, hw, rtol=4 * 2.0**-23, atol=0.0)
+
+
+def test_value_checks_context(monkeypatch):
+    """``value_checks(False)`` skips the checks that read index values inside its block only; nested blocks and
+    ``DEEPINFER_VALUE_CHECKS=0`` combine as documented."""
+    x, cache = torch.randn(3, 2, 8), torch.randn(16, 8)
+    bad = torch.tensor([0, 5, 16])  # 16 is past the cache
+    with pytest.raises(InputError, match="positions"):
+        ops.rope(x, bad, cache)
+    with deepinfer.value_checks(False):
+        assert not deepinfer.validation.value_checks_enabled(bad)
+        with deepinfer.value_checks(True):
+            assert deepinfer.validation.value_checks_enabled(bad)
+            with pytest.raises(InputError, match="positions"):
+                ops.rope(x, bad, cache)
+        assert not deepinfer.validation.value_checks_enabled(bad)
+    assert deepinfer.validation.value_checks_enabled(bad)
+    monkeypatch.setenv("DEEPINFER_VALUE_CHECKS", "0")
+    with deepinfer.value_checks(True):
+        assert not deepinfer.validation.value_checks_enabled(bad)
