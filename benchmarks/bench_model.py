@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import gc
 import json
 import math
+import pstats
 import shutil
 import statistics
 import sys
@@ -288,8 +290,35 @@ def kernel_profile(llm: LLM, batch: ScheduledBatch, top: int = 15) -> list[dict]
     return kernels
 
 
+def host_profile(llm: LLM, batch: ScheduledBatch, steps: int = 10, top: int = 30) -> dict[str, list[dict]]:
+    """cProfile of ``steps`` steps: the functions with the most host time of their own (``own``) and in all
+    (``cumulative``), in ms per step (cProfile's own cost included)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        llm.engine.runner.execute(batch)
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    rows = [
+        {"function": f"{Path(file).name}:{line}({name})", "calls": calls / steps, "own_ms": own / steps * 1e3,
+         "cumulative_ms": cum / steps * 1e3}
+        for (file, line, name), (calls, _, own, cum, _) in stats.items()
+    ]  # fmt: skip
+    by = lambda key: sorted(rows, key=lambda r: r[key], reverse=True)[:top]
+    return {"own": by("own_ms"), "cumulative": by("cumulative_ms")}
+
+
 def bench_ours(
-    llm: LLM, batches: list[int], context: int, steps: int, warmup: int, bandwidth: float, profile: bool = False
+    llm: LLM,
+    batches: list[int],
+    context: int,
+    steps: int,
+    warmup: int,
+    bandwidth: float,
+    profile: bool = False,
+    host: bool = False,
 ) -> list[dict]:
     timer = Timer(llm.device)
     rows = []
@@ -301,6 +330,7 @@ def bench_ours(
             llm.engine.runner.execute(batch)
         times = [timer.time(lambda batch=batch: llm.engine.runner.execute(batch)) for _ in range(steps)]
         kernels = kernel_profile(llm, batch) if profile else None
+        hosts = host_profile(llm, batch) if host else None
         for s in seqs:
             llm.engine.allocator.release(s)
         ms = statistics.median(times)
@@ -318,9 +348,14 @@ def bench_ours(
                 "experts_selected_per_moe_layer": used,
                 "step_ms_all": times,
                 **({"kernels": kernels} if kernels else {}),
+                **({"host_profile": hosts} if hosts else {}),
             }
         )
         log(f"  ours batch {b}: {ms:.2f} ms/step, {b / ms * 1e3:.0f} tok/s, {100 * roof_ms / ms:.0f}% of roofline")
+        for kind, top in (hosts or {}).items():
+            log(f"  host time per step, by {kind} time (ms; calls per step):")
+            for r in top[:20]:
+                log(f"    {r['own_ms']:8.3f} own {r['cumulative_ms']:8.3f} all {r['calls']:7.1f}  {r['function']}")
     return rows
 
 
@@ -427,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU: a dry run of the script")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel of one step at each batch size")
+    p.add_argument("--host-profile", action="store_true", help="cProfile of 10 steps at each batch size")
     args = p.parse_args(argv)
 
     backend = args.backend or deepinfer.current_backend().name
@@ -467,7 +503,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             graphs = llm.engine.runner.graphs is not None
             with deepinfer.use(backend):
-                ours = bench_ours(llm, batches, args.context, args.steps, args.warmup, bandwidth, args.profile)
+                ours = bench_ours(
+                    llm, batches, args.context, args.steps, args.warmup, bandwidth, args.profile, args.host_profile
+                )
         del llm
         gc.collect()
         if device.type == "cuda":
