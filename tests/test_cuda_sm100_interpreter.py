@@ -1,8 +1,6 @@
 """The NVIDIA backend's Triton kernels, run on the CPU through the Triton interpreter (``TRITON_INTERPRET=1``) and
-checked by the full conformance suite at small shapes: a wrong kernel fails CI.
-
-What the interpreter cannot run, and so stays with the reference here:
-- ``gemm`` with fp32 operands goes to cuBLAS on a GPU; there is no cuBLAS in the interpreter.
+checked by the full conformance suite at small shapes: a wrong kernel fails CI. There is no cuBLAS in the
+interpreter: the products a GPU gives to cuBLAS run the Triton kernels here (their batch-invariant variants).
 The interpreter also lacks bf16 arithmetic and mis-rounds fp32 -> e4m3 casts across a binade; the kernels take a
 documented fp32 path for both under the interpreter (``_triton.dot`` and ``_triton.to_e4m3``).
 """
@@ -33,7 +31,7 @@ from deepinfer.dispatch import batch_invariant, batch_invariant_enabled, last_re
 from deepinfer.ops import ExpertPlacement, ep_combine, ep_dispatch
 from deepinfer.reference import ep as ep_ref
 
-EXPECTED_FALLBACKS = {("gemm", "M=9 N=64 K=128 fp32")}
+EXPECTED_FALLBACKS: set[tuple[str, str]] = set()
 
 
 @pytest.mark.slow
@@ -207,6 +205,43 @@ def test_cublas_serves_batch_invariant_mode_only_where_it_gave_the_unsplit_bits(
     out = subprocess.run([sys.executable, "-c", CUBLAS_PROBE], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["True True False", "False False"]
+
+
+CUBLAS_DENSE_PROBE = """
+import torch
+from deepinfer_cuda_sm100 import gemm
+
+g = torch.Generator().manual_seed(5)
+w = (torch.randn(96, 256, generator=g) * 0.06).bfloat16()
+triton_bits = lambda a, w, *, out_dtype, bias: gemm.gemm_triton(a, w, out_dtype=out_dtype, bias=bias)
+
+def off_by_one_bit(a, w, *, out_dtype, bias):
+    out = triton_bits(a, w, out_dtype=out_dtype, bias=bias)
+    out.view(torch.int32)[-1, -1] ^= 1
+    return out
+
+gemm.cublas_supports = lambda a, w, **kw: True  # stands in for a GPU with cuBLAS
+capturing = [False]
+torch.cuda.is_current_stream_capturing = lambda: capturing[0]
+ask = lambda m, bias=None: gemm.cublas_invariant_supports(
+    torch.randn(m, 256, generator=g).bfloat16(), w, out_dtype=torch.float32, bias=bias)
+gemm.gemm_cublas = triton_bits  # same bits
+first, fewer, biased = ask(256), ask(255), ask(512, bias=torch.zeros(96, dtype=torch.bfloat16))
+gemm.gemm_cublas = off_by_one_bit  # asked again only at a new row count
+print(first, fewer, biased, ask(256), ask(320))
+capturing[0] = True
+print(ask(384), any(384 in key for key in gemm._cublas_unsplit))
+"""
+
+
+def test_cublas_serves_batch_invariant_dense_products_only_where_it_gave_the_triton_bits():
+    """The same wiring for bf16 products (``cublas_invariant_supports``): a stand-in with the Triton kernel's bits is
+    taken from ``CUBLAS_DENSE_INVARIANT_MIN_M`` rows and kept for the row count; one bit off at a new row count is
+    declined, as are fewer rows, a bias, and an unasked row count inside graph capture (unasked)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", CUBLAS_DENSE_PROBE], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["True False False True False", "False False"]
 
 
 def test_mla_decode_spans_fill_the_grid_and_ignore_rows_when_invariant():

@@ -7,14 +7,19 @@ Batch invariance is a matter of each element's arithmetic, not of the launch sha
 tile of 64-row multiples (tensor-core products of 64 rows) computes an element the same way: the K-ordered sum of
 its 128-deep products, each accumulated from zero and scaled. cuBLAS's block-scaled FP8 product gives exactly those
 bits from 64 rows on (``benchmarks/cublas_invariance.py``), so batch-invariant mode may take it, row count by row count,
-once it has been seen to (``cublas_fp8_invariant_supports``).
+once it has been seen to (``cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16
+product (``cublas_invariant_supports``).
+
+fp32 products (the router's logits) run as three tf32 tensor-core products (tf32x3: each operand's tf32 high part
+times the other's, plus both high-low cross terms; close to fp32) with one fixed tile, and split K into spans whose
+number is set by K alone, added in span order: no row count enters a row's arithmetic there either.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -127,6 +132,7 @@ def _gemm_kernel(
     TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    TF32X3: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -150,6 +156,8 @@ def _gemm_kernel(
         if FP8:
             part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
             acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
+        elif TF32X3:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="tf32x3")
         else:
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
     if HAS_BIAS:
@@ -185,6 +193,8 @@ class Tile(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1
+    block_k: int = 64  # K per step of a bf16 / fp16 / fp32 product (FP8 steps are one 128-deep scale block)
+    tf32x3: bool = False  # fp32 operands as three tf32 tensor-core products (else FMAs on the CUDA cores)
 
 
 SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four where their tiles would leave SMs idle
@@ -208,12 +218,24 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     docstring); the tile's width follows the grid. The default mode splits K where the tiles would not fill the GPU,
     and below 64 rows takes 16-row tiles."""
     if not fp8:
-        return _deep(Tile(64, 128, 4, 3), k)
+        wide = triton.cdiv(n, 256) >= FILL_WAVES * num_sms()  # lm_head: 256 columns (gemm_dense_invariant.py)
+        return Tile(64, 256, 8, 4) if wide else _deep(Tile(64, 128, 4, 3), k)
     if invariant:
         return _unsplit_tile(m, n, k)
     tile = Tile(16, 64, 4, 4) if m <= 16 else Tile(64, 64, 4, 3) if m <= 64 else _deep(Tile(64, 128, 4, 3), k)
     fills = _fills_gpu(m, n, tile.block_m, tile.block_n)
     return tile._replace(split_k=4 if k >= SPLIT_K_MIN_K and not fills else 1)
+
+
+# fp32 products: one tile for every row count, K cut into spans of about FP32_SPAN, at most MAX_FP32_SPANS of them.
+# Three tf32 tensor-core products each (0.7-1.2x cuBLAS's fp32 product at the router's shape; FMAs on the CUDA cores:
+# 3-8x); tiles with the same spans gave the same bits (``benchmarks/gemm_dense_invariant.py``).
+FP32_TILE, FP32_SPAN, MAX_FP32_SPANS = Tile(64, 32, 4, 4, block_k=32, tf32x3=True), 512, 16
+
+
+def _fp32_tile(k: int) -> Tile:
+    """The fp32 launch: ``FP32_TILE`` with a split over K whose span count depends on K alone."""
+    return FP32_TILE._replace(split_k=min(triton.cdiv(k, FP32_SPAN), MAX_FP32_SPANS))
 
 
 def _unsplit_tile(m: int, n: int, k: int) -> Tile:
@@ -238,7 +260,7 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     if INTERPRET:  # the interpreter's row-independent dot materialises [BLOCK_M, BLOCK_K, BLOCK_N]: keep it <= 2^20
         block_m = min(block_m, 64)
     split = tile.split_k
-    block_k = FP8_BLOCK if fp8 else 64
+    block_k = FP8_BLOCK if fp8 else tile.block_k
     assert not fp8 or FP8_BLOCK % tile.block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     dummy = out
@@ -260,6 +282,7 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
         TMA=tma,
         HAS_BIAS=bias is not None and target is out,
         FP32_DOT=INTERPRET,
+        TF32X3=tile.tf32x3 and not INTERPRET,  # the interpreter's fp32 path multiplies in fp32
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=block_k,
@@ -358,7 +381,21 @@ def _cublas_fp8_ready() -> bool:
     return False  # never ask for the first time inside a CUDA graph capture
 
 
-_cublas_unsplit: dict[tuple[int, int, int, int], bool] = {}
+_cublas_unsplit: dict[tuple, bool] = {}
+
+
+def _cublas_agreed(key: tuple, probe: Callable[[], bool]) -> bool:
+    """``probe()``'s answer for ``key``, asked once; never asked for the first time inside a CUDA graph capture
+    (declined there)."""
+    if key not in _cublas_unsplit:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _cublas_unsplit[key] = probe()
+    return _cublas_unsplit[key]
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.dtype == y.dtype and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
 
 
 def cublas_fp8_invariant_supports(a, w, *, out_dtype, bias) -> bool:
@@ -367,12 +404,7 @@ def cublas_fp8_invariant_supports(a, w, *, out_dtype, bias) -> bool:
     if not cublas_fp8_supports(a, w, out_dtype=out_dtype, bias=bias):
         return False
     m = (a.data if isinstance(a, QTensor) else a).shape[0]
-    key = (m, *w.shape, w.data.device.index or 0)
-    if key not in _cublas_unsplit:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        _cublas_unsplit[key] = _cublas_gives_unsplit_bits(m, w)
-    return _cublas_unsplit[key]
+    return _cublas_agreed((m, *w.shape, w.data.device.index or 0), lambda: _cublas_gives_unsplit_bits(m, w))
 
 
 def _cublas_gives_unsplit_bits(m: int, w: QTensor) -> bool:
@@ -382,14 +414,16 @@ def _cublas_gives_unsplit_bits(m: int, w: QTensor) -> bool:
     data = (code + (code >= 127).to(torch.uint8)).view(torch.float8_e4m3fn)  # any sign and magnitude, never NaN
     scale = torch.randint(-8, 8, (m, k // FP8_BLOCK), device=device, generator=gen).float().exp2()
     a = QTensor(data, scale, (1, FP8_BLOCK), w.scale_format)
-    want = gemm_fp8(a, w, out_dtype=torch.bfloat16, bias=None, invariant=True).view(torch.int16)
-    return torch.equal(gemm_fp8_cublas(a, w, out_dtype=torch.bfloat16, bias=None).view(torch.int16), want)
+    want = gemm_fp8(a, w, out_dtype=torch.bfloat16, bias=None, invariant=True)
+    return _same_bits(gemm_fp8_cublas(a, w, out_dtype=torch.bfloat16, bias=None), want)
 
 
 def gemm_triton(a, w, *, out_dtype, bias):
-    """bf16/fp16 x bf16/fp16 with a fixed tile: the batch-invariant dense product."""
+    """bf16 / fp16 / fp32 operands (both of one dtype) with a tile that no row count changes: the batch-invariant
+    dense product."""
     out = torch.empty(a.shape[0], w.shape[0], dtype=out_dtype, device=a.device)
-    return _launch_gemm(a.contiguous(), w.contiguous(), out, None, None, bias, invariant=True)
+    tile = _fp32_tile(a.shape[1]) if a.dtype == torch.float32 else None
+    return _launch_gemm(a.contiguous(), w.contiguous(), out, None, None, bias, invariant=True, tile=tile)
 
 
 @functools.cache
@@ -446,12 +480,38 @@ def triton_dense_supports(a, w, *, out_dtype, bias) -> bool:
         not isinstance(w, QTensor)
         and not isinstance(a, QTensor)
         and on_device(a, w, bias)
-        and a.dtype in (torch.bfloat16, torch.float16)
+        and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
     )
 
 
 def cublas_supports(a, w, *, out_dtype, bias) -> bool:
     return not INTERPRET and not isinstance(w, QTensor) and not isinstance(a, QTensor) and on_device(a, w, bias)
+
+
+CUBLAS_DENSE_INVARIANT_MIN_M = 256  # below, the Triton tile is as fast at lm_head's shape (gemm_dense_invariant.py)
+
+
+def cublas_invariant_supports(a, w, *, out_dtype, bias) -> bool:
+    """cuBLAS for bf16 / fp16 operands in batch-invariant mode: from ``CUBLAS_DENSE_INVARIANT_MIN_M`` rows, without
+    a bias, and only at a row count where it gave ``gemm_triton``'s bits (asked once per row count, shape and dtypes,
+    outside graph capture, on random activations against the weight itself)."""
+    if not (
+        cublas_supports(a, w, out_dtype=out_dtype, bias=bias)
+        and bias is None
+        and a.dtype in (torch.bfloat16, torch.float16)
+        and a.shape[0] >= CUBLAS_DENSE_INVARIANT_MIN_M
+    ):
+        return False
+    m = a.shape[0]
+    key = ("dense", m, *w.shape, a.dtype, out_dtype, w.device.index or 0)
+    return _cublas_agreed(key, lambda: _cublas_gives_triton_bits(m, w, out_dtype))
+
+
+def _cublas_gives_triton_bits(m: int, w: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    gen = torch.Generator(device=w.device).manual_seed(m)
+    a = torch.randn(m, w.shape[1], device=w.device, generator=gen).to(w.dtype)
+    want = gemm_triton(a, w, out_dtype=out_dtype, bias=None)
+    return _same_bits(gemm_cublas(a, w, out_dtype=out_dtype, bias=None), want)
 
 
 # --- grouped GEMM -------------------------------------------------------------------------------------------------
@@ -557,7 +617,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     b = (w.data if fp8 else w).contiguous().view(experts * n, k)
     tile = GROUPED_DECODE_TILE if masked and not batch_invariant_enabled() else _deep(GROUPED_TILE, k)
     block_m, block_n = tile.block_m, tile.block_n
-    block_k = FP8_BLOCK if fp8 else 64
+    block_k = FP8_BLOCK if fp8 else tile.block_k
     assert not fp8 or FP8_BLOCK % block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
     tma = tma_ready(a2, b)
     dummy = out

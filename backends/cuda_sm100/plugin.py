@@ -42,6 +42,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("gemm", "cublas-fp8-unsplit", gemm.gemm_fp8_cublas, gemm.cublas_fp8_invariant_supports, priority=2),
         _impl("gemm", "triton-fp8-unsplit", partial(gemm.gemm_fp8, invariant=True), gemm.fp8_supports, priority=1),
         _impl("gemm", "cublas", gemm.gemm_cublas, gemm.cublas_supports, invariant=False, priority=1),
+        _impl("gemm", "cublas-unsplit", gemm.gemm_cublas, gemm.cublas_invariant_supports, priority=1),
         _impl("gemm", "triton", gemm.gemm_triton, gemm.triton_dense_supports),
         _impl("grouped_gemm", "triton", gemm.grouped_gemm, gemm.grouped_supports),
         _impl("moe_route", "triton", moe.moe_route, moe.route_supports),

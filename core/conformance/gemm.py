@@ -55,6 +55,8 @@ def _gemm_case(m: int, n: int, k: int, variant: str, *, bias: bool = False, ue8m
         )
         a = _act(g, m, k, variant="fp8" if variant == "fp8" else ("fp32" if variant == "fp32" else "bf16"), ue8m0=ue8m0)
         b = g.randn(n, dtype=a.dtype if isinstance(a, torch.Tensor) else torch.bfloat16) if bias else None
+        if variant == "fp32":  # as the router's logits are taken: fp32 in, fp32 out
+            return {"a": a, "w": w, "bias": b, "out_dtype": torch.float32}
         return {"a": a, "w": w, "bias": b}
 
     name = f"M={m} N={n} K={k} {variant}" + (" bias" if bias else "") + (" ue8m0" if ue8m0 else "")
@@ -127,6 +129,7 @@ def cases(shapes: str) -> list[Case]:
             out += [_gemm_case(m, n, k, v) for n, k in [(96, 256), (200, 384)] for v in ("bf16", "fp8w", "fp8")]
         out += [
             _gemm_case(9, 64, 128, "fp32"),
+            _gemm_case(5, 96, 2304, "fp32"),  # K long enough for a backend to split it
             _gemm_case(0, 96, 256, "bf16"),
             _gemm_case(0, 96, 256, "fp8w"),
             _gemm_case(6, 96, 256, "bf16", bias=True),
@@ -143,6 +146,7 @@ def cases(shapes: str) -> list[Case]:
         for m in (1, 128, 4096):
             out += [_gemm_case(m, n, k, v) for v in ("bf16", "fp8w", "fp8")]
     out += [_gemm_case(77, 7168, 2048, "fp8", ue8m0=True), _gemm_case(0, 7168, 2048, "fp8w")]
+    out += [_gemm_case(m, 256, 7168, "fp32") for m in (1, 64, 4096)]  # the MoE router's logits
     for lay in ("contiguous", "masked"):
         for n, k in [(4096, 7168), (7168, 2048)]:
             out += [_grouped_case(32, n, k, 256, v, lay) for v in ("bf16", "fp8")]
