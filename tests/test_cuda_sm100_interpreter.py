@@ -1,6 +1,6 @@
 """The NVIDIA backend's Triton kernels, run on the CPU through the Triton interpreter (``TRITON_INTERPRET=1``) and
 checked by the full conformance suite at small shapes: a wrong kernel fails CI. There is no cuBLAS in the
-interpreter: the products a GPU gives to cuBLAS run the Triton kernels here (their batch-invariant variants).
+interpreter: the products a GPU gives to cuBLAS run Triton kernels here instead.
 The interpreter also lacks bf16 arithmetic and mis-rounds fp32 -> e4m3 casts across a binade; the kernels take a
 documented fp32 path for both under the interpreter (``_triton.dot`` and ``_triton.to_e4m3``).
 """

@@ -216,7 +216,8 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``).
     Batch-invariant mode never splits K and keeps 64-row tiles, whose bits do not depend on the tile (module
     docstring); the tile's width follows the grid. The default mode splits K where the tiles would not fill the GPU,
-    and below 64 rows takes 16-row tiles."""
+    and below 64 rows takes 16-row tiles. bf16 / fp16 products (the batch-invariant ones) take 64 x 128 tiles, or
+    64 x 256 where N alone gives two waves of those."""
     if not fp8:
         wide = triton.cdiv(n, 256) >= FILL_WAVES * num_sms()  # lm_head: 256 columns (gemm_dense_invariant.py)
         return Tile(64, 256, 8, 4) if wide else _deep(Tile(64, 128, 4, 3), k)
