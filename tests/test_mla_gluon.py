@@ -50,7 +50,7 @@ def _compile(kv_format: str, direct: bool):
     names = mla_gluon._mla_split_kernel.arg_names
     aligned = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items() if kind[0] == "*"}
     source = GluonASTSource(mla_gluon._mla_split_kernel, signature, constants, aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": True})
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])

@@ -488,5 +488,5 @@ def launch_split(q, records, block_table, seq_lens, part_out, part_lse, softmax_
         q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
         PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, DIRECT=n_splits == 1, **regs,
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=True,  # the FFMAs it was measured with (Triton 3.10 turns fusion off)
     )  # fmt: skip
