@@ -219,7 +219,7 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     and below 64 rows takes 16-row tiles. bf16 / fp16 products (the batch-invariant ones) take 64 x 128 tiles, or
     64 x 256 where N alone gives two waves of those."""
     if not fp8:
-        wide = triton.cdiv(n, 256) >= FILL_WAVES * num_sms()  # lm_head: 256 columns (gemm_dense_invariant.py)
+        wide = _fills_gpu(1, n, 1, 256)  # N alone, whatever M: lm_head takes 256 columns (gemm_dense_invariant.py)
         return Tile(64, 256, 8, 4) if wide else _deep(Tile(64, 128, 4, 3), k)
     if invariant:
         return _unsplit_tile(m, n, k)

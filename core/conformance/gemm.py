@@ -55,9 +55,8 @@ def _gemm_case(m: int, n: int, k: int, variant: str, *, bias: bool = False, ue8m
         )
         a = _act(g, m, k, variant="fp8" if variant == "fp8" else ("fp32" if variant == "fp32" else "bf16"), ue8m0=ue8m0)
         b = g.randn(n, dtype=a.dtype if isinstance(a, torch.Tensor) else torch.bfloat16) if bias else None
-        if variant == "fp32":  # as the router's logits are taken: fp32 in, fp32 out
-            return {"a": a, "w": w, "bias": b, "out_dtype": torch.float32}
-        return {"a": a, "w": w, "bias": b}
+        fp32_out = {"out_dtype": torch.float32} if variant == "fp32" else {}  # as the router's logits are taken
+        return {"a": a, "w": w, "bias": b, **fp32_out}
 
     name = f"M={m} N={n} K={k} {variant}" + (" bias" if bias else "") + (" ue8m0" if ue8m0 else "")
     return Case(
