@@ -24,7 +24,7 @@ from deepinfer.dispatch import batch_invariant, last_resolution
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 from deepinfer_cuda_sm100.gemm import gemm_fp8_cublas
 
-ROWS = (1, 8, 64, 96, 128, 192, 256, 4096)
+ROWS = (1, 8, 16, 64, 96, 128, 192, 256, 4096)
 SETS = 4
 
 

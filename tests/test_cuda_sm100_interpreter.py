@@ -135,20 +135,21 @@ w = quantize_blocks(torch.randn(384, 640, generator=g) * 0.06)
 bias = torch.randn(384, generator=g)
 want = a.dequantize() @ w.dequantize().t() + bias
 tiles = [gemm.Tile(64, n, 4, stages) for n, stages in ((128, 3), (64, 4), (32, 6), (16, 3))]
+tiles += [gemm.SWAPPED_TILE, gemm.Tile(32, 128, 4, 4, swap=True)]
+launch = lambda dtype, tile: gemm._launch_gemm(
+    a.data, w.data, torch.empty(130, 384, dtype=dtype), a.scale, w.scale, bias, tile.split_k == 1, tile)
 for dtype in (torch.float32, torch.bfloat16):
-    outs = [gemm._launch_gemm(a.data, w.data, torch.empty(130, 384, dtype=dtype), a.scale, w.scale, bias, True, t)
-            for t in tiles]
-    split = gemm._launch_gemm(a.data, w.data, torch.empty(130, 384, dtype=dtype), a.scale, w.scale, bias, False,
-                              gemm.Tile(16, 64, 4, 4, 4))  # 5 K blocks: spans of 2, 2, 1 and none
+    outs = [launch(dtype, t) for t in tiles]
+    splits = [launch(dtype, gemm.Tile(16, 64, 4, 4, 4, swap=swap)) for swap in (False, True)]  # K spans 2, 2, 1, 0
     err = lambda got: float((got.float() - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 1e-2)
-    print(dtype, all(torch.equal(outs[0], o) for o in outs[1:]), err(outs[0]), err(split))
+    print(dtype, all(torch.equal(outs[0], o) for o in outs[1:]), err(outs[0]), all(map(err, splits)))
 """
 
 
 def test_fp8_gemm_bits_do_not_depend_on_the_unsplit_tile():
-    """Unsplit FP8 ``gemm`` launches of 64-row tiles 128, 64, 32 and 16 columns wide (any stage count) give the same
-    bits, with a bias and fp32 or bf16 results: batch-invariant mode may pick its tile by row count. A launch split
-    over K (an empty last span included) stays within the reference's bound."""
+    """Unsplit FP8 ``gemm`` launches of 64-row tiles 128, 64, 32 and 16 columns wide (any stage count), and of the
+    swapped kernel, give the same bits, with a bias and fp32 or bf16 results: batch-invariant mode may pick its tile
+    by row count. Launches split over K (an empty last span included) stay within the reference's bound."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", UNSPLIT_TILES], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -156,16 +157,17 @@ def test_fp8_gemm_bits_do_not_depend_on_the_unsplit_tile():
 
 
 def test_batch_invariant_gemm_never_splits_k(monkeypatch):
-    """In batch-invariant mode the FP8 gemm keeps 64-row tiles and never splits K, whatever M: what fixes a row's
-    arithmetic (the tile's width may follow M, which the test above shows changes no bit)."""
+    """In batch-invariant mode the FP8 gemm never splits K, whatever M, and takes 64-row tiles or, at a few rows,
+    the swapped kernel: what fixes a row's arithmetic (the tile may follow M, which the test above shows changes no
+    bit). The default mode splits long products at a few rows."""
     from deepinfer_cuda_sm100 import gemm
 
     monkeypatch.setattr(gemm, "num_sms", lambda *_: 132)  # the H200's
 
     for n, k in [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]:
-        for m in (1, 7, 16, 64, 65, 128, 255, 256, 4096, 8192):
+        for m in (1, 7, 16, 17, 64, 65, 128, 255, 256, 4096, 8192):
             tile = gemm._tile(m, n, k, True, True)
-            assert tile.block_m == 64 and tile.split_k == 1, (m, n, k, tile)
+            assert tile.split_k == 1 and (tile.swap if m <= 16 else tile.block_m == 64), (m, n, k, tile)
         assert gemm._tile(1, n, k, True, False).split_k == (4 if k >= gemm.SPLIT_K_MIN_K else 1)
 
 

@@ -5,9 +5,10 @@ products go to cuBLAS through torch by default; the Triton bf16 kernel is the ba
 
 Batch invariance is a matter of each element's arithmetic, not of the launch shape. Without a split over K, every
 tile of 64-row multiples (tensor-core products of 64 rows) computes an element the same way: the K-ordered sum of
-its 128-deep products, each accumulated from zero and scaled. cuBLAS's block-scaled FP8 product gives exactly those
-bits from 64 rows on (``benchmarks/cublas_invariance.py``), so batch-invariant mode may take it, row count by row count,
-once it has been seen to (``cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16
+its 128-deep products, each accumulated from zero and scaled; so does the swapped kernel that serves a few rows
+(``_gemm_swapped_kernel``). cuBLAS's block-scaled FP8 product gives exactly those bits from 64 rows on
+(``benchmarks/cublas_invariance.py``), so batch-invariant mode may take it, row count by row count, once it has been
+seen to (``cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16
 product (``cublas_invariant_supports``).
 
 fp32 products (the router's logits) run as three tf32 tensor-core products (tf32x3: each operand's tf32 high part
@@ -105,13 +106,13 @@ def _load_tile(src, first, offs, mask, stride, k0, K, BLOCK_K: tl.constexpr, TMA
 
 
 @triton.jit
-def _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K: tl.constexpr):
-    """``acc + part * a_scale[m] * b_scale`` for one 128-deep product of a tile inside one 128-column weight block
-    (``b_block``): the two scales meet per row first, so each element costs one FMA."""
+def _block_scales(as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K: tl.constexpr):
+    """``a_scale[m] * b_scale`` of the 128-deep K block at ``k0``, per row of A, for a tile inside one 128-column
+    weight block (``b_block``): the two scales meet first, so scaling a product costs one FMA per element."""
     kb = k0 // BLOCK_K
     sa = tl.load(as_ptr + offs_m * (K // BLOCK_K) + kb, mask=mask_m, other=0.0)
     sb = tl.load(bs_ptr + b_block * (K // BLOCK_K) + kb)
-    return acc + part * (sa * sb)[:, None]
+    return sa * sb
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -155,7 +156,8 @@ def _gemm_kernel(
         b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         if FP8:
             part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
-            acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
+            scales = _block_scales(as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
+            acc = acc + part * scales[:, None]
         elif TF32X3:
             acc = tl.dot(a, tl.trans(b), acc, input_precision="tf32x3")
         else:
@@ -168,6 +170,56 @@ def _gemm_kernel(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
         acc.to(c_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_n[None, :],
+    )
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_swapped_kernel(
+    a_src,
+    b_src,
+    c_ptr,
+    as_ptr,
+    bs_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """``_gemm_kernel``'s FP8 product for a few rows, with the operands swapped: each program computes the
+    [BLOCK_N, BLOCK_M] tile of C^T = B A^T, so the weight's rows fill the tensor cores' 64 or 128 rows and A's few
+    rows are not padded to 64. Per element the arithmetic is ``_gemm_kernel``'s (each 128-deep product from zero,
+    then one FMA with both scales), and so are its bits (``benchmarks/gemm_swap_ab.py``). Axis 0 walks the column
+    tiles, axis 1 the row tiles, axis 2 the K spans (fp32 partials at ``C + split * M * N``, as there)."""
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K):
+        b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
+        a = _load_tile(a_src, pid_m * BLOCK_M, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
+        part = dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FP32_DOT)
+        scales = _block_scales(as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
+        acc = acc + part * scales[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    if SPLIT_K > 1:
+        c_ptr += split.to(tl.int64) * M * N
+    tl.store(
+        c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=mask_n[:, None] & mask_m[None, :],
     )
 
 
@@ -195,12 +247,15 @@ class Tile(NamedTuple):
     split_k: int = 1
     block_k: int = 64  # K per step of a bf16 / fp16 / fp32 product (FP8 steps are one 128-deep scale block)
     tf32x3: bool = False  # fp32 operands as three tf32 tensor-core products (else FMAs on the CUDA cores)
+    swap: bool = False  # FP8: ``_gemm_swapped_kernel``, block_n weight rows by block_m rows of A per program
 
 
 SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four where their tiles would leave SMs idle
 FILL_WAVES = 2  # ... that is, where the tiles give fewer programs than this many per SM
 MIN_COLUMN_TILES = 40  # unsplit tiles narrow until N gives this many (about a third of the H200's SMs) or 32 wide
 DEEP_K = 4096  # 64 x 128 tiles of products this deep keep 4 K blocks in flight, not 3 (benchmarks/gemm_kloop.py)
+SWAP_MAX_M = 16  # FP8 products of at most this many rows swap their operands (benchmarks/gemm_swap_ab.py) ...
+SWAPPED_TILE = Tile(16, 64, 4, 6, swap=True)  # ... 64 weight rows by 16 of A; the same bits as the 64-row tiles
 
 
 def _deep(tile: Tile, k: int) -> Tile:
@@ -213,17 +268,22 @@ def _fills_gpu(m: int, n: int, block_m: int, block_n: int) -> bool:
 
 
 def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
-    """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``).
-    Batch-invariant mode never splits K and keeps 64-row tiles, whose bits do not depend on the tile (module
-    docstring); the tile's width follows the grid. The default mode splits K where the tiles would not fill the GPU,
-    and below 64 rows takes 16-row tiles. bf16 / fp16 products (the batch-invariant ones) take 64 x 128 tiles, or
-    64 x 256 where N alone gives two waves of those."""
+    """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``,
+    ``benchmarks/gemm_swap_ab.py``). Up to ``SWAP_MAX_M`` rows, FP8 products swap their operands. Otherwise
+    batch-invariant mode keeps 64-row tiles, whose bits do not depend on the tile (module docstring), and sets the
+    tile's width by the grid. Batch-invariant mode never splits K; the default mode splits it where the tiles would
+    not fill the GPU. bf16 / fp16 products (the batch-invariant ones) take 64 x 128 tiles, or 64 x 256 where N alone
+    gives two waves of those."""
     if not fp8:
         wide = _fills_gpu(1, n, 1, 256)  # N alone, whatever M: lm_head takes 256 columns (gemm_dense_invariant.py)
         return Tile(64, 256, 8, 4) if wide else _deep(Tile(64, 128, 4, 3), k)
+    if m <= SWAP_MAX_M:
+        if invariant or k < SPLIT_K_MIN_K or _fills_gpu(m, n, SWAPPED_TILE.block_m, SWAPPED_TILE.block_n):
+            return SWAPPED_TILE
+        return SWAPPED_TILE._replace(num_stages=4, split_k=4)
     if invariant:
         return _unsplit_tile(m, n, k)
-    tile = Tile(16, 64, 4, 4) if m <= 16 else Tile(64, 64, 4, 3) if m <= 64 else _deep(Tile(64, 128, 4, 3), k)
+    tile = Tile(64, 64, 4, 3) if m <= 64 else _deep(Tile(64, 128, 4, 3), k)
     fills = _fills_gpu(m, n, tile.block_m, tile.block_n)
     return tile._replace(split_k=4 if k >= SPLIT_K_MIN_K and not fills else 1)
 
@@ -263,10 +323,11 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     split = tile.split_k
     block_k = FP8_BLOCK if fp8 else tile.block_k
     assert not fp8 or FP8_BLOCK % tile.block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
+    assert fp8 or not tile.swap, "only FP8 products swap their operands"
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     dummy = out
     tma = tma_ready(a, b)
-    _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
+    args = (
         TensorDescriptor.from_tensor(a, [block_m, block_k]) if tma else a,
         TensorDescriptor.from_tensor(b, [tile.block_n, block_k]) if tma else b,
         target,
@@ -279,20 +340,29 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
         a.stride(0),
         b.stride(0),
         out.stride(0) if target is out else n,
-        FP8=fp8,
+    )
+    launch = dict(
         TMA=tma,
         HAS_BIAS=bias is not None and target is out,
         FP32_DOT=INTERPRET,
-        TF32X3=tile.tf32x3 and not INTERPRET,  # the interpreter's fp32 path multiplies in fp32
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=block_k,
-        GROUP_M=8,
         SPLIT_K=split,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         enable_fp_fusion=True,  # one FFMA per scaled block: cuBLAS's bits (Triton 3.10 turns fusion off by default)
     )
+    if tile.swap:
+        _gemm_swapped_kernel[(triton.cdiv(n, tile.block_n), triton.cdiv(m, block_m), split)](*args, **launch)
+    else:
+        _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
+            *args,
+            FP8=fp8,
+            TF32X3=tile.tf32x3 and not INTERPRET,  # the interpreter's fp32 path multiplies in fp32
+            GROUP_M=8,
+            **launch,
+        )
     if target is not out:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
@@ -585,7 +655,7 @@ def _grouped_gemm_kernel(
         b = _load_tile(b_src, b_first, b_first + tl.arange(0, BLOCK_N), mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         if FP8:
             part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
-            acc = _add_scaled(acc, part, as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)
+            acc = acc + part * _block_scales(as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)[:, None]
         else:
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
     tl.store(
