@@ -20,6 +20,7 @@
 #   cublas-invariance  whether cuBLAS's block-scaled FP8 product keeps a row's bits whatever the row count, and
 #                whether the unsplit Triton kernel gives its bits
 #   gemm-invariant  what batch-invariant mode costs FP8 gemm at M = 1 ... 4096, and that its rows keep their bits
+#   gemm-swap [N,K ...]  the swapped FP8 kernel's launch shapes at M = 1 ... 64, bits checked, beside the unswapped
 #   profile CASE KERNEL  Nsight Compute's per-instruction stall samples of one launch of KERNEL (a name regex) in
 #                `benchmarks/profile_launch.py CASE`: $OUT/CASE.csv (the SASS page, summed by stall_ledger.py), the report
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
@@ -70,6 +71,9 @@ case ${1:-} in
     timeout 300 python3 benchmarks/cublas_invariance.py 2>&1 | tee "$OUT/cublas_invariance.txt" | tail -10 ;;
   gemm-invariant)
     timeout 300 python3 benchmarks/gemm_invariant_cost.py "$OUT/gemm_invariant.json" 2>&1 | tail -40 ;;
+  gemm-swap)
+    shift
+    timeout 300 python3 benchmarks/gemm_swap_ab.py "$OUT/gemm_swap.json" "$@" 2>&1 | tail -50 ;;
   profile)
     cd benchmarks && timeout 200 ncu --clock-control none -k "regex:$3" --launch-skip 3 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$OUT/$2" \
@@ -78,6 +82,6 @@ case ${1:-} in
       || ncu --import "$OUT/$2.ncu-rep" --page source --csv > "$OUT/$2.csv"
     ncu --import "$OUT/$2.ncu-rep" --page details --csv > "$OUT/$2_details.csv"
     python3 stall_ledger.py "$OUT/$2.csv" 2>&1 | head -40 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|ab|ab-set|ep|ep-check|cublas-invariance|gemm-invariant|profile" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|ab|ab-set|ep|ep-check|cublas-invariance|gemm-invariant|gemm-swap|profile" >&2
      exit 2 ;;
 esac
