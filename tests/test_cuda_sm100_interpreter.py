@@ -124,43 +124,6 @@ def test_fp8_gemms_read_unaligned_operands():
     assert out.stdout.split("\n")[:2] == ["True False", "True True True True"]
 
 
-MASKED_SLOTS = """
-import torch
-from deepinfer import QTensor
-from deepinfer.dispatch import batch_invariant
-from deepinfer.qtensor import quantize_blocks, quantize_rows
-from deepinfer_cuda_sm100 import gemm
-
-g = torch.Generator().manual_seed(3)
-a = quantize_rows(torch.randn(6, 20, 256, generator=g), 128, "fp32")
-w = quantize_blocks(torch.randn(6, 128, 256, generator=g) * 0.06)
-masked_m = torch.tensor([0, 20, 3, 0, 17, 1], dtype=torch.int32)  # row tiles of 16: 0, 2, 1, 0, 2, 1
-live = [e for e in range(6) if masked_m[e]]
-want = torch.cat([a[e].dequantize()[: masked_m[e]] @ QTensor(w.data[e], w.scale[e], w.block, "fp32").dequantize().t()
-                  for e in live])
-gemm.num_sms = lambda *_: 1
-for invariant in (False, True):
-    outs = []
-    for per_sm in (1, 100):  # one program per column tile walking every tile, or one per tile there could be
-        gemm.MASKED_PROGRAMS_PER_SM = per_sm
-        with batch_invariant(invariant):
-            out = gemm.grouped_gemm(a, w, expert_offsets=None, masked_m=masked_m, out_dtype=torch.float32)
-        outs.append(torch.cat([out[e, : masked_m[e]] for e in live]))
-    err = float((outs[0] - want).norm() / want.norm())
-    print(invariant, torch.equal(*outs), err < 1e-5)
-"""
-
-
-def test_masked_grouped_gemm_programs_walk_only_the_tiles_that_hold_rows():
-    """In the masked layout each program takes every so many of the experts' row tiles that hold rows (empty experts
-    skipped): whether one program per column tile walks them all or each takes one, the rows are the same bits and
-    the reference's product, in both modes."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", MASKED_SLOTS], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["False True True", "True True True"]
-
-
 UNSPLIT_TILES = """
 import torch
 from deepinfer.qtensor import quantize_blocks, quantize_rows

@@ -588,34 +588,6 @@ def _cublas_gives_triton_bits(m: int, w: torch.Tensor, out_dtype: torch.dtype) -
 # --- grouped GEMM -------------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _grouped_tile(a_src, b_src, c_ptr, as_ptr, bs_ptr, e, row0, row_end, pid_n, N, K, stride_am, stride_bn,
-                  stride_cm, FP8: tl.constexpr, TMA: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """C rows ``[row0, min(row0 + BLOCK_M, row_end))``, column tile ``pid_n``, from expert ``e``'s weight."""
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask_m, mask_n = offs_m < row_end, offs_n < N
-    # B is read as [E * N, K]: expert e's rows start at e * N (a tile past N reads the next expert's rows, which
-    # only feed columns that are never stored)
-    b_first = e.to(tl.int64) * N + pid_n * BLOCK_N
-    b_block = e.to(tl.int64) * tl.cdiv(N, BLOCK_K) + pid_n * BLOCK_N // BLOCK_K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = _load_tile(a_src, row0, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
-        b = _load_tile(b_src, b_first, b_first + tl.arange(0, BLOCK_N), mask_n, stride_bn, k0, K, BLOCK_K, TMA)
-        if FP8:
-            part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
-            acc = acc + part * _block_scales(as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)[:, None]
-        else:
-            acc = dot(a, tl.trans(b), acc, FP32_DOT)
-    tl.store(
-        c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
-        acc.to(c_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
-
-
 @triton.jit(do_not_specialize=["max_m", "GRID_M"])
 def _grouped_gemm_kernel(
     a_src,
@@ -644,38 +616,53 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     """Contiguous: M tile t is the t-th over all experts (each program counts the experts' tiles from ``offsets``).
-    Programs walk ``GROUP_M`` M tiles (one expert's rows, mostly) down every column tile before the next ones, so
-    those rows stay in L2 while the expert's weight streams past once (``tile_coords`` over ``GRID_M`` M tiles).
-    Masked: only the experts' M tiles that hold rows are computed, in expert order: program (slot, column tile)
-    takes tiles slot, slot + GRID_M, ... of them, so a decode batch that reaches a few of many experts launches no
-    program per empty tile. Rows never cross experts."""
-    experts = tl.arange(0, BLOCK_E)
+    Masked: M tile e * tiles_per_expert + t. Rows never cross experts. Programs walk ``GROUP_M`` M tiles (one
+    expert's rows, mostly) down every column tile before the next ones, so those rows stay in L2 while the expert's
+    weight streams past once (``tile_coords`` over ``GRID_M`` M tiles)."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if MASKED:
-        grid_n = tl.cdiv(N, BLOCK_N)
-        slot, pid_n = tl.program_id(0) // grid_n, tl.program_id(0) % grid_n
-        rows = tl.load(masked_ptr + experts, mask=experts < E, other=0)
-        tiles = tl.cdiv(rows, BLOCK_M)
-        ends = tl.cumsum(tiles, axis=0)
-        for j in range(slot, tl.sum(tiles, axis=0), GRID_M):
-            e = tl.sum((ends <= j).to(tl.int32), axis=0)
-            first = (j - tl.sum(tl.where(experts < e, tiles, 0), axis=0)) * BLOCK_M
-            row0 = e.to(tl.int64) * max_m
-            _grouped_tile(a_src, b_src, c_ptr, as_ptr, bs_ptr, e, row0 + first, row0 + tl.load(masked_ptr + e),
-                          pid_n, N, K, stride_am, stride_bn, stride_cm, FP8, TMA, FP32_DOT, BLOCK_M, BLOCK_N,
-                          BLOCK_K)  # fmt: skip
+        tiles = tl.cdiv(max_m, BLOCK_M)
+        e = pid_m // tiles
+        rows_in_expert = tl.load(masked_ptr + e)
+        first = (pid_m % tiles) * BLOCK_M
+        if first >= rows_in_expert:
+            return
+        row0 = e.to(tl.int64) * max_m + first
+        row_end = e.to(tl.int64) * max_m + rows_in_expert
     else:
-        pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        experts = tl.arange(0, BLOCK_E)
         starts = tl.load(offsets_ptr + experts, mask=experts < E, other=0)
         stops = tl.load(offsets_ptr + 1 + experts, mask=experts < E, other=0)
         tiles = tl.cdiv(stops - starts, BLOCK_M)  # M tiles of each expert (0 past E)
         ends = tl.where(experts < E, tl.cumsum(tiles, axis=0), 2147483647)
         e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-        if e < E:
-            tile_start = tl.sum(tl.where(experts < e, tiles, 0), axis=0)
-            row0 = (tl.load(offsets_ptr + e) + (pid_m - tile_start) * BLOCK_M).to(tl.int64)
-            _grouped_tile(a_src, b_src, c_ptr, as_ptr, bs_ptr, e, row0, tl.load(offsets_ptr + e + 1).to(tl.int64),
-                          pid_n, N, K, stride_am, stride_bn, stride_cm, FP8, TMA, FP32_DOT, BLOCK_M, BLOCK_N,
-                          BLOCK_K)  # fmt: skip
+        if e >= E:
+            return
+        tile_start = tl.sum(tl.where(experts < e, tiles, 0), axis=0)
+        row0 = (tl.load(offsets_ptr + e) + (pid_m - tile_start) * BLOCK_M).to(tl.int64)
+        row_end = tl.load(offsets_ptr + e + 1).to(tl.int64)
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_m, mask_n = offs_m < row_end, offs_n < N
+    # B is read as [E * N, K]: expert e's rows start at e * N (a tile past N reads the next expert's rows, which
+    # only feed columns that are never stored)
+    b_first = e.to(tl.int64) * N + pid_n * BLOCK_N
+    b_block = e.to(tl.int64) * tl.cdiv(N, BLOCK_K) + pid_n * BLOCK_N // BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = _load_tile(a_src, row0, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
+        b = _load_tile(b_src, b_first, b_first + tl.arange(0, BLOCK_N), mask_n, stride_bn, k0, K, BLOCK_K, TMA)
+        if FP8:
+            part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
+            acc = acc + part * _block_scales(as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)[:, None]
+        else:
+            acc = dot(a, tl.trans(b), acc, FP32_DOT)
+    tl.store(
+        c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 # One tile for every row count and both layouts (batch-invariant: a row's bits never depend on the layout it came
@@ -684,7 +671,6 @@ def _grouped_gemm_kernel(
 GROUPED_TILE = Tile(64, 128, 4, 3)
 GROUPED_DECODE_TILE = Tile(16, 64, 4, 4)
 GROUPED_GROUP_M = 16  # M tiles walked together down the column tiles (16 x 64 rows: 1024 rows, an expert or two)
-MASKED_PROGRAMS_PER_SM = 4  # a masked layout's programs: column tiles x slots, about this many per SM
 
 
 def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
@@ -706,13 +692,11 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     assert not fp8 or FP8_BLOCK % block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
     tma = tma_ready(a2, b)
     dummy = out
-    grid_n = triton.cdiv(n, block_n)
-    if masked:  # slots: at most the tiles there could be
-        tiles = experts * triton.cdiv(a_data.shape[1], block_m)
-        grid_m, offsets = max(1, min(tiles, MASKED_PROGRAMS_PER_SM * num_sms() // grid_n)), dummy
+    if masked:
+        grid_m, offsets = experts * triton.cdiv(a_data.shape[1], block_m), dummy
     else:  # at most one partial tile per expert
         grid_m, offsets = triton.cdiv(rows, block_m) + experts, expert_offsets
-    _grouped_gemm_kernel[(grid_m * grid_n,)](
+    _grouped_gemm_kernel[(grid_m * triton.cdiv(n, block_n),)](
         TensorDescriptor.from_tensor(a2, [block_m, block_k]) if tma else a2,
         TensorDescriptor.from_tensor(b, [block_n, block_k]) if tma else b,
         out.view(rows, n),
