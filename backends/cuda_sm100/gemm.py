@@ -8,8 +8,8 @@ tile of 64-row multiples (tensor-core products of 64 rows) computes an element t
 its 128-deep products, each accumulated from zero and scaled; so does the swapped kernel that serves a few rows
 (``_gemm_swapped_kernel``). cuBLAS's block-scaled FP8 product gives exactly those bits from 64 rows on
 (``benchmarks/cublas_invariance.py``), so batch-invariant mode may take it, row count by row count, once it has been
-seen to (``cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16
-product (``cublas_invariant_supports``).
+seen to (``cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16 product
+(``cublas_invariant_supports``).
 
 fp32 products (the router's logits) run as three tf32 tensor-core products (tf32x3: each operand's tf32 high part
 times the other's, plus both high-low cross terms; close to fp32) with one fixed tile, and split K into spans whose
