@@ -197,7 +197,7 @@ first = ask(256)
 gemm.gemm_fp8_cublas = off_by_one_bit  # asked again only at a new row count
 print(first, ask(256), ask(320))
 capturing[0] = True
-print(ask(384), (384, 256, 512, 0) in gemm._cublas_unsplit)
+print(ask(384), (384, 256, 512, 0) in gemm._cublas_answers)
 """
 
 
@@ -234,7 +234,7 @@ first, fewer, biased = ask(256), ask(255), ask(512, bias=torch.zeros(96, dtype=t
 gemm.gemm_cublas = off_by_one_bit  # asked again only at a new row count
 print(first, fewer, biased, ask(256), ask(320))
 capturing[0] = True
-print(ask(384), any(384 in key for key in gemm._cublas_unsplit))
+print(ask(384), any(384 in key for key in gemm._cublas_answers))
 """
 
 

@@ -452,17 +452,17 @@ def _cublas_fp8_ready() -> bool:
     return False  # never ask for the first time inside a CUDA graph capture
 
 
-_cublas_unsplit: dict[tuple, bool] = {}
+_cublas_answers: dict[tuple, bool] = {}  # per key (FP8 or dense product): whether cuBLAS gave the Triton bits
 
 
 def _cublas_agreed(key: tuple, probe: Callable[[], bool]) -> bool:
     """``probe()``'s answer for ``key``, asked once; never asked for the first time inside a CUDA graph capture
     (declined there)."""
-    if key not in _cublas_unsplit:
+    if key not in _cublas_answers:
         if torch.cuda.is_current_stream_capturing():
             return False
-        _cublas_unsplit[key] = probe()
-    return _cublas_unsplit[key]
+        _cublas_answers[key] = probe()
+    return _cublas_answers[key]
 
 
 def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
