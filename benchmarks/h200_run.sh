@@ -21,6 +21,7 @@
 #                whether the unsplit Triton kernel gives its bits
 #   gemm-invariant  what batch-invariant mode costs FP8 gemm at M = 1 ... 4096, and that its rows keep their bits
 #   gemm-swap [N,K ...]  the swapped FP8 kernel's launch shapes at M = 1 ... 64, bits checked, beside the unswapped
+#   grouped-swap REV [TOKENS]  FP8 masked grouped_gemm (decode): the swapped kernel's variants beside REV's kernel
 #   profile CASE KERNEL  Nsight Compute's per-instruction stall samples of one launch of KERNEL (a name regex) in
 #                `benchmarks/profile_launch.py CASE`: $OUT/CASE.csv (the SASS page, summed by stall_ledger.py), the report
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
@@ -74,6 +75,9 @@ case ${1:-} in
   gemm-swap)
     shift
     timeout 300 python3 benchmarks/gemm_swap_ab.py "$OUT/gemm_swap.json" "$@" 2>&1 | tail -50 ;;
+  grouped-swap)
+    timeout 500 python3 benchmarks/grouped_masked_swap.py "$OUT/grouped_swap.json" --rev "$2" ${3:+--tokens "$3"} 2>&1 \
+      | tail -130 ;;
   profile)
     cd benchmarks && timeout 200 ncu --clock-control none -k "regex:$3" --launch-skip 3 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$OUT/$2" \

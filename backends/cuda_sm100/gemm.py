@@ -173,6 +173,23 @@ def _gemm_kernel(
     )
 
 
+@triton.jit
+def _swapped_product(a_src, b_src, as_ptr, bs_ptr, a_first, offs_m, mask_m, stride_am, b_first, b_rows, mask_n,
+                     stride_bn, b_block, k_lo, k_hi, K, TMA: tl.constexpr, FP32_DOT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The fp32 [BLOCK_N, BLOCK_M] tile of B A^T over the 128-deep K blocks in ``[k_lo, k_hi)``: weight rows
+    ``b_first + [0, BLOCK_N)`` (``b_rows``) by A rows ``a_first + [0, BLOCK_M)`` (``offs_m``), each block's product
+    from zero, then one FMA with both scales (``_block_scales``, weight-scale block ``b_block``)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        b = _load_tile(b_src, b_first, b_rows, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
+        a = _load_tile(a_src, a_first, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
+        part = dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FP32_DOT)
+        scales = _block_scales(as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)
+        acc = acc + part * scales[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_swapped_kernel(
     a_src,
@@ -204,14 +221,11 @@ def _gemm_swapped_kernel(
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m, mask_n = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K):
-        b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
-        a = _load_tile(a_src, pid_m * BLOCK_M, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
-        part = dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FP32_DOT)
-        scales = _block_scales(as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
-        acc = acc + part * scales[None, :]
+    acc = _swapped_product(a_src, b_src, as_ptr, bs_ptr, pid_m * BLOCK_M, offs_m, mask_m, stride_am,
+                           pid_n * BLOCK_N, offs_n, mask_n, stride_bn, pid_n * BLOCK_N // BLOCK_K, split * k_span,
+                           tl.minimum(K, (split + 1) * k_span), K, TMA, FP32_DOT, BLOCK_M, BLOCK_N,
+                           BLOCK_K)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     if SPLIT_K > 1:
@@ -665,12 +679,71 @@ def _grouped_gemm_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["max_m"])
+def _grouped_masked_swapped_kernel(
+    a_src,
+    b_src,
+    c_ptr,
+    as_ptr,
+    bs_ptr,
+    masked_ptr,
+    E,
+    N,
+    K,
+    max_m,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    TMA: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """FP8, masked layout (decode): the products of the row tiles that hold rows, operands swapped as in
+    ``_gemm_swapped_kernel`` (a [BLOCK_N, BLOCK_M] tile of expert e's C^T = B_e A_e^T per step, each 128-deep
+    product from zero, then one FMA with both scales: the bits of ``_grouped_gemm_kernel``'s 64-row tiles).
+
+    The pairs (row tile holding rows, column tile) are numbered expert by expert, row tile by row tile, column tile
+    fastest, and program p takes pairs p, p + programs, ...: a batch that reaches a few of many experts launches
+    no program per empty tile, and each program holds at most one pair more than any other."""
+    experts = tl.arange(0, BLOCK_E)
+    rows = tl.minimum(tl.load(masked_ptr + experts, mask=experts < E, other=0), max_m)
+    tiles = tl.cdiv(rows, BLOCK_M)
+    ends = tl.cumsum(tiles, axis=0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    for pair in range(tl.program_id(0), tl.sum(tiles, axis=0) * grid_n, tl.num_programs(0)):
+        tile, pid_n = pair // grid_n, pair % grid_n
+        e = tl.sum((ends <= tile).to(tl.int32), axis=0)
+        first = e.to(tl.int64) * max_m  # expert e's first row of A and C
+        row0 = first + (tile - tl.sum(tl.where(experts < e, tiles, 0), axis=0)) * BLOCK_M
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < first + tl.sum(tl.where(experts == e, rows, 0), axis=0)
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        mask_n = offs_n < N
+        b_first = e.to(tl.int64) * N + pid_n * BLOCK_N  # B as [E * N, K], as in ``_grouped_gemm_kernel``
+        b_block = e.to(tl.int64) * tl.cdiv(N, BLOCK_K) + pid_n * BLOCK_N // BLOCK_K
+        acc = _swapped_product(a_src, b_src, as_ptr, bs_ptr, row0, offs_m, mask_m, stride_am, b_first,
+                               b_first + tl.arange(0, BLOCK_N), mask_n, stride_bn, b_block, 0, K, K, TMA, FP32_DOT,
+                               BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        tl.store(
+            c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None],
+            acc.to(c_ptr.dtype.element_ty),
+            mask=mask_n[:, None] & mask_m[None, :],
+        )
+
+
 # One tile for every row count and both layouts (batch-invariant: a row's bits never depend on the layout it came
-# in); outside batch-invariant mode the masked layout of decode, a few rows per expert, takes 16-row tiles (the
+# in); outside batch-invariant mode the bf16 masked layout of decode, a few rows per expert, takes 16-row tiles (the
 # model's decode shape on the H200, benchmarks/gemm_tiles.py: 75 against 87 us for the gate/up product of one token).
+# FP8 in the masked layout, in both modes, swaps its operands: 64 weight rows by 16 of A, over the tiles that hold
+# rows only, about MASKED_PROGRAMS_PER_SM programs per SM (benchmarks/grouped_masked_swap.py).
 GROUPED_TILE = Tile(64, 128, 4, 3)
 GROUPED_DECODE_TILE = Tile(16, 64, 4, 4)
 GROUPED_GROUP_M = 16  # M tiles walked together down the column tiles (16 x 64 rows: 1024 rows, an expert or two)
+MASKED_SWAPPED_TILE = Tile(16, 64, 4, 4, swap=True)
+MASKED_PROGRAMS_PER_SM = 5
 
 
 def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
@@ -686,6 +759,10 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         return out
     a2 = a_data.reshape(rows, k).contiguous()
     b = (w.data if fp8 else w).contiguous().view(experts * n, k)
+    a_scale = a.scale.reshape(rows, -1).contiguous() if fp8 else out
+    b_scale = w.scale.contiguous() if fp8 else out
+    if fp8 and masked:
+        return _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts, n, a_data.shape[1])
     tile = GROUPED_DECODE_TILE if masked and not batch_invariant_enabled() else _deep(GROUPED_TILE, k)
     block_m, block_n = tile.block_m, tile.block_n
     block_k = FP8_BLOCK if fp8 else tile.block_k
@@ -700,8 +777,8 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         TensorDescriptor.from_tensor(a2, [block_m, block_k]) if tma else a2,
         TensorDescriptor.from_tensor(b, [block_n, block_k]) if tma else b,
         out.view(rows, n),
-        a.scale.reshape(rows, -1).contiguous() if fp8 else dummy,
-        w.scale.contiguous() if fp8 else dummy,
+        a_scale,
+        b_scale,
         offsets,
         masked_m if masked else dummy,
         experts,
@@ -721,6 +798,38 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         BLOCK_K=block_k,
         BLOCK_E=triton.next_power_of_2(experts),
         GROUP_M=GROUPED_GROUP_M,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    return out
+
+
+def _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts: int, n: int, max_m: int):
+    """``_grouped_masked_swapped_kernel`` on A ``[E * max_m, K]`` FP8, B ``[E * N, K]`` FP8 into ``out``."""
+    tile = MASKED_SWAPPED_TILE
+    k = a2.shape[1]
+    tma = tma_ready(a2, b)
+    pairs = experts * triton.cdiv(max_m, tile.block_m) * triton.cdiv(n, tile.block_n)  # at most
+    _grouped_masked_swapped_kernel[(min(pairs, MASKED_PROGRAMS_PER_SM * num_sms()),)](
+        TensorDescriptor.from_tensor(a2, [tile.block_m, FP8_BLOCK]) if tma else a2,
+        TensorDescriptor.from_tensor(b, [tile.block_n, FP8_BLOCK]) if tma else b,
+        out.view(-1, n),
+        a_scale,
+        b_scale,
+        masked_m,
+        experts,
+        n,
+        k,
+        max_m,
+        a2.stride(0),
+        b.stride(0),
+        n,
+        TMA=tma,
+        FP32_DOT=INTERPRET,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=FP8_BLOCK,
+        BLOCK_E=triton.next_power_of_2(experts),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
