@@ -2,10 +2,9 @@
 timed from CUDA graphs (median device time over rotated weights, so small products stream from memory, not L2),
 beside cuBLAS block-scaled ``scaled_mm`` in the same run.
 
-    python3 benchmarks/gemm_tiles.py OUT.json [small|grouped|invariant|large|all|unsplit]
+    python3 benchmarks/gemm_tiles.py OUT.json [small|invariant|large|all|unsplit]
 
 small: M = 1, 8, 64 over BLOCK_N x stages x split-K (the default mode's tiles below ``CUBLAS_FP8_MIN_M``).
-grouped: ``grouped_gemm`` tiles at the model's decode shape (masked layout, 256 experts, 1 or 64 tokens top-8).
 invariant: tiles that do not depend on M (batch-invariant mode) at M = 1, 64, 512, 4096.
 unsplit: 64-row tiles without a split over K at M = 1 ... 256, each also compared bit for bit with the 64 x 128
 launch (and with cuBLAS from 64 rows, which computes each element the same way: ``cublas_invariance.py``).
@@ -121,25 +120,6 @@ def grouped_inputs(tokens: int, n: int, k: int, seed: int, experts: int = 256, t
     return out
 
 
-def grouped_sweep(tokens: int, n: int, k: int) -> dict:
-    sets = grouped_inputs(tokens, n, k, seed=tokens + n)
-    kw = sets[0]
-    rows = kw["masked_m"].tolist()
-    live = [e for e, m in enumerate(rows) if m]
-    want = [kw["a"][e].dequantize()[: rows[e]] @ QTensor(kw["w"].data[e], kw["w"].scale[e], (128, 128), "fp32")
-            .dequantize().t() for e in live]  # fmt: skip
-    row = {"tokens": tokens, "N": n, "K": k, "tiles": []}
-    for tile in GROUPED_TILES:
-        gemm.GROUPED_DECODE_TILE = tile
-        got = gemm.grouped_gemm(**kw)
-        err = rel_err(torch.cat([got[e, : rows[e]] for e in live]), torch.cat(want))
-        ms = time_graph_ms(lambda i: gemm.grouped_gemm(**sets[i]), sets=len(sets), reps=50) if err < 1e-2 else None
-        row["tiles"].append({"tile": list(tile), "ms": ms, "rel_err": err})
-        print(f"grouped masked T={tokens} N={n} K={k} {list(tile)}: {ms} ms, rel err {err:.1e}", flush=True)
-    return row
-
-
-GROUPED_TILES = [gemm.Tile(bm, bn, 4, st) for bm in (16, 64) for bn in (64, 128) for st in (3, 4)]
 LARGE_TILES = [gemm.Tile(*t) for t in [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5), (64, 64, 4, 4),
                                         (128, 128, 8, 3), (128, 128, 8, 4)]]  # fmt: skip
 
@@ -177,12 +157,6 @@ def main() -> None:
     if which in ("small", "all"):
         for (n, k), m in itertools.product(V3_PROJECTIONS, (1, 8, 64)):
             report["small"].append(sweep(m, n, k, small_tiles(m)))
-            save(report, out_path)
-    if which in ("grouped", "all"):
-        report["grouped"] = []
-        for t, (n, k) in itertools.product((1, 64), ((4096, 7168), (7168, 2048))):
-            report["grouped"].append(grouped_sweep(t, n, k))
-            torch.cuda.empty_cache()
             save(report, out_path)
     if which in ("large", "all"):
         report["large"] = [sweep(4096, n, k, LARGE_TILES) for n, k in ((24576, 1536), (7168, 16384))]

@@ -86,6 +86,6 @@ case ${1:-} in
       || ncu --import "$OUT/$2.ncu-rep" --page source --csv > "$OUT/$2.csv"
     ncu --import "$OUT/$2.ncu-rep" --page details --csv > "$OUT/$2_details.csv"
     python3 stall_ledger.py "$OUT/$2.csv" 2>&1 | head -40 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|ab|ab-set|ep|ep-check|cublas-invariance|gemm-invariant|gemm-swap|profile" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|ab|ab-set|ep|ep-check|cublas-invariance|gemm-invariant|gemm-swap|grouped-swap|profile" >&2
      exit 2 ;;
 esac
