@@ -6,9 +6,10 @@ products go to cuBLAS through torch by default; the Triton bf16 kernel is the ba
 Batch invariance is a matter of each element's arithmetic, not of the launch shape. Without a split over K, every
 tile of 64-row multiples (tensor-core products of 64 rows) computes an element the same way: the K-ordered sum of
 its 128-deep products, each accumulated from zero and scaled; so do the swapped kernels that serve a few rows
-(``_gemm_swapped_kernel``) and the masked layout of decode (``_grouped_masked_swapped_kernel``). cuBLAS's block-scaled FP8 product gives exactly those bits from 64 rows on
-(``benchmarks/cublas_invariance.py``), so batch-invariant mode may take it, row count by row count, once it has been
-seen to (``cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16 product
+(``_gemm_swapped_kernel``) and the masked layout of decode (``_grouped_masked_swapped_kernel``). cuBLAS's
+block-scaled FP8 product gives exactly those bits from 64 rows on (``benchmarks/cublas_invariance.py``), so
+batch-invariant mode may take it, row count by row count, once it has been seen to
+(``cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16 product
 (``cublas_invariant_supports``).
 
 fp32 products (the router's logits) run as three tf32 tensor-core products (tf32x3: each operand's tf32 high part
