@@ -6,7 +6,7 @@ products go to cuBLAS through torch by default; the Triton bf16 kernel is the ba
 Batch invariance is a matter of each element's arithmetic, not of the launch shape. Without a split over K, every
 tile of 64-row multiples (tensor-core products of 64 rows) computes an element the same way: the K-ordered sum of
 its 128-deep products, each accumulated from zero and scaled; so do the swapped kernels that serve a few rows
-(``_gemm_swapped_kernel``) and the masked layout of decode (``_grouped_masked_kernel``). cuBLAS's
+(``_gemm_swapped_kernel``) and the masked layout of decode (``_grouped_masked_swapped_kernel``). cuBLAS's
 block-scaled FP8 product gives exactly those bits from 64 rows on (``benchmarks/cublas_invariance.py``), so
 batch-invariant mode may take it, row count by row count, once it has been seen to
 (``cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16 product
@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer import QTensor
+from deepinfer.dispatch import batch_invariant_enabled
 from deepinfer.qtensor import quantize_blocks
 
 from ._triton import INTERPRET, dot, num_sms, on_device, pow2_ceil, tma_ready, to_e4m3
@@ -175,21 +176,18 @@ def _gemm_kernel(
 
 @triton.jit
 def _swapped_product(a_src, b_src, as_ptr, bs_ptr, a_first, offs_m, mask_m, stride_am, b_first, b_rows, mask_n,
-                     stride_bn, b_block, k_lo, k_hi, K, FP8: tl.constexpr, TMA: tl.constexpr, FP32_DOT: tl.constexpr,
+                     stride_bn, b_block, k_lo, k_hi, K, TMA: tl.constexpr, FP32_DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """The fp32 [BLOCK_N, BLOCK_M] tile of B A^T over K in ``[k_lo, k_hi)``: weight rows ``b_first + [0, BLOCK_N)``
-    (``b_rows``) by A rows ``a_first + [0, BLOCK_M)`` (``offs_m``). FP8: each 128-deep block's product from zero,
-    then one FMA with both scales (``_block_scales``, weight-scale block ``b_block``); else one running sum."""
+    """The fp32 [BLOCK_N, BLOCK_M] tile of B A^T over the 128-deep K blocks in ``[k_lo, k_hi)``: weight rows
+    ``b_first + [0, BLOCK_N)`` (``b_rows``) by A rows ``a_first + [0, BLOCK_M)`` (``offs_m``), each block's product
+    from zero, then one FMA with both scales (``_block_scales``, weight-scale block ``b_block``)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         b = _load_tile(b_src, b_first, b_rows, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         a = _load_tile(a_src, a_first, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
-        if FP8:
-            part = dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FP32_DOT)
-            scales = _block_scales(as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)
-            acc = acc + part * scales[None, :]
-        else:
-            acc = dot(b, tl.trans(a), acc, FP32_DOT)
+        part = dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FP32_DOT)
+        scales = _block_scales(as_ptr, bs_ptr, offs_m, mask_m, b_block, k0, K, BLOCK_K)
+        acc = acc + part * scales[None, :]
     return acc
 
 
@@ -227,7 +225,7 @@ def _gemm_swapped_kernel(
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     acc = _swapped_product(a_src, b_src, as_ptr, bs_ptr, pid_m * BLOCK_M, offs_m, mask_m, stride_am,
                            pid_n * BLOCK_N, offs_n, mask_n, stride_bn, pid_n * BLOCK_N // BLOCK_K, split * k_span,
-                           tl.minimum(K, (split + 1) * k_span), K, True, TMA, FP32_DOT, BLOCK_M, BLOCK_N,
+                           tl.minimum(K, (split + 1) * k_span), K, TMA, FP32_DOT, BLOCK_M, BLOCK_N,
                            BLOCK_K)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -605,7 +603,7 @@ def _cublas_gives_triton_bits(m: int, w: torch.Tensor, out_dtype: torch.dtype) -
 # --- grouped GEMM -------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["GRID_M"])
+@triton.jit(do_not_specialize=["max_m", "GRID_M"])
 def _grouped_gemm_kernel(
     a_src,
     b_src,
@@ -613,13 +611,16 @@ def _grouped_gemm_kernel(
     as_ptr,
     bs_ptr,
     offsets_ptr,
+    masked_ptr,
     E,
     N,
     K,
+    max_m,
     GRID_M,
     stride_am,
     stride_bn,
     stride_cm,
+    MASKED: tl.constexpr,
     FP8: tl.constexpr,
     TMA: tl.constexpr,
     FP32_DOT: tl.constexpr,
@@ -629,22 +630,32 @@ def _grouped_gemm_kernel(
     BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Contiguous layout: M tile t is the t-th over all experts (each program counts the experts' tiles from
-    ``offsets``); rows never cross experts. Programs walk ``GROUP_M`` M tiles (one expert's rows, mostly) down every
-    column tile before the next ones, so those rows stay in L2 while the expert's weight streams past once
-    (``tile_coords`` over ``GRID_M`` M tiles)."""
+    """Contiguous: M tile t is the t-th over all experts (each program counts the experts' tiles from ``offsets``).
+    Masked: M tile e * tiles_per_expert + t. Rows never cross experts. Programs walk ``GROUP_M`` M tiles (one
+    expert's rows, mostly) down every column tile before the next ones, so those rows stay in L2 while the expert's
+    weight streams past once (``tile_coords`` over ``GRID_M`` M tiles)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    experts = tl.arange(0, BLOCK_E)
-    starts = tl.load(offsets_ptr + experts, mask=experts < E, other=0)
-    stops = tl.load(offsets_ptr + 1 + experts, mask=experts < E, other=0)
-    tiles = tl.cdiv(stops - starts, BLOCK_M)  # M tiles of each expert (0 past E)
-    ends = tl.where(experts < E, tl.cumsum(tiles, axis=0), 2147483647)
-    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-    if e >= E:
-        return
-    tile_start = tl.sum(tl.where(experts < e, tiles, 0), axis=0)
-    row0 = (tl.load(offsets_ptr + e) + (pid_m - tile_start) * BLOCK_M).to(tl.int64)
-    row_end = tl.load(offsets_ptr + e + 1).to(tl.int64)
+    if MASKED:
+        tiles = tl.cdiv(max_m, BLOCK_M)
+        e = pid_m // tiles
+        rows_in_expert = tl.load(masked_ptr + e)
+        first = (pid_m % tiles) * BLOCK_M
+        if first >= rows_in_expert:
+            return
+        row0 = e.to(tl.int64) * max_m + first
+        row_end = e.to(tl.int64) * max_m + rows_in_expert
+    else:
+        experts = tl.arange(0, BLOCK_E)
+        starts = tl.load(offsets_ptr + experts, mask=experts < E, other=0)
+        stops = tl.load(offsets_ptr + 1 + experts, mask=experts < E, other=0)
+        tiles = tl.cdiv(stops - starts, BLOCK_M)  # M tiles of each expert (0 past E)
+        ends = tl.where(experts < E, tl.cumsum(tiles, axis=0), 2147483647)
+        e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+        if e >= E:
+            return
+        tile_start = tl.sum(tl.where(experts < e, tiles, 0), axis=0)
+        row0 = (tl.load(offsets_ptr + e) + (pid_m - tile_start) * BLOCK_M).to(tl.int64)
+        row_end = tl.load(offsets_ptr + e + 1).to(tl.int64)
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -670,7 +681,7 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit(do_not_specialize=["max_m"])
-def _grouped_masked_kernel(
+def _grouped_masked_swapped_kernel(
     a_src,
     b_src,
     c_ptr,
@@ -684,7 +695,6 @@ def _grouped_masked_kernel(
     stride_am,
     stride_bn,
     stride_cm,
-    FP8: tl.constexpr,
     TMA: tl.constexpr,
     FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -692,9 +702,9 @@ def _grouped_masked_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """Masked layout (decode): the products of the row tiles that hold rows, operands swapped as in
-    ``_gemm_swapped_kernel``: a [BLOCK_N, BLOCK_M] tile of expert e's C^T = B_e A_e^T per step (``_swapped_product``,
-    whose bits are those of ``_grouped_gemm_kernel``'s 64-row tiles).
+    """FP8, masked layout (decode): the products of the row tiles that hold rows, operands swapped as in
+    ``_gemm_swapped_kernel`` (a [BLOCK_N, BLOCK_M] tile of expert e's C^T = B_e A_e^T per step, each 128-deep
+    product from zero, then one FMA with both scales: the bits of ``_grouped_gemm_kernel``'s 64-row tiles).
 
     The pairs (row tile holding rows, column tile) are numbered expert by expert, row tile by row tile, column tile
     fastest, and program p takes pairs p, p + programs, ...: a batch that reaches a few of many experts launches
@@ -716,8 +726,8 @@ def _grouped_masked_kernel(
         b_first = e.to(tl.int64) * N + pid_n * BLOCK_N  # B as [E * N, K], as in ``_grouped_gemm_kernel``
         b_block = e.to(tl.int64) * tl.cdiv(N, BLOCK_K) + pid_n * BLOCK_N // BLOCK_K
         acc = _swapped_product(a_src, b_src, as_ptr, bs_ptr, row0, offs_m, mask_m, stride_am, b_first,
-                               b_first + tl.arange(0, BLOCK_N), mask_n, stride_bn, b_block, 0, K, K, FP8, TMA,
-                               FP32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                               b_first + tl.arange(0, BLOCK_N), mask_n, stride_bn, b_block, 0, K, K, TMA, FP32_DOT,
+                               BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         tl.store(
             c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None],
             acc.to(c_ptr.dtype.element_ty),
@@ -725,12 +735,15 @@ def _grouped_masked_kernel(
         )
 
 
-# The contiguous layout: one tile for every row count (batch-invariant: a row's bits never depend on the layout it
-# came in). The masked layout of decode, in both modes, swaps its operands: 64 weight rows by 16 rows of A, over the
-# tiles that hold rows only, about MASKED_PROGRAMS_PER_SM programs per SM (benchmarks/grouped_masked_swap.py).
+# One tile for every row count and both layouts (batch-invariant: a row's bits never depend on the layout it came
+# in); outside batch-invariant mode the bf16 masked layout of decode, a few rows per expert, takes 16-row tiles (the
+# model's decode shape on the H200, benchmarks/gemm_tiles.py: 75 against 87 us for the gate/up product of one token).
+# FP8 in the masked layout, in both modes, swaps its operands: 64 weight rows by 16 of A, over the tiles that hold
+# rows only, about MASKED_PROGRAMS_PER_SM programs per SM (benchmarks/grouped_masked_swap.py).
 GROUPED_TILE = Tile(64, 128, 4, 3)
+GROUPED_DECODE_TILE = Tile(16, 64, 4, 4)
 GROUPED_GROUP_M = 16  # M tiles walked together down the column tiles (16 x 64 rows: 1024 rows, an expert or two)
-MASKED_TILE = Tile(16, 64, 4, 4, swap=True)
+MASKED_SWAPPED_TILE = Tile(16, 64, 4, 4, swap=True)
 MASKED_PROGRAMS_PER_SM = 5
 
 
@@ -747,41 +760,80 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         return out
     a2 = a_data.reshape(rows, k).contiguous()
     b = (w.data if fp8 else w).contiguous().view(experts * n, k)
-    tile = MASKED_TILE if masked else _deep(GROUPED_TILE, k)
+    a_scale = a.scale.reshape(rows, -1).contiguous() if fp8 else out
+    b_scale = w.scale.contiguous() if fp8 else out
+    if fp8 and masked:
+        return _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts, n, a_data.shape[1])
+    tile = GROUPED_DECODE_TILE if masked and not batch_invariant_enabled() else _deep(GROUPED_TILE, k)
     block_m, block_n = tile.block_m, tile.block_n
     block_k = FP8_BLOCK if fp8 else tile.block_k
     assert not fp8 or FP8_BLOCK % block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
     tma = tma_ready(a2, b)
-    args = (
+    dummy = out
+    if masked:
+        grid_m, offsets = experts * triton.cdiv(a_data.shape[1], block_m), dummy
+    else:  # at most one partial tile per expert
+        grid_m, offsets = triton.cdiv(rows, block_m) + experts, expert_offsets
+    _grouped_gemm_kernel[(grid_m * triton.cdiv(n, block_n),)](
         TensorDescriptor.from_tensor(a2, [block_m, block_k]) if tma else a2,
         TensorDescriptor.from_tensor(b, [block_n, block_k]) if tma else b,
         out.view(rows, n),
-        a.scale.reshape(rows, -1).contiguous() if fp8 else out,
-        w.scale.contiguous() if fp8 else out,
+        a_scale,
+        b_scale,
+        offsets,
+        masked_m if masked else dummy,
+        experts,
+        n,
+        k,
+        a_data.shape[1] if masked else 0,
+        grid_m,
+        a2.stride(0),
+        b.stride(0),
+        n,
+        MASKED=masked,
+        FP8=fp8,
+        TMA=tma,
+        FP32_DOT=INTERPRET,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_E=triton.next_power_of_2(experts),
+        GROUP_M=GROUPED_GROUP_M,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
-    launch = dict(FP8=fp8, TMA=tma, FP32_DOT=INTERPRET, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    launch |= dict(BLOCK_E=triton.next_power_of_2(experts), num_warps=tile.num_warps, num_stages=tile.num_stages)
-    if masked:
-        max_m = a_data.shape[1]
-        pairs = experts * triton.cdiv(max_m, block_m) * triton.cdiv(n, block_n)  # at most
-        _grouped_masked_kernel[(min(pairs, MASKED_PROGRAMS_PER_SM * num_sms()),)](
-            *args, masked_m, experts, n, k, max_m, a2.stride(0), b.stride(0), n, **launch
-        )
-    else:
-        grid_m = triton.cdiv(rows, block_m) + experts  # at most one partial tile per expert
-        _grouped_gemm_kernel[(grid_m * triton.cdiv(n, block_n),)](
-            *args,
-            expert_offsets,
-            experts,
-            n,
-            k,
-            grid_m,
-            a2.stride(0),
-            b.stride(0),
-            n,
-            GROUP_M=GROUPED_GROUP_M,
-            **launch,
-        )
+    return out
+
+
+def _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts: int, n: int, max_m: int):
+    """``_grouped_masked_swapped_kernel`` on A ``[E * max_m, K]`` FP8, B ``[E * N, K]`` FP8 into ``out``."""
+    tile = MASKED_SWAPPED_TILE
+    k = a2.shape[1]
+    tma = tma_ready(a2, b)
+    pairs = experts * triton.cdiv(max_m, tile.block_m) * triton.cdiv(n, tile.block_n)  # at most
+    _grouped_masked_swapped_kernel[(min(pairs, MASKED_PROGRAMS_PER_SM * num_sms()),)](
+        TensorDescriptor.from_tensor(a2, [tile.block_m, FP8_BLOCK]) if tma else a2,
+        TensorDescriptor.from_tensor(b, [tile.block_n, FP8_BLOCK]) if tma else b,
+        out.view(-1, n),
+        a_scale,
+        b_scale,
+        masked_m,
+        experts,
+        n,
+        k,
+        max_m,
+        a2.stride(0),
+        b.stride(0),
+        n,
+        TMA=tma,
+        FP32_DOT=INTERPRET,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=FP8_BLOCK,
+        BLOCK_E=triton.next_power_of_2(experts),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
     return out
 
 
