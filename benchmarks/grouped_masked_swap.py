@@ -27,6 +27,7 @@ VARIANTS = [  # (MASKED_SWAPPED_TILE, MASKED_PROGRAMS_PER_SM); the first is the 
     (gemm.MASKED_SWAPPED_TILE, gemm.MASKED_PROGRAMS_PER_SM),
     (gemm.Tile(16, 64, 4, 4, swap=True), 2),
     (gemm.Tile(16, 64, 4, 4, swap=True), 4),
+    (gemm.Tile(16, 64, 4, 4, swap=True), 5),
     (gemm.Tile(16, 64, 4, 6, swap=True), 3),
     (gemm.Tile(16, 128, 4, 4, swap=True), 2),
     (gemm.Tile(32, 64, 4, 4, swap=True), 4),

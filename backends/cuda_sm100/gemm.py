@@ -743,8 +743,8 @@ def _grouped_masked_swapped_kernel(
 GROUPED_TILE = Tile(64, 128, 4, 3)
 GROUPED_DECODE_TILE = Tile(16, 64, 4, 4)
 GROUPED_GROUP_M = 16  # M tiles walked together down the column tiles (16 x 64 rows: 1024 rows, an expert or two)
-MASKED_SWAPPED_TILE = Tile(16, 64, 4, 4, swap=True)
-MASKED_PROGRAMS_PER_SM = 5
+MASKED_SWAPPED_TILE = Tile(16, 64, 4, 5, swap=True)
+MASKED_PROGRAMS_PER_SM = 4
 
 
 def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
