@@ -736,12 +736,13 @@ def _grouped_masked_swapped_kernel(
 
 
 # One tile for every row count and both layouts (batch-invariant: a row's bits never depend on the layout it came
-# in); outside batch-invariant mode the bf16 masked layout of decode, a few rows per expert, takes 16-row tiles (the
-# model's decode shape on the H200, benchmarks/gemm_tiles.py: 75 against 87 us for the gate/up product of one token).
-# FP8 in the masked layout, in both modes, swaps its operands: 64 weight rows by 16 of A, over the tiles that hold
-# rows only, about MASKED_PROGRAMS_PER_SM programs per SM (benchmarks/grouped_masked_swap.py).
+# in). Outside batch-invariant mode, the bf16 masked layout of decode (the absorbed MLA products, every head holding
+# the batch's rows) takes 16-row tiles below DECODE_TILE_MAX_M rows: from 64 rows the 64 x 128 tile was 1.3-1.9x
+# faster (benchmarks/NOTES.md, seventeenth session). FP8 in the masked layout, in both modes, swaps its operands:
+# 64 weight rows by 16 of A, over the tiles that hold rows only, MASKED_PROGRAMS_PER_SM programs per SM
+# (benchmarks/grouped_masked_swap.py).
 GROUPED_TILE = Tile(64, 128, 4, 3)
-GROUPED_DECODE_TILE = Tile(16, 64, 4, 4)
+GROUPED_DECODE_TILE, DECODE_TILE_MAX_M = Tile(16, 64, 4, 4), 63
 GROUPED_GROUP_M = 16  # M tiles walked together down the column tiles (16 x 64 rows: 1024 rows, an expert or two)
 MASKED_SWAPPED_TILE = Tile(16, 64, 4, 5, swap=True)
 MASKED_PROGRAMS_PER_SM = 4
@@ -764,7 +765,8 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     b_scale = w.scale.contiguous() if fp8 else out
     if fp8 and masked:
         return _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts, n, a_data.shape[1])
-    tile = GROUPED_DECODE_TILE if masked and not batch_invariant_enabled() else _deep(GROUPED_TILE, k)
+    decode = masked and a_data.shape[1] <= DECODE_TILE_MAX_M and not batch_invariant_enabled()
+    tile = GROUPED_DECODE_TILE if decode else _deep(GROUPED_TILE, k)
     block_m, block_n = tile.block_m, tile.block_n
     block_k = FP8_BLOCK if fp8 else tile.block_k
     assert not fp8 or FP8_BLOCK % block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
