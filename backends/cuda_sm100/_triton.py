@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -13,6 +14,14 @@ from .probe import interpreting
 # The Triton interpreter has no bf16 arithmetic, so kernels take an fp32 path for dot products there (see ``dot``);
 # on a GPU the same kernels feed bf16/fp8 to the tensor cores.
 INTERPRET = interpreting()
+
+# Programmatic dependent launch (compute capability 9.0 and later). Every `tl` kernel of this backend is launched with
+# ``launch_pdl=PDL`` and begins with ``pdl_wait()``: the next kernel in the stream may then be launched while this one
+# runs, and waits at its own ``pdl_wait()`` until this one has finished, so its launch latency hides behind this
+# kernel's tail (NOTES.md, eighteenth session). ``DEEPINFER_CUDA_PDL=0`` turns it off; the interpreter has no such
+# instructions.
+PDL = not INTERPRET and os.environ.get("DEEPINFER_CUDA_PDL", "1") != "0"
+_PDL = tl.constexpr(PDL)
 
 
 def device_type() -> str:
@@ -38,6 +47,16 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
         t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
         for t in tensors
     )
+
+
+@triton.jit
+def pdl_wait():
+    """The first statement of every kernel launched with ``launch_pdl=PDL``: lets the stream's next kernel launch,
+    then waits until the previous kernel has completed and its writes are visible. Nothing before it may touch
+    global memory."""
+    if _PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 def next_pow2(n: int) -> int:

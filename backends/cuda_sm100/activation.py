@@ -8,7 +8,7 @@ import triton.language as tl
 
 from deepinfer import QTensor
 
-from ._triton import INTERPRET, next_pow2, on_device, pow2_ceil, to_e4m3
+from ._triton import INTERPRET, PDL, next_pow2, on_device, pdl_wait, pow2_ceil, to_e4m3
 
 BLOCK = 128  # one FP8 scale group
 GROUPS = 8  # scale groups per program
@@ -30,6 +30,7 @@ def _silu_and_mul_kernel(
     PREROUND: tl.constexpr,
 ):
     """One row, GROUPS x BLOCK channels. With MASKED, rows at or past their expert's count are skipped."""
+    pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     if MASKED:  # noqa: SIM102 (a constexpr test: it must stay its own statement in Triton)
         if row % max_m >= tl.load(masked_ptr + row // max_m):
@@ -78,6 +79,7 @@ def silu_and_mul(x, *, quantize, scale_format, masked_m):
             BLOCK=BLOCK,
             GROUPS=groups,
             PREROUND=INTERPRET,
+            launch_pdl=PDL,
         )
     lead = x.shape[:-1]
     if quantize:

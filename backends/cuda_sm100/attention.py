@@ -20,7 +20,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.kv_cache import FP8_GROUP
 
-from ._triton import INTERPRET, dot, next_pow2, num_sms, on_device, pow2_ceil, tma_ready, to_bf16, to_e4m3
+from ._triton import (
+    INTERPRET,
+    PDL,
+    dot,
+    next_pow2,
+    num_sms,
+    on_device,
+    pdl_wait,
+    pow2_ceil,
+    tma_ready,
+    to_bf16,
+    to_e4m3,
+)
 
 try:
     from . import mla_gluon
@@ -161,6 +173,7 @@ def _mla_split_kernel(
     FP32_DOT: tl.constexpr,
     DIRECT: tl.constexpr,
 ):
+    pdl_wait()
     row = tl.program_id(0)  # b * S_q + s
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -256,6 +269,7 @@ def _mla_merge_kernel(
 ):
     """Merges the splits of one (query row, head): out = sum_i w_i out_i, w_i = exp(lse_i - lse), summed in a fixed
     order (a given number of splits always adds up the same way)."""
+    pdl_wait()
     rh = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     lse_all = tl.load(part_lse_ptr + rh * n_splits + splits, mask=splits < n_splits, other=float("-inf"))
@@ -363,10 +377,11 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
             FP32_DOT=INTERPRET,
             DIRECT=n_splits == 1,
             **tile,
+            launch_pdl=PDL,
         )
     if n_splits > 1:
         _mla_merge_kernel[(batch * s_q * heads,)](
-            part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits), CHUNK=8
+            part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits), CHUNK=8, launch_pdl=PDL
         )
     return out, lse
 
@@ -494,6 +509,7 @@ def _varlen_kernel(
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
+    pdl_wait()
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows of queries start first
     seq = tl.program_id(1)
     h = tl.program_id(2)
@@ -585,6 +601,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
         BLOCK_M=block_m,
         FP32_DOT=INTERPRET,
         **tile,
+        launch_pdl=PDL,
     )
     return out
 
@@ -615,6 +632,7 @@ def _write_kernel(
     FP8: tl.constexpr,
     PREROUND: tl.constexpr,
 ):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t)
     if slot < 0:
@@ -659,6 +677,7 @@ def write_kv_cache(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format):
         WIDTH=kv_cache.shape[2],
         FP8=fp8,
         PREROUND=INTERPRET,
+        launch_pdl=PDL,
     )
 
 

@@ -34,7 +34,7 @@ from deepinfer import QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 from deepinfer.qtensor import quantize_blocks
 
-from ._triton import INTERPRET, dot, num_sms, on_device, pow2_ceil, tma_ready, to_e4m3
+from ._triton import INTERPRET, PDL, dot, num_sms, on_device, pdl_wait, pow2_ceil, tma_ready, to_e4m3
 
 FP8_BLOCK = 128
 
@@ -46,6 +46,7 @@ FP8_BLOCK = 128
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, UE8M0: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                      PREROUND: tl.constexpr):  # fmt: skip
     """One scale group (``BLOCK`` columns) of ``ROWS`` rows per program."""
+    pdl_wait()
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     group = tl.program_id(1)
     cols = group * BLOCK + tl.arange(0, BLOCK)
@@ -70,7 +71,16 @@ def quantize_fp8(x, *, block, scale_format):
     s = torch.empty(m, k // block, dtype=torch.float32, device=x.device)
     if m:
         _quantize_kernel[(triton.cdiv(m, QUANTIZE_ROWS), k // block)](
-            x2, q, s, m, k, UE8M0=scale_format == "ue8m0", BLOCK=block, ROWS=QUANTIZE_ROWS, PREROUND=INTERPRET
+            x2,
+            q,
+            s,
+            m,
+            k,
+            UE8M0=scale_format == "ue8m0",
+            BLOCK=block,
+            ROWS=QUANTIZE_ROWS,
+            PREROUND=INTERPRET,
+            launch_pdl=PDL,
         )
     return QTensor(q.view(x.shape), s.view(*x.shape[:-1], k // block), (1, block), scale_format)
 
@@ -145,6 +155,7 @@ def _gemm_kernel(
     ``a_src`` / ``b_src`` are TMA descriptors (TMA) or pointers. SPLIT_K > 1 cuts K into SPLIT_K spans, each
     accumulated from zero by the programs of axis 1, which store their fp32 partial products at ``C + split * M * N``
     (no bias) for ``_sum_splits_kernel``."""
+    pdl_wait()
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -218,6 +229,7 @@ def _gemm_swapped_kernel(
     rows are not padded to 64. Per element the arithmetic is ``_gemm_kernel``'s (each 128-deep product from zero,
     then one FMA with both scales), and so are its bits (``benchmarks/gemm_swap_ab.py``). Axis 0 walks the column
     tiles, axis 1 the row tiles, axis 2 the K spans (fp32 partials at ``C + split * M * N``, as there)."""
+    pdl_wait()
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -244,6 +256,7 @@ def _sum_splits_kernel(
 ):
     """out[m, n] = parts[0, m, n] + ... + parts[SPLIT - 1, m, n] (+ bias[n]) for the fp32 partials ``[SPLIT, M, N]``,
     added in split order, rounded once to out's dtype."""
+    pdl_wait()
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
     acc = tl.load(parts_ptr + i, mask=mask, other=0.0)
@@ -369,7 +382,9 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
         enable_fp_fusion=True,  # one FFMA per scaled block: cuBLAS's bits (Triton 3.10 turns fusion off by default)
     )
     if tile.swap:
-        _gemm_swapped_kernel[(triton.cdiv(n, tile.block_n), triton.cdiv(m, block_m), split)](*args, **launch)
+        _gemm_swapped_kernel[(triton.cdiv(n, tile.block_n), triton.cdiv(m, block_m), split)](
+            *args, **launch, launch_pdl=PDL
+        )
     else:
         _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
             *args,
@@ -377,6 +392,7 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
             TF32X3=tile.tf32x3 and not INTERPRET,  # the interpreter's fp32 path multiplies in fp32
             GROUP_M=8,
             **launch,
+            launch_pdl=PDL,
         )
     if target is not out:
         block = 1024
@@ -390,6 +406,7 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
             SPLIT=split,
             HAS_BIAS=bias is not None,
             BLOCK=block,
+            launch_pdl=PDL,
         )
     return out
 
@@ -634,6 +651,7 @@ def _grouped_gemm_kernel(
     Masked: M tile e * tiles_per_expert + t. Rows never cross experts. Programs walk ``GROUP_M`` M tiles (one
     expert's rows, mostly) down every column tile before the next ones, so those rows stay in L2 while the expert's
     weight streams past once (``tile_coords`` over ``GRID_M`` M tiles)."""
+    pdl_wait()
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if MASKED:
         tiles = tl.cdiv(max_m, BLOCK_M)
@@ -709,6 +727,7 @@ def _grouped_masked_swapped_kernel(
     The pairs (row tile holding rows, column tile) are numbered expert by expert, row tile by row tile, column tile
     fastest, and program p takes pairs p, p + programs, ...: a batch that reaches a few of many experts launches
     no program per empty tile, and each program holds at most one pair more than any other."""
+    pdl_wait()
     experts = tl.arange(0, BLOCK_E)
     rows = tl.minimum(tl.load(masked_ptr + experts, mask=experts < E, other=0), max_m)
     tiles = tl.cdiv(rows, BLOCK_M)
@@ -803,6 +822,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         GROUP_M=GROUPED_GROUP_M,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        launch_pdl=PDL,
     )
     return out
 
@@ -835,6 +855,7 @@ def _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts: int
         BLOCK_E=triton.next_power_of_2(experts),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        launch_pdl=PDL,
     )
     return out
 

@@ -26,7 +26,7 @@ from deepinfer import QTensor
 from deepinfer.ops import DispatchHandle, ExpertLayout
 from deepinfer.reference import ep
 
-from ._triton import next_pow2, on_device
+from ._triton import PDL, next_pow2, on_device, pdl_wait
 
 
 @triton.jit
@@ -48,6 +48,7 @@ def _route_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]
     j = tl.arange(0, BLOCK_S)[None, :]
@@ -119,6 +120,7 @@ def moe_route(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_s
             BLOCK_G=next_pow2(n_group),
             BLOCK_S=next_pow2(group_size),
             BLOCK_K=next_pow2(top_k),
+            launch_pdl=PDL,
         )
     return weights, ids
 
@@ -145,6 +147,7 @@ class GpuHandle(DispatchHandle):
 @triton.jit
 def _gather_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, H, BLOCK: tl.constexpr):
     """dst[dst_rows[p]] = src[src_rows[p]] for each pair p with dst_rows[p] >= 0."""
+    pdl_wait()
     p = tl.program_id(0).to(tl.int64)
     dst_row = tl.load(dst_rows_ptr + p).to(tl.int64)
     if dst_row < 0:
@@ -164,7 +167,9 @@ def _move_rows(x, src_rows: torch.Tensor, dst_rows: torch.Tensor, lead: tuple[in
         raw = src.view(torch.uint8) if src.dtype == torch.float8_e4m3fn else src
         dst = torch.empty(*lead, width, dtype=raw.dtype, device=src.device)
         if src_rows.numel():
-            _gather_rows_kernel[(src_rows.numel(),)](raw.contiguous(), dst, src_rows, dst_rows, width, BLOCK=512)
+            _gather_rows_kernel[(src_rows.numel(),)](
+                raw.contiguous(), dst, src_rows, dst_rows, width, BLOCK=512, launch_pdl=PDL
+            )
         return dst.view(src.dtype) if src.dtype == torch.float8_e4m3fn else dst
 
     if isinstance(x, QTensor):
@@ -189,6 +194,7 @@ def _expert_rows_kernel(
     """Program e: the pairs naming expert e, in (token, slot) order, take its rows ``e * capacity + 0, 1, ...``;
     pairs past ``capacity`` are lost (``LOST_ROW``, and the overflow flag is set). Writes the pairs' rows, the ids and
     weights of expert e's rows (-1 and 0 where unused) and ``masked_m[e]``; program 0 also marks skipped pairs -1."""
+    pdl_wait()
     e = tl.program_id(0)
     count = tl.full((), 0, tl.int32)
     for p0 in range(0, P, BLOCK):
@@ -229,6 +235,7 @@ def _send_rows_kernel(
     BLOCK_S: tl.constexpr,
 ):
     """Program p (pair): copies token ``p // K``'s row (and scale row) to its received row, if it has one."""
+    pdl_wait()
     p = tl.program_id(0).to(tl.int64)
     row = tl.load(pair_rows_ptr + p).to(tl.int64)
     if row < 0:
@@ -264,6 +271,7 @@ def _dispatch_low_latency(x, ids, weights, num_experts: int, capacity: int):
         capacity,
         LOST_ROW=LOST,
         BLOCK=1024,
+        launch_pdl=PDL,
     )
     data = (x.data if isinstance(x, QTensor) else x).contiguous()
     raw = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
@@ -285,6 +293,7 @@ def _dispatch_low_latency(x, ids, weights, num_experts: int, capacity: int):
             HAS_SCALE=scale is not None,
             BLOCK=1024,
             BLOCK_S=next_pow2(1 if scale is None else scale.shape[1]),
+            launch_pdl=PDL,
         )
     if isinstance(x, QTensor):
         recv_x = QTensor(
@@ -406,6 +415,7 @@ def _count_kernel(
 ):  # fmt: skip
     """Pairs per (destination, local expert) and copies per destination into ``sent`` (atomics); this program's
     copies per destination and pairs per key (destination * WIDTH + local expert) into its row of ``stats``."""
+    pdl_wait()
     pid = tl.program_id(0)
     t = pid * BT + tl.arange(0, BT)
     d, local, valid = _pair_keys(ids_ptr, holders_ptr, rank_ptr, local_ptr, t, T, me, W, COPIES, K, KP)
@@ -430,6 +440,7 @@ def _pack_kernel(
     (token, destination) (-1: no copy), and each pair's position in (destination, token, slot) order. ``cum`` is
     ``stats`` summed over programs (inclusive); rows are int32 words. A record is 4 x K int32: local expert (-1: not
     this copy's), weight bits, rank within the pair's (destination, local expert), rank within its destination."""
+    pdl_wait()
     pid = tl.program_id(0)
     t = pid * BT + tl.arange(0, BT)
     d, local, valid = _pair_keys(ids_ptr, holders_ptr, rank_ptr, local_ptr, t, T, me, W, COPIES, K, KP)
@@ -506,6 +517,7 @@ def _count_pairs(ids, tab, me: int, world: int):
         _count_kernel[(nprog,)](
             ids32, tab.holders, tab.rank, tab.local, sent, stats, tokens, me, world, tab.width, tab.rank.shape[1],
             **meta,
+            launch_pdl=PDL,
         )  # fmt: skip
     return sent, _Counted(ids32, stats, meta)
 
@@ -524,6 +536,7 @@ def _pack_copies(x, payload, ids, weights, tab, me: int, world: int, counted: _C
             counted.ids, tab.holders, tab.rank, tab.local, weights.float().contiguous(), xw, send, pair_pos, copy_pos,
             stats, stats.cumsum(0, dtype=torch.int32), tokens, me, world, tab.width, tab.rank.shape[1],
             stats.shape[0], row, row + rec, BWID=next_pow2(tab.width), BC=256, **counted.meta,
+            launch_pdl=PDL,
         )  # fmt: skip
     return send.view(payload.word), pair_pos, copy_pos
 
@@ -538,6 +551,7 @@ def _unpack_kernel(
     bases; its copy's words go to that row of ``out0`` (the first SPLIT) and ``out1`` (the rest), with its id and
     weight; ``final[receive index] = row``, ``copy_rows[c, slot] = row`` and ``copy_w[c, slot]`` its weight (-1 and 0
     for a slot not sent here)."""
+    pdl_wait()
     c = tl.program_id(0) * BCP + tl.arange(0, BCP)
     j = tl.program_id(1)
     cm = c < C
@@ -582,6 +596,7 @@ def _unpack_pairs(buf, payload, k: int, num_recv: int, tables, global_ids):
             b32, global_ids, tables.expert_base, tables.source_base, tables.copy_start, out32[0], out32[-1],
             recv_ids, recv_w, final, copy_rows, copy_w, b32.shape[0], world, e_local, b32.shape[1], row,
             payload.spans[0][1] // 4, K=k, BCP=bcp, BW=next_pow2(world), BC=256,
+            launch_pdl=PDL,
         )  # fmt: skip
     return parts, recv_ids, recv_w, final, copy_rows, copy_w
 
@@ -618,6 +633,7 @@ def _place_kernel(
     ``mine``, marks the slots of pairs past ``max_m`` in ``lost`` and sets ``overflow``; for a key of this rank, the
     ids and weights of its rows (-1 and 0 where unused) and its ``masked_m``. Program 0 also writes the skipped
     pairs (-1, not mine)."""
+    pdl_wait()
     key = tl.program_id(0)
     lidx = key % WIDTH
     own = (key // WIDTH == me) & (lidx < N_LOCAL)
@@ -654,6 +670,7 @@ def _place_kernel(
 def _place_rows_kernel(src_ptr, out0_ptr, out1_ptr, rows_ptr, SRC_ROW, ROW, SPLIT, K: tl.constexpr, BC: tl.constexpr):
     """Program p (pair): if held here, its slot's payload words (``ROW`` int32, the first ``SPLIT`` to ``out0``, the
     rest to ``out1``) go to its layout row."""
+    pdl_wait()
     p = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + p)
     if row < 0:
@@ -685,16 +702,27 @@ def _place_pairs(g_x, g_ids, g_w, payload, tab, me: int, world: int, per_rank: i
         g_ids.contiguous(), g_w.contiguous(), tab.holders, tab.rank, tab.local, rows, mine.view(torch.int8),
         lost.view(torch.int8), recv_ids, recv_w, masked_m, overflow.view(torch.int8), slots * k, max(per_rank, 1), me,
         tab.width, tab.rank.shape[1], n_local, max_m, K=k, BLOCK=1024,
+        launch_pdl=PDL,
     )  # fmt: skip
     if slots and size:
         _place_rows_kernel[(slots * k,)](
-            src, out32[0], out32[-1], rows, src.stride(0), src.shape[1], payload.spans[0][1] // 4, K=k, BC=1024
+            src,
+            out32[0],
+            out32[-1],
+            rows,
+            src.stride(0),
+            src.shape[1],
+            payload.spans[0][1] // 4,
+            K=k,
+            BC=1024,
+            launch_pdl=PDL,
         )
     return ep.Placed(parts, recv_ids, recv_w, masked_m, overflow, rows, mine, lost)
 
 
 @triton.jit
 def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -726,6 +754,7 @@ def _weighted_sum(rows: torch.Tensor, pair_rows: torch.Tensor, weights: torch.Te
             K=pair_rows.shape[1],
             BLOCK=block,
             enable_fp_fusion=False,
+            launch_pdl=PDL,
         )
 
 

@@ -6,11 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import next_pow2, on_device
+from ._triton import PDL, next_pow2, on_device, pdl_wait
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -43,6 +44,7 @@ def rms_norm(x, w, eps, residual):
             HAS_RES=residual is not None,
             BLOCK=next_pow2(hidden),
             num_warps=8 if hidden >= 4096 else 4,
+            launch_pdl=PDL,
         )
     return y.view(x.shape), (h.view(x.shape) if residual is not None else x)
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import next_pow2, on_device
+from ._triton import PDL, next_pow2, on_device, pdl_wait
 
 
 @triton.jit
@@ -24,6 +24,7 @@ def _rope_kernel(
     INTERLEAVED: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, HALF)
@@ -60,6 +61,7 @@ def rope(x, positions, cos_sin_cache, interleaved):
             HALF=x.shape[2] // 2,
             INTERLEAVED=interleaved,
             BLOCK_H=block_h,
+            launch_pdl=PDL,
         )
     return out
 

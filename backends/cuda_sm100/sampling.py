@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import next_pow2, on_device
+from ._triton import PDL, next_pow2, on_device, pdl_wait
 
 
 @triton.jit
@@ -17,6 +17,7 @@ def _race_kernel(
 ):
     """Program (rows, chunk): for each of ``ROWS`` rows, the winner of the race among tokens ``[chunk * CHUNK,
     (chunk + 1) * CHUNK)``, its wait and its index (the lowest index among tied waits)."""
+    pdl_wait()
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rm = row < B
     chunk = tl.program_id(1)
@@ -66,7 +67,7 @@ def sample(logits, temperature, top_p, top_k, seeds):
     best = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(batch, chunks, dtype=torch.int32, device=logits.device)
     grid = (triton.cdiv(batch, rows), chunks)
-    _race_kernel[grid](probs, seeds, best, best_idx, batch, vocab, CHUNK=chunk, BLOCK=block, ROWS=rows)
+    _race_kernel[grid](probs, seeds, best, best_idx, batch, vocab, CHUNK=chunk, BLOCK=block, ROWS=rows, launch_pdl=PDL)
     drawn = best_idx.gather(1, best.argmax(dim=1, keepdim=True))[:, 0]  # the first chunk holding the best wait
     return torch.where(temperature == 0, logits.argmax(dim=-1).to(torch.int32), drawn)
 
