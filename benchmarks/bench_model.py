@@ -310,6 +310,12 @@ def host_profile(llm: LLM, batch: ScheduledBatch, steps: int = 10, top: int = 30
     return {"own": by("own_ms"), "cumulative": by("cumulative_ms")}
 
 
+def replay_only(llm: LLM, batch: int):
+    """The captured decode graph of bucket ``batch`` (its inputs as the last step left them), or None."""
+    graphs = llm.engine.runner.graphs
+    return graphs.graphs.get(batch) if graphs is not None else None
+
+
 def bench_ours(
     llm: LLM,
     batches: list[int],
@@ -329,6 +335,8 @@ def bench_ours(
         for _ in range(warmup):  # same position every step: the context stays `context` tokens
             llm.engine.runner.execute(batch)
         times = [timer.time(lambda batch=batch: llm.engine.runner.execute(batch)) for _ in range(steps)]
+        graph = replay_only(llm, b)
+        replay = statistics.median(timer.time(graph.replay) for _ in range(steps)) if graph else None
         kernels = kernel_profile(llm, batch) if profile else None
         hosts = host_profile(llm, batch) if host else None
         for s in seqs:
@@ -340,6 +348,7 @@ def bench_ours(
             {
                 "batch": b,
                 "step_ms": ms,
+                "graph_replay_ms": replay,
                 "tokens_per_s": b / ms * 1e3,
                 "roofline_ms": roof_ms,
                 "roofline_tokens_per_s": b / roof_ms * 1e3,
@@ -352,6 +361,8 @@ def bench_ours(
             }
         )
         log(f"  ours batch {b}: {ms:.2f} ms/step, {b / ms * 1e3:.0f} tok/s, {100 * roof_ms / ms:.0f}% of roofline")
+        if replay is not None:
+            log(f"    of which the graph's replay alone: {replay:.2f} ms (the rest: host inputs, sampling, read-back)")
         for kind, top in (hosts or {}).items():
             log(f"  host time per step, by {kind} time (ms; calls per step):")
             for r in top[:20]:
