@@ -3,12 +3,18 @@
 A kernel launched with ``launch_pdl=PDL`` may start before the previous kernel in the stream has finished; only its
 ``pdl_wait()`` orders it after that kernel. So every `tl` kernel must begin with ``pdl_wait()``, and only such
 kernels may be launched with ``launch_pdl``: a kernel that touched memory first could read a buffer still being
-written. The GPU cannot check this on the CPU (the interpreter runs without the flag), so the source is checked.
+written (or reuse one the allocator handed back). The interpreter runs without the flag, so the source is checked,
+and a few kernels are compiled for SM90 (no GPU needed) to check that the compiler keeps the wait first.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +77,70 @@ def test_the_rule_covers_the_backend():
         names |= set(kernels(ast.parse(path.read_text()), "triton.jit"))
     assert {"_gemm_swapped_kernel", "_grouped_masked_swapped_kernel", "_rms_norm_kernel", "_route_kernel"} <= names
     assert len(names) >= 20
+
+
+def test_the_compiled_wait_comes_before_any_global_memory_access():
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DEEPINFER_CUDA_PDL")}
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    order = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(order) == 5
+    for name, (trigger, wait, first_access) in order.items():
+        assert trigger is not None and wait is not None, f"{name}: no griddepcontrol in its PTX"
+        assert first_access is not None and wait < first_access, f"{name}: global memory touched before the wait"
+
+
+def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
+    """PTX line numbers (from the entry) of launch_dependents, wait and the first global load, store, atomic or
+    async copy, for four kernels compiled for SM90 with their decode-path settings (the swapped GEMM with TMA
+    copies and with pointer loads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from deepinfer_cuda_sm100 import gemm, norm
+
+    def order(fn, types: list[str], constexprs: dict) -> tuple[int | None, int | None, int | None]:
+        names = fn.arg_names
+        signature = dict(zip(names, types + ["constexpr"] * (len(names) - len(types))))
+        ptx = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 64)).asm["ptx"]
+        lines = [line.strip() for line in ptx.split("\n")]
+        body = lines[next(i for i, line in enumerate(lines) if line.startswith(".visible .entry")) :]
+        at = lambda pattern: next((i for i, line in enumerate(body) if re.search(pattern, line)), None)
+        return (
+            at("griddepcontrol.launch_dependents"),
+            at("griddepcontrol.wait"),
+            at(r"^(@!?%p\d+ )?(ld\.global|st\.global|cp\.async|atom\.|red\.)"),
+        )
+
+    fp8_operands = ["*fp8e4nv", "*fp8e4nv", "*bf16", "*fp32", "*fp32"]
+    tile = {"TMA": False, "FP32_DOT": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
+    return {
+        "_rms_norm_kernel": order(
+            norm._rms_norm_kernel, ["*bf16"] * 5 + ["i32", "fp32"], {"HAS_RES": True, "BLOCK": 8192}
+        ),
+        "_quantize_kernel": order(
+            gemm._quantize_kernel,
+            ["*bf16", "*fp8e4nv", "*fp32", "i32", "i32"],
+            {"UE8M0": False, "BLOCK": 128, "ROWS": gemm.QUANTIZE_ROWS, "PREROUND": False},
+        ),
+        "_gemm_swapped_kernel": order(
+            gemm._gemm_swapped_kernel,
+            [*fp8_operands, "*bf16"] + ["i32"] * 6,
+            {**tile, "HAS_BIAS": False, "SPLIT_K": 4},
+        ),
+        "_gemm_swapped_kernel, TMA": order(
+            gemm._gemm_swapped_kernel,
+            ["tensordesc<fp8e4nv[16, 128]>", "tensordesc<fp8e4nv[64, 128]>", *fp8_operands[2:], "*bf16"] + ["i32"] * 6,
+            {**tile, "TMA": True, "HAS_BIAS": False, "SPLIT_K": 1},
+        ),
+        "_grouped_masked_swapped_kernel": order(
+            gemm._grouped_masked_swapped_kernel,
+            [*fp8_operands, "*i32"] + ["i32"] * 7,
+            {**tile, "BLOCK_E": 256},
+        ),
+    }
+
+
+if __name__ == "__main__":  # the subprocess of the test above: compiled without the interpreter
+    print(json.dumps(compiled_order()))
