@@ -311,9 +311,11 @@ def host_profile(llm: LLM, batch: ScheduledBatch, steps: int = 10, top: int = 30
 
 
 def replay_only(llm: LLM, batch: int):
-    """The captured decode graph of bucket ``batch`` (its inputs as the last step left them), or None."""
+    """The captured decode graph a step of ``batch`` rows replays (its inputs as the last step left them), or None."""
     graphs = llm.engine.runner.graphs
-    return graphs.graphs.get(batch) if graphs is not None else None
+    if graphs is None or not graphs.fits(batch):
+        return None
+    return graphs.graphs[next(size for size in graphs.sizes if size >= batch)]
 
 
 def bench_ours(
