@@ -22,6 +22,7 @@
 #   gemm-invariant  what batch-invariant mode costs FP8 gemm at M = 1 ... 4096, and that its rows keep their bits
 #   gemm-swap [N,K ...]  the swapped FP8 kernel's launch shapes at M = 1 ... 64, bits checked, beside the unswapped
 #   grouped-swap REV [TOKENS]  FP8 masked grouped_gemm (decode): the swapped kernel's variants beside REV's kernel
+#   pdl          programmatic dependent launch alone: chains of small kernels and GEMVs, with and without it
 #   profile CASE KERNEL  Nsight Compute's per-instruction stall samples of one launch of KERNEL (a name regex) in
 #                `benchmarks/profile_launch.py CASE`: $OUT/CASE.csv (the SASS page, summed by stall_ledger.py), the report
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
@@ -78,6 +79,8 @@ case ${1:-} in
   grouped-swap)
     timeout 500 python3 benchmarks/grouped_masked_swap.py "$OUT/grouped_swap.json" --rev "$2" ${3:+--tokens "$3"} 2>&1 \
       | tail -130 ;;
+  pdl)
+    timeout 200 python3 benchmarks/pdl_chain.py "$OUT/pdl_chain.json" 2>&1 | tail -40 ;;
   profile)
     cd benchmarks && timeout 200 ncu --clock-control none -k "regex:$3" --launch-skip 3 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$OUT/$2" \
@@ -86,6 +89,6 @@ case ${1:-} in
       || ncu --import "$OUT/$2.ncu-rep" --page source --csv > "$OUT/$2.csv"
     ncu --import "$OUT/$2.ncu-rep" --page details --csv > "$OUT/$2_details.csv"
     python3 stall_ledger.py "$OUT/$2.csv" 2>&1 | head -40 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|ab|ab-set|ep|ep-check|cublas-invariance|gemm-invariant|gemm-swap|grouped-swap|profile" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|ab|ab-set|ep|ep-check|cublas-invariance|gemm-invariant|gemm-swap|grouped-swap|pdl|profile" >&2
      exit 2 ;;
 esac
