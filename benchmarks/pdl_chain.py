@@ -8,10 +8,10 @@ Two chains, each captured in one CUDA graph and replayed (median of many replays
 - ``stream``: 8 pairs of [a small kernel that writes the activation, a GEMV that streams a (2048, 7168) bf16
   weight and reads that activation]; the 8 weights (235 MB) do not fit in L2, as in a decode step.
 
-Each chain runs three ways: plain launches; PDL (every kernel lets its successor launch at once, then waits for its
-predecessor with ``griddepcontrol.wait`` before touching memory); PDL with each GEMV program prefetching the first
-bytes of its weight rows into L2 before that wait (weights are never written by a kernel, so that read cannot race).
-The outputs of every variant must equal the plain chain's bit for bit.
+Both chains run with plain launches and with PDL (every kernel lets its successor launch at once, then waits for
+its predecessor with ``griddepcontrol.wait`` before touching memory); ``stream`` also with PDL and each GEMV program
+prefetching the first 2 or 8 KB of its weight rows into L2 before that wait (weights are never written by a kernel,
+so that read cannot race). The outputs of every variant must equal the plain chain's bit for bit.
 """
 
 from __future__ import annotations
