@@ -706,17 +706,9 @@ def _place_pairs(g_x, g_ids, g_w, payload, tab, me: int, world: int, per_rank: i
     )  # fmt: skip
     if slots and size:
         _place_rows_kernel[(slots * k,)](
-            src,
-            out32[0],
-            out32[-1],
-            rows,
-            src.stride(0),
-            src.shape[1],
-            payload.spans[0][1] // 4,
-            K=k,
-            BC=1024,
+            src, out32[0], out32[-1], rows, src.stride(0), src.shape[1], payload.spans[0][1] // 4, K=k, BC=1024,
             launch_pdl=PDL,
-        )
+        )  # fmt: skip
     return ep.Placed(parts, recv_ids, recv_w, masked_m, overflow, rows, mine, lost)
 
 
