@@ -159,6 +159,17 @@ def sc_row_widths(rank: int, world: int) -> None:
         _run_and_check(p, rank, "low_latency", capacity=12)
 
 
+def sc_single_copy(rank: int, world: int) -> None:
+    """Each rank's one token goes to the next rank's experts only, so every rank receives exactly one copy. Its rows
+    of bf16 x 65 (130 bytes) put the copy's routing record at a byte offset that is not a multiple of 4."""
+    num_experts = 2 * world
+    p = random_problem(_gen("single_copy"), [1] * world, num_experts, 2, 65, skip=0.0)
+    for r in range(world):
+        nxt = (r + 1) % world
+        p.ids[r][0] = torch.tensor([2 * nxt, 2 * nxt + 1], dtype=torch.int32)
+    _run_and_check(p, rank, "normal")
+
+
 def sc_ll_bf16(rank: int, world: int) -> None:
     g = _gen("ll_bf16")
     p = random_problem(g, token_counts(g, world, 12, empty_rank=1), 4 * world, 3, 64)
@@ -240,6 +251,7 @@ SCENARIOS = {
         sc_normal_replicas,
         sc_normal_rank_without_experts,
         sc_row_widths,
+        sc_single_copy,
         sc_ll_bf16,
         sc_ll_fp8_replicas,
         sc_all_empty,

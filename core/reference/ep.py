@@ -136,14 +136,15 @@ def _word(*byte_offsets: int) -> torch.dtype:
 
 def _words(t: torch.Tensor, word: torch.dtype = torch.uint8) -> torch.Tensor:
     """The bits of ``t [..., n]`` as ``[..., n * itemsize / word size]`` of dtype ``word``, whose size must divide the
-    row's bytes: a view for a contiguous tensor whose start is aligned to the word, else a copy (an empty tensor may
-    have any strides, so it is remade)."""
+    row's bytes: a view for a contiguous tensor whose start and strides are aligned to the word, else a copy (an
+    empty tensor may have any strides, so it is remade; a single row sliced from a wider one counts as contiguous
+    but keeps the wider row's stride)."""
     width = t.shape[-1] * t.element_size() // word.itemsize
     if t.numel() == 0:
         return torch.empty(*t.shape[:-1], width, dtype=word, device=t.device)
     raw = t.contiguous().view(torch.uint8)
-    if raw.storage_offset() % word.itemsize:
-        raw = raw.clone()
+    if any(offset % word.itemsize for offset in (raw.storage_offset(), *raw.stride()[:-1])):
+        raw = raw.clone(memory_format=torch.contiguous_format)
     return raw.view(word)
 
 
@@ -355,7 +356,7 @@ def unpack_pairs(buf, payload: Payload, k: int, num_recv: int, tables: RecvTable
     ``expert_base[s, l] + r_e``, receive index ``source_base[s] + r_s``."""
     dev = buf.device
     copies = buf.shape[0]
-    rec = buf[:, payload.words :].contiguous().view(torch.int32).view(copies, RECORD_FIELDS, k).long()
+    rec = _words(buf[:, payload.words :], torch.int32).view(copies, RECORD_FIELDS, k).long()
     local = rec[:, 0]
     valid = local >= 0
     source = torch.searchsorted(tables.copy_start[1:], torch.arange(copies, device=dev), right=True).view(-1, 1)
@@ -582,8 +583,8 @@ def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, 
         gathered = torch.empty(slots, row.shape[1], dtype=torch.uint8, device=dev)
         _all_gather(gathered, row, group)
         g_x = gathered[:, :pw].view(payload.word)  # rows of pw + 8k bytes: aligned to the word
-        g_ids = gathered[:, pw : pw + 4 * k].contiguous().view(torch.int32)
-        g_w = gathered[:, pw + 4 * k :].contiguous().view(torch.float32)
+        g_ids = _words(gathered[:, pw : pw + 4 * k], torch.int32)
+        g_w = _words(gathered[:, pw + 4 * k :], torch.float32)
     per_rank = capacity if world > 1 else tokens
     max_m = world * capacity
     placed = place(g_x, g_ids, g_w, payload, tab, me, world, per_rank, max_m)  # g_ids, g_w: [slots, k]
