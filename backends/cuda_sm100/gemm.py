@@ -780,8 +780,9 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
         return out
     a2 = a_data.reshape(rows, k).contiguous()
     b = (w.data if fp8 else w).contiguous().view(experts * n, k)
-    a_scale = a.scale.reshape(rows, -1).contiguous() if fp8 else out
-    b_scale = w.scale.contiguous() if fp8 else out
+    dummy = out  # stands in for the pointer arguments a launch does not read
+    a_scale = a.scale.reshape(rows, -1).contiguous() if fp8 else dummy
+    b_scale = w.scale.contiguous() if fp8 else dummy
     if fp8 and masked:
         return _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts, n, a_data.shape[1])
     decode = masked and a_data.shape[1] <= DECODE_TILE_MAX_M and not batch_invariant_enabled()
@@ -790,7 +791,6 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     block_k = FP8_BLOCK if fp8 else tile.block_k
     assert not fp8 or FP8_BLOCK % block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
     tma = tma_ready(a2, b)
-    dummy = out
     if masked:
         grid_m, offsets = experts * triton.cdiv(a_data.shape[1], block_m), dummy
     else:  # at most one partial tile per expert
