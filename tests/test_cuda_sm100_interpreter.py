@@ -1,8 +1,9 @@
 """The NVIDIA backend's Triton kernels, run on the CPU through the Triton interpreter (``TRITON_INTERPRET=1``) and
 checked by the full conformance suite at small shapes: a wrong kernel fails CI. There is no cuBLAS in the
 interpreter: the products a GPU gives to cuBLAS run Triton kernels here instead.
-The interpreter also lacks bf16 arithmetic and mis-rounds fp32 -> e4m3 casts across a binade; the kernels take a
-documented fp32 path for both under the interpreter (``_triton.dot`` and ``_triton.to_e4m3``).
+The interpreter also lacks bf16 arithmetic, truncates fp32 -> bf16 casts and mis-rounds fp32 -> e4m3 casts across a
+binade; the kernels take a documented path for each under the interpreter (``_triton.dot``, ``_triton.cast`` and
+``_triton.to_e4m3``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,40 @@ def test_conformance_through_the_triton_interpreter(tmp_path):
     served = {r["op"] for r in body["results"] if r["check"] == "accuracy" and r["impl"].startswith("cuda_sm100/")}
     assert len(served) == 13, served  # every op runs a Triton kernel
     assert any(r["check"] == "batch_invariance" and r["status"] == "pass" for r in body["results"])
+
+
+CASTS = """
+import torch, triton, triton.language as tl
+from deepinfer_cuda_sm100._triton import cast
+
+@triton.jit
+def kernel(x_ptr, y_ptr, z_ptr, N: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, N))
+    tl.store(y_ptr + tl.arange(0, N), cast(x, y_ptr.dtype.element_ty))
+    tl.store(z_ptr + tl.arange(0, N), cast(x, z_ptr.dtype.element_ty))
+
+g = torch.Generator().manual_seed(0)
+ties = (torch.randn(256, generator=g).bfloat16().float().view(torch.int32) + 0x8000).view(torch.float32)  # halfway
+special = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.4e38, -3.4e38, 0.0, -0.0, 1e-40, -1e-40])
+x = torch.cat([torch.randn(2048 - 256 - 9, generator=g) * 100, ties, special])
+y, z = torch.empty(2048, dtype=torch.bfloat16), torch.empty(2048, dtype=torch.float16)
+kernel[(1,)](x, y, z, N=2048)
+want_y, want_z = x.bfloat16(), x.half()
+nan = x.isnan()
+same = lambda a, b: torch.equal(a.isnan(), nan) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+print(same(y, want_y), same(z, want_z))
+"""
+
+
+def test_casts_round_to_nearest_even_under_the_interpreter():
+    """``_triton.cast``, which every bf16 result of the backend's ``tl`` kernels goes through, gives torch's (and a
+    GPU's) round-to-nearest-even bits under the interpreter too: random values, exact ties, infinities, NaN,
+    overflow past bf16's largest value, signed zeros and fp32 subnormals, to bf16 and to fp16. The interpreter's own
+    fp32 -> bf16 cast truncates, which doubled the errors of the CPU conformance run."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", CASTS], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
 
 
 CAPACITY_OVERFLOW = """

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from deepinfer import QTensor
 
-from ._triton import INTERPRET, PDL, next_pow2, on_device, pdl_wait, pow2_ceil, to_e4m3
+from ._triton import INTERPRET, PDL, cast, next_pow2, on_device, pdl_wait, pow2_ceil, to_e4m3
 
 BLOCK = 128  # one FP8 scale group
 GROUPS = 8  # scale groups per program
@@ -50,7 +50,7 @@ def _silu_and_mul_kernel(
         n_groups = tl.cdiv(inter, BLOCK)
         tl.store(s_ptr + row * n_groups + groups, scale, mask=groups < n_groups)
     else:
-        tl.store(y_ptr + row * inter + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + row * inter + cols, cast(y, y_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x, *, quantize, scale_format, masked_m):

@@ -23,6 +23,7 @@ from deepinfer.kv_cache import FP8_GROUP
 from ._triton import (
     INTERPRET,
     PDL,
+    cast,
     dot,
     next_pow2,
     num_sms,
@@ -112,7 +113,7 @@ def _dequantize(raw, scale, G: tl.constexpr):
     n: tl.constexpr = raw.shape[0]
     w: tl.constexpr = raw.shape[1]
     values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).reshape(n, G, w // G)
-    return (values * scale[:, :, None]).reshape(n, w).to(tl.bfloat16)
+    return cast((values * scale[:, :, None]).reshape(n, w), tl.bfloat16)
 
 
 @triton.jit
@@ -133,7 +134,7 @@ def _mla_step(
         p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    p = p.to(c0.dtype)
+    p = cast(p, c0.dtype)
     acc0 = dot(p, c0, acc0 * alpha[:, None], FP32_DOT)
     acc1 = dot(p, c1, acc1 * alpha[:, None], FP32_DOT)
     return acc0, acc1, m_new, l_i
@@ -258,8 +259,8 @@ def _mla_split_kernel(
         )
     lse = (m_i + tl.log2(l_i)) / 1.4426950408889634  # natural log
     out_row = part_out_ptr + part[:, None] * L + tl.arange(0, LH)[None, :]
-    tl.store(out_row, (acc0 / l_i[:, None]).to(part_out_ptr.dtype.element_ty), mask=hmask[:, None])
-    tl.store(out_row + LH, (acc1 / l_i[:, None]).to(part_out_ptr.dtype.element_ty), mask=hmask[:, None])
+    tl.store(out_row, cast(acc0 / l_i[:, None], part_out_ptr.dtype.element_ty), mask=hmask[:, None])
+    tl.store(out_row + LH, cast(acc1 / l_i[:, None], part_out_ptr.dtype.element_ty), mask=hmask[:, None])
     tl.store(part_lse_ptr + part, lse, mask=hmask)
 
 
@@ -285,7 +286,7 @@ def _mla_merge_kernel(
         )
         acc += tl.sum(w[:, None] * part, axis=0)
     acc = acc / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + rh * L + tl.arange(0, L), acc.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + rh * L + tl.arange(0, L), cast(acc, out_ptr.dtype.element_ty))
     tl.store(lse_ptr + rh, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total)))
 
 
@@ -477,7 +478,7 @@ def _varlen_step(
         mask=mask_n[:, None] & (dv[None, :] < D_V),
         other=0.0,
     )
-    acc = dot(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
+    acc = dot(cast(p, v.dtype), v, acc * alpha[:, None], FP32_DOT)
     return acc, m_new, l_i
 
 
@@ -556,7 +557,7 @@ def _varlen_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key returns zeros
     tl.store(
         o_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + dv[None, :],
-        out.to(o_ptr.dtype.element_ty),
+        cast(out, o_ptr.dtype.element_ty),
         mask=mask_m[:, None] & (dv[None, :] < D_V),
     )
 

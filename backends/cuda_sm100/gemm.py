@@ -34,7 +34,7 @@ from deepinfer import QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 from deepinfer.qtensor import quantize_blocks
 
-from ._triton import INTERPRET, PDL, dot, num_sms, on_device, pdl_wait, pow2_ceil, tma_ready, to_e4m3
+from ._triton import INTERPRET, PDL, cast, dot, num_sms, on_device, pdl_wait, pow2_ceil, tma_ready, to_e4m3
 
 FP8_BLOCK = 128
 
@@ -180,7 +180,7 @@ def _gemm_kernel(
         c_ptr += split.to(tl.int64) * M * N
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
-        acc.to(c_ptr.dtype.element_ty),
+        cast(acc, c_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_n[None, :],
     )
 
@@ -245,7 +245,7 @@ def _gemm_swapped_kernel(
         c_ptr += split.to(tl.int64) * M * N
     tl.store(
         c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None],
-        acc.to(c_ptr.dtype.element_ty),
+        cast(acc, c_ptr.dtype.element_ty),
         mask=mask_n[:, None] & mask_m[None, :],
     )
 
@@ -264,7 +264,7 @@ def _sum_splits_kernel(
         acc += tl.load(parts_ptr + s * MN + i, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (i // N) * stride_om + i % N, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + (i // N) * stride_om + i % N, cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 class Tile(NamedTuple):
@@ -693,7 +693,7 @@ def _grouped_gemm_kernel(
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
-        acc.to(c_ptr.dtype.element_ty),
+        cast(acc, c_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_n[None, :],
     )
 
@@ -749,7 +749,7 @@ def _grouped_masked_swapped_kernel(
                                BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         tl.store(
             c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None],
-            acc.to(c_ptr.dtype.element_ty),
+            cast(acc, c_ptr.dtype.element_ty),
             mask=mask_n[:, None] & mask_m[None, :],
         )
 

@@ -26,7 +26,7 @@ from deepinfer import QTensor
 from deepinfer.ops import DispatchHandle, ExpertLayout
 from deepinfer.reference import ep
 
-from ._triton import PDL, next_pow2, on_device, pdl_wait
+from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
 
 
 @triton.jit
@@ -726,7 +726,7 @@ def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: 
             acc += w * tl.load(y_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
         elif row == -2:  # a row lost to capacity overflow: the token's result is NaN, never silently short
             acc += float("nan")
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * H + cols, cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _weighted_sum(rows: torch.Tensor, pair_rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import PDL, next_pow2, on_device, pdl_wait
+from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
 
 
 @triton.jit
@@ -18,12 +18,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, H, eps, HAS_RES: tl.co
     h = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         h = h + tl.load(res_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-        h = h.to(h_ptr.dtype.element_ty)  # the residual stream is kept in x's dtype
+        h = cast(h, h_ptr.dtype.element_ty)  # the residual stream is kept in x's dtype
         tl.store(h_ptr + row * H + cols, h, mask=mask)
         h = h.to(tl.float32)
     variance = tl.sum(h * h, axis=0) / H
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * H + cols, (h * tl.rsqrt(variance + eps) * w).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * H + cols, cast(h * tl.rsqrt(variance + eps) * w, y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x, w, eps, residual):

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import PDL, next_pow2, on_device, pdl_wait
+from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
 
 
 @triton.jit
@@ -40,8 +40,8 @@ def _rope_kernel(
     x1 = tl.load(x_row + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + second, mask=mask, other=0.0).to(tl.float32)
     o_row = out_ptr + t * stride_ot + heads * stride_oh
-    tl.store(o_row + first, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_row + second, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_row + first, cast(x1 * cos - x2 * sin, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_row + second, cast(x2 * cos + x1 * sin, out_ptr.dtype.element_ty), mask=mask)
 
 
 def rope(x, positions, cos_sin_cache, interleaved):
