@@ -58,7 +58,6 @@ MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, GRID_FILL = 4096, 64, 0.5
 MLA_TILE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 MLA_TMA = True  # whole blocks by TMA copies where the cache allows it (see ``_mla_tma``)
 MLA_GLUON = True  # the warp-specialized Gluon split kernel where it applies (see ``mla_gluon.takes``)
-PARTIAL_DTYPE = torch.float32  # the dtype of each span's normalised output, read back by the merge
 
 
 @triton.jit
@@ -333,7 +332,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     if n_splits == 1:  # one span covers the context: the split kernel writes the output, no merge
         part_out, part_lse = out.view(-1, kv_lora_rank), lse.view(-1)
     else:
-        part_out = torch.empty(batch * s_q * heads * n_splits, kv_lora_rank, dtype=PARTIAL_DTYPE, device=q.device)
+        part_out = torch.empty(batch * s_q * heads * n_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch * s_q * heads * n_splits, dtype=torch.float32, device=q.device)
     fp8 = kv_format == "fp8_ds_mla"
     flat = kv_cache.view(-1)
