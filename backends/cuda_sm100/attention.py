@@ -42,9 +42,9 @@ except ImportError:  # a Triton without Gluon's Hopper language: the tl split ke
 
 LOG2E = 1.4426950408889634
 GROUP = tl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
-# Context tokens per KV split in batch-invariant mode: from 32 rows of 128 heads on, 2048 costs at most 1.11x the
-# default mode's spans, except at ctx 1024; 4096 would cost 1.57x at 32 rows and ctx 4096. Smaller batches pay more
-# (NOTES.md, tenth session).
+# Context tokens per KV split in batch-invariant mode: from 32 rows of 128 heads on, 2048 costs at most 1.17x the
+# default mode's spans; 1024 would cost up to 1.37x there, 4096 1.57x at 32 rows and ctx 4096. Smaller batches pay
+# more: 2.7x at one row and ctx 4096 (1.7x with 1024). NOTES.md, tenth and nineteenth sessions.
 SPLIT_TOKENS = 2048
 # Adaptive spans (default mode): the longest (fewest partials to merge), the shortest (every split writes a
 # [heads, L] fp32 partial: shorter spans cost more bytes than they save), and how full the grid must be before a
