@@ -76,7 +76,8 @@ def kernel(x_ptr, y_ptr, z_ptr, N: tl.constexpr):
 g = torch.Generator().manual_seed(0)
 ties = (torch.randn(256, generator=g).bfloat16().float().view(torch.int32) + 0x8000).view(torch.float32)  # halfway
 special = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.4e38, -3.4e38, 0.0, -0.0, 1e-40, -1e-40])
-x = torch.cat([torch.randn(2048 - 256 - 9, generator=g) * 100, ties, special])
+payloads = torch.tensor([0x7FFFFFFF, -1, 0x7F800001], dtype=torch.int32).view(torch.float32)  # NaNs, not rounded
+x = torch.cat([torch.randn(2048 - 256 - 12, generator=g) * 100, ties, special, payloads])
 y, z = torch.empty(2048, dtype=torch.bfloat16), torch.empty(2048, dtype=torch.float16)
 kernel[(1,)](x, y, z, N=2048)
 want_y, want_z = x.bfloat16(), x.half()
@@ -89,7 +90,8 @@ print(same(y, want_y), same(z, want_z))
 def test_casts_round_to_nearest_even_under_the_interpreter():
     """``_triton.cast``, which every bf16 result of the backend's ``tl`` kernels goes through, gives torch's (and a
     GPU's) round-to-nearest-even bits under the interpreter too: random values, exact ties, infinities, NaN,
-    overflow past bf16's largest value, signed zeros and fp32 subnormals, to bf16 and to fp16. The interpreter's own
+    NaNs whose payload would carry into the sign, overflow past bf16's largest value, signed zeros and fp32
+    subnormals, to bf16 and to fp16. The interpreter's own
     fp32 -> bf16 cast truncates, which doubled the errors of the CPU conformance run."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", CASTS], env=env, capture_output=True, text=True)

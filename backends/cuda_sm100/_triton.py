@@ -110,8 +110,8 @@ def to_bf16(x, PREROUND: tl.constexpr):
     the bf16 bits are rounded from x's in integer arithmetic (NaN kept as NaN)."""
     if PREROUND:
         bits = x.to(tl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        return tl.where(x != x, x.to(tl.bfloat16), rounded)
+        rounded = tl.where(x != x, (bits >> 16) | 0x40, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)  # NaN: quiet
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
     return x.to(tl.bfloat16)
 
 
