@@ -89,10 +89,10 @@ print(same(y, want_y), same(z, want_z))
 
 def test_casts_round_to_nearest_even_under_the_interpreter():
     """``_triton.cast``, which every bf16 result of the backend's ``tl`` kernels goes through, gives torch's (and a
-    GPU's) round-to-nearest-even bits under the interpreter too: random values, exact ties, infinities, NaN,
-    NaNs whose payload would carry into the sign, overflow past bf16's largest value, signed zeros and fp32
-    subnormals, to bf16 and to fp16. The interpreter's own
-    fp32 -> bf16 cast truncates, which doubled the errors of the CPU conformance run."""
+    GPU's) round-to-nearest-even bits under the interpreter too: random values, exact ties, infinities, NaNs (one
+    whose payload would carry into the sign), overflow past bf16's largest value, signed zeros and fp32 subnormals,
+    to bf16 and to fp16. The interpreter's own fp32 -> bf16 cast truncates, which doubled the errors of the CPU
+    conformance run."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", CASTS], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
