@@ -5,7 +5,8 @@ buffers; a decode step of ``n`` sequences packs its inputs for the smallest buck
 them in with two transfers (int64 and int32 fields), then replays the graph. Padding rows have ``seq_len`` 0
 (``mla_decode`` returns zeros for them), slot -1 (``write_kv_cache`` skips them) and token 0; their logits are
 dropped. The captured forward dispatches experts in ``low_latency`` mode (fixed capacity, no host synchronisation)
-and computes the logits of every row, so sampling stays outside the graph.
+and computes the logits of every row and their greedy tokens (``greedy.py``); other sampling stays outside the
+graph.
 
 The graphs hold the kernels of the mode that was on at capture, default or batch-invariant: they are replayed only
 in that mode. In batch-invariant mode a row's bits do not depend on the bucket, the padding or the dispatch mode, so
@@ -26,6 +27,7 @@ import deepinfer
 
 from .deepseek_v3 import DeepseekV3
 from .forward_batch import ForwardBatch
+from .greedy import greedy_tokens
 
 CAPABILITY = "cuda_graphs"
 
@@ -52,9 +54,10 @@ class DecodeGraphs:
         self.narrow = torch.zeros(max_batch * (2 + max_blocks), dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.greedy: dict[int, torch.Tensor] = {}
         self.invariant = False  # the batch-invariant mode of the capture
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch = ForwardBatch(
             positions=self.narrow[:b],
             slot_mapping=self.wide[b : 2 * b],
@@ -63,7 +66,8 @@ class DecodeGraphs:
             seq_lens=self.narrow[b : 2 * b],
             moe_mode="low_latency",
         )
-        return self.model.compute_logits(self.model.forward(self.wide[:b], batch, self.kv_caches))
+        logits = self.model.compute_logits(self.model.forward(self.wide[:b], batch, self.kv_caches))
+        return logits, greedy_tokens(logits)
 
     def capture(self) -> bool:
         """Captures every bucket, largest first (they share one memory pool). Returns False, with a warning and
@@ -81,13 +85,14 @@ class DecodeGraphs:
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[b] = self._forward(b)
+                    self.logits[b], self.greedy[b] = self._forward(b)
                 pool = graph.pool()
                 self.graphs[b] = graph
             torch.cuda.synchronize()
         except Exception as e:  # capture errors come from any op or from torch itself
             self.graphs.clear()
             self.logits.clear()
+            self.greedy.clear()
             warnings.warn(f"CUDA graph capture of the decode step failed, decoding eagerly: {e}", stacklevel=2)
             return False
         return True
@@ -103,8 +108,9 @@ class DecodeGraphs:
         slot_mapping: list[int],
         block_tables: list[list[int]],
         seq_lens: list[int],
-    ) -> torch.Tensor:
-        """Replays the smallest bucket that holds ``n = len(input_ids)`` rows; returns their logits ``[n, V]``."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replays the smallest bucket that holds ``n = len(input_ids)`` rows; returns their logits ``[n, V]`` and
+        greedy tokens ``[n]``."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
         pad = [0] * (b - n)
@@ -117,4 +123,4 @@ class DecodeGraphs:
         self.wide[: 2 * b].copy_(wide, non_blocking=True)  # pinned sources: the host allocator keeps them alive
         self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        return self.logits[b][:n], self.greedy[b][:n]

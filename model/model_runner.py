@@ -22,6 +22,7 @@ from .block_manager import BlockAllocator
 from .cuda_graphs import DecodeGraphs
 from .deepseek_v3 import DeepseekV3
 from .forward_batch import ForwardBatch
+from .greedy import greedy_tokens
 from .sampling_params import step_seed
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -136,8 +137,9 @@ class ModelRunner:
             and self.graphs.fits(len(batch.decodes))
             and self.graphs.invariant == deepinfer.batch_invariant_enabled()
         )
+        greedy = None  # the graph's greedy tokens, taken inside it
         if use_graph:
-            logits = self._graph_logits(batch)
+            logits, greedy = self._graph_logits(batch)
         else:
             input_ids, fb = self.prepare(batch)
             with deepinfer.value_checks(False):
@@ -148,7 +150,7 @@ class ModelRunner:
             return result
         sample_logits = logits[: len(sample_rows)]
         if samplers:
-            tokens = self._sample(sample_logits, samplers).tolist()
+            tokens = self._sample(sample_logits, samplers, greedy).tolist()
             want = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
             lps = _logprobs(sample_logits[want], [tokens[i] for i in want], [samplers[i].params.logprobs for i in want])
             by_row = dict(zip(want, lps))
@@ -163,7 +165,7 @@ class ModelRunner:
                 result.prompt.setdefault(id(seq), []).append((p + 1, lp, top))
         return result
 
-    def _graph_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _graph_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
         seqs = batch.decodes
         alloc = self.allocator
         return self.graphs.run(
@@ -174,10 +176,12 @@ class ModelRunner:
             seq_lens=[s.num_computed + 1 for s in seqs],
         )
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None) -> torch.Tensor:
+        """The next token of each of ``seqs`` (one row of ``logits`` each); ``greedy``: their greedy tokens, already
+        taken (by a decode graph), or None."""
         params = [s.params for s in seqs]
         if all(p.temperature == 0 for p in params):  # greedy rows need no filtering, seeds or value checks
-            return greedy_tokens(logits)
+            return greedy if greedy is not None else greedy_tokens(logits)
         return ops.sample(
             logits,
             self._tensor([float(p.temperature) for p in params], torch.float32),
@@ -185,17 +189,6 @@ class ModelRunner:
             self._tensor([p.top_k for p in params], torch.int32),
             self._tensor([step_seed(s.seed, s.num_generated) for s in seqs], torch.int64),
         )
-
-
-def greedy_tokens(logits: torch.Tensor, pieces: int = 64) -> torch.Tensor:
-    """The first index of each row's largest value in ``logits [B, V]``. Each row is reduced in ``pieces`` parts
-    first, then across them: a single long row (a vocabulary of 129k) reduced at once runs on one multiprocessor."""
-    rows, vocab = logits.shape
-    width = -(-vocab // pieces)
-    padded = torch.nn.functional.pad(logits, (0, width * pieces - vocab), value=float("-inf"))
-    best, index = padded.view(rows, pieces, width).max(dim=-1)  # first index of the max within each piece
-    piece = best.argmax(dim=-1, keepdim=True)  # the first piece holding the row's max
-    return (piece * width + index.gather(1, piece))[:, 0]
 
 
 def _logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[tuple[float, dict[int, float] | None]]:

@@ -14,7 +14,7 @@ from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: 
 import deepinfer
 from deepinfer.model import LLM, RequestError, SamplingParams
 from deepinfer.model.block_manager import BlockAllocator
-from deepinfer.model.model_runner import greedy_tokens
+from deepinfer.model.greedy import greedy_tokens
 from deepinfer.model.sequence import Sequence
 
 
