@@ -5,8 +5,8 @@ Device time from CUDA graphs, bf16 cache, H=128, latent 512 + rope 64, pages of 
 of the table's reach. Each variant also prints its worst-row relative error against the fp32 reference on the first
 input set.
 
-Usage: python3 benchmarks/mla_spans.py [SPAN ...] [--batches 1,8,...] [--ctx 4096,...]   (default spans: 1024 2048
-4096)"""
+Usage: python3 benchmarks/mla_spans.py [SPAN ...] [--batches 1,8,...] [--ctx 4096,...]
+(default spans: 1024 2048 4096; batches 1, 8, 32, 64, 128; contexts 1024, 4096, 16384)"""
 
 from __future__ import annotations
 
