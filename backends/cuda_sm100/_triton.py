@@ -105,20 +105,13 @@ def to_e4m3(x, PREROUND: tl.constexpr):
 
 
 @triton.jit
-def to_bf16(x, PREROUND: tl.constexpr):
-    """fp32 ``x`` as bf16, rounded to nearest even. The interpreter's cast truncates and flushes subnormals, so there
-    the bf16 bits are rounded from x's in integer arithmetic (NaN kept as NaN)."""
-    if PREROUND:
+def cast(x, dtype: tl.constexpr):
+    """``x`` as ``dtype``, rounded to nearest even on a GPU and under the interpreter alike, so that the errors a CPU
+    conformance run measures are those of a GPU's casts. The interpreter's fp32 -> bf16 cast truncates and flushes
+    subnormals, so there the bf16 bits are rounded from x's in integer arithmetic (NaN kept as NaN)."""
+    if dtype == tl.bfloat16 and _INTERPRET:
+        x = x.to(tl.float32)
         bits = x.to(tl.int32, bitcast=True)
         rounded = tl.where(x != x, (bits >> 16) | 0x40, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)  # NaN: quiet
         return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
-def cast(x, dtype: tl.constexpr):
-    """``x`` as ``dtype``, rounded to nearest even on a GPU and under the interpreter alike (there bf16 goes through
-    ``to_bf16``'s integer rounding), so that the errors a CPU conformance run measures are those of a GPU's casts."""
-    if dtype == tl.bfloat16:
-        return to_bf16(x.to(tl.float32), _INTERPRET)
     return x.to(dtype)

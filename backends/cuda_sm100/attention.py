@@ -31,7 +31,6 @@ from ._triton import (
     pdl_wait,
     pow2_ceil,
     tma_ready,
-    to_bf16,
     to_e4m3,
 )
 
@@ -649,14 +648,12 @@ def _write_kernel(
         base = slot * WIDTH
         tl.store(cache_ptr + base + groups, q)
         tl.store(cache_f32_ptr + (base + L) // 4 + tl.arange(0, L // 128), scale)
-        tl.store(
-            cache_bf16_ptr + (base + L + 4 * (L // 128)) // 2 + r, to_bf16(rope.to(tl.float32), PREROUND), mask=rmask
-        )
+        tl.store(cache_bf16_ptr + (base + L + 4 * (L // 128)) // 2 + r, cast(rope, tl.bfloat16), mask=rmask)
     else:
         cols = tl.arange(0, L)
         c = tl.load(latent_ptr + t * stride_t + cols)
-        tl.store(cache_ptr + slot * WIDTH + cols, to_bf16(c.to(tl.float32), PREROUND))
-        tl.store(cache_ptr + slot * WIDTH + L + r, to_bf16(rope.to(tl.float32), PREROUND), mask=rmask)
+        tl.store(cache_ptr + slot * WIDTH + cols, cast(c, tl.bfloat16))
+        tl.store(cache_ptr + slot * WIDTH + L + r, cast(rope, tl.bfloat16), mask=rmask)
 
 
 def write_kv_cache(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format):
