@@ -238,7 +238,8 @@ def fake_context(llm: LLM, batch: int, context: int, seed: int) -> list[Sequence
     seqs = []
     for i in range(batch):
         tokens = torch.randint(2, cfg.vocab_size, (context,), generator=g).tolist()
-        seq = Sequence(f"bench{i}", i, tokens[:-1], SamplingParams(max_tokens=1 << 30, temperature=0), seed=i)
+        params = SamplingParams(max_tokens=1 << 30, temperature=0, ignore_eos=True)
+        seq = Sequence(f"bench{i}", i, tokens[:-1], params, seed=i)
         seq.token_ids.append(tokens[-1])
         alloc.grow(seq, context)
         seq.num_computed, seq.status = context - 1, Status.RUNNING
@@ -310,6 +311,28 @@ def host_profile(llm: LLM, batch: ScheduledBatch, steps: int = 10, top: int = 30
     return {"own": by("own_ms"), "cumulative": by("cumulative_ms")}
 
 
+def engine_steps(llm: LLM, seqs: list[Sequence], steps: int, async_scheduling: bool) -> float:
+    """Wall-clock ms per ``LLMEngine.step`` over ``steps`` steps in which ``seqs`` decode (after 3 untimed ones),
+    with or without asynchronous scheduling; the context grows by one token per step. ``seqs`` are left
+    running."""
+    engine = llm.engine
+    engine.async_scheduling = async_scheduling
+    engine.scheduler.running = sorted(seqs, key=lambda s: s.arrival)
+    sync = torch.cuda.synchronize if llm.device.type == "cuda" else lambda: None
+    for _ in range(3):
+        engine.step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    ms = (time.perf_counter() - start) * 1e3 / steps
+    engine.async_scheduling = False
+    engine.step()  # reads back the step still running
+    engine.scheduler.running = []
+    return ms
+
+
 def replay_only(llm: LLM, batch: int):
     """The captured decode graph a step of ``batch`` rows replays (its inputs as the last step left them), or None."""
     graphs = llm.engine.runner.graphs
@@ -327,6 +350,7 @@ def bench_ours(
     bandwidth: float,
     profile: bool = False,
     host: bool = False,
+    loop_steps: int = 0,
 ) -> list[dict]:
     timer = Timer(llm.device)
     rows = []
@@ -341,6 +365,10 @@ def bench_ours(
         replay = statistics.median(timer.time(graph.replay) for _ in range(steps)) if graph else None
         kernels = kernel_profile(llm, batch) if profile else None
         hosts = host_profile(llm, batch) if host else None
+        loop = {"sync": [], "async": []}
+        for _ in range(2 if loop_steps else 0):  # alternated: sync, async, sync, async
+            for mode in loop:
+                loop[mode].append(engine_steps(llm, seqs, loop_steps, async_scheduling=mode == "async"))
         for s in seqs:
             llm.engine.allocator.release(s)
         ms = statistics.median(times)
@@ -360,11 +388,14 @@ def bench_ours(
                 "step_ms_all": times,
                 **({"kernels": kernels} if kernels else {}),
                 **({"host_profile": hosts} if hosts else {}),
+                **({"engine_step_ms": loop} if loop_steps else {}),
             }
         )
         log(f"  ours batch {b}: {ms:.2f} ms/step, {b / ms * 1e3:.0f} tok/s, {100 * roof_ms / ms:.0f}% of roofline")
         if replay is not None:
             log(f"    of which the graph's replay alone: {replay:.2f} ms (the rest: host inputs, sampling, read-back)")
+        if loop_steps:
+            log(f"    engine steps, ms each: sync {loop['sync']}, async {loop['async']}")
         for kind, top in (hosts or {}).items():
             log(f"  host time per step, by {kind} time (ms; calls per step):")
             for r in top[:20]:
@@ -476,6 +507,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU: a dry run of the script")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel of one step at each batch size")
     p.add_argument("--host-profile", action="store_true", help="cProfile of 10 steps at each batch size")
+    p.add_argument(
+        "--engine-steps",
+        type=int,
+        default=0,
+        help="also time this many whole engine steps (wall clock) with and without asynchronous scheduling",
+    )
     args = p.parse_args(argv)
 
     backend = args.backend or deepinfer.current_backend().name
@@ -502,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = copy_bandwidth(device, (1 << 32) if device.type == "cuda" else (1 << 26))
         log(f"  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
         max_batch = max(batches)
-        blocks = max_batch * math.ceil(args.context / 64) + 64
+        grow = 4 * (args.engine_steps + 4)  # tokens the engine loops add to each sequence
+        blocks = max_batch * math.ceil((args.context + grow) / 64) + 64
         with deepinfer.batch_invariant(args.batch_invariant):
             llm = LLM(
                 path,
@@ -511,13 +549,21 @@ def main(argv: list[str] | None = None) -> int:
                 kv_format=args.kv_format,
                 num_blocks=blocks,
                 max_num_seqs=max_batch,
-                max_model_len=args.context + 64,
+                max_model_len=args.context + grow + 64,
                 enforce_eager=args.enforce_eager,
             )
             graphs = llm.engine.runner.graphs is not None
             with deepinfer.use(backend):
                 ours = bench_ours(
-                    llm, batches, args.context, args.steps, args.warmup, bandwidth, args.profile, args.host_profile
+                    llm,
+                    batches,
+                    args.context,
+                    args.steps,
+                    args.warmup,
+                    bandwidth,
+                    args.profile,
+                    args.host_profile,
+                    args.engine_steps,
                 )
         del llm
         gc.collect()

@@ -2,7 +2,8 @@
 
 One graph per batch bucket (1, 2, 4, 8, then multiples of 16 up to ``max_batch``) is captured over static input
 buffers; a decode step of ``n`` sequences packs its inputs for the smallest bucket ``>= n`` on the host and copies
-them in with two transfers (int64 and int32 fields), then replays the graph. Padding rows have ``seq_len`` 0
+them in with two transfers (int64 and int32 fields), copies in on the device the tokens that the previous step is
+still sampling (asynchronous scheduling, ``engine.py``), then replays the graph. Padding rows have ``seq_len`` 0
 (``mla_decode`` returns zeros for them), slot -1 (``write_kv_cache`` skips them) and token 0; their logits are
 dropped. The captured forward dispatches experts in ``low_latency`` mode (fixed capacity, no host synchronisation)
 and computes the logits of every row and their greedy tokens (``greedy.py``); other sampling stays outside the
@@ -108,9 +109,11 @@ class DecodeGraphs:
         slot_mapping: list[int],
         block_tables: list[list[int]],
         seq_lens: list[int],
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the smallest bucket that holds ``n = len(input_ids)`` rows; returns their logits ``[n, V]`` and
-        greedy tokens ``[n]``."""
+        greedy tokens ``[n]``, views of the graph's outputs until its next replay. ``pending``: ``(rows, tokens)``,
+        input ids already on the device, written over ``input_ids[rows]``."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
         pad = [0] * (b - n)
@@ -122,5 +125,7 @@ class DecodeGraphs:
         table[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
         self.wide[: 2 * b].copy_(wide, non_blocking=True)  # pinned sources: the host allocator keeps them alive
         self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
+        if pending is not None:
+            self.wide.index_copy_(0, *pending)
         self.graphs[b].replay()
         return self.logits[b][:n], self.greedy[b][:n]

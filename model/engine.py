@@ -5,16 +5,27 @@ It owns the paged latent cache (``deepinfer.allocate_kv_cache``, ``block_size`` 
 sampled tokens, records log-probabilities, stops a sequence on a stop token, ``max_tokens`` or the context limit,
 and frees its pages.
 
+Asynchronous scheduling (on by default): a step's tokens are read back only after the next step has been scheduled
+and queued behind it, so the host's work (scheduling, packing inputs, launching) overlaps the device's. The next
+step takes the tokens still being sampled (``PENDING``) from the device. A sequence whose pending token is its last
+by length sits that step out. The engine schedules ahead only when no running sequence has to be preempted for it;
+otherwise it reads the tokens first. What the early schedule cannot know is a sampled stop token: that sequence
+takes one more step, whose token is dropped, and its pages and seat are freed a step later. Batches can therefore
+differ from a synchronous run's. In batch-invariant mode the outputs do not; in the default mode a row's rounding
+depends on its batch, as it does between any two schedules.
+
 With the experts sharded over the ranks of a process group (``model.ep``, see ``parallel.py``) every rank runs the
 same engine on the same requests: the engine agrees with the other ranks on the cache size, the CUDA graphs and the
 seed generator of unseeded requests when it starts, checks that their settings match, and before each step's
-forward checks that they scheduled the same batch and sampled the same tokens (``RankDivergenceError`` otherwise).
+forward checks that they scheduled the same batch and sampled the same tokens so far (``RankDivergenceError``
+otherwise).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 from itertools import count
 
 import torch
@@ -25,13 +36,23 @@ from .block_manager import BlockAllocator
 from .cuda_graphs import CAPABILITY, DecodeGraphs
 from .deepseek_v3 import DeepseekV3
 from .errors import RequestError
-from .model_runner import ModelRunner
+from .model_runner import LaunchedStep, ModelRunner
 from .parallel import RankSync, fingerprint
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence
+from .sequence import PENDING, Sequence, Status
 
 DEFAULT_CPU_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class _Launched:
+    """A launched step: its batch, what the device computes for it, and where each sampled token goes
+    (``id(seq) -> index`` of its ``PENDING`` entry in ``token_ids``)."""
+
+    batch: ScheduledBatch
+    step: LaunchedStep
+    index: dict[int, int]
 
 
 class LLMEngine:
@@ -42,7 +63,8 @@ class LLMEngine:
     ``kv_cache_bytes`` defaults to 90% of the free memory less a reserve for activations). chunk_size: prefill
     chunk length (chunks end at its multiples). cuda_graphs: capture decode graphs when the backend declares
     ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now; they are replayed only in that
-    mode.
+    mode. async_scheduling: schedule and launch each step before reading back the previous one's tokens (above);
+    ``step`` then returns what finished in the previous step. The attribute can be changed between steps.
 
     Expert parallelism (``model.ep`` over several ranks): every rank constructs the engine with the same arguments
     and then adds the same requests in the same order and steps alike; ``step`` and ``run_until_done`` are then
@@ -63,6 +85,7 @@ class LLMEngine:
         max_model_len: int | None = None,
         preemption_mode: str = "swap",
         cuda_graphs: bool = True,
+        async_scheduling: bool = True,
     ):
         cfg = model.cfg
         self.model, self.cfg = model, cfg
@@ -136,9 +159,12 @@ class LLMEngine:
                 preemption_mode,
                 self.runner.graphs is not None,
                 deepinfer.batch_invariant_enabled(),
+                async_scheduling,
             )
             self.sync.check("engine start", {"engine settings": settings})
         self._sampled: list = []  # what the last step sampled and finished, checked across ranks at the next step
+        self.async_scheduling = async_scheduling
+        self._inflight: _Launched | None = None  # launched, results not yet applied
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
 
     def drop_cuda_graphs(self) -> None:
@@ -181,23 +207,75 @@ class LLMEngine:
         return seq
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def step(self) -> list[Sequence]:
-        """Schedules and runs one batch; returns the sequences that finished in it."""
+        """Schedules and launches one batch and applies the results of the one before (with ``async_scheduling``)
+        or of this one; returns the sequences that finished in the results applied."""
+        finished: list[Sequence] = []
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and self._ready_to_run_ahead(inflight):
+            launched = self._launch(finished)  # scheduled while `inflight` runs, over its pending tokens
+            self._apply(inflight, finished)
+        else:
+            if inflight is not None:
+                self._apply(inflight, finished)
+            launched = self._launch(finished)
+        if launched is not None:
+            if self.async_scheduling:
+                self._inflight = launched
+            else:
+                self._apply(launched, finished)
+        return finished
+
+    def _ready_to_run_ahead(self, inflight: _Launched) -> bool:
+        """Whether the next batch can be scheduled before ``inflight``'s tokens are read: with asynchronous
+        scheduling, when no running sequence has to be preempted and some running sequence does not end with its
+        pending token. Those that do (by length) are then set aside."""
+        if not self.async_scheduling or not self.scheduler.next_step_fits():
+            return False
+        ending = [
+            s for s in inflight.step.samplers if s.status is Status.RUNNING and self._ends_by_length(s, s.num_tokens)
+        ]
+        if len(ending) == len(self.scheduler.running):
+            return False
+        for seq in ending:
+            self.scheduler.set_aside(seq)
+        return True
+
+    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
+
+    def _launch(self, finished: list[Sequence]) -> _Launched | None:
+        """Schedules the next batch and queues it on the device; each sequence that samples gets a ``PENDING``
+        token. Sequences the scheduler ends for lack of cache go to ``finished``."""
         batch = self.scheduler.schedule()
-        finished, self.scheduler.truncated = self.scheduler.truncated, []
+        truncated, self.scheduler.truncated = self.scheduler.truncated, []
+        finished.extend(truncated)
         if self.sync is not None:
-            self._check_step(batch, finished)
+            self._check_step(batch, truncated)
         if not batch:
-            return finished
-        result = self.runner.execute(batch)
+            return None
+        step = self.runner.launch(batch)
         self.stats["steps"] += 1
         for seq in batch.decodes:
             seq.num_computed += 1
         for chunk in batch.prefills:
             chunk.seq.num_computed = chunk.end
+        index = {}
+        for seq in step.samplers:
+            index[id(seq)] = seq.num_tokens
+            seq.token_ids.append(PENDING)
+        return _Launched(batch, step, index)
+
+    def _apply(self, launched: _Launched, finished: list[Sequence]) -> None:
+        """Waits for ``launched`` and records its results; sequences that end go to ``finished``. Sequences that
+        ended while it ran (it was launched ahead) are skipped."""
+        result = launched.step.result()
+        batch = launched.batch
         for seq in [*batch.decodes, *(c.seq for c in batch.prefills)]:
+            if seq.status is Status.FINISHED:
+                continue
             for pos, lp, top in result.prompt.get(id(seq), []):
                 if pos == len(seq.prompt_logprobs):
                     seq.prompt_logprobs.append(lp)
@@ -205,17 +283,16 @@ class LLMEngine:
                         seq.prompt_top_logprobs.append(top)
             sampled = result.sampled.get(id(seq))
             if sampled is not None:
-                done = self._append(seq, sampled)
+                done = self._append(seq, sampled, launched.index[id(seq)])
                 if self.sync is not None:
                     self._sampled.append((seq.arrival, sampled.token, seq.finish_reason))
                 if done:
                     self.scheduler.finish(seq)
                     finished.append(seq)
-        return finished
 
     def _check_step(self, batch: ScheduledBatch, truncated: list[Sequence]) -> None:
-        """Checks across ranks, before this step's forward, the batch every rank scheduled and the tokens the
-        previous step sampled."""
+        """Checks across ranks, before this step's forward, the batch every rank scheduled and the tokens read back
+        since the last check."""
         decodes = [(s.arrival, s.num_computed, s.token_ids[s.num_computed], s.seed) for s in batch.decodes]
         prefills = [
             (c.seq.arrival, c.start, c.end, c.seq.seed, fingerprint(c.seq.token_ids[c.start : c.end]))
@@ -233,9 +310,10 @@ class LLMEngine:
         sampled, self._sampled = self._sampled, []
         self.sync.check(f"step {self.stats['steps']}", {"scheduled batch": schedule, "sampled tokens": sampled})
 
-    def _append(self, seq: Sequence, sampled) -> bool:
-        """Adds a sampled token to ``seq``; returns whether the sequence is finished."""
-        seq.token_ids.append(sampled.token)
+    def _append(self, seq: Sequence, sampled, index: int) -> bool:
+        """Puts a sampled token in place of ``seq``'s pending token ``index``; returns whether the sequence is
+        finished. A finished sequence drops the pending token of a step launched after this one."""
+        seq.token_ids[index] = sampled.token
         self.stats["generated_tokens"] += 1
         if seq.params.logprobs is not None:
             seq.logprobs.append(sampled.logprob)
@@ -244,9 +322,12 @@ class LLMEngine:
         params = seq.params
         if sampled.token in params.stop_token_ids or (not params.ignore_eos and sampled.token in self.eos_ids):
             seq.finish_reason, seq.stop_reason = "stop", sampled.token
-        elif seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif self._ends_by_length(seq, index + 1):
             seq.finish_reason = "length"
-        return seq.finish_reason is not None
+        if seq.finish_reason is None:
+            return False
+        del seq.token_ids[index + 1 :]
+        return True
 
     def run_until_done(self) -> list[Sequence]:
         """Steps until every queued request has finished; returns them in the order they finished."""

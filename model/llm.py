@@ -52,6 +52,8 @@ class LLM:
     size (default: see ``LLMEngine``). max_num_seqs: sequences running at once; max_num_batched_tokens: tokens per
     step; prefill_chunk_size: prefill chunk length; max_model_len: context limit (default: the model's).
     preemption_mode: ``swap`` (pages to host memory and back) or ``recompute``. enforce_eager: no CUDA graphs.
+    async_scheduling: schedule and launch each step before the previous step's tokens are read back, so the host's
+    work overlaps the device's (see ``LLMEngine``).
     device: torch device (default: the backend's device type). progress: progress bars for loading and for
     batches of at least 8 prompts (on rank 0 only under expert parallelism).
 
@@ -82,6 +84,7 @@ class LLM:
         max_model_len: int | None = None,
         preemption_mode: str = "swap",
         enforce_eager: bool = False,
+        async_scheduling: bool = True,
         device: str | torch.device | None = None,
         progress: bool = True,
         ep: int | None = None,
@@ -126,6 +129,7 @@ class LLM:
                 max_model_len=max_model_len,
                 preemption_mode=preemption_mode,
                 cuda_graphs=not enforce_eager,
+                async_scheduling=async_scheduling,
             )
         self.last_stats: dict[str, float] = {}
 

@@ -4,9 +4,15 @@ The paged cache of all layers is one tensor ``[layers, num_blocks, block_size, w
 ``l``'s cache as the ops take it). Decode rows come first in the packed batch, then the prefill chunks. A
 decode-only step replays a captured CUDA graph when the backend supports them (``cuda_graphs.py``).
 
-The forward runs without the ops' value checks (``deepinfer.value_checks(False)``): the page tables, slots,
-positions and sequence lengths come from the allocator and the scheduler, and the expert ids and offsets from the
-backend's own ops. Each check would wait for the device, several times per layer in an eager step.
+A step is launched (``launch``: inputs, forward, sampling and log-probabilities queued on the device, the tokens'
+copy to the host started) and its result read later (``LaunchedStep.result``), so the engine can launch the next
+step first. A decode token that is still being sampled (``PENDING`` in ``Sequence.token_ids``) is taken on the
+device from the previous launch.
+
+The forward and the sampling run without the ops' value checks (``deepinfer.value_checks(False)``): the page tables,
+slots, positions and sequence lengths come from the allocator and the scheduler, the expert ids and offsets from the
+backend's own ops, and the sampling parameters were checked by ``SamplingParams``. Each check would wait for the
+device, several times per layer in an eager step.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from .forward_batch import ForwardBatch
 from .greedy import greedy_tokens
 from .sampling_params import step_seed
 from .scheduler import ScheduledBatch
-from .sequence import Sequence
+from .sequence import PENDING, Sequence
 
 
 @dataclass
@@ -44,6 +50,37 @@ class StepResult:
     prompt: dict[int, list[tuple[int, float, dict[int, float] | None]]] = field(default_factory=dict)
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device. ``tokens``: the sampled tokens ``[len(samplers)]`` int64, on the device;
+    ``result()`` waits for the step and reads them (and the log-probabilities) on the host."""
+
+    samplers: list[Sequence] = field(default_factory=list)
+    tokens: torch.Tensor | None = None
+    _want: list[int] = field(default_factory=list)  # sampler indices that asked for log-probabilities
+    _prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    _host: dict[str, torch.Tensor] = field(default_factory=dict)  # device -> host copies in flight
+    _ready: torch.Event | None = None  # recorded after those copies
+
+    def result(self) -> StepResult:
+        if self._ready is not None:
+            self._ready.synchronize()
+        out, host = StepResult(), self._host
+        if not self.samplers and not self._prompt_rows:
+            return out
+        if self.samplers:
+            tokens = host["tokens"].tolist()
+            ks = [self.samplers[i].params.logprobs for i in self._want]
+            by_row = dict(zip(self._want, _logprob_lists(host, "sample", ks)))
+            for i, (seq, token) in enumerate(zip(self.samplers, tokens)):
+                lp, top = by_row.get(i, (None, None))
+                out.sampled[id(seq)] = SampledToken(token, lp, top)
+        ks = [seq.params.prompt_logprobs for seq, _, _ in self._prompt_rows]
+        for (seq, _, p), (lp, top) in zip(self._prompt_rows, _logprob_lists(host, "prompt", ks)):
+            out.prompt.setdefault(id(seq), []).append((p + 1, lp, top))
+        return out
+
+
 class ModelRunner:
     """Runs one scheduled batch at a time on ``model`` over ``kv_cache [layers, blocks, block_size, width]``."""
 
@@ -59,6 +96,7 @@ class ModelRunner:
         self.kv_caches = list(kv_cache.unbind(0))
         self.device = kv_cache.device
         self.graphs = graphs
+        self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # the last launch's tokens, row of each seq
 
     # Cache pages to host memory and back (swap preemption).
     def swap_out(self, blocks: list[int]) -> torch.Tensor:
@@ -71,7 +109,8 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardBatch]:
-        """Packed input ids and the forward metadata of ``batch``."""
+        """Packed input ids and the forward metadata of ``batch`` (decode tokens still being sampled taken from the
+        previous launch, on the device)."""
         bs, alloc = self.allocator.block_size, self.allocator
         ids: list[int] = []
         pos: list[int] = []
@@ -105,7 +144,11 @@ class ModelRunner:
             fb.context_slots = torch.cat(ctx).to(self.device, non_blocking=True)
         fb.positions = self._tensor(pos, torch.int32)
         fb.slot_mapping = self._tensor(slots, torch.int64)
-        return self._tensor(ids, torch.int64), fb
+        input_ids = self._tensor(ids, torch.int64)
+        pending = self._pending_tokens(batch.decodes)
+        if pending is not None:
+            input_ids.index_copy_(0, *pending)
+        return input_ids, fb
 
     def _logit_rows(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence], list[tuple[Sequence, int, int]]]:
         """Rows whose logits are needed: ``sample_rows`` (one per sequence that samples, with ``samplers``) and
@@ -128,7 +171,13 @@ class ModelRunner:
         return sample_rows, samplers, prompt_rows
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Runs the model on ``batch``; returns the sampled tokens and the log-probabilities asked for."""
+        """Runs the model on ``batch`` and waits for it; returns the sampled tokens and the log-probabilities asked
+        for."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queues ``batch``'s forward, sampling and log-probabilities on the device and starts copying what the host
+        needs, without waiting for the device."""
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
         rows = sample_rows + [r for _, r, _ in prompt_rows]
         use_graph = (
@@ -145,25 +194,46 @@ class ModelRunner:
             with deepinfer.value_checks(False):
                 hidden = self.model.forward(input_ids, fb, self.kv_caches)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
-        result = StepResult()
+        step = LaunchedStep(samplers=samplers, _prompt_rows=prompt_rows)
+        self._last = None
         if not rows:
-            return result
-        sample_logits = logits[: len(sample_rows)]
+            return step
+        host = {}
         if samplers:
-            tokens = self._sample(sample_logits, samplers, greedy).tolist()
-            want = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
-            lps = _logprobs(sample_logits[want], [tokens[i] for i in want], [samplers[i].params.logprobs for i in want])
-            by_row = dict(zip(want, lps))
-            for i, (seq, token) in enumerate(zip(samplers, tokens)):
-                lp, top = by_row.get(i, (None, None))
-                result.sampled[id(seq)] = SampledToken(token, lp, top)
+            sample_logits = logits[: len(sample_rows)]
+            with deepinfer.value_checks(False):
+                step.tokens = self._sample(sample_logits, samplers, greedy)
+            self._last = (step.tokens, {id(seq): i for i, seq in enumerate(samplers)})
+            host["tokens"] = step.tokens
+            step._want = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+            if step._want:
+                want = self._tensor(step._want, torch.int64)
+                kmax = max(samplers[i].params.logprobs for i in step._want)
+                _logprob_tensors(host, "sample", sample_logits[want], step.tokens[want], kmax)
         if prompt_rows:
-            targets = [seq.token_ids[p + 1] for seq, _, p in prompt_rows]
-            ks = [seq.params.prompt_logprobs for seq, _, _ in prompt_rows]
-            lps = _logprobs(logits[len(sample_rows) :], targets, ks)
-            for (seq, _, p), (lp, top) in zip(prompt_rows, lps):
-                result.prompt.setdefault(id(seq), []).append((p + 1, lp, top))
-        return result
+            targets = self._tensor([seq.token_ids[p + 1] for seq, _, p in prompt_rows], torch.int64)
+            kmax = max(seq.params.prompt_logprobs for seq, _, _ in prompt_rows)
+            _logprob_tensors(host, "prompt", logits[len(sample_rows) :], targets, kmax)
+        if self.device.type == "cpu":
+            step._host = host
+        else:  # pinned copies, waited for by the event: the host does not wait for work queued after this step
+            step._host = {k: v.to("cpu", non_blocking=True) for k, v in host.items()}
+            step._ready = torch.Event(device=self.device)
+            step._ready.record()
+        return step
+
+    def _pending_tokens(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For the decode rows of ``seqs`` whose token is still being sampled (``PENDING``): their row indices and
+        the tokens the previous launch samples for them, both on the device; None when there are none."""
+        rows = [i for i, s in enumerate(seqs) if s.token_ids[s.num_computed] == PENDING]
+        if not rows:
+            return None
+        tokens, where = self._last or (None, {})
+        missing = [seqs[i].request_id for i in rows if id(seqs[i]) not in where]
+        if missing:
+            raise RuntimeError(f"requests {missing} decode a token that the previous step did not sample")
+        index = self._tensor([rows, [where[id(seqs[i])] for i in rows]], torch.int64)
+        return index[0], tokens.index_select(0, index[1]).to(torch.int64)
 
     def _graph_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
         seqs = batch.decodes
@@ -174,6 +244,7 @@ class ModelRunner:
             slot_mapping=[alloc.slot(s, s.num_computed) for s in seqs],
             block_tables=[s.block_table for s in seqs],
             seq_lens=[s.num_computed + 1 for s in seqs],
+            pending=self._pending_tokens(seqs),
         )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None) -> torch.Tensor:
@@ -191,17 +262,24 @@ class ModelRunner:
         )
 
 
-def _logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[tuple[float, dict[int, float] | None]]:
-    """Per row: the log-probability of ``targets[i]`` under ``log_softmax(logits[i])`` and, for ``ks[i] > 0``, the
-    ``ks[i]`` most likely tokens with theirs."""
-    if not targets:
-        return []
+def _logprob_tensors(out: dict[str, torch.Tensor], name: str, logits: torch.Tensor, targets: torch.Tensor, kmax: int):
+    """Puts into ``out``, on the device: ``{name}_chosen``, the log-probability of ``targets[i]`` under
+    ``log_softmax(logits[i])``, and for ``kmax > 0`` the ``kmax`` most likely tokens of each row (``{name}_top``)
+    with theirs (``{name}_top_lp``)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
-    kmax = max(ks)
-    tops: list[dict[int, float] | None] = [None] * len(targets)
+    out[f"{name}_chosen"] = lp.gather(1, targets[:, None])[:, 0]
     if kmax > 0:
-        vals, idx = lp.topk(min(kmax, lp.shape[1]), dim=-1)
-        vals, idx = vals.tolist(), idx.tolist()
+        out[f"{name}_top_lp"], out[f"{name}_top"] = lp.topk(min(kmax, lp.shape[1]), dim=-1)
+
+
+def _logprob_lists(host: dict[str, torch.Tensor], name: str, ks: list[int]) -> list[tuple[float, dict | None]]:
+    """Per row of ``_logprob_tensors``' output (now on the host): the chosen token's log-probability and, for
+    ``ks[i] > 0``, a dict of the ``ks[i]`` most likely tokens with theirs."""
+    if not ks:
+        return []
+    chosen = host[f"{name}_chosen"].tolist()
+    tops: list[dict[int, float] | None] = [None] * len(ks)
+    if f"{name}_top" in host:
+        vals, idx = host[f"{name}_top_lp"].tolist(), host[f"{name}_top"].tolist()
         tops = [dict(zip(idx[i][:k], vals[i][:k])) if k > 0 else None for i, k in enumerate(ks)]
     return list(zip(chosen, tops))

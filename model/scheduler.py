@@ -104,9 +104,14 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Takes a finished sequence out and frees its pages."""
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
         self.allocator.release(seq)
         seq.status = Status.FINISHED
+
+    def set_aside(self, seq: Sequence) -> None:
+        """Takes a running sequence out of the next batches; it keeps its pages until ``finish``."""
+        self.running.remove(seq)
 
     def schedule(self) -> ScheduledBatch:
         """The next batch (empty only when nothing is left to run)."""
@@ -140,7 +145,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        reserved = sum(self.allocator.missing(s, self._next_end(s)) for s in self.running)
+        reserved = self._pages_for_running()
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             if self._pages_for_next_step(seq) > self.allocator.num_free - reserved:
@@ -186,6 +191,15 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= end - seq.num_computed
         return batch
+
+    def next_step_fits(self) -> bool:
+        """Whether every running sequence has the pages for its next step: the next ``schedule`` then preempts
+        nobody."""
+        return self._pages_for_running() <= self.allocator.num_free
+
+    def _pages_for_running(self) -> int:
+        """Pages the running sequences still need for their next steps."""
+        return sum(self.allocator.missing(s, self._next_end(s)) for s in self.running)
 
     def _next_end(self, seq: Sequence) -> int:
         """Tokens ``seq`` holds after its next step: one more in decode, the next chunk's end in prefill."""

@@ -7,6 +7,8 @@ from typing import Any
 
 from .sampling_params import SamplingParams
 
+PENDING = -1  # in ``Sequence.token_ids``: a token sampled by a step that is still running on the device
+
 
 class Status(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or preempted by recomputation

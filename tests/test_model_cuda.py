@@ -63,24 +63,28 @@ def test_graph_decode_with_arrivals_and_preemption(cuda_backend, tmp_path):
 
 def test_batch_invariant_graph_decode_gives_the_eager_bits(cuda_backend, tmp_path, monkeypatch):
     """In batch-invariant mode the decode graphs are captured and give, bit for bit, the tokens and log-probabilities
-    of eager decoding (normal-mode dispatch, no padding), for a batch in a padded bucket and for each request alone;
-    graphs captured in the default mode are not replayed in batch-invariant mode."""
+    of eager decoding (normal-mode dispatch, no padding, synchronous scheduling), for a batch in a padded bucket and
+    for each request alone, with the input tokens of steps scheduled ahead copied in on the device; graphs captured
+    in the default mode are not replayed in batch-invariant mode."""
     ckpt = small_checkpoint(tmp_path, seed=5, q_lora_rank=64, **KERNEL_SHAPES)
     prompts = random_prompts(258, [5, 40, 17, 1, 29], seed=6)
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True, logprobs=2)
     common = dict(block_size=16, max_num_seqs=8, progress=False)
     default_llm = LLM(ckpt, cuda_backend, **common)
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
-    eager_llm = LLM(ckpt, cuda_backend, enforce_eager=True, **common)
+    eager_llm = LLM(ckpt, cuda_backend, enforce_eager=True, async_scheduling=False, **common)
     graph_llm = LLM(ckpt, cuda_backend, **common)
     graphs = graph_llm.engine.runner.graphs
     assert graphs is not None and graphs.invariant and sorted(graphs.graphs) == [1, 2, 4, 8]
-    replays = []
+    replays, ahead = [], []
     run = graphs.run
-    graphs.run = lambda **kw: replays.append(len(kw["input_ids"])) or run(**kw)
+    graphs.run = lambda **kw: (
+        replays.append(len(kw["input_ids"])) or ahead.append(kw["pending"] is not None) or run(**kw)
+    )
     want = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager_llm.generate(prompts, params)]
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in graph_llm.generate(prompts, params)] == want
     assert 5 in replays, "the batch of five decoded from the bucket of 8"
+    assert sum(ahead) > len(ahead) / 2, "most replays were launched before the previous step's tokens were read"
     for prompt, expected in zip(prompts, want):
         (alone,) = graph_llm.generate([prompt], params)
         assert (alone.outputs[0].token_ids, alone.outputs[0].logprobs) == expected

@@ -211,6 +211,69 @@ def test_continuous_batching_with_arrivals_matches_each_request_alone(make):
         assert seq.logprobs == alone[i].outputs[0].logprobs, f"request {i}"
 
 
+def outcome(outs) -> list[tuple]:
+    """Everything a request returns: tokens, finish and stop reasons, log-probabilities of both kinds."""
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason, o.outputs[0].logprobs,
+         o.outputs[0].top_logprobs, o.prompt_logprobs, o.prompt_top_logprobs)
+        for o in outs
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("cache", ["ample", "swap", "recompute"])
+def test_async_scheduling_gives_a_synchronous_runs_outputs(make, cache):
+    """Steps launched before the previous step's tokens are read back: the same outputs, bit for bit in
+    batch-invariant mode, with stop tokens (whose sequence takes one more step, dropped), ``max_tokens`` of every
+    length, log-probabilities, chunked prefill, requests waiting for a seat and, with a small cache, preemption."""
+    prompts = random_prompts(258, [30, 9, 41, 17, 3, 25, 12, 6], seed=6)
+    params = mixed_params(len(prompts), max_tokens=24)
+    for i, sp in enumerate(params):
+        sp.max_tokens, sp.logprobs = 24 - 3 * i, (i % 3) or None
+    kw = {"max_num_seqs": 6, "prefill_chunk_size": 16, "max_num_batched_tokens": 32}
+    if cache != "ample":
+        kw |= {"block_size": 4, "num_blocks": 26, "preemption_mode": cache}
+    with deepinfer.batch_invariant():
+        free = make(**kw, async_scheduling=False).generate(prompts, params)
+        for i, (sp, out) in enumerate(zip(params, free)):
+            if i % 2 and len(out.outputs[0].token_ids) > 3:  # half of the requests stop early, on a token they sample
+                sp.stop_token_ids = [out.outputs[0].token_ids[len(out.outputs[0].token_ids) // 2]]
+        sync_llm, async_llm = make(**kw, async_scheduling=False), make(**kw)
+        expected = sync_llm.generate(prompts, params)
+        engine = async_llm.engine
+        decoded, unread, ahead, launch, apply = [], [], [], engine.runner.launch, engine._apply
+
+        def spy_launch(batch):
+            decoded.extend((s.request_id, s.num_computed) for s in batch.decodes)
+            ahead.append(bool(unread))  # launched before the previous step's tokens were read
+            unread.append(1)
+            return launch(batch)
+
+        def spy_apply(*args):
+            unread.pop()
+            return apply(*args)
+
+        engine.runner.launch, engine._apply = spy_launch, spy_apply
+        got = async_llm.generate(prompts, params)
+    if cache == "recompute":  # a sequence that stops takes its pages one step later: other preemption points
+        assert [o[:3] for o in outcome(got)] == [o[:3] for o in outcome(expected)]
+        for a, b in zip(got, expected):  # recomputed tokens are prefilled: log-probabilities to rounding
+            assert torch.allclose(torch.tensor(a.outputs[0].logprobs or []), torch.tensor(b.outputs[0].logprobs or []),
+                                  atol=2e-3)  # fmt: skip
+    else:
+        assert outcome(got) == outcome(expected)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in got) >= 2
+    assert sum(ahead) > len(ahead) / 2, f"steps run ahead: {sum(ahead)} of {len(ahead)}"
+    if cache != "ample":
+        assert engine.num_preemptions > 0
+    final = {o.request_id: len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in got}
+    dropped = {r for r, p in decoded if p == final[r] - 1}  # decoded the last token: a step whose token was dropped
+    assert all(p < final[r] for r, p in decoded)
+    assert dropped <= {o.request_id for o in got if o.outputs[0].finish_reason == "stop"}, "only stops are unforeseen"
+    assert dropped or cache != "ample", "a step ran ahead of a stop token"
+    assert not engine.has_unfinished() and engine.allocator.num_free == engine.allocator.num_blocks
+    assert engine.stats["generated_tokens"] == sync_llm.engine.stats["generated_tokens"]
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(make):
     llm = make(dtype="bfloat16")
     prompt = random_prompts(258, [10], seed=4)[0]

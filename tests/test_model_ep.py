@@ -176,20 +176,27 @@ def sc_divergent_sampling(rank: int, world: int, path) -> None:
     next step fails on every rank."""
     llm = build(path, world)
     runner = llm.engine.runner
-    execute, calls = runner.execute, []
+    launch, calls = runner.launch, []
 
     def patched(batch):
-        result = execute(batch)
-        calls.append(1)
-        if rank == world - 1 and len(calls) == 4:
-            for sampled in result.sampled.values():
-                sampled.token = (sampled.token + 1) % llm.config.vocab_size
-        return result
+        step = launch(batch)
+        read = step.result
 
-    runner.execute = patched
+        def result():
+            out = read()
+            calls.append(1)
+            if rank == world - 1 and len(calls) == 4:
+                for sampled in out.sampled.values():
+                    sampled.token = (sampled.token + 1) % llm.config.vocab_size
+            return out
+
+        step.result = result
+        return step
+
+    runner.launch = patched
     with pytest.raises(RankDivergenceError, match="sampled tokens"):
         llm.generate(prompts(llm.config.vocab_size), params())
-    assert len(calls) == 4
+    assert len(calls) == 4  # the next launch checks the tokens read back so far
 
 
 def sc_dead_rank(rank: int, world: int, path) -> None:
@@ -205,15 +212,15 @@ def sc_hung_rank(rank: int, world: int, path) -> None:
     """The last rank stops answering at its third step; the others generate."""
     llm = build(path, world)
     if rank == world - 1:
-        execute, calls = llm.engine.runner.execute, []
+        launch, calls = llm.engine.runner.launch, []
 
         def patched(batch):
             calls.append(1)
             if len(calls) == 3:
                 time.sleep(3600)
-            return execute(batch)
+            return launch(batch)
 
-        llm.engine.runner.execute = patched
+        llm.engine.runner.launch = patched
     llm.generate(prompts(llm.config.vocab_size), params())
 
 
