@@ -162,7 +162,7 @@ class LLMEngine:
                 async_scheduling,
             )
             self.sync.check("engine start", {"engine settings": settings})
-        self._sampled: list = []  # what the last step sampled and finished, checked across ranks at the next step
+        self._sampled: list = []  # tokens read back and finishes since the last check across ranks (next launch)
         self.async_scheduling = async_scheduling
         self._inflight: _Launched | None = None  # launched, results not yet applied
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}

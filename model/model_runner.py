@@ -66,8 +66,6 @@ class LaunchedStep:
         if self._ready is not None:
             self._ready.synchronize()
         out, host = StepResult(), self._host
-        if not self.samplers and not self._prompt_rows:
-            return out
         if self.samplers:
             tokens = host["tokens"].tolist()
             ks = [self.samplers[i].params.logprobs for i in self._want]
@@ -195,14 +193,14 @@ class ModelRunner:
                 hidden = self.model.forward(input_ids, fb, self.kv_caches)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
         step = LaunchedStep(samplers=samplers, _prompt_rows=prompt_rows)
-        self._last = None
+        self._last = None  # read above (pending tokens), replaced by this launch's
         if not rows:
             return step
         host = {}
         if samplers:
             sample_logits = logits[: len(sample_rows)]
             with deepinfer.value_checks(False):
-                step.tokens = self._sample(sample_logits, samplers, greedy)
+                step.tokens = self._sample(sample_logits, samplers, greedy).to(torch.int64)
             self._last = (step.tokens, {id(seq): i for i, seq in enumerate(samplers)})
             host["tokens"] = step.tokens
             step._want = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
@@ -233,7 +231,7 @@ class ModelRunner:
         if missing:
             raise RuntimeError(f"requests {missing} decode a token that the previous step did not sample")
         index = self._tensor([rows, [where[id(seqs[i])] for i in rows]], torch.int64)
-        return index[0], tokens.index_select(0, index[1]).to(torch.int64)
+        return index[0], tokens.index_select(0, index[1])
 
     def _graph_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
         seqs = batch.decodes
