@@ -224,7 +224,8 @@ def outcome(outs) -> list[tuple]:
 def test_async_scheduling_gives_a_synchronous_runs_outputs(make, cache):
     """Steps launched before the previous step's tokens are read back: the same outputs, bit for bit in
     batch-invariant mode, with stop tokens (whose sequence takes one more step, dropped), ``max_tokens`` of every
-    length, log-probabilities, chunked prefill, requests waiting for a seat and, with a small cache, preemption."""
+    length, log-probabilities, chunked prefill, requests waiting for a seat and, with a small cache, preemption (by
+    recomputation: the same tokens, log-probabilities to rounding, since preemption can come at other steps)."""
     prompts = random_prompts(258, [30, 9, 41, 17, 3, 25, 12, 6], seed=6)
     params = mixed_params(len(prompts), max_tokens=24)
     for i, sp in enumerate(params):

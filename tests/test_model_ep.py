@@ -172,8 +172,8 @@ def sc_divergent_settings(rank: int, world: int, path) -> None:
 
 
 def sc_divergent_sampling(rank: int, world: int, path) -> None:
-    """The last rank samples a different token at one step (as numerics that differ per rank would make it): the
-    next step fails on every rank."""
+    """The last rank reads back a different token at one step (as numerics that differ per rank would make it): the
+    next launch fails on every rank."""
     llm = build(path, world)
     runner = llm.engine.runner
     launch, calls = runner.launch, []
