@@ -217,7 +217,7 @@ class LLMEngine:
         finished: list[Sequence] = []
         inflight, self._inflight = self._inflight, None
         if inflight is not None and self._ready_to_run_ahead(inflight):
-            launched = self._launch(finished)  # scheduled while `inflight` runs, over its pending tokens
+            launched = self._launch(finished, inflight)  # scheduled while `inflight` runs, over its pending tokens
             self._apply(inflight, finished)
         else:
             if inflight is not None:
@@ -248,9 +248,10 @@ class LLMEngine:
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
 
-    def _launch(self, finished: list[Sequence]) -> _Launched | None:
-        """Schedules the next batch and queues it on the device; each sequence that samples gets a ``PENDING``
-        token. Sequences the scheduler ends for lack of cache go to ``finished``."""
+    def _launch(self, finished: list[Sequence], previous: _Launched | None = None) -> _Launched | None:
+        """Schedules the next batch and queues it on the device, after ``previous`` when its tokens are still
+        pending; each sequence that samples gets a ``PENDING`` token. Sequences the scheduler ends for lack of cache
+        go to ``finished``."""
         batch = self.scheduler.schedule()
         truncated, self.scheduler.truncated = self.scheduler.truncated, []
         finished.extend(truncated)
@@ -258,7 +259,7 @@ class LLMEngine:
             self._check_step(batch, truncated)
         if not batch:
             return None
-        step = self.runner.launch(batch)
+        step = self.runner.launch(batch, previous.step if previous is not None else None)
         self.stats["steps"] += 1
         for seq in batch.decodes:
             seq.num_computed += 1

@@ -94,7 +94,6 @@ class ModelRunner:
         self.kv_caches = list(kv_cache.unbind(0))
         self.device = kv_cache.device
         self.graphs = graphs
-        self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # the last launch's tokens, row of each seq
 
     # Cache pages to host memory and back (swap preemption).
     def swap_out(self, blocks: list[int]) -> torch.Tensor:
@@ -106,9 +105,9 @@ class ModelRunner:
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardBatch]:
-        """Packed input ids and the forward metadata of ``batch`` (decode tokens still being sampled taken from the
-        previous launch, on the device)."""
+    def prepare(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> tuple[torch.Tensor, ForwardBatch]:
+        """Packed input ids and the forward metadata of ``batch``; decode tokens still being sampled are taken from
+        ``previous``, on the device."""
         bs, alloc = self.allocator.block_size, self.allocator
         ids: list[int] = []
         pos: list[int] = []
@@ -143,7 +142,7 @@ class ModelRunner:
         fb.positions = self._tensor(pos, torch.int32)
         fb.slot_mapping = self._tensor(slots, torch.int64)
         input_ids = self._tensor(ids, torch.int64)
-        pending = self._pending_tokens(batch.decodes)
+        pending = self._pending_tokens(batch.decodes, previous)
         if pending is not None:
             input_ids.index_copy_(0, *pending)
         return input_ids, fb
@@ -173,9 +172,10 @@ class ModelRunner:
         for."""
         return self.launch(batch).result()
 
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queues ``batch``'s forward, sampling and log-probabilities on the device and starts copying what the host
-        needs, without waiting for the device."""
+        needs, without waiting for the device. ``previous``: the step launched before, whose tokens are still
+        pending."""
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
         rows = sample_rows + [r for _, r, _ in prompt_rows]
         use_graph = (
@@ -186,14 +186,13 @@ class ModelRunner:
         )
         greedy = None  # the graph's greedy tokens, taken inside it
         if use_graph:
-            logits, greedy = self._graph_logits(batch)
+            logits, greedy = self._graph_logits(batch, previous)
         else:
-            input_ids, fb = self.prepare(batch)
+            input_ids, fb = self.prepare(batch, previous)
             with deepinfer.value_checks(False):
                 hidden = self.model.forward(input_ids, fb, self.kv_caches)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
         step = LaunchedStep(samplers=samplers, _prompt_rows=prompt_rows)
-        self._last = None  # read above (pending tokens), replaced by this launch's
         if not rows:
             return step
         host = {}
@@ -201,7 +200,6 @@ class ModelRunner:
             sample_logits = logits[: len(sample_rows)]
             with deepinfer.value_checks(False):
                 step.tokens = self._sample(sample_logits, samplers, greedy).to(torch.int64)
-            self._last = (step.tokens, {id(seq): i for i, seq in enumerate(samplers)})
             host["tokens"] = step.tokens
             step._want = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
             if step._want:
@@ -220,20 +218,22 @@ class ModelRunner:
             step._ready.record()
         return step
 
-    def _pending_tokens(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _pending_tokens(
+        self, seqs: list[Sequence], previous: LaunchedStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For the decode rows of ``seqs`` whose token is still being sampled (``PENDING``): their row indices and
-        the tokens the previous launch samples for them, both on the device; None when there are none."""
+        the tokens ``previous`` samples for them, both on the device; None when there are none."""
         rows = [i for i, s in enumerate(seqs) if s.token_ids[s.num_computed] == PENDING]
         if not rows:
             return None
-        tokens, where = self._last or (None, {})
+        where = {id(seq): i for i, seq in enumerate(previous.samplers)} if previous is not None else {}
         missing = [seqs[i].request_id for i in rows if id(seqs[i]) not in where]
         if missing:
             raise RuntimeError(f"requests {missing} decode a token that the previous step did not sample")
         index = self._tensor([rows, [where[id(seqs[i])] for i in rows]], torch.int64)
-        return index[0], tokens.index_select(0, index[1])
+        return index[0], previous.tokens.index_select(0, index[1])
 
-    def _graph_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _graph_logits(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> tuple[torch.Tensor, torch.Tensor]:
         seqs = batch.decodes
         alloc = self.allocator
         return self.graphs.run(
@@ -242,7 +242,7 @@ class ModelRunner:
             slot_mapping=[alloc.slot(s, s.num_computed) for s in seqs],
             block_tables=[s.block_table for s in seqs],
             seq_lens=[s.num_computed + 1 for s in seqs],
-            pending=self._pending_tokens(seqs),
+            pending=self._pending_tokens(seqs, previous),
         )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None) -> torch.Tensor:

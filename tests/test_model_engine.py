@@ -243,11 +243,11 @@ def test_async_scheduling_gives_a_synchronous_runs_outputs(make, cache):
         engine = async_llm.engine
         decoded, unread, ahead, launch, apply = [], [], [], engine.runner.launch, engine._apply
 
-        def spy_launch(batch):
+        def spy_launch(batch, previous):
             decoded.extend((s.request_id, s.num_computed) for s in batch.decodes)
             ahead.append(bool(unread))  # launched before the previous step's tokens were read
             unread.append(1)
-            return launch(batch)
+            return launch(batch, previous)
 
         def spy_apply(*args):
             unread.pop()

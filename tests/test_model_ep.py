@@ -178,8 +178,8 @@ def sc_divergent_sampling(rank: int, world: int, path) -> None:
     runner = llm.engine.runner
     launch, calls = runner.launch, []
 
-    def patched(batch):
-        step = launch(batch)
+    def patched(batch, previous):
+        step = launch(batch, previous)
         read = step.result
 
         def result():
@@ -214,11 +214,11 @@ def sc_hung_rank(rank: int, world: int, path) -> None:
     if rank == world - 1:
         launch, calls = llm.engine.runner.launch, []
 
-        def patched(batch):
+        def patched(batch, previous):
             calls.append(1)
             if len(calls) == 3:
                 time.sleep(3600)
-            return launch(batch)
+            return launch(batch, previous)
 
         llm.engine.runner.launch = patched
     llm.generate(prompts(llm.config.vocab_size), params())
