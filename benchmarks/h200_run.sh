@@ -19,7 +19,8 @@
 #   ep-check     one GPU: the multi-rank dispatch kernels checked by two ranks through Gloo with CUDA tensors
 #   cublas-invariance  whether cuBLAS's block-scaled FP8 product keeps a row's bits whatever the row count, and
 #                whether the unsplit Triton kernel gives its bits
-#   gemm-invariant  what batch-invariant mode costs FP8 gemm at M = 1 ... 4096, and that its rows keep their bits
+#   gemm-invariant [--block-parts-max-m M]  what batch-invariant mode costs FP8 gemm at M = 1 ... 4096 (also with no
+#                split over K at all), and that its rows keep their bits
 #   gemm-swap [N,K ...]  the swapped FP8 kernel's launch shapes at M = 1 ... 64, bits checked, beside the unswapped
 #   grouped-swap REV [TOKENS]  FP8 masked grouped_gemm (decode): the swapped kernel's variants beside REV's kernel
 #   pdl          programmatic dependent launch alone: chains of small kernels and GEMVs, with and without it
@@ -72,7 +73,8 @@ case ${1:-} in
   cublas-invariance)
     timeout 300 python3 benchmarks/cublas_invariance.py 2>&1 | tee "$OUT/cublas_invariance.txt" | tail -10 ;;
   gemm-invariant)
-    timeout 300 python3 benchmarks/gemm_invariant_cost.py "$OUT/gemm_invariant.json" 2>&1 | tail -40 ;;
+    shift
+    timeout 420 python3 benchmarks/gemm_invariant_cost.py "$OUT/gemm_invariant.json" "$@" 2>&1 | tail -80 ;;
   gemm-swap)
     shift
     timeout 300 python3 benchmarks/gemm_swap_ab.py "$OUT/gemm_swap.json" "$@" 2>&1 | tail -50 ;;

@@ -224,6 +224,8 @@ bias = torch.randn(384, generator=g)
 want = a.dequantize() @ w.dequantize().t() + bias
 tiles = [gemm.Tile(64, n, 4, stages) for n, stages in ((128, 3), (64, 4), (32, 6), (16, 3))]
 tiles += [gemm.SWAPPED_TILE, gemm.Tile(32, 128, 4, 4, swap=True)]
+parts = gemm.SWAPPED_TILE._replace(split_k=3, block_parts=True)  # K blocks 2, 2, 1
+tiles += [parts, gemm.Tile(64, 64, 4, 4, 4, swap=True, block_parts=True)]  # K blocks 2, 2, 1, none
 launch = lambda dtype, tile: gemm._launch_gemm(
     a.data, w.data, torch.empty(130, 384, dtype=dtype), a.scale, w.scale, bias, tile.split_k == 1, tile)
 for dtype in (torch.float32, torch.bfloat16):
@@ -235,9 +237,11 @@ for dtype in (torch.float32, torch.bfloat16):
 
 
 def test_fp8_gemm_bits_do_not_depend_on_the_unsplit_tile():
-    """Unsplit FP8 ``gemm`` launches of 64-row tiles 128, 64, 32 and 16 columns wide (any stage count), and of the
-    swapped kernel, give the same bits, with a bias and fp32 or bf16 results: batch-invariant mode may pick its tile
-    by row count. Launches split over K (an empty last span included) stay within the reference's bound."""
+    """Unsplit FP8 ``gemm`` launches of 64-row tiles 128, 64, 32 and 16 columns wide (any stage count), of the
+    swapped kernel, and of the swapped kernel split over K with the K blocks' products chained in K order by a second
+    kernel, give the same bits, with a bias and fp32 or bf16 results: batch-invariant mode may pick its tile by row
+    count. Launches split over K with fp32 partial sums (an empty last span included) stay within the reference's
+    bound."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", UNSPLIT_TILES], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -245,9 +249,10 @@ def test_fp8_gemm_bits_do_not_depend_on_the_unsplit_tile():
 
 
 def test_batch_invariant_gemm_never_splits_k(monkeypatch):
-    """In batch-invariant mode the FP8 gemm never splits K, whatever M, and takes 64-row tiles or, at a few rows,
-    the swapped kernel: what fixes a row's arithmetic (the tile may follow M, which the test above shows changes no
-    bit). The default mode splits long products at a few rows."""
+    """In batch-invariant mode the FP8 gemm never sums partial products over K, whatever M. It takes 64-row tiles
+    or, at a few rows, the swapped kernel, whose long products spread K over programs but add the blocks' products
+    in K order (``block_parts``): what fixes a row's arithmetic (the tile may follow M, which the test above shows
+    changes no bit). The default mode splits long products at a few rows."""
     from deepinfer_cuda_sm100 import gemm
 
     monkeypatch.setattr(gemm, "num_sms", lambda *_: 132)  # the H200's
@@ -255,7 +260,9 @@ def test_batch_invariant_gemm_never_splits_k(monkeypatch):
     for n, k in [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]:
         for m in (1, 7, 16, 17, 64, 65, 128, 255, 256, 4096, 8192):
             tile = gemm._tile(m, n, k, True, True)
-            assert tile.split_k == 1 and (tile.swap if m <= 16 else tile.block_m == 64), (m, n, k, tile)
+            assert tile.split_k == 1 or tile.block_parts, (m, n, k, tile)
+            assert tile.swap if m <= 16 else tile.block_m == 64, (m, n, k, tile)
+            assert tile.block_parts == (m <= 16 and (n, k) in [(4096, 7168), (2112, 7168)]), (m, n, k, tile)
         assert gemm._tile(1, n, k, True, False).split_k == (4 if k >= gemm.SPLIT_K_MIN_K else 1)
 
 

@@ -84,7 +84,7 @@ def test_the_compiled_wait_comes_before_any_global_memory_access():
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     order = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(order) == 5
+    assert len(order) == 7
     for name, (trigger, wait, first_access) in order.items():
         assert trigger is not None and wait is not None, f"{name}: no griddepcontrol in its PTX"
         assert first_access is not None and wait < first_access, f"{name}: global memory touched before the wait"
@@ -92,8 +92,8 @@ def test_the_compiled_wait_comes_before_any_global_memory_access():
 
 def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
     """PTX line numbers (from the entry) of launch_dependents, wait and the first global load, store, atomic or
-    async copy, for four kernels compiled for SM90 with their decode-path settings (the swapped GEMM with TMA
-    copies and with pointer loads)."""
+    async copy, for the kernels compiled for SM90 with their decode-path settings (the swapped GEMM with TMA
+    copies and with pointer loads, and storing its K blocks' products for the kernel that chains them)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -127,12 +127,22 @@ def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
         "_gemm_swapped_kernel": order(
             gemm._gemm_swapped_kernel,
             [*fp8_operands, "*bf16"] + ["i32"] * 6,
-            {**tile, "HAS_BIAS": False, "SPLIT_K": 4},
+            {**tile, "HAS_BIAS": False, "SPLIT_K": 4, "BLOCK_PARTS": False},
+        ),
+        "_gemm_swapped_kernel, block parts": order(
+            gemm._gemm_swapped_kernel,
+            [*fp8_operands, "*fp32"] + ["i32"] * 6,
+            {**tile, "HAS_BIAS": False, "SPLIT_K": 4, "BLOCK_PARTS": True},
+        ),
+        "_chain_blocks_kernel": order(
+            gemm._chain_blocks_kernel,
+            ["*fp32"] * 3 + ["*bf16"] * 2 + ["i32"] * 3,
+            {"KB": 56, "HAS_BIAS": False, "BLOCK": 256},
         ),
         "_gemm_swapped_kernel, TMA": order(
             gemm._gemm_swapped_kernel,
             ["tensordesc<fp8e4nv[16, 128]>", "tensordesc<fp8e4nv[64, 128]>", *fp8_operands[2:], "*bf16"] + ["i32"] * 6,
-            {**tile, "TMA": True, "HAS_BIAS": False, "SPLIT_K": 1},
+            {**tile, "TMA": True, "HAS_BIAS": False, "SPLIT_K": 1, "BLOCK_PARTS": False},
         ),
         "_grouped_masked_swapped_kernel": order(
             gemm._grouped_masked_swapped_kernel,

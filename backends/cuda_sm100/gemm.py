@@ -223,31 +223,44 @@ def _gemm_swapped_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    BLOCK_PARTS: tl.constexpr,
 ):
     """``_gemm_kernel``'s FP8 product for a few rows, with the operands swapped: each program computes the
     [BLOCK_N, BLOCK_M] tile of C^T = B A^T, so the weight's rows fill the tensor cores' 64 or 128 rows and A's few
     rows are not padded to 64. Per element the arithmetic is ``_gemm_kernel``'s (each 128-deep product from zero,
     then one FMA with both scales), and so are its bits (``benchmarks/gemm_swap_ab.py``). Axis 0 walks the column
-    tiles, axis 1 the row tiles, axis 2 the K spans (fp32 partials at ``C + split * M * N``, as there)."""
+    tiles, axis 1 the row tiles, axis 2 the K spans (fp32 partials at ``C + split * M * N``, as there).
+
+    BLOCK_PARTS: the K blocks' products, unscaled, each stored at ``C + block * M * N`` (fp32) for
+    ``_chain_blocks_kernel``, which scales and adds them in K order: the unsplit arithmetic, with K spread over
+    programs."""
     pdl_wait()
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m, mask_n = offs_m < M, offs_n < N
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    acc = _swapped_product(a_src, b_src, as_ptr, bs_ptr, pid_m * BLOCK_M, offs_m, mask_m, stride_am,
-                           pid_n * BLOCK_N, offs_n, mask_n, stride_bn, pid_n * BLOCK_N // BLOCK_K, split * k_span,
-                           tl.minimum(K, (split + 1) * k_span), K, TMA, FP32_DOT, BLOCK_M, BLOCK_N,
-                           BLOCK_K)  # fmt: skip
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    if SPLIT_K > 1:
-        c_ptr += split.to(tl.int64) * M * N
-    tl.store(
-        c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None],
-        cast(acc, c_ptr.dtype.element_ty),
-        mask=mask_n[:, None] & mask_m[None, :],
-    )
+    if BLOCK_PARTS:
+        at = c_ptr + offs_m[None, :] * N + offs_n[:, None]
+        for k0 in range(split * k_span, tl.minimum(K, (split + 1) * k_span), BLOCK_K):
+            b = _load_tile(b_src, pid_n * BLOCK_N, offs_n, mask_n, stride_bn, k0, K, BLOCK_K, TMA)
+            a = _load_tile(a_src, pid_m * BLOCK_M, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
+            part = dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FP32_DOT)
+            tl.store(at + (k0 // BLOCK_K) * M * N, part, mask=mask_n[:, None] & mask_m[None, :])
+    else:
+        acc = _swapped_product(a_src, b_src, as_ptr, bs_ptr, pid_m * BLOCK_M, offs_m, mask_m, stride_am,
+                               pid_n * BLOCK_N, offs_n, mask_n, stride_bn, pid_n * BLOCK_N // BLOCK_K,
+                               split * k_span, tl.minimum(K, (split + 1) * k_span), K, TMA, FP32_DOT, BLOCK_M,
+                               BLOCK_N, BLOCK_K)  # fmt: skip
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if SPLIT_K > 1:
+            c_ptr += split.to(tl.int64) * M * N
+        tl.store(
+            c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None],
+            cast(acc, c_ptr.dtype.element_ty),
+            mask=mask_n[:, None] & mask_m[None, :],
+        )
 
 
 @triton.jit
@@ -267,6 +280,29 @@ def _sum_splits_kernel(
     tl.store(out_ptr + (i // N) * stride_om + i % N, cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _chain_blocks_kernel(
+    parts_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr, M, N, stride_om, KB: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[m, n] from the K blocks' unscaled fp32 products ``parts [KB, M, N]``: from zero, one FMA per block in K
+    order with ``a_scale[m, kb] * b_scale[n // 128, kb]``, as ``_block_scales`` and the unsplit K loop do (+ bias[n]),
+    rounded once to out's dtype."""
+    pdl_wait()
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < M * N
+    m, n = i // N, i % N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for kb in tl.static_range(KB):
+        part = tl.load(parts_ptr + kb * M * N + i, mask=mask, other=0.0)
+        sa = tl.load(as_ptr + m * KB + kb, mask=mask, other=0.0)
+        sb = tl.load(bs_ptr + n // 128 * KB + kb, mask=mask, other=0.0)
+        acc = acc + part * (sa * sb)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, cast(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
 class Tile(NamedTuple):
     block_m: int
     block_n: int
@@ -276,6 +312,7 @@ class Tile(NamedTuple):
     block_k: int = 64  # K per step of a bf16 / fp16 / fp32 product (FP8 steps are one 128-deep scale block)
     tf32x3: bool = False  # fp32 operands as three tf32 tensor-core products (else FMAs on the CUDA cores)
     swap: bool = False  # FP8: ``_gemm_swapped_kernel``, block_n weight rows by block_m rows of A per program
+    block_parts: bool = False  # swapped FP8 split over K with the unsplit bits: ``_chain_blocks_kernel`` adds
 
 
 SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four where their tiles would leave SMs idle
@@ -284,6 +321,11 @@ MIN_COLUMN_TILES = 40  # unsplit tiles narrow until N gives this many (about a t
 DEEP_K = 4096  # 64 x 128 tiles of products this deep keep 4 K blocks in flight, not 3 (benchmarks/gemm_kloop.py)
 SWAP_MAX_M = 16  # FP8 products of at most this many rows swap their operands (benchmarks/gemm_swap_ab.py) ...
 SWAPPED_TILE = Tile(16, 64, 4, 6, swap=True)  # ... 64 weight rows by 16 of A; the same bits as the 64-row tiles
+# Batch-invariant swapped products split long K all the same where the unsplit tiles would give at most this share
+# of the SMs a program: the K blocks' products are computed in parallel, then scaled and added in K order by a second
+# kernel, the unsplit arithmetic (``benchmarks/gemm_block_parts.py``)
+BLOCK_PARTS_MAX_SHARE = 0.5
+CHAIN_LAUNCH = (32, 1)  # elements and warps per program of the kernel that chains the blocks' products
 
 
 def _deep(tile: Tile, k: int) -> Tile:
@@ -297,18 +339,22 @@ def _fills_gpu(m: int, n: int, block_m: int, block_n: int) -> bool:
 
 def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``,
-    ``benchmarks/gemm_swap_ab.py``). Up to ``SWAP_MAX_M`` rows, FP8 products swap their operands. Otherwise
-    batch-invariant mode keeps 64-row tiles, whose bits do not depend on the tile (module docstring), and sets the
-    tile's width by the grid. Batch-invariant mode never splits K; the default mode splits it where the tiles would
-    not fill the GPU. bf16 / fp16 products (the batch-invariant ones) take 64 x 128 tiles, or 64 x 256 where N alone
-    gives two waves of those."""
+    ``benchmarks/gemm_swap_ab.py``, ``benchmarks/gemm_block_parts.py``). Up to ``SWAP_MAX_M`` rows, FP8 products
+    swap their operands. Otherwise batch-invariant mode keeps 64-row tiles, whose bits do not depend on the tile
+    (module docstring), and sets the tile's width by the grid. The default mode splits K where the tiles would not
+    fill the GPU; batch-invariant mode never sums partial products over K, but spreads a few rows' K blocks over
+    programs where the unsplit swapped tiles would leave most SMs idle, then adds their products in K order
+    (``block_parts``). bf16 / fp16 products (the batch-invariant ones) take 64 x 128 tiles, or 64 x 256 where N
+    alone gives two waves of those."""
     if not fp8:
         wide = _fills_gpu(1, n, 1, 256)  # N alone, whatever M: lm_head takes 256 columns (gemm_dense_invariant.py)
         return Tile(64, 256, 8, 4) if wide else _deep(Tile(64, 128, 4, 3), k)
     if m <= SWAP_MAX_M:
-        if invariant or k < SPLIT_K_MIN_K or _fills_gpu(m, n, SWAPPED_TILE.block_m, SWAPPED_TILE.block_n):
-            return SWAPPED_TILE
-        return SWAPPED_TILE._replace(num_stages=4, split_k=4)
+        programs = triton.cdiv(m, SWAPPED_TILE.block_m) * triton.cdiv(n, SWAPPED_TILE.block_n)
+        split = k >= SPLIT_K_MIN_K and programs < FILL_WAVES * num_sms()
+        if invariant:
+            split = split and programs <= BLOCK_PARTS_MAX_SHARE * num_sms()
+        return SWAPPED_TILE._replace(num_stages=4, split_k=4, block_parts=invariant) if split else SWAPPED_TILE
     if invariant:
         return _unsplit_tile(m, n, k)
     tile = Tile(64, 64, 4, 3) if m <= 64 else _deep(Tile(64, 128, 4, 3), k)
@@ -352,7 +398,11 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     block_k = FP8_BLOCK if fp8 else tile.block_k
     assert not fp8 or FP8_BLOCK % tile.block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
     assert fp8 or not tile.swap, "only FP8 products swap their operands"
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+    assert tile.swap or not tile.block_parts, "the swapped kernel stores the K blocks' products"
+    parts = k // FP8_BLOCK if tile.block_parts else split  # fp32 [parts, m, n] ahead of a second kernel
+    target = (
+        out if parts == 1 and not tile.block_parts else torch.empty(parts, m, n, dtype=torch.float32, device=out.device)
+    )
     dummy = out
     tma = tma_ready(a, b)
     args = (
@@ -383,7 +433,7 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     )
     if tile.swap:
         _gemm_swapped_kernel[(triton.cdiv(n, tile.block_n), triton.cdiv(m, block_m), split)](
-            *args, **launch, launch_pdl=PDL
+            *args, **launch, BLOCK_PARTS=tile.block_parts, launch_pdl=PDL
         )
     else:
         _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
@@ -394,7 +444,14 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
             **launch,
             launch_pdl=PDL,
         )
-    if target is not out:
+    if tile.block_parts:
+        block, warps = CHAIN_LAUNCH
+        _chain_blocks_kernel[(triton.cdiv(m * n, block),)](
+            target, a_scale, b_scale, bias if bias is not None else dummy, out, m, n, out.stride(0),
+            KB=parts, HAS_BIAS=bias is not None, BLOCK=block, num_warps=warps, enable_fp_fusion=True,
+            launch_pdl=PDL,
+        )  # fmt: skip
+    elif target is not out:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             target,
