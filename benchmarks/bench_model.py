@@ -311,10 +311,12 @@ def host_profile(llm: LLM, batch: ScheduledBatch, steps: int = 10, top: int = 30
     return {"own": by("own_ms"), "cumulative": by("cumulative_ms")}
 
 
-def engine_steps(llm: LLM, seqs: list[Sequence], steps: int, async_scheduling: bool) -> float:
+def engine_steps(
+    llm: LLM, seqs: list[Sequence], steps: int, async_scheduling: bool, timeline: bool = False
+) -> float | dict:
     """Wall-clock ms per ``LLMEngine.step`` over ``steps`` steps in which ``seqs`` decode (after 3 untimed ones),
     with or without asynchronous scheduling; the context grows by one token per step. ``seqs`` are left
-    running."""
+    running. ``timeline``: those steps under the profiler instead, and ``device_timeline`` of them."""
     engine = llm.engine
     engine.async_scheduling = async_scheduling
     engine.scheduler.running = sorted(seqs, key=lambda s: s.arrival)
@@ -322,15 +324,51 @@ def engine_steps(llm: LLM, seqs: list[Sequence], steps: int, async_scheduling: b
     for _ in range(3):
         engine.step()
     sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
-    ms = (time.perf_counter() - start) * 1e3 / steps
+    prof = None
+    with contextlib.ExitStack() as stack:
+        if timeline:
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]))
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        ms = (time.perf_counter() - start) * 1e3 / steps
     engine.async_scheduling = False
     engine.step()  # reads back the step still running
     engine.scheduler.running = []
-    return ms
+    return device_timeline(prof, steps) if timeline else ms
+
+
+def device_timeline(prof, steps: int, top: int = 8) -> dict:
+    """From a profile of ``steps`` engine steps: the device's busy time (the union of its kernels and copies) and
+    idle time per step, the longest idle gaps with the device work on either side, and the host's CUDA runtime
+    calls by total time per step."""
+    from torch.autograd import DeviceType
+
+    events = [(e.device_type(), e.start_ns() / 1e3, e.duration_ns() / 1e3, e.name()) for e in
+              prof.profiler.kineto_results.events()]  # fmt: skip
+    work = sorted((t0, t0 + us, name) for kind, t0, us, name in events if kind == DeviceType.CUDA)
+    busy, gaps, end = 0.0, [], None
+    for i, (t0, t1, _) in enumerate(work):
+        if end is not None and t0 > end:
+            gaps.append((t0 - end, work[i - 1][2], work[i][2]))
+        busy += max(0.0, t1 - max(t0, end if end is not None else t0))
+        end = t1 if end is None else max(end, t1)
+    span = work[-1][1] - work[0][0] if work else 0.0
+    runtime: dict[str, float] = {}
+    for kind, _, us, name in events:
+        if kind == DeviceType.CPU and name.startswith("cu"):
+            runtime[name] = runtime.get(name, 0.0) + us
+    gaps.sort(reverse=True)
+    return {
+        "span_us_per_step": span / steps,
+        "busy_us_per_step": busy / steps,
+        "idle_us_per_step": (span - busy) / steps,
+        "longest_gaps": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]],
+        "runtime_us_per_step": dict(sorted(((k, v / steps) for k, v in runtime.items()), key=lambda kv: -kv[1])[:top]),
+    }
 
 
 def replay_only(llm: LLM, batch: int):
@@ -351,6 +389,7 @@ def bench_ours(
     profile: bool = False,
     host: bool = False,
     loop_steps: int = 0,
+    timeline: bool = False,
 ) -> list[dict]:
     timer = Timer(llm.device)
     rows = []
@@ -369,6 +408,9 @@ def bench_ours(
         for _ in range(2 if loop_steps else 0):  # alternated: sync, async, sync, async
             for mode in loop:
                 loop[mode].append(engine_steps(llm, seqs, loop_steps, async_scheduling=mode == "async"))
+        lines = None
+        if timeline:
+            lines = {mode: engine_steps(llm, seqs, 20, mode == "async", timeline=True) for mode in ("sync", "async")}
         for s in seqs:
             llm.engine.allocator.release(s)
         ms = statistics.median(times)
@@ -389,6 +431,7 @@ def bench_ours(
                 **({"kernels": kernels} if kernels else {}),
                 **({"host_profile": hosts} if hosts else {}),
                 **({"engine_step_ms": loop} if loop_steps else {}),
+                **({"engine_timeline": lines} if lines else {}),
             }
         )
         log(f"  ours batch {b}: {ms:.2f} ms/step, {b / ms * 1e3:.0f} tok/s, {100 * roof_ms / ms:.0f}% of roofline")
@@ -396,6 +439,14 @@ def bench_ours(
             log(f"    of which the graph's replay alone: {replay:.2f} ms (the rest: host inputs, sampling, read-back)")
         if loop_steps:
             log(f"    engine steps, ms each: sync {loop['sync']}, async {loop['async']}")
+        for mode, t in (lines or {}).items():
+            log(
+                f"    {mode} engine steps under the profiler, per step: device busy {t['busy_us_per_step']:.0f} us, "
+                f"idle {t['idle_us_per_step']:.0f} us; longest gaps {[round(g['us']) for g in t['longest_gaps']]}"
+            )
+            for g in t["longest_gaps"][:4]:
+                log(f"      {g['us']:.0f} us after {g['after']} before {g['before']}")
+            log(f"      runtime calls (us per step): {t['runtime_us_per_step']}")
         for kind, top in (hosts or {}).items():
             log(f"  host time per step, by {kind} time (ms; calls per step):")
             for r in top[:20]:
@@ -513,6 +564,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="also time this many whole engine steps (wall clock) with and without asynchronous scheduling",
     )
+    p.add_argument(
+        "--engine-timeline",
+        action="store_true",
+        help="profile 20 engine steps with and without asynchronous scheduling: device busy and idle time per step",
+    )
     args = p.parse_args(argv)
 
     backend = args.backend or deepinfer.current_backend().name
@@ -539,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = copy_bandwidth(device, (1 << 32) if device.type == "cuda" else (1 << 26))
         log(f"  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
         max_batch = max(batches)
-        grow = 4 * (args.engine_steps + 4)  # tokens the engine loops add to each sequence
+        grow = 4 * (args.engine_steps + 4) + 2 * 24 * args.engine_timeline  # tokens the engine loops add to each
         blocks = max_batch * math.ceil((args.context + grow) / 64) + 64
         with deepinfer.batch_invariant(args.batch_invariant):
             llm = LLM(
@@ -564,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.profile,
                     args.host_profile,
                     args.engine_steps,
+                    args.engine_timeline,
                 )
         del llm
         gc.collect()
