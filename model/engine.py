@@ -18,9 +18,8 @@ With the experts sharded over the ranks of a process group (``model.ep``, see ``
 same engine on the same requests: the engine agrees with the other ranks on the cache size, the CUDA graphs and the
 seed generator of unseeded requests when it starts, checks that their settings match, and before each step's
 forward checks that they scheduled the same batch and sampled the same tokens so far (``RankDivergenceError``
-otherwise). Over NCCL that check is a collective on the device whose result the host reads before the launch, so
-it waits for the step in flight: asynchronous scheduling then overlaps nothing (over Gloo the check stays on the
-host).
+otherwise). These checks run on the host (over NCCL, through a Gloo group on the same ranks: ``parallel.host_group``),
+so they do not wait for the step in flight.
 """
 
 from __future__ import annotations

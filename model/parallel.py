@@ -22,8 +22,10 @@ Ranks stay in step because everything that decides what runs is deterministic an
 
 Divergence is still an error, never a hang or a silently wrong answer: the engine checks once that every rank has
 the same settings, and before each step's forward it all-gathers a fingerprint of the scheduled batch and of the
-tokens sampled by the previous step; any difference raises ``RankDivergenceError`` on every rank. A rank that dies
-or stops answering surfaces on the others as the process group's error after its timeout.
+tokens sampled by the previous step; any difference raises ``RankDivergenceError`` on every rank. These checks run
+on the host: over a Gloo group, the group itself; over any other (NCCL), a Gloo group on the same ranks with the same
+timeout (``host_group``), so that a check never waits for the device's queue. A rank that dies or stops answering
+surfaces on the others as the process group's error after its timeout.
 """
 
 from __future__ import annotations
@@ -196,20 +198,51 @@ def fingerprint(*values: Any) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+_host_groups: dict[Any, Any] = {}  # per process group whose collectives run on a device: its Gloo twin
+
+
+def host_group(group: Any) -> Any | None:
+    """A group over the ranks of ``group`` whose collectives run on the host: ``group`` itself if it is a Gloo group,
+    else a Gloo group on the same ranks, in the same order, with the same timeout, made on the first call (every rank
+    of ``group`` calls this at the same point, as it does any collective). None where torch has no Gloo."""
+    import torch.distributed as dist
+
+    if str(dist.get_backend(group)) == "gloo":
+        return group
+    if group not in _host_groups:
+        if not dist.is_gloo_available():
+            return None
+        ranks = dist.get_process_group_ranks(group)
+        _host_groups[group] = dist.new_group(
+            ranks, timeout=_timeout(group), backend="gloo", use_local_synchronization=True, sort_ranks=False
+        )
+    return _host_groups[group]
+
+
+def _timeout(group: Any) -> datetime.timedelta | None:
+    """The timeout of ``group``'s collectives, or None (torch's default) where its backend does not show it."""
+    for device in getattr(group, "_device_types", []):
+        timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
+
+
 class RankSync:
-    """Small collectives that keep the ranks of an expert-parallel ``group`` in step. Tensors live on the CPU for a
-    Gloo group and on ``device`` otherwise. Every rank calls the same methods in the same order."""
+    """Small collectives that keep the ranks of an expert-parallel ``group`` in step, run on the host
+    (``host_group``): they never wait for the device. Without Gloo they run over ``group`` itself, with tensors on
+    ``device``. Every rank calls the same methods in the same order."""
 
     SLOTS = 3  # every check gathers (where, first value, second value): the same size whatever is checked
 
     def __init__(self, group: Any, device: torch.device):
         import torch.distributed as dist
 
-        self.group = group
-        self.world = dist.get_world_size(group)
-        self.src = dist.get_global_rank(group, 0)
-        gloo = str(dist.get_backend(group)) == "gloo"
-        self.device = torch.device("cpu") if gloo or device.type == "cpu" else device
+        host = host_group(group)
+        self.group = host if host is not None else group
+        self.world = dist.get_world_size(self.group)
+        self.src = dist.get_global_rank(self.group, 0)
+        self.device = torch.device("cpu") if host is not None or device.type == "cpu" else device
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's ``value`` (a signed 64-bit int) on every rank."""

@@ -199,6 +199,42 @@ def sc_divergent_sampling(rank: int, world: int, path) -> None:
     assert len(calls) == 4  # the next launch checks the tokens read back so far
 
 
+def sc_device_group(rank: int, world: int, path) -> None:
+    """Over a group whose collectives run on a device (here the Gloo group, reported as NCCL), the engine's rank
+    checks run over a Gloo group on the same ranks with the group's timeout, made once: the same tokens as over the
+    group itself, and a divergence still raises on every rank."""
+    import torch.distributed as dist
+
+    from deepinfer.model import parallel
+
+    plain = generation(path, world, "normal")["tokens"]
+    get_backend = dist.get_backend
+    device_group = dist.group.WORLD
+    dist.get_backend = lambda group=None: "nccl" if group is device_group else get_backend(group)
+    try:
+        llm = build(path, world)
+        assert llm.ep.group is device_group
+        sync = llm.engine.sync
+        assert sync.group is not device_group and get_backend(sync.group) == "gloo"
+        assert dist.get_process_group_ranks(sync.group) == dist.get_process_group_ranks(device_group)
+        assert (
+            parallel._timeout(sync.group).total_seconds()
+            == RUN_TIMEOUT_S
+            == parallel._timeout(device_group).total_seconds()
+        )
+        assert parallel.host_group(device_group) is sync.group
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts(llm.config.vocab_size), params())] == plain
+        llm = build(path, world)
+        assert llm.engine.sync.group is sync.group
+        ps = prompts(llm.config.vocab_size)
+        if rank == world - 1:
+            ps[1][-1] = ps[1][-1] + 1
+        with pytest.raises(RankDivergenceError, match="scheduled batch"):
+            llm.generate(ps, params())
+    finally:
+        dist.get_backend = get_backend
+
+
 def sc_dead_rank(rank: int, world: int, path) -> None:
     """The last rank exits without a word in the middle of a forward; the others generate."""
     llm = build(path, world)
@@ -237,6 +273,7 @@ SCENARIOS = {
         sc_divergent_prompts,
         sc_divergent_settings,
         sc_divergent_sampling,
+        sc_device_group,
     )
 }
 FAULTS = {"dead_rank": sc_dead_rank, "hung_rank": sc_hung_rank}
@@ -331,7 +368,14 @@ def test_each_rank_holds_its_block_of_experts(ranks, one_process, world):
             assert torch.equal(w13, f13[mine]) and torch.equal(w2, f2[mine])
 
 
-CHECKED_IN_RANKS = ["moe_layer", "wrong_ep", "divergent_prompts", "divergent_settings", "divergent_sampling"]
+CHECKED_IN_RANKS = [
+    "moe_layer",
+    "wrong_ep",
+    "divergent_prompts",
+    "divergent_settings",
+    "divergent_sampling",
+    "device_group",
+]
 
 
 @pytest.mark.parametrize(
