@@ -312,7 +312,7 @@ class Tile(NamedTuple):
     block_k: int = 64  # K per step of a bf16 / fp16 / fp32 product (FP8 steps are one 128-deep scale block)
     tf32x3: bool = False  # fp32 operands as three tf32 tensor-core products (else FMAs on the CUDA cores)
     swap: bool = False  # FP8: ``_gemm_swapped_kernel``, block_n weight rows by block_m rows of A per program
-    block_parts: bool = False  # swapped FP8 split over K with the unsplit bits: ``_chain_blocks_kernel`` adds
+    block_parts: bool = False  # swapped FP8: K blocks' products apart, added in K order by ``_chain_blocks_kernel``
 
 
 SPLIT_K_MIN_K = 4096  # FP8 products this long split K in four where their tiles would leave SMs idle
@@ -400,9 +400,8 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     assert fp8 or not tile.swap, "only FP8 products swap their operands"
     assert tile.swap or not tile.block_parts, "the swapped kernel stores the K blocks' products"
     parts = k // FP8_BLOCK if tile.block_parts else split  # fp32 [parts, m, n] ahead of a second kernel
-    target = (
-        out if parts == 1 and not tile.block_parts else torch.empty(parts, m, n, dtype=torch.float32, device=out.device)
-    )
+    split_out = tile.block_parts or split > 1
+    target = torch.empty(parts, m, n, dtype=torch.float32, device=out.device) if split_out else out
     dummy = out
     tma = tma_ready(a, b)
     args = (
