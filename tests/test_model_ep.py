@@ -8,7 +8,8 @@ normal MoE dispatch and with decode steps forced to the low-latency dispatch CUD
 returns its expert weights, checked against its block of the full model. Diverging ranks, a dead rank and a hung
 rank must surface as errors within the process group's timeout; the harness kills whatever is left, so a bug can
 fail these tests but never hang the run. A group presented as one whose collectives run on a device (NCCL) must get
-the engine's rank checks over a Gloo group on the same ranks. The command line runs under ``torch.distributed.run`` (torchrun).
+the engine's rank checks over a Gloo group on the same ranks. The command line runs under
+``torch.distributed.run`` (torchrun).
 """
 
 from __future__ import annotations
