@@ -286,8 +286,7 @@ def _chain_blocks_kernel(
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out[m, n] from the K blocks' unscaled fp32 products ``parts [KB, M, N]``: from zero, one FMA per block in K
-    order with ``a_scale[m, kb] * b_scale[n // 128, kb]``, as ``_block_scales`` and the unsplit K loop do (+ bias[n]),
-    rounded once to out's dtype."""
+    order with ``_block_scales``, as the unsplit K loop does (+ bias[n]), rounded once to out's dtype."""
     pdl_wait()
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < M * N
@@ -295,9 +294,7 @@ def _chain_blocks_kernel(
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for kb in tl.static_range(KB):
         part = tl.load(parts_ptr + kb * M * N + i, mask=mask, other=0.0)
-        sa = tl.load(as_ptr + m * KB + kb, mask=mask, other=0.0)
-        sb = tl.load(bs_ptr + n // 128 * KB + kb, mask=mask, other=0.0)
-        acc = acc + part * (sa * sb)
+        acc = acc + part * _block_scales(as_ptr, bs_ptr, m, mask, n // 128, kb * 128, KB * 128, 128)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + n, cast(acc, out_ptr.dtype.element_ty), mask=mask)
