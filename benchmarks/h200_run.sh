@@ -8,6 +8,7 @@
 #                every case, so a stopped run keeps its numbers
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
 #   spans        mla_decode's default span rule beside fixed spans of 1024, 2048, 4096 tokens, B = 1 ... 128
+#   halves [ARGS]  mla_decode with and without the Gluon kernel's latent halves at a few rows, both modes, bits checked
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 #   gluon        the Gluon FP8 GEMM prototype (two products in flight) beside cuBLAS and the committed kernel
 #   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against
@@ -52,6 +53,9 @@ case ${1:-} in
     timeout 560 python3 benchmarks/tile_variants.py 4200 all 2>&1 | tee "$OUT/tiles.txt" | tail -60 ;;
   spans)
     timeout 400 python3 benchmarks/mla_spans.py 2>&1 | tee "$OUT/spans.txt" | tail -20 ;;
+  halves)
+    shift
+    timeout 400 python3 benchmarks/mla_halves.py "$@" 2>&1 | tee "$OUT/halves.txt" | tail -70 ;;
   gemm-tiles)
     timeout "${2:-300}" python3 benchmarks/gemm_tiles.py "$OUT/gemm_tiles.json" all 2>&1 | tail -50 ;;
   gluon)

@@ -30,14 +30,15 @@ def _descriptor(records: torch.Tensor, cols: int):
     )[0]
 
 
-def _compile(kv_format: str, direct: bool):
+def _compile(kv_format: str, direct: bool, halves: bool):
     """The split kernel as ``launch_split`` specialises it for DeepSeek-V3's cache in ``kv_format``, 64-token pages;
-    ``direct``: one split, written to the bf16 output itself."""
+    ``direct``: one split, written to the bf16 output itself; ``halves``: one latent half of P x V per program."""
     fp8 = kv_format == "fp8_ds_mla"
     signature = {"q_ptr": "*bf16", "cache_ptr": "*u8" if fp8 else "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
     signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "n_splits"), "i32")
     constants = {"PAGE": 64, "SPLIT": 1024, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK, "DIRECT": direct}
+    constants["HALVES"] = halves
     if fp8:  # the rope part by TMA from the records seen as bf16, the latent dequantised by the kernel
         signature["rope_desc"] = _descriptor(torch.empty(4096, 328, dtype=torch.bfloat16), 64)
         constants |= {"lat_desc": None, "WIDTH": 656, "RIGHT_REGS": mla_gluon.FP8_RIGHT_REGS}
@@ -53,15 +54,20 @@ def _compile(kv_format: str, direct: bool):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": True})
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["both-halves", "one-half"])
 @pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_format, direct):
-    kernel = _compile(kv_format, direct)
+def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_format, direct, halves):
+    kernel = _compile(kv_format, direct, halves)
     ptx = kernel.asm["ptx"]
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
-    # scores: [64 heads, 64 tokens] over 576 = 36 steps of k16, at two call sites (first block, then each next one);
-    # P x V: 64 tokens = 4 steps of k16 per warpgroup, each warpgroup on its own 256 latent columns
-    assert {shape: shapes.count(shape) for shape in set(shapes)} == {"m64n64k16": 72, "m64n256k16": 8}
+    # scores: [64 heads, 64 tokens] over 576 = 36 steps of k16, at two call sites (first block, then each next one)
+    assert shapes.count("m64n64k16") == 72
+    # P x V: 64 tokens = 4 steps of k16 per call site, each on 256 latent columns: one site per warpgroup, or with
+    # halves two in the second warpgroup (the left or the right half, chosen by the program), which LLVM merges
+    # into one with its operand chosen per program
+    assert shapes.count("m64n256k16") == (4 if halves else 8)
+    assert len(re.findall(r"warp_group_dot .* -> tensor<64x256xf32", kernel.asm["ttgir"])) == 2
     # the warpgroups are specialised: registers move to the first; with fp8_ds_mla a third one dequantises
     assert len(re.findall(r"setmaxnreg\.dec", ptx)) >= (2 if kv_format == "fp8_ds_mla" else 1)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv_format == "fp8_ds_mla")

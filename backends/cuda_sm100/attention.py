@@ -57,6 +57,9 @@ MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, GRID_FILL = 4096, 64, 0.5
 MLA_TILE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 MLA_TMA = True  # whole blocks by TMA copies where the cache allows it (see ``_mla_tma``)
 MLA_GLUON = True  # the warp-specialized Gluon split kernel where it applies (see ``mla_gluon.takes``)
+# The Gluon kernel gives each of two programs one latent half of P x V (``mla_gluon``'s ``HALVES``, the same bits)
+# where its grid would otherwise give at most this share of the SMs a program.
+MLA_HALVES_MAX_SHARE = 0.5
 
 
 @triton.jit
@@ -341,8 +344,10 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     half = kv_lora_rank // 2
     tma = _mla_tma(records, rope_records, half, rope_dim, rope_at, tile["BLOCK_N"], page)
     if MLA_GLUON and mla_gluon is not None and mla_gluon.takes(q, kv_cache, kv_lora_rank, kv_format, tma):
+        programs = batch * s_q * head_blocks * n_splits
+        halves = programs <= MLA_HALVES_MAX_SHARE * num_sms(q.device.index or 0)
         mla_gluon.launch_split(
-            q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page
+            q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page, halves
         )
     else:
         _mla_split_kernel[(batch * s_q, head_blocks, n_splits)](

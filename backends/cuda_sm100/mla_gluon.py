@@ -256,12 +256,13 @@ def _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, c
 def _scores_softmax_left(
     q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
     cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits,
-    PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr,
+    PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr, HALVES: gl.constexpr,
 ):  # fmt: skip
     """The first warpgroup. Block i: softmax of S_i; P_i and its row factor published to the second warpgroup;
     P_i x V_i[:, :256] issued and S_{i+1} behind it; then, with a bf16 cache, the stage's left half refilled with
     block i + 2 (the second warpgroup refills the rest; with fp8_ds_mla the third warpgroup fills every stage). At the
-    end, 1 / l for the second warpgroup, then this half of the output and the lse."""
+    end, 1 / l for the second warpgroup, then this half of the output and the lse. With ``HALVES`` P x V is all the
+    second warpgroup's, and so are the refills: this one only computes S, the softmax and the lse."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N  # whole blocks: a span starts on a block boundary, a block lies in one page
     tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
@@ -273,7 +274,7 @@ def _scores_softmax_left(
     s = warpgroup_mma_wait(0, deps=[s])
     for i in range(n_blocks):
         stage = i % 2
-        if not FP8:
+        if not FP8 and not HALVES:
             refill_row = _block_row(table_row, start, i + 2, full, PAGE)  # loaded early, used after the products
         s = gl.where(gl.expand_dims(start + i * BLOCK_N + tokens < end, 0), s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -286,36 +287,45 @@ def _scores_softmax_left(
         a_s.store(alpha)
         fence_async_shared()
         mbarrier.arrive(p_ready, count=1)
-        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
-        pv = warpgroup_mma(p_s, c0_s.index(stage), o * alpha_o, is_async=True)
         nxt = i + 1
-        if nxt < n_blocks:
-            s_next = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
-                                   start, end, nxt, full, PAGE, WIDTH, FP8)  # fmt: skip
-            o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
+        if HALVES:
+            if nxt < n_blocks:
+                s = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
+                                  start, end, nxt, full, PAGE, WIDTH, FP8)  # fmt: skip
+                s = warpgroup_mma_wait(0, deps=[s])
         else:
-            o = warpgroup_mma_wait(0, deps=[pv])
+            alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+            pv = warpgroup_mma(p_s, c0_s.index(stage), o * alpha_o, is_async=True)
+            if nxt < n_blocks:
+                s_next = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr,
+                                       table_row, start, end, nxt, full, PAGE, WIDTH, FP8)  # fmt: skip
+                o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
+            else:
+                o = warpgroup_mma_wait(0, deps=[pv])
+            if not FP8:  # this warpgroup is done with the left half: block i + 2's comes now
+                _load_left(lat_desc, left_ready, c0_s, stage, refill_row, i + 2 < full)
         if FP8:
             mbarrier.arrive(kv_free.index(stage), count=1)
-        else:  # this warpgroup is done with the left half: block i + 2's comes now
-            _load_left(lat_desc, left_ready, c0_s, stage, refill_row, i + 2 < full)
     mbarrier.wait(p_free, (n_blocks & 1) ^ 1)
     a_s.store(1.0 / l_i)
     mbarrier.arrive(p_ready, count=1)
 
     part, hmask = _part_rows(row, pid_h, split, H, n_splits)
-    inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_LAYOUT)), 1)
-    _store_half(part_out_ptr, o, inv_l, part, hmask, 0)
-    lse = (m_i + gl.log2(l_i)) / LOG2E  # natural log
+    if not HALVES:
+        inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_LAYOUT)), 1)
+        _store_half(part_out_ptr, o, inv_l, part, hmask, 0)
+    lse = (m_i + gl.log2(l_i)) / LOG2E  # natural log (with HALVES both programs store the same values)
     gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, O_LAYOUT)), mask=hmask)
 
 
 @gluon.jit
-def _right(p_s, a_s, c1_s, kr_s, right_ready, kv_free, p_ready, p_free, lat_desc, rope_desc, table_row, part_out_ptr,
-           start, end, row, pid_h, split, H, n_splits, PAGE: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+def _right(p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc, rope_desc,
+           table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE: gl.constexpr,
+           FP8: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
     """The second warpgroup: P_i x V_i[:, 256:] for each block once P_i and its row factor are published; then, with a
     bf16 cache, the stage's right half and rope part refilled with block i + 2 (S_i is done before P_i exists). At
-    the end, this half of the output scaled by the 1 / l the first warpgroup publishes last."""
+    the end, this half of the output scaled by the 1 / l the first warpgroup publishes last. With ``HALVES``: latent
+    half ``half`` instead of the right one, and the whole stage refilled."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N
     o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
@@ -324,16 +334,23 @@ def _right(p_s, a_s, c1_s, kr_s, right_ready, kv_free, p_ready, p_free, lat_desc
             refill_row = _block_row(table_row, start, i + 2, full, PAGE)
         mbarrier.wait(p_ready, i & 1)
         alpha = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
-        o = warpgroup_mma(p_s, c1_s.index(i % 2), o * alpha)
+        if not HALVES:
+            o = warpgroup_mma(p_s, c1_s.index(i % 2), o * alpha)
+        elif half == 0:
+            o = warpgroup_mma(p_s, c0_s.index(i % 2), o * alpha)
+        else:
+            o = warpgroup_mma(p_s, c1_s.index(i % 2), o * alpha)
         mbarrier.arrive(p_free, count=1)
         if FP8:
             mbarrier.arrive(kv_free.index(i % 2), count=1)
         else:
             _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i % 2, refill_row, i + 2 < full)
+            if HALVES:
+                _load_left(lat_desc, left_ready, c0_s, i % 2, refill_row, i + 2 < full)
     mbarrier.wait(p_ready, n_blocks & 1)
     inv_l = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
     part, hmask = _part_rows(row, pid_h, split, H, n_splits)
-    _store_half(part_out_ptr, o, inv_l, part, hmask, LH)
+    _store_half(part_out_ptr, o, inv_l, part, hmask, half * LH)
 
 
 @gluon.jit
@@ -362,13 +379,24 @@ def _mla_split_kernel(
     FILL_REGS: gl.constexpr,
     CHUNK: gl.constexpr,
     DIRECT: gl.constexpr,
+    HALVES: gl.constexpr,
 ):
     """``attention._mla_split_kernel``'s contract (one (query row, 64 heads, KV split) per program). Launched with 4
     warps, to which the second warpgroup adds 4, and with ``FP8`` (an fp8_ds_mla cache at ``cache_ptr``, bytes;
     ``lat_desc`` None, ``rope_desc`` over the records seen as bf16) the third 4 more. ``DIRECT``: one split covers
-    the context, and ``part_out`` / ``part_lse`` are the output and lse themselves (zeros where nothing is visible)."""
+    the context, and ``part_out`` / ``part_lse`` are the output and lse themselves (zeros where nothing is visible).
+    ``HALVES``: twice the programs along the heads' axis, each pair of programs the same heads, each program's P x V
+    one latent half, done by its second warpgroup (program ``2 h + c``: heads block ``h``, columns ``256 c + [0,
+    256)``). Both compute the same S and softmax, and each output column comes from the same instructions on the same
+    data as without ``HALVES``: the same bits. It frees the tensor cores of half of P x V where the grid leaves SMs
+    idle."""
     row = gl.program_id(0)
-    pid_h = gl.program_id(1)
+    if HALVES:  # two programs per head block, one per latent half of P x V
+        pid_h = gl.program_id(1) // 2
+        half = gl.program_id(1) % 2
+    else:
+        pid_h = gl.program_id(1)
+        half = 1  # the right one, the second warpgroup's
     split = gl.program_id(2)
     b = row // S_q
     s = row % S_q
@@ -426,9 +454,10 @@ def _mla_split_kernel(
                 (_scores_softmax_left,
                  (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
                   lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
-                  split, H, n_splits, PAGE, WIDTH, FP8)),
-                (_right, (p_s, a_s, c1_s, kr_s, right_ready, kv_free, p_ready, p_free, lat_desc, rope_desc, table_row,
-                          part_out_ptr, start, end, row, pid_h, split, H, n_splits, PAGE, FP8)),
+                  split, H, n_splits, PAGE, WIDTH, FP8, HALVES)),
+                (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
+                          rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
+                          FP8, HALVES)),
                 (_dequantize_fp8, (cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready,
                                    left_ready, kv_free, PAGE, WIDTH, CHUNK)),
             ],
@@ -441,9 +470,10 @@ def _mla_split_kernel(
                 (_scores_softmax_left,
                  (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
                   lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
-                  split, H, n_splits, PAGE, WIDTH, FP8)),
-                (_right, (p_s, a_s, c1_s, kr_s, right_ready, kv_free, p_ready, p_free, lat_desc, rope_desc, table_row,
-                          part_out_ptr, start, end, row, pid_h, split, H, n_splits, PAGE, FP8)),
+                  split, H, n_splits, PAGE, WIDTH, FP8, HALVES)),
+                (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
+                          rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
+                          FP8, HALVES)),
             ],
             [4],
             [RIGHT_REGS],
@@ -471,9 +501,11 @@ def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format:
     )
 
 
-def launch_split(q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page) -> None:
+def launch_split(
+    q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page, halves=False
+) -> None:
     """Fills ``part_out`` / ``part_lse`` as ``attention._mla_split_kernel`` does; ``records``: the cache as one row per
-    cached token ([tokens, 576] bf16 or [tokens, 656] fp8_ds_mla bytes)."""
+    cached token ([tokens, 576] bf16 or [tokens, 656] fp8_ds_mla bytes); ``halves``: the kernel's ``HALVES``."""
     fp8 = records.dtype == torch.uint8
     n, bf16 = BLOCK_N.value, records.view(torch.bfloat16)  # an fp8 record's rope part is bf16
     descriptor = lambda cols: TensorDescriptor.from_tensor(
@@ -484,9 +516,10 @@ def launch_split(q, records, block_table, seq_lens, part_out, part_lse, softmax_
     else:
         descriptors, regs = (descriptor(LH.value), descriptor(R.value)), {"RIGHT_REGS": RIGHT_REGS, "FILL_REGS": 0}
     batch, s_q, heads, _ = q.shape
-    _mla_split_kernel[(batch * s_q, -(-heads // BLOCK_H.value), n_splits)](
+    _mla_split_kernel[(batch * s_q, -(-heads // BLOCK_H.value) * (2 if halves else 1), n_splits)](
         q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
-        PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, DIRECT=n_splits == 1, **regs,
+        PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, DIRECT=n_splits == 1, HALVES=halves,
+        **regs,
         num_warps=4, enable_fp_fusion=True,  # the FFMAs it was measured with (Triton 3.10 turns fusion off)
     )  # fmt: skip
