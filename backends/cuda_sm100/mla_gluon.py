@@ -15,6 +15,10 @@ Here the warpgroups have different jobs (``gl.warp_specialize``), FlashMLA's div
 - with an fp8_ds_mla cache, a third fills the stages: it loads the e4m3 latent and its scales by pointer a few tokens
   at a time, stores it dequantised to bf16, and brings the rope part (bf16 already) by TMA.
 
+Where the grid would leave SMs idle (a few rows, or batch-invariant mode's fixed spans), each (row, heads, span) gets
+two programs instead: both compute S and the softmax, and the second warpgroup of each multiplies P by one of the
+two latent halves (``HALVES``; the same bits as one program).
+
 The query (64 x 576) and two stages of 64 cached tokens in bf16 fill the shared memory (one program per SM), which
 leaves no room for a raw fp8 stage. With a bf16 cache whole blocks come by TMA copies and the last, partial block of a
 span is gathered by pointer with zeros past the span. Measured on the H200 beside the ``tl`` kernel:
