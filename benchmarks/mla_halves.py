@@ -58,7 +58,7 @@ def main() -> None:
                     print(
                         f"{fmt} B={batch} ctx={ctx} {mode} | {programs} programs | whole {best[False]:.4f} ms"
                         f" | halves {best[True]:.4f} ms ({best[True] / best[False]:.2f}x)"
-                        f" | {'same' if same else 'DIFFERENT'} bits | err {error(outs[True][0], ref):.1e}",
+                        f" | {'same' if same else 'DIFFERENT'} bits | err {error(outs[True], ref):.1e}",
                         flush=True,
                     )
     attention.MLA_HALVES_MAX_SHARE = SHARE
