@@ -4,7 +4,8 @@ caches, H=128, a few rows. Each line gives the device time of both sides (CUDA g
 each), whether they gave the same bits (output and lse), and the worst-row relative error against the fp32
 reference. Lengths up to 100 tokens short of the table's reach.
 
-Usage: python3 benchmarks/mla_halves.py [--batches 1,2,4,8,16] [--ctx 1024,4096,16384] [--formats bf16,fp8_ds_mla]"""
+Usage: python3 benchmarks/mla_halves.py [--batches 1,2,4,8,16] [--ctx 1024,4096,16384] [--formats bf16,fp8_ds_mla]
+[--share S] (the halves' side with ``attention.MLA_HALVES_MAX_SHARE = S``, default the backend's)"""
 
 from __future__ import annotations
 
@@ -20,11 +21,9 @@ from deepinfer.dispatch import batch_invariant
 from deepinfer.reference import attention as reference
 from deepinfer_cuda_sm100 import attention
 
-SHARE = attention.MLA_HALVES_MAX_SHARE
 
-
-def _side(run, halves: bool) -> tuple[float, tuple[torch.Tensor, torch.Tensor]]:
-    attention.MLA_HALVES_MAX_SHARE = SHARE if halves else 0.0
+def _side(run, share: float) -> tuple[float, tuple[torch.Tensor, torch.Tensor]]:
+    attention.MLA_HALVES_MAX_SHARE = share
     return bench.time_graph_ms(run, sets=3), run(0)
 
 
@@ -33,7 +32,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16")
     parser.add_argument("--ctx", default="1024,4096,16384")
     parser.add_argument("--formats", default="bf16,fp8_ds_mla")
+    parser.add_argument("--share", type=float, default=attention.MLA_HALVES_MAX_SHARE)
     args = parser.parse_args()
+    shipped = attention.MLA_HALVES_MAX_SHARE
     deepinfer.use("cuda_sm100")
     for fmt in args.formats.split(","):
         for batch in map(int, args.batches.split(",")):
@@ -51,7 +52,7 @@ def main() -> None:
                     with batch_invariant(invariant):
                         for _ in range(2):
                             for halves in (False, True):
-                                ms, outs[halves] = _side(run, halves)
+                                ms, outs[halves] = _side(run, args.share if halves else 0.0)
                                 best[halves] = min(best.get(halves, ms), ms)
                     same = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
                     mode = "invariant" if invariant else "default"
@@ -61,7 +62,7 @@ def main() -> None:
                         f" | {'same' if same else 'DIFFERENT'} bits | err {error(outs[True], ref):.1e}",
                         flush=True,
                     )
-    attention.MLA_HALVES_MAX_SHARE = SHARE
+    attention.MLA_HALVES_MAX_SHARE = shipped
 
 
 if __name__ == "__main__":
