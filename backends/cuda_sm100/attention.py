@@ -329,7 +329,8 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     block_h = min(tile.pop("BLOCK_H"), max(16, next_pow2(heads)))
     head_blocks = triton.cdiv(heads, block_h)
     context = block_table.shape[1] * page
-    split = _split_tokens(batch * s_q * head_blocks, context, num_sms(q.device.index or 0), invariant)
+    sms = num_sms(q.device.index or 0)
+    split = _split_tokens(batch * s_q * head_blocks, context, sms, invariant)
     n_splits = triton.cdiv(context, split)
     if n_splits == 1:  # one span covers the context: the split kernel writes the output, no merge
         part_out, part_lse = out.view(-1, kv_lora_rank), lse.view(-1)
@@ -345,7 +346,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     tma = _mla_tma(records, rope_records, half, rope_dim, rope_at, tile["BLOCK_N"], page)
     if MLA_GLUON and mla_gluon is not None and mla_gluon.takes(q, kv_cache, kv_lora_rank, kv_format, tma):
         programs = batch * s_q * head_blocks * n_splits
-        halves = programs <= MLA_HALVES_MAX_SHARE * num_sms(q.device.index or 0)
+        halves = programs <= MLA_HALVES_MAX_SHARE * sms
         mla_gluon.launch_split(
             q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page, halves
         )
