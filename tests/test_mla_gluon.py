@@ -5,7 +5,10 @@ block's scores computed once, by one warpgroup, and P x V split between the two 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ import triton
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -54,6 +58,17 @@ def _compile(kv_format: str, direct: bool, halves: bool):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": True})
 
 
+def _ptxas_report(ptx: str) -> str:
+    """What the ptxas Triton compiles SM90 kernels with says (``-v``) when it assembles ``ptx``."""
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.ptx"), "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    return done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("halves", [False, True], ids=["both-halves", "one-half"])
 @pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
@@ -72,3 +87,7 @@ def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_for
     assert len(re.findall(r"setmaxnreg\.dec", ptx)) >= (2 if kv_format == "fp8_ds_mla" else 1)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv_format == "fp8_ds_mla")
     assert kernel.metadata.shared <= MAX_SHARED
+    # C7514: ptxas found registers of a product read while it may still run, and made every wgmma instruction wait
+    # for the one before; that cost a Gluon GEMM 1.1-1.2x of its time (benchmarks/NOTES.md, twenty-third session)
+    report = _ptxas_report(ptx)
+    assert "Used" in report and "C7514" not in report
