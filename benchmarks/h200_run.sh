@@ -11,6 +11,7 @@
 #   halves [ARGS]  mla_decode with and without the Gluon kernel's latent halves at a few rows, both modes, bits checked
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 #   gluon        the Gluon FP8 GEMM prototype (two products in flight) beside cuBLAS and the committed kernel
+#   gluon-ws     the warp-specialized, persistent Gluon FP8 GEMM at M = 4096 beside cuBLAS, bits checked
 #   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against
 #                the working tree; the device copy's .git can lag this machine's commits (seen in the eighth session:
 #                its HEAD was an earlier session's), so REV must be a commit it has
@@ -25,6 +26,7 @@
 #   gemm-swap [N,K ...]  the swapped FP8 kernel's launch shapes at M = 1 ... 64, bits checked, beside the unswapped
 #   grouped-swap REV [TOKENS]  FP8 masked grouped_gemm (decode): the swapped kernel's variants beside REV's kernel
 #   pdl          programmatic dependent launch alone: chains of small kernels and GEMVs, with and without it
+#   profile-gemm the warp-specialized Gluon GEMM and cuBLAS at M=4096 under Nsight Compute (pipes, memory, stalls)
 #   profile CASE KERNEL  Nsight Compute's per-instruction stall samples of one launch of KERNEL (a name regex) in
 #                `benchmarks/profile_launch.py CASE`: $OUT/CASE.csv (the SASS page, summed by stall_ledger.py), the report
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
@@ -60,6 +62,8 @@ case ${1:-} in
     timeout "${2:-300}" python3 benchmarks/gemm_tiles.py "$OUT/gemm_tiles.json" all 2>&1 | tail -50 ;;
   gluon)
     timeout 400 python3 benchmarks/gluon_gemm.py "$OUT/gluon_gemm.json" 2>&1 | tail -40 ;;
+  gluon-ws)
+    timeout 500 python3 benchmarks/gluon_gemm_ws.py "$OUT/gluon_gemm_ws.json" 2>&1 | tee "$OUT/gluon_ws.txt" | tail -60 ;;
   ab)
     timeout 560 python3 benchmarks/ab_against_git.py "$2" --rev "${3:-HEAD}" 2>&1 | tee "$OUT/ab.txt" | tail -40 ;;
   ab-set)
@@ -95,6 +99,20 @@ case ${1:-} in
       || ncu --import "$OUT/$2.ncu-rep" --page source --csv > "$OUT/$2.csv"
     ncu --import "$OUT/$2.ncu-rep" --page details --csv > "$OUT/$2_details.csv"
     python3 stall_ledger.py "$OUT/$2.csv" 2>&1 | head -40 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|ab|ab-set|ep|ep-check|cublas-invariance|gemm-invariant|gemm-swap|grouped-swap|pdl|profile" >&2
+  profile-gemm)  # the warp-specialized Gluon GEMM and cuBLAS at M=4096, (4096, 7168): pipes, memory, stalls
+    cd benchmarks
+    for case in gemm-ws:fp8_gemm_ws gemm-4096:nvjet\|sm90\|cutlass\|xmma; do
+      kernel=${case#*:} case=${case%%:*}
+      timeout 150 ncu --clock-control none -k "regex:$kernel" --launch-skip 3 \
+        --launch-count 1 --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats \
+        --section Occupancy -f -o "$OUT/$case" python3 profile_launch.py "$case" 2>&1 | grep -v "^==PROF==" | tail -3
+      ncu --import "$OUT/$case.ncu-rep" --page details --csv > "$OUT/${case}_details.csv"
+      ncu --import "$OUT/$case.ncu-rep" --page source --csv --print-source sass > "$OUT/$case.csv"
+      python3 stall_ledger.py "$OUT/$case.csv" 2>&1 | head -12
+      grep -E '"(Kernel Name|Duration|SM Frequency|Grid Size|Block Size|Cluster Size|Registers Per Thread|Memory Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Executed Ipc Active)"' \
+        "$OUT/${case}_details.csv" | awk -F'","' '{print $(NF-2)": "$NF}' | head -14
+    done ;;
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|gluon-ws|ab|ab-set|ep|ep-check|cublas-invariance|gemm-invariant|gemm-swap|grouped-swap|pdl|profile|profile-gemm" >&2
      exit 2 ;;
 esac
