@@ -8,7 +8,7 @@ CASE is one of
 - ``mla`` / ``mla-fp8``: ``mla_decode``, bf16 / fp8_ds_mla cache, H=128, B=64, context 4096 (kernel ``mla_split``);
 - ``gemm-invariant``: batch-invariant FP8 ``gemm``, M=1, (N, K) = (2112, 7168) (kernel ``_gemm_kernel``);
 - ``gemm-4096``: FP8 ``gemm`` at M=4096, (N, K) = (4096, 7168), which cuBLAS serves;
-- ``gemm-ws``: the same product by ``gluon_gemm_ws.py``'s kernel (128 x 128 tiles, 5 stages; kernel ``fp8_gemm_ws``).
+- ``gemm-ws``: the same product by ``gemm_gluon``'s kernel in 128 x 128 tiles, 5 stages (kernel ``fp8_gemm_ws``).
 Each launches six times on fresh random inputs after one warm-up (compilation) launch; ``benchmarks/stall_ledger.py``
 sums the per-instruction stall samples of the CSV.
 """
@@ -38,7 +38,7 @@ def gemm_inputs(seed: int, m: int = 1, n: int = 2112) -> dict:
 
 
 def gemm_ws(a, w, out_dtype):
-    from gluon_gemm_ws import launch
+    from deepinfer_cuda_sm100.gemm_gluon import launch
 
     return launch(a, w, (128, 5, 232, 40))
 

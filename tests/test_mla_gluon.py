@@ -5,33 +5,20 @@ block's scores computed once, by one warpgroup, and P x V split between the two 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import tempfile
 
 import pytest
 import torch
-import triton
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend, GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
+from gluon_helpers import MAX_SHARED, compile_sm90, descriptor_type, ptxas_report
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer_cuda_sm100 import mla_gluon
 
-MAX_SHARED = 227 * 1024  # an SM90 block's shared memory
 
-
-def _descriptor(records: torch.Tensor, cols: int):
-    layout = gl.NVMMASharedLayout.get_default_for([64, cols], gl.bfloat16)
-    return native_specialize_impl(
-        BaseBackend, TensorDescriptor.from_tensor(records, [64, cols], layout), False, True, True
-    )[0]
+def _descriptor(records: torch.Tensor, cols: int) -> str:
+    return descriptor_type(records, [64, cols], gl.bfloat16)
 
 
 def _compile(kv_format: str, direct: bool, halves: bool):
@@ -51,22 +38,8 @@ def _compile(kv_format: str, direct: bool, halves: bool):
         records = torch.empty(4096, 576, dtype=torch.bfloat16)
         signature |= {"lat_desc": _descriptor(records, 256), "rope_desc": _descriptor(records, 64)}
         constants |= {"WIDTH": 576, "RIGHT_REGS": mla_gluon.RIGHT_REGS, "FILL_REGS": 0}
-    signature |= dict.fromkeys(constants, "constexpr")
-    names = mla_gluon._mla_split_kernel.arg_names
-    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items() if kind[0] == "*"}
-    source = GluonASTSource(mla_gluon._mla_split_kernel, signature, constants, aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": True})
-
-
-def _ptxas_report(ptx: str) -> str:
-    """What the ptxas Triton compiles SM90 kernels with says (``-v``) when it assembles ``ptx``."""
-    ptxas = get_ptxas(90).path
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "k.ptx"), "w") as f:
-            f.write(ptx)
-        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True)  # fmt: skip
-    return done.stdout + done.stderr
+    options = {"num_warps": 4, "enable_fp_fusion": True}
+    return compile_sm90(mla_gluon._mla_split_kernel, signature, constants, options)
 
 
 @pytest.mark.parametrize("halves", [False, True], ids=["both-halves", "one-half"])
@@ -89,5 +62,5 @@ def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_for
     assert kernel.metadata.shared <= MAX_SHARED
     # C7514: ptxas found registers of a product read while it may still run, and made every wgmma instruction wait
     # for the one before; that cost a Gluon GEMM 1.1-1.2x of its time (benchmarks/NOTES.md, twenty-third session)
-    report = _ptxas_report(ptx)
+    report = ptxas_report(ptx)
     assert "Used" in report and "C7514" not in report

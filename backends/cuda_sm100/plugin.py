@@ -8,6 +8,11 @@ from deepinfer import BackendSpec, OpImpl, hookimpl
 
 from . import activation, attention, gemm, moe, norm, probe, rope, sampling
 
+try:
+    from . import gemm_gluon
+except ImportError:  # a Triton without Gluon's Hopper language: cuBLAS and the Triton kernels serve every gemm
+    gemm_gluon = None
+
 NAME = "cuda_sm100"
 
 
@@ -29,7 +34,7 @@ def _impl(op, provider, fn, supports, *, invariant=True, priority=0) -> OpImpl:
 
 @hookimpl
 def deepinfer_op_impls() -> list[OpImpl]:
-    return [
+    impls = [
         _impl("mla_decode", "triton", attention.mla_decode, attention.mla_supports, invariant=False, priority=1),
         _impl(
             "mla_decode", "triton-fixed-split", partial(attention.mla_decode, invariant=True), attention.mla_supports
@@ -53,3 +58,6 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("silu_and_mul", "triton", activation.silu_and_mul, activation.supports),
         _impl("sample", "triton", sampling.sample, sampling.supports),
     ]
+    if gemm_gluon is not None:  # the unsplit Triton kernel's bits: batch-invariant mode takes it too
+        impls.append(_impl("gemm", "gluon-fp8-ws", gemm_gluon.gemm_fp8, gemm_gluon.supports, priority=4))
+    return impls

@@ -1,0 +1,44 @@
+"""Helpers of the Gluon kernels' CPU tests: compiling for SM90 without a GPU and reading what ptxas says."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+MAX_SHARED = 227 * 1024  # an SM90 block's shared memory
+
+
+def descriptor_type(tensor: torch.Tensor, block: list[int], dtype) -> str:
+    """The signature type of a TMA descriptor of ``tensor`` in ``block``s with the default NVMMA layout."""
+    desc = TensorDescriptor.from_tensor(tensor, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+    return native_specialize_impl(BaseBackend, desc, False, True, True)[0]
+
+
+def compile_sm90(kernel, signature: dict, constants: dict, options: dict):
+    """``kernel`` compiled for SM90; pointer arguments are taken as 16-byte aligned, as launches on the GPU see them."""
+    signature = signature | dict.fromkeys(constants, "constexpr")
+    names = kernel.arg_names
+    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items() if kind[0] == "*"}
+    source = GluonASTSource(kernel, signature, constants, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas_report(ptx: str) -> str:
+    """What the ptxas Triton compiles SM90 kernels with says (``-v``) when it assembles ``ptx``."""
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.ptx"), "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    return done.stdout + done.stderr

@@ -1,0 +1,78 @@
+"""The Hopper FP8 ``gemm`` kernel in Gluon (``backends/cuda_sm100/gemm_gluon.py``): compiled for SM90 on the CPU, and
+the rule that picks it. Gluon has no interpreter, so its results are proven on the GPU (bit for bit against the
+unsplit Triton kernel in ``benchmarks/gluon_gemm_ws.py``, conformance at full shapes: RESULTS.md); here CI checks
+that it still compiles with the installed Triton, into the tensor-core work it was measured with."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+from gluon_helpers import MAX_SHARED, compile_sm90, descriptor_type, ptxas_report
+from triton.experimental.gluon import language as gl
+
+from deepinfer import QTensor
+from deepinfer.qtensor import quantize_blocks, quantize_rows
+from deepinfer_cuda_sm100 import gemm_gluon
+
+OPTIONS = {"num_warps": 4, "enable_fp_fusion": True}  # as ``gemm_gluon.launch`` compiles it
+
+
+def _compile():
+    a = torch.empty(4096, 512, dtype=torch.float8_e4m3fn)
+    w = torch.empty(32768, 512, dtype=torch.float8_e4m3fn)
+    out = torch.empty(4096, 32768, dtype=torch.bfloat16)
+    signature = {
+        "a_desc": descriptor_type(a, [64, 128], gl.float8e4nv),
+        "b_desc": descriptor_type(w, [128, 128], gl.float8e4nv),
+        "c_desc": descriptor_type(out, [64, 128], gl.bfloat16),
+        "as_ptr": "*fp32",
+        "bs_ptr": "*fp32",
+    } | dict.fromkeys(("M", "N", "K"), "i32")
+    return compile_sm90(gemm_gluon.fp8_gemm_ws, signature, gemm_gluon.constants(gemm_gluon.VARIANT), OPTIONS)
+
+
+def test_kernel_compiles_for_sm90_into_one_product_per_consumer_without_spills():
+    kernel = _compile()
+    ptx = kernel.asm["ptx"]
+    # three consumers, each one 128-deep product per K block: 4 steps of k32 on 64 rows x 128 columns
+    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx) == ["m64n128k32"] * 12
+    assert "setmaxnreg.dec" in ptx  # the producer warp gives its registers to the consumers
+    assert "fma.rn.f32" in ptx  # acc + part * factor in one rounding, as the unsplit kernel and cuBLAS
+    assert kernel.metadata.shared <= MAX_SHARED
+    report = ptxas_report(ptx)
+    # C7514: every wgmma would wait for the one before (1.1-1.2x the time, benchmarks/NOTES.md, twenty-third session)
+    assert "Used" in report and "C7514" not in report
+    frames = re.findall(r"(\d+) bytes stack frame", report)
+    assert frames and set(frames) == {"0"}  # nothing spilled
+
+
+def _operands(m: int, n: int, k: int):
+    a = quantize_rows(torch.randn(m, k), 128, "fp32")
+    return a, quantize_blocks(torch.randn(n, k))
+
+
+@pytest.fixture
+def on_hopper(monkeypatch):
+    """The rule as an SM90 GPU sees it: CPU tensors taken for device ones."""
+    monkeypatch.setattr(gemm_gluon, "INTERPRET", False)
+    monkeypatch.setattr(gemm_gluon, "on_device", lambda *tensors: True)
+    monkeypatch.setattr(gemm_gluon, "_hopper", lambda index: True)
+
+
+def test_supports_short_k_from_1024_rows(on_hopper):
+    bf16 = torch.bfloat16
+    a, w = _operands(1024, 256, 512)
+    assert gemm_gluon.supports(a, w, out_dtype=bf16, bias=None)
+    assert gemm_gluon.supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)  # quantised first
+    assert not gemm_gluon.supports(_operands(1023, 256, 512)[0], w, out_dtype=bf16, bias=None)
+    assert not gemm_gluon.supports(*_operands(1024, 256, 1152), out_dtype=bf16, bias=None)  # long K: cuBLAS
+    assert not gemm_gluon.supports(*_operands(1024, 260, 512), out_dtype=bf16, bias=None)  # rows of 520 bytes
+    assert not gemm_gluon.supports(a, w, out_dtype=torch.float32, bias=None)
+    assert not gemm_gluon.supports(a, w, out_dtype=bf16, bias=torch.zeros(256, dtype=bf16))
+    assert not gemm_gluon.supports(a, w.dequantize().to(bf16), out_dtype=bf16, bias=None)
+    coarse = QTensor(a.data, a.scale[:, :2].repeat_interleave(2, 1)[:, :2], (1, 256), "fp32")
+    assert not gemm_gluon.supports(coarse, w, out_dtype=bf16, bias=None)
