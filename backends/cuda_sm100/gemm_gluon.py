@@ -4,8 +4,8 @@
 
 Why there: at short K a tile's product is over in a few blocks, and the copies of A and B blocks from L2 set the
 pace (Nsight Compute: the L2 at 76% of its throughput, NOTES.md). A 192-row tile reads each B block once for 192 rows
-instead of 128: a sixth less from L2 per FLOP. cuBLAS gets the same saving from clusters of two programs sharing B,
-which Gluon cannot express.
+instead of 128: a sixth less from L2 per FLOP. cuBLAS saves more with clusters of two programs that share B, which
+Gluon cannot express.
 
 The schedule: one program per SM walks the output tiles, grouped ``GROUP_M`` row blocks at a time;
 - a producer warp streams each consumer's A [64, 128] block and the tile's shared B [128, 128] block into a ring of
@@ -41,8 +41,8 @@ from deepinfer import QTensor
 from ._triton import INTERPRET, num_sms, on_device, tma_ready
 from .gemm import FP8_BLOCK, quantize_fp8
 
-# Gluon is experimental and renames things: Triton 3.6 (the H200 machine's) has the first names, later versions the
-# second ones and refuse the first.
+# Gluon is experimental and renames things: later versions have ``tma.async_load`` / ``async_store`` and
+# ``gl.barrier``; Triton 3.6 (the H200 machine's) has the older names, which later versions refuse.
 TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 TMA_STORE = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
