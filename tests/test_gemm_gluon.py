@@ -60,7 +60,7 @@ def on_hopper(monkeypatch):
     """The rule as an SM90 GPU sees it: CPU tensors taken for device ones."""
     monkeypatch.setattr(gemm_gluon, "INTERPRET", False)
     monkeypatch.setattr(gemm_gluon, "on_device", lambda *tensors: True)
-    monkeypatch.setattr(gemm_gluon, "_hopper", lambda index: True)
+    monkeypatch.setattr(gemm_gluon, "hopper", lambda index: True)
 
 
 def test_supports_short_k_from_1024_rows(on_hopper):

@@ -36,6 +36,12 @@ def on_device(*tensors: torch.Tensor | None) -> bool:
 
 
 @functools.cache
+def hopper(index: int) -> bool:
+    """Whether GPU ``index`` is an SM90 (Hopper) one: the Gluon kernels' ``wgmma`` is Hopper's."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@functools.cache
 def num_sms(index: int = 0) -> int:
     if INTERPRET:
         return 4

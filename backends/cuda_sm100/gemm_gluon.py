@@ -21,8 +21,6 @@ conformance checks rows alone against the batch), so batch-invariant mode takes 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -38,7 +36,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer import QTensor
 
-from ._triton import INTERPRET, num_sms, on_device, tma_ready
+from ._triton import INTERPRET, hopper, num_sms, on_device, tma_ready
 from .gemm import FP8_BLOCK, quantize_fp8
 
 # Gluon is experimental and renames things: later versions have ``tma.async_load`` / ``async_store`` and
@@ -239,29 +237,27 @@ def gemm_fp8(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
     return launch(a, w)
 
 
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def supports(a, w, *, out_dtype, bias) -> bool:
-    """An SM90 GPU, a (128, 128)-scaled FP8 weight [N, K] with K <= ``MAX_K`` a multiple of 128 and N a multiple of 8
-    (TMA's 16-byte rows), an FP8 (1, 128)-scaled or bf16 activation of at least ``MIN_M`` rows, a bf16 result, no
+    """An SM90 GPU, a (128, 128)-scaled e4m3 weight [N, K] with K <= ``MAX_K`` a multiple of 128 and N a multiple of 8
+    (TMA's 16-byte rows), an e4m3 (1, 128)-scaled or bf16 activation of at least ``MIN_M`` rows, a bf16 result, no
     bias."""
     a_data = a.data if isinstance(a, QTensor) else a
+    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    a_kind = (a.block, a_data.dtype) == ((1, FP8_BLOCK), e4m3) if isinstance(a, QTensor) else a_data.dtype == bf16
     return (
         not INTERPRET
         and isinstance(w, QTensor)
         and w.block == (FP8_BLOCK, FP8_BLOCK)
-        and (a.block == (1, FP8_BLOCK) if isinstance(a, QTensor) else a_data.dtype == torch.bfloat16)
+        and w.data.dtype == e4m3
+        and a_kind
         and a_data.dim() == 2
         and a_data.shape[0] >= MIN_M
         and w.shape[1] <= MAX_K
         and w.shape[1] % FP8_BLOCK == 0
         and w.shape[0] % 8 == 0
         and bias is None
-        and out_dtype == torch.bfloat16
+        and out_dtype == bf16
         and on_device(a_data, w.data)
-        and _hopper(a_data.device.index or 0)
+        and hopper(a_data.device.index or 0)
         and tma_ready(a_data, w.data)
     )

@@ -27,8 +27,6 @@ benchmarks/NOTES.md (eighth and ninth sessions).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -42,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer.kv_cache import FP8_GROUP
+
+from ._triton import hopper
 
 BLOCK_H, BLOCK_N, L, R, LH = (gl.constexpr(v) for v in (64, 64, 512, 64, 256))  # heads, tokens, latent, rope, half
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -484,18 +484,13 @@ def _mla_split_kernel(
         )  # fmt: skip
 
 
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:
     """Whether this kernel serves the call: an SM90 GPU (wgmma is Hopper's), latent 512 and rope 64, at least 64 heads,
     pages of a multiple of 64 tokens (a block lies in one page), and a cache whose records TMA can read (``tma``:
     the whole bf16 record, or the bf16 rope part of an fp8_ds_mla record)."""
     return (
         q.is_cuda
-        and _hopper(q.device.index or 0)
+        and hopper(q.device.index or 0)
         and kv_format in ("bf16", "fp8_ds_mla")
         and tma
         and kv_lora_rank == L.value
