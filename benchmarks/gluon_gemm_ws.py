@@ -7,7 +7,7 @@ twenty-fourth sessions).
     python3 benchmarks/gluon_gemm_ws.py OUT.json        (on the GPU: each side checked against the dequantised product
                                                          and bit for bit against the unsplit kernel, then timed from
                                                          CUDA graphs; M = 4096 on every projection, and two more)
-    python3 benchmarks/gluon_gemm_ws.py OUT.json sweep  (the 192-row tiles beside cuBLAS over row counts)
+    python3 benchmarks/gluon_gemm_ws.py OUT.json sweep [M,...]  (the 192-row tiles beside cuBLAS over row counts)
     python3 benchmarks/gluon_gemm_ws.py --compile       (anywhere: compiles every variant for SM90, prints resources and
                                                          whether ptxas serialized the wgmma instructions)
 """
@@ -115,8 +115,9 @@ def main() -> int:
     print(f"FP8 peak (same run): {peak:.0f} TFLOP/s", flush=True)
     shapes = [(4096, n, k) for n, k in PROJECTIONS] + [(8192, 2112, 7168), (512, 4096, 7168)]
     variants = VARIANTS
-    if sys.argv[2:] == ["sweep"]:  # the 192-row tiles over row counts, where they matched or beat cuBLAS at 4096
-        shapes = [(m, n, k) for n, k in PROJECTIONS if k <= 2048 or n <= 2112 for m in (1024, 2048, 4096, 8192, 16384)]
+    if sys.argv[2:3] == ["sweep"]:  # the 192-row tiles over row counts, where they matched or beat cuBLAS at 4096
+        rows = [int(m) for m in sys.argv[3].split(",")] if sys.argv[3:] else [1024, 2048, 4096, 8192, 16384]
+        shapes = [(m, n, k) for n, k in PROJECTIONS if k <= 2048 or n <= 2112 for m in rows]
         variants = [v for v in VARIANTS if v[0] == 192]
     for m, n, k in shapes:
         report["rows"].append(shape_row(m, n, k, peak, variants))
