@@ -63,14 +63,14 @@ def on_hopper(monkeypatch):
     monkeypatch.setattr(gemm_gluon, "hopper", lambda index: True)
 
 
-def test_supports_short_k_from_1024_rows(on_hopper):
+def test_supports_short_k_from_384_rows(on_hopper):
     bf16 = torch.bfloat16
-    a, w = _operands(1024, 256, 512)
+    a, w = _operands(384, 256, 512)
     assert gemm_gluon.supports(a, w, out_dtype=bf16, bias=None)
     assert gemm_gluon.supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)  # quantised first
-    assert not gemm_gluon.supports(_operands(1023, 256, 512)[0], w, out_dtype=bf16, bias=None)
-    assert not gemm_gluon.supports(*_operands(1024, 256, 1152), out_dtype=bf16, bias=None)  # long K: cuBLAS
-    assert not gemm_gluon.supports(*_operands(1024, 260, 512), out_dtype=bf16, bias=None)  # rows of 520 bytes
+    assert not gemm_gluon.supports(_operands(383, 256, 512)[0], w, out_dtype=bf16, bias=None)
+    assert not gemm_gluon.supports(*_operands(384, 256, 1152), out_dtype=bf16, bias=None)  # long K: cuBLAS
+    assert not gemm_gluon.supports(*_operands(384, 260, 512), out_dtype=bf16, bias=None)  # rows of 520 bytes
     assert not gemm_gluon.supports(a, w, out_dtype=torch.float32, bias=None)
     assert not gemm_gluon.supports(a, w, out_dtype=bf16, bias=torch.zeros(256, dtype=bf16))
     assert not gemm_gluon.supports(a, w.dequantize().to(bf16), out_dtype=bf16, bias=None)

@@ -1,6 +1,6 @@
 """FP8 block-scaled ``gemm`` for Hopper (SM90) in Gluon: a warp-specialized, persistent kernel with 192 x 128 tiles.
 ``plugin`` registers it ahead of cuBLAS where ``supports`` says so: short K (at most 1024, DeepSeek-V3's ``wkv_b``,
-(N, K) = (32768, 512)) from 1024 rows on, where it measured 1.13-1.24x cuBLAS's speed (benchmarks/RESULTS.md).
+(N, K) = (32768, 512)) from 384 rows on, where it measured 1.13-1.25x cuBLAS's speed (benchmarks/RESULTS.md).
 
 Why there: at short K a tile's product is over in a few blocks, and the copies of A and B blocks from L2 set the
 pace (Nsight Compute: the L2 at 76% of its throughput, NOTES.md). A 192-row tile reads each B block once for 192 rows
@@ -196,7 +196,7 @@ def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K, CONSUMERS: gl.c
 
 # (tile rows, stages, registers per consumer thread, per producer thread): 3 x 128 x 152 + 32 x 56 of an SM's 64K
 VARIANT = (192, 4, 152, 56)
-MIN_M, MAX_K = 1024, 1024  # where it was measured faster than cuBLAS
+MIN_M, MAX_K = 384, 1024  # where it was measured faster than cuBLAS (at 256 rows: 1.02x)
 
 
 def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:

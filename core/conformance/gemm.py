@@ -134,6 +134,9 @@ def cases(shapes: str) -> list[Case]:
             _gemm_case(6, 96, 256, "bf16", bias=True),
             _gemm_case(6, 130, 256, "fp8", ue8m0=True),
             _gemm_case(3, 64, 4096, "fp8w", bias=True),  # long K, one tile: a backend may split K
+            # enough rows for a large-tile kernel, with partial tiles in both directions
+            _gemm_case(400, 200, 384, "fp8w"),
+            _gemm_case(400, 200, 384, "fp8"),
         ]
         for lay in ("contiguous", "masked"):
             out += [_grouped_case(4, 96, 256, 9, v, lay) for v in ("bf16", "fp8w", "fp8")]
