@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
-import tempfile
+from pathlib import Path
 
 import torch
 import triton
 
-from deepinfer_cuda_sm100.gemm_gluon import constants, descriptors, fp8_gemm_ws, launch
+from deepinfer_cuda_sm100.gemm_gluon import constants, fp8_gemm_ws, launch
 
 # (BM, stages, registers per consumer thread, per producer thread): each SM's 64K registers over 4 warpgroups
 VARIANTS = [(128, 5, 232, 40), (128, 6, 232, 40), (192, 4, 152, 56)]
@@ -34,34 +33,26 @@ def _name(variant) -> str:
 
 
 def compile_for_sm90(variant) -> None:
-    """Compiles the kernel for SM90 without a GPU and prints its resources (``cuobjdump`` from Triton's wheel)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
+    """Compiles the kernel for SM90 without a GPU, as ``launch`` does, and prints what ptxas reports of it (the CPU
+    tests' helpers: ``tests/gluon_helpers.py``)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from gluon_helpers import compile_sm90, descriptor_type, ptxas_report
+    from triton.experimental.gluon import language as gl
 
     fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
-    out = torch.empty(256, 256, dtype=torch.bfloat16)
-    signature = {name: "i32" for name in ("M", "N", "K")}
-    for name, desc in zip(("a_desc", "b_desc", "c_desc"), descriptors(fp8, fp8, out)):
-        signature[name] = native_specialize_impl(BaseBackend, desc, False, True, True)[0]
-    values = constants(variant)
-    signature |= {"as_ptr": "*fp32", "bs_ptr": "*fp32"} | dict.fromkeys(values, "constexpr")
-    source = GluonASTSource(fp8_gemm_ws, signature, values)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    bin_dir = f"{triton.__path__[0]}/backends/nvidia/bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/k.ptx", "w") as f:
-            f.write(kernel.asm["ptx"])
-        # ptxas's own notes: C7514 says it serialized the wgmma instructions
-        notes = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                               capture_output=True, text=True)  # fmt: skip
-        serialized = "C7514" in notes.stdout + notes.stderr
-        usage = subprocess.run([f"{bin_dir}/cuobjdump", "--dump-resource-usage", f"{tmp}/k.cubin"],
-                               capture_output=True, text=True).stdout  # fmt: skip
-    found = re.search(r"REG:(\d+).*STACK:(\d+)", usage)
-    print(f"Triton {triton.__version__}, SM90, {_name(variant)}: registers {found[1]}, stack {found[2]}, shared "
-          f"{kernel.metadata.shared} bytes, wgmma serialized by ptxas: {serialized}")  # fmt: skip
+    signature = {
+        "a_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
+        "b_desc": descriptor_type(fp8, [128, 128], gl.float8e4nv),
+        "c_desc": descriptor_type(torch.empty(256, 256, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
+        "as_ptr": "*fp32",
+        "bs_ptr": "*fp32",
+    } | dict.fromkeys(("M", "N", "K"), "i32")
+    kernel = compile_sm90(fp8_gemm_ws, signature, constants(variant), {"num_warps": 4, "enable_fp_fusion": True})
+    report = ptxas_report(kernel.asm["ptx"])  # C7514: ptxas serialized the wgmma instructions
+    registers = max(int(r) for r in re.findall(r"Used (\d+) registers", report))
+    stack = max(int(r) for r in re.findall(r"(\d+) bytes stack frame", report))
+    print(f"Triton {triton.__version__}, SM90, {_name(variant)}: registers {registers}, stack {stack}, shared "
+          f"{kernel.metadata.shared} bytes, wgmma serialized by ptxas: {'C7514' in report}")  # fmt: skip
 
 
 PROJECTIONS = ((24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168))  # DeepSeek-V3

@@ -37,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from deepinfer import QTensor
 
 from ._triton import INTERPRET, hopper, num_sms, on_device, tma_ready
-from .gemm import FP8_BLOCK, quantize_fp8
+from .gemm import FP8_BLOCK, _as_fp8
 
 # Gluon is experimental and renames things: later versions have ``tma.async_load`` / ``async_store`` and
 # ``gl.barrier``; Triton 3.6 (the H200 machine's) has the older names, which later versions refuse.
@@ -199,7 +199,7 @@ VARIANT = (192, 4, 152, 56)
 MIN_M, MAX_K = 384, 1024  # where it was measured faster than cuBLAS (at 256 rows: 1.02x)
 
 
-def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
+def _descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
     """TMA descriptors of the FP8 activation [M, K] (64-row blocks), weight [N, K] and bf16 output [M, N]."""
     layout = lambda shape, dtype: gl.NVMMASharedLayout.get_default_for(shape, dtype)
     return (
@@ -223,7 +223,7 @@ def launch(a: QTensor, w: QTensor, variant: tuple[int, int, int, int] = VARIANT)
     tiles = triton.cdiv(m, variant[0]) * triton.cdiv(n, 128)
     programs = min(tiles, num_sms(a.data.device.index or 0))
     fp8_gemm_ws[(programs,)](
-        *descriptors(a.data.contiguous(), w.data.contiguous(), out), a.scale.contiguous(), w.scale.contiguous(),
+        *_descriptors(a.data.contiguous(), w.data.contiguous(), out), a.scale.contiguous(), w.scale.contiguous(),
         m, n, k, **constants(variant), num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the unsplit kernel (Triton 3.10 turns fusion off)
     )  # fmt: skip
@@ -232,9 +232,7 @@ def launch(a: QTensor, w: QTensor, variant: tuple[int, int, int, int] = VARIANT)
 
 def gemm_fp8(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
     """``gemm`` with an FP8 block-scaled weight: a bf16 ``a`` is quantised first (as ``gemm.gemm_fp8`` does)."""
-    if not isinstance(a, QTensor):
-        a = quantize_fp8(a, block=FP8_BLOCK, scale_format=w.scale_format)
-    return launch(a, w)
+    return launch(_as_fp8(a, w), w)
 
 
 def supports(a, w, *, out_dtype, bias) -> bool:
