@@ -22,36 +22,37 @@ from pathlib import Path
 import torch
 import triton
 
-from deepinfer_cuda_sm100.gemm_gluon import constants, fp8_gemm_ws, launch
+from deepinfer_cuda_sm100.gemm_gluon import MAX_K, MAX_RESIDENT_K, RESIDENT, STREAMED, fp8_gemm_ws, launch
 
-# (BM, stages, registers per consumer thread, per producer thread): each SM's 64K registers over 4 warpgroups
-VARIANTS = [(128, 5, 232, 40), (128, 6, 232, 40), (192, 4, 152, 56)]
+VARIANTS = {
+    "streamed 4st": STREAMED,
+    "streamed 4st ordered": STREAMED | {"ORDERED": True},
+    "resident 5st": RESIDENT,
+    "resident 5st ordered": RESIDENT | {"ORDERED": True},
+}
 
 
-def _name(variant) -> str:
-    return f"ws {variant[0]}x128 {variant[1]}st"
-
-
-def compile_for_sm90(variant) -> None:
+def compile_for_sm90(name: str, k: int = 512) -> None:
     """Compiles the kernel for SM90 without a GPU, as ``launch`` does, and prints what ptxas reports of it (the CPU
     tests' helpers: ``tests/gluon_helpers.py``)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from gluon_helpers import compile_sm90, descriptor_type, ptxas_report
     from triton.experimental.gluon import language as gl
 
-    fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
+    fp8 = torch.empty(384, k, dtype=torch.float8_e4m3fn)
     signature = {
         "a_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
         "b_desc": descriptor_type(fp8, [128, 128], gl.float8e4nv),
         "c_desc": descriptor_type(torch.empty(256, 256, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
         "as_ptr": "*fp32",
         "bs_ptr": "*fp32",
-    } | dict.fromkeys(("M", "N", "K"), "i32")
-    kernel = compile_sm90(fp8_gemm_ws, signature, constants(variant), {"num_warps": 4, "enable_fp_fusion": True})
+    } | dict.fromkeys(("M", "N"), "i32")
+    constants = VARIANTS[name] | {"K_BLOCKS": k // 128}
+    kernel = compile_sm90(fp8_gemm_ws, signature, constants, {"num_warps": 4, "enable_fp_fusion": True})
     report = ptxas_report(kernel.asm["ptx"])  # C7514: ptxas serialized the wgmma instructions
     registers = max(int(r) for r in re.findall(r"Used (\d+) registers", report))
     stack = max(int(r) for r in re.findall(r"(\d+) bytes stack frame", report))
-    print(f"Triton {triton.__version__}, SM90, {_name(variant)}: registers {registers}, stack {stack}, shared "
+    print(f"Triton {triton.__version__}, SM90, {name}, K={k}: registers {registers}, stack {stack}, shared "
           f"{kernel.metadata.shared} bytes, wgmma serialized by ptxas: {'C7514' in report}")  # fmt: skip
 
 
@@ -70,7 +71,9 @@ def shape_row(m: int, n: int, k: int, peak: float, variants=VARIANTS) -> dict:
     want = a[0].dequantize() @ w[0].dequantize().t()
     unsplit = gemm.gemm_fp8(a[0], w[0], out_dtype=torch.bfloat16, bias=None, invariant=True).view(torch.int16)
     sides = {"cublas": lambda i: gemm.gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None)} | {
-        _name(v): lambda i, v=v: launch(a[i], w[i], v) for v in variants
+        name: lambda i, v=v: launch(a[i], w[i], v)
+        for name, v in variants.items()
+        if k <= MAX_RESIDENT_K or not v["RESIDENT"]
     }
     row = {"M": m, "N": n, "K": k}
     for name, fn in sides.items():
@@ -92,8 +95,8 @@ def shape_row(m: int, n: int, k: int, peak: float, variants=VARIANTS) -> dict:
 
 def main() -> int:
     if sys.argv[1:] == ["--compile"]:
-        for variant in VARIANTS:
-            compile_for_sm90(variant)
+        for name in VARIANTS:
+            compile_for_sm90(name)
         return 0
     from deepinfer.bench import time_graph_ms
 
@@ -105,13 +108,11 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(), "fp8_peak_tflops": peak, "rows": []}
     print(f"FP8 peak (same run): {peak:.0f} TFLOP/s", flush=True)
     shapes = [(4096, n, k) for n, k in PROJECTIONS] + [(8192, 2112, 7168), (512, 4096, 7168)]
-    variants = VARIANTS
-    if sys.argv[2:3] == ["sweep"]:  # the 192-row tiles over row counts, where they matched or beat cuBLAS at 4096
+    if sys.argv[2:3] == ["sweep"]:  # over row counts, where ``gemm`` takes the kernel
         rows = [int(m) for m in sys.argv[3].split(",")] if sys.argv[3:] else [1024, 2048, 4096, 8192, 16384]
-        shapes = [(m, n, k) for n, k in PROJECTIONS if k <= 2048 or n <= 2112 for m in rows]
-        variants = [v for v in VARIANTS if v[0] == 192]
+        shapes = [(m, n, k) for n, k in PROJECTIONS if k <= MAX_K for m in rows]
     for m, n, k in shapes:
-        report["rows"].append(shape_row(m, n, k, peak, variants))
+        report["rows"].append(shape_row(m, n, k, peak))
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
     return 0

@@ -11,7 +11,8 @@
 #   halves [ARGS]  mla_decode with and without the Gluon kernel's latent halves at a few rows, both modes, bits checked
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 #   gluon        the Gluon FP8 GEMM prototype (two products in flight) beside cuBLAS and the committed kernel
-#   gluon-ws     the warp-specialized, persistent Gluon FP8 GEMM at M = 4096 beside cuBLAS, bits checked
+#   gluon-ws [sweep [M,...]]  the warp-specialized, persistent Gluon FP8 GEMM beside cuBLAS, bits checked: M = 4096
+#                on every projection, or over row counts where `gemm` takes it
 #   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against
 #                the working tree; the device copy's .git can lag this machine's commits (seen in the eighth session:
 #                its HEAD was an earlier session's), so REV must be a commit it has
@@ -63,7 +64,8 @@ case ${1:-} in
   gluon)
     timeout 400 python3 benchmarks/gluon_gemm.py "$OUT/gluon_gemm.json" 2>&1 | tail -40 ;;
   gluon-ws)
-    timeout 500 python3 benchmarks/gluon_gemm_ws.py "$OUT/gluon_gemm_ws.json" 2>&1 | tee "$OUT/gluon_ws.txt" | tail -60 ;;
+    shift
+    timeout 500 python3 benchmarks/gluon_gemm_ws.py "$OUT/gluon_gemm_ws.json" "$@" 2>&1 | tee "$OUT/gluon_ws.txt" | tail -60 ;;
   ab)
     timeout 560 python3 benchmarks/ab_against_git.py "$2" --rev "${3:-HEAD}" 2>&1 | tee "$OUT/ab.txt" | tail -40 ;;
   ab-set)

@@ -8,7 +8,8 @@ CASE is one of
 - ``mla`` / ``mla-fp8``: ``mla_decode``, bf16 / fp8_ds_mla cache, H=128, B=64, context 4096 (kernel ``mla_split``);
 - ``gemm-invariant``: batch-invariant FP8 ``gemm``, M=1, (N, K) = (2112, 7168) (kernel ``_gemm_kernel``);
 - ``gemm-4096``: FP8 ``gemm`` at M=4096, (N, K) = (4096, 7168), which cuBLAS serves;
-- ``gemm-ws``: the same product by ``gemm_gluon``'s kernel in 128 x 128 tiles, 5 stages (kernel ``fp8_gemm_ws``).
+- ``gemm-ws``: the same product by ``gemm_gluon``'s kernel, A streamed (kernel ``fp8_gemm_ws``);
+- ``gemm-wkv``: FP8 ``gemm`` at M=4096, (N, K) = (32768, 512), which ``gemm_gluon`` serves with resident A.
 Each launches six times on fresh random inputs after one warm-up (compilation) launch; ``benchmarks/stall_ledger.py``
 sums the per-instruction stall samples of the CSV.
 """
@@ -30,17 +31,17 @@ def mla_inputs(seed: int, fmt: str = "bf16") -> dict:
     return make(64, 4096, fmt, seed) | {"kv_lora_rank": 512, "kv_format": fmt}
 
 
-def gemm_inputs(seed: int, m: int = 1, n: int = 2112) -> dict:
+def gemm_inputs(seed: int, m: int = 1, n: int = 2112, k: int = 7168) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    a = quantize_rows(torch.randn(m, 7168, device="cuda", generator=gen), 128, "fp32")
-    w = quantize_blocks(torch.randn(n, 7168, device="cuda", generator=gen) * 7168**-0.5)
+    a = quantize_rows(torch.randn(m, k, device="cuda", generator=gen), 128, "fp32")
+    w = quantize_blocks(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5)
     return {"a": a, "w": w, "out_dtype": torch.bfloat16}
 
 
 def gemm_ws(a, w, out_dtype):
-    from deepinfer_cuda_sm100.gemm_gluon import launch
+    from deepinfer_cuda_sm100.gemm_gluon import STREAMED, launch
 
-    return launch(a, w, (128, 5, 232, 40))
+    return launch(a, w, STREAMED)
 
 
 CASES = {
@@ -49,6 +50,7 @@ CASES = {
     "gemm-invariant": (ops.gemm, gemm_inputs, True),
     "gemm-4096": (ops.gemm, lambda seed: gemm_inputs(seed, 4096, 4096), False),
     "gemm-ws": (gemm_ws, lambda seed: gemm_inputs(seed, 4096, 4096), False),
+    "gemm-wkv": (ops.gemm, lambda seed: gemm_inputs(seed, 4096, 32768, 512), False),
 }
 
 

@@ -45,43 +45,78 @@ TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 TMA_STORE = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
 BK = gl.constexpr(128)  # K blocks of 128: one activation scale and one weight scale each
+BN = gl.constexpr(128)  # tile columns: one weight scale block
 WG_ROWS = gl.constexpr(64)  # rows per consumer warpgroup (wgmma's M)
+CONSUMERS = gl.constexpr(3)  # consumer warpgroups: 192-row tiles
+BM = gl.constexpr(192)
 
 
 @gluon.jit
-def _tile_coords(tile, grid_m, grid_n, GROUP_M: gl.constexpr):
-    """Tile ``tile``'s (row block, column block), grouped ``GROUP_M`` row blocks at a time so that the tiles the
-    programs hold at once share their A and B blocks in L2."""
-    group = GROUP_M * grid_n
-    first_m = tile // group * GROUP_M
-    rows = gl.minimum(grid_m - first_m, GROUP_M)
-    return first_m + (tile % group) % rows, (tile % group) // rows
+def _tiles(M, N, RESIDENT: gl.constexpr):
+    """This program's walk over the output tiles: (first, stop, step, column blocks). With resident A, a contiguous
+    run in row-major order, so that the program changes row blocks (and reloads A) once or twice; with streamed A,
+    every ``num_programs``-th tile."""
+    grid_n = gl.cdiv(N, BN)
+    tiles = gl.cdiv(M, BM) * grid_n
+    pid, programs = gl.program_id(0), gl.num_programs(0)
+    first, stop, step = pid, tiles, programs
+    if RESIDENT:
+        first, stop, step = pid * tiles // programs, (pid + 1) * tiles // programs, 1
+    return first, stop, step, grid_n
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a0_s, a1_s, a2_s, b_s, ready, empty, M, N, K, CONSUMERS: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """One warp: every K block of every tile this program owns into the stage ring (each consumer's 64 rows of A
-    into its own buffer, B into the shared one), once every consumer is done with the stage's previous block."""
-    BM: gl.constexpr = CONSUMERS * WG_ROWS
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    nbytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    grid_m, grid_n = gl.cdiv(M, BM), gl.cdiv(N, BN)
-    num_k = K // BK
+def _tile_coords(tile, M, grid_n, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile ``tile``'s (row block, column block): row-major with resident A; otherwise grouped ``GROUP_M`` row blocks
+    at a time, so that the tiles the programs hold at once share their A and B blocks in L2."""
+    if RESIDENT:
+        pid_m = tile // grid_n
+        pid_n = tile % grid_n
+    else:
+        group = GROUP_M * grid_n
+        first_m = tile // group * GROUP_M
+        rows = gl.minimum(gl.cdiv(M, BM) - first_m, GROUP_M)
+        pid_m = first_m + (tile % group) % rows
+        pid_n = (tile % group) // rows
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_BLOCKS: gl.constexpr,
+              RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """One warp: every K block of B of every tile this program owns into the stage ring, once every consumer is done
+    with the stage's previous block. Streamed A: each consumer's 64 rows of A into the same stage. Resident A: the
+    row block's whole [192, K] A once per row block, after the tile's B blocks are on their way and every consumer
+    is done with the previous row block."""
+    a_bytes: gl.constexpr = a_desc.block_type.nbytes
+    b_bytes: gl.constexpr = b_desc.block_type.nbytes
+    first, stop, step, grid_n = _tiles(M, N, RESIDENT)
     it = 0
-    for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
-        for kb in range(num_k):
+    resident = -1  # the row block whose A is in shared memory
+    loads = 0  # how many row blocks of A were loaded
+    for tile in range(first, stop, step):
+        pid_m, pid_n = _tile_coords(tile, M, grid_n, RESIDENT, GROUP_M)
+        for kb in range(K_BLOCKS):
             stage = it % STAGES
             bar = ready.index(stage)
             mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(bar, nbytes)
-            TMA_LOAD(a_desc, [pid_m * BM, kb * BK], bar, a0_s.index(stage))
-            TMA_LOAD(a_desc, [pid_m * BM + WG_ROWS, kb * BK], bar, a1_s.index(stage))
-            if CONSUMERS == 3:
-                TMA_LOAD(a_desc, [pid_m * BM + 2 * WG_ROWS, kb * BK], bar, a2_s.index(stage))
+            if RESIDENT:
+                mbarrier.expect(bar, b_bytes)
+            else:
+                mbarrier.expect(bar, CONSUMERS * a_bytes + b_bytes)
+                for c in gl.static_range(CONSUMERS):
+                    TMA_LOAD(a_desc, [pid_m * BM + c * WG_ROWS, kb * BK], bar, a_s.index(stage * CONSUMERS + c))
             TMA_LOAD(b_desc, [pid_n * BN, kb * BK], bar, b_s.index(stage))
             it += 1
+        if RESIDENT:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
+            if pid_m != resident:
+                mbarrier.wait(a_empty, (loads & 1) ^ 1)
+                mbarrier.expect(a_ready, CONSUMERS * K_BLOCKS * a_bytes)
+                for c in gl.static_range(CONSUMERS):
+                    for j in gl.static_range(K_BLOCKS):
+                        TMA_LOAD(a_desc, [pid_m * BM + c * WG_ROWS, j * BK], a_ready, a_s.index(c * K_BLOCKS + j))
+                resident = pid_m
+                loads += 1
 
 
 @gluon.jit
@@ -103,100 +138,108 @@ def _store(c_desc, c_s, acc, row, col):
 
 
 @gluon.jit
-def _consumer(a_s, b_s, c_s, ready, empty, c_desc, as_ptr, bs_ptr, M, N, K, PART: gl.constexpr,
-              CONSUMERS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """One warpgroup: rows ``64 PART + [0, 64)`` of each tile, from its own A buffer ``a_s``. Each 128-deep product
-    (from zero) is waited for before it is scaled and added (``acc + part * factor``, in K order); the other
-    warpgroups' products keep the tensor cores busy meanwhile. (A product left in flight while the previous one's
-    registers are read makes ptxas serialize every wgmma instruction: C7514, NOTES.md, twenty-third session.) The
-    next block's factor loads while this block's product runs."""
-    BM: gl.constexpr = CONSUMERS * WG_ROWS
-    BN: gl.constexpr = b_s.shape[1]
+def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, turn, c_desc, as_ptr, bs_ptr, M, N, PART: gl.constexpr,
+              K_BLOCKS: gl.constexpr, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              ORDERED: gl.constexpr):  # fmt: skip
+    """One warpgroup: rows ``64 PART + [0, 64)`` of each tile. Each 128-deep product (from zero) is waited for before
+    it is scaled and added (``acc + part * factor``, in K order); the other warpgroups' products keep the tensor
+    cores busy meanwhile. (A product left in flight while the previous one's registers are read makes ptxas
+    serialize every wgmma instruction: C7514, NOTES.md, twenty-third session.) The next block's factor loads while
+    this block's product runs."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
-    grid_m, grid_n = gl.cdiv(M, BM), gl.cdiv(N, BN)
-    num_k = K // BK
     zero = gl.zeros([WG_ROWS, BN], gl.float32, mma)
     rows = PART * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, mma))
+    first, stop, step, grid_n = _tiles(M, N, RESIDENT)
     it = 0
-    for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
+    resident = -1
+    loads = 0
+    for tile in range(first, stop, step):
+        pid_m, pid_n = _tile_coords(tile, M, grid_n, RESIDENT, GROUP_M)
+        if RESIDENT:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
+            if pid_m != resident:
+                mbarrier.wait(a_ready, loads & 1)
+                resident = pid_m
+                loads += 1
         offs_m = pid_m * BM + rows
         b_block = pid_n * BN // BK
-        factor = _factor(as_ptr, bs_ptr, offs_m, M, num_k, 0, b_block)
+        factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, 0, b_block)
         acc = zero
-        for kb in range(num_k):
-            stage = (it + kb) % STAGES
-            mbarrier.wait(ready.index(stage), ((it + kb) // STAGES) & 1)
-            part = warpgroup_mma(a_s.index(stage), b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-            next_factor = _factor(as_ptr, bs_ptr, offs_m, M, num_k, gl.minimum(kb + 1, num_k - 1), b_block)
+        for kb in range(K_BLOCKS):
+            stage = it % STAGES
+            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+            if RESIDENT:
+                a = a_s.index(PART * K_BLOCKS + kb)
+            else:
+                a = a_s.index(stage * CONSUMERS + PART)
+            if ORDERED:  # products issued in turn: consumer PART after PART - 1, the first after the last's previous
+                if PART == 0:
+                    mbarrier.wait(turn.index(0), (it & 1) ^ 1)
+                else:
+                    mbarrier.wait(turn.index(PART), it & 1)
+            part = warpgroup_mma(a, b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+            if ORDERED:
+                mbarrier.arrive(turn.index((PART + 1) % CONSUMERS), count=1)
+            next_factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, gl.minimum(kb + 1, K_BLOCKS - 1), b_block)
             part = warpgroup_mma_wait(0, deps=[part])
             mbarrier.arrive(empty.index(stage), count=1)
             acc = acc + part * factor
             factor = next_factor
-        it += num_k
+            it += 1
+        if RESIDENT:  # done with this row block's A: the producer may load the next one
+            mbarrier.arrive(a_empty, count=1, pred=(tile + 1) // grid_n != pid_m)
         _store(c_desc, c_s, acc, pid_m * BM + PART * WG_ROWS, pid_n * BN)
     tma.store_wait(0)
 
 
 @gluon.jit
-def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K, CONSUMERS: gl.constexpr, GROUP_M: gl.constexpr,
-                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):  # fmt: skip
-    """C[M, N] (bf16) = A[M, K] @ B[N, K]^T, A scales [M, K/128], B scales [ceil(N/128), K/128], K % 128 == 0, in
-    tiles of 64 CONSUMERS x 128 (one weight scale block wide), CONSUMERS 2 or 3 warpgroups of 64 rows each. Launched
-    with 4 warps (the first consumer), to which each other consumer adds 4 and the producer 1; one program per SM (or
-    per tile, if fewer)."""
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    a_layout: gl.constexpr = a_desc.layout
-    a0_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, WG_ROWS, BK], a_layout)
-    a1_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, WG_ROWS, BK], a_layout)
-    a2_s = a1_s  # a placeholder with two consumers (a partition takes no None)
-    if CONSUMERS == 3:
-        a2_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, WG_ROWS, BK], a_layout)
+def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K_BLOCKS: gl.constexpr, RESIDENT: gl.constexpr,
+                GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                PRODUCER_REGS: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+    """C[M, N] (bf16) = A[M, K] @ B[N, K]^T, A scales [M, K/128], B scales [ceil(N/128), K/128], K = 128 K_BLOCKS, in
+    192 x 128 tiles. ``RESIDENT``: each row block's A stays in shared memory (K_BLOCKS x 24 KB) while the program
+    walks its tiles, and only B streams through the ``STAGES`` ring; otherwise A streams beside B. Launched with 4
+    warps (the first consumer), to which the two other consumers add 4 each and the producer 1; one program per SM
+    (or per tile, if fewer)."""
+    if RESIDENT:
+        a_s = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * K_BLOCKS, WG_ROWS, BK], a_desc.layout)
+    else:
+        a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES * CONSUMERS, WG_ROWS, BK], a_desc.layout)
     b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    c0_s = gl.allocate_shared_memory(gl.bfloat16, [WG_ROWS, BN], c_desc.layout)  # each consumer's output buffer
-    c1_s = gl.allocate_shared_memory(gl.bfloat16, [WG_ROWS, BN], c_desc.layout)
-    c2_s = c1_s
-    if CONSUMERS == 3:
-        c2_s = gl.allocate_shared_memory(gl.bfloat16, [WG_ROWS, BN], c_desc.layout)
+    c_s = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, BN], c_desc.layout)  # a buffer per consumer
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    a_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer releases a stage
+    mbarrier.init(a_ready, count=1)
+    mbarrier.init(a_empty, count=CONSUMERS)
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
-    if CONSUMERS == 2:
-        gl.warp_specialize(
-            [
-                (_consumer, (a0_s, b_s, c0_s, ready, empty, c_desc, as_ptr, bs_ptr, M, N, K, 0, CONSUMERS, GROUP_M,
-                             STAGES)),
-                (_consumer, (a1_s, b_s, c1_s, ready, empty, c_desc, as_ptr, bs_ptr, M, N, K, 1, CONSUMERS, GROUP_M,
-                             STAGES)),
-                (_producer, (a_desc, b_desc, a0_s, a1_s, a2_s, b_s, ready, empty, M, N, K, CONSUMERS, GROUP_M,
-                             STAGES)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (a0_s, b_s, c0_s, ready, empty, c_desc, as_ptr, bs_ptr, M, N, K, 0, CONSUMERS, GROUP_M,
-                             STAGES)),
-                (_consumer, (a1_s, b_s, c1_s, ready, empty, c_desc, as_ptr, bs_ptr, M, N, K, 1, CONSUMERS, GROUP_M,
-                             STAGES)),
-                (_consumer, (a2_s, b_s, c2_s, ready, empty, c_desc, as_ptr, bs_ptr, M, N, K, 2, CONSUMERS, GROUP_M,
-                             STAGES)),
-                (_producer, (a_desc, b_desc, a0_s, a1_s, a2_s, b_s, ready, empty, M, N, K, CONSUMERS, GROUP_M,
-                             STAGES)),
-            ],
-            [4, 4, 1],
-            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (a_s, b_s, c_s.index(0), a_ready, a_empty, ready, empty, turn, c_desc, as_ptr, bs_ptr, M, N,
+                         0, K_BLOCKS, RESIDENT, GROUP_M, STAGES, ORDERED)),
+            (_consumer, (a_s, b_s, c_s.index(1), a_ready, a_empty, ready, empty, turn, c_desc, as_ptr, bs_ptr, M, N,
+                         1, K_BLOCKS, RESIDENT, GROUP_M, STAGES, ORDERED)),
+            (_consumer, (a_s, b_s, c_s.index(2), a_ready, a_empty, ready, empty, turn, c_desc, as_ptr, bs_ptr, M, N,
+                         2, K_BLOCKS, RESIDENT, GROUP_M, STAGES, ORDERED)),
+            (_producer, (a_desc, b_desc, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_BLOCKS, RESIDENT, GROUP_M,
+                         STAGES)),
+        ],
+        [4, 4, 1],
+        [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+    )  # fmt: skip
 
 
-# (tile rows, stages, registers per consumer thread, per producer thread): 3 x 128 x 152 + 32 x 56 of an SM's 64K
-VARIANT = (192, 4, 152, 56)
-MIN_M, MAX_K = 384, 1024  # where it was measured faster than cuBLAS (at 256 rows: 1.02x)
+# Registers per consumer thread and per producer thread: 3 x 128 x 152 + 32 x 56 of an SM's 64K. Shared memory:
+# 208 KB streamed (4 stages), 224 KB resident at K = 512 (5 stages).
+STREAMED = {"RESIDENT": False, "ORDERED": False, "GROUP_M": 8, "STAGES": 4, "CONSUMER_REGS": 152, "PRODUCER_REGS": 56}
+RESIDENT = STREAMED | {"RESIDENT": True, "STAGES": 5}
+MIN_M, MAX_K, MAX_RESIDENT_K = 384, 1024, 512  # where it was measured faster than cuBLAS (at 256 rows: 1.02x)
 
 
 def _descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
@@ -209,22 +252,17 @@ def _descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
     )
 
 
-def constants(variant: tuple[int, int, int, int]) -> dict:
-    block_m, stages, consumer_regs, producer_regs = variant
-    return {"CONSUMERS": block_m // 64, "GROUP_M": 8, "STAGES": stages,
-            "CONSUMER_REGS": consumer_regs, "PRODUCER_REGS": producer_regs}  # fmt: skip
-
-
-def launch(a: QTensor, w: QTensor, variant: tuple[int, int, int, int] = VARIANT) -> torch.Tensor:
-    """``a`` [M, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N]."""
+def launch(a: QTensor, w: QTensor, schedule: dict | None = None) -> torch.Tensor:
+    """``a`` [M, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N]. The
+    schedule: ``RESIDENT`` A up to ``MAX_RESIDENT_K``, else ``STREAMED``."""
     m, k = a.shape
     n = w.shape[0]
+    schedule = schedule or (RESIDENT if k <= MAX_RESIDENT_K else STREAMED)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
-    tiles = triton.cdiv(m, variant[0]) * triton.cdiv(n, 128)
-    programs = min(tiles, num_sms(a.data.device.index or 0))
+    programs = min(triton.cdiv(m, 192) * triton.cdiv(n, 128), num_sms(a.data.device.index or 0))
     fp8_gemm_ws[(programs,)](
         *_descriptors(a.data.contiguous(), w.data.contiguous(), out), a.scale.contiguous(), w.scale.contiguous(),
-        m, n, k, **constants(variant), num_warps=4,
+        m, n, K_BLOCKS=k // FP8_BLOCK, **schedule, num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the unsplit kernel (Triton 3.10 turns fusion off)
     )  # fmt: skip
     return out
