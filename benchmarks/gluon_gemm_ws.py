@@ -1,13 +1,13 @@
-"""The warp-specialized, persistent Gluon FP8 GEMM (``backends/cuda_sm100/gemm_gluon.py``) in each of the tile shapes
-it was measured in, beside cuBLAS: 128 x 128 tiles (two consumer warpgroups, 5 or 6 stages) and the 192 x 128 tiles
-(three, 4 stages) that ``gemm`` takes at short K. It was written to test whether Hopper's usual GEMM schedule reaches
-75% of the FP8 peak at M = 4096 on the DeepSeek-V3 projections where cuBLAS does not (NOTES.md, twenty-third and
-twenty-fourth sessions).
+"""The warp-specialized, persistent Gluon FP8 GEMM (``backends/cuda_sm100/gemm_gluon.py``) beside cuBLAS, in its
+schedules: A streamed (4 stages) and A resident in shared memory (K <= 512; 4 or 5 stages of B, 5 is what ``gemm``
+takes). It was written to test whether Hopper's usual GEMM schedule reaches 75% of the FP8 peak at M = 4096 on the
+DeepSeek-V3 projections where cuBLAS does not. The 128 x 128 tiles measured in the twenty-third session are in git
+history (commit b51e50a); NOTES.md has every variant's outcome.
 
     python3 benchmarks/gluon_gemm_ws.py OUT.json        (on the GPU: each side checked against the dequantised product
                                                          and bit for bit against the unsplit kernel, then timed from
                                                          CUDA graphs; M = 4096 on every projection, and two more)
-    python3 benchmarks/gluon_gemm_ws.py OUT.json sweep [M,...]  (the 192-row tiles beside cuBLAS over row counts)
+    python3 benchmarks/gluon_gemm_ws.py OUT.json sweep [M,...]  (over row counts, on the projections gemm gives it)
     python3 benchmarks/gluon_gemm_ws.py --compile       (anywhere: compiles every variant for SM90, prints resources and
                                                          whether ptxas serialized the wgmma instructions)
 """
@@ -24,12 +24,7 @@ import triton
 
 from deepinfer_cuda_sm100.gemm_gluon import MAX_K, MAX_RESIDENT_K, RESIDENT, STREAMED, fp8_gemm_ws, launch
 
-VARIANTS = {
-    "streamed 4st": STREAMED,
-    "streamed 4st ordered": STREAMED | {"ORDERED": True},
-    "resident 5st": RESIDENT,
-    "resident 5st ordered": RESIDENT | {"ORDERED": True},
-}
+VARIANTS = {"streamed 4st": STREAMED, "resident 4st": RESIDENT | {"STAGES": 4}, "resident 5st": RESIDENT}
 
 
 def compile_for_sm90(name: str, k: int = 512) -> None:

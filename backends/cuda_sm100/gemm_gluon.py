@@ -1,17 +1,19 @@
 """FP8 block-scaled ``gemm`` for Hopper (SM90) in Gluon: a warp-specialized, persistent kernel with 192 x 128 tiles.
-``plugin`` registers it ahead of cuBLAS where ``supports`` says so: short K (at most 1024, DeepSeek-V3's ``wkv_b``,
-(N, K) = (32768, 512)) from 384 rows on, where it measured 1.13-1.25x cuBLAS's speed (benchmarks/RESULTS.md).
+``plugin`` registers it ahead of cuBLAS where ``supports`` says so: short K (at most 1024; in DeepSeek-V3 ``wkv_b``,
+(N, K) = (32768, 512)) from 384 rows on, where it measured 1.14-1.29x cuBLAS's speed (benchmarks/RESULTS.md).
 
-Why there: at short K a tile's product is over in a few blocks, and the copies of A and B blocks from L2 set the
-pace (Nsight Compute: the L2 at 76% of its throughput, NOTES.md). A 192-row tile reads each B block once for 192 rows
-instead of 128: a sixth less from L2 per FLOP. cuBLAS saves more with clusters of two programs that share B, which
-Gluon cannot express.
+Why there: at short K a tile's product is over in a few blocks, and copies from L2 set the pace when A and B blocks
+stream in for every tile (Nsight Compute: the L2 at 76% of its throughput, NOTES.md). Two schedules:
+- ``RESIDENT`` (K <= 512, the one ``gemm`` takes): a row block's whole A, [192, K], stays in shared memory while
+  the program walks a contiguous run of tiles along N, so only B streams: 0.0026 bytes from L2 per FLOP instead of
+  0.0065: 1.07-1.14x the streamed schedule at 2048-4096 rows, even at 8192;
+- ``STREAMED`` (K up to 1024): the A blocks stream beside B, tiles walked ``GROUP_M`` row blocks at a time.
 
-The schedule: one program per SM walks the output tiles, grouped ``GROUP_M`` row blocks at a time;
-- a producer warp streams each consumer's A [64, 128] block and the tile's shared B [128, 128] block into a ring of
-  ``STAGES`` shared-memory stages by TMA, running ahead across tile boundaries;
-- ``CONSUMERS`` warpgroups (three here; two in the benchmark's 128-row variants) each own 64 of the tile's rows: per K
-  block a 128-deep product from zero (``wgmma``), waited for, then ``acc + part * (a_scale * b_scale)``;
+In both, one program per SM walks its tiles:
+- a producer warp streams the K blocks into a ring of ``STAGES`` shared-memory stages by TMA, running ahead across
+  tile boundaries;
+- three consumer warpgroups each own 64 of the tile's rows: per K block a 128-deep product from zero (``wgmma``),
+  waited for, then ``acc + part * (a_scale * b_scale)``;
 - each consumer stores its 64 x 128 bf16 result by TMA from its own shared buffer.
 
 The arithmetic of every element is the unsplit ``tl`` kernel's (``gemm._gemm_kernel``): the K-ordered sum of 128-deep
@@ -138,9 +140,8 @@ def _store(c_desc, c_s, acc, row, col):
 
 
 @gluon.jit
-def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, turn, c_desc, as_ptr, bs_ptr, M, N, PART: gl.constexpr,
-              K_BLOCKS: gl.constexpr, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              ORDERED: gl.constexpr):  # fmt: skip
+def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, PART: gl.constexpr,
+              K_BLOCKS: gl.constexpr, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup: rows ``64 PART + [0, 64)`` of each tile. Each 128-deep product (from zero) is waited for before
     it is scaled and added (``acc + part * factor``, in K order); the other warpgroups' products keep the tensor
     cores busy meanwhile. (A product left in flight while the previous one's registers are read makes ptxas
@@ -171,14 +172,7 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, turn, c_desc, as_pt
                 a = a_s.index(PART * K_BLOCKS + kb)
             else:
                 a = a_s.index(stage * CONSUMERS + PART)
-            if ORDERED:  # products issued in turn: consumer PART after PART - 1, the first after the last's previous
-                if PART == 0:
-                    mbarrier.wait(turn.index(0), (it & 1) ^ 1)
-                else:
-                    mbarrier.wait(turn.index(PART), it & 1)
             part = warpgroup_mma(a, b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-            if ORDERED:
-                mbarrier.arrive(turn.index((PART + 1) % CONSUMERS), count=1)
             next_factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, gl.minimum(kb + 1, K_BLOCKS - 1), b_block)
             part = warpgroup_mma_wait(0, deps=[part])
             mbarrier.arrive(empty.index(stage), count=1)
@@ -194,7 +188,7 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, turn, c_desc, as_pt
 @gluon.jit
 def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K_BLOCKS: gl.constexpr, RESIDENT: gl.constexpr,
                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                PRODUCER_REGS: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+                PRODUCER_REGS: gl.constexpr):  # fmt: skip
     """C[M, N] (bf16) = A[M, K] @ B[N, K]^T, A scales [M, K/128], B scales [ceil(N/128), K/128], K = 128 K_BLOCKS, in
     192 x 128 tiles. ``RESIDENT``: each row block's A stays in shared memory (K_BLOCKS x 24 KB) while the program
     walks its tiles, and only B streams through the ``STAGES`` ring; otherwise A streams beside B. Launched with 4
@@ -210,23 +204,20 @@ def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K_BLOCKS: gl.const
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     a_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     a_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer releases a stage
     mbarrier.init(a_ready, count=1)
     mbarrier.init(a_empty, count=CONSUMERS)
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize(
         [
-            (_consumer, (a_s, b_s, c_s.index(0), a_ready, a_empty, ready, empty, turn, c_desc, as_ptr, bs_ptr, M, N,
-                         0, K_BLOCKS, RESIDENT, GROUP_M, STAGES, ORDERED)),
-            (_consumer, (a_s, b_s, c_s.index(1), a_ready, a_empty, ready, empty, turn, c_desc, as_ptr, bs_ptr, M, N,
-                         1, K_BLOCKS, RESIDENT, GROUP_M, STAGES, ORDERED)),
-            (_consumer, (a_s, b_s, c_s.index(2), a_ready, a_empty, ready, empty, turn, c_desc, as_ptr, bs_ptr, M, N,
-                         2, K_BLOCKS, RESIDENT, GROUP_M, STAGES, ORDERED)),
+            (_consumer, (a_s, b_s, c_s.index(0), a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, 0,
+                         K_BLOCKS, RESIDENT, GROUP_M, STAGES)),
+            (_consumer, (a_s, b_s, c_s.index(1), a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, 1,
+                         K_BLOCKS, RESIDENT, GROUP_M, STAGES)),
+            (_consumer, (a_s, b_s, c_s.index(2), a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, 2,
+                         K_BLOCKS, RESIDENT, GROUP_M, STAGES)),
             (_producer, (a_desc, b_desc, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_BLOCKS, RESIDENT, GROUP_M,
                          STAGES)),
         ],
@@ -237,9 +228,9 @@ def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K_BLOCKS: gl.const
 
 # Registers per consumer thread and per producer thread: 3 x 128 x 152 + 32 x 56 of an SM's 64K. Shared memory:
 # 208 KB streamed (4 stages), 224 KB resident at K = 512 (5 stages).
-STREAMED = {"RESIDENT": False, "ORDERED": False, "GROUP_M": 8, "STAGES": 4, "CONSUMER_REGS": 152, "PRODUCER_REGS": 56}
+STREAMED = {"RESIDENT": False, "GROUP_M": 8, "STAGES": 4, "CONSUMER_REGS": 152, "PRODUCER_REGS": 56}
 RESIDENT = STREAMED | {"RESIDENT": True, "STAGES": 5}
-MIN_M, MAX_K, MAX_RESIDENT_K = 384, 1024, 512  # where it was measured faster than cuBLAS (at 256 rows: 1.02x)
+MIN_M, MAX_K, MAX_RESIDENT_K = 384, 1024, 512  # where it was measured faster than cuBLAS (streamed, 256 rows: 1.02x)
 
 
 def _descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
