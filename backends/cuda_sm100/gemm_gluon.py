@@ -250,7 +250,7 @@ def launch(a: QTensor, w: QTensor, schedule: dict | None = None) -> torch.Tensor
     n = w.shape[0]
     schedule = schedule or (RESIDENT if k <= MAX_RESIDENT_K else STREAMED)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
-    programs = min(triton.cdiv(m, 192) * triton.cdiv(n, 128), num_sms(a.data.device.index or 0))
+    programs = min(triton.cdiv(m, BM.value) * triton.cdiv(n, BN.value), num_sms(a.data.device.index or 0))
     fp8_gemm_ws[(programs,)](
         *_descriptors(a.data.contiguous(), w.data.contiguous(), out), a.scale.contiguous(), w.scale.contiguous(),
         m, n, K_BLOCKS=k // FP8_BLOCK, **schedule, num_warps=4,
