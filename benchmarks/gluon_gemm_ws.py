@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import triton
 
-from deepinfer_cuda_sm100.gemm_gluon import MAX_K, MAX_RESIDENT_K, RESIDENT, STREAMED, fp8_gemm_ws, launch
+from deepinfer_cuda_sm100.gemm_gluon import MAX_K, MAX_RESIDENT_K, RESIDENT, STREAMED, launch
 
 VARIANTS = {"streamed 4st": STREAMED, "resident 4st": RESIDENT | {"STAGES": 4}, "resident 5st": RESIDENT}
 
@@ -31,19 +31,9 @@ def compile_for_sm90(name: str) -> None:
     """Compiles the kernel for SM90 without a GPU, as ``launch`` does, and prints what ptxas reports of it (the CPU
     tests' helpers: ``tests/gluon_helpers.py``)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-    from gluon_helpers import compile_sm90, descriptor_type, ptxas_report
-    from triton.experimental.gluon import language as gl
+    from gluon_helpers import compile_gemm_sm90, ptxas_report
 
-    fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
-    signature = {
-        "a_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
-        "b_desc": descriptor_type(fp8, [128, 128], gl.float8e4nv),
-        "c_desc": descriptor_type(torch.empty(256, 256, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
-        "as_ptr": "*fp32",
-        "bs_ptr": "*fp32",
-    } | dict.fromkeys(("M", "N"), "i32")
-    constants = VARIANTS[name] | {"K_BLOCKS": 4}
-    kernel = compile_sm90(fp8_gemm_ws, signature, constants, {"num_warps": 4, "enable_fp_fusion": True})
+    kernel = compile_gemm_sm90(VARIANTS[name])
     report = ptxas_report(kernel.asm["ptx"])  # C7514: ptxas serialized the wgmma instructions
     registers = max(int(r) for r in re.findall(r"Used (\d+) registers", report))
     stack = max(int(r) for r in re.findall(r"(\d+) bytes stack frame", report))

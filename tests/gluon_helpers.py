@@ -42,3 +42,19 @@ def ptxas_report(ptx: str) -> str:
         done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.path.join(tmp, "k.cubin")],
                               capture_output=True, text=True, check=True)  # fmt: skip
     return done.stdout + done.stderr
+
+
+def compile_gemm_sm90(schedule: dict):
+    """``gemm_gluon``'s kernel for K = 512 in ``schedule``, compiled as ``gemm_gluon.launch`` compiles it."""
+    from deepinfer_cuda_sm100 import gemm_gluon
+
+    fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
+    signature = {
+        "a_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
+        "b_desc": descriptor_type(fp8, [128, 128], gl.float8e4nv),
+        "c_desc": descriptor_type(torch.empty(256, 256, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
+        "as_ptr": "*fp32",
+        "bs_ptr": "*fp32",
+    } | dict.fromkeys(("M", "N"), "i32")
+    options = {"num_warps": 4, "enable_fp_fusion": True}
+    return compile_sm90(gemm_gluon.fp8_gemm_ws, signature, schedule | {"K_BLOCKS": 4}, options)

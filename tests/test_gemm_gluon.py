@@ -11,33 +11,16 @@ import pytest
 import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-from gluon_helpers import MAX_SHARED, compile_sm90, descriptor_type, ptxas_report
-from triton.experimental.gluon import language as gl
+from gluon_helpers import MAX_SHARED, compile_gemm_sm90, ptxas_report
 
 from deepinfer import QTensor
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 from deepinfer_cuda_sm100 import gemm_gluon
 
-OPTIONS = {"num_warps": 4, "enable_fp_fusion": True}  # as ``gemm_gluon.launch`` compiles it
-
-
-def _compile(schedule: dict):
-    a = torch.empty(4096, 512, dtype=torch.float8_e4m3fn)
-    w = torch.empty(32768, 512, dtype=torch.float8_e4m3fn)
-    out = torch.empty(4096, 32768, dtype=torch.bfloat16)
-    signature = {
-        "a_desc": descriptor_type(a, [64, 128], gl.float8e4nv),
-        "b_desc": descriptor_type(w, [128, 128], gl.float8e4nv),
-        "c_desc": descriptor_type(out, [64, 128], gl.bfloat16),
-        "as_ptr": "*fp32",
-        "bs_ptr": "*fp32",
-    } | dict.fromkeys(("M", "N"), "i32")
-    return compile_sm90(gemm_gluon.fp8_gemm_ws, signature, schedule | {"K_BLOCKS": 4}, OPTIONS)
-
 
 @pytest.mark.parametrize("schedule", ["RESIDENT", "STREAMED"])
 def test_kernel_compiles_for_sm90_into_one_product_per_consumer_without_spills(schedule):
-    kernel = _compile(getattr(gemm_gluon, schedule))
+    kernel = compile_gemm_sm90(getattr(gemm_gluon, schedule))
     ptx = kernel.asm["ptx"]
     # three consumers, each one 128-deep product per K block: 4 steps of k32 on 64 rows x 128 columns
     assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx) == ["m64n128k32"] * 12
