@@ -28,6 +28,8 @@
 #   grouped-swap REV [TOKENS]  FP8 masked grouped_gemm (decode): the swapped kernel's variants beside REV's kernel
 #   pdl          programmatic dependent launch alone: chains of small kernels and GEMVs, with and without it
 #   profile-gemm the warp-specialized Gluon GEMM and cuBLAS at M=4096 under Nsight Compute (pipes, memory, stalls)
+#   throughput CASE:KERNEL ...  Nsight Compute's unit throughputs (tensor pipe, shared memory banks, L2, DRAM, clock)
+#                of one launch of each KERNEL (a name regex) in `benchmarks/profile_launch.py CASE`: $OUT/CASE.csv
 #   profile CASE KERNEL  Nsight Compute's per-instruction stall samples of one launch of KERNEL (a name regex) in
 #                `benchmarks/profile_launch.py CASE`: $OUT/CASE.csv (the SASS page, summed by stall_ledger.py), the report
 # The model tests need transformers >= 5.24; the GPU image's is older: carry the wheel in .whl (see the device
@@ -101,6 +103,31 @@ case ${1:-} in
       || ncu --import "$OUT/$2.ncu-rep" --page source --csv > "$OUT/$2.csv"
     ncu --import "$OUT/$2.ncu-rep" --page details --csv > "$OUT/$2_details.csv"
     python3 stall_ledger.py "$OUT/$2.csv" 2>&1 | head -40 ;;
+  throughput)
+    shift
+    wanted="gpu__time_duration sm__cycles_elapsed sm__inst_executed_pipe_tensor_op_gmma
+      l1tex__data_bank_reads l1tex__data_bank_writes l1tex__data_pipe_lsu_wavefronts_mem_shared l1tex__throughput
+      lts__throughput dram__throughput dram__bytes_read dram__bytes_write sm__throughput"
+    known=$(ncu --query-metrics --chip gh100 2>/dev/null | awk '{print $1}')
+    [ -n "$known" ] || known=$(printf "%s\n" $wanted)  # no list: try them all
+    metrics=""
+    for m in $wanted; do
+      grep -qx "$m" <<< "$known" || { echo "no metric $m"; continue; }
+      case $m in
+        gpu__time_duration|dram__bytes_read|dram__bytes_write|sm__inst_executed_pipe_tensor_op_gmma) metrics+="$m.sum," ;;
+        sm__cycles_elapsed) metrics+="$m.avg.per_second," ;;
+        *) metrics+="$m.avg.pct_of_peak_sustained_elapsed," ;;
+      esac
+    done
+    cd benchmarks
+    for case in "$@"; do
+      kernel=${case#*:} case=${case%%:*}
+      timeout 150 ncu --clock-control none -k "regex:$kernel" --launch-skip 3 --launch-count 1 --csv \
+        --metrics "${metrics%,}" python3 profile_launch.py "$case" 2>&1 | grep -v "^==PROF==" > "$OUT/$case.csv"
+      python3 -c 'import csv, sys
+for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith("\"")):
+    print(r["Kernel Name"][:40], r["Metric Name"], r["Metric Unit"], r["Metric Value"])' "$OUT/$case.csv"
+    done ;;
   profile-gemm)  # the warp-specialized Gluon GEMM and cuBLAS at M=4096, (4096, 7168): pipes, memory, stalls
     cd benchmarks
     for case in gemm-ws:fp8_gemm_ws gemm-4096:nvjet\|sm90\|cutlass\|xmma; do

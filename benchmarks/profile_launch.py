@@ -9,7 +9,8 @@ CASE is one of
 - ``gemm-invariant``: batch-invariant FP8 ``gemm``, M=1, (N, K) = (2112, 7168) (kernel ``_gemm_kernel``);
 - ``gemm-4096``: FP8 ``gemm`` at M=4096, (N, K) = (4096, 7168), which cuBLAS serves;
 - ``gemm-ws``: the same product by ``gemm_gluon``'s kernel, A streamed (kernel ``fp8_gemm_ws``);
-- ``gemm-wkv``: FP8 ``gemm`` at M=4096, (N, K) = (32768, 512), which ``gemm_gluon`` serves with resident A.
+- ``gemm-wkv``: FP8 ``gemm`` at M=4096, (N, K) = (32768, 512), which ``gemm_gluon`` serves with resident A;
+- ``gemm-wkv-cublas``: the same product by cuBLAS.
 Each launches six times on fresh random inputs after one warm-up (compilation) launch; ``benchmarks/stall_ledger.py``
 sums the per-instruction stall samples of the CSV.
 """
@@ -44,6 +45,12 @@ def gemm_ws(a, w, out_dtype):
     return launch(a, w, STREAMED)
 
 
+def gemm_cublas(a, w, out_dtype):
+    from deepinfer_cuda_sm100.gemm import gemm_fp8_cublas
+
+    return gemm_fp8_cublas(a, w, out_dtype=out_dtype, bias=None)
+
+
 CASES = {
     "mla": (ops.mla_decode, mla_inputs, False),
     "mla-fp8": (ops.mla_decode, lambda seed: mla_inputs(seed, "fp8_ds_mla"), False),
@@ -51,6 +58,7 @@ CASES = {
     "gemm-4096": (ops.gemm, lambda seed: gemm_inputs(seed, 4096, 4096), False),
     "gemm-ws": (gemm_ws, lambda seed: gemm_inputs(seed, 4096, 4096), False),
     "gemm-wkv": (ops.gemm, lambda seed: gemm_inputs(seed, 4096, 32768, 512), False),
+    "gemm-wkv-cublas": (gemm_cublas, lambda seed: gemm_inputs(seed, 4096, 32768, 512), False),
 }
 
 
