@@ -8,6 +8,9 @@ history (commit b51e50a); NOTES.md has every variant's outcome.
                                                          and bit for bit against the unsplit kernel, then timed from
                                                          CUDA graphs; M = 4096 on every projection, and two more)
     python3 benchmarks/gluon_gemm_ws.py OUT.json sweep [M,...]  (over row counts, on the projections gemm gives it)
+    python3 benchmarks/gluon_gemm_ws.py OUT.json trace  (the first program's timeline at M = 4096, (32768, 512), from
+                                                         the SM's cycle counter: when each consumer's stage was ready
+                                                         and its product done, block by block)
     python3 benchmarks/gluon_gemm_ws.py --compile       (anywhere: compiles every variant for SM90, prints resources and
                                                          whether ptxas serialized the wgmma instructions)
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -78,10 +82,70 @@ def shape_row(m: int, n: int, k: int, peak: float, variants=VARIANTS) -> dict:
     return row
 
 
+def summarize(stamps: list, stores: list, blocks: int) -> dict:
+    """Medians per consumer of a traced timeline (cycles): ``busy``, a K block's stage ready to its product done;
+    ``gap``, a product done to the next stage ready within a tile; ``boundary``, the tile's last product done to the
+    next tile's first stage ready, split into ``epilogue`` (to the store issued) and ``tile_start``; ``per_tile``.
+    ``alone``: the median latency of products with no other in flight; ``in_flight``: the share of the time some
+    product was."""
+    med = statistics.median
+    n, tiles = len(stamps), len(stamps) // blocks
+    out = {key: [] for key in ("busy", "gap", "boundary", "epilogue", "tile_start", "per_tile")}
+    for c in range(3):
+        ready, done = [s[c][0] for s in stamps], [s[c][1] for s in stamps]
+        out["busy"].append(med(d - r for r, d in zip(ready, done)))
+        out["gap"].append(med(ready[i + 1] - done[i] for i in range(n - 1) if (i + 1) % blocks))
+        out["boundary"].append(med(ready[i + 1] - done[i] for i in range(n - 1) if (i + 1) % blocks == 0))
+        out["epilogue"].append(med(stores[t][c] - done[t * blocks + blocks - 1] for t in range(tiles)))
+        out["tile_start"].append(med(ready[(t + 1) * blocks] - stores[t][c] for t in range(tiles - 1)))
+        out["per_tile"].append(med(ready[(t + 1) * blocks] - ready[t * blocks] for t in range(tiles - 1)))
+    spans = sorted(tuple(s[c]) for s in stamps for c in range(3))
+    alone = [hi - lo for i, (lo, hi) in enumerate(spans)
+             if all(end <= lo or start >= hi for j, (start, end) in enumerate(spans) if j != i)]  # fmt: skip
+    covered, end = 0, spans[0][0]
+    for lo, hi in spans:
+        covered += max(0, hi - max(lo, end))
+        end = max(end, hi)
+    total = max(s[c][1] for s in stamps for c in range(3)) - spans[0][0]
+    return out | {"alone": med(alone) if alone else None, "in_flight": covered / total}
+
+
+def timeline(m: int = 4096, n: int = 32768, k: int = 512, tiles: int = 10, skip: int = 2) -> dict:
+    """The resident schedule's first program, traced over its first ``tiles`` tiles (``launch(..., trace=...)``), the
+    first ``skip`` left out; ``summarize``'s medians, and the launch's graph time with and without the trace."""
+    from gemm_tiles import inputs
+
+    from deepinfer.bench import time_graph_ms
+
+    a, w = inputs(m, n, k, seed=7)
+    blocks = k // 128
+    trace = torch.zeros(3 * (2 * blocks + 1) * tiles, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        launch(a[0], w[0], RESIDENT, trace)
+    torch.cuda.synchronize()
+    t = trace.cpu()
+    stamps = t[: tiles * blocks * 6].view(tiles * blocks, 3, 2)[skip * blocks :]  # [block, consumer, (ready, done)]
+    stores = t[tiles * blocks * 6 :].view(tiles, 3)[skip:]
+    base = int(stamps[0, :, 0].min())
+    stamps, stores = (stamps - base).tolist(), (stores - base).tolist()
+    summary = summarize(stamps, stores, blocks) | {
+        "graph_ms_untraced": time_graph_ms(lambda i: launch(a[i], w[i], RESIDENT), sets=4, reps=30),
+        "graph_ms_traced": time_graph_ms(lambda i: launch(a[i], w[i], RESIDENT, trace), sets=4, reps=30),
+    }
+    for i, block in enumerate(stamps[: 3 * blocks]):
+        print(f"block {i}: " + "  ".join(f"c{c} {r:6d}..{d:6d}" for c, (r, d) in enumerate(block)), flush=True)
+    print(json.dumps(summary), flush=True)
+    return {"stamps": stamps, "stores": stores, **summary}
+
+
 def main() -> int:
     if sys.argv[1:] == ["--compile"]:
         for name in VARIANTS:
             compile_for_sm90(name)
+        return 0
+    if sys.argv[2:3] == ["trace"]:
+        with open(sys.argv[1], "w") as f:
+            json.dump(timeline(), f)
         return 0
     from deepinfer.bench import time_graph_ms
 

@@ -44,8 +44,9 @@ def ptxas_report(ptx: str) -> str:
     return done.stdout + done.stderr
 
 
-def compile_gemm_sm90(schedule: dict):
-    """``gemm_gluon``'s kernel for K = 512 in ``schedule``, compiled as ``gemm_gluon.launch`` compiles it."""
+def compile_gemm_sm90(schedule: dict, trace_tiles: int = 0):
+    """``gemm_gluon``'s kernel for K = 512 in ``schedule``, compiled as ``gemm_gluon.launch`` compiles it (with a
+    trace of ``trace_tiles`` tiles, as ``launch(..., trace=...)``)."""
     from deepinfer_cuda_sm100 import gemm_gluon
 
     fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
@@ -55,6 +56,8 @@ def compile_gemm_sm90(schedule: dict):
         "c_desc": descriptor_type(torch.empty(256, 256, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
         "as_ptr": "*fp32",
         "bs_ptr": "*fp32",
+        "trace_ptr": "*i64" if trace_tiles else "*bf16",  # untraced: the output's pointer, unused
     } | dict.fromkeys(("M", "N"), "i32")
     options = {"num_warps": 4, "enable_fp_fusion": True}
-    return compile_sm90(gemm_gluon.fp8_gemm_ws, signature, schedule | {"K_BLOCKS": 4}, options)
+    constants = schedule | {"K_BLOCKS": 4, "TRACE_TILES": trace_tiles}
+    return compile_sm90(gemm_gluon.fp8_gemm_ws, signature, constants, options)

@@ -129,6 +129,15 @@ def _factor(as_ptr, bs_ptr, offs_m, M, num_k, kb, b_block):
 
 
 @gluon.jit
+def _stamp(trace_ptr, slot):
+    """``trace_ptr[slot]`` = the SM's cycle counter (``launch(..., trace=...)`` builds only)."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    dummy = gl.full([1], 0, gl.int32, one)
+    now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dummy], dtype=gl.int64, is_pure=False, pack=1)
+    gl.store(trace_ptr + slot + gl.arange(0, 1, one), now)
+
+
+@gluon.jit
 def _store(c_desc, c_s, acc, row, col):
     """A result tile out through shared memory by TMA, once the buffer's previous copy has read it."""
     tma.store_wait(0)
@@ -141,7 +150,8 @@ def _store(c_desc, c_s, acc, row, col):
 
 @gluon.jit
 def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, PART: gl.constexpr,
-              K_BLOCKS: gl.constexpr, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              K_BLOCKS: gl.constexpr, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              trace_ptr, TRACE_TILES: gl.constexpr):  # fmt: skip
     """One warpgroup: rows ``64 PART + [0, 64)`` of each tile. Each 128-deep product (from zero) is waited for before
     it is scaled and added (``acc + part * factor``, in K order); the other warpgroups' products keep the tensor
     cores busy meanwhile. (A product left in flight while the previous one's registers are read makes ptxas
@@ -156,6 +166,7 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
     loads = 0
     for tile in range(first, stop, step):
         pid_m, pid_n = _tile_coords(tile, M, grid_n, RESIDENT, GROUP_M)
+        traced = (gl.program_id(0) == 0) & (it < TRACE_TILES * K_BLOCKS)
         if RESIDENT:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
             if pid_m != resident:
                 mbarrier.wait(a_ready, loads & 1)
@@ -168,6 +179,9 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
         for kb in range(K_BLOCKS):
             stage = it % STAGES
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+            if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
+                if traced:
+                    _stamp(trace_ptr, (it * CONSUMERS + PART) * 2)
             if RESIDENT:
                 a = a_s.index(PART * K_BLOCKS + kb)
             else:
@@ -175,6 +189,9 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
             part = warpgroup_mma(a, b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
             next_factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, gl.minimum(kb + 1, K_BLOCKS - 1), b_block)
             part = warpgroup_mma_wait(0, deps=[part])
+            if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
+                if traced:
+                    _stamp(trace_ptr, (it * CONSUMERS + PART) * 2 + 1)
             mbarrier.arrive(empty.index(stage), count=1)
             acc = acc + part * factor
             factor = next_factor
@@ -182,18 +199,21 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
         if RESIDENT:  # done with this row block's A: the producer may load the next one
             mbarrier.arrive(a_empty, count=1, pred=(tile + 1) // grid_n != pid_m)
         _store(c_desc, c_s, acc, pid_m * BM + PART * WG_ROWS, pid_n * BN)
+        if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
+            if traced:
+                _stamp(trace_ptr, TRACE_TILES * K_BLOCKS * CONSUMERS * 2 + (it // K_BLOCKS - 1) * CONSUMERS + PART)
     tma.store_wait(0)
 
 
 @gluon.jit
-def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K_BLOCKS: gl.constexpr, RESIDENT: gl.constexpr,
-                GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                PRODUCER_REGS: gl.constexpr):  # fmt: skip
+def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, trace_ptr, K_BLOCKS: gl.constexpr,
+                RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                PRODUCER_REGS: gl.constexpr, TRACE_TILES: gl.constexpr):  # fmt: skip
     """C[M, N] (bf16) = A[M, K] @ B[N, K]^T, A scales [M, K/128], B scales [ceil(N/128), K/128], K = 128 K_BLOCKS, in
     192 x 128 tiles. ``RESIDENT``: each row block's A stays in shared memory (K_BLOCKS x 24 KB) while the program
     walks its tiles, and only B streams through the ``STAGES`` ring; otherwise A streams beside B. Launched with 4
     warps (the first consumer), to which the two other consumers add 4 each and the producer 1; one program per SM
-    (or per tile, if fewer)."""
+    (or per tile, if fewer). ``TRACE_TILES`` > 0: cycle stamps into ``trace_ptr`` (``launch``'s ``trace``)."""
     if RESIDENT:
         a_s = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * K_BLOCKS, WG_ROWS, BK], a_desc.layout)
     else:
@@ -213,11 +233,11 @@ def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K_BLOCKS: gl.const
     gl.warp_specialize(
         [
             (_consumer, (a_s, b_s, c_s.index(0), a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, 0,
-                         K_BLOCKS, RESIDENT, GROUP_M, STAGES)),
+                         K_BLOCKS, RESIDENT, GROUP_M, STAGES, trace_ptr, TRACE_TILES)),
             (_consumer, (a_s, b_s, c_s.index(1), a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, 1,
-                         K_BLOCKS, RESIDENT, GROUP_M, STAGES)),
+                         K_BLOCKS, RESIDENT, GROUP_M, STAGES, trace_ptr, TRACE_TILES)),
             (_consumer, (a_s, b_s, c_s.index(2), a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, 2,
-                         K_BLOCKS, RESIDENT, GROUP_M, STAGES)),
+                         K_BLOCKS, RESIDENT, GROUP_M, STAGES, trace_ptr, TRACE_TILES)),
             (_producer, (a_desc, b_desc, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_BLOCKS, RESIDENT, GROUP_M,
                          STAGES)),
         ],
@@ -243,17 +263,23 @@ def _descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
     )
 
 
-def launch(a: QTensor, w: QTensor, schedule: dict | None = None) -> torch.Tensor:
+def launch(a: QTensor, w: QTensor, schedule: dict | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """``a`` [M, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N]. The
-    schedule: ``RESIDENT`` A up to ``MAX_RESIDENT_K``, else ``STREAMED``."""
+    schedule: ``RESIDENT`` A up to ``MAX_RESIDENT_K``, else ``STREAMED``. ``trace`` (a benchmark's instrument, int64 on
+    the GPU): the first program's consumers write the SM's cycle counter into it as they go, for its first
+    ``trace.numel() // (3 (2 K/128 + 1))`` tiles: per K block (in order) and consumer, when its stage was ready and
+    when its product was done, then per tile and consumer, when its result's store was issued."""
     m, k = a.shape
     n = w.shape[0]
     schedule = schedule or (RESIDENT if k <= MAX_RESIDENT_K else STREAMED)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
     programs = min(triton.cdiv(m, BM.value) * triton.cdiv(n, BN.value), num_sms(a.data.device.index or 0))
+    k_blocks = k // FP8_BLOCK
+    trace_tiles = 0 if trace is None else trace.numel() // (2 * k_blocks + 1) // CONSUMERS.value
     fp8_gemm_ws[(programs,)](
         *_descriptors(a.data.contiguous(), w.data.contiguous(), out), a.scale.contiguous(), w.scale.contiguous(),
-        m, n, K_BLOCKS=k // FP8_BLOCK, **schedule, num_warps=4,
+        m, n, out if trace is None else trace,  # (untraced, the pointer is not used)
+        K_BLOCKS=k_blocks, **schedule, TRACE_TILES=trace_tiles, num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the unsplit kernel (Triton 3.10 turns fusion off)
     )  # fmt: skip
     return out
