@@ -7,7 +7,9 @@ history (commit b51e50a); NOTES.md has every variant's outcome.
     python3 benchmarks/gluon_gemm_ws.py OUT.json        (on the GPU: each side checked against the dequantised product
                                                          and bit for bit against the unsplit kernel, then timed from
                                                          CUDA graphs; M = 4096 on every projection, and two more)
-    python3 benchmarks/gluon_gemm_ws.py OUT.json sweep [M,...]  (over row counts, on the projections gemm gives it)
+    python3 benchmarks/gluon_gemm_ws.py OUT.json sweep [M,...] [--rev REV]  (over row counts, on the projections
+                                                         gemm gives it; with the resident schedule as committed at
+                                                         git REV beside the working tree's)
     python3 benchmarks/gluon_gemm_ws.py OUT.json trace  (the first program's timeline at M = 4096, (32768, 512), from
                                                          the SM's cycle counter: when each consumer's stage was ready
                                                          and its product done, block by block)
@@ -60,9 +62,9 @@ def shape_row(m: int, n: int, k: int, peak: float, variants=VARIANTS) -> dict:
     want = a[0].dequantize() @ w[0].dequantize().t()
     unsplit = gemm.gemm_fp8(a[0], w[0], out_dtype=torch.bfloat16, bias=None, invariant=True).view(torch.int16)
     sides = {"cublas": lambda i: gemm.gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None)} | {
-        name: lambda i, v=v: launch(a[i], w[i], v)
+        name: lambda i, v=v: launch(a[i], w[i], v) if isinstance(v, dict) else v(a[i], w[i])
         for name, v in variants.items()
-        if k <= MAX_RESIDENT_K or not v["RESIDENT"]
+        if k <= MAX_RESIDENT_K or not isinstance(v, dict) or not v["RESIDENT"]
     }
     row = {"M": m, "N": n, "K": k}
     for name, fn in sides.items():
@@ -157,11 +159,19 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(), "fp8_peak_tflops": peak, "rows": []}
     print(f"FP8 peak (same run): {peak:.0f} TFLOP/s", flush=True)
     shapes = [(4096, n, k) for n, k in PROJECTIONS] + [(8192, 2112, 7168), (512, 4096, 7168)]
+    variants = VARIANTS
     if sys.argv[2:3] == ["sweep"]:  # over row counts, where ``gemm`` takes the kernel
-        rows = [int(m) for m in sys.argv[3].split(",")] if sys.argv[3:] else [1024, 2048, 4096, 8192, 16384]
+        args = sys.argv[3:]
+        if "--rev" in args:
+            rev = args.pop(args.index("--rev") + 1)
+            args.remove("--rev")
+            from ab_against_git import module_at
+
+            variants = VARIANTS | {f"resident 5st at {rev}": module_at(rev, "gemm_gluon").launch}
+        rows = [int(m) for m in args[0].split(",")] if args else [1024, 2048, 4096, 8192, 16384]
         shapes = [(m, n, k) for n, k in PROJECTIONS if k <= MAX_K for m in rows]
     for m, n, k in shapes:
-        report["rows"].append(shape_row(m, n, k, peak))
+        report["rows"].append(shape_row(m, n, k, peak, variants))
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
     return 0
