@@ -114,26 +114,38 @@ def summarize(stamps: list, stores: list, blocks: int) -> dict:
 
 def timeline(m: int = 4096, n: int = 32768, k: int = 512, tiles: int = 10, skip: int = 2) -> dict:
     """The resident schedule's first program, traced over its first ``tiles`` tiles (``launch(..., trace=...)``), the
-    first ``skip`` left out; ``summarize``'s medians, and the launch's graph time with and without the trace."""
+    first ``skip`` left out; ``summarize``'s medians, the epilogue's steps (``to_store``: the last block's scaling
+    and the release of A; ``store_wait``, ``smem_copy``, ``fence``, ``tma_issue``; then ``next_coords``: the next
+    tile's coordinates and first scales, up to its first stage's wait), and the launch's graph time with and without
+    the trace."""
     from gemm_tiles import inputs
 
     from deepinfer.bench import time_graph_ms
 
     a, w = inputs(m, n, k, seed=7)
     blocks = k // 128
-    trace = torch.zeros(3 * (2 * blocks + 1) * tiles, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(3 * (2 * blocks + 6) * tiles, dtype=torch.int64, device="cuda")
     for _ in range(3):
         launch(a[0], w[0], RESIDENT, trace)
     torch.cuda.synchronize()
     t = trace.cpu()
     stamps = t[: tiles * blocks * 6].view(tiles * blocks, 3, 2)[skip * blocks :]  # [block, consumer, (ready, done)]
-    stores = t[tiles * blocks * 6 :].view(tiles, 3)[skip:]
+    steps = t[tiles * blocks * 6 :].view(tiles, 3, 6)[skip:]  # [tile, consumer, epilogue steps and tile start]
+    stores = steps[:, :, 4]
     base = int(stamps[0, :, 0].min())
-    stamps, stores = (stamps - base).tolist(), (stores - base).tolist()
-    summary = summarize(stamps, stores, blocks) | {
-        "graph_ms_untraced": time_graph_ms(lambda i: launch(a[i], w[i], RESIDENT), sets=4, reps=30),
-        "graph_ms_traced": time_graph_ms(lambda i: launch(a[i], w[i], RESIDENT, trace), sets=4, reps=30),
-    }
+    stamps, stores, steps = (stamps - base).tolist(), (stores - base).tolist(), (steps - base).tolist()
+    med = statistics.median
+    names = ("to_store", "store_wait", "smem_copy", "fence", "tma_issue", "next_coords")
+    fine = {name: [med(steps[t][c][j] - (stamps[t * blocks + blocks - 1][c][1] if j == 0 else steps[t][c][j - 1])
+                       for t in range(len(steps) - 1)) for c in range(3)] for j, name in enumerate(names)}  # fmt: skip
+    summary = (
+        summarize(stamps, stores, blocks)
+        | fine
+        | {
+            "graph_ms_untraced": time_graph_ms(lambda i: launch(a[i], w[i], RESIDENT), sets=4, reps=30),
+            "graph_ms_traced": time_graph_ms(lambda i: launch(a[i], w[i], RESIDENT, trace), sets=4, reps=30),
+        }
+    )
     for i, block in enumerate(stamps[: 3 * blocks]):
         print(f"block {i}: " + "  ".join(f"c{c} {r:6d}..{d:6d}" for c, (r, d) in enumerate(block)), flush=True)
     print(json.dumps(summary), flush=True)

@@ -153,14 +153,31 @@ def _stamp(trace_ptr, slot):
 
 
 @gluon.jit
-def _store(c_desc, c_s, acc, row, col):
-    """A result tile out through shared memory by TMA, once the buffer's previous copy has read it."""
+def _store(c_desc, c_s, acc, row, col, trace_ptr, slot, traced, TRACE_TILES: gl.constexpr):
+    """A result tile out through shared memory by TMA, once the buffer's previous copy has read it. Traced builds
+    stamp ``slot`` + 0 ... 4: on entry, after the wait for the previous copy, after the copy into shared memory, after
+    the fence, and once the store is issued."""
+    if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
+        if traced:
+            _stamp(trace_ptr, slot)
     tma.store_wait(0)
     BARRIER()
+    if TRACE_TILES > 0:  # noqa: SIM102
+        if traced:
+            _stamp(trace_ptr, slot + 1)
     c_s.store(acc.to(gl.bfloat16))
+    if TRACE_TILES > 0:  # noqa: SIM102
+        if traced:
+            _stamp(trace_ptr, slot + 2)
     fence_async_shared()
     BARRIER()  # every thread's part is in shared memory before the copy starts
+    if TRACE_TILES > 0:  # noqa: SIM102
+        if traced:
+            _stamp(trace_ptr, slot + 3)
     TMA_STORE(c_desc, [row, col], c_s)
+    if TRACE_TILES > 0:  # noqa: SIM102
+        if traced:
+            _stamp(trace_ptr, slot + 4)
 
 
 @gluon.jit
@@ -180,6 +197,7 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
     resident = -1
     loads = 0
     pid_m, pid_n = _tile_coords(first, M, grid_n, RESIDENT, GROUP_M)
+    steps_slot = TRACE_TILES * K_BLOCKS * CONSUMERS * 2 + PART * 6  # traced: each tile's epilogue steps, tile start
     for tile in range(first, stop, step):
         traced = (gl.program_id(0) == 0) & (it < TRACE_TILES * K_BLOCKS)
         if RESIDENT:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
@@ -191,6 +209,9 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
         b_block = pid_n * BN // BK
         factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, 0, b_block)
         acc = zero
+        if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
+            if traced & (it > 0):  # the previous tile's last stamp: this tile's start, up to its first stage's wait
+                _stamp(trace_ptr, steps_slot + (it // K_BLOCKS - 1) * CONSUMERS * 6 + 5)
         for kb in range(K_BLOCKS):
             stage = it % STAGES
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
@@ -213,10 +234,8 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
             it += 1
         if RESIDENT:  # done with this row block's A (its last column block): the producer may load the next one
             mbarrier.arrive(a_empty, count=1, pred=pid_n == grid_n - 1)
-        _store(c_desc, c_s, acc, pid_m * BM + PART * WG_ROWS, pid_n * BN)
-        if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
-            if traced:
-                _stamp(trace_ptr, TRACE_TILES * K_BLOCKS * CONSUMERS * 2 + (it // K_BLOCKS - 1) * CONSUMERS + PART)
+        store_slot = steps_slot + (it // K_BLOCKS - 1) * CONSUMERS * 6
+        _store(c_desc, c_s, acc, pid_m * BM + PART * WG_ROWS, pid_n * BN, trace_ptr, store_slot, traced, TRACE_TILES)
         pid_m, pid_n = _next_tile(tile, step, pid_m, pid_n, M, grid_n, RESIDENT, GROUP_M)
     tma.store_wait(0)
 
@@ -283,15 +302,16 @@ def launch(a: QTensor, w: QTensor, schedule: dict | None = None, trace: torch.Te
     """``a`` [M, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N]. The
     schedule: ``RESIDENT`` A up to ``MAX_RESIDENT_K``, else ``STREAMED``. ``trace`` (a benchmark's instrument, int64 on
     the GPU): the first program's consumers write the SM's cycle counter into it as they go, for its first
-    ``trace.numel() // (3 (2 K/128 + 1))`` tiles: per K block (in order) and consumer, when its stage was ready and
-    when its product was done, then per tile and consumer, when its result's store was issued."""
+    ``trace.numel() // (3 (2 K/128 + 6))`` tiles: per K block (in order) and consumer, when its stage was ready and
+    when its product was done, then per tile and consumer six steps: the store entered, the previous store waited for,
+    the result copied into shared memory, fenced, its store issued, and the next tile started up to its first wait."""
     m, k = a.shape
     n = w.shape[0]
     schedule = schedule or (RESIDENT if k <= MAX_RESIDENT_K else STREAMED)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
     programs = min(triton.cdiv(m, BM.value) * triton.cdiv(n, BN.value), num_sms(a.data.device.index or 0))
     k_blocks = k // FP8_BLOCK
-    trace_tiles = 0 if trace is None else trace.numel() // (2 * k_blocks + 1) // CONSUMERS.value
+    trace_tiles = 0 if trace is None else trace.numel() // (2 * k_blocks + 6) // CONSUMERS.value
     fp8_gemm_ws[(programs,)](
         *_descriptors(a.data.contiguous(), w.data.contiguous(), out), a.scale.contiguous(), w.scale.contiguous(),
         m, n, out if trace is None else trace,  # (untraced, the pointer is not used)
