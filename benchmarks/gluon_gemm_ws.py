@@ -12,7 +12,8 @@ history (commit b51e50a); NOTES.md has every variant's outcome.
                                                          git REV beside the working tree's)
     python3 benchmarks/gluon_gemm_ws.py OUT.json trace  (the first program's timeline at M = 4096, (32768, 512), from
                                                          the SM's cycle counter: when each consumer's stage was ready
-                                                         and its product done, block by block)
+                                                         and its product done, block by block, and each step of its
+                                                         epilogue)
     python3 benchmarks/gluon_gemm_ws.py --compile       (anywhere: compiles every variant for SM90, prints resources and
                                                          whether ptxas serialized the wgmma instructions)
 """
