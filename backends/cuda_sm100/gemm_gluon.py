@@ -144,12 +144,16 @@ def _factor(as_ptr, bs_ptr, offs_m, M, num_k, kb, b_block):
 
 
 @gluon.jit
-def _stamp(trace_ptr, slot):
-    """``trace_ptr[slot]`` = the SM's cycle counter (``launch(..., trace=...)`` builds only)."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    dummy = gl.full([1], 0, gl.int32, one)
-    now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dummy], dtype=gl.int64, is_pure=False, pack=1)
-    gl.store(trace_ptr + slot + gl.arange(0, 1, one), now)
+def _stamp(trace_ptr, slot, traced, TRACE_TILES: gl.constexpr):
+    """``trace_ptr[slot]`` = the SM's cycle counter, where ``traced``, in traced builds (``launch(..., trace=...)``);
+    nothing in the others."""
+    if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
+        if traced:
+            one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            dummy = gl.full([1], 0, gl.int32, one)
+            now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dummy], dtype=gl.int64, is_pure=False,
+                                            pack=1)  # fmt: skip
+            gl.store(trace_ptr + slot + gl.arange(0, 1, one), now)
 
 
 @gluon.jit
@@ -157,27 +161,17 @@ def _store(c_desc, c_s, acc, row, col, trace_ptr, slot, traced, TRACE_TILES: gl.
     """A result tile out through shared memory by TMA, once the buffer's previous copy has read it. Traced builds
     stamp ``slot`` + 0 ... 4: on entry, after the wait for the previous copy, after the copy into shared memory, after
     the fence, and once the store is issued."""
-    if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
-        if traced:
-            _stamp(trace_ptr, slot)
+    _stamp(trace_ptr, slot, traced, TRACE_TILES)
     tma.store_wait(0)
     BARRIER()
-    if TRACE_TILES > 0:  # noqa: SIM102
-        if traced:
-            _stamp(trace_ptr, slot + 1)
+    _stamp(trace_ptr, slot + 1, traced, TRACE_TILES)
     c_s.store(acc.to(gl.bfloat16))
-    if TRACE_TILES > 0:  # noqa: SIM102
-        if traced:
-            _stamp(trace_ptr, slot + 2)
+    _stamp(trace_ptr, slot + 2, traced, TRACE_TILES)
     fence_async_shared()
     BARRIER()  # every thread's part is in shared memory before the copy starts
-    if TRACE_TILES > 0:  # noqa: SIM102
-        if traced:
-            _stamp(trace_ptr, slot + 3)
+    _stamp(trace_ptr, slot + 3, traced, TRACE_TILES)
     TMA_STORE(c_desc, [row, col], c_s)
-    if TRACE_TILES > 0:  # noqa: SIM102
-        if traced:
-            _stamp(trace_ptr, slot + 4)
+    _stamp(trace_ptr, slot + 4, traced, TRACE_TILES)
 
 
 @gluon.jit
@@ -209,15 +203,12 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
         b_block = pid_n * BN // BK
         factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, 0, b_block)
         acc = zero
-        if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
-            if traced & (it > 0):  # the previous tile's last stamp: this tile's start, up to its first stage's wait
-                _stamp(trace_ptr, steps_slot + (it // K_BLOCKS - 1) * CONSUMERS * 6 + 5)
+        # the previous tile's last stamp: this tile's start, up to its first stage's wait
+        _stamp(trace_ptr, steps_slot + (it // K_BLOCKS - 1) * CONSUMERS * 6 + 5, traced & (it > 0), TRACE_TILES)
         for kb in range(K_BLOCKS):
             stage = it % STAGES
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-            if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
-                if traced:
-                    _stamp(trace_ptr, (it * CONSUMERS + PART) * 2)
+            _stamp(trace_ptr, (it * CONSUMERS + PART) * 2, traced, TRACE_TILES)
             if RESIDENT:
                 a = a_s.index(PART * K_BLOCKS + kb)
             else:
@@ -225,9 +216,7 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
             part = warpgroup_mma(a, b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
             next_factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, gl.minimum(kb + 1, K_BLOCKS - 1), b_block)
             part = warpgroup_mma_wait(0, deps=[part])
-            if TRACE_TILES > 0:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
-                if traced:
-                    _stamp(trace_ptr, (it * CONSUMERS + PART) * 2 + 1)
+            _stamp(trace_ptr, (it * CONSUMERS + PART) * 2 + 1, traced, TRACE_TILES)
             mbarrier.arrive(empty.index(stage), count=1)
             acc = acc + part * factor
             factor = next_factor
