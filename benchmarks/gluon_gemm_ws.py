@@ -7,9 +7,10 @@ history (commit b51e50a); NOTES.md has every variant's outcome.
     python3 benchmarks/gluon_gemm_ws.py OUT.json        (on the GPU: each side checked against the dequantised product
                                                          and bit for bit against the unsplit kernel, then timed from
                                                          CUDA graphs; M = 4096 on every projection, and two more)
-    python3 benchmarks/gluon_gemm_ws.py OUT.json sweep [M,...] [--rev REV]  (over row counts, on the projections
-                                                         gemm gives it; with the resident schedule as committed at
-                                                         git REV beside the working tree's)
+    python3 benchmarks/gluon_gemm_ws.py OUT.json sweep [M,...] [--rev REV] [--shapes NxK,...]  (over row counts, on
+                                                         the projections gemm gives it, or on the (N, K) given; with
+                                                         the resident schedule as committed at git REV beside the
+                                                         working tree's)
     python3 benchmarks/gluon_gemm_ws.py OUT.json trace  (the first program's timeline at M = 4096, (32768, 512), from
                                                          the SM's cycle counter: when each consumer's stage was ready
                                                          and its product done, block by block, and each step of its
@@ -29,9 +30,14 @@ from pathlib import Path
 import torch
 import triton
 
-from deepinfer_cuda_sm100.gemm_gluon import MAX_K, MAX_RESIDENT_K, RESIDENT, STREAMED, launch
+from deepinfer_cuda_sm100.gemm_gluon import MAX_K, MAX_RESIDENT_K, RESIDENT, STREAMED, STREAMED_176, launch
 
-VARIANTS = {"streamed 4st": STREAMED, "resident 4st": RESIDENT | {"STAGES": 4}, "resident 5st": RESIDENT}
+VARIANTS = {
+    "streamed 4st": STREAMED,
+    "resident 4st": RESIDENT | {"STAGES": 4},
+    "resident 5st": RESIDENT,
+    "streamed 128x176": STREAMED_176,
+}
 
 
 def compile_for_sm90(name: str) -> None:
@@ -181,8 +187,13 @@ def main() -> int:
             from ab_against_git import module_at
 
             variants = VARIANTS | {f"resident 5st at {rev}": module_at(rev, "gemm_gluon").launch}
+        projections = [(n, k) for n, k in PROJECTIONS if k <= MAX_K]
+        if "--shapes" in args:
+            given = args.pop(args.index("--shapes") + 1)
+            args.remove("--shapes")
+            projections = [tuple(int(d) for d in shape.split("x")) for shape in given.split(",")]
         rows = [int(m) for m in args[0].split(",")] if args else [1024, 2048, 4096, 8192, 16384]
-        shapes = [(m, n, k) for n, k in PROJECTIONS if k <= MAX_K for m in rows]
+        shapes = [(m, n, k) for n, k in projections for m in rows]
     for m, n, k in shapes:
         report["rows"].append(shape_row(m, n, k, peak, variants))
         with open(sys.argv[1], "w") as f:
