@@ -2,7 +2,8 @@
 schedules: A streamed (4 stages) and A resident in shared memory (K <= 512; 4 or 5 stages of B, 5 is what ``gemm``
 takes). It was written to test whether Hopper's usual GEMM schedule reaches 75% of the FP8 peak at M = 4096 on the
 DeepSeek-V3 projections where cuBLAS does not. The 128 x 128 tiles measured in the twenty-third session are in git
-history (commit b51e50a); NOTES.md has every variant's outcome.
+history (commit b51e50a), the 128 x 176 tiles of the twenty-eighth session too (commit 032aead); NOTES.md has every
+variant's outcome.
 
     python3 benchmarks/gluon_gemm_ws.py OUT.json        (on the GPU: each side checked against the dequantised product
                                                          and bit for bit against the unsplit kernel, then timed from
@@ -30,14 +31,9 @@ from pathlib import Path
 import torch
 import triton
 
-from deepinfer_cuda_sm100.gemm_gluon import MAX_K, MAX_RESIDENT_K, RESIDENT, STREAMED, STREAMED_176, launch
+from deepinfer_cuda_sm100.gemm_gluon import MAX_K, MAX_RESIDENT_K, RESIDENT, STREAMED, launch
 
-VARIANTS = {
-    "streamed 4st": STREAMED,
-    "resident 4st": RESIDENT | {"STAGES": 4},
-    "resident 5st": RESIDENT,
-    "streamed 128x176": STREAMED_176,
-}
+VARIANTS = {"streamed 4st": STREAMED, "resident 4st": RESIDENT | {"STAGES": 4}, "resident 5st": RESIDENT}
 
 
 def compile_for_sm90(name: str) -> None:

@@ -50,13 +50,10 @@ def compile_gemm_sm90(schedule: dict, trace_tiles: int = 0):
     from deepinfer_cuda_sm100 import gemm_gluon
 
     fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
-    bf16 = torch.empty(256, 256, dtype=torch.bfloat16)
-    parts = schedule["PARTS"]
-    widths = [parts[q] if q < len(parts) else parts[0] for q in range(3)]
-    signature = {"a_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv)}
-    signature |= {f"b{q}_desc": descriptor_type(fp8, [w, 128], gl.float8e4nv) for q, w in enumerate(widths)}
-    signature |= {f"c{q}_desc": descriptor_type(bf16, [64, w], gl.bfloat16) for q, w in enumerate(widths)}
-    signature |= {
+    signature = {
+        "a_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
+        "b_desc": descriptor_type(fp8, [128, 128], gl.float8e4nv),
+        "c_desc": descriptor_type(torch.empty(256, 256, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
         "as_ptr": "*fp32",
         "bs_ptr": "*fp32",
         "trace_ptr": "*i64" if trace_tiles else "*bf16",  # untraced: the output's pointer, unused

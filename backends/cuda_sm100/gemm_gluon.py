@@ -21,7 +21,6 @@ products, each from zero and scaled; the bits are the same (``benchmarks/gluon_g
 conformance checks rows alone against the batch), so batch-invariant mode takes it too.
 """
 
-# ruff: noqa: RUF005 (Gluon builds tuples by concatenation: its compiler refuses starred unpacking)
 from __future__ import annotations
 
 import torch
@@ -36,7 +35,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.runtime.jit import constexpr_function
 
 from deepinfer import QTensor
 
@@ -49,31 +47,14 @@ TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 TMA_STORE = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
 BK = gl.constexpr(128)  # K blocks of 128: one activation scale and one weight scale each
+BN = gl.constexpr(128)  # tile columns: one weight scale block
 WG_ROWS = gl.constexpr(64)  # rows per consumer warpgroup (wgmma's M)
-CHUNK = gl.constexpr(16)  # columns per weight scale lookup in tiles that cross weight scale blocks
-
-
-@constexpr_function
-def _mma_layout(width):
-    """The layout of a consumer's [64, width] product: one ``wgmma`` of N = ``width``."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, width, 32])
-
-
-@constexpr_function
-def _offset(parts, q):
-    """The first column of part ``q`` within a tile whose columns are ``parts`` wide, in order."""
-    return sum(parts[:q])
+CONSUMERS = gl.constexpr(3)  # consumer warpgroups: 192-row tiles
+BM = gl.constexpr(192)
 
 
 @gluon.jit
-def _zeros(WIDTH: gl.constexpr):
-    """A consumer's [64, WIDTH] product set to zero."""
-    mma: gl.constexpr = _mma_layout(WIDTH)
-    return gl.zeros([WG_ROWS, WIDTH], gl.float32, mma)
-
-
-@gluon.jit
-def _tiles(M, N, BM: gl.constexpr, BN: gl.constexpr, RESIDENT: gl.constexpr):
+def _tiles(M, N, RESIDENT: gl.constexpr):
     """This program's walk over the output tiles: (first, stop, step, column blocks). With resident A, a contiguous
     run in row-major order, so that the program changes row blocks (and reloads A) once or twice; with streamed A,
     every ``num_programs``-th tile."""
@@ -87,7 +68,7 @@ def _tiles(M, N, BM: gl.constexpr, BN: gl.constexpr, RESIDENT: gl.constexpr):
 
 
 @gluon.jit
-def _tile_coords(tile, M, grid_n, BM: gl.constexpr, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr):
+def _tile_coords(tile, M, grid_n, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr):
     """Tile ``tile``'s (row block, column block): row-major with resident A; otherwise grouped ``GROUP_M`` row blocks
     at a time, so that the tiles the programs hold at once share their A and B blocks in L2."""
     if RESIDENT:
@@ -103,7 +84,7 @@ def _tile_coords(tile, M, grid_n, BM: gl.constexpr, RESIDENT: gl.constexpr, GROU
 
 
 @gluon.jit
-def _next_tile(tile, step, pid_m, pid_n, M, grid_n, BM: gl.constexpr, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr):
+def _next_tile(tile, step, pid_m, pid_n, M, grid_n, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr):
     """The coordinates of the program's tile after ``tile``. With resident A, the next column block: stepping instead
     of dividing by ``grid_n`` (an ``MUFU.RCP`` sequence on each tile's path) measured 1.02-1.12x (NOTES.md)."""
     if RESIDENT:
@@ -112,27 +93,24 @@ def _next_tile(tile, step, pid_m, pid_n, M, grid_n, BM: gl.constexpr, RESIDENT: 
             pid_n = 0
             pid_m += 1
     else:
-        pid_m, pid_n = _tile_coords(tile + step, M, grid_n, BM, RESIDENT, GROUP_M)
+        pid_m, pid_n = _tile_coords(tile + step, M, grid_n, RESIDENT, GROUP_M)
     return pid_m, pid_n
 
 
 @gluon.jit
-def _producer(a_desc, b_descs, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_BLOCKS: gl.constexpr,
-              RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-              PARTS: gl.constexpr):  # fmt: skip
+def _producer(a_desc, b_desc, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_BLOCKS: gl.constexpr,
+              RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """One warp: every K block of B of every tile this program owns into the stage ring, once every consumer is done
-    with the stage's previous block, one copy per column part. Streamed A: each consumer's 64 rows of A into the
-    same stage. Resident A: the row block's whole [64 CONSUMERS, K] A once per row block, after the tile's B blocks
-    are on their way and every consumer is done with the previous row block."""
-    BM: gl.constexpr = CONSUMERS * WG_ROWS
-    BN: gl.constexpr = _offset(PARTS, len(PARTS))
+    with the stage's previous block. Streamed A: each consumer's 64 rows of A into the same stage. Resident A: the
+    row block's whole [192, K] A once per row block, after the tile's B blocks are on their way and every consumer
+    is done with the previous row block."""
     a_bytes: gl.constexpr = a_desc.block_type.nbytes
-    b_bytes: gl.constexpr = BN * BK  # FP8
-    first, stop, step, grid_n = _tiles(M, N, BM, BN, RESIDENT)
+    b_bytes: gl.constexpr = b_desc.block_type.nbytes
+    first, stop, step, grid_n = _tiles(M, N, RESIDENT)
     it = 0
     resident = -1  # the row block whose A is in shared memory
     loads = 0  # how many row blocks of A were loaded
-    pid_m, pid_n = _tile_coords(first, M, grid_n, BM, RESIDENT, GROUP_M)
+    pid_m, pid_n = _tile_coords(first, M, grid_n, RESIDENT, GROUP_M)
     for tile in range(first, stop, step):
         for kb in range(K_BLOCKS):
             stage = it % STAGES
@@ -144,8 +122,7 @@ def _producer(a_desc, b_descs, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K
                 mbarrier.expect(bar, CONSUMERS * a_bytes + b_bytes)
                 for c in gl.static_range(CONSUMERS):
                     TMA_LOAD(a_desc, [pid_m * BM + c * WG_ROWS, kb * BK], bar, a_s.index(stage * CONSUMERS + c))
-            for q in gl.static_range(len(PARTS)):
-                TMA_LOAD(b_descs[q], [pid_n * BN + _offset(PARTS, q), kb * BK], bar, b_s[q].index(stage))
+            TMA_LOAD(b_desc, [pid_n * BN, kb * BK], bar, b_s.index(stage))
             it += 1
         if RESIDENT:  # noqa: SIM102 (resolved at compile time; the inner test at run time)
             if pid_m != resident:
@@ -156,39 +133,14 @@ def _producer(a_desc, b_descs, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K
                         TMA_LOAD(a_desc, [pid_m * BM + c * WG_ROWS, j * BK], a_ready, a_s.index(c * K_BLOCKS + j))
                 resident = pid_m
                 loads += 1
-        pid_m, pid_n = _next_tile(tile, step, pid_m, pid_n, M, grid_n, BM, RESIDENT, GROUP_M)
+        pid_m, pid_n = _next_tile(tile, step, pid_m, pid_n, M, grid_n, RESIDENT, GROUP_M)
 
 
 @gluon.jit
 def _factor(as_ptr, bs_ptr, offs_m, M, num_k, kb, b_block):
-    """``a_scale[m, kb] * b_scale[b_block, kb]`` per row: the factor of K block ``kb``'s product, in a tile within one
-    weight scale block."""
+    """``a_scale[m, kb] * b_scale[b_block, kb]`` per row: the factor of K block ``kb``'s product."""
     sa = gl.load(as_ptr + offs_m * num_k + kb, mask=offs_m < M, other=0.0)
     return gl.expand_dims(sa * gl.load(bs_ptr + b_block * num_k + kb), 1)
-
-
-@gluon.jit
-def _chunk_scales(as_ptr, bs_ptr, rows, M, N, num_k, kb, col, WIDTH: gl.constexpr):
-    """The scales of K block ``kb`` for a part of ``WIDTH`` columns from ``col`` that may cross weight scale blocks:
-    (``a_scale[m, kb]`` per row, ``b_scale[n // 128, kb]`` per ``CHUNK`` columns), in the layouts ``_scaled_add``
-    broadcasts them in."""
-    chunked: gl.constexpr = gl.reshape(_zeros(WIDTH), [WG_ROWS, WIDTH // CHUNK, CHUNK]).type.layout
-    offs_m = rows + gl.arange(0, WG_ROWS, gl.SliceLayout(1, gl.SliceLayout(2, chunked)))
-    sa = gl.load(as_ptr + offs_m * num_k + kb, mask=offs_m < M, other=0.0)
-    cols = col + CHUNK * gl.arange(0, WIDTH // CHUNK, gl.SliceLayout(0, gl.SliceLayout(2, chunked)))
-    sb = gl.load(bs_ptr + cols // BK * num_k + kb, mask=cols < N, other=0.0)
-    return sa, sb
-
-
-@gluon.jit
-def _scaled_add(acc, part, sa, sb, WIDTH: gl.constexpr):
-    """``acc + part * (a_scale * b_scale)`` per element, the scales per row and per ``CHUNK`` columns
-    (``_chunk_scales``): the unsplit kernel's arithmetic, one rounding for the factor and one ``FFMA``."""
-    factor = gl.expand_dims(gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0), 2)
-    shape: gl.constexpr = [WG_ROWS, WIDTH // CHUNK, CHUNK]
-    out = gl.reshape(acc, shape) + gl.reshape(part, shape) * factor
-    mma: gl.constexpr = _mma_layout(WIDTH)
-    return gl.convert_layout(gl.reshape(out, [WG_ROWS, WIDTH]), mma, assert_trivial=True)
 
 
 @gluon.jit
@@ -205,47 +157,40 @@ def _stamp(trace_ptr, slot, traced, TRACE_TILES: gl.constexpr):
 
 
 @gluon.jit
-def _store(c_descs, c_s, acc, row, col, PARTS: gl.constexpr, trace_ptr, slot, traced, TRACE_TILES: gl.constexpr):
-    """A result tile out through shared memory by TMA, a copy per column part, once the buffers' previous copies have
-    read them. Traced builds stamp ``slot`` + 0 ... 4: on entry, after the wait for the previous copies, after the
-    copy into shared memory, after the fence, and once the stores are issued."""
+def _store(c_desc, c_s, acc, row, col, trace_ptr, slot, traced, TRACE_TILES: gl.constexpr):
+    """A result tile out through shared memory by TMA, once the buffer's previous copy has read it. Traced builds
+    stamp ``slot`` + 0 ... 4: on entry, after the wait for the previous copy, after the copy into shared memory, after
+    the fence, and once the store is issued."""
     _stamp(trace_ptr, slot, traced, TRACE_TILES)
     tma.store_wait(0)
     BARRIER()
     _stamp(trace_ptr, slot + 1, traced, TRACE_TILES)
-    for q in gl.static_range(len(PARTS)):
-        c_s[q].store(acc[q].to(gl.bfloat16))
+    c_s.store(acc.to(gl.bfloat16))
     _stamp(trace_ptr, slot + 2, traced, TRACE_TILES)
     fence_async_shared()
     BARRIER()  # every thread's part is in shared memory before the copy starts
     _stamp(trace_ptr, slot + 3, traced, TRACE_TILES)
-    for q in gl.static_range(len(PARTS)):
-        TMA_STORE(c_descs[q], [row, col + _offset(PARTS, q)], c_s[q])
+    TMA_STORE(c_desc, [row, col], c_s)
     _stamp(trace_ptr, slot + 4, traced, TRACE_TILES)
 
 
 @gluon.jit
-def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_descs, as_ptr, bs_ptr, M, N, PART: gl.constexpr,
+def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, PART: gl.constexpr,
               K_BLOCKS: gl.constexpr, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              CONSUMERS: gl.constexpr, PARTS: gl.constexpr, trace_ptr, TRACE_TILES: gl.constexpr):  # fmt: skip
-    """One warpgroup: rows ``64 PART + [0, 64)`` of each tile. Each 128-deep product (from zero; a ``wgmma`` per
-    column part) is waited for before it is scaled and added (``acc + part * factor``, in K order); the other
-    warpgroups' products keep the tensor cores busy meanwhile. (A product left in flight while the previous one's
-    registers are read makes ptxas serialize every wgmma instruction: C7514, NOTES.md, twenty-third session.) The
-    next block's scales load while this block's product runs."""
-    BM: gl.constexpr = CONSUMERS * WG_ROWS
-    BN: gl.constexpr = _offset(PARTS, len(PARTS))
-    ONE_SCALE: gl.constexpr = len(PARTS) == 1 and PARTS[0] == BK  # every tile within one weight scale block
-    zero = ()
-    for q in gl.static_range(len(PARTS)):
-        zero = zero + (_zeros(PARTS[q]),)
-    mma: gl.constexpr = _mma_layout(BK)
+              trace_ptr, TRACE_TILES: gl.constexpr):  # fmt: skip
+    """One warpgroup: rows ``64 PART + [0, 64)`` of each tile. Each 128-deep product (from zero) is waited for before
+    it is scaled and added (``acc + part * factor``, in K order); the other warpgroups' products keep the tensor
+    cores busy meanwhile. (A product left in flight while the previous one's registers are read makes ptxas
+    serialize every wgmma instruction: C7514, NOTES.md, twenty-third session.) The next block's factor loads while
+    this block's product runs."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    zero = gl.zeros([WG_ROWS, BN], gl.float32, mma)
     rows = PART * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, mma))
-    first, stop, step, grid_n = _tiles(M, N, BM, BN, RESIDENT)
+    first, stop, step, grid_n = _tiles(M, N, RESIDENT)
     it = 0
     resident = -1
     loads = 0
-    pid_m, pid_n = _tile_coords(first, M, grid_n, BM, RESIDENT, GROUP_M)
+    pid_m, pid_n = _tile_coords(first, M, grid_n, RESIDENT, GROUP_M)
     steps_slot = TRACE_TILES * K_BLOCKS * CONSUMERS * 2 + PART * 6  # traced: each tile's epilogue steps, tile start
     for tile in range(first, stop, step):
         traced = (gl.program_id(0) == 0) & (it < TRACE_TILES * K_BLOCKS)
@@ -254,15 +199,9 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_descs, as_ptr, bs
                 mbarrier.wait(a_ready, loads & 1)
                 resident = pid_m
                 loads += 1
-        if ONE_SCALE:
-            offs_m = pid_m * BM + rows
-            b_block = pid_n * BN // BK
-            factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, 0, b_block)
-        else:
-            scales = ()
-            for q in gl.static_range(len(PARTS)):
-                scales = scales + (_chunk_scales(as_ptr, bs_ptr, pid_m * BM + PART * WG_ROWS, M, N, K_BLOCKS, 0,
-                                                 pid_n * BN + _offset(PARTS, q), PARTS[q]),)  # fmt: skip
+        offs_m = pid_m * BM + rows
+        b_block = pid_n * BN // BK
+        factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, 0, b_block)
         acc = zero
         # the previous tile's last stamp: this tile's start, up to its first stage's wait
         _stamp(trace_ptr, steps_slot + (it // K_BLOCKS - 1) * CONSUMERS * 6 + 5, traced & (it > 0), TRACE_TILES)
@@ -274,67 +213,37 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_descs, as_ptr, bs
                 a = a_s.index(PART * K_BLOCKS + kb)
             else:
                 a = a_s.index(stage * CONSUMERS + PART)
-            part = ()
-            for q in gl.static_range(len(PARTS)):
-                b = b_s[q].index(stage).permute((1, 0))
-                part = part + (warpgroup_mma(a, b, zero[q], use_acc=False, is_async=True),)
-            next_kb = gl.minimum(kb + 1, K_BLOCKS - 1)
-            if ONE_SCALE:
-                next_factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, next_kb, b_block)
-            else:
-                next_scales = ()
-                for q in gl.static_range(len(PARTS)):
-                    next_scales = next_scales + (_chunk_scales(as_ptr, bs_ptr, pid_m * BM + PART * WG_ROWS, M, N,
-                                                               K_BLOCKS, next_kb, pid_n * BN + _offset(PARTS, q),
-                                                               PARTS[q]),)  # fmt: skip
-            part = warpgroup_mma_wait(0, deps=part)
-            if len(PARTS) == 1:
-                part = (part,)
+            part = warpgroup_mma(a, b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+            next_factor = _factor(as_ptr, bs_ptr, offs_m, M, K_BLOCKS, gl.minimum(kb + 1, K_BLOCKS - 1), b_block)
+            part = warpgroup_mma_wait(0, deps=[part])
             _stamp(trace_ptr, (it * CONSUMERS + PART) * 2 + 1, traced, TRACE_TILES)
             mbarrier.arrive(empty.index(stage), count=1)
-            if ONE_SCALE:
-                acc = (acc[0] + part[0] * factor,)
-                factor = next_factor
-            else:
-                new = ()
-                for q in gl.static_range(len(PARTS)):
-                    new = new + (_scaled_add(acc[q], part[q], scales[q][0], scales[q][1], PARTS[q]),)
-                acc = new
-                scales = next_scales
+            acc = acc + part * factor
+            factor = next_factor
             it += 1
         if RESIDENT:  # done with this row block's A (its last column block): the producer may load the next one
             mbarrier.arrive(a_empty, count=1, pred=pid_n == grid_n - 1)
         store_slot = steps_slot + (it // K_BLOCKS - 1) * CONSUMERS * 6
-        _store(c_descs, c_s, acc, pid_m * BM + PART * WG_ROWS, pid_n * BN, PARTS, trace_ptr, store_slot, traced,
-               TRACE_TILES)  # fmt: skip
-        pid_m, pid_n = _next_tile(tile, step, pid_m, pid_n, M, grid_n, BM, RESIDENT, GROUP_M)
+        _store(c_desc, c_s, acc, pid_m * BM + PART * WG_ROWS, pid_n * BN, trace_ptr, store_slot, traced, TRACE_TILES)
+        pid_m, pid_n = _next_tile(tile, step, pid_m, pid_n, M, grid_n, RESIDENT, GROUP_M)
     tma.store_wait(0)
 
 
 @gluon.jit
-def fp8_gemm_ws(a_desc, b0_desc, b1_desc, b2_desc, c0_desc, c1_desc, c2_desc, as_ptr, bs_ptr, M, N, trace_ptr,
-                K_BLOCKS: gl.constexpr, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMERS: gl.constexpr, PARTS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, trace_ptr, K_BLOCKS: gl.constexpr,
+                RESIDENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, TRACE_TILES: gl.constexpr):  # fmt: skip
     """C[M, N] (bf16) = A[M, K] @ B[N, K]^T, A scales [M, K/128], B scales [ceil(N/128), K/128], K = 128 K_BLOCKS, in
-    tiles of 64 ``CONSUMERS`` rows and ``sum(PARTS)`` columns, a ``wgmma`` per part of ``PARTS`` (powers of two:
-    Gluon's tensors take no other sizes; (128,) or e.g. (128, 32, 16) for 176 columns). Part q's B and C copies use
-    ``bq_desc`` and ``cq_desc`` (those of parts past ``len(PARTS)`` are not used). ``RESIDENT``: each row block's A
-    stays in shared memory (K_BLOCKS x 8 KB per consumer) while the program walks its tiles, and only B streams
-    through the ``STAGES`` ring; otherwise A streams beside B. Launched with 4 warps (the first consumer), to which
-    the other consumers add 4 each and the producer 1; one program per SM (or per tile, if fewer).
-    ``TRACE_TILES`` > 0: cycle stamps into ``trace_ptr`` (``launch``'s ``trace``)."""
-    b_descs = (b0_desc, b1_desc, b2_desc)
-    c_descs = (c0_desc, c1_desc, c2_desc)
+    192 x 128 tiles. ``RESIDENT``: each row block's A stays in shared memory (K_BLOCKS x 24 KB) while the program
+    walks its tiles, and only B streams through the ``STAGES`` ring; otherwise A streams beside B. Launched with 4
+    warps (the first consumer), to which the two other consumers add 4 each and the producer 1; one program per SM
+    (or per tile, if fewer). ``TRACE_TILES`` > 0: cycle stamps into ``trace_ptr`` (``launch``'s ``trace``)."""
     if RESIDENT:
         a_s = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * K_BLOCKS, WG_ROWS, BK], a_desc.layout)
     else:
         a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES * CONSUMERS, WG_ROWS, BK], a_desc.layout)
-    b_s = ()
-    c_s = ()  # per consumer, a buffer per part
-    for q in gl.static_range(len(PARTS)):
-        b_s = b_s + (gl.allocate_shared_memory(b0_desc.dtype, [STAGES, PARTS[q], BK], b_descs[q].layout),)
-        c_s = c_s + (gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, PARTS[q]], c_descs[q].layout),)
+    b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    c_s = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, BN], c_desc.layout)  # a buffer per consumer
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     a_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -345,85 +254,56 @@ def fp8_gemm_ws(a_desc, b0_desc, b1_desc, b2_desc, c0_desc, c1_desc, c2_desc, as
     mbarrier.init(a_ready, count=1)
     mbarrier.init(a_empty, count=CONSUMERS)
     fence_async_shared()
-    c0_s = ()
-    c1_s = ()
-    c2_s = ()
-    for q in gl.static_range(len(PARTS)):
-        c0_s = c0_s + (c_s[q].index(0),)
-        c1_s = c1_s + (c_s[q].index(1),)
-        if CONSUMERS == 3:
-            c2_s = c2_s + (c_s[q].index(2),)
-    if CONSUMERS == 3:
-        gl.warp_specialize(
-            [
-                (_consumer, (a_s, b_s, c0_s, a_ready, a_empty, ready, empty, c_descs, as_ptr, bs_ptr, M, N, 0,
-                             K_BLOCKS, RESIDENT, GROUP_M, STAGES, CONSUMERS, PARTS, trace_ptr, TRACE_TILES)),
-                (_consumer, (a_s, b_s, c1_s, a_ready, a_empty, ready, empty, c_descs, as_ptr, bs_ptr, M, N, 1,
-                             K_BLOCKS, RESIDENT, GROUP_M, STAGES, CONSUMERS, PARTS, trace_ptr, TRACE_TILES)),
-                (_consumer, (a_s, b_s, c2_s, a_ready, a_empty, ready, empty, c_descs, as_ptr, bs_ptr, M, N, 2,
-                             K_BLOCKS, RESIDENT, GROUP_M, STAGES, CONSUMERS, PARTS, trace_ptr, TRACE_TILES)),
-                (_producer, (a_desc, b_descs, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_BLOCKS, RESIDENT,
-                             GROUP_M, STAGES, CONSUMERS, PARTS)),
-            ],
-            [4, 4, 1],
-            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (a_s, b_s, c0_s, a_ready, a_empty, ready, empty, c_descs, as_ptr, bs_ptr, M, N, 0,
-                             K_BLOCKS, RESIDENT, GROUP_M, STAGES, CONSUMERS, PARTS, trace_ptr, TRACE_TILES)),
-                (_consumer, (a_s, b_s, c1_s, a_ready, a_empty, ready, empty, c_descs, as_ptr, bs_ptr, M, N, 1,
-                             K_BLOCKS, RESIDENT, GROUP_M, STAGES, CONSUMERS, PARTS, trace_ptr, TRACE_TILES)),
-                (_producer, (a_desc, b_descs, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_BLOCKS, RESIDENT,
-                             GROUP_M, STAGES, CONSUMERS, PARTS)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (a_s, b_s, c_s.index(0), a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, 0,
+                         K_BLOCKS, RESIDENT, GROUP_M, STAGES, trace_ptr, TRACE_TILES)),
+            (_consumer, (a_s, b_s, c_s.index(1), a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, 1,
+                         K_BLOCKS, RESIDENT, GROUP_M, STAGES, trace_ptr, TRACE_TILES)),
+            (_consumer, (a_s, b_s, c_s.index(2), a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_ptr, M, N, 2,
+                         K_BLOCKS, RESIDENT, GROUP_M, STAGES, trace_ptr, TRACE_TILES)),
+            (_producer, (a_desc, b_desc, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_BLOCKS, RESIDENT, GROUP_M,
+                         STAGES)),
+        ],
+        [4, 4, 1],
+        [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+    )  # fmt: skip
 
 
 # Registers per consumer thread and per producer thread: 3 x 128 x 152 + 32 x 56 of an SM's 64K. Shared memory:
 # 208 KB streamed (4 stages), 224 KB resident at K = 512 (5 stages).
-STREAMED = {"RESIDENT": False, "GROUP_M": 8, "STAGES": 4, "CONSUMERS": 3, "PARTS": (128,), "CONSUMER_REGS": 152,
-            "PRODUCER_REGS": 56}  # fmt: skip
+STREAMED = {"RESIDENT": False, "GROUP_M": 8, "STAGES": 4, "CONSUMER_REGS": 152, "PRODUCER_REGS": 56}
 RESIDENT = STREAMED | {"RESIDENT": True, "STAGES": 5}
-# 128 x 176 tiles: two consumers, 128 + 32 + 16 columns (2 x 128 x 232 + 32 x 40 registers; 196 KB of shared memory)
-STREAMED_176 = STREAMED | {"STAGES": 4, "CONSUMERS": 2, "PARTS": (128, 32, 16), "CONSUMER_REGS": 232,
-                           "PRODUCER_REGS": 40}  # fmt: skip
 MIN_M, MAX_K, MAX_RESIDENT_K = 384, 1024, 512  # where it was measured faster than cuBLAS (streamed, 256 rows: 1.02x)
 
 
-def _descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, parts: tuple) -> tuple:
-    """TMA descriptors of the FP8 activation [M, K] (64-row blocks), then of the weight [N, K] and of the bf16 output
-    [M, N] for each column part (three of each; those past ``parts`` repeat the first)."""
+def _descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
+    """TMA descriptors of the FP8 activation [M, K] (64-row blocks), weight [N, K] and bf16 output [M, N]."""
     layout = lambda shape, dtype: gl.NVMMASharedLayout.get_default_for(shape, dtype)
-    widths = [parts[q] if q < len(parts) else parts[0] for q in range(3)]
-    b_descs = [TensorDescriptor.from_tensor(b, [w, 128], layout([w, 128], gl.float8e4nv)) for w in widths]
-    c_descs = [TensorDescriptor.from_tensor(c, [64, w], layout([64, w], gl.bfloat16)) for w in widths]
-    return (TensorDescriptor.from_tensor(a, [64, 128], layout([64, 128], gl.float8e4nv)), *b_descs, *c_descs)
+    return (
+        TensorDescriptor.from_tensor(a, [64, 128], layout([64, 128], gl.float8e4nv)),
+        TensorDescriptor.from_tensor(b, [128, 128], layout([128, 128], gl.float8e4nv)),
+        TensorDescriptor.from_tensor(c, [64, 128], layout([64, 128], gl.bfloat16)),
+    )
 
 
 def launch(a: QTensor, w: QTensor, schedule: dict | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """``a`` [M, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N]. The
     schedule: ``RESIDENT`` A up to ``MAX_RESIDENT_K``, else ``STREAMED``. ``trace`` (a benchmark's instrument, int64 on
     the GPU): the first program's consumers write the SM's cycle counter into it as they go, for its first
-    ``trace.numel() // (CONSUMERS (2 K/128 + 6))`` tiles: per K block (in order) and consumer, when its stage was
-    ready and when its product was done, then per tile and consumer six steps: the store entered, the previous store
-    waited for, the result copied into shared memory, fenced, its store issued, and the next tile started up to its
-    first wait."""
+    ``trace.numel() // (3 (2 K/128 + 6))`` tiles: per K block (in order) and consumer, when its stage was ready and
+    when its product was done, then per tile and consumer six steps: the store entered, the previous store waited for,
+    the result copied into shared memory, fenced, its store issued, and the next tile started up to its first wait."""
     m, k = a.shape
     n = w.shape[0]
     schedule = schedule or (RESIDENT if k <= MAX_RESIDENT_K else STREAMED)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
-    consumers, parts = schedule["CONSUMERS"], schedule["PARTS"]
-    tiles = triton.cdiv(m, 64 * consumers) * triton.cdiv(n, sum(parts))
-    programs = min(tiles, num_sms(a.data.device.index or 0))
+    programs = min(triton.cdiv(m, BM.value) * triton.cdiv(n, BN.value), num_sms(a.data.device.index or 0))
     k_blocks = k // FP8_BLOCK
-    trace_tiles = 0 if trace is None else trace.numel() // (2 * k_blocks + 6) // consumers
+    trace_tiles = 0 if trace is None else trace.numel() // (2 * k_blocks + 6) // CONSUMERS.value
     fp8_gemm_ws[(programs,)](
-        *_descriptors(a.data.contiguous(), w.data.contiguous(), out, parts), a.scale.contiguous(),
-        w.scale.contiguous(), m, n, out if trace is None else trace,  # (untraced, the pointer is not used)
+        *_descriptors(a.data.contiguous(), w.data.contiguous(), out), a.scale.contiguous(), w.scale.contiguous(),
+        m, n, out if trace is None else trace,  # (untraced, the pointer is not used)
         K_BLOCKS=k_blocks, **schedule, TRACE_TILES=trace_tiles, num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the unsplit kernel (Triton 3.10 turns fusion off)
     )  # fmt: skip
