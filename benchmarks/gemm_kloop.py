@@ -20,7 +20,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from gemm_tiles import SETS, inputs, rel_err
+from gemm_tiles import SETS, fp8_peak_tflops, inputs, rel_err
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.bench import time_graph_ms
@@ -244,11 +244,7 @@ def shape_row(m: int, n: int, k: int, peak_tflops: float) -> dict:
 
 
 def main() -> None:
-    size = 8192
-    x = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    ms = time_graph_ms(lambda i: torch._scaled_mm(x, x.t(), one, one, out_dtype=torch.bfloat16), sets=1, reps=20)
-    peak = 2 * size**3 / ms / 1e9
+    peak = fp8_peak_tflops()
     print(f"FP8 peak (8192^3 tensor-wise scaled_mm): {peak:.0f} TFLOP/s", flush=True)
     report = {"device": torch.cuda.get_device_name(), "fp8_peak_tflops": peak, "rows": []}
     projections = ((24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168))

@@ -46,6 +46,15 @@ def rel_err(got, want) -> float:
     return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
 
 
+def fp8_peak_tflops(size: int = 8192) -> float:
+    """The FP8 matmul rate measured here, the ceiling of the GEMM scripts' percentages: a tensor-wise scaled
+    ``scaled_mm`` of ``size``^3, replayed from a CUDA graph."""
+    x = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    ms = time_graph_ms(lambda i: torch._scaled_mm(x, x.t(), one, one, out_dtype=torch.bfloat16), sets=1, reps=20)
+    return 2 * size**3 / ms / 1e9
+
+
 def sweep(m: int, n: int, k: int, tiles: list[gemm.Tile]) -> dict:
     a, w = inputs(m, n, k, seed=m * 7 + n + k)
     want = a[0].dequantize() @ w[0].dequantize().t()

@@ -16,7 +16,7 @@ from dataclasses import replace
 from functools import partial
 
 import torch
-from gemm_tiles import SETS, inputs, rel_err
+from gemm_tiles import SETS, fp8_peak_tflops, inputs, rel_err
 
 from deepinfer.bench import time_graph_ms
 from deepinfer_cuda_sm100 import gemm
@@ -103,11 +103,7 @@ def main() -> int:
     given = sys.argv[2] if len(sys.argv) > 2 else "2112x7168"
     shapes = [tuple(int(d) for d in shape.split("x")) for shape in given.split(",")]
     rows = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 else [3840, 3968, 4096, 4352, 8192]
-    size = 8192  # the FP8 peak, as gluon_gemm_ws.py measures it
-    x = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    ms = time_graph_ms(lambda i: torch._scaled_mm(x, x.t(), one, one, out_dtype=torch.bfloat16), sets=1, reps=20)
-    peak = 2 * size**3 / ms / 1e9
+    peak = fp8_peak_tflops()
     print(f"FP8 peak (same run): {peak:.0f} TFLOP/s", flush=True)
     report = {"device": torch.cuda.get_device_name(), "fp8_peak_tflops": peak, "rows": []}
     for n, k in shapes:

@@ -164,13 +164,9 @@ def main() -> int:
         with open(sys.argv[1], "w") as f:
             json.dump(timeline(), f)
         return 0
-    from deepinfer.bench import time_graph_ms
+    from gemm_tiles import fp8_peak_tflops
 
-    size = 8192  # the FP8 peak, as gemm_kloop.py measures it: tensor-wise scaled_mm at 8192^3
-    x = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    ms = time_graph_ms(lambda i: torch._scaled_mm(x, x.t(), one, one, out_dtype=torch.bfloat16), sets=1, reps=20)
-    peak = 2 * size**3 / ms / 1e9
+    peak = fp8_peak_tflops()
     report = {"device": torch.cuda.get_device_name(), "fp8_peak_tflops": peak, "rows": []}
     print(f"FP8 peak (same run): {peak:.0f} TFLOP/s", flush=True)
     shapes = [(4096, n, k) for n, k in PROJECTIONS] + [(8192, 2112, 7168), (512, 4096, 7168)]
