@@ -231,6 +231,7 @@ launch = lambda dtype, tile: gemm._launch_gemm(
 for dtype in (torch.float32, torch.bfloat16):
     outs = [launch(dtype, t) for t in tiles]
     splits = [launch(dtype, gemm.Tile(16, 64, 4, 4, 4, swap=swap)) for swap in (False, True)]  # K spans 2, 2, 1, 0
+    splits.append(launch(dtype, gemm.Tile(16, 64, 4, 4, 8, swap=True)))  # K spans 1, 1, 1, 1, 1, 0, 0, 0
     err = lambda got: float((got.float() - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 1e-2)
     print(dtype, all(torch.equal(outs[0], o) for o in outs[1:]), err(outs[0]), all(map(err, splits)))
 """
@@ -263,7 +264,9 @@ def test_batch_invariant_gemm_never_splits_k(monkeypatch):
             assert tile.split_k == 1 or tile.block_parts, (m, n, k, tile)
             assert tile.swap if m <= 16 else tile.block_m == 64, (m, n, k, tile)
             assert tile.block_parts == (m <= 16 and (n, k) in [(4096, 7168), (2112, 7168)]), (m, n, k, tile)
-        assert gemm._tile(1, n, k, True, False).split_k == (4 if k >= gemm.SPLIT_K_MIN_K else 1)
+        default = gemm._tile(1, n, k, True, False)
+        assert default.split_k == (gemm.SWAPPED_SPLIT_K if k >= gemm.SPLIT_K_MIN_K else 1), (n, k, default)
+        assert default.num_stages <= k // 128, (n, k, default)  # no stage without a K block to hold
 
 
 CUBLAS_PROBE = """
