@@ -1,8 +1,8 @@
 """Where the time of a few-row FP8 ``gemm`` goes (default mode, one CUDA GPU): each V3 projection at a few rows,
-timed two ways from CUDA graphs: one call per graph (what ``deepinfer bench`` reports; it includes the graph's own
-launch), and per call in a graph of ``CHAIN`` calls back to back (as a decode step's graph runs them), beside the
-time its weight takes to stream at the copy bandwidth measured in the same run and the one-call time of a graph of
-one trivial kernel. Up to ``SWAP_MAX_M`` rows, the swapped kernel's split over K is swept (1, 2, 4, 8, 16 spans).
+timed two ways from CUDA graphs: one call per graph (the graph's own launch included), and chained, many calls
+back to back in one graph (``time_graph_ms``'s default, as a decode step's graph runs them), beside the time its
+weight takes to stream at the copy bandwidth measured in the same run and the one-call time of a graph of one trivial
+kernel. Up to ``SWAP_MAX_M`` rows, the swapped kernel's split over K is swept (1, 2, 4, 8, 16 spans).
 
     python3 benchmarks/gemm_small_m.py OUT.json [M,...]     (default 1,16,64)
 """
@@ -19,8 +19,6 @@ from deepinfer.bench import time_graph_ms, time_ms
 from deepinfer.conformance.gemm import V3_PROJECTIONS
 from deepinfer_cuda_sm100 import gemm
 
-CHAIN = 20  # calls per graph in the chained timing, cycling through the SETS weights
-
 
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a 1 GiB device copy (eager, as ``deepinfer bench`` measures it: in a graph
@@ -29,11 +27,6 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda i: dst.copy_(src), "cuda", sets=1)
     return 2 * src.numel() * 2 / (ms * 1e-3)
-
-
-def chained_us(fn) -> float:
-    """Microseconds per call in one graph of ``CHAIN`` calls cycling through the input sets (median of replays)."""
-    return time_graph_ms(lambda _: [fn(j % SETS) for j in range(CHAIN)], sets=1, reps=20) * 1e3 / CHAIN
 
 
 def shape_rows(m: int, n: int, k: int, bandwidth: float) -> list[dict]:
@@ -51,8 +44,8 @@ def shape_rows(m: int, n: int, k: int, bandwidth: float) -> list[dict]:
     rows = []
     for name, fn in sides.items():
         err = rel_err(fn(0), want)
-        us = time_graph_ms(fn, sets=SETS, reps=50) * 1e3
-        chained = chained_us(fn)
+        us = time_graph_ms(fn, sets=SETS, reps=50, chain_below_ms=None) * 1e3
+        chained = time_graph_ms(fn, sets=SETS, reps=50) * 1e3
         rows.append({"M": m, "N": n, "K": k, "side": name, "us": us, "chained_us": chained, "floor_us": floor_us,
                      "rel_err": err})  # fmt: skip
         print(f"M={m} (N, K)=({n}, {k}) {name}: {us:.1f} us alone, {chained:.1f} us chained (weight at copy "
@@ -64,7 +57,7 @@ def main() -> int:
     rows = [int(m) for m in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 16, 64]
     bandwidth = copy_bandwidth()
     x = torch.zeros(1, device="cuda")
-    trivial = time_graph_ms(lambda i: x.add_(1), sets=1, reps=50) * 1e3
+    trivial = time_graph_ms(lambda i: x.add_(1), sets=1, reps=50, chain_below_ms=None) * 1e3
     print(f"copy bandwidth (same run): {bandwidth / 1e9:.0f} GB/s; a graph of one trivial kernel: {trivial:.1f} us",
           flush=True)  # fmt: skip
     report = {"device": torch.cuda.get_device_name(), "copy_gb_s": bandwidth / 1e9, "trivial_graph_us": trivial,

@@ -6,8 +6,9 @@ time is set against a roofline built from ceilings measured in the same run: a d
 bandwidth, large bf16 and FP8 matrix products for compute. The peer (a torch-native way to do the same work) is
 timed the same way on the same inputs. On CUDA each is timed twice: eagerly (events around the Python call, so
 host-side validation and launch costs count when they exceed the kernel's time) and replayed from a CUDA graph (the
-device time alone, as a decode step replayed from a graph sees it); throughput and roofline use the graph time
-where the work could be captured.
+device time alone, as a decode step replayed from a graph sees it: short calls chained in one graph, so that the
+graph's own launch is not counted; ``time_graph_ms``); throughput and roofline use the graph time where the work
+could be captured.
 """
 
 from __future__ import annotations
@@ -102,26 +103,44 @@ def time_ms(fn: Callable[[int], Any], device: str, *, sets: int, warmup: int = 3
     return statistics.median(times)
 
 
-def time_graph_ms(fn: Callable[[int], Any], *, sets: int, reps: int = 30) -> float | None:
-    """Median milliseconds of ``fn(i)`` replayed from CUDA graphs (one per input set, captured after a warm-up on a
-    side stream): device time without host launch costs. None when ``fn`` cannot be captured (it synchronises)."""
+GRAPH_CHAIN_MS = 0.5  # calls shorter than this are timed chained in one graph, enough of them to last this long
+MAX_GRAPH_CHAIN = 64
+
+
+def time_graph_ms(
+    fn: Callable[[int], Any], *, sets: int, reps: int = 30, chain_below_ms: float | None = GRAPH_CHAIN_MS
+) -> float | None:
+    """Median milliseconds per call of ``fn(i)`` replayed from CUDA graphs (captured after a warm-up on a side
+    stream): device time without host launch costs. A graph replayed on an idle device also waits for its own launch
+    (one trivial kernel took 15.6-17.2 us that way on the H200), so a call shorter than ``chain_below_ms`` is timed
+    chained, as a decode step's graph runs it: one graph of up to ``MAX_GRAPH_CHAIN`` calls back to back, cycling
+    through the input sets, its time divided by its calls. ``chain_below_ms=None``: one call per graph, launch
+    included. None when ``fn`` cannot be captured (it synchronises)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    graphs = []
+
+    def capture(calls: list[int]) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in calls:
+                fn(i)
+        return graph
+
     try:
         with torch.cuda.stream(stream):
             for i in range(sets):
                 fn(i)
         torch.cuda.current_stream().wait_stream(stream)
-        for i in range(sets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn(i)
-            graphs.append(graph)
+        graphs = [capture([i]) for i in range(sets)]
     except Exception:  # capture refused (a host synchronisation inside): report eager time only
         torch.cuda.synchronize()
         return None
-    return time_ms(lambda i: graphs[i].replay(), "cuda", sets=sets, reps=reps)
+    alone = time_ms(lambda i: graphs[i].replay(), "cuda", sets=sets, reps=reps)
+    if chain_below_ms is None or alone >= chain_below_ms:
+        return alone
+    calls = min(MAX_GRAPH_CHAIN, math.ceil(chain_below_ms / alone) * 4)  # alone includes the launch: overshoot
+    chained = capture([j % sets for j in range(calls)])
+    return time_ms(lambda i: chained.replay(), "cuda", sets=1, reps=reps) / calls
 
 
 def measure_ceilings(device: str, quick: bool) -> dict[str, float]:
