@@ -318,7 +318,7 @@ MIN_COLUMN_TILES = 40  # unsplit tiles narrow until N gives this many (about a t
 DEEP_K = 4096  # 64 x 128 tiles of products this deep keep 4 K blocks in flight, not 3 (benchmarks/gemm_kloop.py)
 SWAP_MAX_M = 16  # FP8 products of at most this many rows swap their operands (benchmarks/gemm_swap_ab.py) ...
 SWAPPED_TILE = Tile(16, 64, 4, 6, swap=True)  # ... 64 weight rows by 16 of A; the same bits as the 64-row tiles
-SWAPPED_SPLIT_K = 8  # default-mode spans of a split swapped product: 1.04-1.16x four at K >= 7168 (gemm_small_m.py)
+SWAPPED_SPLIT_K = 8  # default-mode spans of a split swapped product: 1.02-1.17x four at K >= 7168 (gemm_small_m.py)
 # Batch-invariant swapped products split long K all the same where the unsplit tiles would give at most this share
 # of the SMs a program: the K blocks' products are computed in parallel, then scaled and added in K order by a second
 # kernel, the unsplit arithmetic (``benchmarks/gemm_block_parts.py``)
@@ -352,7 +352,7 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
         split = k >= SPLIT_K_MIN_K and programs < FILL_WAVES * num_sms()
         if invariant:
             split = split and programs <= BLOCK_PARTS_MAX_SHARE * num_sms()
-        if not split:  # no more stages than K blocks: spare ones only take the shared memory of programs
+        if not split:  # no more stages than K blocks: a spare stage only takes shared memory other programs could use
             return SWAPPED_TILE._replace(num_stages=min(SWAPPED_TILE.num_stages, triton.cdiv(k, FP8_BLOCK)))
         spans = 4 if invariant else SWAPPED_SPLIT_K
         return SWAPPED_TILE._replace(num_stages=4, split_k=spans, block_parts=invariant)
