@@ -41,12 +41,13 @@ def main() -> int:
     one = torch.ones((), device="cuda")
     cases = {"peak 8192^3 tensor-wise": (lambda: torch._scaled_mm(x, x.t(), one, one, out_dtype=torch.bfloat16),
                                          2 * 8192**3)}  # fmt: skip
+    cublas = lambda a, w: gemm.gemm_fp8_cublas(a, w, out_dtype=torch.bfloat16, bias=None)
     for m, n, k, name, fn in (
         (4096, 32768, 512, "gluon", gemm_gluon.launch),
         (8192, 32768, 512, "gluon", gemm_gluon.launch),
-        (4096, 2112, 7168, "cublas", lambda a, w: gemm.gemm_fp8_cublas(a, w, out_dtype=torch.bfloat16, bias=None)),
-        (3968, 2112, 7168, "cublas", lambda a, w: gemm.gemm_fp8_cublas(a, w, out_dtype=torch.bfloat16, bias=None)),
-        (8192, 2112, 7168, "cublas", lambda a, w: gemm.gemm_fp8_cublas(a, w, out_dtype=torch.bfloat16, bias=None)),
+        (4096, 2112, 7168, "cublas", cublas),
+        (3968, 2112, 7168, "cublas", cublas),
+        (8192, 2112, 7168, "cublas", cublas),
     ):
         a, w = inputs(m, n, k, seed=m + n)
         cases[f"{name} M={m} (N, K)=({n}, {k})"] = (lambda a=a[0], w=w[0], fn=fn: fn(a, w), 2 * m * n * k)

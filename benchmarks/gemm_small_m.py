@@ -15,18 +15,9 @@ import sys
 import torch
 from gemm_tiles import SETS, inputs, rel_err
 
-from deepinfer.bench import time_graph_ms, time_ms
+from deepinfer.bench import measure_ceilings, time_graph_ms
 from deepinfer.conformance.gemm import V3_PROJECTIONS
 from deepinfer_cuda_sm100 import gemm
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device copy (eager, as ``deepinfer bench`` measures it: in a graph
-    the copy becomes a copy-engine node, which is slower)."""
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda i: dst.copy_(src), "cuda", sets=1)
-    return 2 * src.numel() * 2 / (ms * 1e-3)
 
 
 def shape_rows(m: int, n: int, k: int, bandwidth: float) -> list[dict]:
@@ -55,7 +46,7 @@ def shape_rows(m: int, n: int, k: int, bandwidth: float) -> list[dict]:
 
 def main() -> int:
     rows = [int(m) for m in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 16, 64]
-    bandwidth = copy_bandwidth()
+    bandwidth = measure_ceilings("cuda", quick=False)["copy_GBps"] * 1e9  # as ``deepinfer bench`` measures it
     x = torch.zeros(1, device="cuda")
     trivial = time_graph_ms(lambda i: x.add_(1), sets=1, reps=50, chain_below_ms=None) * 1e3
     print(f"copy bandwidth (same run): {bandwidth / 1e9:.0f} GB/s; a graph of one trivial kernel: {trivial:.1f} us",

@@ -20,16 +20,15 @@ from gemm_tiles import SETS, fp8_peak_tflops, inputs, rel_err
 
 from deepinfer.bench import time_graph_ms
 from deepinfer_cuda_sm100 import gemm
-
-SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+from deepinfer_cuda_sm100._triton import num_sms
 
 
 def whole_waves(m: int, n: int, tile: int = 128) -> int:
     """The most rows, a multiple of ``tile``, whose ``tile`` x ``tile`` tiles fit in the whole waves of ``m`` rows'
     tiles (4 waves at 4096 x 2112: 3968 rows)."""
-    grid_n = -(-n // tile)
-    waves = -(-m // tile) * grid_n // SMS
-    return waves * SMS // grid_n * tile
+    sms, grid_n = num_sms(), -(-n // tile)
+    waves = -(-m // tile) * grid_n // sms
+    return waves * sms // grid_n * tile
 
 
 def cublas_into(a, w, out: torch.Tensor) -> torch.Tensor:

@@ -155,6 +155,15 @@ def timeline(m: int = 4096, n: int = 32768, k: int = 512, tiles: int = 10, skip:
     return {"stamps": stamps, "stores": stores, **summary}
 
 
+def _option(args: list[str], flag: str) -> str | None:
+    """The value after ``flag`` in ``args``, both taken out of it; None without the flag."""
+    if flag not in args:
+        return None
+    value = args.pop(args.index(flag) + 1)
+    args.remove(flag)
+    return value
+
+
 def main() -> int:
     if sys.argv[1:] == ["--compile"]:
         for name in VARIANTS:
@@ -173,16 +182,12 @@ def main() -> int:
     variants = VARIANTS
     if sys.argv[2:3] == ["sweep"]:  # over row counts, where ``gemm`` takes the kernel
         args = sys.argv[3:]
-        if "--rev" in args:
-            rev = args.pop(args.index("--rev") + 1)
-            args.remove("--rev")
+        if rev := _option(args, "--rev"):
             from ab_against_git import module_at
 
             variants = VARIANTS | {f"resident 5st at {rev}": module_at(rev, "gemm_gluon").launch}
         projections = [(n, k) for n, k in PROJECTIONS if k <= MAX_K]
-        if "--shapes" in args:
-            given = args.pop(args.index("--shapes") + 1)
-            args.remove("--shapes")
+        if given := _option(args, "--shapes"):
             projections = [tuple(int(d) for d in shape.split("x")) for shape in given.split(",")]
         rows = [int(m) for m in args[0].split(",")] if args else [1024, 2048, 4096, 8192, 16384]
         shapes = [(m, n, k) for n, k in projections for m in rows]
