@@ -2,9 +2,7 @@
 timed two ways from CUDA graphs: one call per graph (the graph's own launch included), and chained, many calls
 back to back in one graph (``time_graph_ms``'s default, as a decode step's graph runs them), beside the time its
 weight takes to stream at the copy bandwidth measured in the same run and the one-call time of a graph of one trivial
-kernel. Up to ``SWAP_MAX_M`` rows, the swapped kernel's split over K is swept (1, 2, 4, 8, 16 spans). Where the
-default launch splits K, it is also timed with its partials added by ``_sum_splits_kernel`` instead of in the kernel
-(``SUM_IN_KERNEL``), and with no sum at all (the split kernel alone: a bound, its result not a product).
+kernel. Up to ``SWAP_MAX_M`` rows, the swapped kernel's split over K is swept (1, 2, 4, 8, 16 spans).
 
     python3 benchmarks/gemm_small_m.py OUT.json [M,...]     (default 1,16,64)
 """
@@ -27,24 +25,16 @@ def shape_rows(m: int, n: int, k: int, bandwidth: float) -> list[dict]:
     a, w = inputs(m, n, k, seed=m + n + k)
     want = a[0].dequantize() @ w[0].dequantize().t()
     floor_us = (n * k + w[0].scale.numel() * 4) / bandwidth * 1e6
-    default = lambda i: gemm.gemm_fp8(a[i], w[i], out_dtype=torch.bfloat16, bias=None)
-    sides = {"default": default}
-    tile = gemm._tile(m, n, k, True, False)
-    if tile.swap and tile.split_k > 1:
-        sides["default, sum kernel"] = with_settings(default, SUM_IN_KERNEL=False)
-        sides["split kernel alone"] = with_settings(default, SUM_IN_KERNEL=False, _sum_splits_kernel=NO_LAUNCH)
+    sides = {"default": lambda i: gemm.gemm_fp8(a[i], w[i], out_dtype=torch.bfloat16, bias=None)}
     if m <= gemm.SWAP_MAX_M:
         for split in (1, 2, 4, 8, 16):
             tile = gemm.SWAPPED_TILE._replace(num_stages=4, split_k=split)
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             sides[f"swapped split {split}"] = lambda i, t=tile, out=out: gemm._launch_gemm(
                 a[i].data, w[i].data, out, a[i].scale, w[i].scale, None, False, t)  # fmt: skip
-    rows, bits = [], sides["default"](0).clone()
+    rows = []
     for name, fn in sides.items():
-        got = fn(0)
-        err = rel_err(got, want) if name != "split kernel alone" else float("nan")
-        if name == "default, sum kernel":
-            err = err if torch.equal(got, bits) else float("inf")  # the same bits as the sum in the kernel, or inf
+        err = rel_err(fn(0), want)
         us = time_graph_ms(fn, sets=SETS, reps=50, chain_below_ms=None) * 1e3
         chained = time_graph_ms(fn, sets=SETS, reps=50) * 1e3
         rows.append({"M": m, "N": n, "K": k, "side": name, "us": us, "chained_us": chained, "floor_us": floor_us,
@@ -52,30 +42,6 @@ def shape_rows(m: int, n: int, k: int, bandwidth: float) -> list[dict]:
         print(f"M={m} (N, K)=({n}, {k}) {name}: {us:.1f} us alone, {chained:.1f} us chained (weight at copy "
               f"bandwidth {floor_us:.1f} us: {floor_us / chained:.0%}), rel err {err:.1e}", flush=True)  # fmt: skip
     return rows
-
-
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
-NO_LAUNCH = _NoLaunch()
-
-
-def with_settings(fn, **settings):
-    """``fn`` with ``gemm``'s module names set to ``settings`` while it runs (its launches read them then)."""
-
-    def call(i):
-        saved = {name: getattr(gemm, name) for name in settings}
-        for name, value in settings.items():
-            setattr(gemm, name, value)
-        try:
-            return fn(i)
-        finally:
-            for name, value in saved.items():
-                setattr(gemm, name, value)
-
-    return call
 
 
 def main() -> int:

@@ -121,7 +121,7 @@ def time_graph_ms(
 
     def capture(calls: list[int]) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: what a backend keeps per stream is ready
+        with torch.cuda.graph(graph):
             for i in calls:
                 fn(i)
         return graph

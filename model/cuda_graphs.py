@@ -85,7 +85,7 @@ class DecodeGraphs:
                         self._forward(b)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):  # the warm-up's: per-stream state is ready
+                with torch.cuda.graph(graph, pool=pool):
                     self.logits[b], self.greedy[b] = self._forward(b)
                 pool = graph.pool()
                 self.graphs[b] = graph

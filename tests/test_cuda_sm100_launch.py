@@ -126,13 +126,13 @@ def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
         ),
         "_gemm_swapped_kernel": order(
             gemm._gemm_swapped_kernel,
-            [*fp8_operands[:2], "*fp32", *fp8_operands[3:], "*bf16"] + ["i32"] * 6 + ["*bf16", "i32", "*i32"],
-            {**tile, "HAS_BIAS": False, "SPLIT_K": 8, "BLOCK_PARTS": False, "SUM_LAST": True},
+            [*fp8_operands, "*bf16"] + ["i32"] * 6,
+            {**tile, "HAS_BIAS": False, "SPLIT_K": 4, "BLOCK_PARTS": False},
         ),
         "_gemm_swapped_kernel, block parts": order(
             gemm._gemm_swapped_kernel,
-            [*fp8_operands, "*fp32"] + ["i32"] * 6 + ["*bf16", "i32", "*bf16"],
-            {**tile, "HAS_BIAS": False, "SPLIT_K": 4, "BLOCK_PARTS": True, "SUM_LAST": False},
+            [*fp8_operands, "*fp32"] + ["i32"] * 6,
+            {**tile, "HAS_BIAS": False, "SPLIT_K": 4, "BLOCK_PARTS": True},
         ),
         "_chain_blocks_kernel": order(
             gemm._chain_blocks_kernel,
@@ -141,10 +141,8 @@ def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
         ),
         "_gemm_swapped_kernel, TMA": order(
             gemm._gemm_swapped_kernel,
-            ["tensordesc<fp8e4nv[16, 128]>", "tensordesc<fp8e4nv[64, 128]>", *fp8_operands[2:], "*bf16"]
-            + ["i32"] * 6
-            + ["*bf16", "i32", "*bf16"],
-            {**tile, "TMA": True, "HAS_BIAS": False, "SPLIT_K": 1, "BLOCK_PARTS": False, "SUM_LAST": False},
+            ["tensordesc<fp8e4nv[16, 128]>", "tensordesc<fp8e4nv[64, 128]>", *fp8_operands[2:], "*bf16"] + ["i32"] * 6,
+            {**tile, "TMA": True, "HAS_BIAS": False, "SPLIT_K": 1, "BLOCK_PARTS": False},
         ),
         "_grouped_masked_swapped_kernel": order(
             gemm._grouped_masked_swapped_kernel,

@@ -216,9 +216,6 @@ def _gemm_swapped_kernel(
     stride_am,
     stride_bn,
     stride_cm,
-    out_ptr,
-    stride_om,
-    arrivals_ptr,
     TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     FP32_DOT: tl.constexpr,
@@ -227,7 +224,6 @@ def _gemm_swapped_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_PARTS: tl.constexpr,
-    SUM_LAST: tl.constexpr,
 ):
     """``_gemm_kernel``'s FP8 product for a few rows, with the operands swapped: each program computes the
     [BLOCK_N, BLOCK_M] tile of C^T = B A^T, so the weight's rows fill the tensor cores' 64 or 128 rows and A's few
@@ -237,11 +233,7 @@ def _gemm_swapped_kernel(
 
     BLOCK_PARTS: the K blocks' products, unscaled, each stored at ``C + block * M * N`` (fp32) for
     ``_chain_blocks_kernel``, which scales and adds them in K order: the unsplit arithmetic, with K spread over
-    programs.
-
-    SUM_LAST: the K spans' partials are added here instead of by ``_sum_splits_kernel``: each program counts its
-    tile's arrival in ``arrivals_ptr[tile]`` (zero before the launch) and the tile's last program adds the partials
-    in split order into ``out`` (+ bias), as that kernel does, and sets the count back to zero."""
+    programs."""
     pdl_wait()
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -260,26 +252,15 @@ def _gemm_swapped_kernel(
                                pid_n * BLOCK_N, offs_n, mask_n, stride_bn, pid_n * BLOCK_N // BLOCK_K,
                                split * k_span, tl.minimum(K, (split + 1) * k_span), K, TMA, FP32_DOT, BLOCK_M,
                                BLOCK_N, BLOCK_K)  # fmt: skip
-        mask = mask_n[:, None] & mask_m[None, :]
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            tl.store(c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None], cast(acc, c_ptr.dtype.element_ty), mask)
-        else:
-            parts = c_ptr + offs_m[None, :] * N + offs_n[:, None]
-            tl.store(parts + split.to(tl.int64) * M * N, acc, mask=mask)
-            if SUM_LAST:
-                tile = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n
-                tl.debug_barrier()  # every thread's partials stored before the count is released
-                if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                    acc = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
-                    for s in tl.static_range(1, SPLIT_K):
-                        acc += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                    if HAS_BIAS:
-                        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-                    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
-                             cast(acc, out_ptr.dtype.element_ty), mask)  # fmt: skip
-                    tl.atomic_xchg(tile, 0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if SPLIT_K > 1:
+            c_ptr += split.to(tl.int64) * M * N
+        tl.store(
+            c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None],
+            cast(acc, c_ptr.dtype.element_ty),
+            mask=mask_n[:, None] & mask_m[None, :],
+        )
 
 
 @triton.jit
@@ -424,16 +405,13 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     target = torch.empty(parts, m, n, dtype=torch.float32, device=out.device) if split_out else out
     dummy = out
     tma = tma_ready(a, b)
-    grid_n, grid_m = triton.cdiv(n, tile.block_n), triton.cdiv(m, block_m)
-    summed_here = tile.swap and split > 1 and not tile.block_parts
-    arrivals = _arrival_counts(out.device, grid_n * grid_m) if summed_here else None
     args = (
         TensorDescriptor.from_tensor(a, [block_m, block_k]) if tma else a,
         TensorDescriptor.from_tensor(b, [tile.block_n, block_k]) if tma else b,
         target,
         a_scale if fp8 else dummy,
         b_scale if fp8 else dummy,
-        bias if bias is not None else dummy,
+        bias if bias is not None and target is out else dummy,
         m,
         n,
         k,
@@ -443,6 +421,7 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     )
     launch = dict(
         TMA=tma,
+        HAS_BIAS=bias is not None and target is out,
         FP32_DOT=INTERPRET,
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
@@ -453,14 +432,12 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
         enable_fp_fusion=True,  # one FFMA per scaled block: cuBLAS's bits (Triton 3.10 turns fusion off by default)
     )
     if tile.swap:
-        _gemm_swapped_kernel[(grid_n, grid_m, split)](
-            *args, out, out.stride(0), arrivals if arrivals is not None else dummy, **launch,
-            HAS_BIAS=bias is not None, BLOCK_PARTS=tile.block_parts, SUM_LAST=arrivals is not None, launch_pdl=PDL,
-        )  # fmt: skip
+        _gemm_swapped_kernel[(triton.cdiv(n, tile.block_n), triton.cdiv(m, block_m), split)](
+            *args, **launch, BLOCK_PARTS=tile.block_parts, launch_pdl=PDL
+        )
     else:
-        _gemm_kernel[(grid_m * grid_n, split)](
+        _gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n), split)](
             *args,
-            HAS_BIAS=bias is not None and target is out,
             FP8=fp8,
             TF32X3=tile.tf32x3 and not INTERPRET,  # the interpreter's fp32 path multiplies in fp32
             GROUP_M=8,
@@ -474,7 +451,7 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
             KB=parts, HAS_BIAS=bias is not None, BLOCK=block, num_warps=warps, enable_fp_fusion=True,
             launch_pdl=PDL,
         )  # fmt: skip
-    elif target is not out and arrivals is None:
+    elif target is not out:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             target,
@@ -489,28 +466,6 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
             launch_pdl=PDL,
         )
     return out
-
-
-SUM_IN_KERNEL = True  # split swapped products add their K spans' partials in the kernel (last program per tile)
-_ARRIVALS: dict[tuple[int, int], torch.Tensor] = {}
-ARRIVAL_SLOTS = 4096
-
-
-def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """Zeroed int32 counts, one per output tile, for ``_gemm_swapped_kernel``'s ``SUM_LAST``; None where the split's
-    partials take ``_sum_splits_kernel`` instead (switched off, too many tiles, or a stream first seen in a CUDA graph
-    capture, where no lasting tensor can be made). Each launch leaves them at zero again. One set per stream: launches
-    on one stream run one after another, so they never share a count (graphs captured on one stream share its set, so
-    they must not be replayed concurrently, like cuBLAS's per-stream workspace)."""
-    if not SUM_IN_KERNEL or tiles > ARRIVAL_SLOTS:
-        return None
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.index or 0, stream)
-    if key not in _ARRIVALS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _ARRIVALS[key] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
-    return _ARRIVALS[key]
 
 
 def _as_fp8(a, w: QTensor) -> QTensor:
