@@ -29,14 +29,15 @@ def _compile(kv_format: str, direct: bool, halves: bool):
     signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "n_splits"), "i32")
     constants = {"PAGE": 64, "SPLIT": 1024, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK, "DIRECT": direct}
-    constants |= {"HALVES": halves, "EARLY": mla_gluon.EARLY_SCORES} | mla_gluon.registers(fp8, halves)
+    constants["HALVES"] = halves
     if fp8:  # the rope part by TMA from the records seen as bf16, the latent dequantised by the kernel
         signature["rope_desc"] = _descriptor(torch.empty(4096, 328, dtype=torch.bfloat16), 64)
-        constants |= {"lat_desc": None, "WIDTH": 656}
+        constants |= {"lat_desc": None, "WIDTH": 656, "RIGHT_REGS": mla_gluon.FP8_RIGHT_REGS}
+        constants |= {"FILL_REGS": mla_gluon.FP8_FILL_REGS}
     else:
         records = torch.empty(4096, 576, dtype=torch.bfloat16)
         signature |= {"lat_desc": _descriptor(records, 256), "rope_desc": _descriptor(records, 64)}
-        constants["WIDTH"] = 576
+        constants |= {"WIDTH": 576, "RIGHT_REGS": mla_gluon.RIGHT_REGS, "FILL_REGS": 0}
     options = {"num_warps": 4, "enable_fp_fusion": True}
     return compile_sm90(mla_gluon._mla_split_kernel, signature, constants, options)
 

@@ -51,10 +51,7 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=
 # and ``gl.thread_barrier``; later versions ``tma.async_load`` and ``gl.barrier``, and refuse the old names.
 TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
-# registers per thread of each warpgroup multiplying P by a latent half (its [64, 256] fp32 accumulator takes 128):
-# one such warpgroup (``HALVES``) / two (the first then keeps 184; both compiled without spills)
-VALUES_REGS, TWO_VALUES_REGS = 192, 160
-EARLY_SCORES = False
+RIGHT_REGS = 192  # registers per thread of the second warpgroup (its [64, 256] fp32 accumulator takes 128)
 GROUP = gl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
 # the rope part's first column in an fp8_ds_mla record (after the e4m3 latent and its fp32 scales), bf16 units
 ROPE_AT = gl.constexpr((L.value + 4 * (L.value // FP8_GROUP)) // 2)
@@ -260,28 +257,16 @@ def _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, c
 
 
 @gluon.jit
-def _publish(p, alpha, p_s, a_s, p_ready, p_free, i):
-    """P_i and its row factor into shared memory for the warpgroups that multiply P by the latent, once they are done
-    with P_{i-1}."""
-    mbarrier.wait(p_free, (i & 1) ^ 1)
-    p_s.store(p.to(gl.bfloat16))
-    a_s.store(alpha)
-    fence_async_shared()
-    mbarrier.arrive(p_ready, count=1)
-
-
-@gluon.jit
-def _scores_softmax(
+def _scores_softmax_left(
     q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
     cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits,
-    PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr, LEFT: gl.constexpr, EARLY: gl.constexpr,
+    PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr, HALVES: gl.constexpr,
 ):  # fmt: skip
-    """The first warpgroup: S = Q K^T of each block and its softmax; P_i and its row factor published to the
-    warpgroups that multiply P by the latent. S_{i+1} is issued before P_i is published, so that it reaches the tensor
-    cores ahead of P_i x V_i and this softmax overlaps those products. At the end, 1 / l for them, and the lse.
-
-    ``LEFT`` (fp8_ds_mla, where a third warpgroup fills the stages and no fourth fits): this warpgroup also
-    multiplies P_i by the left latent half, with S_{i+1} issued behind it, and stores that half of the output."""
+    """The first warpgroup. Block i: softmax of S_i; P_i and its row factor published to the second warpgroup;
+    P_i x V_i[:, :256] issued and S_{i+1} behind it; then, with a bf16 cache, the stage's left half refilled with
+    block i + 2 (the second warpgroup refills the rest; with fp8_ds_mla the third warpgroup fills every stage). At the
+    end, 1 / l for the second warpgroup, then this half of the output and the lse. With ``HALVES`` P x V is all the
+    second warpgroup's, and so are the refills: this one only computes S, the softmax and the lse."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N  # whole blocks: a span starts on a block boundary, a block lies in one page
     tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
@@ -293,15 +278,26 @@ def _scores_softmax(
     s = warpgroup_mma_wait(0, deps=[s])
     for i in range(n_blocks):
         stage = i % 2
+        if not FP8 and not HALVES:
+            refill_row = _block_row(table_row, start, i + 2, full, PAGE)  # loaded early, used after the products
         s = gl.where(gl.expand_dims(start + i * BLOCK_N + tokens < end, 0), s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         p = gl.exp2(s - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
+        mbarrier.wait(p_free, (i & 1) ^ 1)  # the second warpgroup is done with P_{i-1}
+        p_s.store(p.to(gl.bfloat16))
+        a_s.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
         nxt = i + 1
-        if LEFT:
-            _publish(p, alpha, p_s, a_s, p_ready, p_free, i)
+        if HALVES:
+            if nxt < n_blocks:
+                s = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
+                                  start, end, nxt, full, PAGE, WIDTH, FP8)  # fmt: skip
+                s = warpgroup_mma_wait(0, deps=[s])
+        else:
             alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
             pv = warpgroup_mma(p_s, c0_s.index(stage), o * alpha_o, is_async=True)
             if nxt < n_blocks:
@@ -310,21 +306,8 @@ def _scores_softmax(
                 o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
             else:
                 o = warpgroup_mma_wait(0, deps=[pv])
-        elif nxt < n_blocks:
-            # a bf16 cache's partial last block is gathered into the stage that P_{i-1} x V_{i-1} read: only once
-            # P_{i-1} is released (the others' stages are guarded by their copies' barriers)
-            gathered = not EARLY
-            if not FP8 and EARLY:
-                gathered = nxt >= full
-            if gathered:
-                _publish(p, alpha, p_s, a_s, p_ready, p_free, i)
-            s_next = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
-                                   start, end, nxt, full, PAGE, WIDTH, FP8)  # fmt: skip
-            if not gathered:
-                _publish(p, alpha, p_s, a_s, p_ready, p_free, i)
-            s = warpgroup_mma_wait(0, deps=[s_next])
-        else:
-            _publish(p, alpha, p_s, a_s, p_ready, p_free, i)
+            if not FP8:  # this warpgroup is done with the left half: block i + 2's comes now
+                _load_left(lat_desc, left_ready, c0_s, stage, refill_row, i + 2 < full)
         if FP8:
             mbarrier.arrive(kv_free.index(stage), count=1)
     mbarrier.wait(p_free, (n_blocks & 1) ^ 1)
@@ -332,7 +315,7 @@ def _scores_softmax(
     mbarrier.arrive(p_ready, count=1)
 
     part, hmask = _part_rows(row, pid_h, split, H, n_splits)
-    if LEFT:
+    if not HALVES:
         inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_LAYOUT)), 1)
         _store_half(part_out_ptr, o, inv_l, part, hmask, 0)
     lse = (m_i + gl.log2(l_i)) / LOG2E  # natural log (with HALVES both programs store the same values)
@@ -340,13 +323,13 @@ def _scores_softmax(
 
 
 @gluon.jit
-def _values(p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc, rope_desc,
-            table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE: gl.constexpr,
-            FP8: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
-    """A warpgroup multiplying each P_i by latent half ``half`` of V_i once P_i and its row factor are published. With
-    a bf16 cache it then refills what it alone still reads of the stage with block i + 2 (S_i was done before P_i
-    existed): its own latent half, and for the right half the rope part too; with ``HALVES`` the whole stage. At the
-    end, this half of the output scaled by the 1 / l the first warpgroup publishes last."""
+def _right(p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc, rope_desc,
+           table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE: gl.constexpr,
+           FP8: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
+    """The second warpgroup: P_i x V_i[:, 256:] for each block once P_i and its row factor are published; then, with a
+    bf16 cache, the stage's right half and rope part refilled with block i + 2 (S_i is done before P_i exists). At
+    the end, this half of the output scaled by the 1 / l the first warpgroup publishes last. With ``HALVES``: latent
+    half ``half`` instead of the right one, and the whole stage refilled."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N
     o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
@@ -355,20 +338,19 @@ def _values(p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_read
             refill_row = _block_row(table_row, start, i + 2, full, PAGE)
         mbarrier.wait(p_ready, i & 1)
         alpha = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
-        if half == 0:
+        if not HALVES:
+            o = warpgroup_mma(p_s, c1_s.index(i % 2), o * alpha)
+        elif half == 0:
             o = warpgroup_mma(p_s, c0_s.index(i % 2), o * alpha)
         else:
             o = warpgroup_mma(p_s, c1_s.index(i % 2), o * alpha)
         mbarrier.arrive(p_free, count=1)
         if FP8:
             mbarrier.arrive(kv_free.index(i % 2), count=1)
-        elif HALVES:
-            _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i % 2, refill_row, i + 2 < full)
-            _load_left(lat_desc, left_ready, c0_s, i % 2, refill_row, i + 2 < full)
-        elif half == 0:
-            _load_left(lat_desc, left_ready, c0_s, i % 2, refill_row, i + 2 < full)
         else:
             _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i % 2, refill_row, i + 2 < full)
+            if HALVES:
+                _load_left(lat_desc, left_ready, c0_s, i % 2, refill_row, i + 2 < full)
     mbarrier.wait(p_ready, n_blocks & 1)
     inv_l = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
     part, hmask = _part_rows(row, pid_h, split, H, n_splits)
@@ -402,7 +384,6 @@ def _mla_split_kernel(
     CHUNK: gl.constexpr,
     DIRECT: gl.constexpr,
     HALVES: gl.constexpr,
-    EARLY: gl.constexpr,
 ):
     """``attention._mla_split_kernel``'s contract (one (query row, 64 heads, KV split) per program). Launched with 4
     warps, to which the second warpgroup adds 4, and with ``FP8`` (an fp8_ds_mla cache at ``cache_ptr``, bytes;
@@ -458,7 +439,7 @@ def _mla_split_kernel(
         mbarrier.init(left_ready.index(i), count=1)
         mbarrier.init(kv_free.index(i), count=2)  # fp8 only: both warpgroups release it
     mbarrier.init(p_ready, count=1)
-    mbarrier.init(p_free, count=1 if FP8 or HALVES else 2)  # released by each warpgroup that multiplies P
+    mbarrier.init(p_free, count=1)
 
     table_row = table_ptr + b.to(gl.int64) * stride_table
     if not FP8:
@@ -474,49 +455,32 @@ def _mla_split_kernel(
     if FP8:
         gl.warp_specialize(
             [
-                (_scores_softmax,
+                (_scores_softmax_left,
                  (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
                   lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
-                  split, H, n_splits, PAGE, WIDTH, FP8, not HALVES, EARLY)),
-                (_values, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
-                           rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
-                           FP8, HALVES)),
+                  split, H, n_splits, PAGE, WIDTH, FP8, HALVES)),
+                (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
+                          rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
+                          FP8, HALVES)),
                 (_dequantize_fp8, (cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready,
                                    left_ready, kv_free, PAGE, WIDTH, CHUNK)),
             ],
             [4, 4],
             [RIGHT_REGS, FILL_REGS],
         )  # fmt: skip
-    elif HALVES:
-        gl.warp_specialize(
-            [
-                (_scores_softmax,
-                 (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
-                  lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
-                  split, H, n_splits, PAGE, WIDTH, FP8, False, EARLY)),
-                (_values, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
-                           rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
-                           FP8, HALVES)),
-            ],
-            [4],
-            [RIGHT_REGS],
-        )  # fmt: skip
     else:
         gl.warp_specialize(
             [
-                (_scores_softmax,
+                (_scores_softmax_left,
                  (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
                   lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
-                  split, H, n_splits, PAGE, WIDTH, FP8, False, EARLY)),
-                (_values, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
-                           rope_desc, table_row, part_out_ptr, start, end, row, pid_h, 0, split, H, n_splits, PAGE,
-                           FP8, HALVES)),
-                (_values, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
-                           rope_desc, table_row, part_out_ptr, start, end, row, pid_h, 1, split, H, n_splits, PAGE,
-                           FP8, HALVES)),
+                  split, H, n_splits, PAGE, WIDTH, FP8, HALVES)),
+                (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
+                          rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
+                          FP8, HALVES)),
             ],
-            [4, 4],
-            [RIGHT_REGS, RIGHT_REGS],
+            [4],
+            [RIGHT_REGS],
         )  # fmt: skip
 
 
@@ -536,13 +500,6 @@ def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format:
     )
 
 
-def registers(fp8: bool, halves: bool) -> dict[str, int]:
-    """The kernel's register split between its warpgroups for a cache format and ``HALVES``."""
-    if fp8:
-        return {"RIGHT_REGS": FP8_RIGHT_REGS, "FILL_REGS": FP8_FILL_REGS}
-    return {"RIGHT_REGS": VALUES_REGS if halves else TWO_VALUES_REGS, "FILL_REGS": 0}
-
-
 def launch_split(
     q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page, halves=False
 ) -> None:
@@ -553,13 +510,15 @@ def launch_split(
     descriptor = lambda cols: TensorDescriptor.from_tensor(
         bf16, [n, cols], gl.NVMMASharedLayout.get_default_for([n, cols], gl.bfloat16)
     )
-    # the latent of an fp8_ds_mla cache is dequantised by the kernel; TMA copies bring the rope part only
-    descriptors = (None, descriptor(R.value)) if fp8 else (descriptor(LH.value), descriptor(R.value))
+    if fp8:  # the latent is dequantised by the kernel; TMA copies bring the rope part only
+        descriptors, regs = (None, descriptor(R.value)), {"RIGHT_REGS": FP8_RIGHT_REGS, "FILL_REGS": FP8_FILL_REGS}
+    else:
+        descriptors, regs = (descriptor(LH.value), descriptor(R.value)), {"RIGHT_REGS": RIGHT_REGS, "FILL_REGS": 0}
     batch, s_q, heads, _ = q.shape
     _mla_split_kernel[(batch * s_q, -(-heads // BLOCK_H.value) * (2 if halves else 1), n_splits)](
         q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
         PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, DIRECT=n_splits == 1, HALVES=halves,
-        **registers(fp8, halves), EARLY=EARLY_SCORES,
+        **regs,
         num_warps=4, enable_fp_fusion=True,  # the FFMAs it was measured with (Triton 3.10 turns fusion off)
     )  # fmt: skip
