@@ -190,59 +190,33 @@ def _fill_stage(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, r
 
 
 @gluon.jit
-def _query_into(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh, q0_s, q1_s, qr_s):
-    """The program's 64 query heads stored into ``q0_s``, ``q1_s`` (latent halves) and ``qr_s`` (rope part), zeros for
-    heads past ``H``, one part at a time (the three together would hold 144 registers per thread)."""
+def _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh):
+    """The program's 64 query heads into shared memory as the A operands of S = Q K^T: two latent halves and the rope
+    part, zeros for heads past ``H``."""
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
     q_row = gl.expand_dims(q_ptr + b.to(gl.int64) * stride_qb + s * stride_qs + heads * stride_qh, 1)
     hmask = gl.expand_dims(heads < H, 1)
     cols = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, rows)), 0)
     rope_cols = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, rows)), 0)
-    q0_s.store(gl.load(q_row + cols, mask=hmask, other=0.0))
-    q1_s.store(gl.load(q_row + LH + cols, mask=hmask, other=0.0))
-    qr_s.store(gl.load(q_row + L + rope_cols, mask=hmask, other=0.0))
-
-
-@gluon.jit
-def _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh):
-    """The program's 64 query heads in shared memory as the A operands of S = Q K^T (``_query_into``)."""
-    q0_s = gl.allocate_shared_memory(
-        gl.bfloat16, [BLOCK_H, LH], gl.NVMMASharedLayout.get_default_for([BLOCK_H, LH], gl.bfloat16)
-    )
-    q1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], q0_s.layout)
-    qr_s = gl.allocate_shared_memory(
-        gl.bfloat16, [BLOCK_H, R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16)
-    )
-    _query_into(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh, q0_s, q1_s, qr_s)
+    half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LH], gl.bfloat16)
+    rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16)
+    # one part at a time: the three together would hold 144 registers per thread
+    q0 = gl.load(q_row + cols, mask=hmask, other=0.0)
+    q0_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q0)
+    q1 = gl.load(q_row + LH + cols, mask=hmask, other=0.0)
+    q1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q1)
+    q_rope = gl.load(q_row + L + rope_cols, mask=hmask, other=0.0)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], rope_layout, q_rope)
     return q0_s, q1_s, qr_s
 
 
 @gluon.jit
-def _query_to_regs(c0_s, c1_s, kr_s, lat_desc, rope_desc, right_ready, left_ready, table_row, start, full,
-                   PAGE: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """The query, stored by the kernel's prologue in the last stage, into registers as the A operands of S = Q K^T
-    (144 per thread, held for the whole span); then that stage's copies of block ``STAGES - 1``."""
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2)
-    last: gl.constexpr = STAGES - 1
-    q0 = c0_s.index(last).load(a_layout)
-    q1 = c1_s.index(last).load(a_layout)
-    qr = kr_s.index(last).load(a_layout)
-    fence_async_shared()  # the loads above come before the copies' writes
-    BARRIER()
-    row = _block_row(table_row, start, last, full, PAGE)
-    _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, last, row, last < full)
-    _load_left(lat_desc, left_ready, c0_s, last, row, last < full)
-    return q0, q1, qr
-
-
-@gluon.jit
-def _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, wait, STAGES: gl.constexpr):
-    """Issues S = Q K^T of block ``j`` (in stage ``j % STAGES``) asynchronously: the right latent half and the rope
-    part first, then the left half, each once its copy has landed (``wait``; else the stage is filled already). The
-    query's parts are in shared memory or in registers."""
-    stage = j % STAGES
-    phase = (j // STAGES) & 1
+def _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, wait):
+    """Issues S = Q K^T of block ``j`` (in stage ``j % 2``) asynchronously: the right latent half and the rope part
+    first, then the left half, each once its copy has landed (``wait``; else the stage is filled already)."""
+    stage = j % 2
+    phase = (j // 2) & 1
     if wait:
         mbarrier.wait(right_ready.index(stage), phase)
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
@@ -271,45 +245,39 @@ def _store_half(part_out_ptr, o, inv_l, part, hmask, col0):
 
 @gluon.jit
 def _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row, start, end, j,
-                  full, PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                  full, PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
     """S of block ``j``, issued once the block is in its stage: its TMA copies or (``FP8``) its dequantisation waited
-    for, or a bf16 cache's partial last block gathered first (the stage held block j - STAGES, whose consumers are
-    done)."""
+    for, or a bf16 cache's partial last block gathered first (the stage held block j - 2, whose consumers are done)."""
     wait = True  # for the filler's stores (fp8_ds_mla) or the copies of a whole block
     if not FP8:
         wait = j < full
         if not wait:
-            _gather_block(cache_ptr, table_row, start + j * BLOCK_N, end, c0_s, c1_s, kr_s, j % STAGES, PAGE, WIDTH)
-    return _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, wait, STAGES)
+            _gather_block(cache_ptr, table_row, start + j * BLOCK_N, end, c0_s, c1_s, kr_s, j % 2, PAGE, WIDTH)
+    return _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, wait)
 
 
 @gluon.jit
 def _scores_softmax_left(
     q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
     cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits,
-    rope_desc, PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr, HALVES: gl.constexpr,
-    STAGES: gl.constexpr, Q_REGS: gl.constexpr,
+    PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr, HALVES: gl.constexpr,
 ):  # fmt: skip
     """The first warpgroup. Block i: softmax of S_i; P_i and its row factor published to the second warpgroup;
     P_i x V_i[:, :256] issued and S_{i+1} behind it; then, with a bf16 cache, the stage's left half refilled with
     block i + 2 (the second warpgroup refills the rest; with fp8_ds_mla the third warpgroup fills every stage). At the
     end, 1 / l for the second warpgroup, then this half of the output and the lse. With ``HALVES`` P x V is all the
-    second warpgroup's, and so are the refills: this one only computes S, the softmax and the lse. ``Q_REGS`` (with
-    ``HALVES``, bf16 cache): the query in this warpgroup's registers (``_query_to_regs``)."""
+    second warpgroup's, and so are the refills: this one only computes S, the softmax and the lse."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N  # whole blocks: a span starts on a block boundary, a block lies in one page
-    if Q_REGS:
-        q0_s, q1_s, qr_s = _query_to_regs(c0_s, c1_s, kr_s, lat_desc, rope_desc, right_ready, left_ready, table_row,
-                                          start, full, PAGE, STAGES)  # fmt: skip
     tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
     o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
     s = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row, start, end,
-                      0, full, PAGE, WIDTH, FP8, STAGES)  # fmt: skip
+                      0, full, PAGE, WIDTH, FP8)  # fmt: skip
     s = warpgroup_mma_wait(0, deps=[s])
     for i in range(n_blocks):
-        stage = i % STAGES
+        stage = i % 2
         if not FP8 and not HALVES:
             refill_row = _block_row(table_row, start, i + 2, full, PAGE)  # loaded early, used after the products
         s = gl.where(gl.expand_dims(start + i * BLOCK_N + tokens < end, 0), s * qk_scale, float("-inf"))
@@ -327,14 +295,14 @@ def _scores_softmax_left(
         if HALVES:
             if nxt < n_blocks:
                 s = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
-                                  start, end, nxt, full, PAGE, WIDTH, FP8, STAGES)  # fmt: skip
+                                  start, end, nxt, full, PAGE, WIDTH, FP8)  # fmt: skip
                 s = warpgroup_mma_wait(0, deps=[s])
         else:
             alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
             pv = warpgroup_mma(p_s, c0_s.index(stage), o * alpha_o, is_async=True)
             if nxt < n_blocks:
                 s_next = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr,
-                                       table_row, start, end, nxt, full, PAGE, WIDTH, FP8, STAGES)  # fmt: skip
+                                       table_row, start, end, nxt, full, PAGE, WIDTH, FP8)  # fmt: skip
                 o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
             else:
                 o = warpgroup_mma_wait(0, deps=[pv])
@@ -357,34 +325,32 @@ def _scores_softmax_left(
 @gluon.jit
 def _right(p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc, rope_desc,
            table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE: gl.constexpr,
-           FP8: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+           FP8: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
     """The second warpgroup: P_i x V_i[:, 256:] for each block once P_i and its row factor are published; then, with a
-    bf16 cache, the stage's right half and rope part refilled with block i + STAGES (S_i is done before P_i exists). At
+    bf16 cache, the stage's right half and rope part refilled with block i + 2 (S_i is done before P_i exists). At
     the end, this half of the output scaled by the 1 / l the first warpgroup publishes last. With ``HALVES``: latent
     half ``half`` instead of the right one, and the whole stage refilled."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N
     o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
     for i in range(n_blocks):
-        stage = i % STAGES
-        refill = i + STAGES < full
         if not FP8:
-            refill_row = _block_row(table_row, start, i + STAGES, full, PAGE)
+            refill_row = _block_row(table_row, start, i + 2, full, PAGE)
         mbarrier.wait(p_ready, i & 1)
         alpha = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
         if not HALVES:
-            o = warpgroup_mma(p_s, c1_s.index(stage), o * alpha)
+            o = warpgroup_mma(p_s, c1_s.index(i % 2), o * alpha)
         elif half == 0:
-            o = warpgroup_mma(p_s, c0_s.index(stage), o * alpha)
+            o = warpgroup_mma(p_s, c0_s.index(i % 2), o * alpha)
         else:
-            o = warpgroup_mma(p_s, c1_s.index(stage), o * alpha)
+            o = warpgroup_mma(p_s, c1_s.index(i % 2), o * alpha)
         mbarrier.arrive(p_free, count=1)
         if FP8:
-            mbarrier.arrive(kv_free.index(stage), count=1)
+            mbarrier.arrive(kv_free.index(i % 2), count=1)
         else:
-            _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, stage, refill_row, refill)
+            _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i % 2, refill_row, i + 2 < full)
             if HALVES:
-                _load_left(lat_desc, left_ready, c0_s, stage, refill_row, refill)
+                _load_left(lat_desc, left_ready, c0_s, i % 2, refill_row, i + 2 < full)
     mbarrier.wait(p_ready, n_blocks & 1)
     inv_l = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
     part, hmask = _part_rows(row, pid_h, split, H, n_splits)
@@ -454,29 +420,21 @@ def _mla_split_kernel(
             gl.store(at + cols, zeros, mask=gl.expand_dims(heads < H, 1))
         return
 
-    # With HALVES and a bf16 cache the first warpgroup, free of P x V, holds the query in its registers, which leaves
-    # room for a third stage; otherwise the query stays in shared memory beside two stages
-    Q_REGS: gl.constexpr = HALVES and not FP8
-    STAGES: gl.constexpr = 3 if Q_REGS else 2
-    q0_s = q_ptr  # stands for the query's parts in shared memory where they are in registers
-    q1_s = q_ptr
-    qr_s = q_ptr
-    if not Q_REGS:
-        q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh)
+    q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh)
     half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LH], gl.bfloat16)
     rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
-    c0_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, LH], half_layout)
-    c1_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, LH], half_layout)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, R], rope_layout)
+    c0_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    c1_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], rope_layout)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], kr_s.layout)
     a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # a stage's right half and rope part landed / its left half landed / (fp8_ds_mla) its consumers are done with it
-    right_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    left_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    right_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    left_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # P and its factor published
     p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # second warpgroup done with P
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(2):
         mbarrier.init(right_ready.index(i), count=2 if FP8 else 1)  # fp8: the rope's copy and the latent's stores
         mbarrier.init(left_ready.index(i), count=1)
         mbarrier.init(kv_free.index(i), count=2)  # fp8 only: both warpgroups release it
@@ -486,13 +444,10 @@ def _mla_split_kernel(
     table_row = table_ptr + b.to(gl.int64) * stride_table
     if not FP8:
         full = (end - start) // BLOCK_N
-        for i in gl.static_range(2):  # with Q_REGS the last stage holds the query until the first warpgroup has it
+        for i in gl.static_range(2):
             first = _block_row(table_row, start, i, full, PAGE)
             _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i, first, i < full)
             _load_left(lat_desc, left_ready, c0_s, i, first, i < full)
-    if Q_REGS:
-        _query_into(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh, c0_s.index(STAGES - 1),
-                    c1_s.index(STAGES - 1), kr_s.index(STAGES - 1))  # fmt: skip
     fence_async_shared()
     BARRIER()  # the query's stores are visible to the tensor cores
     qk_scale = scale * LOG2E  # exp2 domain
@@ -503,10 +458,10 @@ def _mla_split_kernel(
                 (_scores_softmax_left,
                  (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
                   lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
-                  split, H, n_splits, rope_desc, PAGE, WIDTH, FP8, HALVES, STAGES, Q_REGS)),
+                  split, H, n_splits, PAGE, WIDTH, FP8, HALVES)),
                 (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
                           rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
-                          FP8, HALVES, STAGES)),
+                          FP8, HALVES)),
                 (_dequantize_fp8, (cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready,
                                    left_ready, kv_free, PAGE, WIDTH, CHUNK)),
             ],
@@ -519,10 +474,10 @@ def _mla_split_kernel(
                 (_scores_softmax_left,
                  (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
                   lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
-                  split, H, n_splits, rope_desc, PAGE, WIDTH, FP8, HALVES, STAGES, Q_REGS)),
+                  split, H, n_splits, PAGE, WIDTH, FP8, HALVES)),
                 (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
                           rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
-                          FP8, HALVES, STAGES)),
+                          FP8, HALVES)),
             ],
             [4],
             [RIGHT_REGS],
