@@ -5,11 +5,14 @@ each), whether they gave the same bits (output and lse), and the worst-row relat
 reference. Lengths up to 100 tokens short of the table's reach.
 
 Usage: python3 benchmarks/mla_halves.py [--batches 1,2,4,8,16] [--ctx 1024,4096,16384] [--formats bf16,fp8_ds_mla]
-[--share S] (the halves' side with ``attention.MLA_HALVES_MAX_SHARE = S``, default the backend's)"""
+[--share S] (the halves' side with ``attention.MLA_HALVES_MAX_SHARE = S``, default the backend's) [--gluon MODULE] (the
+Gluon kernel from the backend's module MODULE instead of ``mla_gluon``, e.g. a copy of an earlier ``mla_gluon.py``
+saved beside it as ``mla_gluon_before.py``, not committed: the other side of a kernel A/B)"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import torch
 from tile_variants import make
@@ -33,7 +36,10 @@ def main() -> None:
     parser.add_argument("--ctx", default="1024,4096,16384")
     parser.add_argument("--formats", default="bf16,fp8_ds_mla")
     parser.add_argument("--share", type=float, default=attention.MLA_HALVES_MAX_SHARE)
+    parser.add_argument("--gluon", help="the backend's module holding the Gluon kernel (default mla_gluon)")
     args = parser.parse_args()
+    if args.gluon:
+        attention.mla_gluon = importlib.import_module(f"deepinfer_cuda_sm100.{args.gluon}")
     shipped = attention.MLA_HALVES_MAX_SHARE
     deepinfer.use("cuda_sm100")
     for fmt in args.formats.split(","):
