@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+from model_helpers import SMALL, one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse)
 
 import deepinfer
 from deepinfer.model import LLM, RequestError, SamplingParams
@@ -23,11 +23,20 @@ def ckpt(tmp_path_factory):
     return small_checkpoint(tmp_path_factory.mktemp("small"), seed=int.from_bytes(os.urandom(2), "little"))
 
 
+@pytest.fixture(scope="module")
+def dense_ckpt(tmp_path_factory):
+    """The same model with every layer dense: no routed experts (see ``test_chunked_prefill_equals_unchunked``)."""
+    seed = int.from_bytes(os.urandom(2), "little")
+    return small_checkpoint(
+        tmp_path_factory.mktemp("dense"), seed=seed, first_k_dense_replace=SMALL["num_hidden_layers"]
+    )
+
+
 @pytest.fixture
 def make(ckpt, deepinfer_backend, deepinfer_device):
-    def build(**kw) -> LLM:
+    def build(checkpoint=None, **kw) -> LLM:
         kw = {"block_size": 8, "progress": False, "dtype": "float32"} | kw
-        return LLM(ckpt, deepinfer_backend, device=deepinfer_device, **kw)
+        return LLM(checkpoint or ckpt, deepinfer_backend, device=deepinfer_device, **kw)
 
     return build
 
@@ -104,11 +113,15 @@ def test_a_swapped_sequence_does_not_come_back_into_pages_a_running_prefill_need
     assert sched.swapped == [newer] and alloc.num_free == 1
 
 
-def test_chunked_prefill_equals_unchunked(make):
+def test_chunked_prefill_equals_unchunked(make, dense_ckpt):
+    """Prefill in chunks of 8 tokens gives the tokens and prompt log-probabilities of one whole prefill, on the dense
+    model. With routed experts, chunking moved one sequence's prompt log-probabilities by 2.8e-4 and 4.1e-4 in 2 of 8
+    random checkpoints, and past the bound in one CI run, where the dense model stayed under 1e-4 in 18: a top-k
+    choice at a near tie, decided by the last bits of a token's activations, which another chunking may change."""
     prompts = random_prompts(258, [37, 5, 22, 64], seed=1)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
-    whole = make(prefill_chunk_size=1024).generate(prompts, params)
-    llm = make(prefill_chunk_size=8, max_num_batched_tokens=16)
+    whole = make(dense_ckpt, prefill_chunk_size=1024).generate(prompts, params)
+    llm = make(dense_ckpt, prefill_chunk_size=8, max_num_batched_tokens=16)
     seen = record_schedule(llm)
     chunked = llm.generate(prompts, params)
     assert tokens(chunked) == tokens(whole)
