@@ -9,6 +9,8 @@
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
 #   spans        mla_decode's default span rule beside fixed spans of 1024, 2048, 4096 tokens, B = 1 ... 128
 #   halves [ARGS]  mla_decode with and without the Gluon kernel's latent halves at a few rows, both modes, bits checked
+#   scores-first [ARGS]  batch-invariant mla_decode (bf16 cache) with its scores computed first, beside the split
+#                kernel alone and the default mode, at a few rows, bits checked (benchmarks/mla_scores_first.py ARGS)
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 #   gluon        the Gluon FP8 GEMM prototype (two products in flight) beside cuBLAS and the committed kernel
 #   gluon-ws [sweep [M,...]]  the warp-specialized, persistent Gluon FP8 GEMM beside cuBLAS, bits checked: M = 4096
@@ -61,6 +63,8 @@ case ${1:-} in
   halves)
     shift
     timeout 400 python3 benchmarks/mla_halves.py "$@" 2>&1 | tee "$OUT/halves.txt" | tail -70 ;;
+  scores-first)
+    timeout 540 python3 benchmarks/mla_scores_first.py "${@:2}" 2>&1 | tee "$OUT/scores_first.txt" | tail -40 ;;
   gemm-tiles)
     timeout "${2:-300}" python3 benchmarks/gemm_tiles.py "$OUT/gemm_tiles.json" all 2>&1 | tail -50 ;;
   gluon)

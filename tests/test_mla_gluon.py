@@ -64,3 +64,41 @@ def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_for
     # for the one before; that cost a Gluon GEMM 1.1-1.2x of its time (benchmarks/NOTES.md, twenty-third session)
     report = ptxas_report(ptx)
     assert "Used" in report and "C7514" not in report
+
+
+def _bf16_records():
+    return torch.empty(4096, 576, dtype=torch.bfloat16)
+
+
+def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products():
+    signature = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    signature |= {"lat_desc": _descriptor(_bf16_records(), 256), "rope_desc": _descriptor(_bf16_records(), 64)}
+    signature |= {"scores_ptr": "*fp32"}
+    signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table"), "i32")
+    constants = {"PAGE": 64, "WIDTH": 576, "TOKENS": mla_gluon.SCORES_TOKENS}
+    kernel = compile_sm90(mla_gluon._mla_scores_kernel, signature, constants, {"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    # one call site of the split kernel's scores: [64 heads, 64 tokens] over 576 = 36 steps of k16
+    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx) == ["m64n64k16"] * 36
+    assert kernel.metadata.shared <= MAX_SHARED
+    report = ptxas_report(ptx)
+    assert "Used" in report and "C7514" not in report and "spill" not in report.replace("0 bytes spill", "")
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])
+def test_span_kernel_compiles_for_sm90_with_one_latent_part_per_program(direct):
+    width = 512 // mla_gluon.SPAN_PARTS
+    scores = torch.empty(4096, 64, dtype=torch.float32)
+    signature = {"s_desc": descriptor_type(scores, [64, 64], gl.float32), "v_desc": _descriptor(_bf16_records(), width)}
+    signature |= {"cache_ptr": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
+    signature |= dict.fromkeys(("S_q", "H", "stride_table", "n_splits", "blocks"), "i32")
+    constants = {"PAGE": 64, "WIDTH": 576, "SPLIT": 2048, "PARTS": mla_gluon.SPAN_PARTS}
+    constants |= {"STAGES": mla_gluon.SPAN_STAGES, "DIRECT": direct}
+    kernel = compile_sm90(mla_gluon._mla_span_kernel, signature, constants, {"num_warps": 4, "enable_fp_fusion": True})
+    ptx = kernel.asm["ptx"]
+    # no scores here; P x V: 64 tokens = 4 steps of k16 on the program's latent columns
+    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx) == [f"m64n{width}k16"] * 4
+    assert kernel.metadata.shared <= MAX_SHARED
+    report = ptxas_report(ptx)
+    assert "Used" in report and "C7514" not in report and "spill" not in report.replace("0 bytes spill", "")

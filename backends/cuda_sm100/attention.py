@@ -8,7 +8,9 @@ default small batches take shorter spans, so that the grid fills the GPU; the ba
 fixed, so a row's result cannot depend on the batch. A program holds its output as two [heads, L/2] halves (a TMA box
 is at most 256 wide) and reads whole 64-token blocks of a page by TMA copies; the last, partial block of a span is
 gathered with masks. On Hopper, DeepSeek-V3's shapes (bf16 or fp8_ds_mla cache) go to the warp-specialized Gluon
-split kernel in ``mla_gluon`` instead (same partial outputs, same merge, same direct output).
+split kernel in ``mla_gluon`` instead (same partial outputs, same merge, same direct output); at a few rows in
+batch-invariant mode, a bf16 cache's scores are computed first over the whole context in parallel, then each span's
+softmax and P x V (``mla_gluon.launch_scores_first``, the same bits).
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ MLA_GLUON = True  # the warp-specialized Gluon split kernel where it applies (se
 # The Gluon kernel gives each of two programs one latent half of P x V (``mla_gluon``'s ``HALVES``, the same bits)
 # where its grid would otherwise give at most this share of the SMs a program.
 MLA_HALVES_MAX_SHARE = 0.5
+# Batch-invariant mode with a bf16 cache computes every block's scores first, then each span's softmax and P x V
+# (``mla_gluon.launch_scores_first``, the same bits) where the split kernel would give at most this share of the SMs a
+# program.
+MLA_SCORES_FIRST_MAX_SHARE = 0.0  # off until measured on the H200
 
 
 @triton.jit
@@ -346,10 +352,11 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     tma = _mla_tma(records, rope_records, half, rope_dim, rope_at, tile["BLOCK_N"], page)
     if MLA_GLUON and mla_gluon is not None and mla_gluon.takes(q, kv_cache, kv_lora_rank, kv_format, tma):
         programs = batch * s_q * head_blocks * n_splits
-        halves = programs <= MLA_HALVES_MAX_SHARE * sms
-        mla_gluon.launch_split(
-            q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page, halves
-        )
+        args = (q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page)
+        if invariant and not fp8 and programs <= MLA_SCORES_FIRST_MAX_SHARE * sms:
+            mla_gluon.launch_scores_first(*args)
+        else:
+            mla_gluon.launch_split(*args, halves=programs <= MLA_HALVES_MAX_SHARE * sms)
     else:
         _mla_split_kernel[(batch * s_q, head_blocks, n_splits)](
             q,

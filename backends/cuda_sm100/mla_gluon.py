@@ -17,7 +17,8 @@ Here the warpgroups have different jobs (``gl.warp_specialize``), FlashMLA's div
 
 Where the grid would leave SMs idle (a few rows, or batch-invariant mode's fixed spans), each (row, heads, span) gets
 two programs instead: both compute S and the softmax, and the second warpgroup of each multiplies P by one of the
-two latent halves (``HALVES``; the same bits as one program).
+two latent halves (``HALVES``; the same bits as one program). In batch-invariant mode with a bf16 cache, a few rows
+take two other kernels instead, the scores of every block first (``launch_scores_first``, the same bits again).
 
 The query (64 x 576) and two stages of 64 cached tokens in bf16 fill the shared memory (one program per SM), which
 leaves no room for a raw fp8 stage. With a bf16 cache whole blocks come by TMA copies and the last, partial block of a
@@ -228,19 +229,34 @@ def _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, wait
 
 
 @gluon.jit
-def _part_rows(row, pid_h, split, H, n_splits):
-    """Rows of the partial outputs that this program's heads write, and which heads exist."""
-    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
+def _part_rows(row, pid_h, split, H, n_splits, layout: gl.constexpr):
+    """Rows of the partial outputs that this program's heads write, and which heads exist (in ``layout``'s rows)."""
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
     return (row.to(gl.int64) * H + heads) * n_splits + split, heads < H
 
 
 @gluon.jit
-def _store_half(part_out_ptr, o, inv_l, part, hmask, col0):
-    """Columns ``col0 + [0, 256)`` of the program's rows of ``part_out``, in its dtype (the bf16 output itself when
-    the span is the whole context)."""
-    cols = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, O_LAYOUT)), 0)
+def _store_columns(part_out_ptr, o, inv_l, part, hmask, col0):
+    """``o`` [64, W] times ``inv_l`` as columns ``col0 + [0, W)`` of the program's rows of ``part_out``, in its dtype
+    (the bf16 output itself when the span is the whole context)."""
+    cols = gl.expand_dims(gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o.type.layout)), 0)
     gl.store(part_out_ptr + gl.expand_dims(part * L + col0, 1) + cols, (o * inv_l).to(part_out_ptr.dtype.element_ty),
              mask=gl.expand_dims(hmask, 1))  # fmt: skip
+
+
+@gluon.jit
+def _empty_span(part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, DIRECT: gl.constexpr):
+    """A span with no visible token: lse -inf, and (``DIRECT``: no merge follows) zeros in the output's rows."""
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits, O_LAYOUT)
+    empty = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, O_LAYOUT))
+    gl.store(part_lse_ptr + part, empty, mask=hmask)
+    if DIRECT:
+        rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+        heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
+        at = part_out_ptr + gl.expand_dims((row.to(gl.int64) * H + heads) * L, 1)
+        cols = gl.expand_dims(gl.arange(0, L, layout=gl.SliceLayout(0, rows)), 0)
+        zeros = gl.zeros([BLOCK_H, L], part_out_ptr.dtype.element_ty, rows)
+        gl.store(at + cols, zeros, mask=gl.expand_dims(heads < H, 1))
 
 
 @gluon.jit
@@ -254,6 +270,18 @@ def _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, c
         if not wait:
             _gather_block(cache_ptr, table_row, start + j * BLOCK_N, end, c0_s, c1_s, kr_s, j % 2, PAGE, WIDTH)
     return _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, wait)
+
+
+@gluon.jit
+def _softmax_step(s, visible, qk_scale, m_i, l_i):
+    """One block of the online softmax: S [64 heads, 64 tokens] (unscaled; ``visible``: its tokens inside the span)
+    against the running max and sum (exp2 domain); returns P, the rescale factor of what came before, the new max and
+    the new sum."""
+    s = gl.where(gl.expand_dims(visible, 0), s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    p = gl.exp2(s - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
 @gluon.jit
@@ -280,12 +308,7 @@ def _scores_softmax_left(
         stage = i % 2
         if not FP8 and not HALVES:
             refill_row = _block_row(table_row, start, i + 2, full, PAGE)  # loaded early, used after the products
-        s = gl.where(gl.expand_dims(start + i * BLOCK_N + tokens < end, 0), s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        p = gl.exp2(s - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s, start + i * BLOCK_N + tokens < end, qk_scale, m_i, l_i)
         mbarrier.wait(p_free, (i & 1) ^ 1)  # the second warpgroup is done with P_{i-1}
         p_s.store(p.to(gl.bfloat16))
         a_s.store(alpha)
@@ -314,10 +337,10 @@ def _scores_softmax_left(
     a_s.store(1.0 / l_i)
     mbarrier.arrive(p_ready, count=1)
 
-    part, hmask = _part_rows(row, pid_h, split, H, n_splits)
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits, O_LAYOUT)
     if not HALVES:
         inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_LAYOUT)), 1)
-        _store_half(part_out_ptr, o, inv_l, part, hmask, 0)
+        _store_columns(part_out_ptr, o, inv_l, part, hmask, 0)
     lse = (m_i + gl.log2(l_i)) / LOG2E  # natural log (with HALVES both programs store the same values)
     gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, O_LAYOUT)), mask=hmask)
 
@@ -353,8 +376,8 @@ def _right(p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready
                 _load_left(lat_desc, left_ready, c0_s, i % 2, refill_row, i + 2 < full)
     mbarrier.wait(p_ready, n_blocks & 1)
     inv_l = gl.expand_dims(a_s.load(gl.SliceLayout(1, O_LAYOUT)), 1)
-    part, hmask = _part_rows(row, pid_h, split, H, n_splits)
-    _store_half(part_out_ptr, o, inv_l, part, hmask, half * LH)
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits, O_LAYOUT)
+    _store_columns(part_out_ptr, o, inv_l, part, hmask, half * LH)
 
 
 @gluon.jit
@@ -408,16 +431,7 @@ def _mla_split_kernel(
     start = split * SPLIT
     end = gl.minimum(start + SPLIT, limit)
     if start >= end:
-        part, hmask = _part_rows(row, pid_h, split, H, n_splits)
-        empty = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, O_LAYOUT))
-        gl.store(part_lse_ptr + part, empty, mask=hmask)
-        if DIRECT:  # no merge follows: the output's rows are zeros
-            rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-            heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
-            at = part_out_ptr + gl.expand_dims((row.to(gl.int64) * H + heads) * L, 1)
-            cols = gl.expand_dims(gl.arange(0, L, layout=gl.SliceLayout(0, rows)), 0)
-            zeros = gl.zeros([BLOCK_H, L], part_out_ptr.dtype.element_ty, rows)
-            gl.store(at + cols, zeros, mask=gl.expand_dims(heads < H, 1))
+        _empty_span(part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, DIRECT)
         return
 
     q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh)
@@ -484,6 +498,207 @@ def _mla_split_kernel(
         )  # fmt: skip
 
 
+# --- scores first: batch-invariant mode at a few rows -----------------------------------------------------------
+
+# Batch-invariant mode's spans are 2048 tokens, which leaves most SMs idle at a few rows, and each program's serial
+# chain is mostly S = Q K^T of its 32 blocks. Here two kernels replace the split kernel: the first computes S of every
+# block (as ``_scores`` does: the same bits) over SCORES_TOKENS-token chunks in parallel; the second runs each span's
+# softmax and P x V over those scores, one latent part of SPAN_PARTS per program, with SPAN_STAGES blocks of scores
+# and latent in flight. The softmax and the products are the split kernel's, on the same values: the same bits.
+SCORES_TOKENS, SPAN_PARTS, SPAN_STAGES = 256, 4, 4
+
+
+@gluon.jit
+def _mla_scores_kernel(
+    q_ptr,
+    lat_desc,
+    rope_desc,
+    cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    scores_ptr,
+    S_q,
+    H,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_table,
+    PAGE: gl.constexpr,
+    WIDTH: gl.constexpr,
+    TOKENS: gl.constexpr,
+):
+    """S = Q K^T (fp32, unscaled) of one (query row, 64 heads, ``TOKENS`` context tokens) per program, bf16 cache: each
+    visible 64-token block's [64 heads, 64 tokens] tile at ``scores[row, head block, block]`` (row-major tiles; a
+    partial last block's columns past the sequence hold S of zeros). Blocks past the sequence are not written."""
+    row = gl.program_id(0)
+    pid_h = gl.program_id(1)
+    chunk = gl.program_id(2)
+    b = row // S_q
+    limit = gl.load(seq_lens_ptr + b) - S_q + row % S_q + 1
+    start = chunk * TOKENS
+    end = gl.minimum(start + TOKENS, limit)
+    if start >= end:
+        return
+    q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, row % S_q, pid_h, H, stride_qb, stride_qs, stride_qh)
+    half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LH], gl.bfloat16)
+    rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
+    c0_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    c1_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], rope_layout)
+    right_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    left_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(right_ready.index(i), count=1)
+        mbarrier.init(left_ready.index(i), count=1)
+    table_row = table_ptr + b.to(gl.int64) * stride_table
+    full = (end - start) // BLOCK_N
+    for i in gl.static_range(2):
+        first = _block_row(table_row, start, i, full, PAGE)
+        _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i, first, i < full)
+        _load_left(lat_desc, left_ready, c0_s, i, first, i < full)
+    fence_async_shared()
+    BARRIER()  # the query's stores are visible to the tensor cores
+
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
+    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    tile = gl.expand_dims(heads * BLOCK_N, 1) + gl.expand_dims(tokens, 0)
+    blocks = gl.num_programs(2) * (TOKENS // BLOCK_N)  # blocks of the context, per (row, head block)
+    first_block = (row.to(gl.int64) * gl.num_programs(1) + pid_h) * blocks + start // BLOCK_N
+    for j in range(gl.cdiv(end - start, BLOCK_N)):
+        scores = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
+                               start, end, j, full, PAGE, WIDTH, False)  # fmt: skip
+        scores = warpgroup_mma_wait(0, deps=[scores])
+        refill = _block_row(table_row, start, j + 2, full, PAGE)
+        _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, j % 2, refill, j + 2 < full)
+        _load_left(lat_desc, left_ready, c0_s, j % 2, refill, j + 2 < full)
+        gl.store(scores_ptr + (first_block + j) * (BLOCK_H * BLOCK_N) + tile, scores)
+
+
+@gluon.jit
+def _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, table_row, start, tile0, col0, i, n_blocks, full,
+                     STAGES: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
+    """TMA copies of block ``i`` of a span into stage ``i % STAGES``: its scores, if the block exists, and its latent
+    columns ``col0 + [0, W)``, if the block is whole (a partial one is gathered with zeros past the span)."""
+    stage = i % STAGES
+    has = i < n_blocks
+    mbarrier.expect(s_ready.index(stage), s_desc.block_type.nbytes, pred=has)
+    TMA_LOAD(s_desc, [tile0 + i * BLOCK_H, 0], s_ready.index(stage), s_s.index(stage), pred=has)
+    whole = i < full
+    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes, pred=whole)
+    TMA_LOAD(
+        v_desc, [_block_row(table_row, start, i, full, PAGE), col0], v_ready.index(stage), v_s.index(stage), pred=whole
+    )
+
+
+@gluon.jit
+def _gather_columns(cache_ptr, table_row, n0, end, col0, v_s, PAGE: gl.constexpr, WIDTH: gl.constexpr):
+    """Latent columns ``col0 + [0, W)`` of tokens ``n0 + [0, 64)`` gathered by pointer into ``v_s``, zeros at and past
+    ``end`` (the cache past a sequence may hold NaN, which P x V must not see)."""
+    W: gl.constexpr = v_s.shape[1]
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    CHUNK: gl.constexpr = 16
+    cols = gl.expand_dims(col0 + gl.arange(0, W, layout=gl.SliceLayout(0, rows)), 0)
+    for r in gl.static_range(0, BLOCK_N, CHUNK):
+        pos = n0 + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, rows))
+        valid = pos < end
+        page = gl.load(table_row + pos // PAGE, mask=valid, other=0)
+        base = gl.expand_dims((page.to(gl.int64) * PAGE + pos % PAGE) * WIDTH, 1)
+        v_s.slice(r, CHUNK).store(gl.load(cache_ptr + base + cols, mask=gl.expand_dims(valid, 1), other=0.0))
+
+
+@gluon.jit
+def _mla_span_kernel(
+    s_desc,
+    v_desc,
+    cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    S_q,
+    H,
+    stride_table,
+    n_splits,
+    blocks,
+    PAGE: gl.constexpr,
+    WIDTH: gl.constexpr,
+    SPLIT: gl.constexpr,
+    PARTS: gl.constexpr,
+    STAGES: gl.constexpr,
+    DIRECT: gl.constexpr,
+):
+    """``_mla_split_kernel``'s contract over the scores of ``_mla_scores_kernel`` (``s_desc``: those scores as
+    [rows x head blocks x ``blocks`` x 64, 64] fp32), bf16 cache: one (query row, 64 heads, KV split, latent part of
+    ``L / PARTS`` columns) per program (program ``PARTS h + c`` along the heads' axis: head block ``h``, part ``c``).
+    Each part's program runs the span's softmax (the split kernel's arithmetic) and multiplies P by its part."""
+    W: gl.constexpr = L // PARTS
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
+    row = gl.program_id(0)
+    pid_h = gl.program_id(1) // PARTS
+    col0 = gl.program_id(1) % PARTS * W
+    split = gl.program_id(2)
+    b = row // S_q
+    limit = gl.load(seq_lens_ptr + b) - S_q + row % S_q + 1
+    start = split * SPLIT
+    end = gl.minimum(start + SPLIT, limit)
+    if start >= end:
+        _empty_span(part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, DIRECT)
+        return
+    s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.float32)
+    s_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H, BLOCK_N], s_layout)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, W], gl.bfloat16)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, W], v_layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
+    s_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(s_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+    table_row = table_ptr + b.to(gl.int64) * stride_table
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    full = (end - start) // BLOCK_N
+    tile0 = ((row * (gl.num_programs(1) // PARTS) + pid_h) * blocks + start // BLOCK_N) * BLOCK_H  # a TMA row: int32
+    for i in gl.static_range(STAGES):
+        _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, table_row, start, tile0, col0, i, n_blocks, full,
+                         STAGES, PAGE)  # fmt: skip
+
+    qk_scale = scale * LOG2E
+    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    o = gl.zeros([BLOCK_H, W], gl.float32, o_layout)
+    mbarrier.wait(s_ready.index(0), 0)
+    p, alpha, m_i, l_i = _softmax_step(s_s.index(0).load(S_LAYOUT), start + tokens < end, qk_scale, m_i, l_i)
+    for i in range(n_blocks):
+        stage = i % STAGES
+        if i == full:  # the partial last block
+            _gather_columns(cache_ptr, table_row, start + i * BLOCK_N, end, col0, v_s.index(stage), PAGE, WIDTH)
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        BARRIER()  # every warp's part of P stored; every warp done with block i - 1's latent and scores
+        if i > 0:
+            _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, table_row, start, tile0, col0,
+                             i - 1 + STAGES, n_blocks, full, STAGES, PAGE)  # fmt: skip
+        if i < full:
+            mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        pv = warpgroup_mma(p_s, v_s.index(stage), o * alpha_o, is_async=True)
+        nxt = i + 1
+        if nxt < n_blocks:  # the next block's softmax while the tensor cores multiply
+            mbarrier.wait(s_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+            s = s_s.index(nxt % STAGES).load(S_LAYOUT)
+            p, alpha, m_i, l_i = _softmax_step(s, start + nxt * BLOCK_N + tokens < end, qk_scale, m_i, l_i)
+        o = warpgroup_mma_wait(0, deps=[pv])
+
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits, o_layout)
+    inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
+    _store_columns(part_out_ptr, o, inv_l, part, hmask, col0)
+    lse = (m_i + gl.log2(l_i)) / LOG2E  # every part's program stores the same values
+    gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, o_layout)), mask=hmask)
+
+
 def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:
     """Whether this kernel serves the call: an SM90 GPU (wgmma is Hopper's), latent 512 and rope 64, at least 64 heads,
     pages of a multiple of 64 tokens (a block lies in one page), and a cache whose records TMA can read (``tma``:
@@ -500,20 +715,27 @@ def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format:
     )
 
 
+def _descriptor(records: torch.Tensor, cols: int) -> TensorDescriptor:
+    """A TMA descriptor of 64-token boxes of ``cols`` bf16 columns over the cache's records (an fp8_ds_mla record's
+    rope part is bf16)."""
+    box = [BLOCK_N.value, cols]
+    return TensorDescriptor.from_tensor(
+        records.view(torch.bfloat16), box, gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+    )
+
+
 def launch_split(
     q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page, halves=False
 ) -> None:
     """Fills ``part_out`` / ``part_lse`` as ``attention._mla_split_kernel`` does; ``records``: the cache as one row per
     cached token ([tokens, 576] bf16 or [tokens, 656] fp8_ds_mla bytes); ``halves``: the kernel's ``HALVES``."""
     fp8 = records.dtype == torch.uint8
-    n, bf16 = BLOCK_N.value, records.view(torch.bfloat16)  # an fp8 record's rope part is bf16
-    descriptor = lambda cols: TensorDescriptor.from_tensor(
-        bf16, [n, cols], gl.NVMMASharedLayout.get_default_for([n, cols], gl.bfloat16)
-    )
     if fp8:  # the latent is dequantised by the kernel; TMA copies bring the rope part only
-        descriptors, regs = (None, descriptor(R.value)), {"RIGHT_REGS": FP8_RIGHT_REGS, "FILL_REGS": FP8_FILL_REGS}
+        descriptors = (None, _descriptor(records, R.value))
+        regs = {"RIGHT_REGS": FP8_RIGHT_REGS, "FILL_REGS": FP8_FILL_REGS}
     else:
-        descriptors, regs = (descriptor(LH.value), descriptor(R.value)), {"RIGHT_REGS": RIGHT_REGS, "FILL_REGS": 0}
+        descriptors = (_descriptor(records, LH.value), _descriptor(records, R.value))
+        regs = {"RIGHT_REGS": RIGHT_REGS, "FILL_REGS": 0}
     batch, s_q, heads, _ = q.shape
     _mla_split_kernel[(batch * s_q, -(-heads // BLOCK_H.value) * (2 if halves else 1), n_splits)](
         q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
@@ -521,4 +743,29 @@ def launch_split(
         PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, DIRECT=n_splits == 1, HALVES=halves,
         **regs,
         num_warps=4, enable_fp_fusion=True,  # the FFMAs it was measured with (Triton 3.10 turns fusion off)
+    )  # fmt: skip
+
+
+def launch_scores_first(
+    q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page
+) -> None:
+    """``launch_split``'s contract (bf16 cache only) by ``_mla_scores_kernel`` then ``_mla_span_kernel``."""
+    batch, s_q, heads, _ = q.shape
+    head_blocks = -(-heads // BLOCK_H.value)
+    chunks = -(-block_table.shape[1] * page // SCORES_TOKENS)
+    blocks = chunks * SCORES_TOKENS // BLOCK_N.value
+    tile = [BLOCK_H.value, BLOCK_N.value]
+    scores = torch.empty(batch * s_q * head_blocks * blocks * tile[0], tile[1], dtype=torch.float32, device=q.device)
+    lat_desc, rope_desc = (_descriptor(records, cols) for cols in (LH.value, R.value))
+    _mla_scores_kernel[(batch * s_q, head_blocks, chunks)](
+        q, lat_desc, rope_desc, records, block_table, seq_lens, scores, s_q, heads,
+        q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
+        PAGE=page, WIDTH=records.shape[1], TOKENS=SCORES_TOKENS, num_warps=4,
+    )  # fmt: skip
+    s_desc = TensorDescriptor.from_tensor(scores, tile, gl.NVMMASharedLayout.get_default_for(tile, gl.float32))
+    _mla_span_kernel[(batch * s_q, head_blocks * SPAN_PARTS, n_splits)](
+        s_desc, _descriptor(records, L.value // SPAN_PARTS), records, block_table, seq_lens, part_out, part_lse,
+        softmax_scale, s_q, heads, block_table.stride(0), n_splits, blocks,
+        PAGE=page, WIDTH=records.shape[1], SPLIT=split, PARTS=SPAN_PARTS, STAGES=SPAN_STAGES, DIRECT=n_splits == 1,
+        num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
