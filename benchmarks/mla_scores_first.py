@@ -1,15 +1,16 @@
-"""cuda_sm100's batch-invariant ``mla_decode`` with a bf16 cache, its scores computed first
+"""cuda_sm100's batch-invariant ``mla_decode``, its scores computed first
 (``mla_gluon.launch_scores_first``) against the Gluon split kernel alone, at a few rows, where the split kernel leaves
 SMs idle; the default mode beside both. Each line gives the device time of the three (CUDA graphs, alternated twice,
 best of each), whether the two batch-invariant sides gave the same bits (output and lse), and the worst-row relative
 error against the fp32 reference. Lengths up to 100 tokens short of the table's reach.
 
 Usage: python3 benchmarks/mla_scores_first.py [--batches 1,2,4,8,16] [--ctx 1024,4096,16384]
-[--set NAME=INT ...] (a constant of ``mla_gluon`` for this run, e.g. SPAN_PARTS=2)"""
+[--formats bf16,fp8_ds_mla] [--set NAME=INT ...] (a constant of ``mla_gluon`` for this run, e.g. SPAN_PARTS=2)"""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 from tile_variants import make
@@ -26,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,2,4,8,16")
     parser.add_argument("--ctx", default="1024,4096,16384")
+    parser.add_argument("--formats", default="bf16,fp8_ds_mla")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=INT")
     args = parser.parse_args()
     for item in args.set:
@@ -34,31 +36,32 @@ def main() -> None:
     shipped = attention.MLA_SCORES_FIRST_MAX_SHARE
     deepinfer.use("cuda_sm100")
     sides = {"default": (False, 0.0), "split": (True, 0.0), "scores first": (True, float("inf"))}
-    for batch in map(int, args.batches.split(",")):
-        for ctx in map(int, args.ctx.split(",")):
-            sets = [
-                make(batch, ctx, "bf16", seed, 128, "cuda", short=100) | {"kv_lora_rank": 512, "kv_format": "bf16"}
-                for seed in range(3)
-            ]
-            run = lambda i, sets=sets: ops.mla_decode(**sets[i])
-            ref = reference.mla_decode(**(sets[0] | {"q": sets[0]["q"].float()}))
-            best, outs = {}, {}
-            for _ in range(2):
-                for side, (invariant, share) in sides.items():
-                    attention.MLA_SCORES_FIRST_MAX_SHARE = share
-                    with batch_invariant(invariant):
-                        ms = bench.time_graph_ms(run, sets=3)
-                        outs[side] = run(0)
-                    best[side] = min(best.get(side, ms), ms)
-            attention.MLA_SCORES_FIRST_MAX_SHARE = shipped
-            same = all(torch.equal(a, b) for a, b in zip(outs["split"], outs["scores first"]))
-            split = attention._split_tokens(batch * 2, ctx, attention.num_sms(0), True)
-            ratios = " | ".join(f"{side} {best[side]:.4f} ms ({best[side] / best['default']:.2f}x)" for side in sides)
-            print(
-                f"B={batch} ctx={ctx} | {batch * 2 * -(-ctx // split)} split programs | {ratios}"
-                f" | {'same' if same else 'DIFFERENT'} bits | err {error(outs['scores first'], ref):.1e}",
-                flush=True,
-            )
+    for fmt, batch, ctx in itertools.product(
+        args.formats.split(","), *(map(int, a.split(",")) for a in (args.batches, args.ctx))
+    ):
+        sets = [
+            make(batch, ctx, fmt, seed, 128, "cuda", short=100) | {"kv_lora_rank": 512, "kv_format": fmt}
+            for seed in range(3)
+        ]
+        run = lambda i, sets=sets: ops.mla_decode(**sets[i])
+        ref = reference.mla_decode(**(sets[0] | {"q": sets[0]["q"].float()}))
+        best, outs = {}, {}
+        for _ in range(2):
+            for side, (invariant, share) in sides.items():
+                attention.MLA_SCORES_FIRST_MAX_SHARE = share
+                with batch_invariant(invariant):
+                    ms = bench.time_graph_ms(run, sets=3)
+                    outs[side] = run(0)
+                best[side] = min(best.get(side, ms), ms)
+        attention.MLA_SCORES_FIRST_MAX_SHARE = shipped
+        same = all(torch.equal(a, b) for a, b in zip(outs["split"], outs["scores first"]))
+        split = attention._split_tokens(batch * 2, ctx, attention.num_sms(0), True)
+        ratios = " | ".join(f"{side} {best[side]:.4f} ms ({best[side] / best['default']:.2f}x)" for side in sides)
+        print(
+            f"{fmt} B={batch} ctx={ctx} | {batch * 2 * -(-ctx // split)} split programs | {ratios}"
+            f" | {'same' if same else 'DIFFERENT'} bits | err {error(outs['scores first'], ref):.1e}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -66,39 +66,64 @@ def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_for
     assert "Used" in report and "C7514" not in report
 
 
-def _bf16_records():
-    return torch.empty(4096, 576, dtype=torch.bfloat16)
+def _records(kv_format: str) -> tuple[str, int, torch.Tensor]:
+    """The cache pointer's type, a record's width and the records seen as bf16 (what the TMA descriptors cover)."""
+    if kv_format == "fp8_ds_mla":
+        return "*u8", 656, torch.empty(4096, 328, dtype=torch.bfloat16)
+    return "*bf16", 576, torch.empty(4096, 576, dtype=torch.bfloat16)
 
 
-def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products():
-    signature = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
-    signature |= {"lat_desc": _descriptor(_bf16_records(), 256), "rope_desc": _descriptor(_bf16_records(), 64)}
-    signature |= {"scores_ptr": "*fp32"}
-    signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table"), "i32")
-    constants = {"PAGE": 64, "WIDTH": 576, "TOKENS": mla_gluon.SCORES_TOKENS}
-    kernel = compile_sm90(mla_gluon._mla_scores_kernel, signature, constants, {"num_warps": 4})
-    ptx = kernel.asm["ptx"]
-    # one call site of the split kernel's scores: [64 heads, 64 tokens] over 576 = 36 steps of k16
-    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx) == ["m64n64k16"] * 36
+def _wgmma_shapes(ptx: str) -> list[str]:
+    return re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
+
+
+def _fits_and_no_serialised_products(kernel) -> None:
     assert kernel.metadata.shared <= MAX_SHARED
-    report = ptxas_report(ptx)
-    assert "Used" in report and "C7514" not in report and "spill" not in report.replace("0 bytes spill", "")
+    report = ptxas_report(kernel.asm["ptx"])
+    assert "Used" in report and "C7514" not in report
+    assert re.search(r"\b0 bytes spill stores", report), report
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_format):
+    cache_type, width, records = _records(kv_format)
+    fp8 = kv_format == "fp8_ds_mla"
+    signature = {"q_ptr": "*bf16", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    signature |= {"rope_desc": _descriptor(records, 64), "scores_ptr": "*fp32"}
+    signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table"), "i32")
+    constants = {"PAGE": 64, "WIDTH": width, "TOKENS": mla_gluon.SCORES_TOKENS, "FP8": fp8}
+    constants |= {"CHUNK": mla_gluon.SCORES_FP8_CHUNK}
+    if fp8:
+        constants["lat_desc"] = None
+    else:
+        signature["lat_desc"] = _descriptor(records, 256)
+    options = {"num_warps": 4, "enable_fp_fusion": True}
+    kernel = compile_sm90(mla_gluon._mla_scores_kernel, signature, constants, options)
+    # one call site of the split kernel's scores: [64 heads, 64 tokens] over 576 = 36 steps of k16
+    assert _wgmma_shapes(kernel.asm["ptx"]) == ["m64n64k16"] * 36
+    assert ("cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]) == fp8
+    _fits_and_no_serialised_products(kernel)
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])
-def test_span_kernel_compiles_for_sm90_with_one_latent_part_per_program(direct):
-    width = 512 // mla_gluon.SPAN_PARTS
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_span_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_format, direct):
+    cache_type, width, records = _records(kv_format)
+    fp8 = kv_format == "fp8_ds_mla"
+    part = 512 // mla_gluon.SPAN_PARTS
     scores = torch.empty(4096, 64, dtype=torch.float32)
-    signature = {"s_desc": descriptor_type(scores, [64, 64], gl.float32), "v_desc": _descriptor(_bf16_records(), width)}
-    signature |= {"cache_ptr": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    signature = {"s_desc": descriptor_type(scores, [64, 64], gl.float32)}
+    signature |= {"cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
     signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_table", "n_splits", "blocks"), "i32")
-    constants = {"PAGE": 64, "WIDTH": 576, "SPLIT": 2048, "PARTS": mla_gluon.SPAN_PARTS}
-    constants |= {"STAGES": mla_gluon.SPAN_STAGES, "DIRECT": direct}
+    constants = {"PAGE": 64, "WIDTH": width, "SPLIT": 2048, "PARTS": mla_gluon.SPAN_PARTS}
+    constants |= {"STAGES": mla_gluon.SPAN_STAGES, "DIRECT": direct, "FP8": fp8}
+    if fp8:
+        constants["v_desc"] = None
+    else:
+        signature["v_desc"] = _descriptor(records, part)
     kernel = compile_sm90(mla_gluon._mla_span_kernel, signature, constants, {"num_warps": 4, "enable_fp_fusion": True})
-    ptx = kernel.asm["ptx"]
     # no scores here; P x V: 64 tokens = 4 steps of k16 on the program's latent columns
-    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx) == [f"m64n{width}k16"] * 4
-    assert kernel.metadata.shared <= MAX_SHARED
-    report = ptxas_report(ptx)
-    assert "Used" in report and "C7514" not in report and "spill" not in report.replace("0 bytes spill", "")
+    assert _wgmma_shapes(kernel.asm["ptx"]) == [f"m64n{part}k16"] * 4
+    assert ("cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]) == fp8
+    _fits_and_no_serialised_products(kernel)

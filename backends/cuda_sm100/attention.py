@@ -9,7 +9,7 @@ fixed, so a row's result cannot depend on the batch. A program holds its output 
 is at most 256 wide) and reads whole 64-token blocks of a page by TMA copies; the last, partial block of a span is
 gathered with masks. On Hopper, DeepSeek-V3's shapes (bf16 or fp8_ds_mla cache) go to the warp-specialized Gluon
 split kernel in ``mla_gluon`` instead (same partial outputs, same merge, same direct output); at a few rows in
-batch-invariant mode, a bf16 cache's scores are computed first over the whole context in parallel, then each span's
+batch-invariant mode, the scores are computed first over the whole context in parallel, then each span's
 softmax and P x V (``mla_gluon.launch_scores_first``, the same bits).
 """
 
@@ -62,7 +62,7 @@ MLA_GLUON = True  # the warp-specialized Gluon split kernel where it applies (se
 # The Gluon kernel gives each of two programs one latent half of P x V (``mla_gluon``'s ``HALVES``, the same bits)
 # where its grid would otherwise give at most this share of the SMs a program.
 MLA_HALVES_MAX_SHARE = 0.5
-# Batch-invariant mode with a bf16 cache computes every block's scores first, then each span's softmax and P x V
+# Batch-invariant mode computes every block's scores first, then each span's softmax and P x V
 # (``mla_gluon.launch_scores_first``, the same bits) where the split kernel would give at most this share of the SMs a
 # program.
 MLA_SCORES_FIRST_MAX_SHARE = 0.0  # off until measured on the H200
@@ -353,7 +353,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     if MLA_GLUON and mla_gluon is not None and mla_gluon.takes(q, kv_cache, kv_lora_rank, kv_format, tma):
         programs = batch * s_q * head_blocks * n_splits
         args = (q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page)
-        if invariant and not fp8 and programs <= MLA_SCORES_FIRST_MAX_SHARE * sms:
+        if invariant and programs <= MLA_SCORES_FIRST_MAX_SHARE * sms:
             mla_gluon.launch_scores_first(*args)
         else:
             mla_gluon.launch_split(*args, halves=programs <= MLA_HALVES_MAX_SHARE * sms)

@@ -17,8 +17,8 @@ Here the warpgroups have different jobs (``gl.warp_specialize``), FlashMLA's div
 
 Where the grid would leave SMs idle (a few rows, or batch-invariant mode's fixed spans), each (row, heads, span) gets
 two programs instead: both compute S and the softmax, and the second warpgroup of each multiplies P by one of the
-two latent halves (``HALVES``; the same bits as one program). In batch-invariant mode with a bf16 cache, a few rows
-take two other kernels instead, the scores of every block first (``launch_scores_first``, the same bits again).
+two latent halves (``HALVES``; the same bits as one program). In batch-invariant mode a few rows take two other
+kernels instead, the scores of every block first (``launch_scores_first``, the same bits again).
 
 The query (64 x 576) and two stages of 64 cached tokens in bf16 fill the shared memory (one program per SM), which
 leaves no room for a raw fp8 stage. With a bf16 cache whole blocks come by TMA copies and the last, partial block of a
@@ -506,6 +506,7 @@ def _mla_split_kernel(
 # softmax and P x V over those scores, one latent part of SPAN_PARTS per program, with SPAN_STAGES blocks of scores
 # and latent in flight. The softmax and the products are the split kernel's, on the same values: the same bits.
 SCORES_TOKENS, SPAN_PARTS, SPAN_STAGES = 256, 4, 4
+SCORES_FP8_CHUNK = 16  # fp8_ds_mla: tokens per dequantising step of the scores kernel
 
 
 @gluon.jit
@@ -526,10 +527,14 @@ def _mla_scores_kernel(
     PAGE: gl.constexpr,
     WIDTH: gl.constexpr,
     TOKENS: gl.constexpr,
+    FP8: gl.constexpr,
+    CHUNK: gl.constexpr,
 ):
-    """S = Q K^T (fp32, unscaled) of one (query row, 64 heads, ``TOKENS`` context tokens) per program, bf16 cache: each
-    visible 64-token block's [64 heads, 64 tokens] tile at ``scores[row, head block, block]`` (row-major tiles; a
-    partial last block's columns past the sequence hold S of zeros). Blocks past the sequence are not written."""
+    """S = Q K^T (fp32, unscaled) of one (query row, 64 heads, ``TOKENS`` context tokens) per program: each visible
+    64-token block's [64 heads, 64 tokens] tile at ``scores[row, head block, block]`` (row-major tiles; a partial last
+    block's columns past the sequence hold S of zeros). Blocks past the sequence are not written. ``FP8``: an
+    fp8_ds_mla cache (``cache_ptr`` bytes, ``lat_desc`` None), each block dequantised into its stage ``CHUNK`` tokens
+    at a time, as the split kernel's third warpgroup does, while the block before is multiplied."""
     row = gl.program_id(0)
     pid_h = gl.program_id(1)
     chunk = gl.program_id(2)
@@ -552,10 +557,14 @@ def _mla_scores_kernel(
         mbarrier.init(left_ready.index(i), count=1)
     table_row = table_ptr + b.to(gl.int64) * stride_table
     full = (end - start) // BLOCK_N
-    for i in gl.static_range(2):
-        first = _block_row(table_row, start, i, full, PAGE)
-        _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i, first, i < full)
-        _load_left(lat_desc, left_ready, c0_s, i, first, i < full)
+    if FP8:
+        _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, 0, PAGE, WIDTH,
+                          CHUNK)  # fmt: skip
+    else:
+        for i in gl.static_range(2):
+            first = _block_row(table_row, start, i, full, PAGE)
+            _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i, first, i < full)
+            _load_left(lat_desc, left_ready, c0_s, i, first, i < full)
     fence_async_shared()
     BARRIER()  # the query's stores are visible to the tensor cores
 
@@ -564,14 +573,39 @@ def _mla_scores_kernel(
     tile = gl.expand_dims(heads * BLOCK_N, 1) + gl.expand_dims(tokens, 0)
     blocks = gl.num_programs(2) * (TOKENS // BLOCK_N)  # blocks of the context, per (row, head block)
     first_block = (row.to(gl.int64) * gl.num_programs(1) + pid_h) * blocks + start // BLOCK_N
-    for j in range(gl.cdiv(end - start, BLOCK_N)):
-        scores = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
-                               start, end, j, full, PAGE, WIDTH, False)  # fmt: skip
-        scores = warpgroup_mma_wait(0, deps=[scores])
-        refill = _block_row(table_row, start, j + 2, full, PAGE)
-        _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, j % 2, refill, j + 2 < full)
-        _load_left(lat_desc, left_ready, c0_s, j % 2, refill, j + 2 < full)
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    for j in range(n_blocks):
+        if FP8:
+            mbarrier.wait(right_ready.index(j % 2), (j // 2) & 1)  # the rope part's copy
+            scores = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, False)
+            if j + 1 < n_blocks:  # the other stage held block j - 1, whose product is done
+                _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, j + 1,
+                                  PAGE, WIDTH, CHUNK)  # fmt: skip
+            scores = warpgroup_mma_wait(0, deps=[scores])
+        else:
+            scores = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
+                                   start, end, j, full, PAGE, WIDTH, False)  # fmt: skip
+            scores = warpgroup_mma_wait(0, deps=[scores])
+            refill = _block_row(table_row, start, j + 2, full, PAGE)
+            _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, j % 2, refill, j + 2 < full)
+            _load_left(lat_desc, left_ready, c0_s, j % 2, refill, j + 2 < full)
         gl.store(scores_ptr + (first_block + j) * (BLOCK_H * BLOCK_N) + tile, scores)
+
+
+@gluon.jit
+def _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, ready, i, PAGE: gl.constexpr,
+                      WIDTH: gl.constexpr, CHUNK: gl.constexpr):  # fmt: skip
+    """Block ``i`` of an fp8_ds_mla span into stage ``i % 2``: the latent dequantised to bf16 (zeros past ``end``),
+    the rope part by a TMA copy that arrives on ``ready``."""
+    n0 = start + i * BLOCK_N
+    page = gl.load(table_row + n0 // PAGE)
+    stage = i % 2
+    mbarrier.expect(ready.index(stage), rope_desc.block_type.nbytes)
+    TMA_LOAD(rope_desc, [page * PAGE + n0 % PAGE, ROPE_AT], ready.index(stage), kr_s.index(stage))
+    for r in gl.static_range(0, BLOCK_N, CHUNK):
+        _store_chunk(_fp8_chunk(cache_ptr, page, n0 + r, end, PAGE, WIDTH, CHUNK), c0_s, c1_s, stage, r)
+    fence_async_shared()
+    BARRIER()
 
 
 @gluon.jit
@@ -583,11 +617,35 @@ def _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, table_row, star
     has = i < n_blocks
     mbarrier.expect(s_ready.index(stage), s_desc.block_type.nbytes, pred=has)
     TMA_LOAD(s_desc, [tile0 + i * BLOCK_H, 0], s_ready.index(stage), s_s.index(stage), pred=has)
-    whole = i < full
-    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes, pred=whole)
-    TMA_LOAD(
-        v_desc, [_block_row(table_row, start, i, full, PAGE), col0], v_ready.index(stage), v_s.index(stage), pred=whole
-    )
+    if v_desc is not None:
+        whole = i < full
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes, pred=whole)
+        row = _block_row(table_row, start, i, full, PAGE)
+        TMA_LOAD(v_desc, [row, col0], v_ready.index(stage), v_s.index(stage), pred=whole)
+
+
+@gluon.jit
+def _fp8_columns(cache_ptr, table_row, start, end, col0, i, W: gl.constexpr, PAGE: gl.constexpr,
+                 WIDTH: gl.constexpr):  # fmt: skip
+    """Block ``i`` of an fp8_ds_mla span, latent columns ``col0 + [0, W)`` (one scale group), as stored: e4m3 bytes
+    [64, W] and each token's scale, zeros at and past ``end``."""
+    gl.static_assert(W <= GROUP, "a part of the latent lies in one scale group")
+    lat: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
+    n0 = start + i * BLOCK_N
+    page = gl.load(table_row + n0 // PAGE)  # a block lies in one page
+    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lat))
+    valid = n0 + tokens < end
+    record = cache_ptr + (page.to(gl.int64) * PAGE + n0 % PAGE + tokens) * WIDTH
+    cols = gl.expand_dims(col0 + gl.arange(0, W, layout=gl.SliceLayout(0, lat)), 0)
+    raw = gl.load(gl.expand_dims(record, 1) + cols, mask=gl.expand_dims(valid, 1), other=0)
+    scales = (record + L).to(gl.pointer_type(gl.float32), bitcast=True)
+    return raw, gl.load(scales + col0 // GROUP, mask=valid, other=0.0)
+
+
+@gluon.jit
+def _store_dequantized(raw, scale, v_stage):
+    """e4m3 bytes [64, W] times their tokens' scales, as bf16 into ``v_stage`` (``_dequantize_half``'s arithmetic)."""
+    v_stage.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 1)).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -627,11 +685,13 @@ def _mla_span_kernel(
     PARTS: gl.constexpr,
     STAGES: gl.constexpr,
     DIRECT: gl.constexpr,
+    FP8: gl.constexpr,
 ):
     """``_mla_split_kernel``'s contract over the scores of ``_mla_scores_kernel`` (``s_desc``: those scores as
     [rows x head blocks x ``blocks`` x 64, 64] fp32), bf16 cache: one (query row, 64 heads, KV split, latent part of
     ``L / PARTS`` columns) per program (program ``PARTS h + c`` along the heads' axis: head block ``h``, part ``c``).
-    Each part's program runs the span's softmax (the split kernel's arithmetic) and multiplies P by its part."""
+    Each part's program runs the span's softmax (the split kernel's arithmetic) and multiplies P by its part. ``FP8``:
+    an fp8_ds_mla cache (``v_desc`` None), each block's part loaded a block ahead and dequantised into its stage."""
     W: gl.constexpr = L // PARTS
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
     row = gl.program_id(0)
@@ -669,11 +729,15 @@ def _mla_span_kernel(
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
     o = gl.zeros([BLOCK_H, W], gl.float32, o_layout)
+    if FP8:
+        raw, v_scale = _fp8_columns(cache_ptr, table_row, start, end, col0, 0, W, PAGE, WIDTH)
     mbarrier.wait(s_ready.index(0), 0)
     p, alpha, m_i, l_i = _softmax_step(s_s.index(0).load(S_LAYOUT), start + tokens < end, qk_scale, m_i, l_i)
     for i in range(n_blocks):
         stage = i % STAGES
-        if i == full:  # the partial last block
+        if FP8:
+            _store_dequantized(raw, v_scale, v_s.index(stage))
+        elif i == full:  # the partial last block
             _gather_columns(cache_ptr, table_row, start + i * BLOCK_N, end, col0, v_s.index(stage), PAGE, WIDTH)
         p_s.store(p.to(gl.bfloat16))
         fence_async_shared()
@@ -681,12 +745,14 @@ def _mla_span_kernel(
         if i > 0:
             _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, table_row, start, tile0, col0,
                              i - 1 + STAGES, n_blocks, full, STAGES, PAGE)  # fmt: skip
-        if i < full:
+        if not FP8 and i < full:
             mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
         alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         pv = warpgroup_mma(p_s, v_s.index(stage), o * alpha_o, is_async=True)
         nxt = i + 1
         if nxt < n_blocks:  # the next block's softmax while the tensor cores multiply
+            if FP8:  # and its part's loads
+                raw, v_scale = _fp8_columns(cache_ptr, table_row, start, end, col0, nxt, W, PAGE, WIDTH)
             mbarrier.wait(s_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
             s = s_s.index(nxt % STAGES).load(S_LAYOUT)
             p, alpha, m_i, l_i = _softmax_step(s, start + nxt * BLOCK_N + tokens < end, qk_scale, m_i, l_i)
@@ -749,23 +815,26 @@ def launch_split(
 def launch_scores_first(
     q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page
 ) -> None:
-    """``launch_split``'s contract (bf16 cache only) by ``_mla_scores_kernel`` then ``_mla_span_kernel``."""
+    """``launch_split``'s contract by ``_mla_scores_kernel`` then ``_mla_span_kernel``."""
+    fp8 = records.dtype == torch.uint8
     batch, s_q, heads, _ = q.shape
     head_blocks = -(-heads // BLOCK_H.value)
     chunks = -(-block_table.shape[1] * page // SCORES_TOKENS)
     blocks = chunks * SCORES_TOKENS // BLOCK_N.value
     tile = [BLOCK_H.value, BLOCK_N.value]
     scores = torch.empty(batch * s_q * head_blocks * blocks * tile[0], tile[1], dtype=torch.float32, device=q.device)
-    lat_desc, rope_desc = (_descriptor(records, cols) for cols in (LH.value, R.value))
+    lat_desc = None if fp8 else _descriptor(records, LH.value)  # an fp8_ds_mla latent is dequantised by the kernels
     _mla_scores_kernel[(batch * s_q, head_blocks, chunks)](
-        q, lat_desc, rope_desc, records, block_table, seq_lens, scores, s_q, heads,
+        q, lat_desc, _descriptor(records, R.value), records, block_table, seq_lens, scores, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
-        PAGE=page, WIDTH=records.shape[1], TOKENS=SCORES_TOKENS, num_warps=4,
+        PAGE=page, WIDTH=records.shape[1], TOKENS=SCORES_TOKENS, FP8=fp8, CHUNK=SCORES_FP8_CHUNK,
+        num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
     s_desc = TensorDescriptor.from_tensor(scores, tile, gl.NVMMASharedLayout.get_default_for(tile, gl.float32))
+    v_desc = None if fp8 else _descriptor(records, L.value // SPAN_PARTS)
     _mla_span_kernel[(batch * s_q, head_blocks * SPAN_PARTS, n_splits)](
-        s_desc, _descriptor(records, L.value // SPAN_PARTS), records, block_table, seq_lens, part_out, part_lse,
+        s_desc, v_desc, records, block_table, seq_lens, part_out, part_lse,
         softmax_scale, s_q, heads, block_table.stride(0), n_splits, blocks,
         PAGE=page, WIDTH=records.shape[1], SPLIT=split, PARTS=SPAN_PARTS, STAGES=SPAN_STAGES, DIRECT=n_splits == 1,
-        num_warps=4, enable_fp_fusion=True,
+        FP8=fp8, num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
