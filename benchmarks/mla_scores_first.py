@@ -5,7 +5,8 @@ best of each), whether the two batch-invariant sides gave the same bits (output 
 error against the fp32 reference. Lengths up to 100 tokens short of the table's reach.
 
 Usage: python3 benchmarks/mla_scores_first.py [--batches 1,2,4,8,16] [--ctx 1024,4096,16384]
-[--formats bf16,fp8_ds_mla] [--set NAME=INT ...] (a constant of ``mla_gluon`` for this run, e.g. SPAN_PARTS=2)"""
+[--formats bf16,fp8_ds_mla] [--set NAME=INT ...] (a constant of ``mla_gluon`` for this run, e.g. SPAN_PARTS=2)
+[--profile] (then each kernel's mean device time on the scores-first side, from the torch profiler)"""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16")
     parser.add_argument("--ctx", default="1024,4096,16384")
     parser.add_argument("--formats", default="bf16,fp8_ds_mla")
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=INT")
     args = parser.parse_args()
     for item in args.set:
@@ -62,6 +64,24 @@ def main() -> None:
             f" | {'same' if same else 'DIFFERENT'} bits | err {error(outs['scores first'], ref):.1e}",
             flush=True,
         )
+        if args.profile:
+            attention.MLA_SCORES_FIRST_MAX_SHARE = float("inf")
+            with batch_invariant(True):
+                print("   ", _kernel_times(run))
+            attention.MLA_SCORES_FIRST_MAX_SHARE = shipped
+
+
+def _kernel_times(run, calls: int = 30) -> str:
+    """Each kernel's mean device time in microseconds over ``calls`` eager calls of ``run``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            run(i % 3)
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times.setdefault(event.name, []).append(event.device_time)
+    return ", ".join(f"{name[:40]} {sum(t) / len(t):.1f} us" for name, t in times.items() if len(t) >= calls)
 
 
 if __name__ == "__main__":

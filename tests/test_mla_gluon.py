@@ -118,6 +118,7 @@ def test_span_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_forma
     signature |= dict.fromkeys(("S_q", "H", "stride_table", "n_splits", "blocks"), "i32")
     constants = {"PAGE": 64, "WIDTH": width, "SPLIT": 2048, "PARTS": mla_gluon.SPAN_PARTS}
     constants |= {"STAGES": mla_gluon.SPAN_STAGES, "DIRECT": direct, "FP8": fp8}
+    constants["VALUES_REGS"] = mla_gluon.SPAN_VALUES_REGS
     if fp8:
         constants["v_desc"] = None
     else:

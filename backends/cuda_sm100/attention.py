@@ -65,7 +65,7 @@ MLA_HALVES_MAX_SHARE = 0.5
 # Batch-invariant mode computes every block's scores first, then each span's softmax and P x V
 # (``mla_gluon.launch_scores_first``, the same bits) where the split kernel would give at most this share of the SMs a
 # program.
-MLA_SCORES_FIRST_MAX_SHARE = 0.0  # off until measured on the H200
+MLA_SCORES_FIRST_MAX_SHARE = 0.25
 
 
 @triton.jit

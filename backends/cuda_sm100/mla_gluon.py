@@ -507,6 +507,7 @@ def _mla_split_kernel(
 # and latent in flight. The softmax and the products are the split kernel's, on the same values: the same bits.
 SCORES_TOKENS, SPAN_PARTS, SPAN_STAGES = 256, 4, 4
 SCORES_FP8_CHUNK = 16  # fp8_ds_mla: tokens per dequantising step of the scores kernel
+SPAN_VALUES_REGS = 192  # registers per thread of the span kernel's second warpgroup (P x V)
 
 
 @gluon.jit
@@ -544,7 +545,6 @@ def _mla_scores_kernel(
     end = gl.minimum(start + TOKENS, limit)
     if start >= end:
         return
-    q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, row % S_q, pid_h, H, stride_qb, stride_qs, stride_qh)
     half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LH], gl.bfloat16)
     rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
     c0_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
@@ -565,6 +565,9 @@ def _mla_scores_kernel(
             first = _block_row(table_row, start, i, full, PAGE)
             _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i, first, i < full)
             _load_left(lat_desc, left_ready, c0_s, i, first, i < full)
+    q0_s, q1_s, qr_s = _query_to_smem(
+        q_ptr, b, row % S_q, pid_h, H, stride_qb, stride_qs, stride_qh
+    )  # under the copies
     fence_async_shared()
     BARRIER()  # the query's stores are visible to the tensor cores
 
@@ -609,10 +612,11 @@ def _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, k
 
 
 @gluon.jit
-def _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, table_row, start, tile0, col0, i, n_blocks, full,
-                     STAGES: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
-    """TMA copies of block ``i`` of a span into stage ``i % STAGES``: its scores, if the block exists, and its latent
-    columns ``col0 + [0, W)``, if the block is whole (a partial one is gathered with zeros past the span)."""
+def _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, tile0, v_row, col0, i, n_blocks, full,
+                     STAGES: gl.constexpr):  # fmt: skip
+    """TMA copies of block ``i`` of a span into stage ``i % STAGES``: its scores, if the block exists, and (bf16 cache)
+    its latent columns ``col0 + [0, W)`` from cache row ``v_row`` on, if the block is whole (a partial one is gathered
+    with zeros past the span)."""
     stage = i % STAGES
     has = i < n_blocks
     mbarrier.expect(s_ready.index(stage), s_desc.block_type.nbytes, pred=has)
@@ -620,8 +624,7 @@ def _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, table_row, star
     if v_desc is not None:
         whole = i < full
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes, pred=whole)
-        row = _block_row(table_row, start, i, full, PAGE)
-        TMA_LOAD(v_desc, [row, col0], v_ready.index(stage), v_s.index(stage), pred=whole)
+        TMA_LOAD(v_desc, [v_row, col0], v_ready.index(stage), v_s.index(stage), pred=whole)
 
 
 @gluon.jit
@@ -686,14 +689,15 @@ def _mla_span_kernel(
     STAGES: gl.constexpr,
     DIRECT: gl.constexpr,
     FP8: gl.constexpr,
+    VALUES_REGS: gl.constexpr,
 ):
     """``_mla_split_kernel``'s contract over the scores of ``_mla_scores_kernel`` (``s_desc``: those scores as
-    [rows x head blocks x ``blocks`` x 64, 64] fp32), bf16 cache: one (query row, 64 heads, KV split, latent part of
-    ``L / PARTS`` columns) per program (program ``PARTS h + c`` along the heads' axis: head block ``h``, part ``c``).
-    Each part's program runs the span's softmax (the split kernel's arithmetic) and multiplies P by its part. ``FP8``:
-    an fp8_ds_mla cache (``v_desc`` None), each block's part loaded a block ahead and dequantised into its stage."""
+    [rows x head blocks x ``blocks`` x 64, 64] fp32): one (query row, 64 heads, KV split, latent part of ``L / PARTS``
+    columns) per program (program ``PARTS h + c`` along the heads' axis: head block ``h``, part ``c``). Launched with
+    4 warps, to which a second warpgroup adds 4: the first runs the span's softmax (the split kernel's arithmetic),
+    the second multiplies P by the program's part (``_span_values``). ``FP8``: an fp8_ds_mla cache (``v_desc``
+    None)."""
     W: gl.constexpr = L // PARTS
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
     row = gl.program_id(0)
     pid_h = gl.program_id(1) // PARTS
     col0 = gl.program_id(1) % PARTS * W
@@ -710,59 +714,111 @@ def _mla_span_kernel(
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, W], gl.bfloat16)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, W], v_layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], p_layout)
+    a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     s_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # P and its factor published
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # P x V done with them
     for i in gl.static_range(STAGES):
         mbarrier.init(s_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
     table_row = table_ptr + b.to(gl.int64) * stride_table
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N
     tile0 = ((row * (gl.num_programs(1) // PARTS) + pid_h) * blocks + start // BLOCK_N) * BLOCK_H  # a TMA row: int32
     for i in gl.static_range(STAGES):
-        _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, table_row, start, tile0, col0, i, n_blocks, full,
-                         STAGES, PAGE)  # fmt: skip
+        v_row = _block_row(table_row, start, i, full, PAGE)
+        _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, tile0, v_row, col0, i, n_blocks, full, STAGES)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (_span_softmax, (s_s, p_s, a_s, s_ready, p_ready, p_free, start, end, scale * LOG2E, part_lse_ptr, row,
+                             pid_h, split, H, n_splits, W, STAGES)),
+            (_span_values, (s_desc, v_desc, s_s, v_s, p_s, a_s, s_ready, v_ready, p_ready, p_free, cache_ptr,
+                            table_row, part_out_ptr, start, end, tile0, col0, row, pid_h, split, H, n_splits, W,
+                            PAGE, WIDTH, STAGES, FP8)),
+        ],
+        [4],
+        [VALUES_REGS],
+    )  # fmt: skip
 
-    qk_scale = scale * LOG2E
+
+@gluon.jit
+def _span_softmax(s_s, p_s, a_s, s_ready, p_ready, p_free, start, end, qk_scale, part_lse_ptr, row, pid_h, split, H,
+                  n_splits, W: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The span kernel's first warpgroup: each block's softmax over its scores (the split kernel's arithmetic), P and
+    its row factor published to the second through one of two buffers; at the end 1 / l, then the lse."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
     tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    for i in range(n_blocks):
+        mbarrier.wait(s_ready.index(i % STAGES), (i // STAGES) & 1)
+        s = s_s.index(i % STAGES).load(S_LAYOUT)
+        p, alpha, m_i, l_i = _softmax_step(s, start + i * BLOCK_N + tokens < end, qk_scale, m_i, l_i)
+        buf = i % 2
+        mbarrier.wait(p_free.index(buf), ((i // 2) & 1) ^ 1)
+        p_s.index(buf).store(p.to(gl.bfloat16))
+        a_s.index(buf).store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready.index(buf), count=1)  # also: this block's scores are read, its stage may refill
+    buf = n_blocks % 2
+    mbarrier.wait(p_free.index(buf), ((n_blocks // 2) & 1) ^ 1)
+    a_s.index(buf).store(1.0 / l_i)
+    mbarrier.arrive(p_ready.index(buf), count=1)
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits, o_layout)
+    lse = (m_i + gl.log2(l_i)) / LOG2E  # every part's program stores the same values
+    gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, o_layout)), mask=hmask)
+
+
+@gluon.jit
+def _span_values(s_desc, v_desc, s_s, v_s, p_s, a_s, s_ready, v_ready, p_ready, p_free, cache_ptr, table_row,
+                 part_out_ptr, start, end, tile0, col0, row, pid_h, split, H, n_splits, W: gl.constexpr,
+                 PAGE: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+    """The span kernel's second warpgroup: P x V of each block on the program's latent part once P and its factor
+    are published, then the block's stage refilled with block ``i + STAGES``; with an fp8_ds_mla cache each block's
+    part is dequantised into its stage first (its loads issued a block ahead). At the end, the part's output times
+    the 1 / l published last."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    full = (end - start) // BLOCK_N
     o = gl.zeros([BLOCK_H, W], gl.float32, o_layout)
     if FP8:
         raw, v_scale = _fp8_columns(cache_ptr, table_row, start, end, col0, 0, W, PAGE, WIDTH)
-    mbarrier.wait(s_ready.index(0), 0)
-    p, alpha, m_i, l_i = _softmax_step(s_s.index(0).load(S_LAYOUT), start + tokens < end, qk_scale, m_i, l_i)
+    refill_row = _block_row(table_row, start, STAGES, full, PAGE)
     for i in range(n_blocks):
         stage = i % STAGES
         if FP8:
             _store_dequantized(raw, v_scale, v_s.index(stage))
+            fence_async_shared()
+            BARRIER()
+            if i + 1 < n_blocks:
+                raw, v_scale = _fp8_columns(cache_ptr, table_row, start, end, col0, i + 1, W, PAGE, WIDTH)
         elif i == full:  # the partial last block
             _gather_columns(cache_ptr, table_row, start + i * BLOCK_N, end, col0, v_s.index(stage), PAGE, WIDTH)
-        p_s.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        BARRIER()  # every warp's part of P stored; every warp done with block i - 1's latent and scores
-        if i > 0:
-            _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, table_row, start, tile0, col0,
-                             i - 1 + STAGES, n_blocks, full, STAGES, PAGE)  # fmt: skip
-        if not FP8 and i < full:
+            fence_async_shared()
+            BARRIER()
+        else:
             mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
-        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        pv = warpgroup_mma(p_s, v_s.index(stage), o * alpha_o, is_async=True)
-        nxt = i + 1
-        if nxt < n_blocks:  # the next block's softmax while the tensor cores multiply
-            if FP8:  # and its part's loads
-                raw, v_scale = _fp8_columns(cache_ptr, table_row, start, end, col0, nxt, W, PAGE, WIDTH)
-            mbarrier.wait(s_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-            s = s_s.index(nxt % STAGES).load(S_LAYOUT)
-            p, alpha, m_i, l_i = _softmax_step(s, start + nxt * BLOCK_N + tokens < end, qk_scale, m_i, l_i)
-        o = warpgroup_mma_wait(0, deps=[pv])
-
+        next_row = _block_row(table_row, start, i + STAGES + 1, full, PAGE)  # loaded a block ahead of its copy
+        buf = i % 2
+        mbarrier.wait(p_ready.index(buf), (i // 2) & 1)
+        alpha = gl.expand_dims(a_s.index(buf).load(gl.SliceLayout(1, o_layout)), 1)
+        o = warpgroup_mma(p_s.index(buf), v_s.index(stage), o * alpha)
+        mbarrier.arrive(p_free.index(buf), count=1)
+        _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, tile0, refill_row, col0, i + STAGES, n_blocks,
+                         full, STAGES)  # fmt: skip
+        refill_row = next_row
+    buf = n_blocks % 2
+    mbarrier.wait(p_ready.index(buf), (n_blocks // 2) & 1)
+    inv_l = gl.expand_dims(a_s.index(buf).load(gl.SliceLayout(1, o_layout)), 1)
     part, hmask = _part_rows(row, pid_h, split, H, n_splits, o_layout)
-    inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
     _store_columns(part_out_ptr, o, inv_l, part, hmask, col0)
-    lse = (m_i + gl.log2(l_i)) / LOG2E  # every part's program stores the same values
-    gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, o_layout)), mask=hmask)
 
 
 def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:
@@ -836,5 +892,5 @@ def launch_scores_first(
         s_desc, v_desc, records, block_table, seq_lens, part_out, part_lse,
         softmax_scale, s_q, heads, block_table.stride(0), n_splits, blocks,
         PAGE=page, WIDTH=records.shape[1], SPLIT=split, PARTS=SPAN_PARTS, STAGES=SPAN_STAGES, DIRECT=n_splits == 1,
-        FP8=fp8, num_warps=4, enable_fp_fusion=True,
+        FP8=fp8, VALUES_REGS=SPAN_VALUES_REGS, num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
