@@ -64,7 +64,8 @@ MLA_GLUON = True  # the warp-specialized Gluon split kernel where it applies (se
 MLA_HALVES_MAX_SHARE = 0.5
 # Batch-invariant mode computes every block's scores first, then each span's softmax and P x V
 # (``mla_gluon.launch_scores_first``, the same bits) where the split kernel would give at most this share of the SMs a
-# program.
+# program. Against the split kernel on the H200: 0.65-0.82x of its time at 2-16 programs, 0.84-0.99x at 32, 1.7x at 64
+# (``benchmarks/mla_scores_first.py``, NOTES.md thirtieth session).
 MLA_SCORES_FIRST_MAX_SHARE = 0.25
 
 
