@@ -1,7 +1,8 @@
 """The Hopper split kernel of ``mla_decode`` in Gluon (``backends/cuda_sm100/mla_gluon.py``), compiled for SM90 on the
 CPU. Gluon has no interpreter, so its results are proven on the GPU (conformance at full shapes, RESULTS.md); here CI
 checks that it still compiles with the installed Triton and that its tensor-core work has the intended shape: each
-block's scores computed once, by one warpgroup, and P x V split between the two warpgroups."""
+block's scores computed once, by one warpgroup, and P x V split between the two warpgroups. The same for the two
+kernels that replace it at a few rows in batch-invariant mode (scores first, then each span's softmax and P x V)."""
 
 from __future__ import annotations
 

@@ -565,9 +565,8 @@ def _mla_scores_kernel(
             first = _block_row(table_row, start, i, full, PAGE)
             _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i, first, i < full)
             _load_left(lat_desc, left_ready, c0_s, i, first, i < full)
-    q0_s, q1_s, qr_s = _query_to_smem(
-        q_ptr, b, row % S_q, pid_h, H, stride_qb, stride_qs, stride_qh
-    )  # under the copies
+    # the query's loads run under the first copies
+    q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, row % S_q, pid_h, H, stride_qb, stride_qs, stride_qh)
     fence_async_shared()
     BARRIER()  # the query's stores are visible to the tensor cores
 
