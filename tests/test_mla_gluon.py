@@ -22,51 +22,6 @@ def _descriptor(records: torch.Tensor, cols: int) -> str:
     return descriptor_type(records, [64, cols], gl.bfloat16)
 
 
-def _compile(kv_format: str, direct: bool, halves: bool):
-    """The split kernel as ``launch_split`` specialises it for DeepSeek-V3's cache in ``kv_format``, 64-token pages;
-    ``direct``: one split, written to the bf16 output itself; ``halves``: one latent half of P x V per program."""
-    fp8 = kv_format == "fp8_ds_mla"
-    signature = {"q_ptr": "*bf16", "cache_ptr": "*u8" if fp8 else "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
-    signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
-    signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "n_splits"), "i32")
-    constants = {"PAGE": 64, "SPLIT": 1024, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK, "DIRECT": direct}
-    constants["HALVES"] = halves
-    if fp8:  # the rope part by TMA from the records seen as bf16, the latent dequantised by the kernel
-        signature["rope_desc"] = _descriptor(torch.empty(4096, 328, dtype=torch.bfloat16), 64)
-        constants |= {"lat_desc": None, "WIDTH": 656, "RIGHT_REGS": mla_gluon.FP8_RIGHT_REGS}
-        constants |= {"FILL_REGS": mla_gluon.FP8_FILL_REGS}
-    else:
-        records = torch.empty(4096, 576, dtype=torch.bfloat16)
-        signature |= {"lat_desc": _descriptor(records, 256), "rope_desc": _descriptor(records, 64)}
-        constants |= {"WIDTH": 576, "RIGHT_REGS": mla_gluon.RIGHT_REGS, "FILL_REGS": 0}
-    options = {"num_warps": 4, "enable_fp_fusion": True}
-    return compile_sm90(mla_gluon._mla_split_kernel, signature, constants, options)
-
-
-@pytest.mark.parametrize("halves", [False, True], ids=["both-halves", "one-half"])
-@pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_format, direct, halves):
-    kernel = _compile(kv_format, direct, halves)
-    ptx = kernel.asm["ptx"]
-    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
-    # scores: [64 heads, 64 tokens] over 576 = 36 steps of k16, at two call sites (first block, then each next one)
-    assert shapes.count("m64n64k16") == 72
-    # P x V: 64 tokens = 4 steps of k16 per call site, each on 256 latent columns: one site per warpgroup, or with
-    # halves two in the second warpgroup (the left or the right half, chosen by the program), which LLVM merges
-    # into one with its operand chosen per program
-    assert shapes.count("m64n256k16") == (4 if halves else 8)
-    assert len(re.findall(r"warp_group_dot .* -> tensor<64x256xf32", kernel.asm["ttgir"])) == 2
-    # the warpgroups are specialised: registers move to the first; with fp8_ds_mla a third one dequantises
-    assert len(re.findall(r"setmaxnreg\.dec", ptx)) >= (2 if kv_format == "fp8_ds_mla" else 1)
-    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv_format == "fp8_ds_mla")
-    assert kernel.metadata.shared <= MAX_SHARED
-    # C7514: ptxas found registers of a product read while it may still run, and made every wgmma instruction wait
-    # for the one before; that cost a Gluon GEMM 1.1-1.2x of its time (benchmarks/NOTES.md, twenty-third session)
-    report = ptxas_report(ptx)
-    assert "Used" in report and "C7514" not in report
-
-
 def _records(kv_format: str) -> tuple[str, int, torch.Tensor]:
     """The cache pointer's type, a record's width and the records seen as bf16 (what the TMA descriptors cover)."""
     if kv_format == "fp8_ds_mla":
@@ -78,11 +33,55 @@ def _wgmma_shapes(ptx: str) -> list[str]:
     return re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
 
 
-def _fits_and_no_serialised_products(kernel) -> None:
+def _fits_and_no_serialised_products(kernel) -> str:
+    """Asserts that ``kernel`` fits an SM90 block's shared memory and that ptxas kept its products asynchronous;
+    returns what ptxas said."""
     assert kernel.metadata.shared <= MAX_SHARED
+    # C7514: ptxas found registers of a product read while it may still run, and made every wgmma instruction wait
+    # for the one before; that cost a Gluon GEMM 1.1-1.2x of its time (benchmarks/NOTES.md, twenty-third session)
     report = ptxas_report(kernel.asm["ptx"])
     assert "Used" in report and "C7514" not in report
-    assert re.search(r"\b0 bytes spill stores", report), report
+    return report
+
+
+def _compile(kv_format: str, direct: bool, halves: bool):
+    """The split kernel as ``launch_split`` specialises it for DeepSeek-V3's cache in ``kv_format``, 64-token pages;
+    ``direct``: one split, written to the bf16 output itself; ``halves``: one latent half of P x V per program."""
+    cache_type, width, records = _records(kv_format)
+    fp8 = kv_format == "fp8_ds_mla"
+    signature = {"q_ptr": "*bf16", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
+    signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "n_splits"), "i32")
+    signature["rope_desc"] = _descriptor(records, 64)
+    constants = {"PAGE": 64, "SPLIT": 1024, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK, "DIRECT": direct}
+    constants |= {"HALVES": halves, "WIDTH": width}
+    if fp8:  # the rope part by TMA from the records seen as bf16, the latent dequantised by the kernel
+        constants |= {"lat_desc": None, "RIGHT_REGS": mla_gluon.FP8_RIGHT_REGS, "FILL_REGS": mla_gluon.FP8_FILL_REGS}
+    else:
+        signature["lat_desc"] = _descriptor(records, 256)
+        constants |= {"RIGHT_REGS": mla_gluon.RIGHT_REGS, "FILL_REGS": 0}
+    options = {"num_warps": 4, "enable_fp_fusion": True}
+    return compile_sm90(mla_gluon._mla_split_kernel, signature, constants, options)
+
+
+@pytest.mark.parametrize("halves", [False, True], ids=["both-halves", "one-half"])
+@pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_format, direct, halves):
+    kernel = _compile(kv_format, direct, halves)
+    ptx = kernel.asm["ptx"]
+    shapes = _wgmma_shapes(ptx)
+    # scores: [64 heads, 64 tokens] over 576 = 36 steps of k16, at two call sites (first block, then each next one)
+    assert shapes.count("m64n64k16") == 72
+    # P x V: 64 tokens = 4 steps of k16 per call site, each on 256 latent columns: one site per warpgroup, or with
+    # halves two in the second warpgroup (the left or the right half, chosen by the program), which LLVM merges
+    # into one with its operand chosen per program
+    assert shapes.count("m64n256k16") == (4 if halves else 8)
+    assert len(re.findall(r"warp_group_dot .* -> tensor<64x256xf32", kernel.asm["ttgir"])) == 2
+    # the warpgroups are specialised: registers move to the first; with fp8_ds_mla a third one dequantises
+    assert len(re.findall(r"setmaxnreg\.dec", ptx)) >= (2 if kv_format == "fp8_ds_mla" else 1)
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv_format == "fp8_ds_mla")
+    _fits_and_no_serialised_products(kernel)
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
@@ -103,7 +102,8 @@ def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
     # one call site of the split kernel's scores: [64 heads, 64 tokens] over 576 = 36 steps of k16
     assert _wgmma_shapes(kernel.asm["ptx"]) == ["m64n64k16"] * 36
     assert ("cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]) == fp8
-    _fits_and_no_serialised_products(kernel)
+    report = _fits_and_no_serialised_products(kernel)
+    assert re.search(r"\b0 bytes spill stores", report), report
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])
@@ -128,4 +128,5 @@ def test_span_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_forma
     # no scores here; P x V: 64 tokens = 4 steps of k16 on the program's latent columns
     assert _wgmma_shapes(kernel.asm["ptx"]) == [f"m64n{part}k16"] * 4
     assert ("cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]) == fp8
-    _fits_and_no_serialised_products(kernel)
+    report = _fits_and_no_serialised_products(kernel)
+    assert re.search(r"\b0 bytes spill stores", report), report
