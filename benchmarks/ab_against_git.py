@@ -68,10 +68,7 @@ def mla_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
     for fmt in ("bf16", "fp8_ds_mla"):
         for batch, ctx in shapes:
             # lengths short of the table's reach by up to 100 tokens, so spans end inside a page
-            sets = [
-                make(batch, ctx, fmt, seed, heads, DEVICE, short=100) | {"kv_lora_rank": 512, "kv_format": fmt}
-                for seed in range(3)
-            ]
+            sets = [make(batch, ctx, fmt, seed, heads, DEVICE, short=100) for seed in range(3)]
             with deepinfer.use("reference"):
                 ref = ops.mla_decode(**sets[0])[0]
             flops = 2 * batch * ctx * heads * (576 + 512)

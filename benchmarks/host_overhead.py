@@ -23,7 +23,7 @@ from deepinfer import ops
 def main() -> None:
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 200
     deepinfer.use("cuda_sm100")
-    inputs = make(64, 4096, "bf16", 0) | {"kv_lora_rank": 512, "kv_format": "bf16"}
+    inputs = make(64, 4096, "bf16", 0)
     for _ in range(5):
         ops.mla_decode(**inputs)
     for checks in ("1", "0"):

@@ -45,10 +45,7 @@ def main() -> None:
     for fmt in args.formats.split(","):
         for batch in map(int, args.batches.split(",")):
             for ctx in map(int, args.ctx.split(",")):
-                sets = [
-                    make(batch, ctx, fmt, seed, 128, "cuda", short=100) | {"kv_lora_rank": 512, "kv_format": fmt}
-                    for seed in range(3)
-                ]
+                sets = [make(batch, ctx, fmt, seed, short=100) for seed in range(3)]
                 run = lambda i, sets=sets: ops.mla_decode(**sets[i])
                 ref = reference.mla_decode(**(sets[0] | {"q": sets[0]["q"].float()}))
                 for invariant in (False, True):

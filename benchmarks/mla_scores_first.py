@@ -41,10 +41,7 @@ def main() -> None:
     for fmt, batch, ctx in itertools.product(
         args.formats.split(","), *(map(int, a.split(",")) for a in (args.batches, args.ctx))
     ):
-        sets = [
-            make(batch, ctx, fmt, seed, 128, "cuda", short=100) | {"kv_lora_rank": 512, "kv_format": fmt}
-            for seed in range(3)
-        ]
+        sets = [make(batch, ctx, fmt, seed, short=100) for seed in range(3)]
         run = lambda i, sets=sets: ops.mla_decode(**sets[i])
         ref = reference.mla_decode(**(sets[0] | {"q": sets[0]["q"].float()}))
         best, outs = {}, {}

@@ -29,7 +29,7 @@ from deepinfer.qtensor import quantize_blocks, quantize_rows
 
 
 def mla_inputs(seed: int, fmt: str = "bf16") -> dict:
-    return make(64, 4096, fmt, seed) | {"kv_lora_rank": 512, "kv_format": fmt}
+    return make(64, 4096, fmt, seed)
 
 
 def gemm_inputs(seed: int, m: int = 1, n: int = 2112, k: int = 7168) -> dict:

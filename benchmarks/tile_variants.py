@@ -21,7 +21,7 @@ from deepinfer_cuda_sm100 import attention
 
 def make(batch: int, ctx: int, fmt: str, seed: int, heads: int = 128, device: str = "cuda", short: int = 0):
     """mla_decode inputs at DeepSeek-V3's record layout, pages in random order; each sequence holds ``ctx`` tokens,
-    or a random length in ``[ctx - short, ctx]``."""
+    or a random length in ``[ctx - short, ctx]``. All of ``mla_decode``'s arguments (the reference's too)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     pages = ctx // 64
     cache = deepinfer.allocate_kv_cache(batch * pages, 64, kv_lora_rank=512, rope_dim=64, kv_format=fmt, device=device)
@@ -30,7 +30,8 @@ def make(batch: int, ctx: int, fmt: str, seed: int, heads: int = 128, device: st
     table = torch.randperm(batch * pages, device=device, generator=gen).view(batch, pages).int()
     q = torch.randn(batch, 1, heads, 576, device=device, generator=gen).bfloat16()
     lens = torch.randint(ctx - short, ctx + 1, (batch,), device=device, generator=gen).int()
-    return {"q": q, "kv_cache": cache, "block_table": table, "seq_lens": lens, "softmax_scale": 192**-0.5}
+    scalars = {"softmax_scale": 192**-0.5, "kv_lora_rank": 512, "kv_format": fmt}
+    return {"q": q, "kv_cache": cache, "block_table": table, "seq_lens": lens} | scalars
 
 
 def time_ms(inputs, fn=ops.mla_decode) -> float:
