@@ -84,14 +84,15 @@ def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_for
     _fits_and_no_serialised_products(kernel)
 
 
+@pytest.mark.parametrize("tokens", [64, mla_gluon.SCORES_TOKENS])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_format):
+def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_format, tokens):
     cache_type, width, records = _records(kv_format)
     fp8 = kv_format == "fp8_ds_mla"
     signature = {"q_ptr": "*bf16", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
     signature |= {"rope_desc": _descriptor(records, 64), "scores_ptr": "*fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table"), "i32")
-    constants = {"PAGE": 64, "WIDTH": width, "TOKENS": mla_gluon.SCORES_TOKENS, "FP8": fp8}
+    constants = {"PAGE": 64, "WIDTH": width, "TOKENS": tokens, "FP8": fp8}
     constants |= {"CHUNK": mla_gluon.SCORES_FP8_CHUNK}
     if fp8:
         constants["lat_desc"] = None
@@ -104,6 +105,15 @@ def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
     assert ("cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]) == fp8
     report = _fits_and_no_serialised_products(kernel)
     assert re.search(r"\b0 bytes spill stores", report), report
+
+
+def test_scores_chunk_is_halved_only_while_the_grid_fits_the_sms():
+    # 132 SMs, two head blocks: one row of 4096 tokens gets 128 programs of 64 tokens, two rows 128 of 128 tokens;
+    # eight rows already fill the SMs at 256 tokens (256 programs)
+    assert mla_gluon.scores_tokens(1, 2, 4096, 132) == 64
+    assert mla_gluon.scores_tokens(2, 2, 4096, 132) == 128
+    assert mla_gluon.scores_tokens(8, 2, 4096, 132) == mla_gluon.SCORES_TOKENS == 256
+    assert mla_gluon.scores_tokens(1, 2, 16384, 132) == 256
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])

@@ -42,7 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer.kv_cache import FP8_GROUP
 
-from ._triton import hopper
+from ._triton import hopper, num_sms
 
 BLOCK_H, BLOCK_N, L, R, LH = (gl.constexpr(v) for v in (64, 64, 512, 64, 256))  # heads, tokens, latent, rope, half
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -502,10 +502,10 @@ def _mla_split_kernel(
 
 # Batch-invariant mode's spans are 2048 tokens, which leaves most SMs idle at a few rows, and each program's serial
 # chain is mostly S = Q K^T of its 32 blocks. Here two kernels replace the split kernel: the first computes S of every
-# block (as ``_scores`` does: the same bits) over SCORES_TOKENS-token chunks in parallel; the second runs each span's
+# block (as ``_scores`` does: the same bits) over chunks of the context in parallel; the second runs each span's
 # softmax and P x V over those scores, one latent part of SPAN_PARTS per program, with SPAN_STAGES blocks of scores
 # and latent in flight. The softmax and the products are the split kernel's, on the same values: the same bits.
-SCORES_TOKENS, SPAN_PARTS, SPAN_STAGES = 256, 4, 4
+SCORES_TOKENS, SPAN_PARTS, SPAN_STAGES = 256, 4, 4  # SCORES_TOKENS: the largest chunk (``scores_tokens``)
 SCORES_FP8_CHUNK = 16  # fp8_ds_mla: tokens per dequantising step of the scores kernel
 SPAN_VALUES_REGS = 192  # registers per thread of the span kernel's second warpgroup (P x V)
 
@@ -867,6 +867,17 @@ def launch_split(
     )  # fmt: skip
 
 
+def scores_tokens(rows: int, head_blocks: int, reach: int, sms: int) -> int:
+    """The scores kernel's chunk of a table reaching ``reach`` tokens: ``SCORES_TOKENS``, halved down to 64 while the
+    grid that gives still fits in ``sms`` (a chunk's blocks run in series, so one or two rows leave most SMs idle at
+    256; more programs than SMs make it slower again: NOTES.md, thirty-first session). The chunk decides only which
+    program computes a block's scores, never how: the bits are the same."""
+    tokens = SCORES_TOKENS
+    while tokens > BLOCK_N.value and rows * head_blocks * -(-reach // (tokens // 2)) <= sms:
+        tokens //= 2
+    return tokens
+
+
 def launch_scores_first(
     q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page
 ) -> None:
@@ -874,15 +885,17 @@ def launch_scores_first(
     fp8 = records.dtype == torch.uint8
     batch, s_q, heads, _ = q.shape
     head_blocks = -(-heads // BLOCK_H.value)
-    chunks = -(-block_table.shape[1] * page // SCORES_TOKENS)
-    blocks = chunks * SCORES_TOKENS // BLOCK_N.value
+    reach = block_table.shape[1] * page
+    tokens = scores_tokens(batch * s_q, head_blocks, reach, num_sms(q.device.index or 0))
+    chunks = -(-reach // tokens)
+    blocks = chunks * tokens // BLOCK_N.value
     tile = [BLOCK_H.value, BLOCK_N.value]
     scores = torch.empty(batch * s_q * head_blocks * blocks * tile[0], tile[1], dtype=torch.float32, device=q.device)
     lat_desc = None if fp8 else _descriptor(records, LH.value)  # an fp8_ds_mla latent is dequantised by the kernels
     _mla_scores_kernel[(batch * s_q, head_blocks, chunks)](
         q, lat_desc, _descriptor(records, R.value), records, block_table, seq_lens, scores, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
-        PAGE=page, WIDTH=records.shape[1], TOKENS=SCORES_TOKENS, FP8=fp8, CHUNK=SCORES_FP8_CHUNK,
+        PAGE=page, WIDTH=records.shape[1], TOKENS=tokens, FP8=fp8, CHUNK=SCORES_FP8_CHUNK,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
     s_desc = TensorDescriptor.from_tensor(scores, tile, gl.NVMMASharedLayout.get_default_for(tile, gl.float32))
