@@ -6,6 +6,8 @@
 
 CASE is one of
 - ``mla`` / ``mla-fp8``: ``mla_decode``, bf16 / fp8_ds_mla cache, H=128, B=64, context 4096 (kernel ``mla_split``);
+- ``mla-invariant-b1``: batch-invariant ``mla_decode``, bf16 cache, H=128, B=1, context 4096, whose scores come first
+  (kernels ``_mla_scores_kernel`` and ``_mla_span_kernel``);
 - ``gemm-invariant``: batch-invariant FP8 ``gemm``, M=1, (N, K) = (2112, 7168) (kernel ``_gemm_kernel``);
 - ``gemm-4096``: FP8 ``gemm`` at M=4096, (N, K) = (4096, 7168), which cuBLAS serves;
 - ``gemm-ws``: the same product by ``gemm_gluon``'s kernel, A streamed (kernel ``fp8_gemm_ws``);
@@ -54,6 +56,7 @@ def gemm_cublas(a, w, out_dtype):
 CASES = {
     "mla": (ops.mla_decode, mla_inputs, False),
     "mla-fp8": (ops.mla_decode, lambda seed: mla_inputs(seed, "fp8_ds_mla"), False),
+    "mla-invariant-b1": (ops.mla_decode, lambda seed: make(1, 4096, "bf16", seed), True),
     "gemm-invariant": (ops.gemm, gemm_inputs, True),
     "gemm-4096": (ops.gemm, lambda seed: gemm_inputs(seed, 4096, 4096), False),
     "gemm-ws": (gemm_ws, lambda seed: gemm_inputs(seed, 4096, 4096), False),
