@@ -62,11 +62,11 @@ FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
 
 
 @gluon.jit
-def _block_row(table_row, start, j, full, PAGE: gl.constexpr):
-    """The cache row of block ``j``'s first token (tokens ``start + 64 j + [0, 64)`` lie in one page); a whole block's
-    only (``j < full``): the refills load it a block ahead of their copies."""
+def _block_row(table_row, start, j, below, PAGE: gl.constexpr):
+    """The cache row of block ``j``'s first token (tokens ``start + 64 j + [0, 64)`` lie in one page) if ``j < below``
+    (else the table is not read): the loops load it a block ahead of their copies."""
     n0 = start + j * BLOCK_N
-    return gl.load(table_row + n0 // PAGE, mask=j < full, other=0) * PAGE + n0 % PAGE
+    return gl.load(table_row + n0 // PAGE, mask=j < below, other=0) * PAGE + n0 % PAGE
 
 
 @gluon.jit
@@ -611,33 +611,34 @@ def _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, k
 
 
 @gluon.jit
-def _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, tile0, v_row, col0, i, n_blocks, full,
-                     STAGES: gl.constexpr):  # fmt: skip
-    """TMA copies of block ``i`` of a span into stage ``i % STAGES``: its scores, if the block exists, and (bf16 cache)
-    its latent columns ``col0 + [0, W)`` from cache row ``v_row`` on, if the block is whole (a partial one is gathered
-    with zeros past the span)."""
+def _load_scores(s_desc, s_s, s_ready, tile0, i, n_blocks, STAGES: gl.constexpr):
+    """A TMA copy of block ``i``'s scores into stage ``i % STAGES``, if the span has that block."""
     stage = i % STAGES
     has = i < n_blocks
     mbarrier.expect(s_ready.index(stage), s_desc.block_type.nbytes, pred=has)
     TMA_LOAD(s_desc, [tile0 + i * BLOCK_H, 0], s_ready.index(stage), s_s.index(stage), pred=has)
+
+
+@gluon.jit
+def _load_values(v_desc, v_s, v_ready, v_row, col0, i, full, STAGES: gl.constexpr):
+    """(bf16 cache) A TMA copy of block ``i``'s latent columns ``col0 + [0, W)``, from cache row ``v_row`` on, into
+    stage ``i % STAGES``, if the block is whole (a partial one is gathered with zeros past the span)."""
     if v_desc is not None:
+        stage = i % STAGES
         whole = i < full
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes, pred=whole)
         TMA_LOAD(v_desc, [v_row, col0], v_ready.index(stage), v_s.index(stage), pred=whole)
 
 
 @gluon.jit
-def _fp8_columns(cache_ptr, table_row, start, end, col0, i, W: gl.constexpr, PAGE: gl.constexpr,
-                 WIDTH: gl.constexpr):  # fmt: skip
-    """Block ``i`` of an fp8_ds_mla span, latent columns ``col0 + [0, W)`` (one scale group), as stored: e4m3 bytes
-    [64, W] and each token's scale, zeros at and past ``end``."""
+def _fp8_columns(cache_ptr, v_row, n0, end, col0, W: gl.constexpr, WIDTH: gl.constexpr):
+    """The block of an fp8_ds_mla span from token ``n0`` on (cache row ``v_row``), latent columns ``col0 + [0, W)``
+    (one scale group), as stored: e4m3 bytes [64, W] and each token's scale, zeros at and past ``end``."""
     gl.static_assert(W <= GROUP, "a part of the latent lies in one scale group")
     lat: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
-    n0 = start + i * BLOCK_N
-    page = gl.load(table_row + n0 // PAGE)  # a block lies in one page
     tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lat))
     valid = n0 + tokens < end
-    record = cache_ptr + (page.to(gl.int64) * PAGE + n0 % PAGE + tokens) * WIDTH
+    record = cache_ptr + (v_row.to(gl.int64) + tokens) * WIDTH
     cols = gl.expand_dims(col0 + gl.arange(0, W, layout=gl.SliceLayout(0, lat)), 0)
     raw = gl.load(gl.expand_dims(record, 1) + cols, mask=gl.expand_dims(valid, 1), other=0)
     scales = (record + L).to(gl.pointer_type(gl.float32), bitcast=True)
@@ -731,15 +732,15 @@ def _mla_span_kernel(
     tile0 = ((row * (gl.num_programs(1) // PARTS) + pid_h) * blocks + start // BLOCK_N) * BLOCK_H  # a TMA row: int32
     for i in gl.static_range(STAGES):
         v_row = _block_row(table_row, start, i, full, PAGE)
-        _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, tile0, v_row, col0, i, n_blocks, full, STAGES)
+        _load_scores(s_desc, s_s, s_ready, tile0, i, n_blocks, STAGES)
+        _load_values(v_desc, v_s, v_ready, v_row, col0, i, full, STAGES)
     fence_async_shared()
     gl.warp_specialize(
         [
-            (_span_softmax, (s_s, p_s, a_s, s_ready, p_ready, p_free, start, end, scale * LOG2E, part_lse_ptr, row,
-                             pid_h, split, H, n_splits, W, STAGES)),
-            (_span_values, (s_desc, v_desc, s_s, v_s, p_s, a_s, s_ready, v_ready, p_ready, p_free, cache_ptr,
-                            table_row, part_out_ptr, start, end, tile0, col0, row, pid_h, split, H, n_splits, W,
-                            PAGE, WIDTH, STAGES, FP8)),
+            (_span_softmax, (s_desc, s_s, p_s, a_s, s_ready, p_ready, p_free, start, end, tile0, scale * LOG2E,
+                             part_lse_ptr, row, pid_h, split, H, n_splits, W, STAGES)),
+            (_span_values, (v_desc, v_s, p_s, a_s, v_ready, p_ready, p_free, cache_ptr, table_row, part_out_ptr,
+                            start, end, col0, row, pid_h, split, H, n_splits, W, PAGE, WIDTH, STAGES, FP8)),
         ],
         [4],
         [VALUES_REGS],
@@ -747,25 +748,32 @@ def _mla_span_kernel(
 
 
 @gluon.jit
-def _span_softmax(s_s, p_s, a_s, s_ready, p_ready, p_free, start, end, qk_scale, part_lse_ptr, row, pid_h, split, H,
-                  n_splits, W: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+def _span_softmax(s_desc, s_s, p_s, a_s, s_ready, p_ready, p_free, start, end, tile0, qk_scale, part_lse_ptr, row,
+                  pid_h, split, H, n_splits, W: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The span kernel's first warpgroup: each block's softmax over its scores (the split kernel's arithmetic), P and
-    its row factor published to the second through one of two buffers; at the end 1 / l, then the lse."""
+    its row factor published to the second through one of two buffers; at the end 1 / l, then the lse. Blocks go two
+    at a time: a block's softmax is one dependent chain (load, max, exp2, sum), and two chains in one body overlap.
+    A stage of scores is refilled as soon as it is read, ``STAGES`` blocks ahead."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
     n_blocks = gl.cdiv(end - start, BLOCK_N)
-    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    tokens = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    for i in range(n_blocks):
-        mbarrier.wait(s_ready.index(i % STAGES), (i // STAGES) & 1)
-        s = s_s.index(i % STAGES).load(S_LAYOUT)
-        p, alpha, m_i, l_i = _softmax_step(s, start + i * BLOCK_N + tokens < end, qk_scale, m_i, l_i)
-        buf = i % 2
-        mbarrier.wait(p_free.index(buf), ((i // 2) & 1) ^ 1)
-        p_s.index(buf).store(p.to(gl.bfloat16))
-        a_s.index(buf).store(alpha)
-        fence_async_shared()
-        mbarrier.arrive(p_ready.index(buf), count=1)  # also: this block's scores are read, its stage may refill
+    for i in range(0, n_blocks - 1, 2):
+        s0 = _span_scores(s_s, s_ready, i, STAGES)
+        s1 = _span_scores(s_s, s_ready, i + 1, STAGES)
+        BARRIER()  # every warp has read both stages
+        _load_scores(s_desc, s_s, s_ready, tile0, i + STAGES, n_blocks, STAGES)
+        _load_scores(s_desc, s_s, s_ready, tile0, i + 1 + STAGES, n_blocks, STAGES)
+        p0, alpha0, m_i, l_i = _softmax_step(s0, tokens + i * BLOCK_N < end, qk_scale, m_i, l_i)
+        p1, alpha1, m_i, l_i = _softmax_step(s1, tokens + (i + 1) * BLOCK_N < end, qk_scale, m_i, l_i)
+        _publish_p(p0, alpha0, p_s, a_s, p_ready, p_free, i)
+        _publish_p(p1, alpha1, p_s, a_s, p_ready, p_free, i + 1)
+    if n_blocks % 2 == 1:
+        i = n_blocks - 1
+        s = _span_scores(s_s, s_ready, i, STAGES)
+        p, alpha, m_i, l_i = _softmax_step(s, tokens + i * BLOCK_N < end, qk_scale, m_i, l_i)
+        _publish_p(p, alpha, p_s, a_s, p_ready, p_free, i)
     buf = n_blocks % 2
     mbarrier.wait(p_free.index(buf), ((n_blocks // 2) & 1) ^ 1)
     a_s.index(buf).store(1.0 / l_i)
@@ -776,20 +784,38 @@ def _span_softmax(s_s, p_s, a_s, s_ready, p_ready, p_free, start, end, qk_scale,
 
 
 @gluon.jit
-def _span_values(s_desc, v_desc, s_s, v_s, p_s, a_s, s_ready, v_ready, p_ready, p_free, cache_ptr, table_row,
-                 part_out_ptr, start, end, tile0, col0, row, pid_h, split, H, n_splits, W: gl.constexpr,
-                 PAGE: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+def _span_scores(s_s, s_ready, i, STAGES: gl.constexpr):
+    """Block ``i``'s scores [64 heads, 64 tokens] once their copy has landed."""
+    mbarrier.wait(s_ready.index(i % STAGES), (i // STAGES) & 1)
+    return s_s.index(i % STAGES).load(S_LAYOUT)
+
+
+@gluon.jit
+def _publish_p(p, alpha, p_s, a_s, p_ready, p_free, i):
+    """Block ``i``'s P and row factor into buffer ``i % 2`` once P x V is done with it."""
+    buf = i % 2
+    mbarrier.wait(p_free.index(buf), ((i // 2) & 1) ^ 1)
+    p_s.index(buf).store(p.to(gl.bfloat16))
+    a_s.index(buf).store(alpha)
+    fence_async_shared()
+    mbarrier.arrive(p_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _span_values(v_desc, v_s, p_s, a_s, v_ready, p_ready, p_free, cache_ptr, table_row, part_out_ptr, start, end,
+                 col0, row, pid_h, split, H, n_splits, W: gl.constexpr, PAGE: gl.constexpr, WIDTH: gl.constexpr,
+                 STAGES: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
     """The span kernel's second warpgroup: P x V of each block on the program's latent part once P and its factor
-    are published, then the block's stage refilled with block ``i + STAGES``; with an fp8_ds_mla cache each block's
-    part is dequantised into its stage first (its loads issued a block ahead). At the end, the part's output times
-    the 1 / l published last."""
+    are published, then the block's latent stage refilled with block ``i + STAGES`` (the scores' stages are refilled
+    by the first warpgroup); with an fp8_ds_mla cache each block's part is dequantised into its stage first (its bytes
+    loaded a block ahead, its cache row two). At the end, the part's output times the 1 / l published last."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N
     o = gl.zeros([BLOCK_H, W], gl.float32, o_layout)
-    if FP8:
-        raw, v_scale = _fp8_columns(cache_ptr, table_row, start, end, col0, 0, W, PAGE, WIDTH)
-    refill_row = _block_row(table_row, start, STAGES, full, PAGE)
+    if FP8:  # a block's bytes are loaded a block ahead of their store, its cache row two
+        raw, v_scale = _fp8_columns(cache_ptr, _block_row(table_row, start, 0, 1, PAGE), start, end, col0, W, WIDTH)
+        fp8_row = _block_row(table_row, start, 1, n_blocks, PAGE)
     for i in range(n_blocks):
         stage = i % STAGES
         if FP8:
@@ -797,22 +823,21 @@ def _span_values(s_desc, v_desc, s_s, v_s, p_s, a_s, s_ready, v_ready, p_ready, 
             fence_async_shared()
             BARRIER()
             if i + 1 < n_blocks:
-                raw, v_scale = _fp8_columns(cache_ptr, table_row, start, end, col0, i + 1, W, PAGE, WIDTH)
+                raw, v_scale = _fp8_columns(cache_ptr, fp8_row, start + (i + 1) * BLOCK_N, end, col0, W, WIDTH)
+            fp8_row = _block_row(table_row, start, i + 2, n_blocks, PAGE)
         elif i == full:  # the partial last block
             _gather_columns(cache_ptr, table_row, start + i * BLOCK_N, end, col0, v_s.index(stage), PAGE, WIDTH)
             fence_async_shared()
             BARRIER()
         else:
             mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
-        next_row = _block_row(table_row, start, i + STAGES + 1, full, PAGE)  # loaded a block ahead of its copy
+        next_row = _block_row(table_row, start, i + STAGES, full, PAGE)
         buf = i % 2
         mbarrier.wait(p_ready.index(buf), (i // 2) & 1)
         alpha = gl.expand_dims(a_s.index(buf).load(gl.SliceLayout(1, o_layout)), 1)
         o = warpgroup_mma(p_s.index(buf), v_s.index(stage), o * alpha)
         mbarrier.arrive(p_free.index(buf), count=1)
-        _load_span_block(s_desc, v_desc, s_s, v_s, s_ready, v_ready, tile0, refill_row, col0, i + STAGES, n_blocks,
-                         full, STAGES)  # fmt: skip
-        refill_row = next_row
+        _load_values(v_desc, v_s, v_ready, next_row, col0, i + STAGES, full, STAGES)
     buf = n_blocks % 2
     mbarrier.wait(p_ready.index(buf), (n_blocks // 2) & 1)
     inv_l = gl.expand_dims(a_s.index(buf).load(gl.SliceLayout(1, o_layout)), 1)
