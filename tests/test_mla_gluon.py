@@ -90,7 +90,7 @@ def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
     cache_type, width, records = _records(kv_format)
     fp8 = kv_format == "fp8_ds_mla"
     signature = {"q_ptr": "*bf16", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
-    signature |= {"rope_desc": _descriptor(records, 64), "scores_ptr": "*fp32"}
+    signature |= {"rope_desc": _descriptor(records, 64), "scores_ptr": "*fp32", "maxima_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table"), "i32")
     constants = {"PAGE": 64, "WIDTH": width, "TOKENS": tokens, "FP8": fp8}
     constants |= {"CHUNK": mla_gluon.SCORES_FP8_CHUNK}
@@ -124,12 +124,12 @@ def test_span_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_forma
     part = 512 // mla_gluon.SPAN_PARTS
     scores = torch.empty(4096, 64, dtype=torch.float32)
     signature = {"s_desc": descriptor_type(scores, [64, 64], gl.float32)}
-    signature |= {"cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    signature |= {"maxima_ptr": "*fp32", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
     signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_table", "n_splits", "blocks"), "i32")
     constants = {"PAGE": 64, "WIDTH": width, "SPLIT": 2048, "PARTS": mla_gluon.SPAN_PARTS}
     constants |= {"STAGES": mla_gluon.SPAN_STAGES, "DIRECT": direct, "FP8": fp8}
-    constants["VALUES_REGS"] = mla_gluon.SPAN_VALUES_REGS
+    constants |= {"SOFTMAX_REGS": mla_gluon.SPAN_SOFTMAX_REGS, "VALUES_REGS": mla_gluon.SPAN_VALUES_REGS}
     if fp8:
         constants["v_desc"] = None
     else:

@@ -273,14 +273,25 @@ def _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, c
 
 
 @gluon.jit
+def _scaled_scores(s, visible, qk_scale):
+    """S [64 heads, 64 tokens] (unscaled) in the exp2 domain, -inf at the tokens not ``visible``."""
+    return gl.where(gl.expand_dims(visible, 0), s * qk_scale, float("-inf"))
+
+
+@gluon.jit
+def _probs(s, m_i, m_new):
+    """P of scaled scores against the new running max, and the rescale factor of what came before."""
+    return gl.exp2(s - gl.expand_dims(m_new, 1)), gl.exp2(m_i - m_new)
+
+
+@gluon.jit
 def _softmax_step(s, visible, qk_scale, m_i, l_i):
     """One block of the online softmax: S [64 heads, 64 tokens] (unscaled; ``visible``: its tokens inside the span)
     against the running max and sum (exp2 domain); returns P, the rescale factor of what came before, the new max and
     the new sum."""
-    s = gl.where(gl.expand_dims(visible, 0), s * qk_scale, float("-inf"))
+    s = _scaled_scores(s, visible, qk_scale)
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    p = gl.exp2(s - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
+    p, alpha = _probs(s, m_i, m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
@@ -502,12 +513,14 @@ def _mla_split_kernel(
 
 # Batch-invariant mode's spans are 2048 tokens, which leaves most SMs idle at a few rows, and each program's serial
 # chain is mostly S = Q K^T of its 32 blocks. Here two kernels replace the split kernel: the first computes S of every
-# block (as ``_scores`` does: the same bits) over chunks of the context in parallel; the second runs each span's
-# softmax and P x V over those scores, one latent part of SPAN_PARTS per program, with SPAN_STAGES blocks of scores
-# and latent in flight. The softmax and the products are the split kernel's, on the same values: the same bits.
+# block (as ``_scores`` does: the same bits) and each block's row maxima over chunks of the context in parallel; the
+# second runs each span's softmax and P x V over those scores, one latent part of SPAN_PARTS per program, with
+# SPAN_STAGES blocks of scores and latent in flight. Since the maxima are known, the softmax of alternate blocks runs
+# in two warpgroups. The softmax and the products are the split kernel's, on the same values: the same bits.
 SCORES_TOKENS, SPAN_PARTS, SPAN_STAGES = 256, 4, 4  # SCORES_TOKENS: the largest chunk (``scores_tokens``)
 SCORES_FP8_CHUNK = 16  # fp8_ds_mla: tokens per dequantising step of the scores kernel
-SPAN_VALUES_REGS = 192  # registers per thread of the span kernel's second warpgroup (P x V)
+# registers per thread of the span kernel's second softmax warpgroup and of its P x V warpgroup
+SPAN_SOFTMAX_REGS, SPAN_VALUES_REGS = 152, 192
 
 
 @gluon.jit
@@ -519,6 +532,8 @@ def _mla_scores_kernel(
     table_ptr,
     seq_lens_ptr,
     scores_ptr,
+    maxima_ptr,
+    scale,
     S_q,
     H,
     stride_qb,
@@ -533,7 +548,9 @@ def _mla_scores_kernel(
 ):
     """S = Q K^T (fp32, unscaled) of one (query row, 64 heads, ``TOKENS`` context tokens) per program: each visible
     64-token block's [64 heads, 64 tokens] tile at ``scores[row, head block, block]`` (row-major tiles; a partial last
-    block's columns past the sequence hold S of zeros). Blocks past the sequence are not written. ``FP8``: an
+    block's columns past the sequence hold S of zeros), and each head's max of S times ``scale`` (in the exp2 domain)
+    over the block's visible tokens at ``maxima[row, head block, block]``: a max is exact in any order, so these are
+    the split kernel's. Blocks past the sequence are not written. ``FP8``: an
     fp8_ds_mla cache (``cache_ptr`` bytes, ``lat_desc`` None), each block dequantised into its stage ``CHUNK`` tokens
     at a time, as the split kernel's third warpgroup does, while the block before is multiplied."""
     row = gl.program_id(0)
@@ -592,6 +609,8 @@ def _mla_scores_kernel(
             _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, j % 2, refill, j + 2 < full)
             _load_left(lat_desc, left_ready, c0_s, j % 2, refill, j + 2 < full)
         gl.store(scores_ptr + (first_block + j) * (BLOCK_H * BLOCK_N) + tile, scores)
+        block_max = gl.max(_scaled_scores(scores, start + j * BLOCK_N + tokens < end, scale * LOG2E), axis=1)
+        gl.store(maxima_ptr + (first_block + j) * BLOCK_H + heads, block_max)
 
 
 @gluon.jit
@@ -671,6 +690,7 @@ def _gather_columns(cache_ptr, table_row, n0, end, col0, v_s, PAGE: gl.constexpr
 def _mla_span_kernel(
     s_desc,
     v_desc,
+    maxima_ptr,
     cache_ptr,
     table_ptr,
     seq_lens_ptr,
@@ -689,14 +709,16 @@ def _mla_span_kernel(
     STAGES: gl.constexpr,
     DIRECT: gl.constexpr,
     FP8: gl.constexpr,
+    SOFTMAX_REGS: gl.constexpr,
     VALUES_REGS: gl.constexpr,
 ):
-    """``_mla_split_kernel``'s contract over the scores of ``_mla_scores_kernel`` (``s_desc``: those scores as
-    [rows x head blocks x ``blocks`` x 64, 64] fp32): one (query row, 64 heads, KV split, latent part of ``L / PARTS``
-    columns) per program (program ``PARTS h + c`` along the heads' axis: head block ``h``, part ``c``). Launched with
-    4 warps, to which a second warpgroup adds 4: the first runs the span's softmax (the split kernel's arithmetic),
-    the second multiplies P by the program's part (``_span_values``). ``FP8``: an fp8_ds_mla cache (``v_desc``
-    None)."""
+    """``_mla_split_kernel``'s contract over the scores and block maxima of ``_mla_scores_kernel`` (``s_desc``: the
+    scores as [rows x head blocks x ``blocks`` x 64, 64] fp32): one (query row, 64 heads, KV split, latent part of
+    ``L / PARTS`` columns) per program (program ``PARTS h + c`` along the heads' axis: head block ``h``, part ``c``).
+    Launched with 4 warps, to which two warpgroups add 8: the first two run the softmax of alternate blocks (the
+    split kernel's arithmetic; with the maxima known, a block's P needs nothing of the block before), the third
+    multiplies P by the program's part and keeps the running sum (``_span_values``). ``FP8``: an fp8_ds_mla cache
+    (``v_desc`` None)."""
     W: gl.constexpr = L // PARTS
     row = gl.program_id(0)
     pid_h = gl.program_id(1) // PARTS
@@ -715,10 +737,12 @@ def _mla_span_kernel(
     v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, W], v_layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], p_layout)
-    a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], rows_layout)  # P's row factor (at the end: the max)
+    r_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], rows_layout)  # P's row sums
     s_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # P and its factor published
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # P and its factors published
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # P x V done with them
     for i in gl.static_range(STAGES):
         mbarrier.init(s_ready.index(i), count=1)
@@ -727,8 +751,8 @@ def _mla_span_kernel(
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
     table_row = table_ptr + b.to(gl.int64) * stride_table
-    n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
     tile0 = ((row * (gl.num_programs(1) // PARTS) + pid_h) * blocks + start // BLOCK_N) * BLOCK_H  # a TMA row: int32
     for i in gl.static_range(STAGES):
         v_row = _block_row(table_row, start, i, full, PAGE)
@@ -737,50 +761,102 @@ def _mla_span_kernel(
     fence_async_shared()
     gl.warp_specialize(
         [
-            (_span_softmax, (s_desc, s_s, p_s, a_s, s_ready, p_ready, p_free, start, end, tile0, scale * LOG2E,
-                             part_lse_ptr, row, pid_h, split, H, n_splits, W, STAGES)),
-            (_span_values, (v_desc, v_s, p_s, a_s, v_ready, p_ready, p_free, cache_ptr, table_row, part_out_ptr,
-                            start, end, col0, row, pid_h, split, H, n_splits, W, PAGE, WIDTH, STAGES, FP8)),
+            (_span_softmax, (s_desc, s_s, v_desc, v_s, p_s, a_s, r_s, s_ready, v_ready, p_ready, p_free, maxima_ptr,
+                             cache_ptr, table_row, start, end, tile0, col0, scale * LOG2E, 0, W, PAGE, WIDTH, STAGES,
+                             FP8)),
+            (_span_softmax, (s_desc, s_s, v_desc, v_s, p_s, a_s, r_s, s_ready, v_ready, p_ready, p_free, maxima_ptr,
+                             cache_ptr, table_row, start, end, tile0, col0, scale * LOG2E, 1, W, PAGE, WIDTH, STAGES,
+                             FP8)),
+            (_span_values, (v_s, p_s, a_s, r_s, v_ready, p_ready, p_free, part_out_ptr, part_lse_ptr, start, end, col0,
+                            row, pid_h, split, H, n_splits, W, STAGES)),
         ],
-        [4],
-        [VALUES_REGS],
+        [4, 4],
+        [SOFTMAX_REGS, VALUES_REGS],
     )  # fmt: skip
 
 
 @gluon.jit
-def _span_softmax(s_desc, s_s, p_s, a_s, s_ready, p_ready, p_free, start, end, tile0, qk_scale, part_lse_ptr, row,
-                  pid_h, split, H, n_splits, W: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """The span kernel's first warpgroup: each block's softmax over its scores (the split kernel's arithmetic), P and
-    its row factor published to the second through one of two buffers; at the end 1 / l, then the lse. Blocks go two
-    at a time: a block's softmax is one dependent chain (load, max, exp2, sum), and two chains in one body overlap.
-    A stage of scores is refilled as soon as it is read, ``STAGES`` blocks ahead."""
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
+def _span_softmax(s_desc, s_s, v_desc, v_s, p_s, a_s, r_s, s_ready, v_ready, p_ready, p_free, maxima_ptr, cache_ptr,
+                  table_row, start, end, tile0, col0, qk_scale, PARITY: gl.constexpr, W: gl.constexpr,
+                  PAGE: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+    """A softmax warpgroup of the span kernel: blocks ``PARITY``, ``PARITY + 2``, ...: P against the running max
+    (folded from the scores kernel's block maxima), the row factor of what came before, and P's row sums, published
+    through buffer ``PARITY``; each stage of scores refilled as soon as it is read, ``STAGES`` blocks ahead. Once
+    P x V is done with block ``i - 2``, its latent stage is filled with block ``i + STAGES - 2`` (``_fill_values``;
+    fp8_ds_mla bytes loaded at the top of the iteration, their cache row one iteration before). The warpgroup whose
+    turn follows the last block publishes the final max."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
+    full = (end - start) // BLOCK_N
     tokens = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    for i in range(0, n_blocks - 1, 2):
-        s0 = _span_scores(s_s, s_ready, i, STAGES)
-        s1 = _span_scores(s_s, s_ready, i + 1, STAGES)
-        BARRIER()  # every warp has read both stages
-        _load_scores(s_desc, s_s, s_ready, tile0, i + STAGES, n_blocks, STAGES)
-        _load_scores(s_desc, s_s, s_ready, tile0, i + 1 + STAGES, n_blocks, STAGES)
-        p0, alpha0, m_i, l_i = _softmax_step(s0, tokens + i * BLOCK_N < end, qk_scale, m_i, l_i)
-        p1, alpha1, m_i, l_i = _softmax_step(s1, tokens + (i + 1) * BLOCK_N < end, qk_scale, m_i, l_i)
-        _publish_p(p0, alpha0, p_s, a_s, p_ready, p_free, i)
-        _publish_p(p1, alpha1, p_s, a_s, p_ready, p_free, i + 1)
-    if n_blocks % 2 == 1:
-        i = n_blocks - 1
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
+    maxima = maxima_ptr + tile0 + heads  # block i's at i * BLOCK_H
+    for j in gl.static_range(PARITY, STAGES, 2):  # the kernel's first copies were of whole bf16 blocks
+        raw, v_scale = 0, 0  # fp8_ds_mla bytes
+        if FP8:
+            j_row = _block_row(table_row, start, j, n_blocks, PAGE)
+            raw, v_scale = _fp8_columns(cache_ptr, j_row, start + j * BLOCK_N, end, col0, W, WIDTH)
+        _fill_values(v_desc, v_s, v_ready, cache_ptr, table_row, 0, raw, v_scale, start, end, col0, j, n_blocks, full,
+                     PAGE, WIDTH, STAGES, FP8, False)  # fmt: skip
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))  # the max of blocks < i
+    if PARITY == 1:
+        m_i = gl.load(maxima)
+    own = _block_maxima(maxima, PARITY, n_blocks)
+    other = _block_maxima(maxima, PARITY + 1, n_blocks)
+    fill_row = _block_row(table_row, start, PARITY + STAGES - 2, n_blocks, PAGE)
+    for i in range(PARITY, n_blocks, 2):
+        k = i + STAGES - 2  # the block whose latent comes in once P_i is published
         s = _span_scores(s_s, s_ready, i, STAGES)
-        p, alpha, m_i, l_i = _softmax_step(s, tokens + i * BLOCK_N < end, qk_scale, m_i, l_i)
-        _publish_p(p, alpha, p_s, a_s, p_ready, p_free, i)
-    buf = n_blocks % 2
-    mbarrier.wait(p_free.index(buf), ((n_blocks // 2) & 1) ^ 1)
-    a_s.index(buf).store(1.0 / l_i)
-    mbarrier.arrive(p_ready.index(buf), count=1)
-    part, hmask = _part_rows(row, pid_h, split, H, n_splits, o_layout)
-    lse = (m_i + gl.log2(l_i)) / LOG2E  # every part's program stores the same values
-    gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, o_layout)), mask=hmask)
+        BARRIER()  # every warp has read the stage
+        _load_scores(s_desc, s_s, s_ready, tile0, i + STAGES, n_blocks, STAGES)
+        k_raw, k_scale = 0, 0
+        if FP8:
+            k_raw, k_scale = _fp8_columns(cache_ptr, fill_row, start + k * BLOCK_N, end, col0, W, WIDTH)
+        next_fill_row = _block_row(table_row, start, k + 2, n_blocks, PAGE)
+        next_own = _block_maxima(maxima, i + 2, n_blocks)
+        next_other = _block_maxima(maxima, i + 3, n_blocks)
+        m_new = gl.maximum(m_i, own)
+        p, alpha = _probs(_scaled_scores(s, tokens + i * BLOCK_N < end, qk_scale), m_i, m_new)
+        _publish_p(p, alpha, gl.sum(p, axis=1), p_s, a_s, r_s, p_ready, p_free, i)
+        if i >= 2:  # P x V is done with block i - 2, whose stage block k takes
+            _fill_values(v_desc, v_s, v_ready, cache_ptr, table_row, fill_row, k_raw, k_scale, start, end, col0, k,
+                         n_blocks, full, PAGE, WIDTH, STAGES, FP8, True)  # fmt: skip
+        m_i = gl.maximum(m_new, other)
+        own = next_own
+        other = next_other
+        fill_row = next_fill_row
+    if n_blocks % 2 == PARITY:
+        mbarrier.wait(p_free.index(PARITY), ((n_blocks // 2) & 1) ^ 1)
+        a_s.index(PARITY).store(m_i)
+        mbarrier.arrive(p_ready.index(PARITY), count=1)
+
+
+@gluon.jit
+def _fill_values(v_desc, v_s, v_ready, cache_ptr, table_row, v_row, raw, v_scale, start, end, col0, k, n_blocks, full,
+                 PAGE: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+                 WHOLE: gl.constexpr):  # fmt: skip
+    """Block ``k``'s latent columns ``col0 + [0, W)`` into stage ``k % STAGES``, if the span has that block: fp8_ds_mla
+    bytes (``raw``, ``v_scale``) dequantised, a partial bf16 block gathered by pointer, a whole one (``WHOLE``) by a
+    TMA copy from cache row ``v_row``; each arrives on ``v_ready``."""
+    stage = k % STAGES
+    if FP8:
+        if k < n_blocks:
+            _store_dequantized(raw, v_scale, v_s.index(stage))
+            fence_async_shared()
+            mbarrier.arrive(v_ready.index(stage), count=1)
+    elif k == full:
+        if k < n_blocks:
+            _gather_columns(cache_ptr, table_row, start + k * BLOCK_N, end, col0, v_s.index(stage), PAGE, WIDTH)
+            fence_async_shared()
+            mbarrier.arrive(v_ready.index(stage), count=1)
+    elif WHOLE:
+        _load_values(v_desc, v_s, v_ready, v_row, col0, k, full, STAGES)
+
+
+@gluon.jit
+def _block_maxima(maxima, i, n_blocks):
+    """Block ``i``'s row maxima, -inf past the span."""
+    return gl.load(maxima + i * BLOCK_H, mask=gl.full(maxima.shape, i, gl.int32, maxima.type.layout) < n_blocks,
+                   other=float("-inf"))  # fmt: skip
 
 
 @gluon.jit
@@ -791,58 +867,42 @@ def _span_scores(s_s, s_ready, i, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _publish_p(p, alpha, p_s, a_s, p_ready, p_free, i):
-    """Block ``i``'s P and row factor into buffer ``i % 2`` once P x V is done with it."""
+def _publish_p(p, alpha, row_sums, p_s, a_s, r_s, p_ready, p_free, i):
+    """Block ``i``'s P, row factor and row sums into buffer ``i % 2`` once P x V is done with it."""
     buf = i % 2
     mbarrier.wait(p_free.index(buf), ((i // 2) & 1) ^ 1)
     p_s.index(buf).store(p.to(gl.bfloat16))
     a_s.index(buf).store(alpha)
+    r_s.index(buf).store(row_sums)
     fence_async_shared()
     mbarrier.arrive(p_ready.index(buf), count=1)
 
 
 @gluon.jit
-def _span_values(v_desc, v_s, p_s, a_s, v_ready, p_ready, p_free, cache_ptr, table_row, part_out_ptr, start, end,
-                 col0, row, pid_h, split, H, n_splits, W: gl.constexpr, PAGE: gl.constexpr, WIDTH: gl.constexpr,
-                 STAGES: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
-    """The span kernel's second warpgroup: P x V of each block on the program's latent part once P and its factor
-    are published, then the block's latent stage refilled with block ``i + STAGES`` (the scores' stages are refilled
-    by the first warpgroup); with an fp8_ds_mla cache each block's part is dequantised into its stage first (its bytes
-    loaded a block ahead, its cache row two). At the end, the part's output times the 1 / l published last."""
+def _span_values(v_s, p_s, a_s, r_s, v_ready, p_ready, p_free, part_out_ptr, part_lse_ptr, start, end, col0, row,
+                 pid_h, split, H, n_splits, W: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The span kernel's third warpgroup: P x V of each block on the program's latent part once P, its factors and
+    the block's latent stage are in, and the running sum (the split kernel's order). At the end, the part's output
+    times 1 / l, and the lse from the final max."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
     n_blocks = gl.cdiv(end - start, BLOCK_N)
-    full = (end - start) // BLOCK_N
     o = gl.zeros([BLOCK_H, W], gl.float32, o_layout)
-    if FP8:  # a block's bytes are loaded a block ahead of their store, its cache row two
-        raw, v_scale = _fp8_columns(cache_ptr, _block_row(table_row, start, 0, 1, PAGE), start, end, col0, W, WIDTH)
-        fp8_row = _block_row(table_row, start, 1, n_blocks, PAGE)
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, o_layout))
     for i in range(n_blocks):
-        stage = i % STAGES
-        if FP8:
-            _store_dequantized(raw, v_scale, v_s.index(stage))
-            fence_async_shared()
-            BARRIER()
-            if i + 1 < n_blocks:
-                raw, v_scale = _fp8_columns(cache_ptr, fp8_row, start + (i + 1) * BLOCK_N, end, col0, W, WIDTH)
-            fp8_row = _block_row(table_row, start, i + 2, n_blocks, PAGE)
-        elif i == full:  # the partial last block
-            _gather_columns(cache_ptr, table_row, start + i * BLOCK_N, end, col0, v_s.index(stage), PAGE, WIDTH)
-            fence_async_shared()
-            BARRIER()
-        else:
-            mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
-        next_row = _block_row(table_row, start, i + STAGES, full, PAGE)
+        mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
         buf = i % 2
         mbarrier.wait(p_ready.index(buf), (i // 2) & 1)
-        alpha = gl.expand_dims(a_s.index(buf).load(gl.SliceLayout(1, o_layout)), 1)
-        o = warpgroup_mma(p_s.index(buf), v_s.index(stage), o * alpha)
+        alpha = a_s.index(buf).load(gl.SliceLayout(1, o_layout))
+        o = warpgroup_mma(p_s.index(buf), v_s.index(i % STAGES), o * gl.expand_dims(alpha, 1))
+        l_i = l_i * alpha + r_s.index(buf).load(gl.SliceLayout(1, o_layout))
         mbarrier.arrive(p_free.index(buf), count=1)
-        _load_values(v_desc, v_s, v_ready, next_row, col0, i + STAGES, full, STAGES)
     buf = n_blocks % 2
     mbarrier.wait(p_ready.index(buf), (n_blocks // 2) & 1)
-    inv_l = gl.expand_dims(a_s.index(buf).load(gl.SliceLayout(1, o_layout)), 1)
+    m_i = a_s.index(buf).load(gl.SliceLayout(1, o_layout))
     part, hmask = _part_rows(row, pid_h, split, H, n_splits, o_layout)
-    _store_columns(part_out_ptr, o, inv_l, part, hmask, col0)
+    _store_columns(part_out_ptr, o, gl.expand_dims(1.0 / l_i, 1), part, hmask, col0)
+    lse = (m_i + gl.log2(l_i)) / LOG2E  # every part's program stores the same values
+    gl.store(part_lse_ptr + part, lse, mask=hmask)
 
 
 def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:
@@ -916,9 +976,11 @@ def launch_scores_first(
     blocks = chunks * tokens // BLOCK_N.value
     tile = [BLOCK_H.value, BLOCK_N.value]
     scores = torch.empty(batch * s_q * head_blocks * blocks * tile[0], tile[1], dtype=torch.float32, device=q.device)
+    maxima = torch.empty(batch * s_q * head_blocks * blocks, tile[0], dtype=torch.float32, device=q.device)
     lat_desc = None if fp8 else _descriptor(records, LH.value)  # an fp8_ds_mla latent is dequantised by the kernels
     _mla_scores_kernel[(batch * s_q, head_blocks, chunks)](
-        q, lat_desc, _descriptor(records, R.value), records, block_table, seq_lens, scores, s_q, heads,
+        q, lat_desc, _descriptor(records, R.value), records, block_table, seq_lens, scores, maxima, softmax_scale,
+        s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
         PAGE=page, WIDTH=records.shape[1], TOKENS=tokens, FP8=fp8, CHUNK=SCORES_FP8_CHUNK,
         num_warps=4, enable_fp_fusion=True,
@@ -926,8 +988,8 @@ def launch_scores_first(
     s_desc = TensorDescriptor.from_tensor(scores, tile, gl.NVMMASharedLayout.get_default_for(tile, gl.float32))
     v_desc = None if fp8 else _descriptor(records, L.value // SPAN_PARTS)
     _mla_span_kernel[(batch * s_q, head_blocks * SPAN_PARTS, n_splits)](
-        s_desc, v_desc, records, block_table, seq_lens, part_out, part_lse,
+        s_desc, v_desc, maxima, records, block_table, seq_lens, part_out, part_lse,
         softmax_scale, s_q, heads, block_table.stride(0), n_splits, blocks,
         PAGE=page, WIDTH=records.shape[1], SPLIT=split, PARTS=SPAN_PARTS, STAGES=SPAN_STAGES, DIRECT=n_splits == 1,
-        FP8=fp8, VALUES_REGS=SPAN_VALUES_REGS, num_warps=4, enable_fp_fusion=True,
+        FP8=fp8, SOFTMAX_REGS=SPAN_SOFTMAX_REGS, VALUES_REGS=SPAN_VALUES_REGS, num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
