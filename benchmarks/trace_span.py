@@ -31,20 +31,10 @@ from deepinfer_cuda_sm100 import attention
 SOURCE = Path(__file__).resolve().parents[1] / "backends" / "cuda_sm100" / "mla_gluon.py"
 TRACED = SOURCE.with_name("_mla_gluon_traced.py")
 SLOTS = 8  # stamps per block
-STAMP = '''
-
-@gluon.jit
-def _stamp(trace_ptr, slot):
-    """%clock64 into ``trace_ptr[slot]``, from the first thread of the calling warpgroup of program (0, 0, 0)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    lanes = gl.arange(0, 32 * gl.num_warps(), layout=layout)
-    t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [lanes], dtype=gl.int64, is_pure=False, pack=1)
-    first = (gl.program_id(0) == 0) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
-    gl.store(trace_ptr + slot + lanes * 0, t, mask=(lanes == 0) & first)
-'''
+FIRST_PROGRAM = "gl.program_id(0) + gl.program_id(1) + gl.program_id(2) == 0"  # the traced program
 IMPORTS = "from ._triton import hopper, num_sms\n"
-SIGNATURES = [  # (text, replacement, count): the stamp; ``trace_ptr`` through the kernel, its warpgroups, the launch
-    (IMPORTS, IMPORTS + "\nTRACE = None  # the launch's trace buffer" + STAMP, 1),
+SIGNATURES = [  # (text, replacement, count): gemm_gluon's stamp; trace_ptr through the kernel, its parts, the launch
+    (IMPORTS, IMPORTS + "from .gemm_gluon import _stamp\n\nTRACE = None  # the launch's trace buffer\n", 1),
     ("    blocks,\n    PAGE: gl.constexpr,", "    blocks,\n    trace_ptr,\n    PAGE: gl.constexpr,", 1),
     ("FP8)),", "FP8, trace_ptr)),", 2),
     ("n_splits, W, STAGES)),", "n_splits, W, STAGES, trace_ptr)),", 1),
@@ -74,7 +64,7 @@ def traced_source(source: str) -> str:
         at = [n for n, line in enumerate(lines) if text in line]
         _expect(source, text, 1, len(at))
         indent = lines[at[0]][: len(lines[at[0]]) - len(lines[at[0]].lstrip())]
-        lines.insert(at[0] + after, f"{indent}_stamp(trace_ptr, i * {SLOTS} + {slot})")
+        lines.insert(at[0] + after, f"{indent}_stamp(trace_ptr, i * {SLOTS} + {slot}, {FIRST_PROGRAM}, 1)")
     return "\n".join(lines)
 
 
