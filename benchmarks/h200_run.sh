@@ -9,7 +9,7 @@
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
 #   spans        mla_decode's default span rule beside fixed spans of 1024, 2048, 4096 tokens, B = 1 ... 128
 #   halves [ARGS]  mla_decode with and without the Gluon kernel's latent halves at a few rows, both modes, bits checked
-#   scores-first [ARGS]  batch-invariant mla_decode (bf16 cache) with its scores computed first, beside the split
+#   scores-first [ARGS]  batch-invariant mla_decode (both caches) with its scores computed first, beside the split
 #                kernel alone and the default mode, at a few rows, bits checked (benchmarks/mla_scores_first.py ARGS)
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 #   gluon        the Gluon FP8 GEMM prototype (two products in flight) beside cuBLAS and the committed kernel

@@ -5,7 +5,7 @@ best of each), whether the two batch-invariant sides gave the same bits (output 
 error against the fp32 reference. Lengths up to 100 tokens short of the table's reach.
 
 Usage: python3 benchmarks/mla_scores_first.py [--batches 1,2,4,8,16] [--ctx 1024,4096,16384]
-[--formats bf16,fp8_ds_mla] [--set NAME=INT ...] (a constant of ``mla_gluon`` for this run, e.g. SPAN_PARTS=2)
+[--formats bf16,fp8_ds_mla] [--set NAME=INT ...] (a constant of ``mla_gluon`` for this run, e.g. VALUES_STAGES=6)
 [--profile] (then each kernel's mean device time on the scores-first side, from the torch profiler)"""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
         best, outs = {}, {}
         for _ in range(2):
             for side, (invariant, share) in sides.items():
-                attention.MLA_SCORES_FIRST_MAX_SHARE = share
+                attention.MLA_SCORES_FIRST_MAX_SHARE = dict.fromkeys(shipped, share)
                 with batch_invariant(invariant):
                     ms = bench.time_graph_ms(run, sets=3)
                     outs[side] = run(0)
@@ -62,7 +62,7 @@ def main() -> None:
             flush=True,
         )
         if args.profile:
-            attention.MLA_SCORES_FIRST_MAX_SHARE = float("inf")
+            attention.MLA_SCORES_FIRST_MAX_SHARE = dict.fromkeys(shipped, float("inf"))
             with batch_invariant(True):
                 print("   ", _kernel_times(run))
             attention.MLA_SCORES_FIRST_MAX_SHARE = shipped

@@ -1,8 +1,9 @@
 """The Hopper split kernel of ``mla_decode`` in Gluon (``backends/cuda_sm100/mla_gluon.py``), compiled for SM90 on the
 CPU. Gluon has no interpreter, so its results are proven on the GPU (conformance at full shapes, RESULTS.md); here CI
 checks that it still compiles with the installed Triton and that its tensor-core work has the intended shape: each
-block's scores computed once, by one warpgroup, and P x V split between the two warpgroups. The same for the two
-kernels that replace it at a few rows in batch-invariant mode (scores first, then each span's softmax and P x V)."""
+block's scores computed once, by one warpgroup, and P x V split between the two warpgroups. The same for the three
+kernels that replace it at a few rows in batch-invariant mode (scores first, then their softmax, then each span's
+P x V)."""
 
 from __future__ import annotations
 
@@ -91,18 +92,21 @@ def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
     fp8 = kv_format == "fp8_ds_mla"
     signature = {"q_ptr": "*bf16", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
     signature |= {"rope_desc": _descriptor(records, 64), "scores_ptr": "*fp32", "maxima_ptr": "*fp32", "scale": "fp32"}
-    signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table"), "i32")
+    signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "reach"), "i32")
     constants = {"PAGE": 64, "WIDTH": width, "TOKENS": tokens, "FP8": fp8}
     constants |= {"CHUNK": mla_gluon.SCORES_FP8_CHUNK}
-    if fp8:
+    if fp8:  # the dequantised latent is also copied out, for the values kernel
         constants["lat_desc"] = None
+        signature["latent_desc"] = _descriptor(torch.empty(4096, 512, dtype=torch.bfloat16), 256)
     else:
         signature["lat_desc"] = _descriptor(records, 256)
+        constants["latent_desc"] = None
     options = {"num_warps": 4, "enable_fp_fusion": True}
     kernel = compile_sm90(mla_gluon._mla_scores_kernel, signature, constants, options)
     # one call site of the split kernel's scores: [64 heads, 64 tokens] over 576 = 36 steps of k16
     assert _wgmma_shapes(kernel.asm["ptx"]) == ["m64n64k16"] * 36
     assert ("cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]) == fp8
+    assert ("cp.async.bulk.tensor.2d.global.shared" in kernel.asm["ptx"]) == fp8
     report = _fits_and_no_serialised_products(kernel)
     assert re.search(r"\b0 bytes spill stores", report), report
 
@@ -116,27 +120,41 @@ def test_scores_chunk_is_halved_only_while_the_grid_fits_the_sms():
     assert mla_gluon.scores_tokens(1, 2, 16384, 132) == 256
 
 
+def test_probs_kernel_compiles_for_sm90_without_products():
+    signature = {"scores_ptr": "*fp32", "maxima_ptr": "*fp32", "probs_ptr": "*bf16", "factors_ptr": "*fp32"}
+    signature |= {"seq_lens_ptr": "*i32", "scale": "fp32", "S_q": "i32"}
+    options = {"num_warps": 4, "enable_fp_fusion": True}
+    kernel = compile_sm90(mla_gluon._mla_probs_kernel, signature, {"SPLIT": 2048}, options)
+    assert _wgmma_shapes(kernel.asm["ptx"]) == []
+    assert "ex2.approx" in kernel.asm["ptx"]  # P as the split kernel computes it
+    assert re.search(r"\b0 bytes spill stores", ptxas_report(kernel.asm["ptx"]))
+
+
+@pytest.mark.parametrize("parts", [4, 8])
 @pytest.mark.parametrize("direct", [False, True], ids=["partials", "direct"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-def test_span_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_format, direct):
+def test_values_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_format, direct, parts):
     cache_type, width, records = _records(kv_format)
     fp8 = kv_format == "fp8_ds_mla"
-    part = 512 // mla_gluon.SPAN_PARTS
-    scores = torch.empty(4096, 64, dtype=torch.float32)
-    signature = {"s_desc": descriptor_type(scores, [64, 64], gl.float32)}
-    signature |= {"maxima_ptr": "*fp32", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
-    signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
-    signature |= dict.fromkeys(("S_q", "H", "stride_table", "n_splits", "blocks"), "i32")
-    constants = {"PAGE": 64, "WIDTH": width, "SPLIT": 2048, "PARTS": mla_gluon.SPAN_PARTS}
-    constants |= {"STAGES": mla_gluon.SPAN_STAGES, "DIRECT": direct, "FP8": fp8}
-    constants |= {"SOFTMAX_REGS": mla_gluon.SPAN_SOFTMAX_REGS, "VALUES_REGS": mla_gluon.SPAN_VALUES_REGS}
-    if fp8:
-        constants["v_desc"] = None
-    else:
-        signature["v_desc"] = _descriptor(records, part)
-    kernel = compile_sm90(mla_gluon._mla_span_kernel, signature, constants, {"num_warps": 4, "enable_fp_fusion": True})
-    # no scores here; P x V: 64 tokens = 4 steps of k16 on the program's latent columns
+    part = 512 // parts
+    latent = torch.empty(4096, 512, dtype=torch.bfloat16) if fp8 else records  # fp8_ds_mla: the scores kernel's copy
+    signature = {"p_desc": descriptor_type(torch.empty(4096, 64, dtype=torch.bfloat16), [64, 64], gl.bfloat16)}
+    signature["f_desc"] = descriptor_type(torch.empty(4096, 192, dtype=torch.float32), [1, 128], gl.float32)
+    signature["v_desc"] = descriptor_type(latent, [64, part], gl.bfloat16)
+    signature |= {"factors_ptr": "*fp32", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32"}
+    signature |= dict.fromkeys(("S_q", "H", "stride_table", "n_splits", "blocks", "reach"), "i32")
+    constants = {"PAGE": 64, "WIDTH": width, "SPLIT": 2048, "PARTS": parts, "STAGES": mla_gluon.VALUES_STAGES}
+    constants |= {"DIRECT": direct, "FP8": fp8, "FILL_REGS": mla_gluon.VALUES_FILL_REGS}
+    options = {"num_warps": 4, "enable_fp_fusion": True}
+    kernel = compile_sm90(mla_gluon._mla_values_kernel, signature, constants, options)
+    # no scores and no softmax here; P x V: 64 tokens = 4 steps of k16 on the program's latent columns
     assert _wgmma_shapes(kernel.asm["ptx"]) == [f"m64n{part}k16"] * 4
-    assert ("cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]) == fp8
-    report = _fits_and_no_serialised_products(kernel)
-    assert re.search(r"\b0 bytes spill stores", report), report
+    assert "ex2.approx" not in kernel.asm["ptx"]
+    assert len(re.findall(r"setmaxnreg\.dec", kernel.asm["ptx"])) >= 1  # the filling warpgroup is specialised
+    _fits_and_no_serialised_products(kernel)
+
+
+def test_values_parts_halve_when_eight_would_not_fit_the_sms_at_once():
+    assert mla_gluon.values_parts(16, 132) == 8  # one row, two head blocks, eight spans
+    assert mla_gluon.values_parts(32, 132) == 4

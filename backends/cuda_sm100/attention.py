@@ -9,8 +9,8 @@ fixed, so a row's result cannot depend on the batch. A program holds its output 
 is at most 256 wide) and reads whole 64-token blocks of a page by TMA copies; the last, partial block of a span is
 gathered with masks. On Hopper, DeepSeek-V3's shapes (bf16 or fp8_ds_mla cache) go to the warp-specialized Gluon
 split kernel in ``mla_gluon`` instead (same partial outputs, same merge, same direct output); at a few rows in
-batch-invariant mode, the scores are computed first over the whole context in parallel, then each span's
-softmax and P x V (``mla_gluon.launch_scores_first``, the same bits).
+batch-invariant mode, the scores are computed first over the whole context in parallel, then their softmax, then
+each span's P x V (``mla_gluon.launch_scores_first``, the same bits).
 """
 
 from __future__ import annotations
@@ -62,11 +62,12 @@ MLA_GLUON = True  # the warp-specialized Gluon split kernel where it applies (se
 # The Gluon kernel gives each of two programs one latent half of P x V (``mla_gluon``'s ``HALVES``, the same bits)
 # where its grid would otherwise give at most this share of the SMs a program.
 MLA_HALVES_MAX_SHARE = 0.5
-# Batch-invariant mode computes every block's scores first, then each span's softmax and P x V
+# Batch-invariant mode computes every block's scores first, then their softmax, then each span's P x V
 # (``mla_gluon.launch_scores_first``, the same bits) where the split kernel would give at most this share of the SMs a
-# program. Against the split kernel on the H200: 0.65-0.82x of its time at 2-16 programs, 0.84-0.99x at 32, 1.7x at 64
-# (``benchmarks/mla_scores_first.py``, NOTES.md thirtieth session).
-MLA_SCORES_FIRST_MAX_SHARE = 0.25
+# program, per cache format. On the H200 at 2-16 programs it takes 0.26-0.78x of the split kernel's time; at 32,
+# 1.03-1.06x with bf16 and 0.73-0.76x with fp8_ds_mla (``benchmarks/mla_scores_first.py``, NOTES.md thirty-fourth
+# session).
+MLA_SCORES_FIRST_MAX_SHARE = {"bf16": 0.125, "fp8_ds_mla": 0.25}
 
 
 @triton.jit
@@ -354,7 +355,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     if MLA_GLUON and mla_gluon is not None and mla_gluon.takes(q, kv_cache, kv_lora_rank, kv_format, tma):
         programs = batch * s_q * head_blocks * n_splits
         args = (q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page)
-        if invariant and programs <= MLA_SCORES_FIRST_MAX_SHARE * sms:
+        if invariant and programs <= MLA_SCORES_FIRST_MAX_SHARE[kv_format] * sms:
             mla_gluon.launch_scores_first(*args)
         else:
             mla_gluon.launch_split(*args, halves=programs <= MLA_HALVES_MAX_SHARE * sms)

@@ -51,7 +51,9 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=
 # Gluon is experimental and renames things: Triton 3.6 (the H200 machine's) has ``tma.async_copy_global_to_shared``
 # and ``gl.thread_barrier``; later versions ``tma.async_load`` and ``gl.barrier``, and refuse the old names.
 TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+TMA_STORE = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
+REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # ``_reinterpret`` in Triton 3.6
 RIGHT_REGS = 192  # registers per thread of the second warpgroup (its [64, 256] fp32 accumulator takes 128)
 GROUP = gl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
 # the rope part's first column in an fp8_ds_mla record (after the e4m3 latent and its fp32 scales), bf16 units
@@ -512,15 +514,18 @@ def _mla_split_kernel(
 # --- scores first: batch-invariant mode at a few rows -----------------------------------------------------------
 
 # Batch-invariant mode's spans are 2048 tokens, which leaves most SMs idle at a few rows, and each program's serial
-# chain is mostly S = Q K^T of its 32 blocks. Here two kernels replace the split kernel: the first computes S of every
-# block (as ``_scores`` does: the same bits) and each block's row maxima over chunks of the context in parallel; the
-# second runs each span's softmax and P x V over those scores, one latent part of SPAN_PARTS per program, with
-# SPAN_STAGES blocks of scores and latent in flight. Since the maxima are known, the softmax of alternate blocks runs
-# in two warpgroups. The softmax and the products are the split kernel's, on the same values: the same bits.
-SCORES_TOKENS, SPAN_PARTS, SPAN_STAGES = 256, 4, 4  # SCORES_TOKENS: the largest chunk (``scores_tokens``)
+# chain is mostly S = Q K^T of its 32 blocks. Here three kernels replace the split kernel, and only the last has a
+# chain over the blocks:
+# - scores: S of every block (as ``_scores`` does: the same bits) and each block's row maxima, over chunks of the
+#   context in parallel (with fp8_ds_mla, also a bf16 copy of the dequantised latent);
+# - probs: each block's P against the running max, which the maxima give without the chain (a max is exact in any
+#   order), its row factor and row sums, one block per program;
+# - values: P x V and the running sum of each span in the split kernel's order, one latent part per program (8 parts
+#   while the grid fits the SMs once, else 4), VALUES_STAGES blocks in flight.
+# The arithmetic is the split kernel's on the same values: the same bits.
+SCORES_TOKENS = 256  # the scores kernel's largest chunk (``scores_tokens``)
 SCORES_FP8_CHUNK = 16  # fp8_ds_mla: tokens per dequantising step of the scores kernel
-# registers per thread of the span kernel's second softmax warpgroup and of its P x V warpgroup
-SPAN_SOFTMAX_REGS, SPAN_VALUES_REGS = 152, 192
+VALUES_STAGES, VALUES_FILL_REGS = 4, 96  # the values kernel's stages, its filling warpgroup's registers per thread
 
 
 @gluon.jit
@@ -533,6 +538,7 @@ def _mla_scores_kernel(
     seq_lens_ptr,
     scores_ptr,
     maxima_ptr,
+    latent_desc,
     scale,
     S_q,
     H,
@@ -540,6 +546,7 @@ def _mla_scores_kernel(
     stride_qs,
     stride_qh,
     stride_table,
+    reach,
     PAGE: gl.constexpr,
     WIDTH: gl.constexpr,
     TOKENS: gl.constexpr,
@@ -552,7 +559,9 @@ def _mla_scores_kernel(
     over the block's visible tokens at ``maxima[row, head block, block]``: a max is exact in any order, so these are
     the split kernel's. Blocks past the sequence are not written. ``FP8``: an
     fp8_ds_mla cache (``cache_ptr`` bytes, ``lat_desc`` None), each block dequantised into its stage ``CHUNK`` tokens
-    at a time, as the split kernel's third warpgroup does, while the block before is multiplied."""
+    at a time, as the split kernel's third warpgroup does, while the block before is multiplied; the programs of the
+    first head block and the last query row of each sequence also copy the dequantised latent to ``latent_desc``
+    ([batch x ``reach``, 512] bf16, zeros past the sequence) for ``_mla_values_kernel``."""
     row = gl.program_id(0)
     pid_h = gl.program_id(1)
     chunk = gl.program_id(2)
@@ -593,11 +602,17 @@ def _mla_scores_kernel(
     blocks = gl.num_programs(2) * (TOKENS // BLOCK_N)  # blocks of the context, per (row, head block)
     first_block = (row.to(gl.int64) * gl.num_programs(1) + pid_h) * blocks + start // BLOCK_N
     n_blocks = gl.cdiv(end - start, BLOCK_N)
+    writer = (pid_h == 0) & (row % S_q == S_q - 1)  # the row that sees the whole sequence
     for j in range(n_blocks):
         if FP8:
             mbarrier.wait(right_ready.index(j % 2), (j // 2) & 1)  # the rope part's copy
             scores = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, False)
+            if writer:
+                at = b * reach + start + j * BLOCK_N
+                TMA_STORE(latent_desc, [at, 0], c0_s.index(j % 2))
+                TMA_STORE(latent_desc, [at, LH], c1_s.index(j % 2))
             if j + 1 < n_blocks:  # the other stage held block j - 1, whose product is done
+                tma.store_wait(2)  # and whose copies are done
                 _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, j + 1,
                                   PAGE, WIDTH, CHUNK)  # fmt: skip
             scores = warpgroup_mma_wait(0, deps=[scores])
@@ -611,6 +626,8 @@ def _mla_scores_kernel(
         gl.store(scores_ptr + (first_block + j) * (BLOCK_H * BLOCK_N) + tile, scores)
         block_max = gl.max(_scaled_scores(scores, start + j * BLOCK_N + tokens < end, scale * LOG2E), axis=1)
         gl.store(maxima_ptr + (first_block + j) * BLOCK_H + heads, block_max)
+    if FP8:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -630,47 +647,6 @@ def _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, k
 
 
 @gluon.jit
-def _load_scores(s_desc, s_s, s_ready, tile0, i, n_blocks, STAGES: gl.constexpr):
-    """A TMA copy of block ``i``'s scores into stage ``i % STAGES``, if the span has that block."""
-    stage = i % STAGES
-    has = i < n_blocks
-    mbarrier.expect(s_ready.index(stage), s_desc.block_type.nbytes, pred=has)
-    TMA_LOAD(s_desc, [tile0 + i * BLOCK_H, 0], s_ready.index(stage), s_s.index(stage), pred=has)
-
-
-@gluon.jit
-def _load_values(v_desc, v_s, v_ready, v_row, col0, i, full, STAGES: gl.constexpr):
-    """(bf16 cache) A TMA copy of block ``i``'s latent columns ``col0 + [0, W)``, from cache row ``v_row`` on, into
-    stage ``i % STAGES``, if the block is whole (a partial one is gathered with zeros past the span)."""
-    if v_desc is not None:
-        stage = i % STAGES
-        whole = i < full
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes, pred=whole)
-        TMA_LOAD(v_desc, [v_row, col0], v_ready.index(stage), v_s.index(stage), pred=whole)
-
-
-@gluon.jit
-def _fp8_columns(cache_ptr, v_row, n0, end, col0, W: gl.constexpr, WIDTH: gl.constexpr):
-    """The block of an fp8_ds_mla span from token ``n0`` on (cache row ``v_row``), latent columns ``col0 + [0, W)``
-    (one scale group), as stored: e4m3 bytes [64, W] and each token's scale, zeros at and past ``end``."""
-    gl.static_assert(W <= GROUP, "a part of the latent lies in one scale group")
-    lat: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
-    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lat))
-    valid = n0 + tokens < end
-    record = cache_ptr + (v_row.to(gl.int64) + tokens) * WIDTH
-    cols = gl.expand_dims(col0 + gl.arange(0, W, layout=gl.SliceLayout(0, lat)), 0)
-    raw = gl.load(gl.expand_dims(record, 1) + cols, mask=gl.expand_dims(valid, 1), other=0)
-    scales = (record + L).to(gl.pointer_type(gl.float32), bitcast=True)
-    return raw, gl.load(scales + col0 // GROUP, mask=valid, other=0.0)
-
-
-@gluon.jit
-def _store_dequantized(raw, scale, v_stage):
-    """e4m3 bytes [64, W] times their tokens' scales, as bf16 into ``v_stage`` (``_dequantize_half``'s arithmetic)."""
-    v_stage.store((raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 1)).to(gl.bfloat16))
-
-
-@gluon.jit
 def _gather_columns(cache_ptr, table_row, n0, end, col0, v_s, PAGE: gl.constexpr, WIDTH: gl.constexpr):
     """Latent columns ``col0 + [0, W)`` of tokens ``n0 + [0, 64)`` gathered by pointer into ``v_s``, zeros at and past
     ``end`` (the cache past a sequence may hold NaN, which P x V must not see)."""
@@ -687,21 +663,58 @@ def _gather_columns(cache_ptr, table_row, n0, end, col0, v_s, PAGE: gl.constexpr
 
 
 @gluon.jit
-def _mla_span_kernel(
-    s_desc,
+def _mla_probs_kernel(scores_ptr, maxima_ptr, probs_ptr, factors_ptr, seq_lens_ptr, scale, S_q, SPLIT: gl.constexpr):
+    """The online softmax of one (query row, 64 heads, 64-token block) per program, over ``_mla_scores_kernel``'s
+    scores and block maxima (grid: rows x head blocks x the scores' blocks per row). The running max before the block
+    is the max of the maxima of its span's earlier blocks (a max is exact in any order), so every block's P is the
+    split kernel's without the chain: P as bf16 at ``probs`` (the scores' tile order), and at ``factors[block]`` three
+    rows of 64 heads: the row factor of what came before (``alpha``), P's row sums (fp32, before the rounding), and
+    the running max after the block. Blocks past the sequence are not written."""
+    row = gl.program_id(0)
+    block = gl.program_id(2)
+    SPAN_BLOCKS: gl.constexpr = SPLIT // BLOCK_N
+    first = block // SPAN_BLOCKS * SPAN_BLOCKS  # the span's first block
+    limit = gl.load(seq_lens_ptr + row // S_q) - S_q + row % S_q + 1
+    end = gl.minimum((first + SPAN_BLOCKS) * BLOCK_N, limit)
+    n0 = block * BLOCK_N
+    if n0 >= end:
+        return
+    tile = (row.to(gl.int64) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(2) + block
+    earlier_layout: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [gl.num_warps(), 1], [1, 0])
+    k = gl.arange(0, SPAN_BLOCKS, layout=gl.SliceLayout(1, earlier_layout))
+    h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, earlier_layout))
+    earlier = maxima_ptr + (tile - block + first + gl.expand_dims(k, 1)) * BLOCK_H + gl.expand_dims(h, 0)
+    earlier = gl.load(earlier, mask=gl.expand_dims(first + k < block, 1), other=float("-inf"))
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
+    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    m_i = gl.convert_layout(gl.max(earlier, axis=0), heads.type.layout)
+    m_new = gl.maximum(m_i, gl.load(maxima_ptr + tile * BLOCK_H + heads))
+    at = tile * (BLOCK_H * BLOCK_N) + gl.expand_dims(heads * BLOCK_N, 1) + gl.expand_dims(tokens, 0)
+    p, alpha = _probs(_scaled_scores(gl.load(scores_ptr + at), n0 + tokens < end, scale * LOG2E), m_i, m_new)
+    gl.store(probs_ptr + at, p.to(gl.bfloat16))
+    factors = factors_ptr + tile * (3 * BLOCK_H) + heads
+    gl.store(factors, alpha)
+    gl.store(factors + BLOCK_H, gl.sum(p, axis=1))
+    gl.store(factors + 2 * BLOCK_H, m_new)
+
+
+@gluon.jit
+def _mla_values_kernel(
+    p_desc,
+    f_desc,
     v_desc,
-    maxima_ptr,
+    factors_ptr,
     cache_ptr,
     table_ptr,
     seq_lens_ptr,
     part_out_ptr,
     part_lse_ptr,
-    scale,
     S_q,
     H,
     stride_table,
     n_splits,
     blocks,
+    reach,
     PAGE: gl.constexpr,
     WIDTH: gl.constexpr,
     SPLIT: gl.constexpr,
@@ -709,16 +722,15 @@ def _mla_span_kernel(
     STAGES: gl.constexpr,
     DIRECT: gl.constexpr,
     FP8: gl.constexpr,
-    SOFTMAX_REGS: gl.constexpr,
-    VALUES_REGS: gl.constexpr,
+    FILL_REGS: gl.constexpr,
 ):
-    """``_mla_split_kernel``'s contract over the scores and block maxima of ``_mla_scores_kernel`` (``s_desc``: the
-    scores as [rows x head blocks x ``blocks`` x 64, 64] fp32): one (query row, 64 heads, KV split, latent part of
-    ``L / PARTS`` columns) per program (program ``PARTS h + c`` along the heads' axis: head block ``h``, part ``c``).
-    Launched with 4 warps, to which two warpgroups add 8: the first two run the softmax of alternate blocks (the
-    split kernel's arithmetic; with the maxima known, a block's P needs nothing of the block before), the third
-    multiplies P by the program's part and keeps the running sum (``_span_values``). ``FP8``: an fp8_ds_mla cache
-    (``v_desc`` None)."""
+    """``_mla_split_kernel``'s contract over ``_mla_probs_kernel``'s P and factors (``p_desc``: P as [rows x head
+    blocks x ``blocks`` x 64, 64] bf16; ``f_desc``: each block's row factors and row sums, the first 128 of its 192
+    factors): one (query row, 64 heads, KV split, latent part of ``L / PARTS`` columns) per program (program
+    ``PARTS h + c`` along the heads' axis: head block ``h``, part ``c``). Launched with 4 warps, which multiply each
+    block's P by the part in the split kernel's order (``_values_products``), and 4 more that fill ``STAGES`` stages
+    of P, its factors and the latent (``_values_fill``). ``FP8``: an fp8_ds_mla cache, whose latent ``v_desc`` reads
+    from the scores kernel's bf16 copy ([batch x ``reach``, 512]) instead."""
     W: gl.constexpr = L // PARTS
     row = gl.program_id(0)
     pid_h = gl.program_id(1) // PARTS
@@ -731,178 +743,106 @@ def _mla_span_kernel(
     if start >= end:
         _empty_span(part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, DIRECT)
         return
-    s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.float32)
-    s_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H, BLOCK_N], s_layout)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_H, BLOCK_N], p_desc.layout)
+    f_s = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 2 * BLOCK_H], f_desc.layout)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, W], gl.bfloat16)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, W], v_layout)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], p_layout)
-    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], rows_layout)  # P's row factor (at the end: the max)
-    r_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], rows_layout)  # P's row sums
-    s_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # P and its factors published
-    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # P x V done with them
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # copies and stores landed
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # the products are done
     for i in gl.static_range(STAGES):
-        mbarrier.init(s_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(p_free.index(i), count=1)
-    table_row = table_ptr + b.to(gl.int64) * stride_table
-    full = (end - start) // BLOCK_N
-    n_blocks = gl.cdiv(end - start, BLOCK_N)
-    tile0 = ((row * (gl.num_programs(1) // PARTS) + pid_h) * blocks + start // BLOCK_N) * BLOCK_H  # a TMA row: int32
-    for i in gl.static_range(STAGES):
-        v_row = _block_row(table_row, start, i, full, PAGE)
-        _load_scores(s_desc, s_s, s_ready, tile0, i, n_blocks, STAGES)
-        _load_values(v_desc, v_s, v_ready, v_row, col0, i, full, STAGES)
+        mbarrier.init(ready.index(i), count=2)  # the copies' expected bytes, then the stores
+        mbarrier.init(free.index(i), count=1)
     fence_async_shared()
+    tile0 = (row * (gl.num_programs(1) // PARTS) + pid_h) * blocks + start // BLOCK_N  # the span's first block
+    table_row = table_ptr + b.to(gl.int64) * stride_table
     gl.warp_specialize(
         [
-            (_span_softmax, (s_desc, s_s, v_desc, v_s, p_s, a_s, r_s, s_ready, v_ready, p_ready, p_free, maxima_ptr,
-                             cache_ptr, table_row, start, end, tile0, col0, scale * LOG2E, 0, W, PAGE, WIDTH, STAGES,
-                             FP8)),
-            (_span_softmax, (s_desc, s_s, v_desc, v_s, p_s, a_s, r_s, s_ready, v_ready, p_ready, p_free, maxima_ptr,
-                             cache_ptr, table_row, start, end, tile0, col0, scale * LOG2E, 1, W, PAGE, WIDTH, STAGES,
-                             FP8)),
-            (_span_values, (v_s, p_s, a_s, r_s, v_ready, p_ready, p_free, part_out_ptr, part_lse_ptr, start, end, col0,
-                            row, pid_h, split, H, n_splits, W, STAGES)),
+            (_values_products, (p_s, f_s, v_s, ready, free, factors_ptr, part_out_ptr, part_lse_ptr, tile0, start, end,
+                                col0, row, pid_h, split, H, n_splits, W, STAGES)),
+            (_values_fill, (p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, table_row, b * reach,
+                            tile0, start, end, col0, PAGE, WIDTH, STAGES, SPLIT // BLOCK_N, FP8)),
         ],
-        [4, 4],
-        [SOFTMAX_REGS, VALUES_REGS],
+        [4],
+        [FILL_REGS],
     )  # fmt: skip
 
 
 @gluon.jit
-def _span_softmax(s_desc, s_s, v_desc, v_s, p_s, a_s, r_s, s_ready, v_ready, p_ready, p_free, maxima_ptr, cache_ptr,
-                  table_row, start, end, tile0, col0, qk_scale, PARITY: gl.constexpr, W: gl.constexpr,
-                  PAGE: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
-    """A softmax warpgroup of the span kernel: blocks ``PARITY``, ``PARITY + 2``, ...: P against the running max
-    (folded from the scores kernel's block maxima), the row factor of what came before, and P's row sums, published
-    through buffer ``PARITY``; each stage of scores refilled as soon as it is read, ``STAGES`` blocks ahead. Once
-    P x V is done with block ``i - 2``, its latent stage is filled with block ``i + STAGES - 2`` (``_fill_values``;
-    fp8_ds_mla bytes loaded at the top of the iteration, their cache row one iteration before). The warpgroup whose
-    turn follows the last block publishes the final max."""
-    n_blocks = gl.cdiv(end - start, BLOCK_N)
-    full = (end - start) // BLOCK_N
-    tokens = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
-    maxima = maxima_ptr + tile0 + heads  # block i's at i * BLOCK_H
-    for j in gl.static_range(PARITY, STAGES, 2):  # the kernel's first copies were of whole bf16 blocks
-        raw, v_scale = 0, 0  # fp8_ds_mla bytes
-        if FP8:
-            j_row = _block_row(table_row, start, j, n_blocks, PAGE)
-            raw, v_scale = _fp8_columns(cache_ptr, j_row, start + j * BLOCK_N, end, col0, W, WIDTH)
-        _fill_values(v_desc, v_s, v_ready, cache_ptr, table_row, 0, raw, v_scale, start, end, col0, j, n_blocks, full,
-                     PAGE, WIDTH, STAGES, FP8, False)  # fmt: skip
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))  # the max of blocks < i
-    if PARITY == 1:
-        m_i = gl.load(maxima)
-    own = _block_maxima(maxima, PARITY, n_blocks)
-    other = _block_maxima(maxima, PARITY + 1, n_blocks)
-    fill_row = _block_row(table_row, start, PARITY + STAGES - 2, n_blocks, PAGE)
-    for i in range(PARITY, n_blocks, 2):
-        k = i + STAGES - 2  # the block whose latent comes in once P_i is published
-        s = _span_scores(s_s, s_ready, i, STAGES)
-        BARRIER()  # every warp has read the stage
-        _load_scores(s_desc, s_s, s_ready, tile0, i + STAGES, n_blocks, STAGES)
-        k_raw, k_scale = 0, 0
-        if FP8:
-            k_raw, k_scale = _fp8_columns(cache_ptr, fill_row, start + k * BLOCK_N, end, col0, W, WIDTH)
-        next_fill_row = _block_row(table_row, start, k + 2, n_blocks, PAGE)
-        next_own = _block_maxima(maxima, i + 2, n_blocks)
-        next_other = _block_maxima(maxima, i + 3, n_blocks)
-        m_new = gl.maximum(m_i, own)
-        p, alpha = _probs(_scaled_scores(s, tokens + i * BLOCK_N < end, qk_scale), m_i, m_new)
-        _publish_p(p, alpha, gl.sum(p, axis=1), p_s, a_s, r_s, p_ready, p_free, i)
-        if i >= 2:  # P x V is done with block i - 2, whose stage block k takes
-            _fill_values(v_desc, v_s, v_ready, cache_ptr, table_row, fill_row, k_raw, k_scale, start, end, col0, k,
-                         n_blocks, full, PAGE, WIDTH, STAGES, FP8, True)  # fmt: skip
-        m_i = gl.maximum(m_new, other)
-        own = next_own
-        other = next_other
-        fill_row = next_fill_row
-    if n_blocks % 2 == PARITY:
-        mbarrier.wait(p_free.index(PARITY), ((n_blocks // 2) & 1) ^ 1)
-        a_s.index(PARITY).store(m_i)
-        mbarrier.arrive(p_ready.index(PARITY), count=1)
-
-
-@gluon.jit
-def _fill_values(v_desc, v_s, v_ready, cache_ptr, table_row, v_row, raw, v_scale, start, end, col0, k, n_blocks, full,
-                 PAGE: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-                 WHOLE: gl.constexpr):  # fmt: skip
-    """Block ``k``'s latent columns ``col0 + [0, W)`` into stage ``k % STAGES``, if the span has that block: fp8_ds_mla
-    bytes (``raw``, ``v_scale``) dequantised, a partial bf16 block gathered by pointer, a whole one (``WHOLE``) by a
-    TMA copy from cache row ``v_row``; each arrives on ``v_ready``."""
-    stage = k % STAGES
-    if FP8:
-        if k < n_blocks:
-            _store_dequantized(raw, v_scale, v_s.index(stage))
-            fence_async_shared()
-            mbarrier.arrive(v_ready.index(stage), count=1)
-    elif k == full:
-        if k < n_blocks:
-            _gather_columns(cache_ptr, table_row, start + k * BLOCK_N, end, col0, v_s.index(stage), PAGE, WIDTH)
-            fence_async_shared()
-            mbarrier.arrive(v_ready.index(stage), count=1)
-    elif WHOLE:
-        _load_values(v_desc, v_s, v_ready, v_row, col0, k, full, STAGES)
-
-
-@gluon.jit
-def _block_maxima(maxima, i, n_blocks):
-    """Block ``i``'s row maxima, -inf past the span."""
-    return gl.load(maxima + i * BLOCK_H, mask=gl.full(maxima.shape, i, gl.int32, maxima.type.layout) < n_blocks,
-                   other=float("-inf"))  # fmt: skip
-
-
-@gluon.jit
-def _span_scores(s_s, s_ready, i, STAGES: gl.constexpr):
-    """Block ``i``'s scores [64 heads, 64 tokens] once their copy has landed."""
-    mbarrier.wait(s_ready.index(i % STAGES), (i // STAGES) & 1)
-    return s_s.index(i % STAGES).load(S_LAYOUT)
-
-
-@gluon.jit
-def _publish_p(p, alpha, row_sums, p_s, a_s, r_s, p_ready, p_free, i):
-    """Block ``i``'s P, row factor and row sums into buffer ``i % 2`` once P x V is done with it."""
-    buf = i % 2
-    mbarrier.wait(p_free.index(buf), ((i // 2) & 1) ^ 1)
-    p_s.index(buf).store(p.to(gl.bfloat16))
-    a_s.index(buf).store(alpha)
-    r_s.index(buf).store(row_sums)
-    fence_async_shared()
-    mbarrier.arrive(p_ready.index(buf), count=1)
-
-
-@gluon.jit
-def _span_values(v_s, p_s, a_s, r_s, v_ready, p_ready, p_free, part_out_ptr, part_lse_ptr, start, end, col0, row,
-                 pid_h, split, H, n_splits, W: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """The span kernel's third warpgroup: P x V of each block on the program's latent part once P, its factors and
-    the block's latent stage are in, and the running sum (the split kernel's order). At the end, the part's output
-    times 1 / l, and the lse from the final max."""
+def _values_products(p_s, f_s, v_s, ready, free, factors_ptr, part_out_ptr, part_lse_ptr, tile0, start, end, col0,
+                     row, pid_h, split, H, n_splits, W: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """P x V of each block on the program's latent part, the accumulator scaled by the block's row factor first, and
+    the running sum, in the split kernel's order. At the end, the part's output times 1 / l, and the lse from the
+    running max after the last block."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
+    rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    factors = _factor_rows(f_s)
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     o = gl.zeros([BLOCK_H, W], gl.float32, o_layout)
-    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, o_layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, rows)
     for i in range(n_blocks):
-        mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
-        buf = i % 2
-        mbarrier.wait(p_ready.index(buf), (i // 2) & 1)
-        alpha = a_s.index(buf).load(gl.SliceLayout(1, o_layout))
-        o = warpgroup_mma(p_s.index(buf), v_s.index(i % STAGES), o * gl.expand_dims(alpha, 1))
-        l_i = l_i * alpha + r_s.index(buf).load(gl.SliceLayout(1, o_layout))
-        mbarrier.arrive(p_free.index(buf), count=1)
-    buf = n_blocks % 2
-    mbarrier.wait(p_ready.index(buf), (n_blocks // 2) & 1)
-    m_i = a_s.index(buf).load(gl.SliceLayout(1, o_layout))
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        alpha = factors.index(2 * stage).load(rows)
+        o = warpgroup_mma(p_s.index(stage), v_s.index(stage), o * gl.expand_dims(alpha, 1))
+        l_i = l_i * alpha + factors.index(2 * stage + 1).load(rows)
+        mbarrier.arrive(free.index(stage), count=1)
+    m_i = gl.load(factors_ptr + (tile0 + n_blocks - 1) * (3 * BLOCK_H) + 2 * BLOCK_H + gl.arange(0, BLOCK_H, rows))
     part, hmask = _part_rows(row, pid_h, split, H, n_splits, o_layout)
     _store_columns(part_out_ptr, o, gl.expand_dims(1.0 / l_i, 1), part, hmask, col0)
     lse = (m_i + gl.log2(l_i)) / LOG2E  # every part's program stores the same values
     gl.store(part_lse_ptr + part, lse, mask=hmask)
+
+
+@gluon.jit
+def _values_fill(p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, table_row, copy_row, tile0, start, end,
+                 col0, PAGE: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, SPAN_BLOCKS: gl.constexpr,
+                 FP8: gl.constexpr):  # fmt: skip
+    """Block ``i`` into stage ``i % STAGES`` once the products are done with block ``i - STAGES``: P, its factors and
+    the latent part by TMA copies, but for a bf16 cache's partial last block, gathered with zeros past the span.
+    Every block's cache row is loaded at the start (``FP8``: rows of the latent's copy from ``copy_row`` on, every
+    block whole)."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    full = n_blocks if FP8 else (end - start) // BLOCK_N
+    held: gl.constexpr = gl.BlockedLayout([SPAN_BLOCKS], [32], [gl.num_warps()], [0])  # each thread holds them all
+    k = gl.arange(0, SPAN_BLOCKS, layout=held)
+    if FP8:
+        first_rows = copy_row + start + k * BLOCK_N
+    else:
+        first_rows = gl.load(table_row + (start + k * BLOCK_N) // PAGE, mask=k < n_blocks, other=0) * PAGE
+        first_rows += (start + k * BLOCK_N) % PAGE  # each block's first cache row
+    nbytes: gl.constexpr = p_desc.block_type.nbytes + f_desc.block_type.nbytes
+    for i in range(n_blocks):
+        stage = i % STAGES
+        v_row = _pick(first_rows, i)
+        mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)
+        whole = i < full
+        mbarrier.expect(ready.index(stage), nbytes + v_desc.block_type.nbytes, pred=whole)
+        mbarrier.expect(ready.index(stage), nbytes, pred=not whole)
+        TMA_LOAD(v_desc, [v_row, col0], ready.index(stage), v_s.index(stage), pred=whole)
+        TMA_LOAD(p_desc, [(tile0 + i) * BLOCK_H, 0], ready.index(stage), p_s.index(stage))
+        TMA_LOAD(f_desc, [tile0 + i, 0], ready.index(stage), f_s.index(stage))
+        if not FP8:  # noqa: SIM102 (compiled only for a bf16 cache)
+            if i == full:
+                _gather_columns(cache_ptr, table_row, start + i * BLOCK_N, end, col0, v_s.index(stage), PAGE, WIDTH)
+                fence_async_shared()
+        mbarrier.arrive(ready.index(stage), count=1)
+
+
+@gluon.jit
+def _factor_rows(f_s):
+    """The factors' stages as [2 x stages, 64] plain rows (their TMA layout has no swizzle)."""
+    shape: gl.constexpr = [2 * f_s.shape[0], BLOCK_H]
+    if REINTERPRET:
+        return f_s.reinterpret(gl.float32, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        return f_s._reinterpret(gl.float32, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
+def _pick(values, i):
+    """Element ``i`` of a tensor every thread holds whole (of non-negative values; -1 past its end)."""
+    k = gl.arange(0, values.shape[0], layout=values.type.layout)
+    return gl.max(gl.where(k == i, values, -1), axis=0)
 
 
 def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:
@@ -963,10 +903,16 @@ def scores_tokens(rows: int, head_blocks: int, reach: int, sms: int) -> int:
     return tokens
 
 
+def values_parts(programs: int, sms: int) -> int:
+    """Latent parts per (row, head block, span) of the values kernel: 8 while ``programs`` x 8 fit ``sms`` at once, else
+    4 (each part's program streams its P again: NOTES.md, thirty-fourth session). The bits do not depend on it."""
+    return 8 if programs * 8 <= sms else 4
+
+
 def launch_scores_first(
     q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page
 ) -> None:
-    """``launch_split``'s contract by ``_mla_scores_kernel`` then ``_mla_span_kernel``."""
+    """``launch_split``'s contract by ``_mla_scores_kernel``, ``_mla_probs_kernel`` and ``_mla_values_kernel``."""
     fp8 = records.dtype == torch.uint8
     batch, s_q, heads, _ = q.shape
     head_blocks = -(-heads // BLOCK_H.value)
@@ -978,18 +924,30 @@ def launch_scores_first(
     scores = torch.empty(batch * s_q * head_blocks * blocks * tile[0], tile[1], dtype=torch.float32, device=q.device)
     maxima = torch.empty(batch * s_q * head_blocks * blocks, tile[0], dtype=torch.float32, device=q.device)
     lat_desc = None if fp8 else _descriptor(records, LH.value)  # an fp8_ds_mla latent is dequantised by the kernels
+    latent = torch.empty(batch * reach, L.value, dtype=torch.bfloat16, device=q.device) if fp8 else None
     _mla_scores_kernel[(batch * s_q, head_blocks, chunks)](
-        q, lat_desc, _descriptor(records, R.value), records, block_table, seq_lens, scores, maxima, softmax_scale,
-        s_q, heads,
-        q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
+        q, lat_desc, _descriptor(records, R.value), records, block_table, seq_lens, scores, maxima,
+        _descriptor(latent, LH.value) if fp8 else None, softmax_scale, s_q, heads,
+        q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), reach,
         PAGE=page, WIDTH=records.shape[1], TOKENS=tokens, FP8=fp8, CHUNK=SCORES_FP8_CHUNK,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
-    s_desc = TensorDescriptor.from_tensor(scores, tile, gl.NVMMASharedLayout.get_default_for(tile, gl.float32))
-    v_desc = None if fp8 else _descriptor(records, L.value // SPAN_PARTS)
-    _mla_span_kernel[(batch * s_q, head_blocks * SPAN_PARTS, n_splits)](
-        s_desc, v_desc, maxima, records, block_table, seq_lens, part_out, part_lse,
-        softmax_scale, s_q, heads, block_table.stride(0), n_splits, blocks,
-        PAGE=page, WIDTH=records.shape[1], SPLIT=split, PARTS=SPAN_PARTS, STAGES=SPAN_STAGES, DIRECT=n_splits == 1,
-        FP8=fp8, SOFTMAX_REGS=SPAN_SOFTMAX_REGS, VALUES_REGS=SPAN_VALUES_REGS, num_warps=4, enable_fp_fusion=True,
+    probs = torch.empty_like(scores, dtype=torch.bfloat16)
+    factors = torch.empty(maxima.shape[0] * 3, tile[0], dtype=torch.float32, device=q.device)
+    _mla_probs_kernel[(batch * s_q, head_blocks, blocks)](
+        scores, maxima, probs, factors, seq_lens, softmax_scale, s_q, SPLIT=split, num_warps=4,
+        enable_fp_fusion=True,
+    )  # fmt: skip
+    p_desc = TensorDescriptor.from_tensor(probs, tile, gl.NVMMASharedLayout.get_default_for(tile, gl.bfloat16))
+    box = [1, 2 * tile[0]]
+    f_desc = TensorDescriptor.from_tensor(
+        factors.view(-1, 3 * tile[0]), box, gl.NVMMASharedLayout.get_default_for(box, gl.float32)
+    )
+    parts = values_parts(batch * s_q * head_blocks * n_splits, num_sms(q.device.index or 0))
+    v_desc = _descriptor(latent if fp8 else records, L.value // parts)
+    _mla_values_kernel[(batch * s_q, head_blocks * parts, n_splits)](
+        p_desc, f_desc, v_desc, factors, records, block_table, seq_lens, part_out, part_lse, s_q, heads,
+        block_table.stride(0), n_splits, blocks, reach,
+        PAGE=page, WIDTH=records.shape[1], SPLIT=split, PARTS=parts, STAGES=VALUES_STAGES,
+        DIRECT=n_splits == 1, FP8=fp8, FILL_REGS=VALUES_FILL_REGS, num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
