@@ -94,7 +94,7 @@ def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
     signature |= {"rope_desc": _descriptor(records, 64), "scores_ptr": "*fp32", "maxima_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "reach"), "i32")
     constants = {"PAGE": 64, "WIDTH": width, "TOKENS": tokens, "FP8": fp8}
-    constants |= {"CHUNK": mla_gluon.SCORES_FP8_CHUNK}
+    constants |= {"CHUNK": mla_gluon.SCORES_FP8_CHUNK, "PDL": True}
     if fp8:  # the dequantised latent is also copied out, for the values kernel
         constants["lat_desc"] = None
         signature["latent_desc"] = _descriptor(torch.empty(4096, 512, dtype=torch.bfloat16), 256)
@@ -124,8 +124,9 @@ def test_probs_kernel_compiles_for_sm90_without_products():
     signature = {"scores_ptr": "*fp32", "maxima_ptr": "*fp32", "probs_ptr": "*bf16", "factors_ptr": "*fp32"}
     signature |= {"seq_lens_ptr": "*i32", "scale": "fp32", "S_q": "i32"}
     options = {"num_warps": 4, "enable_fp_fusion": True}
-    kernel = compile_sm90(mla_gluon._mla_probs_kernel, signature, {"SPLIT": 2048}, options)
+    kernel = compile_sm90(mla_gluon._mla_probs_kernel, signature, {"SPLIT": 2048, "PDL": True}, options)
     assert _wgmma_shapes(kernel.asm["ptx"]) == []
+    assert "griddepcontrol.wait" in kernel.asm["ptx"]  # launched early, it waits for the scores
     assert "ex2.approx" in kernel.asm["ptx"]  # P as the split kernel computes it
     assert re.search(r"\b0 bytes spill stores", ptxas_report(kernel.asm["ptx"]))
 
@@ -145,12 +146,13 @@ def test_values_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_for
     signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_table", "n_splits", "blocks", "reach"), "i32")
     constants = {"PAGE": 64, "WIDTH": width, "SPLIT": 2048, "PARTS": parts, "STAGES": mla_gluon.VALUES_STAGES}
-    constants |= {"DIRECT": direct, "FP8": fp8, "FILL_REGS": mla_gluon.VALUES_FILL_REGS}
+    constants |= {"DIRECT": direct, "FP8": fp8, "FILL_REGS": mla_gluon.VALUES_FILL_REGS, "PDL": True}
     options = {"num_warps": 4, "enable_fp_fusion": True}
     kernel = compile_sm90(mla_gluon._mla_values_kernel, signature, constants, options)
     # no scores and no softmax here; P x V: 64 tokens = 4 steps of k16 on the program's latent columns
     assert _wgmma_shapes(kernel.asm["ptx"]) == [f"m64n{part}k16"] * 4
     assert "ex2.approx" not in kernel.asm["ptx"]
+    assert "griddepcontrol.wait" in kernel.asm["ptx"]  # launched early, it waits for the probs
     assert len(re.findall(r"setmaxnreg\.dec", kernel.asm["ptx"])) >= 1  # the filling warpgroup is specialised
     _fits_and_no_serialised_products(kernel)
 

@@ -42,7 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer.kv_cache import FP8_GROUP
 
-from ._triton import hopper, num_sms
+from ._triton import PDL, hopper, num_sms
 
 BLOCK_H, BLOCK_N, L, R, LH = (gl.constexpr(v) for v in (64, 64, 512, 64, 256))  # heads, tokens, latent, rope, half
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -526,6 +526,7 @@ def _mla_split_kernel(
 SCORES_TOKENS = 256  # the scores kernel's largest chunk (``scores_tokens``)
 SCORES_FP8_CHUNK = 16  # fp8_ds_mla: tokens per dequantising step of the scores kernel
 VALUES_STAGES, VALUES_FILL_REGS = 4, 96  # the values kernel's stages, its filling warpgroup's registers per thread
+SCORES_FIRST_PDL = PDL  # the probs and values kernels launched early, each waiting for the one before
 
 
 @gluon.jit
@@ -552,6 +553,7 @@ def _mla_scores_kernel(
     TOKENS: gl.constexpr,
     FP8: gl.constexpr,
     CHUNK: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """S = Q K^T (fp32, unscaled) of one (query row, 64 heads, ``TOKENS`` context tokens) per program: each visible
     64-token block's [64 heads, 64 tokens] tile at ``scores[row, head block, block]`` (row-major tiles; a partial last
@@ -561,7 +563,9 @@ def _mla_scores_kernel(
     fp8_ds_mla cache (``cache_ptr`` bytes, ``lat_desc`` None), each block dequantised into its stage ``CHUNK`` tokens
     at a time, as the split kernel's third warpgroup does, while the block before is multiplied; the programs of the
     first head block and the last query row of each sequence also copy the dequantised latent to ``latent_desc``
-    ([batch x ``reach``, 512] bf16, zeros past the sequence) for ``_mla_values_kernel``."""
+    ([batch x ``reach``, 512] bf16, zeros past the sequence) for ``_mla_values_kernel``. ``PDL``: the probs kernel may
+    launch at once (and waits for this one to finish)."""
+    _launch_dependents(PDL)
     row = gl.program_id(0)
     pid_h = gl.program_id(1)
     chunk = gl.program_id(2)
@@ -663,13 +667,17 @@ def _gather_columns(cache_ptr, table_row, n0, end, col0, v_s, PAGE: gl.constexpr
 
 
 @gluon.jit
-def _mla_probs_kernel(scores_ptr, maxima_ptr, probs_ptr, factors_ptr, seq_lens_ptr, scale, S_q, SPLIT: gl.constexpr):
+def _mla_probs_kernel(scores_ptr, maxima_ptr, probs_ptr, factors_ptr, seq_lens_ptr, scale, S_q, SPLIT: gl.constexpr,
+                      PDL: gl.constexpr):  # fmt: skip
     """The online softmax of one (query row, 64 heads, 64-token block) per program, over ``_mla_scores_kernel``'s
     scores and block maxima (grid: rows x head blocks x the scores' blocks per row). The running max before the block
     is the max of the maxima of its span's earlier blocks (a max is exact in any order), so every block's P is the
     split kernel's without the chain: P as bf16 at ``probs`` (the scores' tile order), and at ``factors[block]`` three
     rows of 64 heads: the row factor of what came before (``alpha``), P's row sums (fp32, before the rounding), and
-    the running max after the block. Blocks past the sequence are not written."""
+    the running max after the block. Blocks past the sequence are not written. ``PDL``: launched early, it lets the
+    values kernel launch and waits for the scores kernel to finish."""
+    _launch_dependents(PDL)
+    _wait_previous(PDL)
     row = gl.program_id(0)
     block = gl.program_id(2)
     SPAN_BLOCKS: gl.constexpr = SPLIT // BLOCK_N
@@ -723,6 +731,7 @@ def _mla_values_kernel(
     DIRECT: gl.constexpr,
     FP8: gl.constexpr,
     FILL_REGS: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """``_mla_split_kernel``'s contract over ``_mla_probs_kernel``'s P and factors (``p_desc``: P as [rows x head
     blocks x ``blocks`` x 64, 64] bf16; ``f_desc``: each block's row factors and row sums, the first 128 of its 192
@@ -730,7 +739,9 @@ def _mla_values_kernel(
     ``PARTS h + c`` along the heads' axis: head block ``h``, part ``c``). Launched with 4 warps, which multiply each
     block's P by the part in the split kernel's order (``_values_products``), and 4 more that fill ``STAGES`` stages
     of P, its factors and the latent (``_values_fill``). ``FP8``: an fp8_ds_mla cache, whose latent ``v_desc`` reads
-    from the scores kernel's bf16 copy ([batch x ``reach``, 512]) instead."""
+    from the scores kernel's bf16 copy ([batch x ``reach``, 512]) instead. ``PDL``: launched early, its set-up and the
+    cache rows overlap the probs kernel, whose results it reads only after ``_values_fill`` has waited for it."""
+    _launch_dependents(PDL)
     W: gl.constexpr = L // PARTS
     row = gl.program_id(0)
     pid_h = gl.program_id(1) // PARTS
@@ -760,7 +771,7 @@ def _mla_values_kernel(
             (_values_products, (p_s, f_s, v_s, ready, free, factors_ptr, part_out_ptr, part_lse_ptr, tile0, start, end,
                                 col0, row, pid_h, split, H, n_splits, W, STAGES)),
             (_values_fill, (p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, table_row, b * reach,
-                            tile0, start, end, col0, PAGE, WIDTH, STAGES, SPLIT // BLOCK_N, FP8)),
+                            tile0, start, end, col0, PAGE, WIDTH, STAGES, SPLIT // BLOCK_N, FP8, PDL)),
         ],
         [4],
         [FILL_REGS],
@@ -796,7 +807,7 @@ def _values_products(p_s, f_s, v_s, ready, free, factors_ptr, part_out_ptr, part
 @gluon.jit
 def _values_fill(p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, table_row, copy_row, tile0, start, end,
                  col0, PAGE: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, SPAN_BLOCKS: gl.constexpr,
-                 FP8: gl.constexpr):  # fmt: skip
+                 FP8: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
     """Block ``i`` into stage ``i % STAGES`` once the products are done with block ``i - STAGES``: P, its factors and
     the latent part by TMA copies, but for a bf16 cache's partial last block, gathered with zeros past the span.
     Every block's cache row is loaded at the start (``FP8``: rows of the latent's copy from ``copy_row`` on, every
@@ -810,6 +821,7 @@ def _values_fill(p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, 
     else:
         first_rows = gl.load(table_row + (start + k * BLOCK_N) // PAGE, mask=k < n_blocks, other=0) * PAGE
         first_rows += (start + k * BLOCK_N) % PAGE  # each block's first cache row
+    _wait_previous(PDL)  # P, its factors and the latent's copy come from the kernels before
     nbytes: gl.constexpr = p_desc.block_type.nbytes + f_desc.block_type.nbytes
     for i in range(n_blocks):
         stage = i % STAGES
@@ -826,6 +838,21 @@ def _values_fill(p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, 
                 _gather_columns(cache_ptr, table_row, start + i * BLOCK_N, end, col0, v_s.index(stage), PAGE, WIDTH)
                 fence_async_shared()
         mbarrier.arrive(ready.index(stage), count=1)
+
+
+@gluon.jit
+def _launch_dependents(PDL: gl.constexpr):
+    """Lets the stream's next kernel launch now (programmatic dependent launch, as ``_triton.pdl_wait``)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _wait_previous(PDL: gl.constexpr):
+    """Waits until the stream's previous kernel has finished and its writes are visible (``PDL``)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -929,14 +956,14 @@ def launch_scores_first(
         q, lat_desc, _descriptor(records, R.value), records, block_table, seq_lens, scores, maxima,
         _descriptor(latent, LH.value) if fp8 else None, softmax_scale, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), reach,
-        PAGE=page, WIDTH=records.shape[1], TOKENS=tokens, FP8=fp8, CHUNK=SCORES_FP8_CHUNK,
+        PAGE=page, WIDTH=records.shape[1], TOKENS=tokens, FP8=fp8, CHUNK=SCORES_FP8_CHUNK, PDL=SCORES_FIRST_PDL,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
     probs = torch.empty_like(scores, dtype=torch.bfloat16)
     factors = torch.empty(maxima.shape[0] * 3, tile[0], dtype=torch.float32, device=q.device)
     _mla_probs_kernel[(batch * s_q, head_blocks, blocks)](
-        scores, maxima, probs, factors, seq_lens, softmax_scale, s_q, SPLIT=split, num_warps=4,
-        enable_fp_fusion=True,
+        scores, maxima, probs, factors, seq_lens, softmax_scale, s_q, SPLIT=split, PDL=SCORES_FIRST_PDL, num_warps=4,
+        enable_fp_fusion=True, launch_pdl=SCORES_FIRST_PDL,
     )  # fmt: skip
     p_desc = TensorDescriptor.from_tensor(probs, tile, gl.NVMMASharedLayout.get_default_for(tile, gl.bfloat16))
     box = [1, 2 * tile[0]]
@@ -949,5 +976,6 @@ def launch_scores_first(
         p_desc, f_desc, v_desc, factors, records, block_table, seq_lens, part_out, part_lse, s_q, heads,
         block_table.stride(0), n_splits, blocks, reach,
         PAGE=page, WIDTH=records.shape[1], SPLIT=split, PARTS=parts, STAGES=VALUES_STAGES,
-        DIRECT=n_splits == 1, FP8=fp8, FILL_REGS=VALUES_FILL_REGS, num_warps=4, enable_fp_fusion=True,
+        DIRECT=n_splits == 1, FP8=fp8, FILL_REGS=VALUES_FILL_REGS, PDL=SCORES_FIRST_PDL, num_warps=4,
+        enable_fp_fusion=True, launch_pdl=SCORES_FIRST_PDL,
     )  # fmt: skip
