@@ -17,8 +17,9 @@ Here the warpgroups have different jobs (``gl.warp_specialize``), FlashMLA's div
 
 Where the grid would leave SMs idle (a few rows, or batch-invariant mode's fixed spans), each (row, heads, span) gets
 two programs instead: both compute S and the softmax, and the second warpgroup of each multiplies P by one of the
-two latent halves (``HALVES``; the same bits as one program). In batch-invariant mode a few rows take two other
-kernels instead, the scores of every block first (``launch_scores_first``, the same bits again).
+two latent halves (``HALVES``; the same bits as one program). In batch-invariant mode a few rows take three other
+kernels instead: the scores of every block first, then every block's softmax, then P x V (``launch_scores_first``,
+the same bits again).
 
 The query (64 x 576) and two stages of 64 cached tokens in bf16 fill the shared memory (one program per SM), which
 leaves no room for a raw fp8 stage. With a bf16 cache whole blocks come by TMA copies and the last, partial block of a
