@@ -34,6 +34,11 @@ def _wgmma_shapes(ptx: str) -> list[str]:
     return re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
 
 
+def _first_line(ptx: str, pattern: str) -> int:
+    """The PTX line number of the first match of ``pattern`` (a large number if none)."""
+    return next((i for i, line in enumerate(ptx.split("\n")) if re.search(pattern, line.strip())), 1 << 30)
+
+
 def _fits_and_no_serialised_products(kernel) -> str:
     """Asserts that ``kernel`` fits an SM90 block's shared memory and that ptxas kept its products asynchronous;
     returns what ptxas said."""
@@ -126,7 +131,9 @@ def test_probs_kernel_compiles_for_sm90_without_products():
     options = {"num_warps": 4, "enable_fp_fusion": True}
     kernel = compile_sm90(mla_gluon._mla_probs_kernel, signature, {"SPLIT": 2048, "PDL": True}, options)
     assert _wgmma_shapes(kernel.asm["ptx"]) == []
-    assert "griddepcontrol.wait" in kernel.asm["ptx"]  # launched early, it waits for the scores
+    # launched early, it waits for the scores kernel before it touches global memory
+    wait = _first_line(kernel.asm["ptx"], "griddepcontrol.wait")
+    assert wait < _first_line(kernel.asm["ptx"], r"^(@!?%p\d+ )?(ld\.global|st\.global|cp\.async)")
     assert "ex2.approx" in kernel.asm["ptx"]  # P as the split kernel computes it
     assert re.search(r"\b0 bytes spill stores", ptxas_report(kernel.asm["ptx"]))
 
@@ -152,7 +159,11 @@ def test_values_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_for
     # no scores and no softmax here; P x V: 64 tokens = 4 steps of k16 on the program's latent columns
     assert _wgmma_shapes(kernel.asm["ptx"]) == [f"m64n{part}k16"] * 4
     assert "ex2.approx" not in kernel.asm["ptx"]
-    assert "griddepcontrol.wait" in kernel.asm["ptx"]  # launched early, it waits for the probs
+    # launched early, it reads the sequence lengths and the block table (written before the scores kernel began), then
+    # waits for the probs kernel before its first copy of P, the factors or the latent (fp8_ds_mla: the scores
+    # kernel's copy)
+    wait = _first_line(kernel.asm["ptx"], "griddepcontrol.wait")
+    assert wait < _first_line(kernel.asm["ptx"], r"cp\.async\.bulk\.tensor")
     assert len(re.findall(r"setmaxnreg\.dec", kernel.asm["ptx"])) >= 1  # the filling warpgroup is specialised
     _fits_and_no_serialised_products(kernel)
 
