@@ -67,7 +67,7 @@ FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
 @gluon.jit
 def _block_row(table_row, start, j, below, PAGE: gl.constexpr):
     """The cache row of block ``j``'s first token (tokens ``start + 64 j + [0, 64)`` lie in one page) if ``j < below``
-    (else the table is not read): the loops load it a block ahead of their copies."""
+    (else the table is not read), for one block or a tensor of them: the loops load it ahead of their copies."""
     n0 = start + j * BLOCK_N
     return gl.load(table_row + n0 // PAGE, mask=j < below, other=0) * PAGE + n0 % PAGE
 
@@ -820,8 +820,7 @@ def _values_fill(p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, 
     if FP8:
         first_rows = copy_row + start + k * BLOCK_N
     else:
-        first_rows = gl.load(table_row + (start + k * BLOCK_N) // PAGE, mask=k < n_blocks, other=0) * PAGE
-        first_rows += (start + k * BLOCK_N) % PAGE  # each block's first cache row
+        first_rows = _block_row(table_row, start, k, n_blocks, PAGE)
     _wait_previous(PDL)  # P, its factors and the latent's copy come from the kernels before
     nbytes: gl.constexpr = p_desc.block_type.nbytes + f_desc.block_type.nbytes
     for i in range(n_blocks):
