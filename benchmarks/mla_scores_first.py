@@ -6,7 +6,9 @@ error against the fp32 reference. Lengths up to 100 tokens short of the table's 
 
 Usage: python3 benchmarks/mla_scores_first.py [--batches 1,2,4,8,16] [--ctx 1024,4096,16384]
 [--formats bf16,fp8_ds_mla] [--set NAME=INT ...] (a constant of ``mla_gluon`` for this run, e.g. VALUES_STAGES=6)
-[--profile] (then each kernel's mean device time on the scores-first side, from the torch profiler)"""
+[--side LABEL=NAME:INT,... ...] (one more scores-first side, timed in turn with the others, with those constants of
+``mla_gluon`` set while it runs) [--profile] (then each kernel's mean device time on the scores-first side, from the
+torch profiler)"""
 
 from __future__ import annotations
 
@@ -31,13 +33,17 @@ def main() -> None:
     parser.add_argument("--formats", default="bf16,fp8_ds_mla")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=INT")
+    parser.add_argument("--side", action="append", default=[], metavar="LABEL=NAME:INT,...")
     args = parser.parse_args()
     for item in args.set:
         name, value = item.split("=")
         setattr(mla_gluon, name, int(value))
     shipped = attention.MLA_SCORES_FIRST_MAX_SHARE
     deepinfer.use("cuda_sm100")
-    sides = {"default": (False, 0.0), "split": (True, 0.0), "scores first": (True, float("inf"))}
+    sides = {"default": (False, 0.0, {}), "split": (True, 0.0, {}), "scores first": (True, float("inf"), {})}
+    for item in args.side:
+        label, settings = item.split("=")
+        sides[label] = (True, float("inf"), {k: int(v) for k, v in (kv.split(":") for kv in settings.split(","))})
     for fmt, batch, ctx in itertools.product(
         args.formats.split(","), *(map(int, a.split(",")) for a in (args.batches, args.ctx))
     ):
@@ -46,14 +52,20 @@ def main() -> None:
         ref = reference.mla_decode(**(sets[0] | {"q": sets[0]["q"].float()}))
         best, outs = {}, {}
         for _ in range(2):
-            for side, (invariant, share) in sides.items():
-                attention.MLA_SCORES_FIRST_MAX_SHARE = dict.fromkeys(shipped, share)
+            for side, (invariant, share, settings) in sides.items():
+                attention.MLA_SCORES_FIRST_MAX_SHARE = share
+                kept = {name: getattr(mla_gluon, name) for name in settings}
+                for name, value in settings.items():
+                    setattr(mla_gluon, name, value)
                 with batch_invariant(invariant):
                     ms = bench.time_graph_ms(run, sets=3)
                     outs[side] = run(0)
+                for name, value in kept.items():
+                    setattr(mla_gluon, name, value)
                 best[side] = min(best.get(side, ms), ms)
         attention.MLA_SCORES_FIRST_MAX_SHARE = shipped
-        same = all(torch.equal(a, b) for a, b in zip(outs["split"], outs["scores first"]))
+        first = [side for side, (_, share, _) in sides.items() if share]
+        same = all(torch.equal(a, b) for side in first for a, b in zip(outs["split"], outs[side]))
         split = attention._split_tokens(batch * 2, ctx, attention.num_sms(0), True)
         ratios = " | ".join(f"{side} {best[side]:.4f} ms ({best[side] / best['default']:.2f}x)" for side in sides)
         print(
@@ -62,7 +74,7 @@ def main() -> None:
             flush=True,
         )
         if args.profile:
-            attention.MLA_SCORES_FIRST_MAX_SHARE = dict.fromkeys(shipped, float("inf"))
+            attention.MLA_SCORES_FIRST_MAX_SHARE = float("inf")
             with batch_invariant(True):
                 print("   ", _kernel_times(run))
             attention.MLA_SCORES_FIRST_MAX_SHARE = shipped

@@ -108,20 +108,23 @@ def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
         constants["latent_desc"] = None
     options = {"num_warps": 4, "enable_fp_fusion": True}
     kernel = compile_sm90(mla_gluon._mla_scores_kernel, signature, constants, options)
-    # one call site of the split kernel's scores: [64 heads, 64 tokens] over 576 = 36 steps of k16
-    assert _wgmma_shapes(kernel.asm["ptx"]) == ["m64n64k16"] * 36
-    assert ("cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]) == fp8
-    assert ("cp.async.bulk.tensor.2d.global.shared" in kernel.asm["ptx"]) == fp8
+    ptx = kernel.asm["ptx"]
+    # the split kernel's scores: [64 heads, 64 tokens] over 576 = 36 steps of k16, at one call site (fp8_ds_mla: the
+    # next block is dequantised while the product runs) or two (bf16: the first block, then each next one, issued
+    # before the block before is stored)
+    assert _wgmma_shapes(ptx) == ["m64n64k16"] * (36 if fp8 else 72)
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == fp8
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == fp8
     report = _fits_and_no_serialised_products(kernel)
     assert re.search(r"\b0 bytes spill stores", report), report
 
 
 def test_scores_chunk_is_halved_only_while_the_grid_fits_the_sms():
     # 132 SMs, two head blocks: one row of 4096 tokens gets 128 programs of 64 tokens, two rows 128 of 128 tokens;
-    # eight rows already fill the SMs at 256 tokens (256 programs)
+    # eight rows fill the SMs at 512 tokens (128 programs; 256 tokens would make 256)
     assert mla_gluon.scores_tokens(1, 2, 4096, 132) == 64
     assert mla_gluon.scores_tokens(2, 2, 4096, 132) == 128
-    assert mla_gluon.scores_tokens(8, 2, 4096, 132) == mla_gluon.SCORES_TOKENS == 256
+    assert mla_gluon.scores_tokens(8, 2, 4096, 132) == mla_gluon.SCORES_TOKENS == 512
     assert mla_gluon.scores_tokens(1, 2, 16384, 132) == 256
 
 
@@ -164,6 +167,11 @@ def test_values_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_for
     # kernel's copy)
     wait = _first_line(kernel.asm["ptx"], "griddepcontrol.wait")
     assert wait < _first_line(kernel.asm["ptx"], r"cp\.async\.bulk\.tensor")
+    # the next block's copies are waited for while a block's product runs
+    lines = kernel.asm["ptx"].split("\n")
+    issued = _first_line(kernel.asm["ptx"], r"wgmma\.commit_group")
+    done = issued + _first_line("\n".join(lines[issued:]), r"wgmma\.wait_group")
+    assert any("mbarrier.try_wait" in line for line in lines[issued:done])
     assert len(re.findall(r"setmaxnreg\.dec", kernel.asm["ptx"])) >= 1  # the filling warpgroup is specialised
     _fits_and_no_serialised_products(kernel)
 

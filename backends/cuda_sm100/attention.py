@@ -64,10 +64,9 @@ MLA_GLUON = True  # the warp-specialized Gluon split kernel where it applies (se
 MLA_HALVES_MAX_SHARE = 0.5
 # Batch-invariant mode computes every block's scores first, then their softmax, then each span's P x V
 # (``mla_gluon.launch_scores_first``, the same bits) where the split kernel would give at most this share of the SMs a
-# program, per cache format. On the H200 at 2-16 programs it takes 0.26-0.78x of the split kernel's time; at 32,
-# 1.03-1.06x with bf16 and 0.73-0.76x with fp8_ds_mla (``benchmarks/mla_scores_first.py``, NOTES.md thirty-fourth
-# session).
-MLA_SCORES_FIRST_MAX_SHARE = {"bf16": 0.125, "fp8_ds_mla": 0.25}
+# program. On the H200 at 2-16 programs it takes 0.24-0.55x of the split kernel's time; at 32, 0.97-0.99x with bf16
+# and 0.70-0.74x with fp8_ds_mla (``benchmarks/mla_scores_first.py``, NOTES.md thirty-fifth session).
+MLA_SCORES_FIRST_MAX_SHARE = 0.25
 
 
 @triton.jit
@@ -355,7 +354,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     if MLA_GLUON and mla_gluon is not None and mla_gluon.takes(q, kv_cache, kv_lora_rank, kv_format, tma):
         programs = batch * s_q * head_blocks * n_splits
         args = (q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page)
-        if invariant and programs <= MLA_SCORES_FIRST_MAX_SHARE[kv_format] * sms:
+        if invariant and programs <= MLA_SCORES_FIRST_MAX_SHARE * sms:
             mla_gluon.launch_scores_first(*args)
         else:
             mla_gluon.launch_split(*args, halves=programs <= MLA_HALVES_MAX_SHARE * sms)

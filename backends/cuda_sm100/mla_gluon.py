@@ -194,7 +194,7 @@ def _fill_stage(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, r
 
 
 @gluon.jit
-def _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh):
+def _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh, at_once: gl.constexpr = False):
     """The program's 64 query heads into shared memory as the A operands of S = Q K^T: two latent halves and the rope
     part, zeros for heads past ``H``."""
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
@@ -205,13 +205,20 @@ def _query_to_smem(q_ptr, b, s, pid_h, H, stride_qb, stride_qs, stride_qh):
     rope_cols = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, rows)), 0)
     half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LH], gl.bfloat16)
     rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16)
-    # one part at a time: the three together would hold 144 registers per thread
-    q0 = gl.load(q_row + cols, mask=hmask, other=0.0)
-    q0_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q0)
-    q1 = gl.load(q_row + LH + cols, mask=hmask, other=0.0)
-    q1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q1)
-    q_rope = gl.load(q_row + L + rope_cols, mask=hmask, other=0.0)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], rope_layout, q_rope)
+    if at_once:  # both halves' loads in flight together (128 registers per thread)
+        q0 = gl.load(q_row + cols, mask=hmask, other=0.0)
+        q1 = gl.load(q_row + LH + cols, mask=hmask, other=0.0)
+        q0_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q0)
+        q_rope = gl.load(q_row + L + rope_cols, mask=hmask, other=0.0)
+        q1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q1)
+        qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], rope_layout, q_rope)
+    else:  # one part at a time, for kernels that cannot spare the registers
+        q0 = gl.load(q_row + cols, mask=hmask, other=0.0)
+        q0_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q0)
+        q1 = gl.load(q_row + LH + cols, mask=hmask, other=0.0)
+        q1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LH], half_layout, q1)
+        q_rope = gl.load(q_row + L + rope_cols, mask=hmask, other=0.0)
+        qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], rope_layout, q_rope)
     return q0_s, q1_s, qr_s
 
 
@@ -524,7 +531,7 @@ def _mla_split_kernel(
 # - values: P x V and the running sum of each span in the split kernel's order, one latent part per program (8 parts
 #   while the grid fits the SMs once, else 4), VALUES_STAGES blocks in flight.
 # The arithmetic is the split kernel's on the same values: the same bits.
-SCORES_TOKENS = 256  # the scores kernel's largest chunk (``scores_tokens``)
+SCORES_TOKENS = 512  # the scores kernel's largest chunk (``scores_tokens``)
 SCORES_FP8_CHUNK = 16  # fp8_ds_mla: tokens per dequantising step of the scores kernel
 VALUES_STAGES, VALUES_FILL_REGS = 4, 96  # the values kernel's stages, its filling warpgroup's registers per thread
 SCORES_FIRST_PDL = PDL  # the probs and values kernels launched early, each waiting for the one before
@@ -596,20 +603,19 @@ def _mla_scores_kernel(
             first = _block_row(table_row, start, i, full, PAGE)
             _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, i, first, i < full)
             _load_left(lat_desc, left_ready, c0_s, i, first, i < full)
-    # the query's loads run under the first copies
-    q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, row % S_q, pid_h, H, stride_qb, stride_qs, stride_qh)
+    # the query's loads run under the first copies (fp8_ds_mla: both halves at once, 1-4% faster on the H200; a bf16
+    # cache's two products in flight leave no registers for it)
+    q0_s, q1_s, qr_s = _query_to_smem(q_ptr, b, row % S_q, pid_h, H, stride_qb, stride_qs, stride_qh, at_once=FP8)
     fence_async_shared()
     BARRIER()  # the query's stores are visible to the tensor cores
 
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
-    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-    tile = gl.expand_dims(heads * BLOCK_N, 1) + gl.expand_dims(tokens, 0)
     blocks = gl.num_programs(2) * (TOKENS // BLOCK_N)  # blocks of the context, per (row, head block)
     first_block = (row.to(gl.int64) * gl.num_programs(1) + pid_h) * blocks + start // BLOCK_N
     n_blocks = gl.cdiv(end - start, BLOCK_N)
-    writer = (pid_h == 0) & (row % S_q == S_q - 1)  # the row that sees the whole sequence
-    for j in range(n_blocks):
-        if FP8:
+    qk_scale = scale * LOG2E
+    if FP8:
+        writer = (pid_h == 0) & (row % S_q == S_q - 1)  # the row that sees the whole sequence
+        for j in range(n_blocks):
             mbarrier.wait(right_ready.index(j % 2), (j // 2) & 1)  # the rope part's copy
             scores = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, j, False)
             if writer:
@@ -621,18 +627,31 @@ def _mla_scores_kernel(
                 _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, j + 1,
                                   PAGE, WIDTH, CHUNK)  # fmt: skip
             scores = warpgroup_mma_wait(0, deps=[scores])
-        else:
-            scores = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
-                                   start, end, j, full, PAGE, WIDTH, False)  # fmt: skip
-            scores = warpgroup_mma_wait(0, deps=[scores])
+            _store_block_scores(scores, scores_ptr, maxima_ptr, first_block + j, start + j * BLOCK_N, end, qk_scale)
+        tma.store_wait(0)
+    else:
+        ahead = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
+                              start, end, 0, full, PAGE, WIDTH, False)  # fmt: skip
+        for j in range(n_blocks):
+            scores = warpgroup_mma_wait(0, deps=[ahead])
             refill = _block_row(table_row, start, j + 2, full, PAGE)
             _load_right(lat_desc, rope_desc, right_ready, c1_s, kr_s, j % 2, refill, j + 2 < full)
             _load_left(lat_desc, left_ready, c0_s, j % 2, refill, j + 2 < full)
-        gl.store(scores_ptr + (first_block + j) * (BLOCK_H * BLOCK_N) + tile, scores)
-        block_max = gl.max(_scaled_scores(scores, start + j * BLOCK_N + tokens < end, scale * LOG2E), axis=1)
-        gl.store(maxima_ptr + (first_block + j) * BLOCK_H + heads, block_max)
-    if FP8:
-        tma.store_wait(0)
+            if j + 1 < n_blocks:  # the next block's product runs while this one's scores are stored
+                ahead = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr,
+                                      table_row, start, end, j + 1, full, PAGE, WIDTH, False)  # fmt: skip
+            _store_block_scores(scores, scores_ptr, maxima_ptr, first_block + j, start + j * BLOCK_N, end, qk_scale)
+
+
+@gluon.jit
+def _store_block_scores(scores, scores_ptr, maxima_ptr, block, n0, end, qk_scale):
+    """S of a block (tokens ``n0 + [0, 64)``) as the row-major tile ``block`` of ``scores_ptr``, and each head's max of
+    its scaled scores at the tokens before ``end`` at ``maxima_ptr[block]``."""
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
+    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    tile = gl.expand_dims(heads * BLOCK_N, 1) + gl.expand_dims(tokens, 0)
+    gl.store(scores_ptr + block * (BLOCK_H * BLOCK_N) + tile, scores)
+    gl.store(maxima_ptr + block * BLOCK_H + heads, gl.max(_scaled_scores(scores, n0 + tokens < end, qk_scale), axis=1))
 
 
 @gluon.jit
@@ -791,12 +810,16 @@ def _values_products(p_s, f_s, v_s, ready, free, factors_ptr, part_out_ptr, part
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     o = gl.zeros([BLOCK_H, W], gl.float32, o_layout)
     l_i = gl.zeros([BLOCK_H], gl.float32, rows)
+    mbarrier.wait(ready.index(0), 0)
+    alpha = factors.index(0).load(rows)
     for i in range(n_blocks):
         stage = i % STAGES
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        alpha = factors.index(2 * stage).load(rows)
-        o = warpgroup_mma(p_s.index(stage), v_s.index(stage), o * gl.expand_dims(alpha, 1))
+        o = warpgroup_mma(p_s.index(stage), v_s.index(stage), o * gl.expand_dims(alpha, 1), is_async=True)
         l_i = l_i * alpha + factors.index(2 * stage + 1).load(rows)
+        ahead = (i + 1) % STAGES  # the next block's stage and factor, waited for while the product runs
+        mbarrier.wait(ready.index(ahead), ((i + 1) // STAGES) & 1, pred=i + 1 < n_blocks)
+        alpha = factors.index(2 * ahead).load(rows)
+        o = warpgroup_mma_wait(0, deps=[o])
         mbarrier.arrive(free.index(stage), count=1)
     m_i = gl.load(factors_ptr + (tile0 + n_blocks - 1) * (3 * BLOCK_H) + 2 * BLOCK_H + gl.arange(0, BLOCK_H, rows))
     part, hmask = _part_rows(row, pid_h, split, H, n_splits, o_layout)
@@ -811,21 +834,26 @@ def _values_fill(p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, 
                  FP8: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
     """Block ``i`` into stage ``i % STAGES`` once the products are done with block ``i - STAGES``: P, its factors and
     the latent part by TMA copies, but for a bf16 cache's partial last block, gathered with zeros past the span.
-    Every block's cache row is loaded at the start (``FP8``: rows of the latent's copy from ``copy_row`` on, every
-    block whole)."""
+    Every block's cache row is looked up at the start, into shared memory (``FP8``: rows of the latent's copy from
+    ``copy_row`` on, every block whole)."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = n_blocks if FP8 else (end - start) // BLOCK_N
-    held: gl.constexpr = gl.BlockedLayout([SPAN_BLOCKS], [32], [gl.num_warps()], [0])  # each thread holds them all
-    k = gl.arange(0, SPAN_BLOCKS, layout=held)
+    spread: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [gl.num_warps(), 1], [1, 0])
+    k = gl.arange(0, SPAN_BLOCKS, layout=gl.SliceLayout(1, spread))
     if FP8:
         first_rows = copy_row + start + k * BLOCK_N
     else:
         first_rows = _block_row(table_row, start, k, n_blocks, PAGE)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    rows_s = gl.allocate_shared_memory(gl.int32, [SPAN_BLOCKS, 1], rows_layout, gl.expand_dims(first_rows, 1))
+    rows_s = _plain_rows(rows_s, [SPAN_BLOCKS, 1])
+    BARRIER()  # the table is visible to the filling warps
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     _wait_previous(PDL)  # P, its factors and the latent's copy come from the kernels before
     nbytes: gl.constexpr = p_desc.block_type.nbytes + f_desc.block_type.nbytes
     for i in range(n_blocks):
         stage = i % STAGES
-        v_row = _pick(first_rows, i)
+        v_row = gl.max(rows_s.index(i).load(one), axis=0)
         mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)
         whole = i < full
         mbarrier.expect(ready.index(stage), nbytes + v_desc.block_type.nbytes, pred=whole)
@@ -858,18 +886,16 @@ def _wait_previous(PDL: gl.constexpr):
 @gluon.jit
 def _factor_rows(f_s):
     """The factors' stages as [2 x stages, 64] plain rows (their TMA layout has no swizzle)."""
-    shape: gl.constexpr = [2 * f_s.shape[0], BLOCK_H]
-    if REINTERPRET:
-        return f_s.reinterpret(gl.float32, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        return f_s._reinterpret(gl.float32, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    return _plain_rows(f_s, [2 * f_s.shape[0], BLOCK_H])
 
 
 @gluon.jit
-def _pick(values, i):
-    """Element ``i`` of a tensor every thread holds whole (of non-negative values; -1 past its end)."""
-    k = gl.arange(0, values.shape[0], layout=values.type.layout)
-    return gl.max(gl.where(k == i, values, -1), axis=0)
+def _plain_rows(smem, shape: gl.constexpr):
+    """``smem`` (unswizzled) seen as ``shape``, whose rows ``.index(i).load`` reads one at a time."""
+    if REINTERPRET:
+        return smem.reinterpret(smem.dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        return smem._reinterpret(smem.dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:
@@ -922,8 +948,8 @@ def launch_split(
 def scores_tokens(rows: int, head_blocks: int, reach: int, sms: int) -> int:
     """The scores kernel's chunk of a table reaching ``reach`` tokens: ``SCORES_TOKENS``, halved down to 64 while the
     grid that gives still fits in ``sms`` (a chunk's blocks run in series, so one or two rows leave most SMs idle at
-    256; more programs than SMs make it slower again: NOTES.md, thirty-first session). The chunk decides only which
-    program computes a block's scores, never how: the bits are the same."""
+    256; more programs than SMs make it slower again: NOTES.md, thirty-first and thirty-fifth sessions). The chunk
+    decides only which program computes a block's scores, never how: the bits are the same."""
     tokens = SCORES_TOKENS
     while tokens > BLOCK_N.value and rows * head_blocks * -(-reach // (tokens // 2)) <= sms:
         tokens //= 2
