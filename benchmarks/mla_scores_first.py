@@ -1,8 +1,8 @@
 """cuda_sm100's batch-invariant ``mla_decode``, its scores computed first
 (``mla_gluon.launch_scores_first``) against the Gluon split kernel alone, at a few rows, where the split kernel leaves
-SMs idle; the default mode beside both. Each line gives the device time of the three (CUDA graphs, alternated twice,
-best of each), whether the two batch-invariant sides gave the same bits (output and lse), and the worst-row relative
-error against the fp32 reference. Lengths up to 100 tokens short of the table's reach.
+SMs idle; the default mode beside both. Each line gives the device time of each side (CUDA graphs, alternated twice,
+best of each), whether every scores-first side gave the split kernel's bits (output and lse), and the worst-row
+relative error against the fp32 reference. Lengths up to 100 tokens short of the table's reach.
 
 Usage: python3 benchmarks/mla_scores_first.py [--batches 1,2,4,8,16] [--ctx 1024,4096,16384]
 [--formats bf16,fp8_ds_mla] [--set NAME=INT ...] (a constant of ``mla_gluon`` for this run, e.g. VALUES_STAGES=6)

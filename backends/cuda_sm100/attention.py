@@ -64,8 +64,8 @@ MLA_GLUON = True  # the warp-specialized Gluon split kernel where it applies (se
 MLA_HALVES_MAX_SHARE = 0.5
 # Batch-invariant mode computes every block's scores first, then their softmax, then each span's P x V
 # (``mla_gluon.launch_scores_first``, the same bits) where the split kernel would give at most this share of the SMs a
-# program. On the H200 at 2-16 programs it takes 0.24-0.55x of the split kernel's time; at 32, 0.97-0.99x with bf16
-# and 0.70-0.74x with fp8_ds_mla (``benchmarks/mla_scores_first.py``, NOTES.md thirty-fifth session).
+# program. On the H200 at 2-16 programs it takes 0.23-0.70x of the split kernel's time; at 32, 0.96-0.98x with bf16
+# and 0.72-0.75x with fp8_ds_mla (``benchmarks/mla_scores_first.py``, RESULTS.md thirty-fifth session).
 MLA_SCORES_FIRST_MAX_SHARE = 0.25
 
 
