@@ -269,6 +269,19 @@ def test_batch_invariant_gemm_never_splits_k(monkeypatch):
         assert default.num_stages <= k // 128, (n, k, default)  # no stage without a K block to hold
 
 
+def test_unsplit_tile_widens_where_that_makes_one_wave(monkeypatch):
+    """The unsplit tile's width follows N, but doubles where the grid would otherwise take a second wave of programs
+    and doubling fits one: (2112, 7168) at 192 rows took 2.1x the 128-row time with 198 programs of 32 columns."""
+    from deepinfer_cuda_sm100 import gemm
+
+    monkeypatch.setattr(gemm, "num_sms", lambda *_: 132)  # the H200's
+    width = lambda m, n: gemm._unsplit_tile(m, n, 7168).block_n
+    assert (width(128, 2112), width(192, 2112)) == (32, 64)  # 132 programs; 99 instead of 198
+    assert (width(128, 4096), width(192, 4096)) == (64, 128)  # 128 programs; 96 instead of 192
+    assert width(192, 7168) == 128  # 168 programs: wider tiles do not exist
+    assert width(256, 2112) == 64  # 4 x 66 programs would be two waves, 4 x 33 are one
+
+
 CUBLAS_PROBE = """
 import torch
 from deepinfer.qtensor import quantize_blocks, quantize_rows

@@ -376,12 +376,16 @@ def _fp32_tile(k: int) -> Tile:
 
 def _unsplit_tile(m: int, n: int, k: int) -> Tile:
     """Where 64 x 128 tiles fill the GPU, those; else the widest of 128, 64, 32 columns that still cuts N into
-    ``MIN_COLUMN_TILES`` tiles, with 6 K blocks in flight for long products where each SM has at most one program
-    (``benchmarks/gemm_tiles.py unsplit``)."""
+    ``MIN_COLUMN_TILES`` tiles, twice as wide where that alone makes the grid one wave instead of two, with 6 K blocks
+    in flight for long products where each SM has at most one program (``benchmarks/gemm_tiles.py unsplit``,
+    ``benchmarks/gemm_invariant_cost.py``)."""
     if _fills_gpu(m, n, 64, 128):
         return _deep(Tile(64, 128, 4, 3), k)
     block_n = next((bn for bn in (128, 64) if triton.cdiv(n, bn) >= MIN_COLUMN_TILES), 32)
-    one_wave = triton.cdiv(m, 64) * triton.cdiv(n, block_n) <= num_sms()
+    rows = triton.cdiv(m, 64)
+    if block_n < 128 and rows * triton.cdiv(n, block_n) > num_sms() >= rows * triton.cdiv(n, 2 * block_n):
+        block_n *= 2
+    one_wave = rows * triton.cdiv(n, block_n) <= num_sms()
     return Tile(64, block_n, 4, 6) if one_wave and k >= 2048 else _deep(Tile(64, block_n, 4, 3), k)
 
 
