@@ -65,6 +65,13 @@ FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
 
 
 @gluon.jit
+def _visible_limit(seq_lens_ptr, row, S_q):
+    """Query row ``row`` (``S_q`` per sequence, the last one newest) sees the context positions below this: its
+    sequence's length less the query rows after it."""
+    return gl.load(seq_lens_ptr + row // S_q) - S_q + row % S_q + 1
+
+
+@gluon.jit
 def _block_row(table_row, start, j, below, PAGE: gl.constexpr):
     """The cache row of block ``j``'s first token (tokens ``start + 64 j + [0, 64)`` lie in one page) if ``j < below``
     (else the table is not read), for one block or a tensor of them: the loops load it ahead of their copies."""
@@ -448,7 +455,7 @@ def _mla_split_kernel(
     split = gl.program_id(2)
     b = row // S_q
     s = row % S_q
-    limit = gl.load(seq_lens_ptr + b) - S_q + s + 1  # positions < limit are visible to this query
+    limit = _visible_limit(seq_lens_ptr, row, S_q)
     start = split * SPLIT
     end = gl.minimum(start + SPLIT, limit)
     if start >= end:
@@ -578,7 +585,7 @@ def _mla_scores_kernel(
     pid_h = gl.program_id(1)
     chunk = gl.program_id(2)
     b = row // S_q
-    limit = gl.load(seq_lens_ptr + b) - S_q + row % S_q + 1
+    limit = _visible_limit(seq_lens_ptr, row, S_q)
     start = chunk * TOKENS
     end = gl.minimum(start + TOKENS, limit)
     if start >= end:
@@ -702,7 +709,7 @@ def _mla_probs_kernel(scores_ptr, maxima_ptr, probs_ptr, factors_ptr, seq_lens_p
     block = gl.program_id(2)
     SPAN_BLOCKS: gl.constexpr = SPLIT // BLOCK_N
     first = block // SPAN_BLOCKS * SPAN_BLOCKS  # the span's first block
-    limit = gl.load(seq_lens_ptr + row // S_q) - S_q + row % S_q + 1
+    limit = _visible_limit(seq_lens_ptr, row, S_q)
     end = gl.minimum((first + SPAN_BLOCKS) * BLOCK_N, limit)
     n0 = block * BLOCK_N
     if n0 >= end:
@@ -768,7 +775,7 @@ def _mla_values_kernel(
     col0 = gl.program_id(1) % PARTS * W
     split = gl.program_id(2)
     b = row // S_q
-    limit = gl.load(seq_lens_ptr + b) - S_q + row % S_q + 1
+    limit = _visible_limit(seq_lens_ptr, row, S_q)
     start = split * SPLIT
     end = gl.minimum(start + SPLIT, limit)
     if start >= end:
