@@ -159,20 +159,21 @@ def test_values_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_for
     constants |= {"DIRECT": direct, "FP8": fp8, "FILL_REGS": mla_gluon.VALUES_FILL_REGS, "PDL": True}
     options = {"num_warps": 4, "enable_fp_fusion": True}
     kernel = compile_sm90(mla_gluon._mla_values_kernel, signature, constants, options)
+    ptx = kernel.asm["ptx"]
     # no scores and no softmax here; P x V: 64 tokens = 4 steps of k16 on the program's latent columns
-    assert _wgmma_shapes(kernel.asm["ptx"]) == [f"m64n{part}k16"] * 4
-    assert "ex2.approx" not in kernel.asm["ptx"]
+    assert _wgmma_shapes(ptx) == [f"m64n{part}k16"] * 4
+    assert "ex2.approx" not in ptx
     # launched early, it reads the sequence lengths and the block table (written before the scores kernel began), then
     # waits for the probs kernel before its first copy of P, the factors or the latent (fp8_ds_mla: the scores
     # kernel's copy)
-    wait = _first_line(kernel.asm["ptx"], "griddepcontrol.wait")
-    assert wait < _first_line(kernel.asm["ptx"], r"cp\.async\.bulk\.tensor")
+    wait = _first_line(ptx, "griddepcontrol.wait")
+    assert wait < _first_line(ptx, r"cp\.async\.bulk\.tensor")
     # the next block's copies are waited for while a block's product runs
-    lines = kernel.asm["ptx"].split("\n")
-    issued = _first_line(kernel.asm["ptx"], r"wgmma\.commit_group")
+    lines = ptx.split("\n")
+    issued = _first_line(ptx, r"wgmma\.commit_group")
     done = issued + _first_line("\n".join(lines[issued:]), r"wgmma\.wait_group")
     assert any("mbarrier.try_wait" in line for line in lines[issued:done])
-    assert len(re.findall(r"setmaxnreg\.dec", kernel.asm["ptx"])) >= 1  # the filling warpgroup is specialised
+    assert len(re.findall(r"setmaxnreg\.dec", ptx)) >= 1  # the filling warpgroup is specialised
     _fits_and_no_serialised_products(kernel)
 
 
