@@ -253,7 +253,8 @@ def test_batch_invariant_gemm_never_splits_k(monkeypatch):
     """In batch-invariant mode the FP8 gemm never sums partial products over K, whatever M. It takes 64-row tiles
     or, at a few rows, the swapped kernel, whose long products spread K over programs but add the blocks' products
     in K order (``block_parts``): what fixes a row's arithmetic (the tile may follow M, which the test above shows
-    changes no bit). The default mode splits long products at a few rows."""
+    changes no bit). The default mode splits long products at a few rows; where it does not split, it takes the same
+    tile."""
     from deepinfer_cuda_sm100 import gemm
 
     monkeypatch.setattr(gemm, "num_sms", lambda *_: 132)  # the H200's
@@ -264,6 +265,9 @@ def test_batch_invariant_gemm_never_splits_k(monkeypatch):
             assert tile.split_k == 1 or tile.block_parts, (m, n, k, tile)
             assert tile.swap if m <= 16 else tile.block_m == 64, (m, n, k, tile)
             assert tile.block_parts == (m <= 16 and (n, k) in [(4096, 7168), (2112, 7168)]), (m, n, k, tile)
+            default = gemm._tile(m, n, k, True, False)
+            if default.split_k == 1 and not default.swap:  # unsplit, both modes take one tile
+                assert default == tile, (m, n, k, default, tile)
         default = gemm._tile(1, n, k, True, False)
         assert default.split_k == (gemm.SWAPPED_SPLIT_K if k >= gemm.SPLIT_K_MIN_K else 1), (n, k, default)
         assert default.num_stages <= k // 128, (n, k, default)  # no stage without a K block to hold

@@ -315,10 +315,12 @@ class Tile(NamedTuple):
 SPLIT_K_MIN_K = 4096  # FP8 products this long split K where their tiles would leave SMs idle
 FILL_WAVES = 2  # ... that is, where the tiles give fewer programs than this many per SM
 MIN_COLUMN_TILES = 40  # unsplit tiles narrow until N gives this many (about a third of the H200's SMs) or 32 wide
+SHORT_K = 512  # ... except products this short, whose few K blocks per program leave more, narrower programs faster
 DEEP_K = 4096  # 64 x 128 tiles of products this deep keep 4 K blocks in flight, not 3 (benchmarks/gemm_kloop.py)
 SWAP_MAX_M = 16  # FP8 products of at most this many rows swap their operands (benchmarks/gemm_swap_ab.py) ...
 SWAPPED_TILE = Tile(16, 64, 4, 6, swap=True)  # ... 64 weight rows by 16 of A; the same bits as the 64-row tiles
-SWAPPED_SPLIT_K = 8  # default-mode spans of a split swapped product: 1.02-1.17x four at K >= 7168 (gemm_small_m.py)
+SWAPPED_SPLIT_K = 8  # spans of a split swapped product: 1.02-1.17x four at K >= 7168 (gemm_small_m.py, default mode;
+# gemm_block_parts.py, batch-invariant mode)
 # Batch-invariant swapped products split long K all the same where the unsplit tiles would give at most this share
 # of the SMs a program: the K blocks' products are computed in parallel, then scaled and added in K order by a second
 # kernel, the unsplit arithmetic (``benchmarks/gemm_block_parts.py``)
@@ -354,13 +356,11 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
             split = split and programs <= BLOCK_PARTS_MAX_SHARE * num_sms()
         if not split:  # no more stages than K blocks: a spare stage only takes shared memory other programs could use
             return SWAPPED_TILE._replace(num_stages=min(SWAPPED_TILE.num_stages, triton.cdiv(k, FP8_BLOCK)))
-        spans = 4 if invariant else SWAPPED_SPLIT_K
-        return SWAPPED_TILE._replace(num_stages=4, split_k=spans, block_parts=invariant)
-    if invariant:
-        return _unsplit_tile(m, n, k)
+        return SWAPPED_TILE._replace(num_stages=4, split_k=SWAPPED_SPLIT_K, block_parts=invariant)
     tile = Tile(64, 64, 4, 3) if m <= 64 else _deep(Tile(64, 128, 4, 3), k)
-    fills = _fills_gpu(m, n, tile.block_m, tile.block_n)
-    return tile._replace(split_k=4 if k >= SPLIT_K_MIN_K and not fills else 1)
+    if invariant or k < SPLIT_K_MIN_K or _fills_gpu(m, n, tile.block_m, tile.block_n):
+        return _unsplit_tile(m, n, k)
+    return tile._replace(split_k=4)
 
 
 # fp32 products: one tile for every row count, K cut into spans of about FP32_SPAN, at most MAX_FP32_SPANS of them.
@@ -375,12 +375,14 @@ def _fp32_tile(k: int) -> Tile:
 
 
 def _unsplit_tile(m: int, n: int, k: int) -> Tile:
-    """Where 64 x 128 tiles fill the GPU, those; else the widest of 128, 64, 32 columns that still cuts N into
-    ``MIN_COLUMN_TILES`` tiles, twice as wide where that alone makes the grid one wave instead of two, with 6 K blocks
-    in flight for long products where each SM has at most one program (``benchmarks/gemm_tiles.py unsplit``,
-    ``benchmarks/gemm_invariant_cost.py``)."""
+    """Where 64 x 128 tiles fill the GPU, those; products of at most ``SHORT_K`` at up to 64 rows 64 x 64 tiles;
+    else the widest of 128, 64, 32 columns that still cuts N into ``MIN_COLUMN_TILES`` tiles, twice as wide where that
+    alone makes the grid one wave instead of two, with 6 K blocks in flight for long products where each SM has at
+    most one program (``benchmarks/gemm_tiles.py unsplit``, ``benchmarks/gemm_invariant_cost.py``)."""
     if _fills_gpu(m, n, 64, 128):
         return _deep(Tile(64, 128, 4, 3), k)
+    if k <= SHORT_K and m <= 64:
+        return Tile(64, 64, 4, 3)
     block_n = next((bn for bn in (128, 64) if triton.cdiv(n, bn) >= MIN_COLUMN_TILES), 32)
     rows = triton.cdiv(m, 64)
     if block_n < 128 and rows * triton.cdiv(n, block_n) > num_sms() >= rows * triton.cdiv(n, 2 * block_n):
