@@ -8,7 +8,9 @@ CASE is one of
 - ``mla`` / ``mla-fp8``: ``mla_decode``, bf16 / fp8_ds_mla cache, H=128, B=64, context 4096 (kernel ``mla_split``);
 - ``mla-invariant-b1``: batch-invariant ``mla_decode``, bf16 cache, H=128, B=1, context 4096, whose scores come first
   (kernels ``_mla_scores_kernel`` and ``_mla_span_kernel``);
-- ``gemm-invariant``: batch-invariant FP8 ``gemm``, M=1, (N, K) = (2112, 7168) (kernel ``_gemm_kernel``);
+- ``gemm-invariant``: batch-invariant FP8 ``gemm``, M=1, (N, K) = (2112, 7168) (kernels ``_gemm_swapped_kernel``,
+  ``_chain_blocks_kernel``);
+- ``gemm-invariant-wo``: the same at (N, K) = (7168, 16384), unsplit (kernel ``_gemm_swapped_kernel``);
 - ``gemm-4096``: FP8 ``gemm`` at M=4096, (N, K) = (4096, 7168), which cuBLAS serves;
 - ``gemm-ws``: the same product by ``gemm_gluon``'s kernel, A streamed (kernel ``fp8_gemm_ws``);
 - ``gemm-wkv``: FP8 ``gemm`` at M=4096, (N, K) = (32768, 512), which ``gemm_gluon`` serves with resident A;
@@ -58,6 +60,7 @@ CASES = {
     "mla-fp8": (ops.mla_decode, lambda seed: mla_inputs(seed, "fp8_ds_mla"), False),
     "mla-invariant-b1": (ops.mla_decode, lambda seed: make(1, 4096, "bf16", seed), True),
     "gemm-invariant": (ops.gemm, gemm_inputs, True),
+    "gemm-invariant-wo": (ops.gemm, lambda seed: gemm_inputs(seed, 1, 7168, 16384), True),
     "gemm-4096": (ops.gemm, lambda seed: gemm_inputs(seed, 4096, 4096), False),
     "gemm-ws": (gemm_ws, lambda seed: gemm_inputs(seed, 4096, 4096), False),
     "gemm-wkv": (ops.gemm, lambda seed: gemm_inputs(seed, 4096, 32768, 512), False),
