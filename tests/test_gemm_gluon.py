@@ -11,9 +11,11 @@ import pytest
 import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-from gluon_helpers import MAX_SHARED, compile_gemm_sm90, ptxas_report
+from gluon_helpers import MAX_SHARED, compile_gemm_sm90, compile_sm90, descriptor_type, ptxas_report
+from triton.experimental.gluon import language as gl
 
 from deepinfer import QTensor
+from deepinfer.dispatch import batch_invariant
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 from deepinfer_cuda_sm100 import gemm_gluon
 
@@ -69,3 +71,48 @@ def test_supports_short_k_from_384_rows(on_hopper):
     assert not gemm_gluon.supports(a, w.dequantize().to(bf16), out_dtype=bf16, bias=None)
     coarse = QTensor(a.data, a.scale[:, :2].repeat_interleave(2, 1)[:, :2], (1, 256), "fp32")
     assert not gemm_gluon.supports(coarse, w, out_dtype=bf16, bias=None)
+
+
+@pytest.mark.parametrize("k", [2048, 16384])
+def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_spills(k):
+    fp8 = torch.empty(64, k, dtype=torch.float8_e4m3fn)
+    signature = {
+        "a_desc": descriptor_type(fp8, [16, 128], gl.float8e4nv),
+        "b_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
+        "c_ptr": "*bf16",
+        "as_ptr": "*fp32",
+        "bs_ptr": "*fp32",
+    } | dict.fromkeys(("M", "N", "stride_cm"), "i32")
+    constants = gemm_gluon.FEW_ROWS_SCHEDULE | {"K_BLOCKS": k // 128, "FACTORS": k // 128}
+    kernel = compile_sm90(
+        gemm_gluon.fp8_gemm_few_rows, signature, constants, {"num_warps": 4, "enable_fp_fusion": True}
+    )
+    ptx = kernel.asm["ptx"]
+    # one 128-deep product per K block: 4 steps of k32, 64 weight rows by 16 rows of A
+    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx) == ["m64n16k32"] * 4
+    assert "setmaxnreg.dec" in ptx  # the copying warp is specialized
+    assert "fma.rn.f32" in ptx  # acc + part * factor in one rounding, as the Triton kernels
+    assert kernel.metadata.shared <= MAX_SHARED
+    report = ptxas_report(ptx)
+    assert "Used" in report and "C7514" not in report
+    assert set(re.findall(r"(\d+) bytes stack frame", report)) == {"0"}
+
+
+def test_few_rows_supports_up_to_16_rows_where_the_weight_tiles_fill_the_sms_once(on_hopper, monkeypatch):
+    """The few-row kernel serves up to 16 rows where N / 64 programs fit 132 SMs and give more than half of them a
+    program (a quarter in batch-invariant mode): DeepSeek-V3's (7168, *) projections in both modes, (4096, 7168) in
+    batch-invariant mode only."""
+    monkeypatch.setattr(gemm_gluon, "num_sms", lambda *_: 132)
+    bf16 = torch.bfloat16
+    takes = lambda m, n, k: gemm_gluon.few_rows_supports(*_operands(m, n, k), out_dtype=bf16, bias=None)
+    for invariant in (False, True):
+        with batch_invariant(invariant):
+            assert takes(1, 7168, 2048) and takes(16, 7168, 2048)
+            assert not takes(17, 7168, 2048)
+            assert not takes(16, 2112, 1024)  # 33 programs: a split over K is faster
+            assert not takes(1, 24576, 256)  # 384 programs: three waves
+            assert takes(4, 4096, 1024) == invariant  # 64 programs: the default mode splits K
+    a, w = _operands(4, 7168, 1024)
+    assert gemm_gluon.few_rows_supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)  # quantised first
+    assert not gemm_gluon.few_rows_supports(a, w, out_dtype=torch.float32, bias=None)
+    assert not gemm_gluon.few_rows_supports(a, w, out_dtype=bf16, bias=torch.zeros(7168, dtype=bf16))

@@ -19,6 +19,13 @@ In both, one program per SM walks its tiles:
 The arithmetic of every element is the unsplit ``tl`` kernel's (``gemm._gemm_kernel``): the K-ordered sum of 128-deep
 products, each from zero and scaled; the bits are the same (``benchmarks/gluon_gemm_ws.py`` checks each launch,
 conformance checks rows alone against the batch), so batch-invariant mode takes it too.
+
+``fp8_gemm_few_rows`` serves 1 to 16 rows with the operands swapped (the weight's rows as wgmma's M, as
+``gemm._gemm_swapped_kernel`` does): one program per 64 weight rows, a warp copying the K blocks by TMA twelve stages
+ahead, one warpgroup multiplying, every block's scale factor computed first into shared memory. Without a split over
+K it gives the unsplit bits in both modes; it serves where its grid fits the SMs once and fills most of them
+(``few_rows_supports``): there it was as fast as the default mode's launches or faster, and up to 1.3x faster than
+batch-invariant mode's (benchmarks/RESULTS.md, thirty-sixth session).
 """
 
 from __future__ import annotations
@@ -37,15 +44,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer import QTensor
+from deepinfer.dispatch import batch_invariant_enabled
 
+from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, plain_rows
 from ._triton import INTERPRET, hopper, num_sms, on_device, tma_ready
 from .gemm import FP8_BLOCK, _as_fp8
 
-# Gluon is experimental and renames things: later versions have ``tma.async_load`` / ``async_store`` and
-# ``gl.barrier``; Triton 3.6 (the H200 machine's) has the older names, which later versions refuse.
-TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-TMA_STORE = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
 BK = gl.constexpr(128)  # K blocks of 128: one activation scale and one weight scale each
 BN = gl.constexpr(128)  # tile columns: one weight scale block
 WG_ROWS = gl.constexpr(64)  # rows per consumer warpgroup (wgmma's M)
@@ -315,10 +319,9 @@ def gemm_fp8(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
     return launch(_as_fp8(a, w), w)
 
 
-def supports(a, w, *, out_dtype, bias) -> bool:
-    """An SM90 GPU, a (128, 128)-scaled e4m3 weight [N, K] with K <= ``MAX_K`` a multiple of 128 and N a multiple of 8
-    (TMA's 16-byte rows), an e4m3 (1, 128)-scaled or bf16 activation of at least ``MIN_M`` rows, a bf16 result, no
-    bias."""
+def _fp8_operands(a, w, out_dtype, bias) -> bool:
+    """An SM90 GPU, a (128, 128)-scaled e4m3 weight [N, K] with K a multiple of 128 and N a multiple of 8 (TMA's
+    16-byte rows), an e4m3 (1, 128)-scaled or bf16 [M, K] activation, a bf16 result, no bias."""
     a_data = a.data if isinstance(a, QTensor) else a
     e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
     a_kind = (a.block, a_data.dtype) == ((1, FP8_BLOCK), e4m3) if isinstance(a, QTensor) else a_data.dtype == bf16
@@ -329,8 +332,6 @@ def supports(a, w, *, out_dtype, bias) -> bool:
         and w.data.dtype == e4m3
         and a_kind
         and a_data.dim() == 2
-        and a_data.shape[0] >= MIN_M
-        and w.shape[1] <= MAX_K
         and w.shape[1] % FP8_BLOCK == 0
         and w.shape[0] % 8 == 0
         and bias is None
@@ -339,3 +340,136 @@ def supports(a, w, *, out_dtype, bias) -> bool:
         and hopper(a_data.device.index or 0)
         and tma_ready(a_data, w.data)
     )
+
+
+def supports(a, w, *, out_dtype, bias) -> bool:
+    """``_fp8_operands``, at least ``MIN_M`` rows and K at most ``MAX_K``."""
+    a_data = a.data if isinstance(a, QTensor) else a
+    return _fp8_operands(a, w, out_dtype, bias) and a_data.shape[0] >= MIN_M and w.shape[1] <= MAX_K
+
+
+# --- a few rows: the weight's rows as wgmma's M ---------------------------------------------------------------------
+
+W_ROWS = gl.constexpr(64)  # weight rows per program (wgmma's M)
+FEW_ROWS = gl.constexpr(16)  # rows of A per program (wgmma's N): products of at most this many rows
+
+
+@gluon.jit
+def _few_producer(a_desc, b_desc, a_s, b_s, ready, empty, K_BLOCKS: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: A's rows and the program's 64 weight rows, K block by K block, into the ring of stages."""
+    row = gl.program_id(0) * W_ROWS
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for kb in range(K_BLOCKS):
+        stage = kb % STAGES
+        mbarrier.wait(empty.index(stage), ((kb // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, nbytes)
+        TMA_LOAD(a_desc, [0, kb * BK], bar, a_s.index(stage))
+        TMA_LOAD(b_desc, [row, kb * BK], bar, b_s.index(stage))
+
+
+@gluon.jit
+def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr,
+                  STAGES: gl.constexpr, FACTORS: gl.constexpr):  # fmt: skip
+    """One warpgroup: the [64, 16] tile of C^T = B A^T. Every K block's factor ``a_scale * b_scale`` first, into
+    shared memory (``f_s``, [FACTORS >= K_BLOCKS, 16]); then per K block a 128-deep product from zero, waited for,
+    and ``acc + part * factor`` in K order: ``gemm._swapped_product``'s arithmetic."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, FEW_ROWS, 32])
+    cols: gl.constexpr = gl.SliceLayout(0, mma)
+    b_block = gl.program_id(0) * W_ROWS // BK
+    table: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
+    kbs = gl.arange(0, FACTORS, layout=gl.SliceLayout(1, table))
+    ms = gl.arange(0, FEW_ROWS, layout=gl.SliceLayout(0, table))
+    inside = gl.expand_dims(kbs < K_BLOCKS, 1) & gl.expand_dims(ms < M, 0)
+    sa = gl.load(as_ptr + gl.expand_dims(ms, 0) * K_BLOCKS + gl.expand_dims(kbs, 1), mask=inside, other=0.0)
+    sb = gl.load(bs_ptr + b_block * K_BLOCKS + kbs, mask=kbs < K_BLOCKS, other=0.0)
+    f_s.store(sa * gl.expand_dims(sb, 1))
+    BARRIER()
+    f_s = plain_rows(f_s, [FACTORS, FEW_ROWS])
+    zero = gl.zeros([W_ROWS, FEW_ROWS], gl.float32, mma)
+    acc = zero
+    factor = gl.expand_dims(f_s.index(0).load(cols), 0)
+    for kb in range(K_BLOCKS):
+        stage = kb % STAGES
+        mbarrier.wait(ready.index(stage), (kb // STAGES) & 1)
+        part = warpgroup_mma(b_s.index(stage), a_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        next_factor = gl.expand_dims(f_s.index(gl.minimum(kb + 1, K_BLOCKS - 1)).load(cols), 0)
+        part = warpgroup_mma_wait(0, deps=[part])
+        mbarrier.arrive(empty.index(stage), count=1)
+        acc = acc + part * factor
+        factor = next_factor
+    offs_n = gl.program_id(0) * W_ROWS + gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
+    offs_m = gl.arange(0, FEW_ROWS, layout=cols)
+    mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
+    out = c_ptr + gl.expand_dims(offs_m, 0) * stride_cm + gl.expand_dims(offs_n, 1)
+    gl.store(out, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr,
+                      STAGES: gl.constexpr, FACTORS: gl.constexpr, PRODUCER_REGS: gl.constexpr):  # fmt: skip
+    """C[M, N] (bf16, row stride ``stride_cm``) = A[M, K] @ B[N, K]^T for M <= 16, A scales [M, K/128], B scales
+    [ceil(N/128), K/128], K = 128 K_BLOCKS: program p computes weight rows 64 p + [0, 64) against A's rows, one warp
+    copying the K blocks by TMA ``STAGES`` ahead of one multiplying warpgroup (launched with 4 warps, to which the
+    copying warp adds 1). The bits of ``gemm._gemm_swapped_kernel`` unsplit."""
+    a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, FEW_ROWS, BK], a_desc.layout)
+    b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, W_ROWS, BK], b_desc.layout)
+    f_s = gl.allocate_shared_memory(gl.float32, [FACTORS, FEW_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (_few_consumer, (a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS, STAGES,
+                             FACTORS)),
+            (_few_producer, (a_desc, b_desc, a_s, b_s, ready, empty, K_BLOCKS, STAGES)),
+        ],
+        [1],
+        [PRODUCER_REGS],
+    )  # fmt: skip
+
+
+# 12 stages of 10 KB: 120 KB, one program per SM. The factors take K / 2 bytes (8 KB at K = 16384) up to MAX_FEW_K.
+FEW_ROWS_SCHEDULE = {"STAGES": 12, "PRODUCER_REGS": 40}
+MAX_FEW_K = 32768
+# Where it serves: while its grid of 64-row weight tiles fits the SMs at once and gives more than this share of them a
+# program; with fewer programs the default mode's split over K (and batch-invariant mode's block parts) are faster
+# (benchmarks/gluon_gemm_few.py, RESULTS.md thirty-sixth session).
+FEW_MIN_SHARE, FEW_MIN_SHARE_INVARIANT = 0.5, 0.25
+
+
+def launch_few_rows(a: QTensor, w: QTensor, schedule: dict | None = None) -> torch.Tensor:
+    """``a`` [M <= 16, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N]."""
+    m, k = a.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
+    layout = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)
+    a_box, b_box = [FEW_ROWS.value, FP8_BLOCK], [W_ROWS.value, FP8_BLOCK]
+    k_blocks = k // FP8_BLOCK
+    fp8_gemm_few_rows[(triton.cdiv(n, W_ROWS.value),)](
+        TensorDescriptor.from_tensor(a.data.contiguous(), a_box, layout(a_box)),
+        TensorDescriptor.from_tensor(w.data.contiguous(), b_box, layout(b_box)),
+        out, a.scale.contiguous(), w.scale.contiguous(), m, n, out.stride(0),
+        K_BLOCKS=k_blocks, FACTORS=triton.next_power_of_2(k_blocks), **(schedule or FEW_ROWS_SCHEDULE), num_warps=4,
+        enable_fp_fusion=True,  # one FFMA per scaled block, as the Triton kernels
+    )  # fmt: skip
+    return out
+
+
+def gemm_fp8_few_rows(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
+    """``gemm`` of at most 16 rows by the few-row kernel (a bf16 ``a`` is quantised first)."""
+    return launch_few_rows(_as_fp8(a, w), w)
+
+
+def few_rows_supports(a, w, *, out_dtype, bias) -> bool:
+    """``_fp8_operands``, 1 to 16 rows, K at most ``MAX_FEW_K``, and a grid of N / 64 programs that fits the SMs and
+    gives more than ``FEW_MIN_SHARE`` of them a program (``FEW_MIN_SHARE_INVARIANT`` in batch-invariant mode)."""
+    a_data = a.data if isinstance(a, QTensor) else a
+    if not (_fp8_operands(a, w, out_dtype, bias) and 1 <= a_data.shape[0] <= FEW_ROWS.value):
+        return False
+    sms = num_sms(a_data.device.index or 0)
+    share = FEW_MIN_SHARE_INVARIANT if batch_invariant_enabled() else FEW_MIN_SHARE
+    return w.shape[1] <= MAX_FEW_K and share * sms < triton.cdiv(w.shape[0], W_ROWS.value) <= sms

@@ -43,18 +43,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer.kv_cache import FP8_GROUP
 
+from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, plain_rows
 from ._triton import PDL, hopper, num_sms
 
 BLOCK_H, BLOCK_N, L, R, LH = (gl.constexpr(v) for v in (64, 64, 512, 64, 256))  # heads, tokens, latent, rope, half
 LOG2E = gl.constexpr(1.4426950408889634)
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
-# Gluon is experimental and renames things: Triton 3.6 (the H200 machine's) has ``tma.async_copy_global_to_shared``
-# and ``gl.thread_barrier``; later versions ``tma.async_load`` and ``gl.barrier``, and refuse the old names.
-TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-TMA_STORE = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
-REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # ``_reinterpret`` in Triton 3.6
 RIGHT_REGS = 192  # registers per thread of the second warpgroup (its [64, 256] fp32 accumulator takes 128)
 GROUP = gl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
 # the rope part's first column in an fp8_ds_mla record (after the e4m3 latent and its fp32 scales), bf16 units
@@ -853,7 +848,7 @@ def _values_fill(p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, 
         first_rows = _block_row(table_row, start, k, n_blocks, PAGE)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     rows_s = gl.allocate_shared_memory(gl.int32, [SPAN_BLOCKS, 1], rows_layout, gl.expand_dims(first_rows, 1))
-    rows_s = _plain_rows(rows_s, [SPAN_BLOCKS, 1])
+    rows_s = plain_rows(rows_s, [SPAN_BLOCKS, 1])
     BARRIER()  # the table is visible to the filling warps
     one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     _wait_previous(PDL)  # P, its factors and the latent's copy come from the kernels before
@@ -893,16 +888,7 @@ def _wait_previous(PDL: gl.constexpr):
 @gluon.jit
 def _factor_rows(f_s):
     """The factors' stages as [2 x stages, 64] plain rows (their TMA layout has no swizzle)."""
-    return _plain_rows(f_s, [2 * f_s.shape[0], BLOCK_H])
-
-
-@gluon.jit
-def _plain_rows(smem, shape: gl.constexpr):
-    """``smem`` (unswizzled) seen as ``shape``, whose rows ``.index(i).load`` reads one at a time."""
-    if REINTERPRET:
-        return smem.reinterpret(smem.dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        return smem._reinterpret(smem.dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    return plain_rows(f_s, [2 * f_s.shape[0], BLOCK_H])
 
 
 def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:

@@ -1,0 +1,23 @@
+"""What the Gluon kernels share: names that moved between Triton versions, and a view of shared memory."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+
+# Gluon is experimental and renames things: Triton 3.6 (the H200 machine's) has ``tma.async_copy_global_to_shared``
+# and ``gl.thread_barrier``; later versions ``tma.async_load`` and ``gl.barrier``, and refuse the old names.
+TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+TMA_STORE = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
+REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # ``_reinterpret`` in Triton 3.6
+
+
+@gluon.jit
+def plain_rows(smem, shape: gl.constexpr):
+    """``smem`` (unswizzled) seen as ``shape``, whose rows ``.index(i).load`` reads one at a time."""
+    if REINTERPRET:
+        return smem.reinterpret(smem.dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        return smem._reinterpret(smem.dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))

@@ -1,0 +1,82 @@
+"""The warp-specialized few-row Gluon FP8 GEMM (``gemm_gluon.fp8_gemm_few_rows``) beside the Triton launches at a
+few rows (one CUDA GPU).
+
+    python3 benchmarks/gluon_gemm_few.py OUT.json
+
+For every DeepSeek-V3 projection and M = 1, 4, 16: graph times (four input sets in turn, more bytes than L2 holds)
+of ``ops.gemm`` in the default and in batch-invariant mode (with the Gluon kernel where ``gemm`` takes it), of the
+unsplit swapped Triton launch, and of the Gluon kernel with 8, 12 and 16 stages; whether each Gluon result equals the
+unsplit swapped launch's bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import deepinfer
+from deepinfer import QTensor, ops
+from deepinfer.bench import time_graph_ms
+from deepinfer.conformance.gemm import V3_PROJECTIONS
+from deepinfer.dispatch import batch_invariant
+from deepinfer.qtensor import quantize_blocks, quantize_rows
+from deepinfer_cuda_sm100 import gemm, gemm_gluon
+
+ROWS = (1, 4, 16)
+SETS = 4
+
+
+def schedules() -> dict[str, dict]:
+    return {f"{s} stages": gemm_gluon.FEW_ROWS_SCHEDULE | {"STAGES": s} for s in (8, 12, 16)}
+
+
+def main() -> None:
+    deepinfer.use("cuda_sm100")
+    report = []
+    for n, k in V3_PROJECTIONS:
+        gen = torch.Generator(device="cuda").manual_seed(n + k)
+        whole = [quantize_rows(torch.randn(16, k, device="cuda", generator=gen), 128, "fp32") for _ in range(SETS)]
+        w = [quantize_blocks(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5) for _ in range(SETS)]
+        for m in ROWS:
+            a = [QTensor(x.data[:m].contiguous(), x.scale[:m].contiguous(), x.block, x.scale_format) for x in whole]
+
+            def unsplit(i, a=a, w=w, m=m, n=n):
+                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                return gemm._launch_gemm(a[i].data, w[i].data, out, a[i].scale, w[i].scale, None, True,
+                                         gemm.SWAPPED_TILE)  # fmt: skip
+
+            def op(invariant, a=a, w=w):
+                def call(i):
+                    with batch_invariant(invariant):
+                        return ops.gemm(a[i], w[i], out_dtype=torch.bfloat16)
+
+                return call
+
+            want = unsplit(0).view(torch.int16)
+            row = {"N": n, "K": k, "M": m}
+            for name, f in (("default", op(False)), ("invariant", op(True)), ("unsplit", unsplit)):
+                row[name] = time_graph_ms(f, sets=SETS)
+            for name, schedule in schedules().items():
+                f = lambda i, a=a, w=w, s=schedule: gemm_gluon.launch_few_rows(a[i], w[i], s)
+                row[name] = {
+                    "ms": time_graph_ms(f, sets=SETS),
+                    "equal": bool(torch.equal(f(0).view(torch.int16), want)),
+                }
+            report.append(row)
+            gluon = [key for key, v in row.items() if isinstance(v, dict)]
+            print(
+                f"N={n:>5} K={k:>5} M={m:>2}: default {row['default']:.4f} invariant {row['invariant']:.4f} "
+                f"unsplit {row['unsplit']:.4f}; gluon "
+                + "; ".join(
+                    f"{key} {row[key]['ms']:.4f}{'' if row[key]['equal'] else ' DIFFERENT BITS'}" for key in gluon
+                ),
+                flush=True,
+            )
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
