@@ -1,10 +1,12 @@
-"""What the Gluon kernels share: names that moved between Triton versions, and a view of shared memory."""
+"""What the Gluon kernels share: names that moved between Triton versions, TMA descriptors, a view of shared memory."""
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Gluon is experimental and renames things: Triton 3.6 (the H200 machine's) has ``tma.async_copy_global_to_shared``
 # and ``gl.thread_barrier``; later versions ``tma.async_load`` and ``gl.barrier``, and refuse the old names.
@@ -21,3 +23,9 @@ def plain_rows(smem, shape: gl.constexpr):
         return smem.reinterpret(smem.dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         return smem._reinterpret(smem.dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+def tma_descriptor(tensor: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
+    """A TMA descriptor of ``tensor`` in ``box``es of Gluon ``dtype``, in the default NVMMA shared layout (the one
+    the kernels allocate their stages in)."""
+    return TensorDescriptor.from_tensor(tensor, box, gl.NVMMASharedLayout.get_default_for(box, dtype))

@@ -41,12 +41,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer import QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 
-from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, plain_rows
+from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, plain_rows, tma_descriptor
 from ._triton import INTERPRET, hopper, num_sms, on_device, tma_ready
 from .gemm import FP8_BLOCK, _as_fp8
 
@@ -283,11 +282,10 @@ MIN_M, MAX_K, MAX_RESIDENT_K = 384, 1024, 512  # where it was measured faster th
 
 def _descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
     """TMA descriptors of the FP8 activation [M, K] (64-row blocks), weight [N, K] and bf16 output [M, N]."""
-    layout = lambda shape, dtype: gl.NVMMASharedLayout.get_default_for(shape, dtype)
     return (
-        TensorDescriptor.from_tensor(a, [64, 128], layout([64, 128], gl.float8e4nv)),
-        TensorDescriptor.from_tensor(b, [128, 128], layout([128, 128], gl.float8e4nv)),
-        TensorDescriptor.from_tensor(c, [64, 128], layout([64, 128], gl.bfloat16)),
+        tma_descriptor(a, [64, 128], gl.float8e4nv),
+        tma_descriptor(b, [128, 128], gl.float8e4nv),
+        tma_descriptor(c, [64, 128], gl.bfloat16),
     )
 
 
@@ -446,12 +444,10 @@ def launch_few_rows(a: QTensor, w: QTensor, schedule: dict | None = None) -> tor
     m, k = a.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
-    layout = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)
-    a_box, b_box = [FEW_ROWS.value, FP8_BLOCK], [W_ROWS.value, FP8_BLOCK]
     k_blocks = k // FP8_BLOCK
     fp8_gemm_few_rows[(triton.cdiv(n, W_ROWS.value),)](
-        TensorDescriptor.from_tensor(a.data.contiguous(), a_box, layout(a_box)),
-        TensorDescriptor.from_tensor(w.data.contiguous(), b_box, layout(b_box)),
+        tma_descriptor(a.data.contiguous(), [FEW_ROWS.value, FP8_BLOCK], gl.float8e4nv),
+        tma_descriptor(w.data.contiguous(), [W_ROWS.value, FP8_BLOCK], gl.float8e4nv),
         out, a.scale.contiguous(), w.scale.contiguous(), m, n, out.stride(0),
         K_BLOCKS=k_blocks, FACTORS=triton.next_power_of_2(k_blocks), **(schedule or FEW_ROWS_SCHEDULE), num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the Triton kernels

@@ -43,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer.kv_cache import FP8_GROUP
 
-from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, plain_rows
+from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, plain_rows, tma_descriptor
 from ._triton import PDL, hopper, num_sms
 
 BLOCK_H, BLOCK_N, L, R, LH = (gl.constexpr(v) for v in (64, 64, 512, 64, 256))  # heads, tokens, latent, rope, half
@@ -910,10 +910,7 @@ def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format:
 def _descriptor(records: torch.Tensor, cols: int) -> TensorDescriptor:
     """A TMA descriptor of 64-token boxes of ``cols`` bf16 columns over the cache's records (an fp8_ds_mla record's
     rope part is bf16)."""
-    box = [BLOCK_N.value, cols]
-    return TensorDescriptor.from_tensor(
-        records.view(torch.bfloat16), box, gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
-    )
+    return tma_descriptor(records.view(torch.bfloat16), [BLOCK_N.value, cols], gl.bfloat16)
 
 
 def launch_split(
@@ -984,11 +981,8 @@ def launch_scores_first(
         scores, maxima, probs, factors, seq_lens, softmax_scale, s_q, SPLIT=split, PDL=SCORES_FIRST_PDL, num_warps=4,
         enable_fp_fusion=True, launch_pdl=SCORES_FIRST_PDL,
     )  # fmt: skip
-    p_desc = TensorDescriptor.from_tensor(probs, tile, gl.NVMMASharedLayout.get_default_for(tile, gl.bfloat16))
-    box = [1, 2 * tile[0]]
-    f_desc = TensorDescriptor.from_tensor(
-        factors.view(-1, 3 * tile[0]), box, gl.NVMMASharedLayout.get_default_for(box, gl.float32)
-    )
+    p_desc = tma_descriptor(probs, tile, gl.bfloat16)
+    f_desc = tma_descriptor(factors.view(-1, 3 * tile[0]), [1, 2 * tile[0]], gl.float32)
     parts = values_parts(batch * s_q * head_blocks * n_splits, num_sms(q.device.index or 0))
     v_desc = _descriptor(latent if fp8 else records, L.value // parts)
     _mla_values_kernel[(batch * s_q, head_blocks * parts, n_splits)](
