@@ -3,10 +3,10 @@ few rows (one CUDA GPU).
 
     python3 benchmarks/gluon_gemm_few.py OUT.json
 
-For every DeepSeek-V3 projection and M = 1, 4, 16: graph times (four input sets in turn, more bytes than L2 holds)
+For every DeepSeek-V3 projection and M = 1 ... 192: graph times (four input sets in turn, more bytes than L2 holds)
 of ``ops.gemm`` in the default and in batch-invariant mode (with the Gluon kernel where ``gemm`` takes it), of the
-unsplit swapped Triton launch, and of the Gluon kernel with 8, 12 and 16 stages; whether each Gluon result equals the
-unsplit swapped launch's bit for bit.
+unsplit Triton launch (swapped up to 16 rows), and of the Gluon kernel with 16, 32 and 64 rows of A per program
+and 4 to 12 stages; whether each Gluon result equals the unsplit launch's bit for bit.
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ from deepinfer.dispatch import batch_invariant
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 from deepinfer_cuda_sm100 import gemm, gemm_gluon
 
-ROWS = (1, 4, 16)
+ROWS = (1, 4, 16, 32, 64, 128, 192)
 SETS = 4
 
 
-def schedules() -> dict[str, dict]:
-    return {f"{s} stages": gemm_gluon.FEW_ROWS_SCHEDULE | {"STAGES": s} for s in (8, 12, 16)}
+def variants(m: int) -> dict[str, tuple[dict, int]]:
+    """Name -> (schedule, rows of A per program): 16 rows up to 16, else 32 and 64 rows not above 2 M."""
+    rows = [16] if m <= 16 else [r for r in (32, 64) if r <= 2 * m]
+    stages = (4, 6, 8, 12)
+    return {f"A{r} s{s}": (gemm_gluon.FEW_ROWS_SCHEDULE | {"STAGES": s}, r) for r in rows for s in stages}
 
 
 def main() -> None:
@@ -37,15 +40,16 @@ def main() -> None:
     report = []
     for n, k in V3_PROJECTIONS:
         gen = torch.Generator(device="cuda").manual_seed(n + k)
-        whole = [quantize_rows(torch.randn(16, k, device="cuda", generator=gen), 128, "fp32") for _ in range(SETS)]
+        rows = ROWS[-1]
+        whole = [quantize_rows(torch.randn(rows, k, device="cuda", generator=gen), 128, "fp32") for _ in range(SETS)]
         w = [quantize_blocks(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5) for _ in range(SETS)]
         for m in ROWS:
             a = [QTensor(x.data[:m].contiguous(), x.scale[:m].contiguous(), x.block, x.scale_format) for x in whole]
 
             def unsplit(i, a=a, w=w, m=m, n=n):
                 out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-                return gemm._launch_gemm(a[i].data, w[i].data, out, a[i].scale, w[i].scale, None, True,
-                                         gemm.SWAPPED_TILE)  # fmt: skip
+                tile = gemm.SWAPPED_TILE if m <= gemm.SWAP_MAX_M else None  # None: the batch-invariant tile
+                return gemm._launch_gemm(a[i].data, w[i].data, out, a[i].scale, w[i].scale, None, True, tile)
 
             def op(invariant, a=a, w=w):
                 def call(i):
@@ -58,8 +62,8 @@ def main() -> None:
             row = {"N": n, "K": k, "M": m}
             for name, f in (("default", op(False)), ("invariant", op(True)), ("unsplit", unsplit)):
                 row[name] = time_graph_ms(f, sets=SETS)
-            for name, schedule in schedules().items():
-                f = lambda i, a=a, w=w, s=schedule: gemm_gluon.launch_few_rows(a[i], w[i], s)
+            for name, (schedule, rows) in variants(m).items():
+                f = lambda i, a=a, w=w, s=schedule, r=rows: gemm_gluon.launch_few_rows(a[i], w[i], s, r)
                 row[name] = {
                     "ms": time_graph_ms(f, sets=SETS),
                     "equal": bool(torch.equal(f(0).view(torch.int16), want)),
@@ -67,7 +71,7 @@ def main() -> None:
             report.append(row)
             gluon = [key for key, v in row.items() if isinstance(v, dict)]
             print(
-                f"N={n:>5} K={k:>5} M={m:>2}: default {row['default']:.4f} invariant {row['invariant']:.4f} "
+                f"N={n:>5} K={k:>5} M={m:>3}: default {row['default']:.4f} invariant {row['invariant']:.4f} "
                 f"unsplit {row['unsplit']:.4f}; gluon "
                 + "; ".join(
                     f"{key} {row[key]['ms']:.4f}{'' if row[key]['equal'] else ' DIFFERENT BITS'}" for key in gluon

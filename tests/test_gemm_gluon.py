@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+import triton
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 from gluon_helpers import MAX_SHARED, compile_gemm_sm90, compile_sm90, descriptor_type, ptxas_report
@@ -73,23 +74,24 @@ def test_supports_short_k_from_384_rows(on_hopper):
     assert not gemm_gluon.supports(coarse, w, out_dtype=bf16, bias=None)
 
 
-@pytest.mark.parametrize("k", [2048, 16384])
-def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_spills(k):
+@pytest.mark.parametrize(("a_rows", "k"), [(16, 2048), (16, 16384), (32, 7168), (64, 16384)])
+def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_spills(a_rows, k):
     fp8 = torch.empty(64, k, dtype=torch.float8_e4m3fn)
     signature = {
-        "a_desc": descriptor_type(fp8, [16, 128], gl.float8e4nv),
+        "a_desc": descriptor_type(fp8, [a_rows, 128], gl.float8e4nv),
         "b_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
         "c_ptr": "*bf16",
         "as_ptr": "*fp32",
         "bs_ptr": "*fp32",
     } | dict.fromkeys(("M", "N", "stride_cm"), "i32")
-    constants = gemm_gluon.FEW_ROWS_SCHEDULE | {"K_BLOCKS": k // 128, "FACTORS": k // 128}
+    constants = gemm_gluon.FEW_ROWS_SCHEDULE | {"K_BLOCKS": k // 128, "FACTORS": triton.next_power_of_2(k // 128)}
     kernel = compile_sm90(
         gemm_gluon.fp8_gemm_few_rows, signature, constants, {"num_warps": 4, "enable_fp_fusion": True}
     )
     ptx = kernel.asm["ptx"]
-    # one 128-deep product per K block: 4 steps of k32, 64 weight rows by 16 rows of A
-    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx) == ["m64n16k32"] * 4
+    # one 128-deep product per K block: 4 steps of k32, 64 weight rows by the program's rows of A
+    products = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx)
+    assert products == [f"m64n{a_rows}k32"] * 4
     assert "setmaxnreg.dec" in ptx  # the copying warp is specialized
     assert "fma.rn.f32" in ptx  # acc + part * factor in one rounding, as the Triton kernels
     assert kernel.metadata.shared <= MAX_SHARED
@@ -98,20 +100,35 @@ def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_
     assert set(re.findall(r"(\d+) bytes stack frame", report)) == {"0"}
 
 
-def test_few_rows_supports_up_to_16_rows_where_the_weight_tiles_fill_the_sms_once(on_hopper, monkeypatch):
-    """The few-row kernel serves up to 16 rows where N / 64 programs fit 132 SMs and give more than half of them a
-    program (a quarter in batch-invariant mode): DeepSeek-V3's (7168, *) projections in both modes, (4096, 7168) in
-    batch-invariant mode only."""
+def test_few_rows_grid_takes_the_fewest_rows_of_a_whose_grid_fits_the_sms():
+    assert gemm_gluon.few_rows_grid(16, 7168, 132) == (16, 112)
+    assert gemm_gluon.few_rows_grid(17, 7168, 132) == (32, 112)
+    assert gemm_gluon.few_rows_grid(64, 4096, 132) == (32, 128)
+    assert gemm_gluon.few_rows_grid(64, 7168, 132) == (64, 112)  # 32 rows: 224 programs
+    assert gemm_gluon.few_rows_grid(192, 2112, 132) == (64, 99)
+    assert gemm_gluon.few_rows_grid(192, 7168, 132) == (64, 336)  # none fits: 64 rows
+
+
+def test_few_rows_supports_where_its_grid_fits_the_sms_once_and_fills_enough_of_them(on_hopper, monkeypatch):
+    """On 132 SMs: in both modes DeepSeek-V3's (7168, *) projections up to 64 rows (then 224 programs) and (4096,
+    7168) at 33-64 rows (128 programs); in the default mode nothing with 64 programs or fewer, where its split over K
+    is faster; in batch-invariant mode (4096, 7168) up to 128 rows, and (2112, 7168) from 17 to 192 rows (33 to 132
+    programs), not below (the block parts are faster)."""
     monkeypatch.setattr(gemm_gluon, "num_sms", lambda *_: 132)
     bf16 = torch.bfloat16
     takes = lambda m, n, k: gemm_gluon.few_rows_supports(*_operands(m, n, k), out_dtype=bf16, bias=None)
     for invariant in (False, True):
         with batch_invariant(invariant):
-            assert takes(1, 7168, 2048) and takes(16, 7168, 2048)
-            assert not takes(17, 7168, 2048)
-            assert not takes(16, 2112, 1024)  # 33 programs: a split over K is faster
+            assert takes(1, 7168, 2048) and takes(16, 7168, 2048) and takes(64, 7168, 2048)
+            assert not takes(65, 7168, 2048)  # 224 programs: two waves
+            assert takes(64, 4096, 1024)
             assert not takes(1, 24576, 256)  # 384 programs: three waves
+            assert not takes(16, 2112, 1024)  # 33 programs: a split over K is faster
             assert takes(4, 4096, 1024) == invariant  # 64 programs: the default mode splits K
+            assert takes(32, 2112, 1024) == invariant
+            assert takes(128, 4096, 1024) == invariant
+            assert takes(192, 2112, 1024) == invariant
+            assert not takes(193, 2112, 1024)
     a, w = _operands(4, 7168, 1024)
     assert gemm_gluon.few_rows_supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)  # quantised first
     assert not gemm_gluon.few_rows_supports(a, w, out_dtype=torch.float32, bias=None)

@@ -20,12 +20,13 @@ The arithmetic of every element is the unsplit ``tl`` kernel's (``gemm._gemm_ker
 products, each from zero and scaled; the bits are the same (``benchmarks/gluon_gemm_ws.py`` checks each launch,
 conformance checks rows alone against the batch), so batch-invariant mode takes it too.
 
-``fp8_gemm_few_rows`` serves 1 to 16 rows with the operands swapped (the weight's rows as wgmma's M, as
-``gemm._gemm_swapped_kernel`` does): one program per 64 weight rows, a warp copying the K blocks by TMA twelve stages
-ahead, one warpgroup multiplying, every block's scale factor computed first into shared memory. Without a split over
-K it gives the unsplit bits in both modes; it serves where its grid fits the SMs once and fills most of them
-(``few_rows_supports``): there it was as fast as the default mode's launches or faster, and up to 1.3x faster than
-batch-invariant mode's (benchmarks/RESULTS.md, thirty-sixth session).
+``fp8_gemm_few_rows`` serves a few rows with the operands swapped (the weight's rows as wgmma's M, as
+``gemm._gemm_swapped_kernel`` does): one program per 64 weight rows and 16, 32 or 64 rows of A, a warp copying the K
+blocks by TMA eight stages ahead, one warpgroup multiplying, every block's scale factor computed first into shared
+memory. Without a split over K it gives the unsplit bits in both modes; it serves where its grid fits the SMs once
+and fills enough of them (``few_rows_supports``): up to 64 rows in the default mode, where it was as fast as the
+default mode's launches or faster (up to 1.3x), and up to 192 in batch-invariant mode, where it was 1.04-1.47x faster
+than the unsplit Triton tiles (benchmarks/RESULTS.md, thirty-seventh session).
 """
 
 from __future__ import annotations
@@ -349,42 +350,43 @@ def supports(a, w, *, out_dtype, bias) -> bool:
 # --- a few rows: the weight's rows as wgmma's M ---------------------------------------------------------------------
 
 W_ROWS = gl.constexpr(64)  # weight rows per program (wgmma's M)
-FEW_ROWS = gl.constexpr(16)  # rows of A per program (wgmma's N): products of at most this many rows
 
 
 @gluon.jit
 def _few_producer(a_desc, b_desc, a_s, b_s, ready, empty, K_BLOCKS: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: A's rows and the program's 64 weight rows, K block by K block, into the ring of stages."""
+    """One warp: the program's rows of A and its 64 weight rows, K block by K block, into the ring of stages."""
     row = gl.program_id(0) * W_ROWS
+    a_row = gl.program_id(1) * a_desc.block_type.shape[0]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     for kb in range(K_BLOCKS):
         stage = kb % STAGES
         mbarrier.wait(empty.index(stage), ((kb // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
         mbarrier.expect(bar, nbytes)
-        TMA_LOAD(a_desc, [0, kb * BK], bar, a_s.index(stage))
+        TMA_LOAD(a_desc, [a_row, kb * BK], bar, a_s.index(stage))
         TMA_LOAD(b_desc, [row, kb * BK], bar, b_s.index(stage))
 
 
 @gluon.jit
 def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr,
-                  STAGES: gl.constexpr, FACTORS: gl.constexpr):  # fmt: skip
-    """One warpgroup: the [64, 16] tile of C^T = B A^T. Every K block's factor ``a_scale * b_scale`` first, into
-    shared memory (``f_s``, [FACTORS >= K_BLOCKS, 16]); then per K block a 128-deep product from zero, waited for,
-    and ``acc + part * factor`` in K order: ``gemm._swapped_product``'s arithmetic."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, FEW_ROWS, 32])
+                  STAGES: gl.constexpr, FACTORS: gl.constexpr, A_ROWS: gl.constexpr):  # fmt: skip
+    """One warpgroup: the [64, A_ROWS] tile of C^T = B A^T. Every K block's factor ``a_scale * b_scale`` first, into
+    shared memory (``f_s``, [FACTORS >= K_BLOCKS, A_ROWS]); then per K block a 128-deep product from zero, waited
+    for, and ``acc + part * factor`` in K order: ``gemm._swapped_product``'s arithmetic."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, A_ROWS, 32])
     cols: gl.constexpr = gl.SliceLayout(0, mma)
     b_block = gl.program_id(0) * W_ROWS // BK
+    a_row = gl.program_id(1) * A_ROWS
     table: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
     kbs = gl.arange(0, FACTORS, layout=gl.SliceLayout(1, table))
-    ms = gl.arange(0, FEW_ROWS, layout=gl.SliceLayout(0, table))
+    ms = a_row + gl.arange(0, A_ROWS, layout=gl.SliceLayout(0, table))
     inside = gl.expand_dims(kbs < K_BLOCKS, 1) & gl.expand_dims(ms < M, 0)
     sa = gl.load(as_ptr + gl.expand_dims(ms, 0) * K_BLOCKS + gl.expand_dims(kbs, 1), mask=inside, other=0.0)
     sb = gl.load(bs_ptr + b_block * K_BLOCKS + kbs, mask=kbs < K_BLOCKS, other=0.0)
     f_s.store(sa * gl.expand_dims(sb, 1))
     BARRIER()
-    f_s = plain_rows(f_s, [FACTORS, FEW_ROWS])
-    zero = gl.zeros([W_ROWS, FEW_ROWS], gl.float32, mma)
+    f_s = plain_rows(f_s, [FACTORS, A_ROWS])
+    zero = gl.zeros([W_ROWS, A_ROWS], gl.float32, mma)
     acc = zero
     factor = gl.expand_dims(f_s.index(0).load(cols), 0)
     for kb in range(K_BLOCKS):
@@ -397,7 +399,7 @@ def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stri
         acc = acc + part * factor
         factor = next_factor
     offs_n = gl.program_id(0) * W_ROWS + gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
-    offs_m = gl.arange(0, FEW_ROWS, layout=cols)
+    offs_m = a_row + gl.arange(0, A_ROWS, layout=cols)
     mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
     out = c_ptr + gl.expand_dims(offs_m, 0) * stride_cm + gl.expand_dims(offs_n, 1)
     gl.store(out, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -406,13 +408,15 @@ def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stri
 @gluon.jit
 def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr,
                       STAGES: gl.constexpr, FACTORS: gl.constexpr, PRODUCER_REGS: gl.constexpr):  # fmt: skip
-    """C[M, N] (bf16, row stride ``stride_cm``) = A[M, K] @ B[N, K]^T for M <= 16, A scales [M, K/128], B scales
-    [ceil(N/128), K/128], K = 128 K_BLOCKS: program p computes weight rows 64 p + [0, 64) against A's rows, one warp
-    copying the K blocks by TMA ``STAGES`` ahead of one multiplying warpgroup (launched with 4 warps, to which the
-    copying warp adds 1). The bits of ``gemm._gemm_swapped_kernel`` unsplit."""
-    a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, FEW_ROWS, BK], a_desc.layout)
+    """C[M, N] (bf16, row stride ``stride_cm``) = A[M, K] @ B[N, K]^T, A scales [M, K/128], B scales [ceil(N/128),
+    K/128], K = 128 K_BLOCKS: program (p, q) computes weight rows 64 p + [0, 64) against rows R q + [0, R) of A, R
+    the rows of ``a_desc``'s box (wgmma's N: 16, 32, 64 or 128), one warp copying the K blocks by TMA ``STAGES``
+    ahead of one multiplying warpgroup (launched with 4 warps, to which the copying warp adds 1). The bits of
+    ``gemm._gemm_swapped_kernel`` unsplit."""
+    A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
+    a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, A_ROWS, BK], a_desc.layout)
     b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, W_ROWS, BK], b_desc.layout)
-    f_s = gl.allocate_shared_memory(gl.float32, [FACTORS, FEW_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    f_s = gl.allocate_shared_memory(gl.float32, [FACTORS, A_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -422,7 +426,7 @@ def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_
     gl.warp_specialize(
         [
             (_few_consumer, (a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS, STAGES,
-                             FACTORS)),
+                             FACTORS, A_ROWS)),
             (_few_producer, (a_desc, b_desc, a_s, b_s, ready, empty, K_BLOCKS, STAGES)),
         ],
         [1],
@@ -430,23 +434,39 @@ def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_
     )  # fmt: skip
 
 
-# 12 stages of 10 KB: 120 KB, one program per SM. The factors take K / 2 bytes (8 KB at K = 16384) up to MAX_FEW_K.
-FEW_ROWS_SCHEDULE = {"STAGES": 12, "PRODUCER_REGS": 40}
+# 8 stages of 16 KB at 64 rows of A: 128 KB, beside K / 2 bytes of factors (64 KB at MAX_FEW_K); one program per SM.
+# 8 stages measured 1.01-1.07x faster than 12 (benchmarks/gluon_gemm_few.py).
+FEW_ROWS_SCHEDULE = {"STAGES": 8, "PRODUCER_REGS": 40}
+FEW_A_ROWS = (16, 32, 64)  # rows of A per program: 16 up to 16 rows, else the fewer of 32 and 64 whose grid fits
 MAX_FEW_K = 32768
-# Where it serves: while its grid of 64-row weight tiles fits the SMs at once and gives more than this share of them a
-# program; with fewer programs the default mode's split over K (and batch-invariant mode's block parts) are faster
-# (benchmarks/gluon_gemm_few.py, RESULTS.md thirty-sixth session).
-FEW_MIN_SHARE, FEW_MIN_SHARE_INVARIANT = 0.5, 0.25
+# Where it serves (benchmarks/gluon_gemm_few.py, RESULTS.md): while its grid fits the SMs at once and gives more than
+# a share of them a program. In the default mode up to FEW_MAX_M_DEFAULT rows and more than FEW_MIN_SHARE of the SMs
+# (below, its split over K is faster); in batch-invariant mode up to FEW_MAX_M rows and more than
+# FEW_MIN_SHARE_INVARIANT up to 16 rows (below, its block parts are faster), FEW_MIN_SHARE_WIDE beyond (where the
+# other launch is the unsplit 64-row Triton tiles, which it outran from 33 programs on).
+FEW_MAX_M_DEFAULT, FEW_MAX_M = 64, 192
+FEW_MIN_SHARE, FEW_MIN_SHARE_INVARIANT, FEW_MIN_SHARE_WIDE = 0.6, 0.3, 0.2
 
 
-def launch_few_rows(a: QTensor, w: QTensor, schedule: dict | None = None) -> torch.Tensor:
-    """``a`` [M <= 16, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N]."""
+def few_rows_grid(m: int, n: int, sms: int) -> tuple[int, int]:
+    """(rows of A per program, programs) of an [m, n] output: the fewest ``FEW_A_ROWS`` above 16 rows whose grid
+    fits ``sms`` (else 64)."""
+    tiles = triton.cdiv(n, W_ROWS.value)
+    sizes = FEW_A_ROWS[:1] if m <= FEW_A_ROWS[0] else FEW_A_ROWS[1:]
+    a_rows = next((r for r in sizes if tiles * triton.cdiv(m, r) <= sms), sizes[-1])
+    return a_rows, tiles * triton.cdiv(m, a_rows)
+
+
+def launch_few_rows(a: QTensor, w: QTensor, schedule: dict | None = None, a_rows: int | None = None) -> torch.Tensor:
+    """``a`` [M, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N], in programs
+    of 64 weight rows by ``a_rows`` rows of A (16, 32, 64 or 128; by default ``few_rows_grid``'s)."""
     m, k = a.shape
     n = w.shape[0]
+    a_rows = a_rows or few_rows_grid(m, n, num_sms(a.data.device.index or 0))[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
     k_blocks = k // FP8_BLOCK
-    fp8_gemm_few_rows[(triton.cdiv(n, W_ROWS.value),)](
-        tma_descriptor(a.data.contiguous(), [FEW_ROWS.value, FP8_BLOCK], gl.float8e4nv),
+    fp8_gemm_few_rows[(triton.cdiv(n, W_ROWS.value), triton.cdiv(m, a_rows))](
+        tma_descriptor(a.data.contiguous(), [a_rows, FP8_BLOCK], gl.float8e4nv),
         tma_descriptor(w.data.contiguous(), [W_ROWS.value, FP8_BLOCK], gl.float8e4nv),
         out, a.scale.contiguous(), w.scale.contiguous(), m, n, out.stride(0),
         K_BLOCKS=k_blocks, FACTORS=triton.next_power_of_2(k_blocks), **(schedule or FEW_ROWS_SCHEDULE), num_warps=4,
@@ -456,16 +476,22 @@ def launch_few_rows(a: QTensor, w: QTensor, schedule: dict | None = None) -> tor
 
 
 def gemm_fp8_few_rows(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
-    """``gemm`` of at most 16 rows by the few-row kernel (a bf16 ``a`` is quantised first)."""
+    """``gemm`` by the few-row kernel (a bf16 ``a`` is quantised first)."""
     return launch_few_rows(_as_fp8(a, w), w)
 
 
 def few_rows_supports(a, w, *, out_dtype, bias) -> bool:
-    """``_fp8_operands``, 1 to 16 rows, K at most ``MAX_FEW_K``, and a grid of N / 64 programs that fits the SMs and
-    gives more than ``FEW_MIN_SHARE`` of them a program (``FEW_MIN_SHARE_INVARIANT`` in batch-invariant mode)."""
+    """``_fp8_operands``, K at most ``MAX_FEW_K``, and at most ``FEW_MAX_M_DEFAULT`` rows (``FEW_MAX_M`` in
+    batch-invariant mode) whose grid (``few_rows_grid``) fits the SMs and gives more than ``FEW_MIN_SHARE`` of them a
+    program (in batch-invariant mode ``FEW_MIN_SHARE_INVARIANT`` up to 16 rows, ``FEW_MIN_SHARE_WIDE`` beyond)."""
     a_data = a.data if isinstance(a, QTensor) else a
-    if not (_fp8_operands(a, w, out_dtype, bias) and 1 <= a_data.shape[0] <= FEW_ROWS.value):
+    m = a_data.shape[0]
+    invariant = batch_invariant_enabled()
+    if not (_fp8_operands(a, w, out_dtype, bias) and 1 <= m <= (FEW_MAX_M if invariant else FEW_MAX_M_DEFAULT)):
         return False
     sms = num_sms(a_data.device.index or 0)
-    share = FEW_MIN_SHARE_INVARIANT if batch_invariant_enabled() else FEW_MIN_SHARE
-    return w.shape[1] <= MAX_FEW_K and share * sms < triton.cdiv(w.shape[0], W_ROWS.value) <= sms
+    share = FEW_MIN_SHARE
+    if invariant:
+        share = FEW_MIN_SHARE_INVARIANT if m <= FEW_A_ROWS[0] else FEW_MIN_SHARE_WIDE
+    programs = few_rows_grid(m, w.shape[0], sms)[1]
+    return w.shape[1] <= MAX_FEW_K and share * sms < programs <= sms
