@@ -5,8 +5,8 @@ few rows (one CUDA GPU).
 
 For every DeepSeek-V3 projection and M = 1 ... 192: graph times (four input sets in turn, more bytes than L2 holds)
 of ``ops.gemm`` in the default and in batch-invariant mode (with the Gluon kernel where ``gemm`` takes it), of the
-unsplit Triton launch (swapped up to 16 rows), and of the Gluon kernel with 16, 32 and 64 rows of A per program
-and 4 to 12 stages; whether each Gluon result equals the unsplit launch's bit for bit.
+unsplit Triton launch (swapped up to 16 rows), and of the Gluon kernel with 16, 32 and 64 rows of A per program,
+8 or 12 stages and 1, 2 or 4 products in flight; whether each Gluon result equals the unsplit launch's bit for bit.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ SETS = 4
 
 
 def variants(m: int) -> dict[str, tuple[dict, int]]:
-    """Name -> (schedule, rows of A per program): 16 rows up to 16, else 32 and 64 rows not above 2 M."""
+    """Name -> (schedule, rows of A per program): 16 rows up to 16, else 32 and 64 rows not above 2 M; 8 or 12 stages;
+    1, 2 or 4 K blocks' products in flight."""
     rows = [16] if m <= 16 else [r for r in (32, 64) if r <= 2 * m]
-    stages = (4, 6, 8, 12)
-    return {f"A{r} s{s}": (gemm_gluon.FEW_ROWS_SCHEDULE | {"STAGES": s}, r) for r in rows for s in stages}
+    schedules = {f"s{s} f{f}": {"STAGES": s, "IN_FLIGHT": f} for s in (8, 12) for f in (1, 2, 4)}
+    return {f"A{r} {name}": (gemm_gluon.FEW_ROWS_SCHEDULE | s, r) for r in rows for name, s in schedules.items()}
 
 
 def main() -> None:

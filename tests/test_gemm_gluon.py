@@ -85,13 +85,15 @@ def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_
         "bs_ptr": "*fp32",
     } | dict.fromkeys(("M", "N", "stride_cm"), "i32")
     constants = gemm_gluon.FEW_ROWS_SCHEDULE | {"K_BLOCKS": k // 128, "FACTORS": triton.next_power_of_2(k // 128)}
+    in_flight = constants["IN_FLIGHT"]
     kernel = compile_sm90(
         gemm_gluon.fp8_gemm_few_rows, signature, constants, {"num_warps": 4, "enable_fp_fusion": True}
     )
     ptx = kernel.asm["ptx"]
-    # one 128-deep product per K block: 4 steps of k32, 64 weight rows by the program's rows of A
+    # IN_FLIGHT 128-deep products at once, each 4 steps of k32, 64 weight rows by the program's rows of A
     products = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx)
-    assert products == [f"m64n{a_rows}k32"] * 4
+    assert products == [f"m64n{a_rows}k32"] * 4 * in_flight
+    assert ("griddepcontrol.wait" in ptx) == gemm_gluon.PDL  # launched with PDL: waits for the previous kernel
     assert "setmaxnreg.dec" in ptx  # the copying warp is specialized
     assert "fma.rn.f32" in ptx  # acc + part * factor in one rounding, as the Triton kernels
     assert kernel.metadata.shared <= MAX_SHARED
@@ -110,10 +112,10 @@ def test_few_rows_grid_takes_the_fewest_rows_of_a_whose_grid_fits_the_sms():
 
 
 def test_few_rows_supports_where_its_grid_fits_the_sms_once_and_fills_enough_of_them(on_hopper, monkeypatch):
-    """On 132 SMs: in both modes DeepSeek-V3's (7168, *) projections up to 64 rows (then 224 programs) and (4096,
-    7168) at 33-64 rows (128 programs); in the default mode nothing with 64 programs or fewer, where its split over K
-    is faster; in batch-invariant mode (4096, 7168) up to 128 rows, and (2112, 7168) from 17 to 192 rows (33 to 132
-    programs), not below (the block parts are faster)."""
+    """On 132 SMs, up to 192 rows: in both modes DeepSeek-V3's (7168, *) projections up to 64 rows (then 224
+    programs), (4096, 7168) up to 128 rows and (2112, 7168) from 33 to 192 rows (66 to 132 programs); in
+    batch-invariant mode also (2112, 7168) up to 32 rows (33 programs), where the default mode's split over K is
+    faster."""
     monkeypatch.setattr(gemm_gluon, "num_sms", lambda *_: 132)
     bf16 = torch.bfloat16
     takes = lambda m, n, k: gemm_gluon.few_rows_supports(*_operands(m, n, k), out_dtype=bf16, bias=None)
@@ -121,14 +123,12 @@ def test_few_rows_supports_where_its_grid_fits_the_sms_once_and_fills_enough_of_
         with batch_invariant(invariant):
             assert takes(1, 7168, 2048) and takes(16, 7168, 2048) and takes(64, 7168, 2048)
             assert not takes(65, 7168, 2048)  # 224 programs: two waves
-            assert takes(64, 4096, 1024)
+            assert takes(1, 4096, 1024) and takes(128, 4096, 1024)
+            assert not takes(129, 4096, 1024)  # 192 programs
             assert not takes(1, 24576, 256)  # 384 programs: three waves
-            assert not takes(16, 2112, 1024)  # 33 programs: a split over K is faster
-            assert takes(4, 4096, 1024) == invariant  # 64 programs: the default mode splits K
-            assert takes(32, 2112, 1024) == invariant
-            assert takes(128, 4096, 1024) == invariant
-            assert takes(192, 2112, 1024) == invariant
+            assert takes(33, 2112, 1024) and takes(192, 2112, 1024)
             assert not takes(193, 2112, 1024)
+            assert takes(1, 2112, 1024) == takes(32, 2112, 1024) == invariant
     a, w = _operands(4, 7168, 1024)
     assert gemm_gluon.few_rows_supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)  # quantised first
     assert not gemm_gluon.few_rows_supports(a, w, out_dtype=torch.float32, bias=None)

@@ -20,13 +20,12 @@ The arithmetic of every element is the unsplit ``tl`` kernel's (``gemm._gemm_ker
 products, each from zero and scaled; the bits are the same (``benchmarks/gluon_gemm_ws.py`` checks each launch,
 conformance checks rows alone against the batch), so batch-invariant mode takes it too.
 
-``fp8_gemm_few_rows`` serves a few rows with the operands swapped (the weight's rows as wgmma's M, as
+``fp8_gemm_few_rows`` serves up to 192 rows with the operands swapped (the weight's rows as wgmma's M, as
 ``gemm._gemm_swapped_kernel`` does): one program per 64 weight rows and 16, 32 or 64 rows of A, a warp copying the K
-blocks by TMA eight stages ahead, one warpgroup multiplying, every block's scale factor computed first into shared
-memory. Without a split over K it gives the unsplit bits in both modes; it serves where its grid fits the SMs once
-and fills enough of them (``few_rows_supports``): up to 64 rows in the default mode, where it was as fast as the
-default mode's launches or faster (up to 1.3x), and up to 192 in batch-invariant mode, where it was 1.04-1.47x faster
-than the unsplit Triton tiles (benchmarks/RESULTS.md, thirty-seventh session).
+blocks by TMA eight stages ahead, one warpgroup multiplying two K blocks at a time (both products in flight, then
+each scaled and added in K order), every block's scale factor computed first into shared memory. Without a split over
+K it gives the unsplit bits in both modes; it serves where its grid fits the SMs once and fills enough of them
+(``few_rows_supports``; benchmarks/RESULTS.md, thirty-seventh session).
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from deepinfer import QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 
-from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, plain_rows, tma_descriptor
-from ._triton import INTERPRET, hopper, num_sms, on_device, tma_ready
+from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, pdl_wait, plain_rows, tma_descriptor
+from ._triton import INTERPRET, PDL, hopper, num_sms, on_device, tma_ready
 from .gemm import FP8_BLOCK, _as_fp8
 
 BK = gl.constexpr(128)  # K blocks of 128: one activation scale and one weight scale each
@@ -353,10 +352,20 @@ W_ROWS = gl.constexpr(64)  # weight rows per program (wgmma's M)
 
 
 @gluon.jit
-def _few_producer(a_desc, b_desc, a_s, b_s, ready, empty, K_BLOCKS: gl.constexpr, STAGES: gl.constexpr):
+def _few_a_row(M, A_ROWS: gl.constexpr):
+    """The first row of A of this program's tile: A_ROWS q, except that the last tile ends at row M (overlapping the
+    one before, whose rows it computes again to the same bits) where M is at least A_ROWS. With a part-empty last
+    tile, (4096, 7168) at 96 rows took 19.5 us against 14.1 at 128; ending it at row M, 14.5 (RESULTS.md,
+    thirty-seventh session). The likely cause: reading fewer rows of A, that tile ran ahead of the one before it
+    over the same weight rows, which then no longer met in L2."""
+    return gl.minimum(gl.program_id(1) * A_ROWS, gl.maximum(M - A_ROWS, 0))
+
+
+@gluon.jit
+def _few_producer(a_desc, b_desc, a_s, b_s, ready, empty, M, K_BLOCKS: gl.constexpr, STAGES: gl.constexpr):
     """One warp: the program's rows of A and its 64 weight rows, K block by K block, into the ring of stages."""
     row = gl.program_id(0) * W_ROWS
-    a_row = gl.program_id(1) * a_desc.block_type.shape[0]
+    a_row = _few_a_row(M, a_desc.block_type.shape[0])
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     for kb in range(K_BLOCKS):
         stage = kb % STAGES
@@ -368,15 +377,47 @@ def _few_producer(a_desc, b_desc, a_s, b_s, ready, empty, K_BLOCKS: gl.constexpr
 
 
 @gluon.jit
+def _few_product(a_s, b_s, ready, kb, STAGES: gl.constexpr, zero):
+    """K block ``kb``'s 128-deep product of the program's weight rows and rows of A, from zero, issued once its stage
+    is ready (not waited for)."""
+    stage = kb % STAGES
+    mbarrier.wait(ready.index(stage), (kb // STAGES) & 1)
+    return warpgroup_mma(b_s.index(stage), a_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _few_blocks(a_s, b_s, f_s, ready, empty, acc, first, BLOCKS: gl.constexpr, STAGES: gl.constexpr, zero, cols):
+    """``acc`` plus K blocks ``first + [0, BLOCKS)``: their products issued together, waited for together, then each
+    scaled and added in K order."""
+    parts = ()
+    for j in gl.static_range(BLOCKS):
+        parts = parts + (_few_product(a_s, b_s, ready, first + j, STAGES, zero),)  # noqa: RUF005 (no * in Gluon)
+    factors = ()
+    for j in gl.static_range(BLOCKS):
+        factors = factors + (gl.expand_dims(f_s.index(first + j).load(cols), 0),)  # noqa: RUF005
+    parts = warpgroup_mma_wait(0, deps=parts)
+    if BLOCKS == 1:
+        parts = (parts,)
+    for j in gl.static_range(BLOCKS):
+        mbarrier.arrive(empty.index((first + j) % STAGES), count=1)
+    for j in gl.static_range(BLOCKS):
+        acc = acc + parts[j] * factors[j]
+    return acc
+
+
+@gluon.jit
 def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr,
-                  STAGES: gl.constexpr, FACTORS: gl.constexpr, A_ROWS: gl.constexpr):  # fmt: skip
+                  STAGES: gl.constexpr, FACTORS: gl.constexpr, A_ROWS: gl.constexpr,
+                  IN_FLIGHT: gl.constexpr):  # fmt: skip
     """One warpgroup: the [64, A_ROWS] tile of C^T = B A^T. Every K block's factor ``a_scale * b_scale`` first, into
-    shared memory (``f_s``, [FACTORS >= K_BLOCKS, A_ROWS]); then per K block a 128-deep product from zero, waited
-    for, and ``acc + part * factor`` in K order: ``gemm._swapped_product``'s arithmetic."""
+    shared memory (``f_s``, [FACTORS >= K_BLOCKS, A_ROWS]); then per K block a 128-deep product from zero, and
+    ``acc + part * factor`` in K order: ``gemm._swapped_product``'s arithmetic. ``IN_FLIGHT`` blocks' products run
+    at once (waited for together: no product is in flight while another's registers are read, so ptxas keeps the
+    wgmma instructions asynchronous)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, A_ROWS, 32])
     cols: gl.constexpr = gl.SliceLayout(0, mma)
     b_block = gl.program_id(0) * W_ROWS // BK
-    a_row = gl.program_id(1) * A_ROWS
+    a_row = _few_a_row(M, A_ROWS)
     table: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
     kbs = gl.arange(0, FACTORS, layout=gl.SliceLayout(1, table))
     ms = a_row + gl.arange(0, A_ROWS, layout=gl.SliceLayout(0, table))
@@ -388,16 +429,11 @@ def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stri
     f_s = plain_rows(f_s, [FACTORS, A_ROWS])
     zero = gl.zeros([W_ROWS, A_ROWS], gl.float32, mma)
     acc = zero
-    factor = gl.expand_dims(f_s.index(0).load(cols), 0)
-    for kb in range(K_BLOCKS):
-        stage = kb % STAGES
-        mbarrier.wait(ready.index(stage), (kb // STAGES) & 1)
-        part = warpgroup_mma(b_s.index(stage), a_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-        next_factor = gl.expand_dims(f_s.index(gl.minimum(kb + 1, K_BLOCKS - 1)).load(cols), 0)
-        part = warpgroup_mma_wait(0, deps=[part])
-        mbarrier.arrive(empty.index(stage), count=1)
-        acc = acc + part * factor
-        factor = next_factor
+    for kb in range(0, K_BLOCKS - K_BLOCKS % IN_FLIGHT, IN_FLIGHT):
+        acc = _few_blocks(a_s, b_s, f_s, ready, empty, acc, kb, IN_FLIGHT, STAGES, zero, cols)
+    if K_BLOCKS % IN_FLIGHT > 0:
+        acc = _few_blocks(a_s, b_s, f_s, ready, empty, acc, K_BLOCKS - K_BLOCKS % IN_FLIGHT, K_BLOCKS % IN_FLIGHT,
+                          STAGES, zero, cols)  # fmt: skip
     offs_n = gl.program_id(0) * W_ROWS + gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
     offs_m = a_row + gl.arange(0, A_ROWS, layout=cols)
     mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
@@ -407,12 +443,15 @@ def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stri
 
 @gluon.jit
 def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr,
-                      STAGES: gl.constexpr, FACTORS: gl.constexpr, PRODUCER_REGS: gl.constexpr):  # fmt: skip
+                      STAGES: gl.constexpr, FACTORS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                      IN_FLIGHT: gl.constexpr):  # fmt: skip
     """C[M, N] (bf16, row stride ``stride_cm``) = A[M, K] @ B[N, K]^T, A scales [M, K/128], B scales [ceil(N/128),
-    K/128], K = 128 K_BLOCKS: program (p, q) computes weight rows 64 p + [0, 64) against rows R q + [0, R) of A, R
-    the rows of ``a_desc``'s box (wgmma's N: 16, 32, 64 or 128), one warp copying the K blocks by TMA ``STAGES``
-    ahead of one multiplying warpgroup (launched with 4 warps, to which the copying warp adds 1). The bits of
-    ``gemm._gemm_swapped_kernel`` unsplit."""
+    K/128], K = 128 K_BLOCKS: program (p, q) computes weight rows 64 p + [0, 64) against R rows of A from
+    ``_few_a_row`` (R q, the last tile ending at row M), R the rows of ``a_desc``'s box (wgmma's N: 16, 32, 64 or
+    128), one warp copying the K blocks by TMA ``STAGES``
+    ahead of one multiplying warpgroup (launched with 4 warps, to which the copying warp adds 1; with ``launch_pdl``).
+    The bits of ``gemm._gemm_swapped_kernel`` unsplit."""
+    pdl_wait()
     A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
     a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, A_ROWS, BK], a_desc.layout)
     b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, W_ROWS, BK], b_desc.layout)
@@ -426,8 +465,8 @@ def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_
     gl.warp_specialize(
         [
             (_few_consumer, (a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS, STAGES,
-                             FACTORS, A_ROWS)),
-            (_few_producer, (a_desc, b_desc, a_s, b_s, ready, empty, K_BLOCKS, STAGES)),
+                             FACTORS, A_ROWS, IN_FLIGHT)),
+            (_few_producer, (a_desc, b_desc, a_s, b_s, ready, empty, M, K_BLOCKS, STAGES)),
         ],
         [1],
         [PRODUCER_REGS],
@@ -435,17 +474,15 @@ def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_
 
 
 # 8 stages of 16 KB at 64 rows of A: 128 KB, beside K / 2 bytes of factors (64 KB at MAX_FEW_K); one program per SM.
-# 8 stages measured 1.01-1.07x faster than 12 (benchmarks/gluon_gemm_few.py).
-FEW_ROWS_SCHEDULE = {"STAGES": 8, "PRODUCER_REGS": 40}
+# Two K blocks' products in flight (``IN_FLIGHT``). Measured against 12 stages and 1 or 4 products in flight
+# (benchmarks/gluon_gemm_few.py, RESULTS.md thirty-seventh session).
+FEW_ROWS_SCHEDULE = {"STAGES": 8, "PRODUCER_REGS": 40, "IN_FLIGHT": 2}
 FEW_A_ROWS = (16, 32, 64)  # rows of A per program: 16 up to 16 rows, else the fewer of 32 and 64 whose grid fits
-MAX_FEW_K = 32768
-# Where it serves (benchmarks/gluon_gemm_few.py, RESULTS.md): while its grid fits the SMs at once and gives more than
-# a share of them a program. In the default mode up to FEW_MAX_M_DEFAULT rows and more than FEW_MIN_SHARE of the SMs
-# (below, its split over K is faster); in batch-invariant mode up to FEW_MAX_M rows and more than
-# FEW_MIN_SHARE_INVARIANT up to 16 rows (below, its block parts are faster), FEW_MIN_SHARE_WIDE beyond (where the
-# other launch is the unsplit 64-row Triton tiles, which it outran from 33 programs on).
-FEW_MAX_M_DEFAULT, FEW_MAX_M = 64, 192
-FEW_MIN_SHARE, FEW_MIN_SHARE_INVARIANT, FEW_MIN_SHARE_WIDE = 0.6, 0.3, 0.2
+MAX_FEW_K, FEW_MAX_M = 32768, 192
+# Where it serves: while its grid fits the SMs at once and gives more than this share of them a program; with fewer
+# programs the default mode's split over K is faster. In batch-invariant mode, whose other launches do not split K,
+# from a fifth of the SMs on (benchmarks/gluon_gemm_few.py, RESULTS.md thirty-seventh session).
+FEW_MIN_SHARE, FEW_MIN_SHARE_INVARIANT = 0.4, 0.2
 
 
 def few_rows_grid(m: int, n: int, sms: int) -> tuple[int, int]:
@@ -471,6 +508,7 @@ def launch_few_rows(a: QTensor, w: QTensor, schedule: dict | None = None, a_rows
         out, a.scale.contiguous(), w.scale.contiguous(), m, n, out.stride(0),
         K_BLOCKS=k_blocks, FACTORS=triton.next_power_of_2(k_blocks), **(schedule or FEW_ROWS_SCHEDULE), num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the Triton kernels
+        launch_pdl=PDL,
     )  # fmt: skip
     return out
 
@@ -481,17 +519,13 @@ def gemm_fp8_few_rows(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
 
 
 def few_rows_supports(a, w, *, out_dtype, bias) -> bool:
-    """``_fp8_operands``, K at most ``MAX_FEW_K``, and at most ``FEW_MAX_M_DEFAULT`` rows (``FEW_MAX_M`` in
-    batch-invariant mode) whose grid (``few_rows_grid``) fits the SMs and gives more than ``FEW_MIN_SHARE`` of them a
-    program (in batch-invariant mode ``FEW_MIN_SHARE_INVARIANT`` up to 16 rows, ``FEW_MIN_SHARE_WIDE`` beyond)."""
+    """``_fp8_operands``, K at most ``MAX_FEW_K``, at most ``FEW_MAX_M`` rows, and a grid (``few_rows_grid``) that
+    fits the SMs and gives more than ``FEW_MIN_SHARE`` of them a program (``FEW_MIN_SHARE_INVARIANT`` in
+    batch-invariant mode)."""
     a_data = a.data if isinstance(a, QTensor) else a
     m = a_data.shape[0]
-    invariant = batch_invariant_enabled()
-    if not (_fp8_operands(a, w, out_dtype, bias) and 1 <= m <= (FEW_MAX_M if invariant else FEW_MAX_M_DEFAULT)):
+    if not (_fp8_operands(a, w, out_dtype, bias) and 1 <= m <= FEW_MAX_M and w.shape[1] <= MAX_FEW_K):
         return False
     sms = num_sms(a_data.device.index or 0)
-    share = FEW_MIN_SHARE
-    if invariant:
-        share = FEW_MIN_SHARE_INVARIANT if m <= FEW_A_ROWS[0] else FEW_MIN_SHARE_WIDE
-    programs = few_rows_grid(m, w.shape[0], sms)[1]
-    return w.shape[1] <= MAX_FEW_K and share * sms < programs <= sms
+    share = FEW_MIN_SHARE_INVARIANT if batch_invariant_enabled() else FEW_MIN_SHARE
+    return share * sms < few_rows_grid(m, w.shape[0], sms)[1] <= sms
