@@ -41,8 +41,8 @@ def main() -> None:
     report = []
     for n, k in V3_PROJECTIONS:
         gen = torch.Generator(device="cuda").manual_seed(n + k)
-        rows = ROWS[-1]
-        whole = [quantize_rows(torch.randn(rows, k, device="cuda", generator=gen), 128, "fp32") for _ in range(SETS)]
+        most = ROWS[-1]
+        whole = [quantize_rows(torch.randn(most, k, device="cuda", generator=gen), 128, "fp32") for _ in range(SETS)]
         w = [quantize_blocks(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5) for _ in range(SETS)]
         for m in ROWS:
             a = [QTensor(x.data[:m].contiguous(), x.scale[:m].contiguous(), x.block, x.scale_format) for x in whole]

@@ -5,8 +5,9 @@ A kernel launched with ``launch_pdl=PDL`` may start before the previous kernel i
 kernels may be launched with ``launch_pdl``: a kernel that touched memory first could read a buffer still being
 written (or reuse one the allocator handed back). The interpreter runs without the flag, so the source is checked,
 and a few kernels are compiled for SM90 (no GPU needed) to check that the compiler keeps the wait first. Gluon has no
-wait of its own: a Gluon kernel may be launched early only if it calls ``mla_gluon._wait_previous`` (itself or in one
-of its warp-specialized partitions); where the wait sits is checked on its compiled PTX in ``test_mla_gluon.py``.
+wait of its own: a Gluon kernel may be launched early only if it calls ``_gluon.wait_previous`` (itself or in one of
+its warp-specialized partitions); where the wait sits is checked on its compiled PTX in ``test_mla_gluon.py`` and
+``test_gemm_gluon.py``.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ BACKEND = Path(__file__).resolve().parents[1] / "backends" / "cuda_sm100"
 MODULES = sorted(p for p in BACKEND.glob("*.py") if p.name != "_triton.py")
 
 
-def kernels(tree: ast.Module, decorator: str) -> dict[str, ast.FunctionDef]:
-    """Module-level functions named ``*_kernel`` with a ``decorator`` (``triton.jit`` or ``gluon.jit``)."""
+def kernels(tree: ast.Module, decorator: str, suffix: str = "_kernel") -> dict[str, ast.FunctionDef]:
+    """Module-level functions named ``*{suffix}`` with a ``decorator`` (``triton.jit`` or ``gluon.jit``)."""
     found = {}
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
+        if isinstance(node, ast.FunctionDef) and node.name.endswith(suffix):
             names = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
             if decorator in names:
                 found[node.name] = node
@@ -43,11 +44,11 @@ def first_statement(fn: ast.FunctionDef) -> ast.stmt:
 
 
 def waits(tree: ast.Module, fn: ast.FunctionDef) -> bool:
-    """Whether ``fn``, or a module-level function it names (a warp-specialized partition), calls ``_wait_previous``."""
+    """Whether ``fn``, or a module-level function it names (a warp-specialized partition), calls ``wait_previous``."""
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
     named = {node.id for node in ast.walk(fn) if isinstance(node, ast.Name)} & functions.keys()
     return any(
-        isinstance(node, ast.Call) and ast.unparse(node.func) == "_wait_previous"
+        isinstance(node, ast.Call) and ast.unparse(node.func) == "wait_previous"
         for f in [fn, *(functions[name] for name in named)]
         for node in ast.walk(f)
     )
@@ -73,7 +74,7 @@ def test_every_triton_kernel_waits_for_its_predecessor_first(path):
 def test_launch_pdl_only_on_kernels_that_wait(path):
     tree = ast.parse(path.read_text())
     tl_kernels = kernels(tree, "triton.jit")
-    gluon_kernels = kernels(tree, "gluon.jit")
+    gluon_kernels = kernels(tree, "gluon.jit", suffix="")  # Gluon kernels go by other names too (``fp8_gemm_ws``)
     for call in launches(tree):
         name = call.func.value.id
         flag = {k.arg: ast.unparse(k.value) for k in call.keywords}.get("launch_pdl")

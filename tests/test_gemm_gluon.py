@@ -85,6 +85,7 @@ def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_
         "bs_ptr": "*fp32",
     } | dict.fromkeys(("M", "N", "stride_cm"), "i32")
     constants = gemm_gluon.FEW_ROWS_SCHEDULE | {"K_BLOCKS": k // 128, "FACTORS": triton.next_power_of_2(k // 128)}
+    constants["PDL"] = gemm_gluon.PDL
     in_flight = constants["IN_FLIGHT"]
     kernel = compile_sm90(
         gemm_gluon.fp8_gemm_few_rows, signature, constants, {"num_warps": 4, "enable_fp_fusion": True}

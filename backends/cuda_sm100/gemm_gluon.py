@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from deepinfer import QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 
-from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, pdl_wait, plain_rows, tma_descriptor
+from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, launch_dependents, plain_rows, tma_descriptor, wait_previous
 from ._triton import INTERPRET, PDL, hopper, num_sms, on_device, tma_ready
 from .gemm import FP8_BLOCK, _as_fp8
 
@@ -444,14 +444,15 @@ def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stri
 @gluon.jit
 def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr,
                       STAGES: gl.constexpr, FACTORS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      IN_FLIGHT: gl.constexpr):  # fmt: skip
+                      IN_FLIGHT: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
     """C[M, N] (bf16, row stride ``stride_cm``) = A[M, K] @ B[N, K]^T, A scales [M, K/128], B scales [ceil(N/128),
     K/128], K = 128 K_BLOCKS: program (p, q) computes weight rows 64 p + [0, 64) against R rows of A from
     ``_few_a_row`` (R q, the last tile ending at row M), R the rows of ``a_desc``'s box (wgmma's N: 16, 32, 64 or
-    128), one warp copying the K blocks by TMA ``STAGES``
-    ahead of one multiplying warpgroup (launched with 4 warps, to which the copying warp adds 1; with ``launch_pdl``).
-    The bits of ``gemm._gemm_swapped_kernel`` unsplit."""
-    pdl_wait()
+    128), one warp copying the K blocks by TMA ``STAGES`` ahead of one multiplying warpgroup (launched with 4 warps,
+    to which the copying warp adds 1). The bits of ``gemm._gemm_swapped_kernel`` unsplit. ``PDL``: launched early,
+    it waits for the previous kernel first."""
+    launch_dependents(PDL)
+    wait_previous(PDL)
     A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
     a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, A_ROWS, BK], a_desc.layout)
     b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, W_ROWS, BK], b_desc.layout)
@@ -508,7 +509,7 @@ def launch_few_rows(a: QTensor, w: QTensor, schedule: dict | None = None, a_rows
         out, a.scale.contiguous(), w.scale.contiguous(), m, n, out.stride(0),
         K_BLOCKS=k_blocks, FACTORS=triton.next_power_of_2(k_blocks), **(schedule or FEW_ROWS_SCHEDULE), num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the Triton kernels
-        launch_pdl=PDL,
+        PDL=PDL, launch_pdl=PDL,
     )  # fmt: skip
     return out
 

@@ -43,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer.kv_cache import FP8_GROUP
 
-from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, plain_rows, tma_descriptor
+from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, launch_dependents, plain_rows, tma_descriptor, wait_previous
 from ._triton import PDL, hopper, num_sms
 
 BLOCK_H, BLOCK_N, L, R, LH = (gl.constexpr(v) for v in (64, 64, 512, 64, 256))  # heads, tokens, latent, rope, half
@@ -575,7 +575,7 @@ def _mla_scores_kernel(
     first head block and the last query row of each sequence also copy the dequantised latent to ``latent_desc``
     ([batch x ``reach``, 512] bf16, zeros past the sequence) for ``_mla_values_kernel``. ``PDL``: the probs kernel may
     launch at once (and waits for this one to finish)."""
-    _launch_dependents(PDL)
+    launch_dependents(PDL)
     row = gl.program_id(0)
     pid_h = gl.program_id(1)
     chunk = gl.program_id(2)
@@ -698,8 +698,8 @@ def _mla_probs_kernel(scores_ptr, maxima_ptr, probs_ptr, factors_ptr, seq_lens_p
     rows of 64 heads: the row factor of what came before (``alpha``), P's row sums (fp32, before the rounding), and
     the running max after the block. Blocks past the sequence are not written. ``PDL``: launched early, it lets the
     values kernel launch and waits for the scores kernel to finish."""
-    _launch_dependents(PDL)
-    _wait_previous(PDL)
+    launch_dependents(PDL)
+    wait_previous(PDL)
     row = gl.program_id(0)
     block = gl.program_id(2)
     SPAN_BLOCKS: gl.constexpr = SPLIT // BLOCK_N
@@ -763,7 +763,7 @@ def _mla_values_kernel(
     of P, its factors and the latent (``_values_fill``). ``FP8``: an fp8_ds_mla cache, whose latent ``v_desc`` reads
     from the scores kernel's bf16 copy ([batch x ``reach``, 512]) instead. ``PDL``: launched early, its set-up and the
     cache rows overlap the probs kernel, whose results it reads only after ``_values_fill`` has waited for it."""
-    _launch_dependents(PDL)
+    launch_dependents(PDL)
     W: gl.constexpr = L // PARTS
     row = gl.program_id(0)
     pid_h = gl.program_id(1) // PARTS
@@ -851,7 +851,7 @@ def _values_fill(p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, 
     rows_s = plain_rows(rows_s, [SPAN_BLOCKS, 1])
     BARRIER()  # the table is visible to the filling warps
     one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    _wait_previous(PDL)  # P, its factors and the latent's copy come from the kernels before
+    wait_previous(PDL)  # P, its factors and the latent's copy come from the kernels before
     nbytes: gl.constexpr = p_desc.block_type.nbytes + f_desc.block_type.nbytes
     for i in range(n_blocks):
         stage = i % STAGES
@@ -868,21 +868,6 @@ def _values_fill(p_desc, f_desc, v_desc, p_s, f_s, v_s, ready, free, cache_ptr, 
                 _gather_columns(cache_ptr, table_row, start + i * BLOCK_N, end, col0, v_s.index(stage), PAGE, WIDTH)
                 fence_async_shared()
         mbarrier.arrive(ready.index(stage), count=1)
-
-
-@gluon.jit
-def _launch_dependents(PDL: gl.constexpr):
-    """Lets the stream's next kernel launch now (programmatic dependent launch, as ``_triton.pdl_wait``)."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _wait_previous(PDL: gl.constexpr):
-    """Waits until the stream's previous kernel has finished and its writes are visible (``PDL``)."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
