@@ -5,8 +5,10 @@ few rows (one CUDA GPU).
 
 For every DeepSeek-V3 projection and M = 1 ... 192: graph times (four input sets in turn, more bytes than L2 holds)
 of ``ops.gemm`` in the default and in batch-invariant mode (with the Gluon kernel where ``gemm`` takes it), of the
-unsplit Triton launch (swapped up to 16 rows), and of the Gluon kernel with 16, 32 and 64 rows of A per program,
-8 or 12 stages and 1, 2 or 4 products in flight; whether each Gluon result equals the unsplit launch's bit for bit.
+unsplit Triton launch (swapped up to 16 rows), of the default mode's Triton launch (split over K where its rule
+says), and of the Gluon kernel with 16, 32 and 64 rows of A per program
+over 1, 2 or 4 K groups (where the grid fits the SMs); whether each Gluon result equals the unsplit launch's bit for
+bit.
 """
 
 from __future__ import annotations
@@ -24,16 +26,21 @@ from deepinfer.dispatch import batch_invariant
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 from deepinfer_cuda_sm100 import gemm, gemm_gluon
 
-ROWS = (1, 4, 16, 32, 64, 128, 192)
+ROWS = (1, 4, 8, 16, 32, 64, 128, 192)
 SETS = 4
 
 
-def variants(m: int) -> dict[str, tuple[dict, int]]:
-    """Name -> (schedule, rows of A per program): 16 rows up to 16, else 32 and 64 rows not above 2 M; 8 or 12 stages;
-    1, 2 or 4 K blocks' products in flight."""
+def variants(m: int, n: int, k: int, sms: int) -> dict[str, tuple[int, int]]:
+    """Name -> (rows of A per program, K groups): 16 rows up to 16, else 32 and 64 rows not above 2 M; 1, 2 or 4
+    K groups where they divide the K blocks and the grid fits ``sms``."""
     rows = [16] if m <= 16 else [r for r in (32, 64) if r <= 2 * m]
-    schedules = {f"s{s} f{f}": {"STAGES": s, "IN_FLIGHT": f} for s in (8, 12) for f in (1, 2, 4)}
-    return {f"A{r} {name}": (gemm_gluon.FEW_ROWS_SCHEDULE | s, r) for r in rows for name, s in schedules.items()}
+    k_blocks = k // 128
+    return {
+        f"A{r} g{g}": (r, g)
+        for r in rows
+        for g in (1, 2, 4)
+        if k_blocks % g == 0 and (g == 1 or -(-n // 64) * -(-m // r) * g <= sms)
+    }
 
 
 def main() -> None:
@@ -61,10 +68,16 @@ def main() -> None:
 
             want = unsplit(0).view(torch.int16)
             row = {"N": n, "K": k, "M": m}
-            for name, f in (("default", op(False)), ("invariant", op(True)), ("unsplit", unsplit)):
+
+            def triton_default(i, a=a, w=w):
+                return gemm.gemm_fp8(a[i], w[i], out_dtype=torch.bfloat16, bias=None)
+
+            timed = (("default", op(False)), ("invariant", op(True)), ("unsplit", unsplit), ("triton", triton_default))
+            for name, f in timed:
                 row[name] = time_graph_ms(f, sets=SETS)
-            for name, (schedule, rows) in variants(m).items():
-                f = lambda i, a=a, w=w, s=schedule, r=rows: gemm_gluon.launch_few_rows(a[i], w[i], s, r)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            for name, (rows, groups) in variants(m, n, k, sms).items():
+                f = lambda i, a=a, w=w, r=rows, g=groups: gemm_gluon.launch_few_rows(a[i], w[i], None, r, g)
                 row[name] = {
                     "ms": time_graph_ms(f, sets=SETS),
                     "equal": bool(torch.equal(f(0).view(torch.int16), want)),
@@ -73,7 +86,7 @@ def main() -> None:
             gluon = [key for key, v in row.items() if isinstance(v, dict)]
             print(
                 f"N={n:>5} K={k:>5} M={m:>3}: default {row['default']:.4f} invariant {row['invariant']:.4f} "
-                f"unsplit {row['unsplit']:.4f}; gluon "
+                f"unsplit {row['unsplit']:.4f} triton {row['triton']:.4f}; gluon "
                 + "; ".join(
                     f"{key} {row[key]['ms']:.4f}{'' if row[key]['equal'] else ' DIFFERENT BITS'}" for key in gluon
                 ),

@@ -74,8 +74,11 @@ def test_supports_short_k_from_384_rows(on_hopper):
     assert not gemm_gluon.supports(coarse, w, out_dtype=bf16, bias=None)
 
 
-@pytest.mark.parametrize(("a_rows", "k"), [(16, 2048), (16, 16384), (32, 7168), (64, 16384)])
-def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_spills(a_rows, k):
+@pytest.mark.parametrize(
+    ("a_rows", "k", "groups"),
+    [(16, 2048, 1), (16, 16384, 1), (32, 7168, 1), (64, 16384, 1), (16, 7168, 4), (64, 7168, 2)],
+)
+def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_spills(a_rows, k, groups):
     fp8 = torch.empty(64, k, dtype=torch.float8_e4m3fn)
     signature = {
         "a_desc": descriptor_type(fp8, [a_rows, 128], gl.float8e4nv),
@@ -83,9 +86,12 @@ def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_
         "c_ptr": "*bf16",
         "as_ptr": "*fp32",
         "bs_ptr": "*fp32",
+        "parts_ptr": "*fp32",
+        "count_ptr": "*i32",
     } | dict.fromkeys(("M", "N", "stride_cm"), "i32")
-    constants = gemm_gluon.FEW_ROWS_SCHEDULE | {"K_BLOCKS": k // 128, "FACTORS": triton.next_power_of_2(k // 128)}
-    constants["PDL"] = gemm_gluon.PDL
+    k_blocks = k // 128
+    constants = gemm_gluon.FEW_ROWS_SCHEDULE | {"K_BLOCKS": k_blocks, "FACTORS": triton.next_power_of_2(k_blocks)}
+    constants |= {"PDL": gemm_gluon.PDL, "K_GROUPS": groups, "PULL": gemm_gluon.few_rows_pull(k_blocks, groups, a_rows)}
     in_flight = constants["IN_FLIGHT"]
     kernel = compile_sm90(
         gemm_gluon.fp8_gemm_few_rows, signature, constants, {"num_warps": 4, "enable_fp_fusion": True}
@@ -97,26 +103,42 @@ def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_
     assert ("griddepcontrol.wait" in ptx) == gemm_gluon.PDL  # launched with PDL: waits for the previous kernel
     assert "setmaxnreg.dec" in ptx  # the copying warp is specialized
     assert "fma.rn.f32" in ptx  # acc + part * factor in one rounding, as the Triton kernels
+    # K groups: each counts in when its products are stored (release) and waits for the others (acquire)
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == ("ld.global.gpu.acquire" in ptx) == (groups > 1)
     assert kernel.metadata.shared <= MAX_SHARED
     report = ptxas_report(ptx)
     assert "Used" in report and "C7514" not in report
     assert set(re.findall(r"(\d+) bytes stack frame", report)) == {"0"}
 
 
-def test_few_rows_grid_takes_the_fewest_rows_of_a_whose_grid_fits_the_sms():
-    assert gemm_gluon.few_rows_grid(16, 7168, 132) == (16, 112)
-    assert gemm_gluon.few_rows_grid(17, 7168, 132) == (32, 112)
-    assert gemm_gluon.few_rows_grid(64, 4096, 132) == (32, 128)
-    assert gemm_gluon.few_rows_grid(64, 7168, 132) == (64, 112)  # 32 rows: 224 programs
-    assert gemm_gluon.few_rows_grid(192, 2112, 132) == (64, 99)
-    assert gemm_gluon.few_rows_grid(192, 7168, 132) == (64, 336)  # none fits: 64 rows
+def test_few_rows_grid_takes_the_fewest_rows_of_a_whose_grid_fits_the_sms_then_the_most_k_groups():
+    assert gemm_gluon.few_rows_grid(16, 7168, 2048, 132) == (16, 1, 112)
+    assert gemm_gluon.few_rows_grid(17, 7168, 2048, 132) == (32, 1, 112)
+    assert gemm_gluon.few_rows_grid(64, 4096, 7168, 132) == (32, 1, 128)
+    assert gemm_gluon.few_rows_grid(64, 7168, 2048, 132) == (64, 1, 112)  # 32 rows: 224 programs
+    assert gemm_gluon.few_rows_grid(192, 2112, 7168, 132) == (64, 1, 99)
+    assert gemm_gluon.few_rows_grid(192, 7168, 7168, 132) == (64, 1, 336)  # none fits: 64 rows
+    assert gemm_gluon.few_rows_grid(1, 2112, 7168, 132) == (16, 4, 132)  # 4 K groups of 14 blocks
+    assert gemm_gluon.few_rows_grid(8, 2112, 7168, 132) == (16, 4, 132)
+    assert gemm_gluon.few_rows_grid(9, 2112, 7168, 132) == (16, 1, 33)  # past FEW_GROUPS_MAX_M
+    assert gemm_gluon.few_rows_grid(1, 4096, 7168, 132) == (16, 1, 64)  # 4 groups: 256 programs
+    assert gemm_gluon.few_rows_grid(1, 2112, 1024, 132) == (16, 1, 33)  # 8 K blocks: no groups of fewer than 8
+    assert gemm_gluon.few_rows_grid(1, 2112, 6400, 132) == (16, 1, 33)  # 50 K blocks: 4 do not divide them
+
+
+def test_few_rows_pull_divides_the_k_blocks_within_the_register_budget():
+    assert gemm_gluon.few_rows_pull(56, 4, 16) == 56  # a quarter of 64 x 16 products: 2 registers a block
+    assert gemm_gluon.few_rows_pull(56, 2, 16) == 28
+    assert gemm_gluon.few_rows_pull(56, 4, 32) == 28
+    assert gemm_gluon.few_rows_pull(56, 2, 64) == 8
+    assert gemm_gluon.few_rows_pull(50, 2, 16) == 25
 
 
 def test_few_rows_supports_where_its_grid_fits_the_sms_once_and_fills_enough_of_them(on_hopper, monkeypatch):
     """On 132 SMs, up to 192 rows: in both modes DeepSeek-V3's (7168, *) projections up to 64 rows (then 224
     programs), (4096, 7168) up to 128 rows and (2112, 7168) from 33 to 192 rows (66 to 132 programs); in
-    batch-invariant mode also (2112, 7168) up to 32 rows (33 programs), where the default mode's split over K is
-    faster."""
+    batch-invariant mode also (2112, 7168) up to 32 rows (33 output tiles; 4 K groups up to 8 rows), where the
+    default mode's split over K is faster."""
     monkeypatch.setattr(gemm_gluon, "num_sms", lambda *_: 132)
     bf16 = torch.bfloat16
     takes = lambda m, n, k: gemm_gluon.few_rows_supports(*_operands(m, n, k), out_dtype=bf16, bias=None)
@@ -130,6 +152,7 @@ def test_few_rows_supports_where_its_grid_fits_the_sms_once_and_fills_enough_of_
             assert takes(33, 2112, 1024) and takes(192, 2112, 1024)
             assert not takes(193, 2112, 1024)
             assert takes(1, 2112, 1024) == takes(32, 2112, 1024) == invariant
+            assert takes(1, 2112, 7168) == takes(8, 2112, 7168) == takes(32, 2112, 7168) == invariant
     a, w = _operands(4, 7168, 1024)
     assert gemm_gluon.few_rows_supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)  # quantised first
     assert not gemm_gluon.few_rows_supports(a, w, out_dtype=torch.float32, bias=None)

@@ -30,6 +30,8 @@ K it gives the unsplit bits in both modes; it serves where its grid fits the SMs
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -349,6 +351,7 @@ def supports(a, w, *, out_dtype, bias) -> bool:
 # --- a few rows: the weight's rows as wgmma's M ---------------------------------------------------------------------
 
 W_ROWS = gl.constexpr(64)  # weight rows per program (wgmma's M)
+ARRIVALS = gl.constexpr(4)  # what a launch with K groups adds to each tile's counter: K_GROUPS must divide it
 
 
 @gluon.jit
@@ -362,60 +365,159 @@ def _few_a_row(M, A_ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _few_producer(a_desc, b_desc, a_s, b_s, ready, empty, M, K_BLOCKS: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the program's rows of A and its 64 weight rows, K block by K block, into the ring of stages."""
+def _few_producer(a_desc, b_desc, a_s, b_s, ready, empty, M, GROUP_BLOCKS: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the program's rows of A and its 64 weight rows, K block by K block of its group, into the ring of
+    stages."""
     row = gl.program_id(0) * W_ROWS
     a_row = _few_a_row(M, a_desc.block_type.shape[0])
+    k0 = gl.program_id(2) * GROUP_BLOCKS
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    for kb in range(K_BLOCKS):
-        stage = kb % STAGES
-        mbarrier.wait(empty.index(stage), ((kb // STAGES) & 1) ^ 1)
+    for i in range(GROUP_BLOCKS):
+        stage = i % STAGES
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
         mbarrier.expect(bar, nbytes)
-        TMA_LOAD(a_desc, [a_row, kb * BK], bar, a_s.index(stage))
-        TMA_LOAD(b_desc, [row, kb * BK], bar, b_s.index(stage))
+        TMA_LOAD(a_desc, [a_row, (k0 + i) * BK], bar, a_s.index(stage))
+        TMA_LOAD(b_desc, [row, (k0 + i) * BK], bar, b_s.index(stage))
 
 
 @gluon.jit
-def _few_product(a_s, b_s, ready, kb, STAGES: gl.constexpr, zero):
-    """K block ``kb``'s 128-deep product of the program's weight rows and rows of A, from zero, issued once its stage
-    is ready (not waited for)."""
-    stage = kb % STAGES
-    mbarrier.wait(ready.index(stage), (kb // STAGES) & 1)
-    return warpgroup_mma(b_s.index(stage), a_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _few_blocks(a_s, b_s, f_s, ready, empty, acc, first, BLOCKS: gl.constexpr, STAGES: gl.constexpr, zero, cols):
-    """``acc`` plus K blocks ``first + [0, BLOCKS)``: their products issued together, waited for together, then each
-    scaled and added in K order."""
+def _few_products(a_s, b_s, ready, empty, first, BLOCKS: gl.constexpr, STAGES: gl.constexpr, zero):
+    """The program's K blocks ``first + [0, BLOCKS)`` (counted from its group's first): their 128-deep products of
+    the weight rows and rows of A, each from zero, issued once their stages are ready (not waited for)."""
     parts = ()
     for j in gl.static_range(BLOCKS):
-        parts = parts + (_few_product(a_s, b_s, ready, first + j, STAGES, zero),)  # noqa: RUF005 (no * in Gluon)
-    factors = ()
-    for j in gl.static_range(BLOCKS):
-        factors = factors + (gl.expand_dims(f_s.index(first + j).load(cols), 0),)  # noqa: RUF005
+        stage = (first + j) % STAGES
+        mbarrier.wait(ready.index(stage), ((first + j) // STAGES) & 1)
+        part = warpgroup_mma(b_s.index(stage), a_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        parts = parts + (part,)  # noqa: RUF005 (no * in Gluon)
+    return parts
+
+
+@gluon.jit
+def _few_done(parts, empty, first, BLOCKS: gl.constexpr, STAGES: gl.constexpr):
+    """``parts`` waited for together (no product is in flight while another's registers are read, so ptxas keeps
+    the wgmma instructions asynchronous), their stages freed."""
     parts = warpgroup_mma_wait(0, deps=parts)
     if BLOCKS == 1:
         parts = (parts,)
     for j in gl.static_range(BLOCKS):
         mbarrier.arrive(empty.index((first + j) % STAGES), count=1)
+    return parts
+
+
+@gluon.jit
+def _few_blocks(a_s, b_s, f_s, ready, empty, acc, first, BLOCKS: gl.constexpr, STAGES: gl.constexpr, zero, cols):
+    """``acc`` plus K blocks ``first + [0, BLOCKS)`` of the first group: their products issued together, waited for
+    together, then each scaled and added in K order."""
+    parts = _few_products(a_s, b_s, ready, empty, first, BLOCKS, STAGES, zero)
+    factors = ()
+    for j in gl.static_range(BLOCKS):
+        factors = factors + (gl.expand_dims(f_s.index(first + j).load(cols), 0),)  # noqa: RUF005
+    parts = _few_done(parts, empty, first, BLOCKS, STAGES)
     for j in gl.static_range(BLOCKS):
         acc = acc + parts[j] * factors[j]
     return acc
 
 
 @gluon.jit
-def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr,
-                  STAGES: gl.constexpr, FACTORS: gl.constexpr, A_ROWS: gl.constexpr,
-                  IN_FLIGHT: gl.constexpr):  # fmt: skip
+def _few_hand_over(a_s, b_s, ready, empty, parts_ptr, first, BLOCKS: gl.constexpr, STAGES: gl.constexpr, zero,
+                   offs, mask):  # fmt: skip
+    """The group's K blocks ``first + [0, BLOCKS)``: their products, unscaled, to ``parts_ptr`` (one [A_ROWS, 64]
+    fp32 block each, from the group's first)."""
+    parts = _few_done(_few_products(a_s, b_s, ready, empty, first, BLOCKS, STAGES, zero), empty, first, BLOCKS, STAGES)
+    for j in gl.static_range(BLOCKS):
+        gl.store(parts_ptr + (first + j) * (W_ROWS * zero.shape[1]) + offs, parts[j], mask=mask)
+
+
+@gluon.jit
+def _few_take_over(f_s, parts_ptr, acc, kb, PULL: gl.constexpr, offs, mask):
+    """``acc`` plus K blocks ``kb + [0, PULL)`` of the stored products (``parts_ptr``): loaded together, then each
+    scaled and added in K order."""
+    parts = ()
+    for j in gl.static_range(PULL):
+        ptr = parts_ptr + (kb + j) * (W_ROWS * acc.shape[0]) + offs
+        parts = parts + (gl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg"),)  # noqa: RUF005
+    for j in gl.static_range(PULL):
+        factor = f_s.index(kb + j).load(gl.SliceLayout(1, acc.type.layout))
+        acc = acc + parts[j] * gl.expand_dims(factor, 1)
+    return acc
+
+
+@gluon.jit
+def _few_chain(a_s, b_s, f_s, ready, empty, c_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
+               IN_FLIGHT: gl.constexpr, zero, a_row):  # fmt: skip
+    """One K group: every K block's product chained in registers, in K order; C stored."""
+    mma: gl.constexpr = zero.type.layout
+    cols: gl.constexpr = gl.SliceLayout(0, mma)
+    acc = zero
+    for kb in range(0, K_BLOCKS - K_BLOCKS % IN_FLIGHT, IN_FLIGHT):
+        acc = _few_blocks(a_s, b_s, f_s, ready, empty, acc, kb, IN_FLIGHT, STAGES, zero, cols)
+    if K_BLOCKS % IN_FLIGHT > 0:
+        acc = _few_blocks(a_s, b_s, f_s, ready, empty, acc, K_BLOCKS - K_BLOCKS % IN_FLIGHT, K_BLOCKS % IN_FLIGHT,
+                          STAGES, zero, cols)  # fmt: skip
+    offs_n = gl.program_id(0) * W_ROWS + gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
+    offs_m = a_row + gl.arange(0, zero.shape[1], layout=cols)
+    mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
+    out = c_ptr + gl.expand_dims(offs_m, 0) * stride_cm + gl.expand_dims(offs_n, 1)
+    gl.store(out, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _few_share(a_s, b_s, f_s, ready, empty, parts_ptr, count_ptr, c_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr,
+               STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, K_GROUPS: gl.constexpr, PULL: gl.constexpr, zero,
+               a_row):  # fmt: skip
+    """K group g of ``K_GROUPS``: its blocks' products to the tile's stored products ([K_BLOCKS, A_ROWS, 64] fp32,
+    weight rows inner), counted in at the tile's counter; once every group has counted in, weight rows
+    64 g / K_GROUPS + [0, 64 / K_GROUPS) chained over every K block in K order from the stored products, ``PULL``
+    blocks loaded at once, and stored to C. The counter only grows: each launch adds ``ARRIVALS`` to it, so the
+    groups wait for the next multiple of it above the count they found."""
+    mma: gl.constexpr = zero.type.layout
+    A_ROWS: gl.constexpr = zero.shape[1]
+    GROUP_BLOCKS: gl.constexpr = K_BLOCKS // K_GROUPS
+    SHARE: gl.constexpr = W_ROWS // K_GROUPS
+    g = gl.program_id(2)
+    tile = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+    parts_ptr += tile * (K_BLOCKS * W_ROWS * A_ROWS)
+    count = count_ptr + tile
+    cols = gl.arange(0, A_ROWS, layout=gl.SliceLayout(0, mma))
+    offs = gl.expand_dims(cols, 0) * W_ROWS + gl.expand_dims(gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma)), 1)
+    valid = gl.expand_dims(a_row + cols < M, 0)
+    mine = parts_ptr + g * (GROUP_BLOCKS * W_ROWS * A_ROWS)
+    for i in range(0, GROUP_BLOCKS - GROUP_BLOCKS % IN_FLIGHT, IN_FLIGHT):
+        _few_hand_over(a_s, b_s, ready, empty, mine, i, IN_FLIGHT, STAGES, zero, offs, valid)
+    if GROUP_BLOCKS % IN_FLIGHT > 0:
+        _few_hand_over(a_s, b_s, ready, empty, mine, GROUP_BLOCKS - GROUP_BLOCKS % IN_FLIGHT,
+                       GROUP_BLOCKS % IN_FLIGHT, STAGES, zero, offs, valid)  # fmt: skip
+    BARRIER()  # every thread's stores before the count, which releases them at GPU scope
+    old = gl.atomic_add(count, ARRIVALS // K_GROUPS, sem="acq_rel", scope="gpu").to(gl.uint32, bitcast=True)
+    target = old - old % ARRIVALS + ARRIVALS  # modulo 2^32, as the counter wraps
+    seen = old + ARRIVALS // K_GROUPS
+    while (seen - target).to(gl.int32, bitcast=True) < 0:
+        seen = gl.atomic_add(count, 0, sem="acquire", scope="gpu").to(gl.uint32, bitcast=True)
+    # this group's share of the weight rows, [A_ROWS, SHARE], weight rows inner as stored
+    share: gl.constexpr = gl.BlockedLayout([1, 1], [32 // SHARE, SHARE], [4, 1], [1, 0])
+    ms = a_row + gl.arange(0, A_ROWS, layout=gl.SliceLayout(1, share))
+    ns = g * SHARE + gl.arange(0, SHARE, layout=gl.SliceLayout(0, share))
+    offs = gl.expand_dims(ms - a_row, 1) * W_ROWS + gl.expand_dims(ns, 0)
+    valid = gl.expand_dims(ms < M, 1)
+    acc = gl.zeros([A_ROWS, SHARE], gl.float32, share)
+    for kb in range(0, K_BLOCKS, PULL):
+        acc = _few_take_over(f_s, parts_ptr, acc, kb, PULL, offs, valid)
+    ns += gl.program_id(0) * W_ROWS
+    out = c_ptr + gl.expand_dims(ms, 1) * stride_cm + gl.expand_dims(ns, 0)
+    gl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid & gl.expand_dims(ns < N, 0))
+
+
+@gluon.jit
+def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, parts_ptr, count_ptr, M, N, stride_cm,
+                  K_BLOCKS: gl.constexpr, STAGES: gl.constexpr, FACTORS: gl.constexpr, A_ROWS: gl.constexpr,
+                  IN_FLIGHT: gl.constexpr, K_GROUPS: gl.constexpr, PULL: gl.constexpr):  # fmt: skip
     """One warpgroup: the [64, A_ROWS] tile of C^T = B A^T. Every K block's factor ``a_scale * b_scale`` first, into
     shared memory (``f_s``, [FACTORS >= K_BLOCKS, A_ROWS]); then per K block a 128-deep product from zero, and
     ``acc + part * factor`` in K order: ``gemm._swapped_product``'s arithmetic. ``IN_FLIGHT`` blocks' products run
-    at once (waited for together: no product is in flight while another's registers are read, so ptxas keeps the
-    wgmma instructions asynchronous)."""
+    at once. With ``K_GROUPS`` > 1 the products go through global memory (``_few_share``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, A_ROWS, 32])
-    cols: gl.constexpr = gl.SliceLayout(0, mma)
     b_block = gl.program_id(0) * W_ROWS // BK
     a_row = _few_a_row(M, A_ROWS)
     table: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
@@ -428,29 +530,28 @@ def _few_consumer(a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stri
     BARRIER()
     f_s = plain_rows(f_s, [FACTORS, A_ROWS])
     zero = gl.zeros([W_ROWS, A_ROWS], gl.float32, mma)
-    acc = zero
-    for kb in range(0, K_BLOCKS - K_BLOCKS % IN_FLIGHT, IN_FLIGHT):
-        acc = _few_blocks(a_s, b_s, f_s, ready, empty, acc, kb, IN_FLIGHT, STAGES, zero, cols)
-    if K_BLOCKS % IN_FLIGHT > 0:
-        acc = _few_blocks(a_s, b_s, f_s, ready, empty, acc, K_BLOCKS - K_BLOCKS % IN_FLIGHT, K_BLOCKS % IN_FLIGHT,
-                          STAGES, zero, cols)  # fmt: skip
-    offs_n = gl.program_id(0) * W_ROWS + gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
-    offs_m = a_row + gl.arange(0, A_ROWS, layout=cols)
-    mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
-    out = c_ptr + gl.expand_dims(offs_m, 0) * stride_cm + gl.expand_dims(offs_n, 1)
-    gl.store(out, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    if K_GROUPS > 1:
+        _few_share(a_s, b_s, f_s, ready, empty, parts_ptr, count_ptr, c_ptr, M, N, stride_cm, K_BLOCKS, STAGES,
+                   IN_FLIGHT, K_GROUPS, PULL, zero, a_row)  # fmt: skip
+    else:
+        _few_chain(a_s, b_s, f_s, ready, empty, c_ptr, M, N, stride_cm, K_BLOCKS, STAGES, IN_FLIGHT, zero, a_row)
 
 
 @gluon.jit
-def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS: gl.constexpr,
-                      STAGES: gl.constexpr, FACTORS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      IN_FLIGHT: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, parts_ptr, count_ptr, M, N, stride_cm,
+                      K_BLOCKS: gl.constexpr, STAGES: gl.constexpr, FACTORS: gl.constexpr,
+                      PRODUCER_REGS: gl.constexpr, IN_FLIGHT: gl.constexpr, K_GROUPS: gl.constexpr,
+                      PULL: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
     """C[M, N] (bf16, row stride ``stride_cm``) = A[M, K] @ B[N, K]^T, A scales [M, K/128], B scales [ceil(N/128),
-    K/128], K = 128 K_BLOCKS: program (p, q) computes weight rows 64 p + [0, 64) against R rows of A from
+    K/128], K = 128 K_BLOCKS: program (p, q, g) computes weight rows 64 p + [0, 64) against R rows of A from
     ``_few_a_row`` (R q, the last tile ending at row M), R the rows of ``a_desc``'s box (wgmma's N: 16, 32, 64 or
-    128), one warp copying the K blocks by TMA ``STAGES`` ahead of one multiplying warpgroup (launched with 4 warps,
-    to which the copying warp adds 1). The bits of ``gemm._gemm_swapped_kernel`` unsplit. ``PDL``: launched early,
-    it waits for the previous kernel first."""
+    128), over K group g (``K_GROUPS`` equal runs of K blocks), one warp copying the K blocks by TMA ``STAGES`` ahead
+    of one multiplying warpgroup (launched with 4 warps, to which the copying warp adds 1). With ``K_GROUPS`` > 1,
+    each group stores its blocks' products to ``parts_ptr`` (fp32, [tiles, K_BLOCKS, R, 64]) and counts in at
+    ``count_ptr`` (int32 per tile, a multiple of ``ARRIVALS`` between launches); then each chains its share of the
+    tile's weight rows over every K block from them, ``PULL`` blocks loaded at once. Every program of the grid must
+    be resident at once (each waits for its tile's other groups). The bits of ``gemm._gemm_swapped_kernel``
+    unsplit, whatever ``K_GROUPS``. ``PDL``: launched early, it waits for the previous kernel first."""
     launch_dependents(PDL)
     wait_previous(PDL)
     A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
@@ -465,9 +566,9 @@ def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_
     fence_async_shared()
     gl.warp_specialize(
         [
-            (_few_consumer, (a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, stride_cm, K_BLOCKS, STAGES,
-                             FACTORS, A_ROWS, IN_FLIGHT)),
-            (_few_producer, (a_desc, b_desc, a_s, b_s, ready, empty, M, K_BLOCKS, STAGES)),
+            (_few_consumer, (a_s, b_s, f_s, ready, empty, c_ptr, as_ptr, bs_ptr, parts_ptr, count_ptr, M, N,
+                             stride_cm, K_BLOCKS, STAGES, FACTORS, A_ROWS, IN_FLIGHT, K_GROUPS, PULL)),
+            (_few_producer, (a_desc, b_desc, a_s, b_s, ready, empty, M, K_BLOCKS // K_GROUPS, STAGES)),
         ],
         [1],
         [PRODUCER_REGS],
@@ -484,30 +585,79 @@ MAX_FEW_K, FEW_MAX_M = 32768, 192
 # programs the default mode's split over K is faster. In batch-invariant mode, whose other launches do not split K,
 # from a fifth of the SMs on (benchmarks/gluon_gemm_few.py, RESULTS.md thirty-seventh session).
 FEW_MIN_SHARE, FEW_MIN_SHARE_INVARIANT = 0.4, 0.2
+# K groups per output tile, up to FEW_GROUPS_MAX_M rows: the most of FEW_K_GROUPS that divide the K blocks, leave each
+# group at least FEW_GROUP_BLOCKS of them and keep the grid within the SMs (each must divide ARRIVALS). Beyond 8 rows
+# the products' round trip through global memory costs more than the shorter chain saves; 2 groups never paid
+# (benchmarks/gluon_gemm_few.py, RESULTS.md thirty-eighth session). Stored products loaded at once by a group: up to
+# FEW_PULL_REGS fp32 per thread.
+FEW_K_GROUPS, FEW_GROUPS_MAX_M, FEW_GROUP_BLOCKS, FEW_PULL_REGS = (4,), 8, 8, 128
+FEW_COUNT_SLOTS = 16  # sets of per-tile counters, taken in turn, so that launches on concurrent streams do not share
 
 
-def few_rows_grid(m: int, n: int, sms: int) -> tuple[int, int]:
-    """(rows of A per program, programs) of an [m, n] output: the fewest ``FEW_A_ROWS`` above 16 rows whose grid
-    fits ``sms`` (else 64)."""
+def few_rows_grid(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(rows of A per program, K groups, programs) of an [m, n] output over K = ``k``: the fewest ``FEW_A_ROWS``
+    above 16 rows whose grid of output tiles fits ``sms`` (else 64); up to ``FEW_GROUPS_MAX_M`` rows, the most
+    ``FEW_K_GROUPS`` that still fit (else 1)."""
     tiles = triton.cdiv(n, W_ROWS.value)
     sizes = FEW_A_ROWS[:1] if m <= FEW_A_ROWS[0] else FEW_A_ROWS[1:]
     a_rows = next((r for r in sizes if tiles * triton.cdiv(m, r) <= sms), sizes[-1])
-    return a_rows, tiles * triton.cdiv(m, a_rows)
+    tiles *= triton.cdiv(m, a_rows)
+    k_blocks = k // FP8_BLOCK
+    fits = (g for g in FEW_K_GROUPS if k_blocks % g == 0 and k_blocks // g >= FEW_GROUP_BLOCKS and tiles * g <= sms)
+    groups = next(fits, 1) if m <= FEW_GROUPS_MAX_M else 1
+    return a_rows, groups, tiles * groups
 
 
-def launch_few_rows(a: QTensor, w: QTensor, schedule: dict | None = None, a_rows: int | None = None) -> torch.Tensor:
+def few_rows_pull(k_blocks: int, groups: int, a_rows: int) -> int:
+    """Stored products each group loads at once: the most K blocks that divide ``k_blocks`` and fit
+    ``FEW_PULL_REGS`` registers per thread (a group's share of a product is ``a_rows`` x 64 / ``groups`` fp32 over
+    128 threads)."""
+    per_block = max(a_rows * W_ROWS.value // groups // 128, 1)
+    return max(p for p in range(1, k_blocks + 1) if k_blocks % p == 0 and p * per_block <= FEW_PULL_REGS)
+
+
+_few_counts: dict[int, torch.Tensor] = {}
+_few_launches = itertools.count()
+
+
+def _count_slot(device: torch.device) -> torch.Tensor | None:
+    """This launch's per-tile counters (int32, made zero): one of ``FEW_COUNT_SLOTS`` sets in turn. None inside a
+    CUDA graph capture before they were made outside one (the launch then keeps one K group: the same bits)."""
+    index = device.index or 0
+    if index not in _few_counts:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _few_counts[index] = torch.zeros(FEW_COUNT_SLOTS, num_sms(index), dtype=torch.int32, device=device)
+    return _few_counts[index][next(_few_launches) % FEW_COUNT_SLOTS]
+
+
+def launch_few_rows(
+    a: QTensor, w: QTensor, schedule: dict | None = None, a_rows: int | None = None, groups: int | None = None
+) -> torch.Tensor:
     """``a`` [M, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N], in programs
-    of 64 weight rows by ``a_rows`` rows of A (16, 32, 64 or 128; by default ``few_rows_grid``'s)."""
+    of 64 weight rows by ``a_rows`` rows of A (16, 32, 64 or 128) over ``groups`` K groups (by default
+    ``few_rows_grid``'s)."""
     m, k = a.shape
     n = w.shape[0]
-    a_rows = a_rows or few_rows_grid(m, n, num_sms(a.data.device.index or 0))[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
+    device = a.data.device
+    rows, k_groups, _ = few_rows_grid(m, n, k, num_sms(device.index or 0))
+    a_rows, k_groups = a_rows or rows, groups or k_groups
     k_blocks = k // FP8_BLOCK
-    fp8_gemm_few_rows[(triton.cdiv(n, W_ROWS.value), triton.cdiv(m, a_rows))](
+    programs = triton.cdiv(n, W_ROWS.value) * triton.cdiv(m, a_rows) * k_groups
+    if k_blocks % k_groups or (k_groups > 1 and programs > num_sms(device.index or 0)):
+        raise ValueError(f"{k_groups} K groups: {k_blocks} K blocks in equal groups, {programs} programs at once")
+    counts = _count_slot(device)
+    if counts is None:
+        k_groups, counts = 1, torch.empty(1, dtype=torch.int32, device=device)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    grid = (triton.cdiv(n, W_ROWS.value), triton.cdiv(m, a_rows), k_groups)
+    parts = torch.empty(grid[0] * grid[1] * k_blocks * a_rows * W_ROWS.value if k_groups > 1 else 1, device=device)
+    fp8_gemm_few_rows[grid](
         tma_descriptor(a.data.contiguous(), [a_rows, FP8_BLOCK], gl.float8e4nv),
         tma_descriptor(w.data.contiguous(), [W_ROWS.value, FP8_BLOCK], gl.float8e4nv),
-        out, a.scale.contiguous(), w.scale.contiguous(), m, n, out.stride(0),
-        K_BLOCKS=k_blocks, FACTORS=triton.next_power_of_2(k_blocks), **(schedule or FEW_ROWS_SCHEDULE), num_warps=4,
+        out, a.scale.contiguous(), w.scale.contiguous(), parts, counts, m, n,
+        out.stride(0), K_BLOCKS=k_blocks, FACTORS=triton.next_power_of_2(k_blocks), K_GROUPS=k_groups,
+        PULL=few_rows_pull(k_blocks, k_groups, a_rows), **(schedule or FEW_ROWS_SCHEDULE), num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the Triton kernels
         PDL=PDL, launch_pdl=PDL,
     )  # fmt: skip
@@ -521,12 +671,15 @@ def gemm_fp8_few_rows(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
 
 def few_rows_supports(a, w, *, out_dtype, bias) -> bool:
     """``_fp8_operands``, K at most ``MAX_FEW_K``, at most ``FEW_MAX_M`` rows, and a grid (``few_rows_grid``) that
-    fits the SMs and gives more than ``FEW_MIN_SHARE`` of them a program (``FEW_MIN_SHARE_INVARIANT`` in
-    batch-invariant mode)."""
+    fits the SMs and gives more than ``FEW_MIN_SHARE_INVARIANT`` of them a program in batch-invariant mode; in the
+    default mode, more than ``FEW_MIN_SHARE`` of them an output tile (K groups do not count: at 4-8 rows the split
+    over K was faster, RESULTS.md thirty-eighth session)."""
     a_data = a.data if isinstance(a, QTensor) else a
     m = a_data.shape[0]
     if not (_fp8_operands(a, w, out_dtype, bias) and 1 <= m <= FEW_MAX_M and w.shape[1] <= MAX_FEW_K):
         return False
     sms = num_sms(a_data.device.index or 0)
-    share = FEW_MIN_SHARE_INVARIANT if batch_invariant_enabled() else FEW_MIN_SHARE
-    return share * sms < few_rows_grid(m, w.shape[0], sms)[1] <= sms
+    _, groups, programs = few_rows_grid(m, w.shape[0], w.shape[1], sms)
+    if batch_invariant_enabled():
+        return FEW_MIN_SHARE_INVARIANT * sms < programs <= sms
+    return FEW_MIN_SHARE * sms < programs // groups and programs <= sms
