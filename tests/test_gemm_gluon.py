@@ -134,6 +134,16 @@ def test_few_rows_pull_divides_the_k_blocks_within_the_register_budget():
     assert gemm_gluon.few_rows_pull(50, 2, 16) == 25
 
 
+def test_launch_few_rows_refuses_k_groups_that_could_wait_forever(monkeypatch):
+    """Every K group waits for its tile's others: a grid beyond the SMs could hang, unequal groups would lose blocks."""
+    monkeypatch.setattr(gemm_gluon, "num_sms", lambda *_: 132)
+    a, w = _operands(1, 4096, 7168)
+    with pytest.raises(ValueError, match=r"groups=4: .* got 256 programs"):
+        gemm_gluon.launch_few_rows(a, w, groups=4)
+    with pytest.raises(ValueError, match="groups=3: expected a divisor of the 56 K blocks"):
+        gemm_gluon.launch_few_rows(*_operands(1, 2112, 7168), groups=3)
+
+
 def test_few_rows_supports_where_its_grid_fits_the_sms_once_and_fills_enough_of_them(on_hopper, monkeypatch):
     """On 132 SMs, up to 192 rows: in both modes DeepSeek-V3's (7168, *) projections up to 64 rows (then 224
     programs), (4096, 7168) up to 128 rows and (2112, 7168) from 33 to 192 rows (66 to 132 programs); in

@@ -25,7 +25,10 @@ conformance checks rows alone against the batch), so batch-invariant mode takes 
 blocks by TMA eight stages ahead, one warpgroup multiplying two K blocks at a time (both products in flight, then
 each scaled and added in K order), every block's scale factor computed first into shared memory. Without a split over
 K it gives the unsplit bits in both modes; it serves where its grid fits the SMs once and fills enough of them
-(``few_rows_supports``; benchmarks/RESULTS.md, thirty-seventh session).
+(``few_rows_supports``; benchmarks/RESULTS.md, thirty-seventh session). Up to 8 rows, where few weight tiles leave
+most SMs idle, batch-invariant mode runs it in K groups: each group's program multiplies a quarter of the K blocks and
+stores the products, then chains a quarter of the tile's weight rows over all of them in K order (the same bits;
+thirty-eighth session).
 """
 
 from __future__ import annotations
@@ -382,7 +385,7 @@ def _few_producer(a_desc, b_desc, a_s, b_s, ready, empty, M, GROUP_BLOCKS: gl.co
 
 
 @gluon.jit
-def _few_products(a_s, b_s, ready, empty, first, BLOCKS: gl.constexpr, STAGES: gl.constexpr, zero):
+def _few_products(a_s, b_s, ready, first, BLOCKS: gl.constexpr, STAGES: gl.constexpr, zero):
     """The program's K blocks ``first + [0, BLOCKS)`` (counted from its group's first): their 128-deep products of
     the weight rows and rows of A, each from zero, issued once their stages are ready (not waited for)."""
     parts = ()
@@ -408,9 +411,9 @@ def _few_done(parts, empty, first, BLOCKS: gl.constexpr, STAGES: gl.constexpr):
 
 @gluon.jit
 def _few_blocks(a_s, b_s, f_s, ready, empty, acc, first, BLOCKS: gl.constexpr, STAGES: gl.constexpr, zero, cols):
-    """``acc`` plus K blocks ``first + [0, BLOCKS)`` of the first group: their products issued together, waited for
-    together, then each scaled and added in K order."""
-    parts = _few_products(a_s, b_s, ready, empty, first, BLOCKS, STAGES, zero)
+    """``acc`` plus K blocks ``first + [0, BLOCKS)``: their products issued together, waited for together, then each
+    scaled and added in K order."""
+    parts = _few_products(a_s, b_s, ready, first, BLOCKS, STAGES, zero)
     factors = ()
     for j in gl.static_range(BLOCKS):
         factors = factors + (gl.expand_dims(f_s.index(first + j).load(cols), 0),)  # noqa: RUF005
@@ -425,7 +428,7 @@ def _few_hand_over(a_s, b_s, ready, empty, parts_ptr, first, BLOCKS: gl.constexp
                    offs, mask):  # fmt: skip
     """The group's K blocks ``first + [0, BLOCKS)``: their products, unscaled, to ``parts_ptr`` (one [A_ROWS, 64]
     fp32 block each, from the group's first)."""
-    parts = _few_done(_few_products(a_s, b_s, ready, empty, first, BLOCKS, STAGES, zero), empty, first, BLOCKS, STAGES)
+    parts = _few_done(_few_products(a_s, b_s, ready, first, BLOCKS, STAGES, zero), empty, first, BLOCKS, STAGES)
     for j in gl.static_range(BLOCKS):
         gl.store(parts_ptr + (first + j) * (W_ROWS * zero.shape[1]) + offs, parts[j], mask=mask)
 
@@ -591,7 +594,7 @@ FEW_MIN_SHARE, FEW_MIN_SHARE_INVARIANT = 0.4, 0.2
 # (benchmarks/gluon_gemm_few.py, RESULTS.md thirty-eighth session). Stored products loaded at once by a group: up to
 # FEW_PULL_REGS fp32 per thread.
 FEW_K_GROUPS, FEW_GROUPS_MAX_M, FEW_GROUP_BLOCKS, FEW_PULL_REGS = (4,), 8, 8, 128
-FEW_COUNT_SLOTS = 16  # sets of per-tile counters, taken in turn, so that launches on concurrent streams do not share
+FEW_COUNT_SLOTS = 16  # sets of per-tile counters, taken in turn: launches on concurrent streams do not share one
 
 
 def few_rows_grid(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
@@ -640,12 +643,16 @@ def launch_few_rows(
     m, k = a.shape
     n = w.shape[0]
     device = a.data.device
-    rows, k_groups, _ = few_rows_grid(m, n, k, num_sms(device.index or 0))
+    sms = num_sms(device.index or 0)
+    rows, k_groups, _ = few_rows_grid(m, n, k, sms)
     a_rows, k_groups = a_rows or rows, groups or k_groups
     k_blocks = k // FP8_BLOCK
     programs = triton.cdiv(n, W_ROWS.value) * triton.cdiv(m, a_rows) * k_groups
-    if k_blocks % k_groups or (k_groups > 1 and programs > num_sms(device.index or 0)):
-        raise ValueError(f"{k_groups} K groups: {k_blocks} K blocks in equal groups, {programs} programs at once")
+    if k_blocks % k_groups or (k_groups > 1 and programs > sms):  # every group waits for its tile's others
+        raise ValueError(
+            f"launch_few_rows: groups={k_groups}: expected a divisor of the {k_blocks} K blocks whose grid fits "
+            f"{sms} SMs, got {programs} programs"
+        )
     counts = _count_slot(device)
     if counts is None:
         k_groups, counts = 1, torch.empty(1, dtype=torch.int32, device=device)
