@@ -6,9 +6,8 @@ few rows (one CUDA GPU).
 For every DeepSeek-V3 projection and M = 1 ... 192: graph times (four input sets in turn, more bytes than L2 holds)
 of ``ops.gemm`` in the default and in batch-invariant mode (with the Gluon kernel where ``gemm`` takes it), of the
 unsplit Triton launch (swapped up to 16 rows), of the default mode's Triton launch (split over K where its rule
-says), and of the Gluon kernel with 16, 32 and 64 rows of A per program
-over 1, 2 or 4 K groups (where the grid fits the SMs); whether each Gluon result equals the unsplit launch's bit for
-bit.
+says), and of the Gluon kernel with 16, 32 and 64 rows of A per program over 1, 2 or 4 K groups (where the grid fits
+the SMs); whether each Gluon result equals the unsplit launch's bit for bit.
 """
 
 from __future__ import annotations
