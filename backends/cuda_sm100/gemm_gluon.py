@@ -623,15 +623,16 @@ _few_counts: dict[int, torch.Tensor] = {}
 _few_launches = itertools.count()
 
 
-def _count_slot(device: torch.device) -> torch.Tensor | None:
-    """This launch's per-tile counters (int32, made zero): one of ``FEW_COUNT_SLOTS`` sets in turn. None inside a
-    CUDA graph capture before they were made outside one (the launch then keeps one K group: the same bits)."""
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """The device's per-tile counters of K groups, [FEW_COUNT_SLOTS, SMs] int32 made zero, one row per launch in
+    turn. None inside a CUDA graph capture before a launch outside one made them (the launch then keeps one K group:
+    the same bits)."""
     index = device.index or 0
     if index not in _few_counts:
         if torch.cuda.is_current_stream_capturing():
             return None
         _few_counts[index] = torch.zeros(FEW_COUNT_SLOTS, num_sms(index), dtype=torch.int32, device=device)
-    return _few_counts[index][next(_few_launches) % FEW_COUNT_SLOTS]
+    return _few_counts[index]
 
 
 def launch_few_rows(
@@ -653,12 +654,16 @@ def launch_few_rows(
             f"launch_few_rows: groups={k_groups}: expected a divisor of the {k_blocks} K blocks whose grid fits "
             f"{sms} SMs, got {programs} programs"
         )
-    counts = _count_slot(device)
+    counts = _counters(device)
     if counts is None:
         k_groups, counts = 1, torch.empty(1, dtype=torch.int32, device=device)
+    elif k_groups > 1:
+        counts = counts[next(_few_launches) % FEW_COUNT_SLOTS]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
     grid = (triton.cdiv(n, W_ROWS.value), triton.cdiv(m, a_rows), k_groups)
-    parts = torch.empty(grid[0] * grid[1] * k_blocks * a_rows * W_ROWS.value if k_groups > 1 else 1, device=device)
+    parts = a.scale  # with one K group neither ``parts`` nor ``counts`` is read
+    if k_groups > 1:
+        parts = torch.empty(grid[0] * grid[1] * k_blocks * a_rows * W_ROWS.value, device=device)
     fp8_gemm_few_rows[grid](
         tma_descriptor(a.data.contiguous(), [a_rows, FP8_BLOCK], gl.float8e4nv),
         tma_descriptor(w.data.contiguous(), [W_ROWS.value, FP8_BLOCK], gl.float8e4nv),
