@@ -135,13 +135,16 @@ def test_few_rows_pull_divides_the_k_blocks_within_the_register_budget():
 
 
 def test_launch_few_rows_refuses_k_groups_that_could_wait_forever(monkeypatch):
-    """Every K group waits for its tile's others: a grid beyond the SMs could hang, unequal groups would lose blocks."""
+    """Every K group waits for its tile's others: a grid beyond the SMs could hang, unequal groups would lose blocks,
+    and a group count that does not divide ``ARRIVALS`` would leave the tile's counter off its multiples."""
     monkeypatch.setattr(gemm_gluon, "num_sms", lambda *_: 132)
     a, w = _operands(1, 4096, 7168)
     with pytest.raises(ValueError, match=r"groups=4: .* got 256 programs"):
         gemm_gluon.launch_few_rows(a, w, groups=4)
-    with pytest.raises(ValueError, match="groups=3: expected a divisor of the 56 K blocks"):
+    with pytest.raises(ValueError, match="groups=3: expected a divisor of 4 and of the 56 K blocks"):
         gemm_gluon.launch_few_rows(*_operands(1, 2112, 7168), groups=3)
+    with pytest.raises(ValueError, match=r"groups=3: .* 48 K blocks"):  # 3 divide the blocks, not the counter's 4
+        gemm_gluon.launch_few_rows(*_operands(1, 2112, 6144), groups=3)
 
 
 def test_few_rows_supports_where_its_grid_fits_the_sms_once_and_fills_enough_of_them(on_hopper, monkeypatch):

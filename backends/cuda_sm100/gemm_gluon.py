@@ -649,10 +649,11 @@ def launch_few_rows(
     a_rows, k_groups = a_rows or rows, groups or k_groups
     k_blocks = k // FP8_BLOCK
     programs = triton.cdiv(n, W_ROWS.value) * triton.cdiv(m, a_rows) * k_groups
-    if k_blocks % k_groups or (k_groups > 1 and programs > sms):  # every group waits for its tile's others
+    # every group waits for its tile's others, and each launch adds ARRIVALS to the tile's counter
+    if k_blocks % k_groups or ARRIVALS.value % k_groups or (k_groups > 1 and programs > sms):
         raise ValueError(
-            f"launch_few_rows: groups={k_groups}: expected a divisor of the {k_blocks} K blocks whose grid fits "
-            f"{sms} SMs, got {programs} programs"
+            f"launch_few_rows: groups={k_groups}: expected a divisor of {ARRIVALS.value} and of the {k_blocks} K "
+            f"blocks whose grid fits {sms} SMs, got {programs} programs"
         )
     counts = _counters(device)
     if counts is None:
