@@ -7,8 +7,8 @@ relative error against the fp32 reference. Lengths up to 100 tokens short of the
 Usage: python3 benchmarks/mla_scores_first.py [--batches 1,2,4,8,16] [--ctx 1024,4096,16384]
 [--formats bf16,fp8_ds_mla] [--set NAME=INT ...] (a constant of ``mla_gluon`` for this run, e.g. VALUES_STAGES=6)
 [--side LABEL=NAME:INT,... ...] (one more scores-first side, timed in turn with the others, with those constants of
-``mla_gluon`` set while it runs) [--profile] (then each kernel's mean device time on the scores-first side, from the
-torch profiler)"""
+``mla_gluon``, or else of ``attention``, set while it runs; ``MLA_SCORES_FIRST_MAX_SHARE:0`` makes it a split-kernel
+side) [--profile] (then each kernel's mean device time on the scores-first side, from the torch profiler)"""
 
 from __future__ import annotations
 
@@ -54,14 +54,14 @@ def main() -> None:
         for _ in range(2):
             for side, (invariant, share, settings) in sides.items():
                 attention.MLA_SCORES_FIRST_MAX_SHARE = share
-                kept = {name: getattr(mla_gluon, name) for name in settings}
+                kept = {name: getattr(_module(name), name) for name in settings}
                 for name, value in settings.items():
-                    setattr(mla_gluon, name, value)
+                    setattr(_module(name), name, value)
                 with batch_invariant(invariant):
                     ms = bench.time_graph_ms(run, sets=3)
                     outs[side] = run(0)
                 for name, value in kept.items():
-                    setattr(mla_gluon, name, value)
+                    setattr(_module(name), name, value)
                 best[side] = min(best.get(side, ms), ms)
         attention.MLA_SCORES_FIRST_MAX_SHARE = shipped
         first = [side for side, (_, share, _) in sides.items() if share]
@@ -78,6 +78,11 @@ def main() -> None:
             with batch_invariant(True):
                 print("   ", _kernel_times(run))
             attention.MLA_SCORES_FIRST_MAX_SHARE = shipped
+
+
+def _module(name: str):
+    """Where a ``--side`` constant lives: ``mla_gluon``, else ``attention``."""
+    return mla_gluon if hasattr(mla_gluon, name) else attention
 
 
 def _kernel_times(run, calls: int = 30) -> str:

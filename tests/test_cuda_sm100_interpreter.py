@@ -449,6 +449,43 @@ def test_mla_decode_one_span_writes_the_merged_result():
     assert out.stdout.split("\n")[:2] == ["bf16 True True True True True", "fp8_ds_mla True True True True True"]
 
 
+MLA_BF16_COPY = """
+import torch, deepinfer
+from deepinfer import ops
+from deepinfer.kv_cache import pack_fp8_ds_mla, unpack_fp8_ds_mla
+from deepinfer_cuda_sm100 import attention
+
+empty = torch.empty
+torch.empty = lambda *a, **k: empty(*a, **k).fill_(7)  # rows the copy must not write stay 7
+g = torch.Generator().manual_seed(1)
+cache = deepinfer.allocate_kv_cache(8, 64, kv_lora_rank=512, rope_dim=64, kv_format="fp8_ds_mla", device="cpu")
+cache.view(8 * 64, -1).copy_(pack_fp8_ds_mla(torch.randn(8 * 64, 576, generator=g).bfloat16() * 30, 512))
+table = torch.randperm(8, generator=g)[:6].view(3, 2).int()
+lens = torch.tensor([100, 0, 128], dtype=torch.int32)
+copy, copy_table = attention._bf16_copy(cache, table, lens, 512, 64)
+want = unpack_fp8_ds_mla(cache.view(8 * 64, -1), 512).bfloat16()
+rows = [(b * 128 + t, int(table[b, t // 64]) * 64 + t % 64) for b in range(3) for t in range(int(lens[b]))]
+print(all(torch.equal(copy[c], want[w]) for c, w in rows), copy_table.tolist())
+print(bool((copy[100:256] == 7).all()))  # past sequence 0's length, and all of sequence 1's
+kw = dict(q=torch.randn(3, 1, 16, 576, generator=g).bfloat16(), softmax_scale=0.1, seq_lens=lens)
+with deepinfer.use("cuda_sm100"):
+    fp8 = ops.mla_decode(kv_cache=cache, block_table=table, kv_format="fp8_ds_mla", **kw)
+    bf16 = ops.mla_decode(kv_cache=copy.view(6, 64, 576), block_table=copy_table, kv_format="bf16", **kw)
+print(all(torch.equal(a, b) for a, b in zip(fp8, bf16)))
+"""
+
+
+def test_mla_decode_bf16_copy_of_an_fp8_cache_is_exact():
+    """``attention._bf16_copy`` (batch-invariant mode's fp8_ds_mla cache where the Gluon split kernel runs in latent
+    halves): each sequence's tokens below its length, dequantised exactly as ``unpack_fp8_ds_mla`` does, at row
+    ``sequence * reach + position``; rows past the length are not written; ``mla_decode`` over the copy as a bf16
+    cache gives the fp8_ds_mla cache's bits."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", MLA_BF16_COPY], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["True [[0, 1], [2, 3], [4, 5]]", "True", "True"]
+
+
 def setup_rank() -> None:
     deepinfer.use("cuda_sm100")
     from deepinfer_cuda_sm100 import moe

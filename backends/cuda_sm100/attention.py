@@ -67,6 +67,10 @@ MLA_HALVES_MAX_SHARE = 0.5
 # program. On the H200 at 2-16 programs it takes 0.23-0.70x of the split kernel's time; at 32, 0.96-0.98x with bf16
 # and 0.72-0.75x with fp8_ds_mla (``benchmarks/mla_scores_first.py``, RESULTS.md thirty-fifth session).
 MLA_SCORES_FIRST_MAX_SHARE = 0.25
+# Batch-invariant mode, fp8_ds_mla cache, where the Gluon split kernel runs in latent halves: both programs of a pair
+# would dequantise every block of the span, so the latent is dequantised once into a bf16 copy of the rows' tokens
+# first (``_bf16_copy``; exact: e4m3 times a power of two) and the kernel reads the copy as a bf16 cache.
+MLA_FP8_COPY = True
 
 
 @triton.jit
@@ -354,10 +358,14 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     if MLA_GLUON and mla_gluon is not None and mla_gluon.takes(q, kv_cache, kv_lora_rank, kv_format, tma):
         programs = batch * s_q * head_blocks * n_splits
         args = (q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page)
+        halves = programs <= MLA_HALVES_MAX_SHARE * sms
         if invariant and programs <= MLA_SCORES_FIRST_MAX_SHARE * sms:
             mla_gluon.launch_scores_first(*args)
         else:
-            mla_gluon.launch_split(*args, halves=programs <= MLA_HALVES_MAX_SHARE * sms)
+            if invariant and halves and fp8 and MLA_FP8_COPY:
+                copy, copy_table = _bf16_copy(kv_cache, block_table, seq_lens, kv_lora_rank, rope_dim)
+                args = (q, copy, copy_table, *args[3:])
+            mla_gluon.launch_split(*args, halves=halves)
     else:
         _mla_split_kernel[(batch * s_q, head_blocks, n_splits)](
             q,
@@ -398,6 +406,78 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
             part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits), CHUNK=8, launch_pdl=PDL
         )
     return out, lse
+
+
+@triton.jit
+def _bf16_copy_kernel(
+    cache_ptr,
+    cache_f32_ptr,
+    cache_bf16_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    copy_ptr,
+    stride_table,
+    reach,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    WIDTH: tl.constexpr,
+    PAGE: tl.constexpr,
+    ROPE_AT: tl.constexpr,
+    GH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Tokens ``BLOCK_N * program_id(1) + [0, BLOCK_N)`` of sequence ``program_id(0)``, those below its length, from
+    fp8_ds_mla records to bf16 rows of ``copy`` (latent, then rope), at row ``sequence * reach + position``."""
+    pdl_wait()
+    b = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    length = tl.load(seq_lens_ptr + b)
+    if n0 >= length:
+        return
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < length
+    page = tl.load(table_ptr + b.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
+    slot = page.to(tl.int64) * PAGE + pos % PAGE
+    c0, c1, k_rope = _load_block(
+        None, None, cache_ptr, cache_f32_ptr, cache_bf16_ptr, slot, slot, valid, WIDTH, L, R, ROPE_AT, GH, True, False
+    )
+    LH: tl.constexpr = L // 2
+    row = copy_ptr + (b.to(tl.int64) * reach + pos)[:, None] * (L + R)
+    tl.store(row + tl.arange(0, LH)[None, :], c0, mask=valid[:, None])
+    tl.store(row + LH + tl.arange(0, LH)[None, :], c1, mask=valid[:, None])
+    tl.store(row + L + tl.arange(0, R)[None, :], k_rope, mask=valid[:, None])
+
+
+def _bf16_copy(kv_cache, block_table, seq_lens, kv_lora_rank: int, rope_dim: int):
+    """The tokens of each sequence of an fp8_ds_mla cache as a bf16 cache of their own, and its block table: sequence
+    ``b``'s pages are ``b * pages + [0, pages)`` (``pages`` = the table's width). Rows past a sequence's length are
+    left unwritten; the split kernels never read them unmasked. The values are ``unpack_fp8_ds_mla``'s, exactly."""
+    batch, pages = block_table.shape
+    page = kv_cache.shape[1]
+    reach = pages * page
+    copy = torch.empty(batch * pages, page, kv_lora_rank + rope_dim, dtype=torch.bfloat16, device=kv_cache.device)
+    flat = kv_cache.view(-1)
+    block_n = MLA_TILE["BLOCK_N"]
+    _bf16_copy_kernel[(batch, triton.cdiv(reach, block_n))](
+        flat,
+        flat.view(torch.float32),
+        flat.view(torch.bfloat16),
+        block_table,
+        seq_lens,
+        copy,
+        block_table.stride(0),
+        reach,
+        L=kv_lora_rank,
+        R=rope_dim,
+        WIDTH=kv_cache.shape[2],
+        PAGE=page,
+        ROPE_AT=(kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP)) // 2,
+        GH=max(kv_lora_rank // 2 // FP8_GROUP, 1),
+        BLOCK_N=block_n,
+        launch_pdl=PDL,
+    )
+    table = torch.arange(batch * pages, dtype=block_table.dtype, device=block_table.device).view(batch, pages)
+    return copy.view(batch * reach, -1), table
 
 
 def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format) -> bool:
