@@ -69,8 +69,11 @@ MLA_HALVES_MAX_SHARE = 0.5
 MLA_SCORES_FIRST_MAX_SHARE = 0.25
 # Batch-invariant mode, fp8_ds_mla cache, where the Gluon split kernel runs in latent halves: both programs of a pair
 # would dequantise every block of the span, so the latent is dequantised once into a bf16 copy of the rows' tokens
-# first (``_bf16_copy``; exact: e4m3 times a power of two) and the kernel reads the copy as a bf16 cache.
+# first (``_bf16_copy``; exact: e4m3 times a power of two) and the kernel reads the copy as a bf16 cache. On the H200
+# at 48-64 programs: 1.1-1.3x the default mode against 1.2-1.6x (RESULTS.md, thirty-ninth session). Tokens per
+# program of the copy: 32 and 16 took 0.95-0.98x the time of 64 and 128.
 MLA_FP8_COPY = True
+MLA_FP8_COPY_TOKENS = 32
 
 
 @triton.jit
@@ -457,7 +460,7 @@ def _bf16_copy(kv_cache, block_table, seq_lens, kv_lora_rank: int, rope_dim: int
     reach = pages * page
     copy = torch.empty(batch * pages, page, kv_lora_rank + rope_dim, dtype=torch.bfloat16, device=kv_cache.device)
     flat = kv_cache.view(-1)
-    block_n = MLA_TILE["BLOCK_N"]
+    block_n = MLA_FP8_COPY_TOKENS
     _bf16_copy_kernel[(batch, triton.cdiv(reach, block_n))](
         flat,
         flat.view(torch.float32),
