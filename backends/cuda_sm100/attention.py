@@ -10,7 +10,9 @@ is at most 256 wide) and reads whole 64-token blocks of a page by TMA copies; th
 gathered with masks. On Hopper, DeepSeek-V3's shapes (bf16 or fp8_ds_mla cache) go to the warp-specialized Gluon
 split kernel in ``mla_gluon`` instead (same partial outputs, same merge, same direct output); at a few rows in
 batch-invariant mode, the scores are computed first over the whole context in parallel, then their softmax, then
-each span's P x V (``mla_gluon.launch_scores_first``, the same bits).
+each span's P x V (``mla_gluon.launch_scores_first``, the same bits). Where the Gluon kernel runs in latent halves
+in batch-invariant mode, an fp8_ds_mla cache is first dequantised once into a bf16 copy of the rows' tokens
+(``_bf16_copy``), which the kernel reads as a bf16 cache (the same bits again).
 """
 
 from __future__ import annotations
