@@ -367,7 +367,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
         if invariant and programs <= MLA_SCORES_FIRST_MAX_SHARE * sms:
             mla_gluon.launch_scores_first(*args)
         else:
-            if invariant and halves and fp8 and MLA_FP8_COPY:
+            if invariant and halves and fp8 and MLA_FP8_COPY:  # at most 66 spans of 2048 tokens: 156 MB of copy
                 copy, copy_table = _bf16_copy(kv_cache, block_table, seq_lens, kv_lora_rank, rope_dim)
                 args = (q, copy, copy_table, *args[3:])
             mla_gluon.launch_split(*args, halves=halves)
