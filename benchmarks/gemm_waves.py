@@ -3,7 +3,9 @@
 cuBLAS at row counts around it, names the kernel it runs, and times the product split in two launches by rows: the
 first a whole number of waves, the second the rest (each checked against the dequantised product): both by cuBLAS,
 or the first by cuBLAS straight into the output's first rows and the rest by the Triton kernel split over K
-(``tail split S``), so that the rest's few tiles spread over the SMs instead of taking a whole tile's time.
+(``tail split S``), so that the rest's few tiles spread over the SMs instead of taking a whole tile's time; or the
+rest by the few-row Gluon kernel (``rest few rows``; both: ``first + few rows``, what ``gemm`` runs there since the
+thirty-ninth session, ``gemm_gluon.gemm_fp8_cublas_waves``).
 
     python3 benchmarks/gemm_waves.py OUT.json [NxK,...] [M,...]    (on the GPU)
 """
@@ -19,7 +21,7 @@ import torch
 from gemm_tiles import SETS, fp8_peak_tflops, inputs, rel_err
 
 from deepinfer.bench import time_graph_ms
-from deepinfer_cuda_sm100 import gemm
+from deepinfer_cuda_sm100 import gemm, gemm_gluon
 from deepinfer_cuda_sm100._triton import num_sms
 
 
@@ -74,6 +76,13 @@ def row(m: int, n: int, k: int, peak: float) -> dict:
 
     sides = {"whole": lambda i: cublas(a[i], w[i]), "split": split,
              "first": lambda i: cublas(halves[0][i], w[i]), "rest": lambda i: cublas(halves[1][i], w[i])}  # fmt: skip
+    if gemm_gluon.cublas_whole_waves(m, n, k, num_sms()) == first:
+        sides |= {
+            "rest few rows": lambda i: gemm_gluon.launch_few_rows(halves[1][i], w[i], out=out[first:]),
+            "first + few rows": lambda i: gemm_gluon.gemm_fp8_cublas_waves(
+                a[i], w[i], out_dtype=torch.bfloat16, bias=None
+            ),
+        }
     for parts in (4, 8, 14):
         sides |= {
             f"tail split {parts}": partial(tail, parts=parts),
@@ -89,7 +98,7 @@ def row(m: int, n: int, k: int, peak: float) -> dict:
             result[name] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"M={m} N={n} K={k} {name}: {result[name]}", flush=True)
             continue
-        rows = m if whole else (first if name == "first" else m - first)
+        rows = m if whole else (first if name == "first" else m - first)  # "rest few rows": timed, not checked
         result[name] = {"ms": ms, "rel_err": err, "pct_peak": 2 * rows * n * k / ms / 1e9 / peak}
         print(f"M={m} N={n} K={k} {name} ({rows} rows): {ms:.4f} ms, {result[name]['pct_peak']:.0%} of peak"
               + (f", rel err {err:.1e}" if err is not None else ""), flush=True)  # fmt: skip
@@ -101,7 +110,7 @@ def row(m: int, n: int, k: int, peak: float) -> dict:
 def main() -> int:
     given = sys.argv[2] if len(sys.argv) > 2 else "2112x7168"
     shapes = [tuple(int(d) for d in shape.split("x")) for shape in given.split(",")]
-    rows = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 else [3840, 3968, 4096, 4352, 8192]
+    rows = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1024, 2048, 3072, 3968, 4096, 8192]
     peak = fp8_peak_tflops()
     print(f"FP8 peak (same run): {peak:.0f} TFLOP/s", flush=True)
     report = {"device": torch.cuda.get_device_name(), "fp8_peak_tflops": peak, "rows": []}

@@ -170,3 +170,26 @@ def test_few_rows_supports_where_its_grid_fits_the_sms_once_and_fills_enough_of_
     assert gemm_gluon.few_rows_supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)  # quantised first
     assert not gemm_gluon.few_rows_supports(a, w, out_dtype=torch.float32, bias=None)
     assert not gemm_gluon.few_rows_supports(a, w, out_dtype=bf16, bias=torch.zeros(7168, dtype=bf16))
+
+
+def test_cublas_takes_the_rows_of_whole_waves_and_the_few_row_kernel_the_rest(on_hopper, monkeypatch):
+    """On 132 SMs cuBLAS's 128 x 128 tiles of (2112, 7168) at 1024 rows make 1.03 waves: 896 rows (one wave less a
+    tile) go to cuBLAS and the other 128 to the few-row kernel (132 programs); likewise at 2048 and 3072 rows, not
+    from 4 waves on (4096 rows), nor where the rest's grid would be as sparse as the few-row rule declines, the waves
+    are whole (2976 rows is 2.99 waves: the rest would be 1024 rows), below one wave, where the rest's grid would not
+    fit the SMs ((7168, 2048), (24576, 1536)), or where the short-K kernel serves."""
+    monkeypatch.setattr(gemm_gluon, "num_sms", lambda *_: 132)
+    monkeypatch.setattr(gemm_gluon, "cublas_fp8_supports", lambda a, w, **kw: True)  # stands in for cuBLAS
+    waves = lambda m, n, k: gemm_gluon.cublas_whole_waves(m, n, k, 132)
+    assert [waves(m, 2112, 7168) for m in (1024, 2048, 3072, 4096)] == [896, 1920, 2944, 0]
+    assert waves(3026, 2112, 7168) == 2944  # a rest of 82 rows: 99 programs
+    assert waves(2976, 2112, 7168) == 0  # a rest of 32 rows: 33 programs, where the default mode splits K instead
+    assert waves(2944, 2112, 7168) == waves(256, 2112, 7168) == 0
+    assert waves(2048, 7168, 2048) == waves(2048, 24576, 1536) == waves(2048, 7168, 16384) == 0
+    bf16 = torch.bfloat16
+    takes = lambda m, n, k: gemm_gluon.cublas_waves_supports(*_operands(m, n, k), out_dtype=bf16, bias=None)
+    assert takes(2048, 2112, 7168) and not takes(2944, 2112, 7168) and not takes(2048, 7168, 2048)
+    assert waves(2048, 2112, 512) == 1920 and not takes(2048, 2112, 512)  # the short-K kernel's
+    a, w = _operands(2048, 2112, 7168)
+    assert gemm_gluon.cublas_waves_supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)
+    assert not gemm_gluon.cublas_waves_supports(a, w, out_dtype=torch.float32, bias=None)

@@ -490,9 +490,10 @@ def gemm_fp8(a, w, *, out_dtype, bias, invariant: bool = False):
 CUBLAS_FP8_MIN_M = 256  # below, the Triton kernel (split over K where the GPU would idle) is faster
 
 
-def gemm_fp8_cublas(a, w, *, out_dtype, bias):
+def gemm_fp8_cublas(a, w, *, out_dtype, bias, out: torch.Tensor | None = None):
     """cuBLAS block-scaled FP8 through torch's ``scaled_mm`` (1x128 activation and 128x128 weight scales, fp32
-    accumulation); not batch-invariant. cuBLAS takes row counts that are multiples of 4: rows are padded."""
+    accumulation); not batch-invariant. cuBLAS takes row counts that are multiples of 4: rows are padded. ``out``
+    (rows a multiple of 4): written in place, through the out form of the op behind ``scaled_mm``."""
     qa = _as_fp8(a, w)
     m, pad = qa.shape[0], -qa.shape[0] % 4
     data, scale = qa.data.contiguous(), qa.scale
@@ -501,6 +502,11 @@ def gemm_fp8_cublas(a, w, *, out_dtype, bias):
         scale = F.pad(scale, (0, 0, 0, pad))
     scale_a = scale.t().contiguous().t()  # cuBLAS reads activation scales outer-dim-major
     recipe = F.ScalingType
+    if out is not None:
+        return torch._scaled_mm_v2(
+            data, w.data.t(), [scale_a], [recipe.BlockWise1x128.value], [], [w.scale.t()],
+            [recipe.BlockWise128x128.value], [], None, out_dtype, [], False, out=out,
+        )  # fmt: skip
     out = F.scaled_mm(
         data, w.data.t(), scale_a, recipe.BlockWise1x128, w.scale.t(), recipe.BlockWise128x128, output_dtype=out_dtype
     )

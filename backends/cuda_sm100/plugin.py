@@ -58,9 +58,19 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("silu_and_mul", "triton", activation.silu_and_mul, activation.supports),
         _impl("sample", "triton", sampling.sample, sampling.supports),
     ]
-    if gemm_gluon is not None:  # the unsplit Triton kernel's bits: batch-invariant mode takes them too
+    if gemm_gluon is not None:  # the first two give the unsplit Triton kernel's bits: batch-invariant mode takes them
         impls.append(_impl("gemm", "gluon-fp8-ws", gemm_gluon.gemm_fp8, gemm_gluon.supports, priority=4))
         impls.append(
             _impl("gemm", "gluon-fp8-few", gemm_gluon.gemm_fp8_few_rows, gemm_gluon.few_rows_supports, priority=4)
+        )
+        impls.append(
+            _impl(
+                "gemm",
+                "cublas-fp8-waves",
+                gemm_gluon.gemm_fp8_cublas_waves,
+                gemm_gluon.cublas_waves_supports,
+                invariant=False,
+                priority=4,
+            )
         )
     return impls
