@@ -4,8 +4,9 @@ cuBLAS at row counts around it, names the kernel it runs, and times the product 
 first a whole number of waves, the second the rest (each checked against the dequantised product): both by cuBLAS,
 or the first by cuBLAS straight into the output's first rows and the rest by the Triton kernel split over K
 (``tail split S``), so that the rest's few tiles spread over the SMs instead of taking a whole tile's time; or the
-rest by the few-row Gluon kernel (``rest few rows``; both: ``first + few rows``, what ``gemm`` runs there since the
-thirty-ninth session, ``gemm_gluon.gemm_fp8_cublas_waves``).
+rest by the few-row Gluon kernel (``rest few rows``; both: ``first + few rows``, ``gemm_gluon.gemm_fp8_cublas_waves``,
+which ``gemm`` runs up to ``CUBLAS_SPLIT_MAX_WAVES`` whole waves since the thirty-ninth session; timed here at every
+row count where the rest fits the few-row kernel).
 
     python3 benchmarks/gemm_waves.py OUT.json [NxK,...] [M,...]    (on the GPU)
 """
@@ -108,6 +109,7 @@ def row(m: int, n: int, k: int, peak: float) -> dict:
 
 
 def main() -> int:
+    gemm_gluon.CUBLAS_SPLIT_MAX_WAVES = 1 << 30  # the split timed past the waves where ``gemm`` takes it
     given = sys.argv[2] if len(sys.argv) > 2 else "2112x7168"
     shapes = [tuple(int(d) for d in shape.split("x")) for shape in given.split(",")]
     rows = [int(m) for m in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1024, 2048, 3072, 3968, 4096, 8192]
