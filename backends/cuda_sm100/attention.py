@@ -320,6 +320,17 @@ def _split_tokens(programs_per_split: int, context: int, sms: int, invariant: bo
     return split
 
 
+def _rope_at(kv_lora_rank: int, fp8: bool) -> int:
+    """The rope part's first column in a cache record, bf16 units: after the latent, and in an fp8_ds_mla record
+    after its e4m3 bytes and fp32 scales."""
+    return (kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP)) // 2 if fp8 else kv_lora_rank
+
+
+def _half_groups(kv_lora_rank: int) -> int:
+    """fp8_ds_mla scale groups per latent half (``_load_block``'s ``GH``; 1 where a half is narrower than a group)."""
+    return max(kv_lora_rank // 2 // FP8_GROUP, 1)
+
+
 def _mla_tma(records, rope_records, half: int, rope_dim: int, rope_at: int, block_n: int, page: int) -> bool:
     """Whether whole blocks can be read by TMA copies: ``MLA_TMA``, blocks inside a page, boxes of at most 256
     elements a side, 16-byte aligned rows and column offsets."""
@@ -357,7 +368,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     flat = kv_cache.view(-1)
     records = kv_cache.view(-1, kv_cache.shape[2])  # one row per cached token
     rope_records = records.view(torch.bfloat16) if fp8 else records
-    rope_at = (kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP)) // 2 if fp8 else kv_lora_rank
+    rope_at = _rope_at(kv_lora_rank, fp8)
     half = kv_lora_rank // 2
     tma = _mla_tma(records, rope_records, half, rope_dim, rope_at, tile["BLOCK_N"], page)
     if MLA_GLUON and mla_gluon is not None and mla_gluon.takes(q, kv_cache, kv_lora_rank, kv_format, tma):
@@ -396,7 +407,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
             WIDTH=kv_cache.shape[2],
             PAGE=page,
             ROPE_AT=rope_at,
-            GH=max(half // FP8_GROUP, 1),
+            GH=_half_groups(kv_lora_rank),
             FP8=fp8,
             TMA=tma,
             SPLIT=split,
@@ -476,8 +487,8 @@ def _bf16_copy(kv_cache, block_table, seq_lens, kv_lora_rank: int, rope_dim: int
         R=rope_dim,
         WIDTH=kv_cache.shape[2],
         PAGE=page,
-        ROPE_AT=(kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP)) // 2,
-        GH=max(kv_lora_rank // 2 // FP8_GROUP, 1),
+        ROPE_AT=_rope_at(kv_lora_rank, True),
+        GH=_half_groups(kv_lora_rank),
         BLOCK_N=block_n,
         launch_pdl=PDL,
     )
