@@ -24,11 +24,16 @@ def kv_cache_dtype(kv_format: str) -> torch.dtype:
     return torch.bfloat16 if kv_format == "bf16" else torch.uint8
 
 
+def fp8_ds_mla_offsets(kv_lora_rank: int) -> tuple[int, int]:
+    """Byte offsets of the scales and of the rope part in an ``fp8_ds_mla`` record."""
+    return kv_lora_rank, kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP)
+
+
 def kv_cache_width(kv_format: str, kv_lora_rank: int, rope_dim: int) -> int:
     """Size of the cache's last dim (elements of ``kv_cache_dtype``) for one token."""
     if kv_format == "bf16":
         return kv_lora_rank + rope_dim
-    return kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP) + 2 * rope_dim
+    return fp8_ds_mla_offsets(kv_lora_rank)[1] + 2 * rope_dim
 
 
 def kv_format_of(kv_cache: torch.Tensor) -> str:
@@ -82,9 +87,10 @@ def unpack_fp8_ds_mla(packed: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
         # need not be a multiple of the field's element size (odd rope_dim).
         return flat[:, start:stop].clone(memory_format=torch.contiguous_format).view(dtype)
 
-    q = field(0, kv_lora_rank, FP8_DTYPE).float()
-    scale = field(kv_lora_rank, kv_lora_rank + 4 * n_scales, torch.float32)
-    rope = field(kv_lora_rank + 4 * n_scales, None, torch.bfloat16).float()
+    scales_at, rope_at = fp8_ds_mla_offsets(kv_lora_rank)
+    q = field(0, scales_at, FP8_DTYPE).float()
+    scale = field(scales_at, rope_at, torch.float32)
+    rope = field(rope_at, None, torch.bfloat16).float()
     n = flat.shape[0]  # explicit sizes: there may be no record
     c = (q.reshape(n, n_scales, FP8_GROUP) * scale.unsqueeze(-1)).reshape(n, kv_lora_rank)
     return torch.cat([c, rope], dim=1).reshape(*lead, kv_lora_rank + rope.shape[1])

@@ -23,13 +23,12 @@ import math
 
 import torch
 
-from deepinfer.qtensor import round_scale_ue8m0
+from deepinfer.kv_cache import FP8_GROUP, fp8_ds_mla_offsets, pack_fp8_ds_mla
 
 from . import probe
 
 MLA_NOPE, MLA_ROPE = 512, 64
 MLA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
-FP8_GROUP = 128
 FP8 = torch.float8_e4m3fn
 MASK_SIZE = 2048
 INT32_LIMIT = 2**31 - 1
@@ -51,38 +50,22 @@ def causal_mask(device: torch.device) -> torch.Tensor:
 # quantization parameters concatenated along D"). Both are 656 bytes for DeepSeek-V3.
 
 
-def record_offsets(kv_lora_rank: int) -> tuple[int, int]:
-    """Byte offsets of the scales and of the rope part in a core fp8_ds_mla record."""
-    return kv_lora_rank, kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP)
-
-
 def to_ascend_records(records: torch.Tensor, kv_lora_rank: int = MLA_NOPE) -> torch.Tensor:
     """Core ``nope | scales | rope`` records ``[..., width]`` (uint8) -> torch_npu's ``nope | rope | scales``."""
-    s, r = record_offsets(kv_lora_rank)
+    s, r = fp8_ds_mla_offsets(kv_lora_rank)
     return torch.cat([records[..., :s], records[..., r:], records[..., s:r]], dim=-1)
 
 
 def from_ascend_records(records: torch.Tensor, kv_lora_rank: int = MLA_NOPE) -> torch.Tensor:
     """torch_npu's ``nope | rope | scales`` -> the core's ``nope | scales | rope`` (inverse of to_ascend_records)."""
-    scale_bytes = 4 * (kv_lora_rank // FP8_GROUP)
-    rope_end = records.shape[-1] - scale_bytes
-    return torch.cat([records[..., :kv_lora_rank], records[..., rope_end:], records[..., kv_lora_rank:rope_end]], -1)
-
-
-def pack_records(latent: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
-    """``latent [T, R + rope]`` -> core fp8_ds_mla records ``[T, width]`` uint8: per 128 values of c a power-of-two
-    scale ``2^ceil(log2(max(amax, 1e-4) / 448))``, c / scale in e4m3, rope in bf16."""
-    t = latent.shape[0]
-    c = latent[:, :kv_lora_rank].float().reshape(t, kv_lora_rank // FP8_GROUP, FP8_GROUP)
-    scale = round_scale_ue8m0(c.abs().amax(dim=-1).clamp_min(1e-4) / 448.0)
-    data = (c / scale[..., None]).clamp(-448.0, 448.0).to(FP8).reshape(t, kv_lora_rank)
-    rope = latent[:, kv_lora_rank:].to(torch.bfloat16).contiguous()
-    return torch.cat([data.view(torch.uint8), scale.contiguous().view(torch.uint8), rope.view(torch.uint8)], dim=1)
+    s, r = fp8_ds_mla_offsets(kv_lora_rank)
+    rope_end = records.shape[-1] - (r - s)
+    return torch.cat([records[..., :s], records[..., rope_end:], records[..., s:rope_end]], dim=-1)
 
 
 def unpack_records(records: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Core fp8_ds_mla records ``[..., width]`` -> ``(c, k_rope)`` in bf16 (exact: e4m3 x 2^k fits bf16)."""
-    s, r = record_offsets(kv_lora_rank)
+    s, r = fp8_ds_mla_offsets(kv_lora_rank)
     lead = records.shape[:-1]
     data = records[..., :s].contiguous().view(FP8).float()
     scale = records[..., s:r].contiguous().view(torch.float32)
@@ -241,7 +224,7 @@ def write_kv_cache_scatter(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_f
     if kv_format == "bf16":
         updates = rows.to(torch.bfloat16).contiguous()
     else:
-        updates, flat = pack_records(rows, kv_lora_rank).view(torch.int8), flat.view(torch.int8)
+        updates, flat = pack_fp8_ds_mla(rows, kv_lora_rank).view(torch.int8), flat.view(torch.int8)
     npu.npu_scatter_nd_update_(flat, slots.view(-1, 1), updates)
 
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from deepinfer.kv_cache import FP8_GROUP
+from deepinfer.kv_cache import FP8_GROUP, fp8_ds_mla_offsets
 
 from ._triton import (
     INTERPRET,
@@ -323,7 +323,7 @@ def _split_tokens(programs_per_split: int, context: int, sms: int, invariant: bo
 def _rope_at(kv_lora_rank: int, fp8: bool) -> int:
     """The rope part's first column in a cache record, bf16 units: after the latent, and in an fp8_ds_mla record
     after its e4m3 bytes and fp32 scales."""
-    return (kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP)) // 2 if fp8 else kv_lora_rank
+    return fp8_ds_mla_offsets(kv_lora_rank)[1] // 2 if fp8 else kv_lora_rank
 
 
 def _half_groups(kv_lora_rank: int) -> int:

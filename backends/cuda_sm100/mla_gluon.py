@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from deepinfer.kv_cache import FP8_GROUP
+from deepinfer.kv_cache import FP8_GROUP, fp8_ds_mla_offsets
 
 from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, launch_dependents, plain_rows, tma_descriptor, wait_previous
 from ._triton import PDL, hopper, num_sms
@@ -53,7 +53,7 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=
 RIGHT_REGS = 192  # registers per thread of the second warpgroup (its [64, 256] fp32 accumulator takes 128)
 GROUP = gl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
 # the rope part's first column in an fp8_ds_mla record (after the e4m3 latent and its fp32 scales), bf16 units
-ROPE_AT = gl.constexpr((L.value + 4 * (L.value // FP8_GROUP)) // 2)
+ROPE_AT = gl.constexpr(fp8_ds_mla_offsets(L.value)[1] // 2)
 # fp8_ds_mla: a third warpgroup dequantises the cache, CHUNK tokens at a time (loads two chunks ahead of the stores).
 # Registers per thread of the second and the third warpgroup; the first gets the rest of 512 (224).
 FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
