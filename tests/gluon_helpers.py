@@ -44,6 +44,13 @@ def ptxas_report(ptx: str) -> str:
     return done.stdout + done.stderr
 
 
+def wgmma_serialized(report: str) -> bool:
+    """Whether ``ptxas_report`` says ptxas made each wgmma instruction wait for the one before, for any reason: C7514
+    (registers of a product used while it may still run), C7512 (too few registers for products in flight), ... That
+    cost a Gluon GEMM 1.1-1.2x of its time (benchmarks/NOTES.md, twenty-third and fortieth sessions)."""
+    return "wgmma.mma_async instructions are serialized" in report
+
+
 def compile_gemm_sm90(schedule: dict, trace_tiles: int = 0):
     """``gemm_gluon``'s kernel for K = 512 in ``schedule``, compiled as ``gemm_gluon.launch`` compiles it (with a
     trace of ``trace_tiles`` tiles, as ``launch(..., trace=...)``)."""
