@@ -8,10 +8,11 @@ variant's outcome.
     python3 benchmarks/gluon_gemm_ws.py OUT.json        (on the GPU: each side checked against the dequantised product
                                                          and bit for bit against the unsplit kernel, then timed from
                                                          CUDA graphs; M = 4096 on every projection, and two more)
-    python3 benchmarks/gluon_gemm_ws.py OUT.json sweep [M,...] [--rev REV] [--shapes NxK,...]  (over row counts, on
-                                                         the projections gemm gives it, or on the (N, K) given; with
-                                                         the resident schedule as committed at git REV beside the
-                                                         working tree's)
+    python3 benchmarks/gluon_gemm_ws.py OUT.json sweep [M,...] [--rev REV] [--shapes NxK,...] [--rounds R]
+                                                         (over row counts, on the projections gemm gives it, or on
+                                                         the (N, K) given; with the resident schedule as committed
+                                                         at git REV beside the working tree's; every side timed R
+                                                         times, interleaved, default 3)
     python3 benchmarks/gluon_gemm_ws.py OUT.json trace  (the first program's timeline at M = 4096, (32768, 512), from
                                                          the SM's cycle counter: when each consumer's stage was ready
                                                          and its product done, block by block, and each step of its
@@ -53,9 +54,11 @@ def compile_for_sm90(name: str) -> None:
 PROJECTIONS = ((24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168))  # DeepSeek-V3
 
 
-def shape_row(m: int, n: int, k: int, peak: float, variants=VARIANTS) -> dict:
+def shape_row(m: int, n: int, k: int, peak: float, variants=VARIANTS, rounds: int = 3) -> dict:
     """Each side against the dequantised product (and the Gluon kernel bit for bit against the unsplit ``tl``
-    kernel, whose bits batch-invariant mode keeps), then timed from CUDA graphs on the same inputs."""
+    kernel, whose bits batch-invariant mode keeps), then timed from CUDA graphs on the same inputs, ``rounds`` times
+    with the sides interleaved (each round in another order: the board's power limit moves the clock within a run).
+    Per side: the median over rounds, the rounds' spread, and the median of its per-round ratios to cuBLAS."""
     from gemm_tiles import SETS, inputs, rel_err
 
     from deepinfer.bench import time_graph_ms
@@ -70,20 +73,35 @@ def shape_row(m: int, n: int, k: int, peak: float, variants=VARIANTS) -> dict:
         if k <= MAX_RESIDENT_K or not isinstance(v, dict) or not v["RESIDENT"]
     }
     row = {"M": m, "N": n, "K": k}
-    for name, fn in sides.items():
+    for name, fn in list(sides.items()):
         try:
             got = fn(0)
             err = rel_err(got, want)
             same = bool(torch.equal(got.view(torch.int16), unsplit))
-            ms = time_graph_ms(fn, sets=SETS, reps=30) if err < 1e-2 else None
         except Exception as e:  # a variant the compiler or driver refuses is reported, not hidden
             row[name] = f"{type(e).__name__}: {str(e)[:200]}"
             print(f"M={m} N={n} K={k} {name}: {row[name]}", flush=True)
+            del sides[name]
             continue
-        row[name] = {"ms": ms, "rel_err": err, "bits_equal_unsplit": same}
-        tflops = 2 * m * n * k / ms / 1e9 if ms else 0.0
-        print(f"M={m} N={n} K={k} {name}: {ms} ms, {tflops:.0f} TFLOP/s ({tflops / peak:.0%} of peak), "
-              f"rel err {err:.1e}, bits = unsplit: {same}", flush=True)  # fmt: skip
+        row[name] = {"rel_err": err, "bits_equal_unsplit": same, "ms_rounds": []}
+        if err >= 1e-2:
+            print(f"M={m} N={n} K={k} {name}: rel err {err:.1e}, not timed", flush=True)
+            del sides[name]
+    names = list(sides)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            row[name]["ms_rounds"].append(time_graph_ms(sides[name], sets=SETS, reps=30))
+    for name in names:
+        side = row[name]
+        times = side["ms_rounds"]
+        side["ms"] = statistics.median(times)
+        ratios = [c / t for c, t in zip(row["cublas"]["ms_rounds"], times, strict=True)] if "cublas" in sides else []
+        side["vs_cublas"] = statistics.median(ratios) if ratios else None
+        tflops = 2 * m * n * k / side["ms"] / 1e9
+        against = f", {side['vs_cublas']:.2f}x cuBLAS" if ratios else ""
+        print(f"M={m} N={n} K={k} {name}: {side['ms']:.4f} ms ({min(times):.4f}-{max(times):.4f}), {tflops:.0f} "
+              f"TFLOP/s ({tflops / peak:.0%} of peak){against}, rel err {side['rel_err']:.1e}, bits = unsplit: "
+              f"{side['bits_equal_unsplit']}", flush=True)  # fmt: skip
     return row
 
 
@@ -179,9 +197,10 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(), "fp8_peak_tflops": peak, "rows": []}
     print(f"FP8 peak (same run): {peak:.0f} TFLOP/s", flush=True)
     shapes = [(4096, n, k) for n, k in PROJECTIONS] + [(8192, 2112, 7168), (512, 4096, 7168)]
-    variants = VARIANTS
+    variants, rounds = VARIANTS, 3
     if sys.argv[2:3] == ["sweep"]:  # over row counts, where ``gemm`` takes the kernel
         args = sys.argv[3:]
+        rounds = int(_option(args, "--rounds") or rounds)
         if rev := _option(args, "--rev"):
             from ab_against_git import module_at
 
@@ -192,7 +211,7 @@ def main() -> int:
         rows = [int(m) for m in args[0].split(",")] if args else [1024, 2048, 4096, 8192, 16384]
         shapes = [(m, n, k) for n, k in projections for m in rows]
     for m, n, k in shapes:
-        report["rows"].append(shape_row(m, n, k, peak, variants))
+        report["rows"].append(shape_row(m, n, k, peak, variants, rounds))
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
     return 0

@@ -68,24 +68,24 @@ BM = gl.constexpr(192)
 
 
 @gluon.jit
-def _tiles(M, N, RESIDENT: gl.constexpr):
-    """This program's walk over the output tiles: (first, stop, step, column blocks). With resident A, a contiguous
-    run in row-major order, so that the program changes row blocks (and reloads A) once or twice; with streamed A,
-    every ``num_programs``-th tile."""
+def _tiles(M, N, GROUP_M: gl.constexpr):
+    """This program's walk over the output tiles: (first, stop, step, column blocks). ``GROUP_M`` 0: a contiguous run
+    in row-major order, so that the program changes row blocks (and, with resident A, reloads A) once or twice;
+    otherwise every ``num_programs``-th tile."""
     grid_n = gl.cdiv(N, BN)
     tiles = gl.cdiv(M, BM) * grid_n
     pid, programs = gl.program_id(0), gl.num_programs(0)
     first, stop, step = pid, tiles, programs
-    if RESIDENT:
+    if GROUP_M == 0:
         first, stop, step = pid * tiles // programs, (pid + 1) * tiles // programs, 1
     return first, stop, step, grid_n
 
 
 @gluon.jit
-def _tile_coords(tile, M, grid_n, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr):
-    """Tile ``tile``'s (row block, column block): row-major with resident A; otherwise grouped ``GROUP_M`` row blocks
-    at a time, so that the tiles the programs hold at once share their A and B blocks in L2."""
-    if RESIDENT:
+def _tile_coords(tile, M, grid_n, GROUP_M: gl.constexpr):
+    """Tile ``tile``'s (row block, column block): row-major for ``GROUP_M`` 0; otherwise grouped ``GROUP_M`` row
+    blocks at a time, so that the tiles the programs hold at once share their A and B blocks in L2."""
+    if GROUP_M == 0:
         pid_m = tile // grid_n
         pid_n = tile % grid_n
     else:
@@ -98,16 +98,16 @@ def _tile_coords(tile, M, grid_n, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr)
 
 
 @gluon.jit
-def _next_tile(tile, step, pid_m, pid_n, M, grid_n, RESIDENT: gl.constexpr, GROUP_M: gl.constexpr):
-    """The coordinates of the program's tile after ``tile``. With resident A, the next column block: stepping instead
-    of dividing by ``grid_n`` (an ``MUFU.RCP`` sequence on each tile's path) measured 1.02-1.12x (NOTES.md)."""
-    if RESIDENT:
+def _next_tile(tile, step, pid_m, pid_n, M, grid_n, GROUP_M: gl.constexpr):
+    """The coordinates of the program's tile after ``tile``. In a run, the next column block: stepping instead of
+    dividing by ``grid_n`` (an ``MUFU.RCP`` sequence on each tile's path) measured 1.02-1.12x (NOTES.md)."""
+    if GROUP_M == 0:
         pid_n += 1
         if pid_n == grid_n:
             pid_n = 0
             pid_m += 1
     else:
-        pid_m, pid_n = _tile_coords(tile + step, M, grid_n, RESIDENT, GROUP_M)
+        pid_m, pid_n = _tile_coords(tile + step, M, grid_n, GROUP_M)
     return pid_m, pid_n
 
 
@@ -120,11 +120,11 @@ def _producer(a_desc, b_desc, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_
     is done with the previous row block."""
     a_bytes: gl.constexpr = a_desc.block_type.nbytes
     b_bytes: gl.constexpr = b_desc.block_type.nbytes
-    first, stop, step, grid_n = _tiles(M, N, RESIDENT)
+    first, stop, step, grid_n = _tiles(M, N, GROUP_M)
     it = 0
     resident = -1  # the row block whose A is in shared memory
     loads = 0  # how many row blocks of A were loaded
-    pid_m, pid_n = _tile_coords(first, M, grid_n, RESIDENT, GROUP_M)
+    pid_m, pid_n = _tile_coords(first, M, grid_n, GROUP_M)
     for tile in range(first, stop, step):
         for kb in range(K_BLOCKS):
             stage = it % STAGES
@@ -147,7 +147,7 @@ def _producer(a_desc, b_desc, a_s, b_s, a_ready, a_empty, ready, empty, M, N, K_
                         TMA_LOAD(a_desc, [pid_m * BM + c * WG_ROWS, j * BK], a_ready, a_s.index(c * K_BLOCKS + j))
                 resident = pid_m
                 loads += 1
-        pid_m, pid_n = _next_tile(tile, step, pid_m, pid_n, M, grid_n, RESIDENT, GROUP_M)
+        pid_m, pid_n = _next_tile(tile, step, pid_m, pid_n, M, grid_n, GROUP_M)
 
 
 @gluon.jit
@@ -200,11 +200,11 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     zero = gl.zeros([WG_ROWS, BN], gl.float32, mma)
     rows = PART * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, mma))
-    first, stop, step, grid_n = _tiles(M, N, RESIDENT)
+    first, stop, step, grid_n = _tiles(M, N, GROUP_M)
     it = 0
     resident = -1
     loads = 0
-    pid_m, pid_n = _tile_coords(first, M, grid_n, RESIDENT, GROUP_M)
+    pid_m, pid_n = _tile_coords(first, M, grid_n, GROUP_M)
     steps_slot = TRACE_TILES * K_BLOCKS * CONSUMERS * 2 + PART * 6  # traced: each tile's epilogue steps, tile start
     for tile in range(first, stop, step):
         traced = (gl.program_id(0) == 0) & (it < TRACE_TILES * K_BLOCKS)
@@ -239,7 +239,7 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
             mbarrier.arrive(a_empty, count=1, pred=pid_n == grid_n - 1)
         store_slot = steps_slot + (it // K_BLOCKS - 1) * CONSUMERS * 6
         _store(c_desc, c_s, acc, pid_m * BM + PART * WG_ROWS, pid_n * BN, trace_ptr, store_slot, traced, TRACE_TILES)
-        pid_m, pid_n = _next_tile(tile, step, pid_m, pid_n, M, grid_n, RESIDENT, GROUP_M)
+        pid_m, pid_n = _next_tile(tile, step, pid_m, pid_n, M, grid_n, GROUP_M)
     tma.store_wait(0)
 
 
@@ -287,7 +287,7 @@ def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, trace_ptr, K_BLOCK
 # Registers per consumer thread and per producer thread: 3 x 128 x 152 + 32 x 56 of an SM's 64K. Shared memory:
 # 208 KB streamed (4 stages), 224 KB resident at K = 512 (5 stages).
 STREAMED = {"RESIDENT": False, "GROUP_M": 8, "STAGES": 4, "CONSUMER_REGS": 152, "PRODUCER_REGS": 56}
-RESIDENT = STREAMED | {"RESIDENT": True, "STAGES": 5}
+RESIDENT = STREAMED | {"RESIDENT": True, "GROUP_M": 0, "STAGES": 5}
 MIN_M, MAX_K, MAX_RESIDENT_K = 384, 1024, 512  # where it was measured faster than cuBLAS (streamed, 256 rows: 1.02x)
 
 
