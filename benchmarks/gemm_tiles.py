@@ -46,13 +46,19 @@ def rel_err(got, want) -> float:
     return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def fp8_peak_tflops(size: int = 8192) -> float:
-    """The FP8 matmul rate measured here, the ceiling of the GEMM scripts' percentages: a tensor-wise scaled
-    ``scaled_mm`` of ``size``^3, replayed from a CUDA graph."""
+def fp8_ceiling(size: int = 8192):
+    """The product the FP8 ceiling is measured on: ``(fn(i), flops)`` of a tensor-wise scaled ``scaled_mm`` of
+    ``size``^3."""
     x = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
-    ms = time_graph_ms(lambda i: torch._scaled_mm(x, x.t(), one, one, out_dtype=torch.bfloat16), sets=1, reps=20)
-    return 2 * size**3 / ms / 1e9
+    return lambda i: torch._scaled_mm(x, x.t(), one, one, out_dtype=torch.bfloat16), 2 * size**3
+
+
+def fp8_peak_tflops(size: int = 8192) -> float:
+    """The FP8 matmul rate measured here, the ceiling of the GEMM scripts' percentages: ``fp8_ceiling`` replayed from
+    a CUDA graph."""
+    fn, flops = fp8_ceiling(size)
+    return flops / time_graph_ms(fn, sets=1, reps=20) / 1e9
 
 
 def sweep(m: int, n: int, k: int, tiles: list[gemm.Tile]) -> dict:
