@@ -157,3 +157,16 @@ def test_a_wrong_batch_invariant_implementation_fails_its_accuracy(plugins):
     assert invariant and {r.status for r in invariant if not r.case.startswith("T=0 ")} == {"fail"}  # T=0: empty
     assert all(r.detail.startswith("batch-invariant mode") for r in invariant)
     assert {r.status for r in report.results if r.check == "batch_invariance"} == {"pass"}
+
+
+def test_planted_sparse_attention_bugs_fail_where_they_show():
+    report = run_conformance("example_buggy", seed=14, only_ops=["indexer_topk", "sparse_mla"])
+
+    # Ties to the higher position: random scores have no ties and pass within the tolerance of the score gap; the
+    # integer-valued cases, full of exact ties, fail.
+    topk = _by_check(report, "indexer_topk", "accuracy")
+    assert topk and all(s == ("fail" if "exact ties" in c else "pass") for c, s in topk.items()), topk
+
+    # A -1 ending the row: every case shuffles some rows' -1 entries in among their slots, and fails.
+    sparse = _by_check(report, "sparse_mla", "accuracy")
+    assert sparse and set(sparse.values()) == {"fail"}, sparse

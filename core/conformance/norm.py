@@ -1,4 +1,4 @@
-"""Conformance cases for ``rms_norm``."""
+"""Conformance cases for ``rms_norm`` and ``layer_norm``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,25 @@ def _case(tokens: int, hidden: int, residual: bool, dtype=torch.bfloat16) -> Cas
     )
 
 
+def _layer_norm_case(tokens: int, hidden: int, dtype=torch.bfloat16) -> Case:
+    def make(g: Gen):
+        return {
+            "x": g.randn(tokens, hidden, dtype=dtype, scale=3.0) + 2.0,  # an offset the mean must remove
+            "w": g.randn(hidden, dtype=dtype),
+            "b": g.randn(hidden, dtype=dtype),
+            "eps": 1e-6,
+        }
+
+    return Case(
+        "layer_norm",
+        f"T={tokens} H={hidden} {str(dtype).removeprefix('torch.')}",
+        "default",
+        make,
+        sub_batch=lambda kw, rows: (take_rows(kw, ("x",), rows), lambda o: rows_of(o, rows)),
+        batch=lambda kw: kw["x"].shape[0],
+    )
+
+
 def cases(shapes: str) -> list[Case]:
     if shapes == "small":
         return [
@@ -35,8 +54,12 @@ def cases(shapes: str) -> list[Case]:
             _case(64, 512, True),
             _case(0, 64, True),
             _case(5, 64, True, torch.float32),
+            _layer_norm_case(9, 128),
+            _layer_norm_case(3, 40, torch.float32),
+            _layer_norm_case(0, 128),
         ]
-    return [_case(t, h, r) for t in (1, 128, 8192) for h in (7168, 1536, 512) for r in (False, True)]
+    out = [_case(t, h, r) for t in (1, 128, 8192) for h in (7168, 1536, 512) for r in (False, True)]
+    return out + [_layer_norm_case(t, 128) for t in (1, 64, 8192)]
 
 
 def bad_inputs() -> list[BadInput]:
@@ -62,4 +85,22 @@ def bad_inputs() -> list[BadInput]:
             },
         ),
         BadInput("rms_norm", "negative eps", "eps", lambda g: {"x": g.randn(4, 64), "w": g.randn(64), "eps": -1.0}),
+        BadInput(
+            "layer_norm",
+            "bias of the wrong size",
+            "b",
+            lambda g: {"x": g.randn(4, 64), "w": g.randn(64), "b": g.randn(32), "eps": 1e-6},
+        ),
+        BadInput(
+            "layer_norm",
+            "weight of another dtype family",
+            "w",
+            lambda g: {"x": g.randn(4, 64), "w": g.randint(0, 2, 64), "b": g.randn(64), "eps": 1e-6},
+        ),
+        BadInput(
+            "layer_norm",
+            "negative eps",
+            "eps",
+            lambda g: {"x": g.randn(4, 64), "w": g.randn(64), "b": g.randn(64), "eps": -1.0},
+        ),
     ]

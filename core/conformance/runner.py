@@ -16,11 +16,11 @@ import torch
 from .. import dispatch, ops, registry
 from ..errors import FallbackWarning, InputError
 from ..selection import use
-from . import activation, attention, gemm, moe, norm, rope, sampling
+from . import activation, attention, gemm, moe, norm, rope, sampling, sparse_attention
 from .cases import BadInput, Case, Gen, bitwise_equal, error
 from .tolerances import tolerance
 
-FAMILIES = (attention, gemm, moe, norm, rope, activation, sampling)
+FAMILIES = (attention, sparse_attention, gemm, moe, norm, rope, activation, sampling)
 SHAPE_GRIDS = ("small", "full")
 
 

@@ -3,9 +3,10 @@
 | family | ops |
 |---|---|
 | ``attention`` | ``mla_decode``, ``attention_varlen``, ``write_kv_cache`` |
+| ``sparse_attention`` | ``write_index_cache``, ``indexer_topk``, ``sparse_mla`` |
 | ``gemm`` | ``quantize_fp8``, ``gemm``, ``grouped_gemm`` |
 | ``moe`` | ``moe_route``, ``ep_dispatch``, ``ep_combine`` |
-| ``norm`` | ``rms_norm`` |
+| ``norm`` | ``rms_norm``, ``layer_norm`` |
 | ``rope`` | ``rope`` (tables: ``rope_cos_sin_cache``, ``mla_softmax_scale``) |
 | ``activation`` | ``silu_and_mul`` |
 | ``sampling`` | ``sample`` |
@@ -18,14 +19,18 @@ from .activation import silu_and_mul
 from .attention import attention_varlen, mla_decode, write_kv_cache
 from .gemm import gemm, grouped_gemm, quantize_fp8
 from .moe import DispatchHandle, ExpertLayout, ExpertPlacement, ep_combine, ep_dispatch, moe_route
-from .norm import rms_norm
+from .norm import layer_norm, rms_norm
 from .rope import mla_softmax_scale, rope, rope_cos_sin_cache
 from .sampling import sample
+from .sparse_attention import indexer_topk, sparse_mla, write_index_cache
 
 OP_NAMES = (
     "mla_decode",
     "attention_varlen",
     "write_kv_cache",
+    "write_index_cache",
+    "indexer_topk",
+    "sparse_mla",
     "quantize_fp8",
     "gemm",
     "grouped_gemm",
@@ -33,6 +38,7 @@ OP_NAMES = (
     "ep_dispatch",
     "ep_combine",
     "rms_norm",
+    "layer_norm",
     "rope",
     "silu_and_mul",
     "sample",
@@ -48,6 +54,8 @@ __all__ = [
     "ep_dispatch",
     "gemm",
     "grouped_gemm",
+    "indexer_topk",
+    "layer_norm",
     "mla_decode",
     "mla_softmax_scale",
     "moe_route",
@@ -57,5 +65,7 @@ __all__ = [
     "rope_cos_sin_cache",
     "sample",
     "silu_and_mul",
+    "sparse_mla",
+    "write_index_cache",
     "write_kv_cache",
 ]

@@ -12,7 +12,7 @@ from ..kv_cache import FP8_GROUP, KV_FORMATS, kv_cache_dtype, kv_cache_width, kv
 from ..validation import FLOAT_DTYPES, Check, value_checks_enabled
 
 
-def _check_cache(c: Check, kv_cache, kv_format: str | None, kv_lora_rank: int, rope_dim: int) -> str:
+def check_cache(c: Check, kv_cache, kv_format: str | None, kv_lora_rank: int, rope_dim: int) -> str:
     c.tensor("kv_cache", kv_cache, ndim=3)
     fmt = kv_format or kv_format_of(kv_cache)
     c.choice("kv_format", fmt, KV_FORMATS)
@@ -30,6 +30,21 @@ def _check_cache(c: Check, kv_cache, kv_format: str | None, kv_lora_rank: int, r
     if not kv_cache.is_contiguous():
         raise c.fail("kv_cache", "a contiguous tensor", "a non-contiguous view")
     return fmt
+
+
+def check_pages(c: Check, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """seq_lens within the block table, and the page ids of the pages in use inside the cache (a value check: one
+    host synchronisation for both)."""
+    num_blocks, block_size = cache.shape[:2]
+    bounds = [seq_lens.min(), seq_lens.max()]
+    if block_table.shape[1]:  # the used pages' smallest and largest id (int32 limits where a row uses none)
+        used = torch.arange(block_table.shape[1], device=seq_lens.device) * block_size < seq_lens[:, None]
+        limit = torch.iinfo(torch.int32)
+        bounds += [block_table.where(used, limit.max).min(), block_table.where(used, limit.min).max()]
+    values = torch.stack(bounds).tolist()
+    c.bounds_in_range("seq_lens", *values[:2], 0, block_table.shape[1] * block_size, what="lengths")
+    if len(values) == 4 and values[2] <= values[3]:
+        c.bounds_in_range("block_table", *values[2:], 0, num_blocks - 1, what="page ids of used pages")
 
 
 def mla_decode(
@@ -64,7 +79,7 @@ def mla_decode(
     d_qk = q.shape[3]
     if kv_lora_rank >= d_qk:
         raise c.fail("kv_lora_rank", f"less than D_qk = {d_qk} (the last dim of 'q')", str(kv_lora_rank))
-    _check_cache(c, kv_cache, kv_format, kv_lora_rank, d_qk - kv_lora_rank)
+    check_cache(c, kv_cache, kv_format, kv_lora_rank, d_qk - kv_lora_rank)
     batch = q.shape[0]
     c.index("block_table", block_table, ndim=2)
     if block_table.shape[0] != batch:
@@ -73,16 +88,7 @@ def mla_decode(
     c.number("softmax_scale", softmax_scale, low=0.0)
     c.same_device(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
     if value_checks_enabled(q) and batch:
-        num_blocks, block_size = kv_cache.shape[:2]
-        bounds = [seq_lens.min(), seq_lens.max()]
-        if block_table.shape[1]:  # the used pages' smallest and largest id (int32 limits where a row uses none)
-            used = torch.arange(block_table.shape[1], device=q.device) * block_size < seq_lens[:, None]
-            limit = torch.iinfo(torch.int32)
-            bounds += [block_table.where(used, limit.max).min(), block_table.where(used, limit.min).max()]
-        values = torch.stack(bounds).tolist()  # one host synchronisation for both checks
-        c.bounds_in_range("seq_lens", *values[:2], 0, block_table.shape[1] * block_size, what="lengths")
-        if len(values) == 4 and values[2] <= values[3]:
-            c.bounds_in_range("block_table", *values[2:], 0, num_blocks - 1, what="page ids of used pages")
+        check_pages(c, kv_cache, block_table, seq_lens)
     return call(
         "mla_decode",
         q=q,
@@ -160,7 +166,7 @@ def write_kv_cache(
     c.positive_int("kv_lora_rank", kv_lora_rank)
     if kv_lora_rank >= latent.shape[1]:
         raise c.fail("kv_lora_rank", f"less than the latent width {latent.shape[1]}", str(kv_lora_rank))
-    _check_cache(c, kv_cache, kv_format, kv_lora_rank, latent.shape[1] - kv_lora_rank)
+    check_cache(c, kv_cache, kv_format, kv_lora_rank, latent.shape[1] - kv_lora_rank)
     c.index("slot_mapping", slot_mapping, dtype=torch.int64, length=latent.shape[0])
     c.same_device(latent=latent, kv_cache=kv_cache, slot_mapping=slot_mapping)
     if value_checks_enabled(latent) and latent.shape[0]:

@@ -1,4 +1,4 @@
-"""Normalisation ops: ``rms_norm`` (with the fused residual add)."""
+"""Normalisation ops: ``rms_norm`` (with the fused residual add) and ``layer_norm``."""
 
 from __future__ import annotations
 
@@ -27,3 +27,20 @@ def rms_norm(
     c.number("eps", eps, low=0.0)
     c.same_device(x=x, w=w, residual=residual)
     return call("rms_norm", x=x, w=w, eps=float(eps), residual=residual)
+
+
+def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim (DeepSeek-V3.2's indexer-key norm).
+
+    x: ``[..., H]`` float; w, b: ``[H]`` float. ``y = (x - mean(x)) / sqrt(var(x) + eps) * w + b`` with the biased
+    variance, computed in fp32 and returned in x's dtype.
+    """
+    c = Check("layer_norm")
+    c.tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise c.fail("x", "at least 1 dim", "a 0-d tensor")
+    c.tensor("w", w, dtypes=FLOAT_DTYPES, shape=(x.shape[-1],))
+    c.tensor("b", b, dtypes=FLOAT_DTYPES, shape=(x.shape[-1],))
+    c.number("eps", eps, low=0.0)
+    c.same_device(x=x, w=w, b=b)
+    return call("layer_norm", x=x, w=w, b=b, eps=float(eps))

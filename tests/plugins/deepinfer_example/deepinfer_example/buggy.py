@@ -4,6 +4,8 @@
 - ``gemm`` (FP8): every output column uses the weight scale of the first 128-row block of ``w``.
 - ``rms_norm``: batches of 8 rows or more take a "fast path" that sums squares in bf16 chunks, so a row's
   result depends on the batch it came in; yet the implementation claims to be batch-invariant.
+- ``indexer_topk``: tied scores go to the higher position instead of the lower one.
+- ``sparse_mla``: a row's first ``-1`` ends its list, as if valid slots always came first.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import torch
 
 import deepinfer
 from deepinfer import BackendSpec, OpImpl
+from deepinfer.index_cache import read_keys
+from deepinfer.reference import sparse_attention as reference
+from deepinfer.reference.sparse_attention import sequence_slots
 
 from . import correct
 
@@ -43,6 +48,35 @@ def rms_norm(x, w, eps, residual):
     return (h.float() * torch.rsqrt(sum_sq / h.shape[-1] + eps) * w.float()).to(x.dtype), h
 
 
+def indexer_topk(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *, topk):
+    # Sorting the positions back to front turns the lower-position tie-break into a higher-position one.
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
+    block_size, cu, lens = index_cache.shape[1], cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, n in enumerate(lens):
+        for t in range(cu[b], cu[b + 1]):
+            visible = n - (cu[b + 1] - cu[b]) + (t - cu[b]) + 1
+            slots = sequence_slots(block_table[b], visible, block_size)
+            keys = read_keys(index_cache, slots, q.shape[2])
+            scores = (q[t].float() @ keys.T).relu().T @ weights[t]
+            order = torch.sort(scores.flip(0), descending=True, stable=True).indices[:topk]
+            chosen = (visible - 1 - order).sort().values
+            out[t, : chosen.numel()] = slots[chosen].to(torch.int32)
+    return out
+
+
+def sparse_mla(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format):
+    first_gap = torch.where(indices < 0, torch.arange(indices.shape[1]), indices.shape[1]).min(dim=1).values
+    kept = torch.arange(indices.shape[1])[None, :] < first_gap[:, None]
+    return reference.sparse_mla(
+        q,
+        kv_cache,
+        torch.where(kept, indices, -1),
+        softmax_scale=softmax_scale,
+        kv_lora_rank=kv_lora_rank,
+        kv_format=kv_format,
+    )
+
+
 @deepinfer.hookimpl
 def deepinfer_backend() -> BackendSpec:
     return BackendSpec(
@@ -56,4 +90,6 @@ def deepinfer_op_impls() -> list[OpImpl]:
         OpImpl("mla_decode", "example_buggy", "torch", mla_decode),
         OpImpl("gemm", "example_buggy", "torch", gemm, supports=correct.gemm_supports),
         OpImpl("rms_norm", "example_buggy", "torch", rms_norm, batch_invariant=True),
+        OpImpl("indexer_topk", "example_buggy", "torch", indexer_topk),
+        OpImpl("sparse_mla", "example_buggy", "torch", sparse_mla),
     ]
