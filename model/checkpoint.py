@@ -101,6 +101,8 @@ def expected_layout(cfg: ModelConfig) -> dict[str, Expected]:
         if cfg.attention_bias:
             out[a + "kv_a_proj_with_mqa.bias"] = Expected((r + dr,), FLOAT)
             out[a + "o_proj.bias"] = Expected((h,), FLOAT)
+        if cfg.sparse_attention:
+            _indexer(out, a + "indexer.", cfg)
         m = p + "mlp."
         if not cfg.is_moe_layer(layer):
             _mlp(out, m, h, cfg.intermediate_size)
@@ -113,6 +115,16 @@ def expected_layout(cfg: ModelConfig) -> dict[str, Expected]:
         if cfg.n_shared_experts:
             _mlp(out, m + "shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts)
     return out
+
+
+def _indexer(out: dict[str, Expected], prefix: str, cfg: ModelConfig) -> None:
+    """DeepSeek-V3.2's lightning indexer (``weights_proj`` is used in fp32, as transformers keeps it)."""
+    dim = cfg.index_head_dim
+    out[prefix + "wq_b.weight"] = Expected((cfg.index_n_heads * dim, cfg.q_lora_rank), LINEAR)
+    out[prefix + "wk.weight"] = Expected((dim, cfg.hidden_size), LINEAR)
+    out[prefix + "k_norm.weight"] = Expected((dim,), FLOAT)
+    out[prefix + "k_norm.bias"] = Expected((dim,), FLOAT)
+    out[prefix + "weights_proj.weight"] = Expected((cfg.index_n_heads, cfg.hidden_size), FP32)
 
 
 def _mlp(out: dict[str, Expected], prefix: str, hidden: int, inter: int) -> None:

@@ -1,6 +1,8 @@
 """``ModelConfig``: the DeepSeek-V3 family's ``config.json``, read and checked.
 
-Accepted: ``model_type`` ``deepseek_v3`` (``DeepseekV3ForCausalLM``), including V2-Lite-style ``q_lora_rank: null``,
+Accepted: ``model_type`` ``deepseek_v3`` (``DeepseekV3ForCausalLM``) and ``deepseek_v32`` (``DeepseekV32ForCausalLM``:
+DeepSeek-V3 with DeepSeek Sparse Attention, ``index_n_heads`` / ``index_head_dim`` / ``index_topk``; its MLP layer
+types may be listed in ``mlp_layer_types``), including V2-Lite-style ``q_lora_rank: null`` (V3 only),
 dense first layers (``first_k_dense_replace``), group-limited routing (``n_group`` / ``topk_group``), YaRN rope
 (``rope_scaling`` of the hub, or transformers' ``rope_parameters``), FP8 block-scaled weights
 (``quantization_config`` with ``quant_method: fp8`` and ``weight_block_size: [128, 128]``). Anything else is a
@@ -17,8 +19,8 @@ from typing import Any
 
 from .errors import CheckpointError
 
-ARCHITECTURES = ("DeepseekV3ForCausalLM",)
-MODEL_TYPES = ("deepseek_v3",)
+ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+MODEL_TYPES = tuple(ARCHITECTURES)
 FP8_BLOCK = (128, 128)
 
 
@@ -66,6 +68,11 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
     fp8: Fp8Config | None = None
+    model_type: str = "deepseek_v3"
+    index_n_heads: int = 0  # DeepSeek Sparse Attention (deepseek_v32); 0: dense MLA
+    index_head_dim: int = 0
+    index_topk: int = 0
+    mlp_layer_types: tuple[str, ...] | None = None  # "dense" / "sparse" per layer, where config.json lists them
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -77,7 +84,14 @@ class ModelConfig:
         """Values per token in the latent cache: ``kv_lora_rank + qk_rope_head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def sparse_attention(self) -> bool:
+        """Whether attention is DeepSeek Sparse Attention (an indexer per layer picks the tokens attended)."""
+        return self.index_topk > 0
+
     def is_moe_layer(self, layer: int) -> bool:
+        if self.mlp_layer_types is not None and layer < len(self.mlp_layer_types):
+            return self.mlp_layer_types[layer] == "sparse" and self.n_routed_experts > 0
         return layer >= self.first_k_dense_replace and self.n_routed_experts > 0
 
     @classmethod
@@ -102,10 +116,10 @@ class ModelConfig:
 
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type")
-        if model_type not in MODEL_TYPES or (archs and not any(a in ARCHITECTURES for a in archs)):
+        if model_type not in MODEL_TYPES or (archs and ARCHITECTURES[model_type] not in archs):
+            supported = ", ".join(f"model_type {t!r} with {a}" for t, a in ARCHITECTURES.items())
             raise fail(
-                f"unsupported architecture (model_type={model_type!r}, architectures={archs}); "
-                f"supported: model_type {MODEL_TYPES[0]!r} with {ARCHITECTURES[0]}"
+                f"unsupported architecture (model_type={model_type!r}, architectures={archs}); supported: {supported}"
             )
 
         def get(name: str, kind: type, default: Any = None, *, required: bool = False, allow_none: bool = False):
@@ -142,6 +156,12 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
         rope_theta, rope_scaling = _rope(raw, fail)
+        sparse = model_type == "deepseek_v32"
+        layer_types = raw.get("mlp_layer_types")
+        if layer_types is not None and (
+            not isinstance(layer_types, list) or any(t not in ("dense", "sparse") for t in layer_types)
+        ):
+            raise fail(f"mlp_layer_types must be a list of 'dense' / 'sparse', got {layer_types!r}")
         cfg = cls(
             vocab_size=get("vocab_size", int, required=True),
             hidden_size=get("hidden_size", int, required=True),
@@ -174,6 +194,11 @@ class ModelConfig:
             bos_token_id=get("bos_token_id", int, None),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             fp8=_quantization(raw.get("quantization_config"), fail),
+            model_type=model_type,
+            index_n_heads=get("index_n_heads", int, 64) if sparse else 0,
+            index_head_dim=get("index_head_dim", int, 128) if sparse else 0,
+            index_topk=get("index_topk", int, 2048) if sparse else 0,
+            mlp_layer_types=tuple(layer_types) if layer_types is not None else None,
             extra=raw,
         )
         cfg._check(fail)
@@ -196,6 +221,17 @@ class ModelConfig:
                 raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise fail(f"field 'q_lora_rank' must be positive or null, got {self.q_lora_rank}")
+        if self.mlp_layer_types is not None and len(self.mlp_layer_types) != self.num_hidden_layers:
+            n = len(self.mlp_layer_types)
+            raise fail(f"mlp_layer_types lists {n} layers, num_hidden_layers is {self.num_hidden_layers}")
+        if self.sparse_attention:
+            for name in ("index_n_heads", "index_head_dim", "index_topk"):
+                if getattr(self, name) <= 0:
+                    raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
+            if self.q_lora_rank is None:
+                raise fail("deepseek_v32 needs q_lora_rank (its indexer reads the query's low-rank projection)")
+            if not self.qk_rope_head_dim <= self.index_head_dim:
+                raise fail(f"index_head_dim ({self.index_head_dim}) must hold the rope part ({self.qk_rope_head_dim})")
         if self.qk_rope_head_dim % 2:
             raise fail(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.first_k_dense_replace < self.num_hidden_layers and self.n_routed_experts > 0:

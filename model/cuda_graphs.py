@@ -41,14 +41,24 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode steps of ``model`` over ``kv_caches`` for batches up to ``max_batch`` sequences of up to
-    ``max_blocks`` pages each."""
+    """Captured decode steps of ``model`` over ``kv_cache`` (and ``index_cache``, for sparse attention) for batches
+    up to ``max_batch`` sequences of up to ``max_blocks`` pages each."""
 
-    def __init__(self, model: DeepseekV3, kv_caches: list[torch.Tensor], *, max_batch: int, max_blocks: int):
-        self.model, self.kv_caches = model, kv_caches
+    def __init__(
+        self,
+        model: DeepseekV3,
+        kv_cache: torch.Tensor,
+        index_cache: torch.Tensor | None,
+        *,
+        max_batch: int,
+        max_blocks: int,
+    ):
+        self.model = model
+        self.kv_caches = list(kv_cache.unbind(0))
+        self.index_caches = list(index_cache.unbind(0)) if index_cache is not None else None
         self.sizes = buckets(max_batch)
         self.max_blocks = max_blocks
-        dev = kv_caches[0].device
+        dev = kv_cache.device
         # Bucket b's inputs are the first elements of two buffers: [input_ids | slot_mapping] (b each) in `wide`,
         # [positions | seq_lens | block_table (b x max_blocks)] in `narrow`, so one copy each fills them.
         self.wide = torch.zeros(2 * max_batch, dtype=torch.int64, device=dev)
@@ -67,7 +77,8 @@ class DecodeGraphs:
             seq_lens=self.narrow[b : 2 * b],
             moe_mode="low_latency",
         )
-        logits = self.model.compute_logits(self.model.forward(self.wide[:b], batch, self.kv_caches))
+        hidden = self.model.forward(self.wide[:b], batch, self.kv_caches, self.index_caches)
+        logits = self.model.compute_logits(hidden)
         return logits, greedy_tokens(logits)
 
     def capture(self) -> bool:

@@ -1,8 +1,10 @@
-"""The DeepSeek-V3 model on deepinfer ops, and the assembly of its weights from a checked checkpoint.
+"""The DeepSeek-V3 model (and DeepSeek-V3.2) on deepinfer ops, and the assembly of its weights from a checked
+checkpoint.
 
-Forward: token embedding -> ``num_hidden_layers`` x (RMSNorm -> MLA -> RMSNorm -> dense MLP or MoE, residual
-adds fused into ``rms_norm``) -> final RMSNorm; ``compute_logits`` applies ``lm_head`` (fp32 logits) to the rows
-asked for. Numerics follow Hugging Face transformers' ``DeepseekV3ForCausalLM``.
+Forward: token embedding -> ``num_hidden_layers`` x (RMSNorm -> MLA (DeepSeek-V3.2: sparse MLA with its indexer,
+``dsa.py``) -> RMSNorm -> dense MLP or MoE, residual adds fused into ``rms_norm``) -> final RMSNorm;
+``compute_logits`` applies ``lm_head`` (fp32 logits) to the rows asked for. Numerics follow Hugging Face
+transformers' ``DeepseekV3ForCausalLM`` and ``DeepseekV32ForCausalLM``.
 
 Weights are read once from the memory-mapped files, assembled into the layout the ops take (gate and up
 projections stacked, routed experts stacked per layer in placement order, ``W_UK`` / ``W_UV`` split out of
@@ -23,6 +25,7 @@ from deepinfer import QTensor, ops, prepare_weight
 
 from .checkpoint import FP32, Checkpoint
 from .config import ModelConfig
+from .dsa import SparseMLAttention
 from .forward_batch import ForwardBatch
 from .mla import MLAttention
 from .moe import DenseMLP, ExpertParallel, MoE
@@ -119,7 +122,8 @@ class DeepseekV3:
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            attn = MLAttention(cfg, _below(weights, p + "self_attn."), self.cos_sin_cache, scale)
+            attention = SparseMLAttention if cfg.sparse_attention else MLAttention
+            attn = attention(cfg, _below(weights, p + "self_attn."), self.cos_sin_cache, scale)
             mlp = _below(weights, p + "mlp.")
             ffn = MoE(cfg, mlp, ep) if cfg.is_moe_layer(i) else DenseMLP(mlp)
             norms = weights[p + "input_layernorm.weight"], weights[p + "post_attention_layernorm.weight"]
@@ -150,19 +154,31 @@ class DeepseekV3:
             max_position=max_position or cfg.max_position_embeddings,
         )
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: list[torch.Tensor],
+        index_caches: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """``input_ids [T]`` -> final normed hidden states ``[T, hidden]``; writes each token's latent into
-        ``kv_caches[layer]`` at ``batch.slot_mapping``."""
+        ``kv_caches[layer]`` (and, for sparse attention, its indexer key into ``index_caches[layer]``) at
+        ``batch.slot_mapping``."""
         eps = self.cfg.rms_norm_eps
-        if batch.num_decode and batch.decode_rows_per_head is None:
-            heads = self.cfg.num_attention_heads
-            batch.decode_rows_per_head = torch.full((heads,), batch.num_decode, dtype=torch.int32, device=self.device)
+        index_caches = index_caches or [None] * len(self.layers)
         x, residual = self.embed[input_ids], None
-        for (in_norm, attn, post_norm, ffn), cache in zip(self.layers, kv_caches):
+        for (in_norm, attn, post_norm, ffn), cache, index_cache in zip(self.layers, kv_caches, index_caches):
             y, residual = ops.rms_norm(x, in_norm, eps, residual)
-            y, residual = ops.rms_norm(attn.forward(y, batch, cache), post_norm, eps, residual)
+            y, residual = ops.rms_norm(attn.forward(y, batch, cache, index_cache), post_norm, eps, residual)
             x = ffn.forward(y, batch)
         return ops.rms_norm(x, self.norm, eps, residual)[0]
+
+    def use_index_format(self, index_format: str) -> None:
+        """Tells the sparse attention layers the format of their indexer-key caches (an FP8 cache makes the
+        indexers rotate queries and keys first: ``dsa.py``)."""
+        for _, attn, _, _ in self.layers:
+            if isinstance(attn, SparseMLAttention) and index_format == "fp8_ds_index":
+                attn.indexer.use_rotation(self.dtype, self.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` of ``hidden [N, hidden]``."""
@@ -191,7 +207,10 @@ def load_weights(ckpt: Checkpoint, loader: WeightLoader, ep: ExpertParallel) -> 
             put(f"{p}{norm}.weight", loader.raw(f"{p}{norm}.weight"))
         a = p + "self_attn."
         for name in ckpt.layout:
-            if name.startswith(a) and (name.endswith(".bias") or "layernorm" in name):
+            if name.startswith(a) and (name.endswith(".bias") or "layernorm" in name) and ".indexer." not in name:
+                put(name, loader.raw(name))
+        for name in ckpt.layout:
+            if name.startswith(a + "indexer."):
                 put(name, loader.raw(name))
         for lin in ATTN_LINEARS:
             name = f"{a}{lin}.weight"

@@ -1,9 +1,10 @@
 """``LLMEngine``: requests in, one scheduled step at a time, finished sequences out.
 
 It owns the paged latent cache (``deepinfer.allocate_kv_cache``, ``block_size`` tokens per page, ``bf16`` or
-``fp8_ds_mla``), the page allocator, the scheduler and the model runner, and applies each step's results: appends
-sampled tokens, records log-probabilities, stops a sequence on a stop token, ``max_tokens`` or the context limit,
-and frees its pages.
+``fp8_ds_mla``; for DeepSeek-V3.2 also the indexer-key cache on the same pages, ``fp8_ds_index`` beside an FP8
+latent cache, else ``bf16``, counted in the same memory budget), the page allocator, the scheduler and the model
+runner, and applies each step's results: appends sampled tokens, records log-probabilities, stops a sequence on a
+stop token, ``max_tokens`` or the context limit, and frees its pages.
 
 Asynchronous scheduling (on by default): a step's tokens are read back only after the next step has been scheduled
 and queued behind it, so the host's work (scheduling, packing inputs, launching) overlaps the device's. The next
@@ -32,6 +33,7 @@ from itertools import count
 import torch
 
 import deepinfer
+from deepinfer.index_cache import allocate_index_cache
 
 from .block_manager import BlockAllocator
 from .cuda_graphs import CAPABILITY, DecodeGraphs
@@ -44,6 +46,14 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PENDING, Sequence, Status
 
 DEFAULT_CPU_CACHE_BYTES = 1 << 30
+
+
+def index_format_for(cfg, kv_format: str) -> str | None:
+    """The indexer-key cache format of a sparse-attention model (None for dense MLA): FP8 (``fp8_ds_index``) beside
+    an ``fp8_ds_mla`` latent cache where ``index_head_dim`` is a multiple of 128, else ``bf16``."""
+    if not cfg.sparse_attention:
+        return None
+    return "fp8_ds_index" if kv_format == "fp8_ds_mla" and cfg.index_head_dim % 128 == 0 else "bf16"
 
 
 @dataclass
@@ -99,6 +109,10 @@ class LLMEngine:
             1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
         )
         page_bytes = probe.numel() * probe.element_size() * cfg.num_hidden_layers
+        self.index_format = index_format_for(cfg, kv_format)
+        if self.index_format is not None:  # the indexer keys are paged beside the latents, on the same pages
+            probe = allocate_index_cache(1, block_size, head_dim=cfg.index_head_dim, index_format=self.index_format)
+            page_bytes += probe.numel() * probe.element_size() * cfg.num_hidden_layers
         max_blocks = math.ceil(self.max_model_len / block_size)
         if num_blocks is None:
             if kv_cache_bytes is None:
@@ -119,12 +133,22 @@ class LLMEngine:
             device=device,
         )
         self.kv_cache = cache.view(cfg.num_hidden_layers, num_blocks, block_size, -1)
+        self.index_cache = None
+        if self.index_format is not None:
+            self.index_cache = allocate_index_cache(
+                num_blocks * cfg.num_hidden_layers,
+                block_size,
+                head_dim=cfg.index_head_dim,
+                index_format=self.index_format,
+                device=device,
+            ).view(cfg.num_hidden_layers, num_blocks, block_size, -1)
+            model.use_index_format(self.index_format)
         self.allocator = BlockAllocator(num_blocks, block_size)
         graphs = None
         backend = deepinfer.current_backend()
         if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda":
-            graphs = DecodeGraphs(model, list(self.kv_cache.unbind(0)), max_batch=max_num_seqs, max_blocks=max_blocks)
-        self.runner = ModelRunner(model, self.kv_cache, self.allocator, graphs=graphs)
+            graphs = DecodeGraphs(model, self.kv_cache, self.index_cache, max_batch=max_num_seqs, max_blocks=max_blocks)
+        self.runner = ModelRunner(model, self.kv_cache, self.allocator, graphs=graphs, index_cache=self.index_cache)
         if graphs is not None:
             captured = graphs.capture()
             if self.sync is not None:  # a step's MoE mode depends on the graphs: all ranks use them or none does
@@ -151,6 +175,7 @@ class LLMEngine:
                 str(model.dtype),
                 repr(model.ep.placement),
                 kv_format,
+                self.index_format,
                 block_size,
                 num_blocks,
                 max_num_seqs,

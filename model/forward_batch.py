@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,10 +18,9 @@ class ForwardBatch:
         tokens in the cache including the new one (0 for padding rows).
     cu_seqlens_q: ``[P+1]`` int32 offsets of the P prefill chunks within the prefill rows; cu_seqlens_k: ``[P+1]``
         int32 offsets of their keys (every cached position of the sequence up to the chunk's end);
-        context_slots: ``[cu_seqlens_k[-1]]`` int64 cache slots of those keys, in order.
+        context_slots: ``[cu_seqlens_k[-1]]`` int64 cache slots of those keys, in order; prefill_block_table:
+        ``[P, max_blocks]`` int32 pages of each chunk's sequence.
     moe_mode: ``ep_dispatch`` mode, ``normal`` or ``low_latency`` (no host synchronisation: CUDA graphs).
-    decode_rows_per_head: ``[heads]`` int32, every entry ``num_decode``: the ``masked_m`` of the absorbed per-head
-        GEMMs (filled by the model on first use).
     """
 
     positions: torch.Tensor
@@ -32,9 +31,23 @@ class ForwardBatch:
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     context_slots: torch.Tensor | None = None
+    prefill_block_table: torch.Tensor | None = None
     moe_mode: str = "normal"
-    decode_rows_per_head: torch.Tensor | None = None
+    _made: dict = field(default_factory=dict, repr=False)  # tensors derived once per forward, shared by the layers
 
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
+
+    def rows_per_head(self, heads: int, rows: int) -> torch.Tensor:
+        """``[heads]`` int32, every entry ``rows``: the ``masked_m`` of the absorbed per-head GEMMs."""
+        key = ("rows_per_head", heads, rows)
+        if key not in self._made:
+            self._made[key] = torch.full((heads,), rows, dtype=torch.int32, device=self.positions.device)
+        return self._made[key]
+
+    def decode_cu_seqlens(self) -> torch.Tensor:
+        """``[num_decode + 1]`` int32 ``0, 1, ..., num_decode``: each decode row is a sequence of one query."""
+        if "decode_cu" not in self._made:
+            self._made["decode_cu"] = torch.arange(self.num_decode + 1, dtype=torch.int32, device=self.positions.device)
+        return self._made["decode_cu"]

@@ -61,17 +61,15 @@ class MLAttention:
             q = linear(ops.rms_norm(qa, w["q_a_layernorm.weight"], self.eps)[0], w["q_b_proj.weight"])
         return q.view(x.shape[0], self.heads, self.nope + self.rope_dim)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, index_cache=None) -> torch.Tensor:
+        """The layer's attention output ``[T, hidden]``; writes the tokens' latents into ``kv_cache``
+        (``index_cache``: unused, for the signature of sparse attention layers)."""
         t, w = x.shape[0], self.w
         q = self._query(x)
         q_nope = q[..., : self.nope]
         q_pe = ops.rope(q[..., self.nope :], batch.positions, self.cos_sin_cache, self.interleaved)
 
-        kv = linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
-        c = ops.rms_norm(kv[:, : self.rank].contiguous(), w["kv_a_layernorm.weight"], self.eps)[0]
-        k_pe = ops.rope(kv[:, None, self.rank :], batch.positions, self.cos_sin_cache, self.interleaved)
-        latent = torch.cat([c, k_pe[:, 0]], dim=-1)
-        ops.write_kv_cache(latent, kv_cache, batch.slot_mapping, kv_lora_rank=self.rank)
+        self._write_latent(x, batch, kv_cache)
 
         nd = batch.num_decode
         parts = []
@@ -82,8 +80,17 @@ class MLAttention:
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return linear(out.reshape(t, self.heads * self.v_dim), w["o_proj.weight"], w.get("o_proj.bias"))
 
+    def _write_latent(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> None:
+        """The tokens' latent ``[c | k_pe]`` into the paged cache at ``batch.slot_mapping``."""
+        w = self.w
+        kv = linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
+        c = ops.rms_norm(kv[:, : self.rank].contiguous(), w["kv_a_layernorm.weight"], self.eps)[0]
+        k_pe = ops.rope(kv[:, None, self.rank :], batch.positions, self.cos_sin_cache, self.interleaved)
+        latent = torch.cat([c, k_pe[:, 0]], dim=-1)
+        ops.write_kv_cache(latent, kv_cache, batch.slot_mapping, kv_lora_rank=self.rank)
+
     def _decode(self, q_nope, q_pe, batch: ForwardBatch, kv_cache) -> torch.Tensor:
-        per_head, dtype = batch.decode_rows_per_head, q_nope.dtype
+        per_head, dtype = batch.rows_per_head(self.heads, batch.num_decode), q_nope.dtype
         q_lat = ops.grouped_gemm(
             q_nope.transpose(0, 1).contiguous(), self.w["w_uk"], masked_m=per_head, out_dtype=dtype
         )

@@ -1,7 +1,8 @@
 """``ModelRunner``: turns a scheduled batch into tensors, runs the model, samples, computes log-probabilities.
 
 The paged cache of all layers is one tensor ``[layers, num_blocks, block_size, width]`` (``kv_caches[l]`` is layer
-``l``'s cache as the ops take it). Decode rows come first in the packed batch, then the prefill chunks. A
+``l``'s cache as the ops take it); a sparse-attention model's indexer keys live in a second such tensor on the same
+pages (``index_caches``). Decode rows come first in the packed batch, then the prefill chunks. A
 decode-only step replays a captured CUDA graph when the backend supports them (``cuda_graphs.py``).
 
 A step is launched (``launch``: inputs, forward, sampling and log-probabilities queued on the device, the tokens'
@@ -89,18 +90,27 @@ class ModelRunner:
         allocator: BlockAllocator,
         *,
         graphs: DecodeGraphs | None = None,
+        index_cache: torch.Tensor | None = None,
     ):
         self.model, self.kv_cache, self.allocator = model, kv_cache, allocator
         self.kv_caches = list(kv_cache.unbind(0))
+        self.index_cache = index_cache  # [layers, blocks, block_size, width] for sparse attention, on the same pages
+        self.index_caches = list(index_cache.unbind(0)) if index_cache is not None else None
         self.device = kv_cache.device
         self.graphs = graphs
 
-    # Cache pages to host memory and back (swap preemption).
-    def swap_out(self, blocks: list[int]) -> torch.Tensor:
-        return self.kv_cache[:, torch.tensor(blocks, device=self.device)].to("cpu")
+    def _paged(self) -> list[torch.Tensor]:
+        return [self.kv_cache] if self.index_cache is None else [self.kv_cache, self.index_cache]
 
-    def swap_in(self, host: torch.Tensor, blocks: list[int]) -> None:
-        self.kv_cache[:, torch.tensor(blocks, device=self.device)] = host.to(self.device)
+    # Cache pages to host memory and back (swap preemption).
+    def swap_out(self, blocks: list[int]) -> list[torch.Tensor]:
+        index = torch.tensor(blocks, device=self.device)
+        return [cache[:, index].to("cpu") for cache in self._paged()]
+
+    def swap_in(self, host: list[torch.Tensor], blocks: list[int]) -> None:
+        index = torch.tensor(blocks, device=self.device)
+        for cache, pages in zip(self._paged(), host):
+            cache[:, index] = pages.to(self.device)
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -125,6 +135,10 @@ class ModelRunner:
             fb.seq_lens = self._tensor([s.num_computed + 1 for s in batch.decodes], torch.int32)
         if batch.prefills:
             cu_q, cu_k, ctx = [0], [0], []
+            width = max(len(ch.seq.block_table) for ch in batch.prefills)
+            fb.prefill_block_table = self._tensor(
+                [ch.seq.block_table + [0] * (width - len(ch.seq.block_table)) for ch in batch.prefills], torch.int32
+            )
             for ch in batch.prefills:
                 seq = ch.seq
                 ids.extend(seq.token_ids[ch.start : ch.end])
@@ -190,7 +204,7 @@ class ModelRunner:
         else:
             input_ids, fb = self.prepare(batch, previous)
             with deepinfer.value_checks(False):
-                hidden = self.model.forward(input_ids, fb, self.kv_caches)
+                hidden = self.model.forward(input_ids, fb, self.kv_caches, self.index_caches)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
         step = LaunchedStep(samplers=samplers, _prompt_rows=prompt_rows)
         if not rows:

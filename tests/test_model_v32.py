@@ -1,0 +1,159 @@
+"""DeepSeek-V3.2 (sparse attention) against transformers' ``DeepseekV32ForCausalLM``.
+
+Tiny random checkpoints are written by transformers itself with an ``index_topk`` far below the prompt lengths, so
+the indexer's choice decides what every later query attends to. deepinfer (fp32 activations, bf16 latent and
+indexer-key caches) runs chunked prefill over several cache pages, then paged decode, with every query attending
+through ``indexer_topk`` and ``sparse_mla``. The oracle is transformers in fp32 (eager attention, which folds the
+indexer's top-k into the attention mask) over a cache that stores the latent and the indexer keys in bf16 as ours
+does: the prompt in one forward, then the generated tokens one at a time.
+
+Sixteen indexer heads (DeepSeek-V3.2 has 64): with a few, every head's ``relu`` is zero for many keys, which then
+tie at score 0, and transformers' ``topk`` breaks ties in no documented order (ours: the lower position).
+
+Bounds: every prompt and generated log-probability within 1e-2 nats, and the same greedy tokens, except at a step
+where the oracle's two best tokens are closer than that (a numerical tie either may break; allowed once). Planted
+bugs (the indexer ignored, so attention is dense; a top-k of half the size) must fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from model_helpers import BASE, LatentPrecisionCache, one_thread, random_prompts, round_bf16  # noqa: F401
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+from deepinfer import ops
+from deepinfer.model import LLM, SamplingParams
+from deepinfer.model.errors import CheckpointError
+
+TOL = 1e-2
+TOPK = 8
+LENGTHS = [1, 19, 40, 63]
+STEPS = 12
+V32 = dict(index_n_heads=16, index_head_dim=32, index_topk=TOPK, first_k_dense_replace=1)
+
+
+def v32_checkpoint(path, seed: int, **overrides):
+    """A tiny random ``DeepseekV32ForCausalLM`` saved by transformers (bf16, hub layout), weights redrawn as the V3
+    helpers do: norms ``1 + N(0, 0.2^2)``, biases ``N(0, 0.2^2)``, linears ``N(0, 1/K)``, embeddings ``N(0, 1)``."""
+    cfg = DeepseekV32Config(**(BASE | V32 | overrides))
+    torch.manual_seed(seed)
+    model = DeepseekV32ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "inv_freq" in name:
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1 + 0.2 * noise)
+            elif name.endswith("norm.bias") or "e_score_correction_bias" in name:
+                p.copy_(0.2 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            elif "lm_head" in name:
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+class IndexedPrecisionCache(LatentPrecisionCache):
+    """The oracle's cache with the latent and the indexer keys stored in bf16, as our paged caches hold them."""
+
+    def update_indexer(self, indexer_key_states, layer_idx):
+        return super().update_indexer(round_bf16(indexer_key_states), layer_idx)
+
+
+def oracle_logprobs(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    cache = IndexedPrecisionCache(config=model.config, kv_format="bf16")
+    with torch.no_grad():
+        logits = [model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0]]
+        for t in generated[:-1]:
+            logits.append(model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0])
+    return torch.log_softmax(torch.cat(logits).float(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    seed = int(os.environ.get("DEEPINFER_TEST_SEED", int.from_bytes(os.urandom(2), "little")))
+    print(f"DeepSeek-V3.2 checkpoint seed {seed}")
+    path = v32_checkpoint(tmp_path_factory.mktemp("v32"), seed)
+    oracle = DeepseekV32ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    return path, oracle
+
+
+def generate(path, backend, device, prompts, steps: int = STEPS):
+    llm = LLM(
+        path,
+        backend,
+        device=device,
+        dtype="float32",
+        block_size=8,
+        prefill_chunk_size=16,
+        max_num_batched_tokens=48,
+        progress=False,
+    )
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    return llm.generate(prompts, params)
+
+
+def errors(oracle, prompts, outs) -> tuple[list[float], int]:
+    """Every |ours - oracle| log-probability (prompt tokens, then generated tokens), and the greedy steps where
+    ours differs from the oracle's best token by more than a numerical tie."""
+    errs, mismatches = [], 0
+    for p, o in zip(prompts, outs):
+        gen = o.outputs[0].token_ids
+        lp = oracle_logprobs(oracle, p, gen)
+        full = p + gen
+        errs += [abs(lp[j - 1, full[j]].item() - o.prompt_logprobs[j]) for j in range(1, len(p))]
+        for j, t in enumerate(gen):
+            row = lp[len(p) - 1 + j]
+            errs.append(abs(row[t].item() - o.outputs[0].logprobs[j]))
+            mismatches += int(row.argmax()) != t and float(row.max() - row[t]) > TOL
+    return errs, mismatches
+
+
+def test_logprobs_and_greedy_tokens_match_transformers(checkpoint, deepinfer_backend, deepinfer_device):
+    path, oracle = checkpoint
+    prompts = random_prompts(oracle.config.vocab_size, LENGTHS, seed=3)
+    outs = generate(path, deepinfer_backend, deepinfer_device, prompts)
+    errs, mismatches = errors(oracle, prompts, outs)
+    off = [(i, round(e, 4)) for i, e in enumerate(errs) if e > TOL]
+    assert len(off) <= 1, f"log-probabilities off by more than {TOL} (entry, error): {off[:8]}"
+    assert mismatches == 0
+
+
+@pytest.mark.parametrize("bug", ["indexer ignored", "half the top-k"])
+def test_planted_indexer_bugs_fail_the_comparison(bug, checkpoint, monkeypatch, deepinfer_backend, deepinfer_device):
+    path, oracle = checkpoint
+    real = ops.indexer_topk
+
+    def planted(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *, topk):
+        if bug == "indexer ignored":  # every visible position (at most 512 here): dense attention
+            return real(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, topk=512)
+        half = real(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, topk=topk // 2)
+        return torch.cat([half, torch.full_like(half, -1)], dim=1)
+
+    monkeypatch.setattr(ops, "indexer_topk", planted)
+    prompts = random_prompts(oracle.config.vocab_size, [40, 63], seed=4)
+    outs = generate(path, deepinfer_backend, deepinfer_device, prompts, steps=4)
+    errs, _ = errors(oracle, prompts, outs)
+    assert max(errs) > 10 * TOL, f"{bug}: worst error {max(errs):.4f} went unnoticed"
+
+
+def test_v32_checkpoint_without_its_indexer_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = v32_checkpoint(tmp_path / "v32", 0)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.indexer.wk.weight"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"indexer\.wk\.weight"):
+        LLM(path, progress=False)
