@@ -10,9 +10,14 @@ does: the prompt in one forward, then the generated tokens one at a time.
 Sixteen indexer heads (DeepSeek-V3.2 has 64): with a few, every head's ``relu`` is zero for many keys, which then
 tie at score 0, and transformers' ``topk`` breaks ties in no documented order (ours: the lower position).
 
-Bounds: every prompt and generated log-probability within 1e-2 nats, and the same greedy tokens, except at a step
-where the oracle's two best tokens are closer than that (a numerical tie either may break; allowed once). Planted
-bugs (the indexer ignored, so attention is dense; a top-k of half the size) must fail the same comparison.
+With ``kv_format="fp8_ds_mla"`` the latent cache holds FP8 records and the indexer keys are stored in FP8
+(``fp8_ds_index``), rotated by a Hadamard matrix first; the oracle's cache rounds both the same way, written here from
+the formats' definitions.
+
+Bounds: every prompt and generated log-probability within 1e-2 nats (5e-2 with FP8 caches), and the same greedy
+tokens, except at a step where the oracle's two best tokens are closer than that (a numerical tie either may break;
+allowed once). Planted bugs (the indexer ignored, so attention is dense; a top-k of half the size) must fail the
+same comparison.
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ import os
 
 import pytest
 import torch
-from model_helpers import BASE, LatentPrecisionCache, one_thread, random_prompts, round_bf16  # noqa: F401
+from model_helpers import (  # noqa: F401 (one_thread: autouse fixture)
+    BASE,
+    LatentPrecisionCache,
+    one_thread,
+    random_prompts,
+    round_bf16,
+    round_fp8_ds_mla,
+)
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
 from deepinfer import ops
@@ -30,6 +42,7 @@ from deepinfer.model import LLM, SamplingParams
 from deepinfer.model.errors import CheckpointError
 
 TOL = 1e-2
+FP8_TOL = 5e-2  # as the V3 cross-check's fp8_ds_mla bound [measured: at most 7.7e-4 over 3 seeds]
 TOPK = 8
 LENGTHS = [1, 19, 40, 63]
 STEPS = 12
@@ -62,15 +75,31 @@ def v32_checkpoint(path, seed: int, **overrides):
     return path
 
 
+def sylvester(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h
+
+
 class IndexedPrecisionCache(LatentPrecisionCache):
-    """The oracle's cache with the latent and the indexer keys stored in bf16, as our paged caches hold them."""
+    """The oracle's cache with the latent and the indexer keys stored as our paged caches hold them: ``bf16``, or
+    ``fp8_ds_mla`` beside FP8 indexer keys. Those are stored rotated by the +-1 Hadamard matrix ``H`` (as DeepSeek's
+    inference code rotates them before quantising) with the queries rotated alike, so the oracle's key becomes
+    ``fp8(k H) H / dim``, which gives the query ``q`` the score ``(q H) . fp8(k H) / dim``."""
 
     def update_indexer(self, indexer_key_states, layer_idx):
-        return super().update_indexer(round_bf16(indexer_key_states), layer_idx)
+        k = indexer_key_states
+        if self.kv_format == "fp8_ds_mla":
+            h = sylvester(k.shape[-1])
+            k = round_fp8_ds_mla(k @ h) @ h / k.shape[-1]
+        else:
+            k = round_bf16(k)
+        return super().update_indexer(k, layer_idx)
 
 
-def oracle_logprobs(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
-    cache = IndexedPrecisionCache(config=model.config, kv_format="bf16")
+def oracle_logprobs(model, prompt: list[int], generated: list[int], kv_format: str = "bf16") -> torch.Tensor:
+    cache = IndexedPrecisionCache(config=model.config, kv_format=kv_format)
     with torch.no_grad():
         logits = [model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0]]
         for t in generated[:-1]:
@@ -78,23 +107,35 @@ def oracle_logprobs(model, prompt: list[int], generated: list[int]) -> torch.Ten
     return torch.log_softmax(torch.cat(logits).float(), dim=-1)
 
 
+FP8_SHAPES = dict(index_head_dim=128, kv_lora_rank=128)  # the FP8 caches group 128 values under one scale
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    seed = int(os.environ.get("DEEPINFER_TEST_SEED", int.from_bytes(os.urandom(2), "little")))
-    print(f"DeepSeek-V3.2 checkpoint seed {seed}")
-    path = v32_checkpoint(tmp_path_factory.mktemp("v32"), seed)
-    oracle = DeepseekV32ForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
-    ).eval()
-    return path, oracle
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def get(kv_format: str):
+        if kv_format not in made:
+            seed = int(os.environ.get("DEEPINFER_TEST_SEED", int.from_bytes(os.urandom(2), "little")))
+            print(f"DeepSeek-V3.2 checkpoint for {kv_format}: seed {seed}")
+            shapes = FP8_SHAPES if kv_format == "fp8_ds_mla" else {}
+            path = v32_checkpoint(tmp_path_factory.mktemp("v32"), seed, **shapes)
+            oracle = DeepseekV32ForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+            ).eval()
+            made[kv_format] = path, oracle
+        return made[kv_format]
+
+    return get
 
 
-def generate(path, backend, device, prompts, steps: int = STEPS):
+def generate(path, backend, device, prompts, steps: int = STEPS, kv_format: str = "bf16"):
     llm = LLM(
         path,
         backend,
         device=device,
         dtype="float32",
+        kv_format=kv_format,
         block_size=8,
         prefill_chunk_size=16,
         max_num_batched_tokens=48,
@@ -104,35 +145,37 @@ def generate(path, backend, device, prompts, steps: int = STEPS):
     return llm.generate(prompts, params)
 
 
-def errors(oracle, prompts, outs) -> tuple[list[float], int]:
+def errors(oracle, prompts, outs, kv_format: str = "bf16", tol: float = TOL) -> tuple[list[float], int]:
     """Every |ours - oracle| log-probability (prompt tokens, then generated tokens), and the greedy steps where
     ours differs from the oracle's best token by more than a numerical tie."""
     errs, mismatches = [], 0
     for p, o in zip(prompts, outs):
         gen = o.outputs[0].token_ids
-        lp = oracle_logprobs(oracle, p, gen)
+        lp = oracle_logprobs(oracle, p, gen, kv_format)
         full = p + gen
         errs += [abs(lp[j - 1, full[j]].item() - o.prompt_logprobs[j]) for j in range(1, len(p))]
         for j, t in enumerate(gen):
             row = lp[len(p) - 1 + j]
             errs.append(abs(row[t].item() - o.outputs[0].logprobs[j]))
-            mismatches += int(row.argmax()) != t and float(row.max() - row[t]) > TOL
+            mismatches += int(row.argmax()) != t and float(row.max() - row[t]) > tol
     return errs, mismatches
 
 
-def test_logprobs_and_greedy_tokens_match_transformers(checkpoint, deepinfer_backend, deepinfer_device):
-    path, oracle = checkpoint
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_logprobs_and_greedy_tokens_match_transformers(kv_format, checkpoints, deepinfer_backend, deepinfer_device):
+    path, oracle = checkpoints(kv_format)
+    tol = TOL if kv_format == "bf16" else FP8_TOL
     prompts = random_prompts(oracle.config.vocab_size, LENGTHS, seed=3)
-    outs = generate(path, deepinfer_backend, deepinfer_device, prompts)
-    errs, mismatches = errors(oracle, prompts, outs)
-    off = [(i, round(e, 4)) for i, e in enumerate(errs) if e > TOL]
-    assert len(off) <= 1, f"log-probabilities off by more than {TOL} (entry, error): {off[:8]}"
+    outs = generate(path, deepinfer_backend, deepinfer_device, prompts, kv_format=kv_format)
+    errs, mismatches = errors(oracle, prompts, outs, kv_format, tol)
+    off = [(i, round(e, 4)) for i, e in enumerate(errs) if e > tol]
+    assert len(off) <= 1, f"log-probabilities off by more than {tol} (entry, error): {off[:8]}"
     assert mismatches == 0
 
 
 @pytest.mark.parametrize("bug", ["indexer ignored", "half the top-k"])
-def test_planted_indexer_bugs_fail_the_comparison(bug, checkpoint, monkeypatch, deepinfer_backend, deepinfer_device):
-    path, oracle = checkpoint
+def test_planted_indexer_bugs_fail_the_comparison(bug, checkpoints, monkeypatch, deepinfer_backend, deepinfer_device):
+    path, oracle = checkpoints("bf16")
     real = ops.indexer_topk
 
     def planted(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *, topk):
