@@ -125,8 +125,11 @@ def fp8_e4m3_blocks(w: torch.Tensor, block: int = 128, ue8m0: bool = False) -> t
 
 
 def is_quantized_linear(name: str) -> bool:
-    """The linears DeepSeek-V3 checkpoints store in FP8: every projection but the router, embeddings, lm_head."""
-    return name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
+    """The linears DeepSeek-V3 checkpoints store in FP8: every projection but the router, embeddings, lm_head; in
+    DeepSeek-V3.2 also the indexer's ``wq_b`` and ``wk``, but not its ``weights_proj`` (kept in high precision)."""
+    if name.endswith("weights_proj.weight"):
+        return False
+    return name.endswith(("proj.weight", "proj_with_mqa.weight", "indexer.wq_b.weight", "indexer.wk.weight"))
 
 
 def fp8_copy(src: Path, dst: Path, oracle: Path, ue8m0: bool = False) -> tuple[Path, Path]:

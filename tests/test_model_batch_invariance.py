@@ -40,9 +40,19 @@ def result(out) -> tuple:
     return c.token_ids, c.logprobs, c.top_logprobs, out.prompt_logprobs
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+# DeepSeek-V3.2: each query attends only to the 6 cached tokens its indexer keeps (prompts reach 40 tokens).
+V32 = dict(
+    architectures=["DeepseekV32ForCausalLM"],
+    model_type="deepseek_v32",
+    index_n_heads=8,
+    index_head_dim=32,
+    index_topk=6,
+)
+
+
+@pytest.mark.parametrize(("arch", "dtype"), [("v3", "bfloat16"), ("v3", "float32"), ("v32", "bfloat16")])
 def test_tokens_identical_alone_and_in_batches_of_1_to_64(
-    dtype, tmp_path, monkeypatch, deepinfer_backend, deepinfer_device
+    arch, dtype, tmp_path, monkeypatch, deepinfer_backend, deepinfer_device
 ):
     spec = registry.get().lookup(deepinfer_backend)
     if "batch_invariant" not in spec.capabilities:
@@ -51,7 +61,7 @@ def test_tokens_identical_alone_and_in_batches_of_1_to_64(
     assert deepinfer.batch_invariant_enabled()
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    ckpt = small_checkpoint(tmp_path, seed=seed % 1000)
+    ckpt = small_checkpoint(tmp_path, seed=seed % 1000, **(V32 if arch == "v32" else {}))
     prompts, params = mixed_requests(64, rng)
     llm = LLM(
         ckpt,

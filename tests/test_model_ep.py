@@ -73,11 +73,11 @@ def force_low_latency_decode(llm: LLM) -> list[int]:
     returns a list that counts those steps."""
     forward, used = llm.model.forward, []
 
-    def patched(input_ids, batch, kv_caches):
+    def patched(input_ids, batch, kv_caches, index_caches=None):
         if batch.cu_seqlens_q is None:
             batch.moe_mode = "low_latency"
             used.append(1)
-        return forward(input_ids, batch, kv_caches)
+        return forward(input_ids, batch, kv_caches, index_caches)
 
     llm.model.forward = patched
     return used
