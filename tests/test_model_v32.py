@@ -215,6 +215,27 @@ def test_fp8_weights_match_with_activation_quantisation(checkpoints, deepinfer_b
     assert mismatches <= 0.1 * len(prompts) * STEPS
 
 
+def test_bf16_logprobs_as_close_as_transformers_bf16(checkpoints, deepinfer_backend, deepinfer_device):
+    """bf16 activations (the production path) against the fp32 oracle, measured against transformers' own bf16 run
+    on the same prompts: the median prompt log-probability error within twice transformers' (+0.01)."""
+    path, oracle = checkpoints("bf16")
+    prompts = random_prompts(oracle.config.vocab_size, LENGTHS, seed=6)
+    llm = LLM(path, deepinfer_backend, device=deepinfer_device, block_size=8, prefill_chunk_size=16, progress=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    hf_bf16 = DeepseekV32ForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    ours, theirs = [], []
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(oracle(torch.tensor([p])).logits[0].float(), -1)
+            bf16 = torch.log_softmax(hf_bf16(torch.tensor([p])).logits[0].float(), -1)
+        ours += [abs(o.prompt_logprobs[j] - ref[j - 1, p[j]].item()) for j in range(1, len(p))]
+        theirs += [abs(bf16[j - 1, p[j]].item() - ref[j - 1, p[j]].item()) for j in range(1, len(p))]
+    ours_median, theirs_median = torch.tensor(ours).median().item(), torch.tensor(theirs).median().item()
+    assert ours_median <= 2 * theirs_median + 0.01, (ours_median, theirs_median)
+
+
 @pytest.mark.parametrize("bug", ["indexer ignored", "half the top-k"])
 def test_planted_indexer_bugs_fail_the_comparison(bug, checkpoints, monkeypatch, deepinfer_backend, deepinfer_device):
     path, oracle = checkpoints("bf16")
