@@ -1,6 +1,6 @@
-"""Decode speed of the model on a DeepSeek-V3-shaped FP8 checkpoint cut to fit one GPU.
+"""Decode speed of the model on a DeepSeek-V3-shaped (or V3.2-shaped) FP8 checkpoint cut to fit one GPU.
 
-    python benchmarks/bench_model.py results.json [--backend cuda_sm100] [--layers 4] [--context 4096]
+    python benchmarks/bench_model.py results.json [--backend cuda_sm100] [--layers 4] [--context 4096] [--model v32]
 
 1. Writes a checkpoint with DeepSeek-V3's full shapes (hidden 7168, 128 heads, MLA ranks 1536 / 512, 256 routed
    experts of 2048 + 1 shared, group-limited top-8 routing, vocabulary 129280) but only ``--layers`` layers (the
@@ -16,6 +16,11 @@
 4. transformers' ``DeepseekV3ForCausalLM`` (eager attention and experts, bf16) on the same checkpoint, its FP8
    weights dequantised, over a cache holding the same context length: median of ``--hf-steps``; out-of-memory is
    recorded as such.
+
+``--model v32`` writes DeepSeek-V3.2's shapes (the same plus a lightning indexer per layer: 64 heads of 128, top-k
+2048) and fills the indexer-key cache too; its roofline counts the indexer keys of the whole context and the latents
+of at most ``index_topk`` tokens per sequence and layer; with ``--profile`` it reports the indexer's share of the
+step's kernel time. transformers is not run for it.
 
 Prints a table and writes every number to the JSON path. Targets: >= 10x transformers at batch 64, >= 50% of the
 roofline at batch 1. ``--tiny`` runs the whole script at toy sizes on the CPU (a dry run of the logic, no numbers
@@ -97,6 +102,15 @@ V3 = {
         "weight_block_size": [128, 128],
     },
 }
+V32 = dict(
+    V3,
+    architectures=["DeepseekV32ForCausalLM"],
+    model_type="deepseek_v32",
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=2048,
+)
+INDEXER_KERNELS = ("index", "topk", "sort", "radix")  # kernel names of the indexer's work (scores, selection)
 # Toy shapes for --tiny (every K a multiple of 128, as FP8 GEMMs need).
 TINY = dict(
     vocab_size=512,
@@ -225,7 +239,11 @@ def decode_bytes(llm: LLM, batch: int, context: int, experts_used: list[int]) ->
             weights += nbytes(ffn.w13) + nbytes(ffn.w2)
     cache = llm.engine.kv_cache
     record = cache.shape[-1] * cache.element_size()
-    kv = batch * context * record * cfg.num_hidden_layers
+    attended = min(context, cfg.index_topk) if cfg.sparse_attention else context
+    kv = batch * attended * record * cfg.num_hidden_layers
+    if llm.engine.index_cache is not None:  # every cached indexer key is scored
+        index = llm.engine.index_cache
+        kv += batch * context * index.shape[-1] * index.element_size() * cfg.num_hidden_layers
     return {"weights": weights, "experts": experts, "kv_cache": kv, "total": weights + experts + kv}
 
 
@@ -246,11 +264,14 @@ def fake_context(llm: LLM, batch: int, context: int, seed: int) -> list[Sequence
         seqs.append(seq)
     slots = torch.tensor([alloc.slot(s, p) for s in seqs for p in range(context - 1)], device=llm.device)
     chunk = 1 << 16
-    for layer_cache in engine.runner.kv_caches:
+    for layer, layer_cache in enumerate(engine.runner.kv_caches):
         for start in range(0, slots.numel(), chunk):
             part = slots[start : start + chunk]
             latent = torch.randn(part.numel(), cfg.kv_width, device=llm.device).to(torch.bfloat16)
             ops.write_kv_cache(latent, layer_cache, part, kv_lora_rank=cfg.kv_lora_rank)
+            if engine.runner.index_caches is not None:
+                keys = torch.randn(part.numel(), cfg.index_head_dim, device=llm.device).to(torch.bfloat16)
+                ops.write_index_cache(keys, engine.runner.index_caches[layer], part)
     return seqs
 
 
@@ -267,7 +288,7 @@ def experts_selected(llm: LLM, batch: ScheduledBatch) -> list[int]:
     ops.moe_route = spy
     try:
         input_ids, fb = llm.engine.runner.prepare(batch)
-        llm.model.forward(input_ids, fb, llm.engine.runner.kv_caches)
+        llm.model.forward(input_ids, fb, llm.engine.runner.kv_caches, llm.engine.runner.index_caches)
     finally:
         ops.moe_route = route
     return used
@@ -434,6 +455,11 @@ def bench_ours(
                 **({"engine_timeline": lines} if lines else {}),
             }
         )
+        if kernels and llm.config.sparse_attention:
+            total = sum(k["us"] for k in kernels)
+            share = sum(k["us"] for k in kernels if any(w in k["kernel"].lower() for w in INDEXER_KERNELS))
+            rows[-1]["indexer_kernel_share"] = share / total if total else None
+            log(f"    indexer kernels: {share:.0f} of {total:.0f} us of kernel time ({100 * share / total:.0f}%)")
         log(f"  ours batch {b}: {ms:.2f} ms/step, {b / ms * 1e3:.0f} tok/s, {100 * roof_ms / ms:.0f}% of roofline")
         if replay is not None:
             log(f"    of which the graph's replay alone: {replay:.2f} ms (the rest: host inputs, sampling, read-back)")
@@ -547,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per batch (median)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16")
+    p.add_argument("--model", choices=("v3", "v32"), default="v3", help="DeepSeek-V3 or V3.2 shapes (default v3)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--batch-invariant", action="store_true", help="load and decode in batch-invariant mode")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -574,9 +601,14 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or deepinfer.current_backend().name
     spec = deepinfer.registry.get().lookup(backend)
     device = torch.device("cpu" if args.tiny else spec.device_type)
-    config = dict(V3, num_hidden_layers=args.layers, first_k_dense_replace=args.dense_layers)
+    config = dict(
+        V32 if args.model == "v32" else V3, num_hidden_layers=args.layers, first_k_dense_replace=args.dense_layers
+    )
+    if args.model == "v32" and not args.no_hf:
+        log("transformers is not timed for --model v32")
+        args.no_hf = True
     if args.tiny:
-        config |= TINY
+        config |= TINY | ({"index_n_heads": 8, "index_topk": 64} if args.model == "v32" else {})
         args.context = min(args.context, 256)
     batches = [int(b) for b in args.batches.split(",")]
     hf_batches = [int(b) for b in args.hf_batches.split(",")] if args.hf_batches else batches
@@ -656,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": backend,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "context": args.context,
+        "model": args.model,
         "kv_format": args.kv_format,
         "cuda_graphs": graphs,
         "batch_invariant": args.batch_invariant,
