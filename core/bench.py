@@ -1,4 +1,5 @@
-"""``deepinfer bench``: each op over DeepSeek-V3 shapes on the selected backend, beside the peer a user would pick.
+"""``deepinfer bench``: each op over DeepSeek-V3 and V3.2 shapes on the selected backend, beside the peer a user
+would pick.
 
 For every case: fresh random inputs (several sets, rotated, so repeated runs do not measure the cache), a
 correctness check against the reference first, then the median of many timed runs (device events on CUDA). Each
@@ -32,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import ops
 from .conformance.cases import Gen, error
 from .dispatch import batch_invariant, last_resolution
+from .index_cache import allocate_index_cache, pack_fp8_ds_index
 from .kv_cache import allocate_kv_cache, pack_fp8_ds_mla
 from .ops.rope import rope_cos_sin_cache
 from .qtensor import QTensor, quantize_blocks, quantize_rows
@@ -46,7 +48,8 @@ class BenchCase:
     """op: the deepinfer op (or a name for ``fn``); make: random keyword arguments; flops / bytes: the work and the
     fewest bytes moved (each input read once, each output written once); peers: name -> callable on the same keyword
     arguments; fn: a composite of ops run instead of the op itself; sets: input sets to rotate through (default:
-    the run's; 1 where the inputs are far larger than the caches)."""
+    the run's; 1 where the inputs are far larger than the caches); compare: how the output is held to the
+    reference's (default: the worst-row relative error, exact for integers)."""
 
     op: str
     name: str
@@ -57,6 +60,7 @@ class BenchCase:
     compute: str = "bf16"  # which peak bounds the arithmetic: bf16 or fp8
     fn: Callable[[dict[str, Any]], Any] | None = None
     sets: int | None = None
+    compare: Callable[[Any, Any, dict[str, Any]], float] | None = None  # (out, ref, kwargs) -> error; default ``error``
 
 
 @dataclass
@@ -449,6 +453,134 @@ def _mla_cases(quick: bool) -> list[BenchCase]:
     return out
 
 
+def _device_randn(g: Gen, *shape: int) -> torch.Tensor:
+    """bf16 normal values drawn on the device (caches too large to draw on the CPU)."""
+    dev = torch.Generator(device=g.device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g.cpu)))
+    return torch.randn(shape, generator=dev, device=g.device).to(torch.bfloat16)
+
+
+def _scattered_sequences(g: Gen, batch: int, ctx: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random page order for ``batch`` sequences of ``ctx`` tokens: ``(block_table [B, pages] int32, slots [B,
+    ctx] int64)``."""
+    pages = -(-ctx // page)
+    table = torch.randperm(batch * pages, generator=g.cpu).view(batch, pages).int().to(g.device)
+    pos = torch.arange(ctx, device=g.device)
+    return table, table[:, pos // page].long() * page + pos % page
+
+
+def _sparse_mla_torch(kw):
+    """Plain torch: gather each query's listed rows (bf16 cache), two batched products and a softmax."""
+    q, idx, rank = kw["q"], kw["indices"], kw["kv_lora_rank"]
+    kv = kw["kv_cache"].view(-1, kw["kv_cache"].shape[-1])[idx.clamp_min(0).long()]  # [T, topk, D]
+    scores = torch.einsum("thd,tnd->thn", q, kv).float() * kw["softmax_scale"]
+    p = scores.masked_fill((idx < 0)[:, None, :], float("-inf")).softmax(-1).to(q.dtype)
+    return torch.einsum("thn,tnd->thd", p, kv[..., :rank])
+
+
+def _indexer_torch(kw):
+    """Plain torch over sequences of one length, one query each (decode): gather the keys (bf16 cache), scores,
+    top-k by ``torch.topk``; slots ascending."""
+    q, w, cache, table, topk = kw["q"], kw["weights"], kw["index_cache"], kw["block_table"], kw["topk"]
+    page, ctx = cache.shape[1], int(kw["seq_lens"][0])
+    pos = torch.arange(ctx, device=q.device)
+    slots = table[:, pos // page].long() * page + pos % page  # [B, ctx]
+    keys = cache.view(-1, cache.shape[-1])[slots]  # [B, ctx, D]
+    scores = (torch.einsum("bhd,bnd->bhn", q, keys).float().relu() * w[:, :, None]).sum(1)
+    chosen = scores.topk(topk, dim=-1).indices.sort(-1).values
+    return slots.gather(1, chosen).int()
+
+
+def _dsa_cases(quick: bool) -> list[BenchCase]:
+    """DeepSeek-V3.2's sparse attention: ``sparse_mla`` in decode (one or two queries per sequence: MTP) and in
+    prefill (8k queries of one sequence), ``indexer_topk`` in decode at 64k context and over an 8k prefill chunk,
+    and dense ``mla_decode`` over as many tokens as the sparse decode attends (the same work, contiguous pages)."""
+    from .conformance.sparse_attention import _compare_topk
+
+    heads, rank, rope, topk, page = (16, 512, 64, 64, 64) if quick else (128, 512, 64, 2048, 64)
+    i_heads, i_dim = (8, 128) if quick else (64, 128)
+    decode = [(2, 1, 256)] if quick else [(64, 1, 8192), (64, 1, 131072), (64, 2, 8192), (128, 1, 8192)]
+    prefill = [] if quick else [(8192, 16384)]
+    out: list[BenchCase] = []
+    for fmt in ("bf16", "fp8_ds_mla"):
+        record = (rank + rope) * 2 if fmt == "bf16" else 656
+        for batch, s_q, ctx in [(b, s, c) for b, s, c in decode] + [(1, t, c) for t, c in prefill]:
+
+            def make(g, batch=batch, s_q=s_q, ctx=ctx, fmt=fmt):
+                table, slots = _scattered_sequences(g, batch, ctx, page)
+                cache = allocate_kv_cache(
+                    table.numel(), page, kv_lora_rank=rank, rope_dim=rope, kv_format=fmt, device=g.device
+                )
+                flat = cache.view(-1, cache.shape[-1])
+                for start in range(0, flat.shape[0], 1 << 20):
+                    latent = _device_randn(g, min(1 << 20, flat.shape[0] - start), rank + rope)
+                    flat[start : start + latent.shape[0]] = latent if fmt == "bf16" else pack_fp8_ds_mla(latent, rank)
+                rows = batch * s_q  # every query lists `topk` random positions of its sequence, ascending
+                picks = torch.rand(rows, ctx, device=g.device).topk(topk, dim=-1).indices.sort(-1).values
+                owner = torch.arange(batch, device=g.device).repeat_interleave(s_q)
+                return {
+                    "q": g.randn(rows, heads, rank + rope),
+                    "kv_cache": cache,
+                    "indices": slots[owner[:, None], picks].int(),
+                    "softmax_scale": 192**-0.5,
+                    "kv_lora_rank": rank,
+                }
+
+            rows = batch * s_q
+            flops = 2 * rows * heads * topk * (rank + rope + rank)
+            nbytes = rows * topk * record + rows * heads * (rank + rope + rank) * 2 + rows * topk * 4
+            name = f"{fmt} T={rows} H={heads} topk={topk} ctx={ctx}" + (" prefill" if batch == 1 else "")
+            peers = {"torch gather + einsum": _sparse_mla_torch} if fmt == "bf16" and rows <= 256 else {}
+            out.append(BenchCase("sparse_mla", name, make, flops, nbytes, peers, sets=1 if ctx > 8192 else None))
+    if not quick:  # the dense decode that reads as many tokens as the sparse one: its time is the sparse target
+
+        def make_dense(g):
+            table, _ = _scattered_sequences(g, 64, topk, page)
+            cache = allocate_kv_cache(table.numel(), page, kv_lora_rank=rank, rope_dim=rope, device=g.device)
+            cache.view(-1, rank + rope).copy_(_device_randn(g, table.numel() * page, rank + rope))
+            return {
+                "q": g.randn(64, 1, heads, rank + rope),
+                "kv_cache": cache,
+                "block_table": table,
+                "seq_lens": torch.full((64,), topk, dtype=torch.int32, device=g.device),
+                "softmax_scale": 192**-0.5,
+                "kv_lora_rank": rank,
+            }
+
+        flops = 2 * 64 * heads * topk * (rank + rope + rank)
+        name = f"bf16 B=64 H={heads} ctx={topk} (dense, the work of sparse decode)"
+        out.append(BenchCase("mla_decode", name, make_dense, flops, 64 * topk * (rank + rope) * 2))
+    indexer = [(2, 1, 512)] if quick else [(64, 1, 65536), (1, 8192, 8192)]
+    for fmt in ("bf16", "fp8_ds_index"):
+        record = i_dim * 2 if fmt == "bf16" else i_dim + 4
+        for batch, length, ctx in indexer:
+
+            def make_index(g, batch=batch, length=length, ctx=ctx, fmt=fmt):
+                table, _ = _scattered_sequences(g, batch, ctx, page)
+                cache = allocate_index_cache(table.numel(), page, head_dim=i_dim, index_format=fmt, device=g.device)
+                flat = cache.view(-1, cache.shape[-1])
+                for start in range(0, flat.shape[0], 1 << 20):
+                    keys = _device_randn(g, min(1 << 20, flat.shape[0] - start), i_dim)
+                    flat[start : start + keys.shape[0]] = keys if fmt == "bf16" else pack_fp8_ds_index(keys)
+                t = batch * length
+                return {
+                    "q": g.randn(t, i_heads, i_dim),
+                    "weights": g.randn(t, i_heads, dtype=torch.float32, scale=i_heads**-0.5),
+                    "index_cache": cache,
+                    "block_table": table,
+                    "cu_seqlens_q": torch.arange(0, t + 1, length, dtype=torch.int32, device=g.device),
+                    "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device=g.device),
+                    "topk": topk,
+                }
+
+            scored = batch * (length * ctx - length * (length - 1) // 2)  # (query, visible key) pairs
+            flops = 2 * scored * i_heads * i_dim
+            nbytes = batch * ctx * record + batch * length * (i_heads * i_dim * 2 + i_heads * 4 + topk * 4)
+            name = f"{fmt} B={batch} L={length} ctx={ctx} H={i_heads} D={i_dim} topk={topk}"
+            peers = {"torch gather + einsum + topk": _indexer_torch} if fmt == "bf16" and length == 1 else {}
+            out.append(BenchCase("indexer_topk", name, make_index, flops, nbytes, peers, sets=1, compare=_compare_topk))
+    return out
+
+
 def _varlen_cases(quick: bool) -> list[BenchCase]:
     seqs, length, heads = (2, 256, 4) if quick else (4, 8192, 128)
 
@@ -586,6 +718,7 @@ def cases(quick: bool = False) -> list[BenchCase]:
         *_moe_layer_cases(quick),
         *_mla_cases(quick),
         *_varlen_cases(quick),
+        *_dsa_cases(quick),
         *_small_op_cases(quick),
     ]
 
@@ -640,13 +773,17 @@ def _bench_case(case: BenchCase, index: int, backend: str, device: str, n_sets: 
     else:
         impl, fallback = last_resolution(case.op)
         label = f"{backend}/{impl.provider}" + (" (fallback)" if fallback else "")
-    err = error(out, ref)
+    err = case.compare(out, ref, inputs[0]) if case.compare else error(out, ref)
     run = lambda i, fn=fn, inputs=inputs: fn(**inputs[i])
     ms = time_ms(run, device, sets=n_sets)
     rows.append(asdict(_row(case, label, ms, graph_time(run, device, n_sets), ceilings, err)))
     for peer, peer_fn in case.peers.items():
         try:
-            peer_err = error(peer_fn(inputs[0]), ref if case.op != "mla_decode" else ref[0])
+            peer_out = peer_fn(inputs[0])
+            if case.compare:
+                peer_err = case.compare(peer_out, ref, inputs[0])
+            else:
+                peer_err = error(peer_out, ref if case.op not in ("mla_decode", "sparse_mla") else ref[0])
             run = lambda i, p=peer_fn, inputs=inputs: p(inputs[i])
             peer_ms = time_ms(run, device, sets=n_sets)
             peer_row = _row(case, f"peer: {peer}", peer_ms, graph_time(run, device, n_sets), ceilings, peer_err)
