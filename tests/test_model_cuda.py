@@ -28,9 +28,22 @@ def cuda_backend(deepinfer_backend, deepinfer_device) -> str:
     return deepinfer_backend
 
 
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-def test_graph_decode_matches_eager(cuda_backend, tmp_path, kv_format):
-    ckpt = small_checkpoint(tmp_path, seed=1, q_lora_rank=64, **KERNEL_SHAPES)
+# DeepSeek-V3.2: sparse attention with the indexer's production head shape, a top-k below the longer prompts.
+V32 = dict(
+    architectures=["DeepseekV32ForCausalLM"],
+    model_type="deepseek_v32",
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=16,
+)
+
+
+@pytest.mark.parametrize(
+    ("arch", "kv_format"), [("v3", "bf16"), ("v3", "fp8_ds_mla"), ("v32", "bf16"), ("v32", "fp8_ds_mla")]
+)
+def test_graph_decode_matches_eager(cuda_backend, tmp_path, arch, kv_format):
+    extra = V32 if arch == "v32" else {}
+    ckpt = small_checkpoint(tmp_path, seed=1, q_lora_rank=64, **KERNEL_SHAPES, **extra)
     prompts = random_prompts(258, [5, 40, 17, 1, 29], seed=2)  # 5 sequences: a padded bucket (8)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
     common = dict(kv_format=kv_format, block_size=16, max_num_seqs=8, progress=False)
