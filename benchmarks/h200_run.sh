@@ -3,6 +3,9 @@
 # Usage on the GPU machine: OUT=<dir> bash benchmarks/h200_run.sh STEP
 #   conformance  full DeepSeek-V3 shapes, then the small shapes (reports under $OUT)
 #   model        model tests against transformers on cuda_sm100, then the decode benchmark with a kernel profile
+#   dsa          DeepSeek-V3.2: the sparse-attention ops' full-shape conformance (report under $OUT), their
+#                `deepinfer bench` rows, the V3.2 model tests on cuda_sm100, and the V3.2 decode step at 64k context
+#                with a kernel profile (the indexer's share)
 #   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
@@ -16,8 +19,7 @@
 #   gluon-ws [sweep [M,...]]  the warp-specialized, persistent Gluon FP8 GEMM beside cuBLAS, bits checked: M = 4096
 #                on every projection, or over row counts where `gemm` takes it
 #   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against
-#                the working tree; the device copy's .git can lag this machine's commits (seen in the eighth session:
-#                its HEAD was an earlier session's), so REV must be a commit it has
+#                the working tree; the device copy's .git can lag this machine's commits, so REV must be a commit it has
 #   ab-set OP SETTINGS...  same-run A/B of the working tree against itself with backend constants changed, one side
 #                per SETTINGS (MODULE.NAME=VALUE[,...], e.g. attention.MLA_GLUON=False)
 #   ep           two GPUs (nvidia-h200-x2): dispatch + combine over NCCL, then the model with its experts on both
@@ -53,6 +55,17 @@ case ${1:-} in
       --deepinfer-backend cuda_sm100 --tb=line 2>&1 | tail -8
     timeout 300 python3 benchmarks/bench_model.py "$OUT/model_decode.json" --backend cuda_sm100 --batches 1,8,64,256 \
       --steps 20 --hf-batches 1,64 --hf-steps 3 --profile 2>&1 | grep -v Loading | tail -80 ;;
+  dsa)
+    ops=write_index_cache,indexer_topk,sparse_mla,layer_norm
+    timeout 240 deepinfer conformance --backend cuda_sm100 --shapes full --ops $ops \
+      --report "$OUT/conformance_dsa_full.json" 2>&1 | tail -3
+    timeout 60 deepinfer conformance --backend cuda_sm100 --ops $ops --report "$OUT/conformance_dsa_small.json" 2>&1 | tail -3
+    timeout 240 deepinfer bench --backend cuda_sm100 --ops indexer_topk,sparse_mla,mla_decode --json "$OUT/bench_dsa.json" \
+      2>&1 | tail -30
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_v32.py tests/test_model_cuda.py \
+      --deepinfer-backend cuda_sm100 --tb=line 2>&1 | tail -8
+    timeout 200 python3 benchmarks/bench_model.py "$OUT/model_v32.json" --model v32 --kv-format fp8_ds_mla \
+      --context 65536 --batches 1,16,64 --steps 10 --profile 2>&1 | grep -v Loading | tail -60 ;;
   bench)
     timeout 560 deepinfer bench --backend cuda_sm100 ${2:+--ops "$2"} --json "$OUT/bench.json" > /dev/null 2>&1
     echo "bench exit $?" ;;
