@@ -32,6 +32,21 @@ def dense_ckpt(tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def v32_ckpt(tmp_path_factory):
+    """The same shapes as DeepSeek-V3.2: an indexer per layer keeps 6 cached tokens per query."""
+    seed = int.from_bytes(os.urandom(2), "little")
+    return small_checkpoint(
+        tmp_path_factory.mktemp("v32"),
+        seed=seed,
+        architectures=["DeepseekV32ForCausalLM"],
+        model_type="deepseek_v32",
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=6,
+    )
+
+
 @pytest.fixture
 def make(ckpt, deepinfer_backend, deepinfer_device):
     def build(checkpoint=None, **kw) -> LLM:
@@ -133,13 +148,15 @@ def test_chunked_prefill_equals_unchunked(make, dense_ckpt):
     assert all(len(d) + sum(e - s for _, s, e in p) <= 16 for d, p in seen), "the token budget holds every step"
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_resumes_and_loses_nothing(make, mode):
+@pytest.mark.parametrize(("arch", "mode"), [("v3", "swap"), ("v3", "recompute"), ("v32", "swap"), ("v32", "recompute")])
+def test_preemption_resumes_and_loses_nothing(make, v32_ckpt, arch, mode):
+    """DeepSeek-V3.2's indexer keys leave and come back with the latents (swap), or are written again (recompute)."""
     prompts = random_prompts(258, [30, 9, 41, 17, 3, 25], seed=2)
     params = mixed_params(len(prompts), max_tokens=24)
+    checkpoint = v32_ckpt if arch == "v32" else None
     with deepinfer.batch_invariant():
-        ample = make(num_blocks=256).generate(prompts, params)
-        llm = make(block_size=4, num_blocks=26, preemption_mode=mode)  # 104 slots for ~300 tokens
+        ample = make(checkpoint, num_blocks=256).generate(prompts, params)
+        llm = make(checkpoint, block_size=4, num_blocks=26, preemption_mode=mode)  # 104 slots for ~300 tokens
         tight = llm.generate(prompts, params)
     assert llm.engine.num_preemptions > 0, "the cache was meant to be too small for every request at once"
     assert sum(o.metrics["preemptions"] for o in tight) == llm.engine.num_preemptions
