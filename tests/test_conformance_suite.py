@@ -1,6 +1,7 @@
 """The conformance suite can fail: planted bugs in a third-party plugin are reported case by case, a correct plugin
-passes, and the CLI and pytest forms report the same verdicts. Needs the example plugin package installed
-(``pip install tests/plugins/deepinfer_example``), exactly as an outside vendor's plugin would be."""
+passes, and the CLI and pytest forms report the same verdicts. The example plugins are found through their entry
+points, exactly as an outside vendor's would be: installed with ``pip install tests/plugins/deepinfer_example``, or
+(without that) through the ``*.dist-info`` that ``tests/conftest.py`` writes for them."""
 
 from __future__ import annotations
 
