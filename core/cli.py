@@ -127,6 +127,7 @@ def _ops_summary(report) -> Table:
 def cmd_conformance(args: argparse.Namespace) -> int:
     from .conformance.runner import all_bad_inputs, all_cases, run_conformance
 
+    selection.require(args.backend, f"--backend {args.backend}")
     only = args.ops.split(",") if args.ops else None
     if only:
         unknown = sorted(set(only) - set(OP_NAMES))
@@ -174,7 +175,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .selection import use
 
     only = args.ops.split(",") if args.ops else None
-    with use(args.backend) if args.backend else contextlib.nullcontext(), console.status("benchmarking") as status:
+    chosen = use(args.backend, source=f"--backend {args.backend}") if args.backend else contextlib.nullcontext()
+    with chosen, console.status("benchmarking") as status:
         result = bench.run_bench(
             quick=args.quick,
             only_ops=only,

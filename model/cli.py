@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 import deepinfer
+from deepinfer.selection import require
 
 from .errors import RequestError
 from .llm import LLM
@@ -53,8 +54,7 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
 def _device_type(backend: str | None) -> str:
     if backend is None:
         return deepinfer.current_backend().device_type
-    with deepinfer.use(backend) as spec:
-        return spec.device_type
+    return require(backend, f"--backend {backend}").device_type
 
 
 def generate(args: argparse.Namespace, console: Console) -> int:

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import deepinfer
+from deepinfer.selection import require
 
 from .checkpoint import Checkpoint
 from .deepseek_v3 import DeepseekV3
@@ -98,8 +99,8 @@ class LLM:
         if backend is None:
             self.backend = deepinfer.current_backend().name
         else:
-            with deepinfer.use(backend) as spec:  # checks it is installed and available; this LLM pins it per call
-                self.backend = spec.name
+            # checks it is installed and available; this LLM pins it per call
+            self.backend = require(backend, f"LLM(backend={backend!r})").name
         self.dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")

@@ -190,3 +190,32 @@ def test_batch_invariant_mode_uses_only_declared_implementations(plugins):
         warnings.simplefilter("ignore", FallbackWarning)
         y, _ = ops.rms_norm(x, w, 1e-6)
     assert not torch.equal(y, x * 0.5)  # the undeclared plugin implementation was skipped
+
+
+@pytest.mark.parametrize(
+    ("argv", "source"),
+    [
+        (["generate", "--backend", "bogus"], "--backend bogus"),
+        (["bench", "--quick", "--backend", "bogus"], "--backend bogus"),
+        (["conformance", "--backend", "bogus"], "--backend bogus"),
+    ],
+)
+def test_cli_backend_errors_name_the_flag(argv, source, capsys):
+    from deepinfer.cli import main
+
+    assert main(argv) == 2
+    out = capsys.readouterr().out
+    assert f"error: backend 'bogus' (chosen by {source}) cannot be used: it is not installed" in out
+    assert "deepinfer.use" not in out
+
+
+def test_llm_backend_error_names_the_argument(tmp_path):
+    from deepinfer.model import LLM
+
+    with pytest.raises(BackendError) as e:
+        LLM(tmp_path, backend="npu")  # the ascend alias; torch_npu is not installed here
+    msg = str(e.value)
+    assert msg.startswith("backend 'ascend' (chosen by LLM(backend='npu')) is not available: torch_npu")
+    assert "deepinfer.use" not in msg
+    with pytest.raises(BackendError, match=r"\(chosen by deepinfer.use\('bogus'\)\) cannot be used"):
+        deepinfer.use("bogus")
