@@ -219,3 +219,32 @@ def test_llm_backend_error_names_the_argument(tmp_path):
     assert "deepinfer.use" not in msg
     with pytest.raises(BackendError, match=r"\(chosen by deepinfer.use\('bogus'\)\) cannot be used"):
         deepinfer.use("bogus")
+
+
+WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # import triton fails as if it were not installed
+import deepinfer_cuda_sm100.plugin  # the plugin module itself needs no triton
+from deepinfer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_cuda_sm100_without_triton_says_so_and_keeps_its_aliases():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEEPINFER_", "TRITON_"))}
+    run = lambda *args, **extra: subprocess.run(
+        [sys.executable, "-c", WITHOUT_TRITON, *args], capture_output=True, text=True, env={**env, **extra}
+    )
+    info = run("info")
+    assert info.returncode == 0, info.stderr
+    row = next(line for line in info.stdout.splitlines() if "cuda_sm100" in line)
+    assert "cuda, nvidia" in row and "triton is not installed (pip install 'deepinfer[cuda]')" in row, info.stdout
+    assert "plugin failed to load" not in info.stdout
+    chosen = run("info", DEEPINFER_ACCELERATOR="cuda")
+    assert "backend 'cuda_sm100' (DEEPINFER_ACCELERATOR=cuda) is not available: triton is not installed" in " ".join(
+        chosen.stdout.split()
+    ), chosen.stdout
