@@ -158,3 +158,12 @@ def test_a_wrong_batch_invariant_implementation_fails_its_accuracy(plugins):
     assert invariant and {r.status for r in invariant if not r.case.startswith("T=0 ")} == {"fail"}  # T=0: empty
     assert all(r.detail.startswith("batch-invariant mode") for r in invariant)
     assert {r.status for r in report.results if r.check == "batch_invariance"} == {"pass"}
+
+
+def test_pytest_form_with_an_unknown_backend_is_one_usage_error():
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "deepinfer.conformance"]
+    out = subprocess.run([*cmd, "--deepinfer-backend", "bogus"], capture_output=True, text=True)
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout + out.stderr
+    assert "backend 'bogus' (chosen by --deepinfer-backend bogus) cannot be used: it is not installed" in out.stderr
+    assert "reference: available" in out.stderr
+    assert "failed" not in out.stdout and "AttributeError" not in out.stdout + out.stderr
