@@ -199,16 +199,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             fmt(r["graph_ms"], ".4f"),
             fmt(r["tflops"], ".1f"),
             fmt(r["gbps"], ".0f"),
-            fmt(r["roofline_pct"], ".0f"),
+            bench.roofline_text(r),
             fmt(r["rel_err"], ".1e"),
             escape(r["note"]),
         )
     console.print(table)
-    c = result["ceilings"]
-    console.print(
-        f"ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 {c['bf16_TFLOPs']:.0f} TFLOP/s, "
-        f"fp8 {c['fp8_TFLOPs']:.0f} TFLOP/s"
-    )
+    not_measured = " (not measured with --quick: its tiny sizes time launches, not ceilings)" if args.quick else ""
+    console.print(f"ceilings: {bench.ceilings_text(result['ceilings'])}{not_measured}", soft_wrap=True)
     bench.save(result, args.json, args.results, "deepinfer " + " ".join(args.argv))
     return 0
 
@@ -251,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="time each op on DeepSeek-V3 shapes against measured ceilings and peers")
     bench.add_argument("--backend", help="backend name or alias (default: the selected one)")
     bench.add_argument("--ops", help="comma-separated ops to time (default: all)")
-    bench.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement")
+    bench.add_argument(
+        "--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement (no ceilings, no roofline)"
+    )
     bench.add_argument("--json", help="write all numbers to this JSON file (rewritten after every case)")
     bench.add_argument("--device", help="torch device of the inputs (default: the backend's; cpu: Triton interpreter)")
     bench.add_argument("--results", help="append a dated section to this markdown file (e.g. benchmarks/RESULTS.md)")
