@@ -175,19 +175,23 @@ class LLM:
     def generate(
         self,
         prompts: Any,
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
         *,
         progress: bool | None = None,
     ) -> list[RequestOutput]:
         """Generates for each prompt (a str, a list of token ids, or a list of those); returns one
-        ``RequestOutput`` per prompt, in order. ``sampling_params``: one for all, or one per prompt."""
+        ``RequestOutput`` per prompt, in order. ``sampling_params``: one for all, or one per prompt; each a
+        ``SamplingParams`` or a dict of its fields (``{"max_tokens": 8, "temperature": 0}``)."""
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         )
         prompts = [prompts] if single else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = [
+            _sampling_params(p)
+            for p in (sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts))
+        ]
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         show = (self.progress if progress is None else progress) and len(prompts) >= PROGRESS_MIN_PROMPTS
@@ -253,3 +257,13 @@ class LLM:
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs else None,
             metrics={"preemptions": seq.num_preemptions},
         )
+
+
+def _sampling_params(p: Any) -> SamplingParams:
+    if isinstance(p, SamplingParams):
+        return p
+    if isinstance(p, dict):
+        return SamplingParams.from_dict(p)
+    raise RequestError(
+        f"sampling_params: expected a SamplingParams, a dict of its fields or a list of those, got {type(p).__name__}"
+    )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import RequestError
 
@@ -34,6 +36,15 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
+        """``SamplingParams(**fields)``, with a ``RequestError`` naming any key that is not a field."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(str(k) for k in fields if k not in known)
+        if unknown:
+            raise RequestError(f"SamplingParams: unknown field(s) {unknown}; the fields are {', '.join(known)}")
+        return cls(**fields)
 
     def __post_init__(self) -> None:
         def bad(what: str) -> RequestError:

@@ -13,7 +13,7 @@ import pytest
 from model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from deepinfer import cli
-from deepinfer.model import LLM, SamplingParams
+from deepinfer.model import LLM, RequestError, SamplingParams
 from deepinfer.model.tiny import NAME, TINY_CONFIG, default_checkpoint, write_checkpoint
 
 # sha256 of the embedded default's model.safetensors: its weights come from a fixed seed of NumPy's frozen
@@ -80,3 +80,19 @@ def test_the_model_is_not_imported_unless_asked(code):
     probe = f"{code}\nimport sys\nassert 'deepinfer.model' not in sys.modules, 'deepinfer.model was imported'"
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def test_generate_takes_a_dict_of_sampling_fields(tiny):
+    llm = LLM(tiny, progress=False)
+    prompt = [256, 72, 105]
+    want = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    assert llm.generate(prompt, {"max_tokens": 4, "temperature": 0})[0].outputs[0].token_ids == want
+    per_prompt = llm.generate([prompt, prompt], [{"max_tokens": 4, "temperature": 0}, {"max_tokens": 2}])
+    assert per_prompt[0].outputs[0].token_ids == want and len(per_prompt[1].outputs[0].token_ids) == 2
+    with pytest.raises(RequestError, match=r"unknown field\(s\) \['max_token'\]; the fields are max_tokens"):
+        llm.generate(prompt, {"max_token": 4})
