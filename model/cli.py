@@ -85,6 +85,7 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         dtype=args.dtype,
         kv_format=args.kv_format,
         max_num_seqs=args.max_num_seqs,
+        max_model_len=getattr(args, "max_model_len", None),
         device=None if launch is None else launch.device,
         progress=launch is None or launch.rank == 0,
         ep=None if launch is None else launch.world_size,
@@ -98,6 +99,7 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
             llm.engine.drop_cuda_graphs()
     if llm.ep.rank != 0:
         return 0
+    capped = 0
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
         shown = prompt if isinstance(prompt, str) else f"{prompt}"
@@ -106,6 +108,18 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
             console.print(escape(completion.text), highlight=False)
         else:
             console.print(f" -> {completion.token_ids}", highlight=False)
+        n = len(completion.token_ids)
+        at_context = completion.finish_reason == "length" and n < params.max_tokens
+        capped += at_context
+        why = " at the context length" if at_context else ""
+        console.print(f"[dim]\\[finish reason: {completion.finish_reason}{why}, {n} tokens][/dim]", highlight=False)
+    if capped:
+        console.print(
+            f"note: {capped} request(s) stopped at the context length ({llm.max_model_len} tokens, prompt included) "
+            f"before --max-tokens {params.max_tokens}",
+            highlight=False,
+            soft_wrap=True,
+        )
     s = llm.last_stats
     secs = max(s["seconds"], 1e-9)
     console.print(

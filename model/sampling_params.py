@@ -15,8 +15,9 @@ MASK63 = (1 << 63) - 1
 class SamplingParams:
     """How to decode one request.
 
-    max_tokens: tokens to generate at most. temperature: 0 is greedy (the first index of the highest logit);
-    otherwise logits are divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off) filter the
+    max_tokens: tokens to generate at most; a sequence also stops at the context length (``LLM.max_model_len``,
+    prompt included), with finish reason ``length`` either way. temperature: 0 is greedy (the first index of the
+    highest logit); otherwise logits are divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off) filter the
     distribution as ``deepinfer.ops.sample`` documents. seed: a request's tokens depend only on its prompt, its
     parameters and this seed, never on what else is batched with it (None: a fresh random seed).
     stop_token_ids: generation ends after any of these; the model's ``eos_token_id`` ends it too unless
