@@ -209,13 +209,15 @@ def test_cli_backend_errors_name_the_flag(argv, source, capsys):
     assert "deepinfer.use" not in out
 
 
-def test_llm_backend_error_names_the_argument(tmp_path):
+def test_llm_backend_error_names_the_argument(tmp_path, plugins):
     from deepinfer.model import LLM
 
+    module = backend_module("fake_off", device_type="cuda", available=False, aliases=("off",))
+    plugins("fake_off", {"fake_off": "fake_off"}, {"fake_off": module})
     with pytest.raises(BackendError) as e:
-        LLM(tmp_path, backend="npu")  # the ascend alias; torch_npu is not installed here
+        LLM(tmp_path, backend="off")  # an alias of a backend that cannot run here, as "npu" without torch_npu
     msg = str(e.value)
-    assert msg.startswith("backend 'ascend' (chosen by LLM(backend='npu')) is not available: torch_npu")
+    assert msg.startswith("backend 'fake_off' (chosen by LLM(backend='off')) is not available: probe says no device")
     assert "deepinfer.use" not in msg
     with pytest.raises(BackendError, match=r"\(chosen by deepinfer.use\('bogus'\)\) cannot be used"):
         deepinfer.use("bogus")
