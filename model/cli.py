@@ -99,7 +99,7 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
             llm.engine.drop_cuda_graphs()
     if llm.ep.rank != 0:
         return 0
-    capped = 0
+    stopped = {"the context length": 0, "the cache's capacity": 0}  # before --max-tokens
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
         shown = prompt if isinstance(prompt, str) else f"{prompt}"
@@ -108,18 +108,21 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
             console.print(escape(completion.text), highlight=False)
         else:
             console.print(f" -> {completion.token_ids}", highlight=False)
-        n = len(completion.token_ids)
-        at_context = completion.finish_reason == "length" and n < params.max_tokens
-        capped += at_context
-        why = " at the context length" if at_context else ""
+        n, why = len(completion.token_ids), ""
+        if completion.finish_reason == "length" and n < params.max_tokens:
+            full = len(out.prompt_token_ids) + n >= llm.max_model_len
+            limit = "the context length" if full else "the cache's capacity"
+            stopped[limit] += 1
+            why = f" at {limit}"
         console.print(f"[dim]\\[finish reason: {completion.finish_reason}{why}, {n} tokens][/dim]", highlight=False)
-    if capped:
-        console.print(
-            f"note: {capped} request(s) stopped at the context length ({llm.max_model_len} tokens, prompt included) "
-            f"before --max-tokens {params.max_tokens}",
-            highlight=False,
-            soft_wrap=True,
-        )
+    for limit, count in stopped.items():
+        if count:
+            size = f" ({llm.max_model_len} tokens, prompt included)" if limit == "the context length" else ""
+            console.print(
+                f"note: {count} request(s) stopped at {limit}{size} before --max-tokens {params.max_tokens}",
+                highlight=False,
+                soft_wrap=True,
+            )
     s = llm.last_stats
     secs = max(s["seconds"], 1e-9)
     console.print(

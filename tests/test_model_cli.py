@@ -4,6 +4,7 @@ download, the default is the same bytes on every machine, and the model is never
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ from model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from deepinfer import InputError, cli
 from deepinfer.model import LLM, RequestError, SamplingParams
+from deepinfer.model import cli as model_cli
 from deepinfer.model.tiny import NAME, TINY_CONFIG, default_checkpoint, write_checkpoint
 
 # sha256 of the embedded default's model.safetensors: its weights come from a fixed seed of NumPy's frozen
@@ -145,7 +147,7 @@ def test_help_lists_every_subcommand_and_describes_every_flag(capsys):
         assert status == 0 and sub.description.split()[0] in text, name
 
 
-def test_generate_prints_finish_reasons_and_says_when_the_context_capped_it(tiny, capsys):
+def test_generate_prints_finish_reasons_and_says_when_the_context_capped_it(tiny, capsys, monkeypatch):
     base = ["generate", "--model", str(tiny), "--prompt", "Hello"]  # 6 tokens with BOS
     status, out = run_cli([*base, "--max-tokens", "3"], capsys)
     assert status == 0, out
@@ -156,6 +158,10 @@ def test_generate_prints_finish_reasons_and_says_when_the_context_capped_it(tiny
     assert "note: 1 request(s) stopped at the context length (16 tokens, prompt included) before --max-tokens 100" in (
         " ".join(out.split())
     )
+    monkeypatch.setattr(model_cli, "LLM", functools.partial(LLM, num_blocks=1, block_size=16))  # 16 tokens of cache
+    status, out = run_cli([*base, "--max-tokens", "100"], capsys)
+    assert status == 0, out
+    assert "at the cache's capacity" in out and "note: 1 request(s) stopped at the cache's capacity before" in out
 
 
 def test_max_model_len_above_the_model_is_an_error(tiny):
