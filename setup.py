@@ -79,7 +79,17 @@ setup(
     extras_require={
         "cuda": ["triton>=3.0", "cupy-cuda12x"],
         "ascend": ["torch-npu"],
-        "test": ["pytest>=7", "hypothesis>=6", "transformers>=5.24", "ruff", "setuptools>=69", "wheel"],
+        # triton (Linux): the NVIDIA kernels run through its CPU interpreter in the tests. The example plugin of
+        # tests/plugins is made visible to the tests by tests/conftest.py, not installed.
+        "test": [
+            "pytest>=7",
+            "hypothesis>=6",
+            "transformers>=5.24",
+            "ruff",
+            "setuptools>=69",
+            "wheel",
+            "triton>=3.0; sys_platform == 'linux'",
+        ],
     },
     entry_points=entry_points,
     cmdclass={"build_py": BuildWithDefault},

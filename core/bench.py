@@ -147,17 +147,21 @@ def time_graph_ms(
     return time_ms(lambda i: chained.replay(), "cuda", sets=1, reps=reps) / calls
 
 
-def measure_ceilings(device: str, quick: bool) -> dict[str, float]:
-    """Copy bandwidth (bytes read + written per second) and bf16 / FP8 matmul rates, measured here."""
-    n = (1 << 22) if quick else (1 << 30)
+def measure_ceilings(device: str, quick: bool) -> dict[str, float | None]:
+    """Copy bandwidth (bytes read + written per second) and bf16 / FP8 matmul rates, measured here. None where not
+    measured: every ceiling with ``quick`` (tiny sizes measure launch overhead, not a ceiling), and the FP8 rate off
+    CUDA (no FP8 matmul to time). A roofline needs the ceilings of its case, so it is None too then."""
+    if quick:
+        return {"copy_GBps": None, "bf16_TFLOPs": None, "fp8_TFLOPs": None}
+    n = 1 << 30
     src = torch.randn(n // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_ms = time_ms(lambda i: dst.copy_(src), device, sets=1)
-    size = 256 if quick else 8192
+    size = 8192
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     mm_ms = time_ms(lambda i: a @ b, device, sets=1, reps=10)
-    ceilings = {
+    ceilings: dict[str, float | None] = {
         "copy_GBps": 2 * src.numel() * 2 / (copy_ms * 1e-3) / GB,
         "bf16_TFLOPs": 2 * size**3 / (mm_ms * 1e-3) / TFLOP,
     }
@@ -169,7 +173,7 @@ def measure_ceilings(device: str, quick: bool) -> dict[str, float]:
         )
         ceilings["fp8_TFLOPs"] = 2 * size**3 / (fp8_ms * 1e-3) / TFLOP
     else:
-        ceilings["fp8_TFLOPs"] = ceilings["bf16_TFLOPs"]
+        ceilings["fp8_TFLOPs"] = None
     return ceilings
 
 
@@ -731,15 +735,17 @@ def _row(
     impl: str,
     ms: float | None,
     graph_ms: float | None,
-    ceilings: dict[str, float],
+    ceilings: dict[str, float | None],
     rel_err: float | None,
     note: str = "",
 ) -> Row:
     if ms is None:
         return Row(case.op, case.name, impl, None, None, None, None, None, rel_err, note)
     seconds = (graph_ms if graph_ms is not None else ms) * 1e-3
-    peak = ceilings["fp8_TFLOPs" if case.compute == "fp8" else "bf16_TFLOPs"] * TFLOP
-    floor = max(case.bytes / (ceilings["copy_GBps"] * GB), case.flops / peak)
+    peak, bandwidth = ceilings["fp8_TFLOPs" if case.compute == "fp8" else "bf16_TFLOPs"], ceilings["copy_GBps"]
+    roofline = None  # not measured: a share of an unmeasured ceiling means nothing
+    if peak is not None and bandwidth is not None:
+        roofline = 100 * max(case.bytes / (bandwidth * GB), case.flops / (peak * TFLOP)) / seconds
     return Row(
         case.op,
         case.name,
@@ -748,7 +754,7 @@ def _row(
         graph_ms,
         case.flops / seconds / TFLOP,
         case.bytes / seconds / GB,
-        100 * floor / seconds,
+        roofline,
         rel_err,
         note,
     )
@@ -841,16 +847,16 @@ def run_bench(
 def markdown(result: dict[str, Any], command: str) -> str:
     """A dated RESULTS.md section for ``result``."""
     c = result["ceilings"]
+    measured = ceilings_text(c)
     lines = [
         f"## {result['date']} — `deepinfer bench` on {result['environment'].get('gpu', result['device'])} "
         f"({result['backend']})",
         "",
         f"Command: `{command}`. torch {result['environment']['torch']}.",
-        f"Ceilings measured in this run: copy {c['copy_GBps']:.0f} GB/s (read + write), bf16 matmul "
-        f"{c['bf16_TFLOPs']:.0f} TFLOP/s, FP8 matmul {c['fp8_TFLOPs']:.0f} TFLOP/s. Times are medians, eager (host "
+        f"Ceilings measured in this run: {measured}. Times are medians, eager (host "
         "launch included) and replayed from a CUDA graph (device time; blank where the work cannot be captured); "
         "throughput and roofline % = max(bytes / bandwidth, FLOPs / peak) / time use the graph time where there "
-        "is one.",
+        "is one (n/a where a ceiling was not measured).",
         "",
         "| op | case | implementation | ms eager | ms graph | TFLOP/s | GB/s | % roofline | rel. error | note |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -860,10 +866,26 @@ def markdown(result: dict[str, Any], command: str) -> str:
         lines.append(
             f"| {r['op']} | {r['case']} | {r['impl']} | {fmt(r['ms'], '.4f')} | {fmt(r['graph_ms'], '.4f')} | "
             f"{fmt(r['tflops'], '.1f')} | "
-            f"{fmt(r['gbps'], '.0f')} | {fmt(r['roofline_pct'], '.0f')} | {fmt(r['rel_err'], '.1e')} | "
+            f"{fmt(r['gbps'], '.0f')} | {roofline_text(r)} | {fmt(r['rel_err'], '.1e')} | "
             f"{r['note']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def ceilings_text(c: dict[str, float | None]) -> str:
+    """The ceilings of a run in words, ``n/a`` for those not measured."""
+    fmt = lambda v, unit: "n/a" if v is None else f"{v:.0f} {unit}"
+    return (
+        f"copy {fmt(c['copy_GBps'], 'GB/s (read + write)')}, bf16 matmul {fmt(c['bf16_TFLOPs'], 'TFLOP/s')}, "
+        f"FP8 matmul {fmt(c['fp8_TFLOPs'], 'TFLOP/s')}"
+    )
+
+
+def roofline_text(row: dict[str, Any]) -> str:
+    """A row's roofline percentage; ``n/a`` for a timed row whose ceilings were not measured."""
+    if row["roofline_pct"] is not None:
+        return f"{row['roofline_pct']:.0f}"
+    return "" if row["ms"] is None else "n/a"
 
 
 def save(result: dict[str, Any], json_path: str | None, results_md: str | None, command: str) -> None:

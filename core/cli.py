@@ -1,10 +1,13 @@
-"""The ``deepinfer`` command line: ``info`` and ``conformance``."""
+"""The ``deepinfer`` command line: ``info``, ``conformance``, ``bench`` and ``generate`` (``build_parser``)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -12,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import registry, selection
-from .errors import DeepInferError
+from .errors import DeepInferError, InputError
 from .ops import OP_NAMES
 
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -59,6 +62,11 @@ def _ops_table(backend: str) -> Table:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.backend and registry.get().lookup(args.backend) is None:
+        reg = registry.get()
+        return _bad_flag(
+            "--backend", f"an installed backend or alias ({', '.join([*reg.backends, *reg.aliases])})", args.backend
+        )
     console.print(_backends_table())
     try:
         spec, how = selection.resolve()
@@ -127,12 +135,12 @@ def _ops_summary(report) -> Table:
 def cmd_conformance(args: argparse.Namespace) -> int:
     from .conformance.runner import all_bad_inputs, all_cases, run_conformance
 
+    selection.require(args.backend, f"--backend {args.backend}")
     only = args.ops.split(",") if args.ops else None
     if only:
         unknown = sorted(set(only) - set(OP_NAMES))
         if unknown:
-            console.print(f"[red]unknown ops {unknown}; known: {', '.join(OP_NAMES)}")
-            return 2
+            return _bad_flag("--ops", f"ops among {', '.join(OP_NAMES)}", args.ops)
     total = sum(1 for c in all_cases(args.shapes) if only is None or c.op in only)
     total += sum(1 for b in all_bad_inputs() if only is None or b.op in only)
     with Progress(
@@ -174,7 +182,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .selection import use
 
     only = args.ops.split(",") if args.ops else None
-    with use(args.backend) if args.backend else contextlib.nullcontext(), console.status("benchmarking") as status:
+    known = sorted({c.op for c in bench.cases(args.quick)})
+    if only and set(only) - set(known):
+        return _bad_flag("--ops", f"ops among {', '.join(known)}", args.ops)
+    chosen = use(args.backend, source=f"--backend {args.backend}") if args.backend else contextlib.nullcontext()
+    with chosen, console.status("benchmarking") as status:
         result = bench.run_bench(
             quick=args.quick,
             only_ops=only,
@@ -197,16 +209,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             fmt(r["graph_ms"], ".4f"),
             fmt(r["tflops"], ".1f"),
             fmt(r["gbps"], ".0f"),
-            fmt(r["roofline_pct"], ".0f"),
+            bench.roofline_text(r),
             fmt(r["rel_err"], ".1e"),
             escape(r["note"]),
         )
     console.print(table)
-    c = result["ceilings"]
-    console.print(
-        f"ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 {c['bf16_TFLOPs']:.0f} TFLOP/s, "
-        f"fp8 {c['fp8_TFLOPs']:.0f} TFLOP/s"
-    )
+    not_measured = " (not measured with --quick: its tiny sizes time launches, not ceilings)" if args.quick else ""
+    console.print(f"ceilings: {bench.ceilings_text(result['ceilings'])}{not_measured}", soft_wrap=True)
     bench.save(result, args.json, args.results, "deepinfer " + " ".join(args.argv))
     return 0
 
@@ -217,16 +226,70 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return generate(args, console)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = (
+    "deepinfer: DeepSeek-V3-family inference on pluggable backends. Subcommands: info (installed backends and the "
+    "selected one), conformance (check a backend against the reference), bench (time each op against measured "
+    "ceilings and peers), generate (run a checkpoint)."
+)
 
-    info = sub.add_parser("info", help="installed backends, availability, the selected one and why")
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line as one line, like every other error of the CLI: ``error: argument --flag:
+    expected ..., got ...`` and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _checked(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses ``kind`` and accepts what ``ok`` accepts; argparse names the flag."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    return _checked(int, f"an int >= {minimum}", lambda v: v >= minimum)
+
+
+def _finite(expected: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    return _checked(float, expected, lambda v: math.isfinite(v) and ok(v))
+
+
+def _bad_flag(flag: str, expected: str, got: str) -> int:
+    console.print(
+        f"[red]error:[/red] argument {flag}: expected {escape(expected)}, got {escape(repr(got))}", soft_wrap=True
+    )
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``deepinfer`` and its four subcommands."""
+    parser = _Parser(prog="deepinfer", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,conformance,bench,generate}")
+
+    about = "installed backends, whether each is available here and why, and which one is selected"
+    info = sub.add_parser("info", help=about, description=f"List the {about}.")
     info.add_argument("--ops", action="store_true", help="show the implementation each op resolves to")
     info.add_argument("--backend", help="show --ops for this backend instead of the selected one")
     info.set_defaults(fn=cmd_info)
 
-    conf = sub.add_parser("conformance", help="check a backend against the reference")
+    about = "check a backend against the reference"
+    conf = sub.add_parser(
+        "conformance",
+        help=about,
+        description="Check every op of a backend against the reference on fresh random inputs: accuracy, "
+        "determinism and batch invariance where declared, and the documented error for bad inputs. Exit status 1 "
+        "on any failure.",
+    )
     conf.add_argument("--backend", required=True, help="backend name or alias")
     conf.add_argument("--report", help="write the JSON report to this file")
     conf.add_argument(
@@ -246,48 +309,105 @@ def main(argv: list[str] | None = None) -> int:
     conf.add_argument("-v", "--verbose", action="store_true", help="list every check, not only the failing ones")
     conf.set_defaults(fn=cmd_conformance)
 
-    bench = sub.add_parser("bench", help="time each op on DeepSeek-V3 shapes against measured ceilings and peers")
+    about = "time each op on DeepSeek-V3 shapes against measured ceilings and peers"
+    bench = sub.add_parser(
+        "bench",
+        help=about,
+        description="Time each op on DeepSeek-V3 shapes on a backend, beside the torch-native peer a user would "
+        "pick, against ceilings (copy bandwidth, matmul peaks) measured in the same run.",
+    )
     bench.add_argument("--backend", help="backend name or alias (default: the selected one)")
     bench.add_argument("--ops", help="comma-separated ops to time (default: all)")
-    bench.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement")
+    bench.add_argument(
+        "--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement (no ceilings, no roofline)"
+    )
     bench.add_argument("--json", help="write all numbers to this JSON file (rewritten after every case)")
     bench.add_argument("--device", help="torch device of the inputs (default: the backend's; cpu: Triton interpreter)")
     bench.add_argument("--results", help="append a dated section to this markdown file (e.g. benchmarks/RESULTS.md)")
     bench.set_defaults(fn=cmd_bench)
 
-    gen = sub.add_parser("generate", help="generate with a DeepSeek-V3-family checkpoint (default: the embedded one)")
+    gen = sub.add_parser(
+        "generate",
+        help="generate with a DeepSeek-V3-family checkpoint (default: the embedded one)",
+        description="Generate completions with a DeepSeek-V3-family checkpoint (a Hugging Face layout directory; "
+        "default: a small embedded one with random weights, written on first use, no download). Prints each "
+        "completion with its finish reason, then a tokens/s summary.",
+    )
     gen.add_argument("--model", help="checkpoint directory (default: the small embedded one, created on first use)")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--batch", help="a file of prompts, one per line (a line holding a JSON list of ints: token ids)")
-    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="0: off")
+    gen.add_argument(
+        "--max-tokens",
+        type=_int_at_least(1),
+        default=32,
+        help="tokens to generate per prompt at most (default 32); a sequence also stops at the context length",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=_finite("a finite number >= 0", lambda v: v >= 0),
+        default=0.0,
+        help="sampling temperature; 0 (default): greedy",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=_finite("a number in (0, 1]", lambda v: 0 < v <= 1),
+        default=1.0,
+        help="nucleus sampling: keep the most likely tokens whose probabilities sum to this, in (0, 1] (default 1: "
+        "off)",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=_checked(int, "an int >= 0 (0 or -1: off)", lambda v: v >= -1),
+        default=0,
+        help="keep only the k most likely tokens (default 0: off)",
+    )
     gen.add_argument("--seed", type=int, help="sampling seed (default: fresh each run)")
     gen.add_argument("--backend", help="backend name or alias (default: the selected one)")
-    gen.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    gen.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16")
-    gen.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
+    gen.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activations and float weights"
+    )
+    gen.add_argument(
+        "--kv-format",
+        choices=("bf16", "fp8_ds_mla"),
+        default="bf16",
+        help="the paged latent cache: bf16, or FlashMLA's FP8 record (needs kv_lora_rank %% 128 == 0)",
+    )
+    gen.add_argument(
+        "--max-num-seqs", type=_int_at_least(1), default=64, help="sequences decoded together at most (default 64)"
+    )
+    gen.add_argument(
+        "--max-model-len",
+        type=_int_at_least(2),
+        help="context length: prompt plus generated tokens (default: the model's max_position_embeddings)",
+    )
     gen.add_argument(
         "--ep",
-        type=int,
+        type=_int_at_least(1),
         help="split the routed experts over N processes: run under torchrun --nproc-per-node N "
         "(default: torchrun's WORLD_SIZE, else 1); output is printed by rank 0",
     )
     gen.add_argument(
         "--dist-timeout",
-        type=float,
+        type=_finite("a finite number > 0", lambda v: v > 0),
         default=600.0,
         help="seconds a rank waits for the others in a collective before failing (with --ep; default 600)",
     )
     gen.set_defaults(fn=cmd_generate)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.fn(args)
+    except InputError as e:
+        if e.op == "LLM" and e.arg in vars(args):  # an LLM argument given by a flag: name the flag
+            return _bad_flag("--" + e.arg.replace("_", "-"), e.expected, e.actual)
+        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
+        return 2
     except DeepInferError as e:
-        console.print(f"[red]error:[/red] {escape(str(e))}")
+        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         return 2
 
 

@@ -69,6 +69,13 @@ def _require(name: str, how: str) -> BackendSpec:
     return spec
 
 
+def require(name: str, source: str | None = None) -> BackendSpec:
+    """The backend called or aliased ``name``, checked to be installed and available here; otherwise a
+    ``BackendError`` that says why and lists the installed backends. ``source`` says in that message where the name
+    came from (``--backend NAME``, ``LLM(backend=...)``; default ``deepinfer.use(NAME)``)."""
+    return _require(name, f"chosen by {source or f'deepinfer.use({name!r})'}")
+
+
 def _auto_detect() -> tuple[BackendSpec, str]:
     reg = registry.get()
     hardware = sorted(n for n, s in reg.backends.items() if s.device_type != "cpu" and reg.probe(n)[0])
@@ -115,11 +122,12 @@ def available_backends() -> list[str]:
 class use:
     """Selects a backend by name or alias for this process; as a context manager, only for the ``with`` block.
 
-    Raises ``BackendError`` naming the reason if it is not installed or not available here.
+    Raises ``BackendError`` naming the reason if it is not installed or not available here; ``source`` says in that
+    message where the name came from (as ``require``).
     """
 
-    def __init__(self, name: str):
-        spec = _require(name, f"chosen by deepinfer.use({name!r})")
+    def __init__(self, name: str, *, source: str | None = None):
+        spec = require(name, source)
         self.spec = spec
         self._depth = len(_explicit)
         _explicit.append(spec.name)

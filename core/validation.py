@@ -16,8 +16,15 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _dtype_name(dtypes) -> str:
-    names = [str(d).removeprefix("torch.") for d in dtypes]
-    return names[0] if len(names) == 1 else " or ".join(names)
+    """``torch.bfloat16``, or ``torch.bfloat16 or torch.float32``: dtypes as torch prints them, in every message."""
+    return " or ".join(str(d) for d in dtypes)
+
+
+def _range(low: float | None, high: float | None) -> str:
+    """The values a number may take, in words: ``in [low, high]``, ``>= low`` or ``<= high``."""
+    if low is not None and high is not None:
+        return f"in [{low}, {high}]"
+    return f">= {low}" if low is not None else f"<= {high}"
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -123,7 +130,9 @@ class Check:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(arg, "a number", repr(value))
         if value != value or (low is not None and value < low) or (high is not None and value > high):  # NaN
-            raise self.fail(arg, f"a number in [{low}, {high}]", repr(value))
+            raise self.fail(
+                arg, "a number" + ("" if low is None and high is None else f" {_range(low, high)}"), repr(value)
+            )
 
     def values_in_range(self, arg: str, t: torch.Tensor, low: int, high: int, *, what: str = "values") -> None:
         """All entries in [low, high] (a value check: call only where ``value_checks_enabled``)."""

@@ -7,9 +7,17 @@ A checkpoint directory holds ``config.json`` and one or more ``*.safetensors`` f
 ``Checkpoint.open(path, config)`` reads every file's header (never the data) and checks the whole checkpoint
 against the layout ``config.json`` implies (``expected_layout``): each file is well formed and not truncated,
 every expected tensor is present once with the expected shape and a usable dtype, FP8 weights come with
-``weight_scale_inv`` of the block-scale shape, nothing unexpected is left over. The multi-token-prediction layer
-(``model.layers.{num_hidden_layers + i}``) is recognised and listed in ``mtp_keys``, not loaded. Any problem is a
+``weight_scale_inv`` of the block-scale shape, nothing unexpected is left over. Any problem is a
 ``CheckpointError`` naming the file and the tensor, raised before a single weight is read.
+
+Multi-token-prediction layers: ``num_nextn_predict_layers = K`` in ``config.json`` declares K MTP layers after the
+``L = num_hidden_layers`` decoder layers, named ``model.layers.{L + i}.`` as DeepSeek writes them: ``enorm``,
+``hnorm``, ``eh_proj``, a whole decoder layer (attention, and a dense or MoE MLP by the usual index rule),
+``shared_head.norm``, and optionally ``shared_head.head`` and ``embed_tokens``. They are checked like the rest but
+not loaded (``mtp_keys`` lists them). A checkpoint holds either all K of them, complete, or none: transformers
+writes ``num_nextn_predict_layers: 1`` but no MTP weights, and serving does not need them. A partial or mis-shaped
+MTP layer is an error; so is a main-model tensor that is missing, which also catches a ``config.json`` whose
+``num_hidden_layers`` is lower than the weights' (its last decoder layers would otherwise pass for MTP layers).
 
 ``Checkpoint.read`` then returns one tensor at a time from the memory-mapped files (float weights in the asked
 dtype, FP8 weights as a ``QTensor`` with their scales), on the asked device, counting bytes for a progress bar.
@@ -19,8 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -68,63 +75,115 @@ class TensorInfo:
 @dataclass(frozen=True)
 class Expected:
     """A tensor ``config.json`` implies: its shape and kind (``linear``: float or FP8 block-scaled; ``float``:
-    float; ``fp32``: float, used in fp32)."""
+    float; ``fp32``: float, used in fp32). ``mtp``: part of a multi-token-prediction layer (checked, not loaded);
+    ``optional``: may be absent (an MTP layer's own ``embed_tokens`` and ``shared_head.head``)."""
 
     shape: tuple[int, ...]
     kind: str
+    mtp: bool = False
+    optional: bool = False
 
 
 def expected_layout(cfg: ModelConfig) -> dict[str, Expected]:
-    """Every tensor a checkpoint of ``cfg`` must hold (Hugging Face names, per-expert keys), with its shape."""
-    h, heads, r, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    """Every tensor a checkpoint of ``cfg`` may hold (Hugging Face names, per-expert keys), with its shape: the
+    model's, then those of its ``num_nextn_predict_layers`` multi-token-prediction layers (``mtp=True``)."""
+    h = cfg.hidden_size
     out: dict[str, Expected] = {"model.embed_tokens.weight": Expected((cfg.vocab_size, h), FLOAT)}
     out["model.norm.weight"] = Expected((h,), FLOAT)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = Expected((cfg.vocab_size, h), LINEAR)
     for layer in range(cfg.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        out[p + "input_layernorm.weight"] = Expected((h,), FLOAT)
-        out[p + "post_attention_layernorm.weight"] = Expected((h,), FLOAT)
-        a = p + "self_attn."
-        if cfg.q_lora_rank is None:
-            out[a + "q_proj.weight"] = Expected((heads * cfg.qk_head_dim, h), LINEAR)
-        else:
-            out[a + "q_a_proj.weight"] = Expected((cfg.q_lora_rank, h), LINEAR)
-            out[a + "q_a_layernorm.weight"] = Expected((cfg.q_lora_rank,), FLOAT)
-            out[a + "q_b_proj.weight"] = Expected((heads * cfg.qk_head_dim, cfg.q_lora_rank), LINEAR)
-            if cfg.attention_bias:
-                out[a + "q_a_proj.bias"] = Expected((cfg.q_lora_rank,), FLOAT)
-        out[a + "kv_a_proj_with_mqa.weight"] = Expected((r + dr, h), LINEAR)
-        out[a + "kv_a_layernorm.weight"] = Expected((r,), FLOAT)
-        out[a + "kv_b_proj.weight"] = Expected((heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), r), LINEAR)
-        out[a + "o_proj.weight"] = Expected((h, heads * cfg.v_head_dim), LINEAR)
-        if cfg.attention_bias:
-            out[a + "kv_a_proj_with_mqa.bias"] = Expected((r + dr,), FLOAT)
-            out[a + "o_proj.bias"] = Expected((h,), FLOAT)
-        if cfg.sparse_attention:
-            _indexer(out, a + "indexer.", cfg)
-        m = p + "mlp."
-        if not cfg.is_moe_layer(layer):
-            _mlp(out, m, h, cfg.intermediate_size)
-            continue
-        out[m + "gate.weight"] = Expected((cfg.n_routed_experts, h), FP32)
-        if cfg.scoring_func == "sigmoid":
-            out[m + "gate.e_score_correction_bias"] = Expected((cfg.n_routed_experts,), FP32)
-        for e in range(cfg.n_routed_experts):
-            _mlp(out, f"{m}experts.{e}.", h, cfg.moe_intermediate_size)
-        if cfg.n_shared_experts:
-            _mlp(out, m + "shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        out.update(decoder_layer_keys(cfg, layer))
+    for layer in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        out.update(mtp_layer_keys(cfg, layer))
     return out
 
 
-def _indexer(out: dict[str, Expected], prefix: str, cfg: ModelConfig) -> None:
+def decoder_layer_keys(cfg: ModelConfig, layer: int) -> dict[str, Expected]:
+    """The tensors of decoder layer ``layer``: its two norms, its attention and its MLP (dense or MoE by the layer
+    index, as ``ModelConfig.is_moe_layer`` says)."""
+    h, p = cfg.hidden_size, f"model.layers.{layer}."
+    out = {
+        p + "input_layernorm.weight": Expected((h,), FLOAT),
+        p + "post_attention_layernorm.weight": Expected((h,), FLOAT),
+    }
+    out.update(attention_keys(cfg, p + "self_attn."))
+    out.update(mlp_keys(cfg, layer, p + "mlp."))
+    return out
+
+
+def attention_keys(cfg: ModelConfig, a: str) -> dict[str, Expected]:
+    """The tensors of one MLA block under the prefix ``a`` (``model.layers.{i}.self_attn.``), with its indexer for
+    sparse attention."""
+    h, heads, r, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    out: dict[str, Expected] = {}
+    if cfg.q_lora_rank is None:
+        out[a + "q_proj.weight"] = Expected((heads * cfg.qk_head_dim, h), LINEAR)
+    else:
+        out[a + "q_a_proj.weight"] = Expected((cfg.q_lora_rank, h), LINEAR)
+        out[a + "q_a_layernorm.weight"] = Expected((cfg.q_lora_rank,), FLOAT)
+        out[a + "q_b_proj.weight"] = Expected((heads * cfg.qk_head_dim, cfg.q_lora_rank), LINEAR)
+        if cfg.attention_bias:
+            out[a + "q_a_proj.bias"] = Expected((cfg.q_lora_rank,), FLOAT)
+    out[a + "kv_a_proj_with_mqa.weight"] = Expected((r + dr, h), LINEAR)
+    out[a + "kv_a_layernorm.weight"] = Expected((r,), FLOAT)
+    out[a + "kv_b_proj.weight"] = Expected((heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), r), LINEAR)
+    out[a + "o_proj.weight"] = Expected((h, heads * cfg.v_head_dim), LINEAR)
+    if cfg.attention_bias:
+        out[a + "kv_a_proj_with_mqa.bias"] = Expected((r + dr,), FLOAT)
+        out[a + "o_proj.bias"] = Expected((h,), FLOAT)
+    if cfg.sparse_attention:
+        out.update(indexer_keys(cfg, a + "indexer."))
+    return out
+
+
+def indexer_keys(cfg: ModelConfig, prefix: str) -> dict[str, Expected]:
     """DeepSeek-V3.2's lightning indexer (``weights_proj`` is used in fp32, as transformers keeps it)."""
     dim = cfg.index_head_dim
-    out[prefix + "wq_b.weight"] = Expected((cfg.index_n_heads * dim, cfg.q_lora_rank), LINEAR)
-    out[prefix + "wk.weight"] = Expected((dim, cfg.hidden_size), LINEAR)
-    out[prefix + "k_norm.weight"] = Expected((dim,), FLOAT)
-    out[prefix + "k_norm.bias"] = Expected((dim,), FLOAT)
-    out[prefix + "weights_proj.weight"] = Expected((cfg.index_n_heads, cfg.hidden_size), FP32)
+    return {
+        prefix + "wq_b.weight": Expected((cfg.index_n_heads * dim, cfg.q_lora_rank), LINEAR),
+        prefix + "wk.weight": Expected((dim, cfg.hidden_size), LINEAR),
+        prefix + "k_norm.weight": Expected((dim,), FLOAT),
+        prefix + "k_norm.bias": Expected((dim,), FLOAT),
+        prefix + "weights_proj.weight": Expected((cfg.index_n_heads, cfg.hidden_size), FP32),
+    }
+
+
+def mlp_keys(cfg: ModelConfig, layer: int, m: str) -> dict[str, Expected]:
+    """The tensors of layer ``layer``'s MLP under the prefix ``m`` (``model.layers.{i}.mlp.``): a dense SwiGLU, or
+    the router, the routed experts and the shared experts."""
+    h = cfg.hidden_size
+    out: dict[str, Expected] = {}
+    if not cfg.is_moe_layer(layer):
+        _mlp(out, m, h, cfg.intermediate_size)
+        return out
+    out[m + "gate.weight"] = Expected((cfg.n_routed_experts, h), FP32)
+    if cfg.scoring_func == "sigmoid":
+        out[m + "gate.e_score_correction_bias"] = Expected((cfg.n_routed_experts,), FP32)
+    for e in range(cfg.n_routed_experts):
+        _mlp(out, f"{m}experts.{e}.", h, cfg.moe_intermediate_size)
+    if cfg.n_shared_experts:
+        _mlp(out, m + "shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts)
+    return out
+
+
+def mtp_layer_keys(cfg: ModelConfig, layer: int) -> dict[str, Expected]:
+    """The tensors of the multi-token-prediction layer ``layer`` (``num_hidden_layers + i``), as DeepSeek writes
+    them: ``enorm`` and ``hnorm`` (the token's embedding and the previous hidden state), ``eh_proj`` (their
+    concatenation projected back to the hidden size), a whole decoder layer (its MLP dense or MoE by the same
+    index rule), and ``shared_head.norm``; ``embed_tokens`` and ``shared_head.head`` are optional (the model's
+    own are shared with it, and some checkpoints leave the copies out)."""
+    h, v, p = cfg.hidden_size, cfg.vocab_size, f"model.layers.{layer}."
+    out = {
+        p + "enorm.weight": Expected((h,), FLOAT),
+        p + "hnorm.weight": Expected((h,), FLOAT),
+        p + "eh_proj.weight": Expected((h, 2 * h), LINEAR),
+        **decoder_layer_keys(cfg, layer),
+        p + "shared_head.norm.weight": Expected((h,), FLOAT),
+        p + "shared_head.head.weight": Expected((v, h), LINEAR, optional=True),
+        p + "embed_tokens.weight": Expected((v, h), FLOAT, optional=True),
+    }
+    return {n: replace(e, mtp=True) for n, e in out.items()}
 
 
 def _mlp(out: dict[str, Expected], prefix: str, hidden: int, inter: int) -> None:
@@ -221,13 +280,16 @@ def find_files(path: Path) -> list[Path]:
 
 @dataclass
 class Checkpoint:
-    """A checked checkpoint directory. ``tensors``: every tensor by name; ``mtp_keys``: the multi-token-prediction
-    layer's tensors (recognised, not loaded); ``bytes_read``: bytes returned by ``read`` so far."""
+    """A checked checkpoint directory. ``tensors``: every tensor by name; ``layout``: the tensors the model loads
+    (``expected_layout`` less the MTP layers); ``mtp_layout``: those of the multi-token-prediction layers;
+    ``mtp_keys``: the MTP tensors this checkpoint holds (checked, not loaded; empty when it has none);
+    ``bytes_read``: bytes returned by ``read`` so far."""
 
     path: Path
     config: ModelConfig
     tensors: dict[str, TensorInfo]
     layout: dict[str, Expected]
+    mtp_layout: dict[str, Expected] = field(default_factory=dict)
     mtp_keys: list[str] = field(default_factory=list)
     bytes_read: int = 0
     _handles: dict[Path, object] = field(default_factory=dict, repr=False)
@@ -249,31 +311,30 @@ class Checkpoint:
                 if name not in tensors or tensors[name].file.name != file:
                     where = f"it is in {tensors[name].file}" if name in tensors else "no file holds it"
                     raise CheckpointError(f"{index}: maps tensor {name!r} to {file} but {where}")
-        ckpt = cls(path, config, tensors, expected_layout(config))
+        expected = expected_layout(config)
+        layout = {n: e for n, e in expected.items() if not e.mtp}
+        ckpt = cls(path, config, tensors, layout, {n: e for n, e in expected.items() if e.mtp})
         ckpt._check()
         return ckpt
 
     def _check(self) -> None:
-        cfg, layout = self.config, self.layout
-        mtp = re.compile(r"model\.layers\.(\d+)\.")
+        cfg, layout, mtp_layout = self.config, self.layout, self.mtp_layout
+        expected = {**layout, **mtp_layout}
         seen: set[str] = set()
         for name, info in sorted(self.tensors.items()):
-            m = mtp.match(name)
-            if m and cfg.num_hidden_layers <= int(m[1]) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
-                self.mtp_keys.append(name)
-                continue
             if name.endswith(SCALE_SUFFIX):
                 weight = name[: -len(SCALE_SUFFIX)]
-                if weight not in layout or layout[weight].kind != LINEAR:
+                if weight not in expected or expected[weight].kind != LINEAR:
                     raise CheckpointError(f"{info.file}: unexpected tensor {name!r} (no FP8 linear weight {weight!r})")
+                if weight in mtp_layout:
+                    self.mtp_keys.append(name)
                 continue
-            if name not in layout:
-                raise CheckpointError(
-                    f"{info.file}: unexpected tensor {name!r} (not part of the {cfg.num_hidden_layers}-layer "
-                    "DeepseekV3 layout config.json describes)"
-                )
+            if name not in expected:
+                raise CheckpointError(f"{info.file}: unexpected tensor {name!r} (not part of {self._described()})")
             seen.add(name)
-            self._check_tensor(name, info, layout[name])
+            self._check_tensor(name, info, expected[name])
+            if name in mtp_layout:
+                self.mtp_keys.append(name)
         expert_kinds: dict[str, set[bool]] = {}
         for n in layout:
             if ".mlp.experts." in n and n in self.tensors:
@@ -291,6 +352,22 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.path}: missing tensor {missing[0]!r}{more}, which config.json implies (searched {files})"
             )
+        missing = [n for n, e in mtp_layout.items() if n not in seen and not e.optional]
+        if self.mtp_keys and missing:  # no MTP tensor at all is fine: serving never needs them
+            layer = int(missing[0].split(".")[2])
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise CheckpointError(
+                f"{self.path}: incomplete multi-token-prediction layer {layer}: missing tensor {missing[0]!r}{more}; "
+                f"config.json declares num_hidden_layers = {cfg.num_hidden_layers} and num_nextn_predict_layers = "
+                f"{cfg.num_nextn_predict_layers}, so a checkpoint holds all its MTP layers, complete, or none "
+                "(does num_hidden_layers match the weights?)"
+            )
+
+    def _described(self) -> str:
+        cfg = self.config
+        mtp = cfg.num_nextn_predict_layers
+        with_mtp = f" plus {mtp} multi-token-prediction layer{'s' if mtp > 1 else ''}" if mtp else ""
+        return f"the {cfg.num_hidden_layers}-layer DeepseekV3 layout{with_mtp} config.json describes"
 
     def _check_tensor(self, name: str, info: TensorInfo, want: Expected) -> None:
         if info.shape != want.shape:

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 import deepinfer
+from deepinfer.selection import require
 
 from .errors import RequestError
 from .llm import LLM
@@ -53,8 +54,7 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
 def _device_type(backend: str | None) -> str:
     if backend is None:
         return deepinfer.current_backend().device_type
-    with deepinfer.use(backend) as spec:
-        return spec.device_type
+    return require(backend, f"--backend {backend}").device_type
 
 
 def generate(args: argparse.Namespace, console: Console) -> int:
@@ -85,6 +85,7 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         dtype=args.dtype,
         kv_format=args.kv_format,
         max_num_seqs=args.max_num_seqs,
+        max_model_len=getattr(args, "max_model_len", None),
         device=None if launch is None else launch.device,
         progress=launch is None or launch.rank == 0,
         ep=None if launch is None else launch.world_size,
@@ -98,6 +99,7 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
             llm.engine.drop_cuda_graphs()
     if llm.ep.rank != 0:
         return 0
+    stopped = {"the context length": 0, "the cache's capacity": 0}  # before --max-tokens
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
         shown = prompt if isinstance(prompt, str) else f"{prompt}"
@@ -106,6 +108,21 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
             console.print(escape(completion.text), highlight=False)
         else:
             console.print(f" -> {completion.token_ids}", highlight=False)
+        n, why = len(completion.token_ids), ""
+        if completion.finish_reason == "length" and n < params.max_tokens:
+            full = len(out.prompt_token_ids) + n >= llm.max_model_len
+            limit = "the context length" if full else "the cache's capacity"
+            stopped[limit] += 1
+            why = f" at {limit}"
+        console.print(f"[dim]\\[finish reason: {completion.finish_reason}{why}, {n} tokens][/dim]", highlight=False)
+    for limit, count in stopped.items():
+        if count:
+            size = f" ({llm.max_model_len} tokens, prompt included)" if limit == "the context length" else ""
+            console.print(
+                f"note: {count} request(s) stopped at {limit}{size} before --max-tokens {params.max_tokens}",
+                highlight=False,
+                soft_wrap=True,
+            )
     s = llm.last_stats
     secs = max(s["seconds"], 1e-9)
     console.print(

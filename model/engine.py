@@ -33,6 +33,7 @@ from itertools import count
 import torch
 
 import deepinfer
+from deepinfer.errors import InputError
 from deepinfer.index_cache import allocate_index_cache
 
 from .block_manager import BlockAllocator
@@ -100,7 +101,14 @@ class LLMEngine:
     ):
         cfg = model.cfg
         self.model, self.cfg = model, cfg
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if max_model_len is not None and not 2 <= max_model_len <= cfg.max_position_embeddings:
+            raise InputError(
+                "LLMEngine",
+                "max_model_len",
+                f"an int in [2, {cfg.max_position_embeddings}] (the model's max_position_embeddings) or None",
+                repr(max_model_len),
+            )
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
         if kv_format == "fp8_ds_mla" and cfg.kv_lora_rank % 128:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
         device = model.device

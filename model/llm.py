@@ -17,6 +17,7 @@ with the same arguments and calls ``generate`` with the same prompts; every rank
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -27,6 +28,10 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import deepinfer
+from deepinfer.errors import InputError
+from deepinfer.kv_cache import KV_FORMATS
+from deepinfer.selection import require
+from deepinfer.validation import Check
 
 from .checkpoint import Checkpoint
 from .deepseek_v3 import DeepseekV3
@@ -35,6 +40,7 @@ from .errors import RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .parallel import expert_parallel
 from .sampling_params import SamplingParams
+from .scheduler import PREEMPTION_MODES
 from .sequence import Sequence
 from .tokenizer import Tokenizer
 
@@ -90,6 +96,18 @@ class LLM:
         ep: int | None = None,
         ep_group: Any = None,
     ):
+        _check_arguments(
+            dtype=dtype,
+            kv_format=kv_format,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_gb=kv_cache_gb,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefill_chunk_size=prefill_chunk_size,
+            max_model_len=max_model_len,
+            preemption_mode=preemption_mode,
+        )
         if model is None:
             from .tiny import default_checkpoint
 
@@ -98,16 +116,23 @@ class LLM:
         if backend is None:
             self.backend = deepinfer.current_backend().name
         else:
-            with deepinfer.use(backend) as spec:  # checks it is installed and available; this LLM pins it per call
-                self.backend = spec.name
+            # checks it is installed and available; this LLM pins it per call
+            self.backend = require(backend, f"LLM(backend={backend!r})").name
         self.dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        if self.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
         self.progress = progress
         with deepinfer.use(self.backend) as spec:
             self.device = torch.device(device if device is not None else spec.device_type)
             ckpt = Checkpoint.open(self.path)
             self.config = ckpt.config
+            positions = self.config.max_position_embeddings
+            if max_model_len is not None and max_model_len > positions:
+                ckpt.close()
+                raise InputError(
+                    "LLM",
+                    "max_model_len",
+                    f"at most the model's max_position_embeddings ({positions}, {self.path / 'config.json'})",
+                    str(max_model_len),
+                )
             try:
                 self.ep = expert_parallel(ep, self.config.n_routed_experts, ep_group)
             except BaseException:
@@ -132,6 +157,11 @@ class LLM:
                 async_scheduling=async_scheduling,
             )
         self.last_stats: dict[str, float] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length: prompt plus generated tokens of one sequence, at most."""
+        return self.engine.max_model_len
 
     def _load(self, ckpt: Checkpoint) -> DeepseekV3:
         local = {f".experts.{e}." for e in self.ep.local}
@@ -174,19 +204,23 @@ class LLM:
     def generate(
         self,
         prompts: Any,
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
         *,
         progress: bool | None = None,
     ) -> list[RequestOutput]:
         """Generates for each prompt (a str, a list of token ids, or a list of those); returns one
-        ``RequestOutput`` per prompt, in order. ``sampling_params``: one for all, or one per prompt."""
+        ``RequestOutput`` per prompt, in order. ``sampling_params``: one for all, or one per prompt; each a
+        ``SamplingParams`` or a dict of its fields (``{"max_tokens": 8, "temperature": 0}``)."""
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         )
         prompts = [prompts] if single else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = [
+            _sampling_params(p)
+            for p in (sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts))
+        ]
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         show = (self.progress if progress is None else progress) and len(prompts) >= PROGRESS_MIN_PROMPTS
@@ -252,3 +286,39 @@ class LLM:
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs else None,
             metrics={"preemptions": seq.num_preemptions},
         )
+
+
+def _sampling_params(p: Any) -> SamplingParams:
+    if isinstance(p, SamplingParams):
+        return p
+    if isinstance(p, dict):
+        return SamplingParams.from_dict(p)
+    raise RequestError(
+        f"sampling_params: expected a SamplingParams, a dict of its fields or a list of those, got {type(p).__name__}"
+    )
+
+
+def _check_arguments(**kw: Any) -> None:
+    """The constructor's arguments, before anything is read: ``InputError`` naming the argument, what it takes and
+    what it got."""
+    c = Check("LLM")
+    dtype = kw["dtype"]
+    if (DTYPES.get(dtype) if isinstance(dtype, str) else dtype) not in (torch.bfloat16, torch.float32):
+        raise c.fail("dtype", "bfloat16 or float32 (a name or a torch.dtype)", repr(dtype))
+    c.choice("kv_format", kw["kv_format"], KV_FORMATS)
+    c.choice("preemption_mode", kw["preemption_mode"], PREEMPTION_MODES)
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+        c.positive_int(name, kw[name])
+    if kw["prefill_chunk_size"] > kw["max_num_batched_tokens"]:
+        raise c.fail(
+            "prefill_chunk_size",
+            f"at most max_num_batched_tokens ({kw['max_num_batched_tokens']})",
+            str(kw["prefill_chunk_size"]),
+        )
+    if kw["num_blocks"] is not None:
+        c.positive_int("num_blocks", kw["num_blocks"])
+    gb = kw["kv_cache_gb"]
+    if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf):
+        raise c.fail("kv_cache_gb", "a finite number > 0 or None", repr(gb))
+    if kw["max_model_len"] is not None:
+        c.positive_int("max_model_len", kw["max_model_len"], minimum=2)  # one prompt token and one generated

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import RequestError
 
@@ -13,8 +15,9 @@ MASK63 = (1 << 63) - 1
 class SamplingParams:
     """How to decode one request.
 
-    max_tokens: tokens to generate at most. temperature: 0 is greedy (the first index of the highest logit);
-    otherwise logits are divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off) filter the
+    max_tokens: tokens to generate at most; a sequence also stops at the context length (``LLM.max_model_len``,
+    prompt included), with finish reason ``length`` either way. temperature: 0 is greedy (the first index of the
+    highest logit); otherwise logits are divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off) filter the
     distribution as ``deepinfer.ops.sample`` documents. seed: a request's tokens depend only on its prompt, its
     parameters and this seed, never on what else is batched with it (None: a fresh random seed).
     stop_token_ids: generation ends after any of these; the model's ``eos_token_id`` ends it too unless
@@ -34,6 +37,15 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
+        """``SamplingParams(**fields)``, with a ``RequestError`` naming any key that is not a field."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(str(k) for k in fields if k not in known)
+        if unknown:
+            raise RequestError(f"SamplingParams: unknown field(s) {unknown}; the fields are {', '.join(known)}")
+        return cls(**fields)
 
     def __post_init__(self) -> None:
         def bad(what: str) -> RequestError:

@@ -1,6 +1,7 @@
 """The conformance suite can fail: planted bugs in a third-party plugin are reported case by case, a correct plugin
-passes, and the CLI and pytest forms report the same verdicts. Needs the example plugin package installed
-(``pip install tests/plugins/deepinfer_example``), exactly as an outside vendor's plugin would be."""
+passes, and the CLI and pytest forms report the same verdicts. The example plugins are found through their entry
+points, exactly as an outside vendor's would be: installed with ``pip install tests/plugins/deepinfer_example``, or
+(without that) through the ``*.dist-info`` that ``tests/conftest.py`` writes for them."""
 
 from __future__ import annotations
 
@@ -157,6 +158,15 @@ def test_a_wrong_batch_invariant_implementation_fails_its_accuracy(plugins):
     assert invariant and {r.status for r in invariant if not r.case.startswith("T=0 ")} == {"fail"}  # T=0: empty
     assert all(r.detail.startswith("batch-invariant mode") for r in invariant)
     assert {r.status for r in report.results if r.check == "batch_invariance"} == {"pass"}
+
+
+def test_pytest_form_with_an_unknown_backend_is_one_usage_error():
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "deepinfer.conformance"]
+    out = subprocess.run([*cmd, "--deepinfer-backend", "bogus"], capture_output=True, text=True)
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout + out.stderr
+    assert "backend 'bogus' (chosen by --deepinfer-backend bogus) cannot be used: it is not installed" in out.stderr
+    assert "reference: available" in out.stderr
+    assert "failed" not in out.stdout and "AttributeError" not in out.stdout + out.stderr
 
 
 def test_planted_sparse_attention_bugs_fail_where_they_show():

@@ -9,9 +9,9 @@ import re
 
 import pytest
 import torch
-import triton
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+import triton
 from gluon_helpers import MAX_SHARED, compile_gemm_sm90, compile_sm90, descriptor_type, ptxas_report, wgmma_serialized
 from triton.experimental.gluon import language as gl
 

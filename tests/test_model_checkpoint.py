@@ -3,6 +3,7 @@ raised before any weight is read or any compute runs) for everything it refuses.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer.model import LLM, Checkpoint, CheckpointError, ModelConfig, SamplingParams, expected_layout
 from deepinfer.model import deepseek_v3 as ds
+from deepinfer.model.checkpoint import mtp_layer_keys
 
 FILE = "model.safetensors"
 
@@ -66,25 +68,76 @@ def test_sharded_checkpoint_with_index_loads_like_one_file(tmp_path):
     assert greedy(tmp_path / "sharded") == greedy(one)
 
 
-def test_mtp_layer_is_recognised_and_kept_out(base, tmp_path):
+def mtp_tensors(cfg: ModelConfig, *, optional: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of the MTP layer ``num_hidden_layers`` of ``cfg`` (declared with one MTP layer), bf16."""
+    keys = mtp_layer_keys(dataclasses.replace(cfg, num_nextn_predict_layers=1), cfg.num_hidden_layers)
+    return {n: torch.full(e.shape, 0.5, dtype=torch.bfloat16) for n, e in keys.items() if optional or not e.optional}
+
+
+@pytest.mark.parametrize("optional", [False, True], ids=["required-only", "with-head-and-embed"])
+def test_complete_mtp_layer_is_checked_and_kept_out(base, tmp_path, optional):
     cfg = ModelConfig.from_dir(base)
+    mtp = mtp_tensors(cfg, optional=optional)
     layer = cfg.num_hidden_layers
-    h = cfg.hidden_size
-
-    def add_mtp(t):
-        p = f"model.layers.{layer}."
-        t[p + "enorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        t[p + "hnorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        t[p + "eh_proj.weight"] = torch.zeros(h, 2 * h, dtype=torch.bfloat16)
-        t[p + "shared_head.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        t[p + "self_attn.kv_a_layernorm.weight"] = torch.ones(cfg.kv_lora_rank, dtype=torch.bfloat16)
-
-    path = variant(base, tmp_path / "mtp", add_mtp, lambda c: c.update(num_nextn_predict_layers=1))
+    assert f"model.layers.{layer}.mlp.experts.0.up_proj.weight" in mtp  # a whole decoder layer, MoE by its index
+    path = variant(base, tmp_path / "mtp", lambda t: t.update(mtp), lambda c: c.update(num_nextn_predict_layers=1))
     ckpt = Checkpoint.open(path)
-    assert len(ckpt.mtp_keys) == 5 and all(k.startswith(f"model.layers.{layer}.") for k in ckpt.mtp_keys)
+    assert sorted(ckpt.mtp_keys) == sorted(mtp) and not set(ckpt.layout) & set(mtp)
     assert greedy(path) == greedy(base)
-    without = variant(base, tmp_path / "stray", add_mtp)  # no num_nextn_predict_layers: layer L is unexpected
-    refused(without, "unexpected tensor", f"model.layers.{layer}.")
+    stray = variant(base, tmp_path / "stray", lambda t: t.update(mtp))  # no num_nextn_predict_layers: unexpected
+    refused(stray, "unexpected tensor", f"model.layers.{layer}.")
+
+
+@pytest.mark.parametrize(
+    "edit, fragments",
+    [
+        (lambda t, p: t.pop(p + "enorm.weight"), ["incomplete multi-token-prediction layer", "enorm.weight"]),
+        (lambda t, p: t.pop(p + "mlp.experts.3.down_proj.weight"), ["incomplete", "experts.3.down_proj"]),
+        (
+            lambda t, p: t.update({p + "eh_proj.weight": t[p + "eh_proj.weight"][:, :-8].clone()}),
+            ["eh_proj", "has shape"],
+        ),
+        (
+            lambda t, p: t.update({p + "shared_head.head.weight": t[p + "enorm.weight"].clone()}),
+            ["shared_head.head", "shape"],
+        ),
+        (
+            lambda t, p: t.update({p + "extra.weight": t[p + "enorm.weight"].clone()}),
+            ["unexpected tensor", "extra.weight"],
+        ),
+    ],
+    ids=["no-enorm", "no-expert", "misshaped-eh-proj", "misshaped-optional-head", "extra"],
+)
+def test_partial_or_misshaped_mtp_layer_is_refused(base, tmp_path, monkeypatch, edit, fragments):
+    cfg = ModelConfig.from_dir(base)
+    mtp = mtp_tensors(cfg, optional=False)
+    edit(mtp, f"model.layers.{cfg.num_hidden_layers}.")
+    path = variant(base, tmp_path / "x", lambda t: t.update(mtp), lambda c: c.update(num_nextn_predict_layers=1))
+    refused(path, *fragments, monkeypatch=monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return hf_checkpoint(tmp_path_factory.mktemp("hf"), seed=6)
+
+
+def test_transformers_checkpoint_declares_mtp_without_weights_and_loads(hf):
+    assert json.loads((hf / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    ckpt = Checkpoint.open(hf)
+    assert ckpt.config.num_nextn_predict_layers == 1 and ckpt.mtp_keys == [] and ckpt.mtp_layout
+    assert greedy(hf)[0]
+
+
+@pytest.mark.parametrize("fewer", [1, 2])
+def test_config_with_fewer_layers_than_the_weights_is_refused(hf, tmp_path, monkeypatch, fewer):
+    """The last decoder layers of the weights are not passed off as MTP layers (nor silently dropped): with one
+    layer fewer, that layer is an incomplete MTP layer; with two, the last one is unexpected."""
+    layers = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
+    path = variant(hf, tmp_path / "x", config=lambda c: c.update(num_hidden_layers=layers - fewer))
+    if fewer == 1:
+        refused(path, f"incomplete multi-token-prediction layer {layers - 1}", "enorm", monkeypatch=monkeypatch)
+    else:
+        refused(path, "unexpected tensor", f"model.layers.{layers - 1}.", monkeypatch=monkeypatch)
 
 
 def test_prepare_weight_sees_every_op_weight_once(base, monkeypatch):

@@ -3,6 +3,8 @@ download, the default is the same bytes on every machine, and the model is never
 
 from __future__ import annotations
 
+import argparse
+import functools
 import hashlib
 import json
 import os
@@ -12,8 +14,9 @@ import sys
 import pytest
 from model_helpers import one_thread  # noqa: F401 (autouse fixture)
 
-from deepinfer import cli
-from deepinfer.model import LLM, SamplingParams
+from deepinfer import InputError, cli
+from deepinfer.model import LLM, RequestError, SamplingParams
+from deepinfer.model import cli as model_cli
 from deepinfer.model.tiny import NAME, TINY_CONFIG, default_checkpoint, write_checkpoint
 
 # sha256 of the embedded default's model.safetensors: its weights come from a fixed seed of NumPy's frozen
@@ -80,3 +83,105 @@ def test_the_model_is_not_imported_unless_asked(code):
     probe = f"{code}\nimport sys\nassert 'deepinfer.model' not in sys.modules, 'deepinfer.model was imported'"
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """``deepinfer ARGV`` in this process: its exit status and everything it printed."""
+    try:
+        status = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors and --help
+        status = e.code
+    out = capsys.readouterr()
+    return status, out.out + out.err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["generate", "--max-num-seqs", "0"], "--max-num-seqs"),
+        (["generate", "--max-tokens", "0"], "--max-tokens"),
+        (["generate", "--temperature", "nan"], "--temperature"),
+        (["generate", "--temperature", "-1"], "--temperature"),
+        (["generate", "--top-p", "2"], "--top-p"),
+        (["generate", "--top-k", "-2"], "--top-k"),
+        (["generate", "--seed", "x"], "--seed"),
+        (["generate", "--ep", "0"], "--ep"),
+        (["generate", "--dist-timeout", "0"], "--dist-timeout"),
+        (["generate", "--max-model-len", "1"], "--max-model-len"),
+        (["generate", "--max-model-len", "100000"], "--max-model-len"),  # above the model's positions
+        (["generate", "--dtype", "float16"], "--dtype"),
+        (["conformance", "--backend", "reference", "--ops", "gemm,bogus"], "--ops"),
+        (["conformance"], "--backend"),
+        (["bench", "--quick", "--ops", "bogus"], "--ops"),
+        (["info", "--ops", "--backend", "bogus"], "--backend"),
+    ],
+)
+def test_every_bad_flag_is_a_one_line_error(argv, flag, tiny, capsys):
+    if argv[0] == "generate":
+        argv = [*argv, "--model", str(tiny)]
+    status, out = run_cli(argv, capsys)
+    assert status == 2, out
+    assert "Traceback" not in out
+    (line,) = [ln for ln in out.splitlines() if ln.strip()]
+    assert line.startswith("error: ") and flag in line, line
+    assert any(word in line for word in ("expected", "invalid", "required")), line  # the last two: argparse's
+
+
+def test_help_lists_every_subcommand_and_describes_every_flag(capsys):
+    status, out = run_cli(["--help"], capsys)
+    assert status == 0 and "``" not in out
+    parser = cli.build_parser()
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(subparsers.choices) == {"info", "conformance", "bench", "generate"}
+    for name, sub in subparsers.choices.items():
+        assert name in out
+        assert sub.description and "``" not in sub.description, name
+        for action in sub._actions:
+            assert action.help and "``" not in action.help, (name, action.option_strings)
+        status, text = run_cli([name, "--help"], capsys)  # renders (a bare % in a help text would raise)
+        assert status == 0 and sub.description.split()[0] in text, name
+
+
+def test_generate_prints_finish_reasons_and_says_when_the_context_capped_it(tiny, capsys, monkeypatch):
+    base = ["generate", "--model", str(tiny), "--prompt", "Hello"]  # 6 tokens with BOS
+    status, out = run_cli([*base, "--max-tokens", "3"], capsys)
+    assert status == 0, out
+    assert "[finish reason: length, 3 tokens]" in out and "note:" not in out
+    status, out = run_cli([*base, "--max-tokens", "100", "--max-model-len", "16"], capsys)
+    assert status == 0, out
+    assert "[finish reason: length at the context length, 10 tokens]" in out
+    assert "note: 1 request(s) stopped at the context length (16 tokens, prompt included) before --max-tokens 100" in (
+        " ".join(out.split())
+    )
+    monkeypatch.setattr(model_cli, "LLM", functools.partial(LLM, num_blocks=1, block_size=16))  # 16 tokens of cache
+    status, out = run_cli([*base, "--max-tokens", "100"], capsys)
+    assert status == 0, out
+    assert "at the cache's capacity" in out and "note: 1 request(s) stopped at the cache's capacity before" in out
+
+
+def test_max_model_len_above_the_model_is_an_error(tiny):
+    positions = json.loads((tiny / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(InputError) as e:
+        LLM(tiny, progress=False, max_model_len=positions + 1)
+    assert (
+        e.value.arg == "max_model_len" and str(positions) in e.value.expected and e.value.actual == str(positions + 1)
+    )
+    assert LLM(tiny, progress=False, max_model_len=positions).max_model_len == positions
+    with pytest.raises(InputError, match="argument 'max_num_seqs': expected an int >= 1, got 0"):
+        LLM(tiny, progress=False, max_num_seqs=0)
+
+
+def test_generate_takes_a_dict_of_sampling_fields(tiny):
+    llm = LLM(tiny, progress=False)
+    prompt = [256, 72, 105]
+    want = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    assert llm.generate(prompt, {"max_tokens": 4, "temperature": 0})[0].outputs[0].token_ids == want
+    per_prompt = llm.generate([prompt, prompt], [{"max_tokens": 4, "temperature": 0}, {"max_tokens": 2}])
+    assert per_prompt[0].outputs[0].token_ids == want and len(per_prompt[1].outputs[0].token_ids) == 2
+    with pytest.raises(RequestError, match=r"unknown field\(s\) \['max_token'\]; the fields are max_tokens"):
+        llm.generate(prompt, {"max_token": 4})

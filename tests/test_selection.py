@@ -190,3 +190,63 @@ def test_batch_invariant_mode_uses_only_declared_implementations(plugins):
         warnings.simplefilter("ignore", FallbackWarning)
         y, _ = ops.rms_norm(x, w, 1e-6)
     assert not torch.equal(y, x * 0.5)  # the undeclared plugin implementation was skipped
+
+
+@pytest.mark.parametrize(
+    ("argv", "source"),
+    [
+        (["generate", "--backend", "bogus"], "--backend bogus"),
+        (["bench", "--quick", "--backend", "bogus"], "--backend bogus"),
+        (["conformance", "--backend", "bogus"], "--backend bogus"),
+    ],
+)
+def test_cli_backend_errors_name_the_flag(argv, source, capsys):
+    from deepinfer.cli import main
+
+    assert main(argv) == 2
+    out = capsys.readouterr().out
+    assert f"error: backend 'bogus' (chosen by {source}) cannot be used: it is not installed" in out
+    assert "deepinfer.use" not in out
+
+
+def test_llm_backend_error_names_the_argument(tmp_path, plugins):
+    from deepinfer.model import LLM
+
+    module = backend_module("fake_off", device_type="cuda", available=False, aliases=("off",))
+    plugins("fake_off", {"fake_off": "fake_off"}, {"fake_off": module})
+    with pytest.raises(BackendError) as e:
+        LLM(tmp_path, backend="off")  # an alias of a backend that cannot run here, as "npu" without torch_npu
+    msg = str(e.value)
+    assert msg.startswith("backend 'fake_off' (chosen by LLM(backend='off')) is not available: probe says no device")
+    assert "deepinfer.use" not in msg
+    with pytest.raises(BackendError, match=r"\(chosen by deepinfer.use\('bogus'\)\) cannot be used"):
+        deepinfer.use("bogus")
+
+
+WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # import triton fails as if it were not installed
+import deepinfer_cuda_sm100.plugin  # the plugin module itself needs no triton
+from deepinfer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_cuda_sm100_without_triton_says_so_and_keeps_its_aliases():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEEPINFER_", "TRITON_"))}
+    run = lambda *args, **extra: subprocess.run(
+        [sys.executable, "-c", WITHOUT_TRITON, *args], capture_output=True, text=True, env={**env, **extra}
+    )
+    info = run("info")
+    assert info.returncode == 0, info.stderr
+    row = next(line for line in info.stdout.splitlines() if "cuda_sm100" in line)
+    assert "cuda, nvidia" in row and "triton is not installed (pip install 'deepinfer[cuda]')" in row, info.stdout
+    assert "plugin failed to load" not in info.stdout
+    chosen = run("info", DEEPINFER_ACCELERATOR="cuda")
+    assert "backend 'cuda_sm100' (DEEPINFER_ACCELERATOR=cuda) is not available: triton is not installed" in " ".join(
+        chosen.stdout.split()
+    ), chosen.stdout

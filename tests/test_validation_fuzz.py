@@ -926,3 +926,20 @@ def test_value_checks_context(monkeypatch):
     monkeypatch.setenv("DEEPINFER_VALUE_CHECKS", "0")
     with deepinfer.value_checks(True):
         assert not deepinfer.validation.value_checks_enabled(bad)
+
+
+def test_messages_name_dtypes_and_ranges_in_one_format():
+    """Dtypes as torch prints them (``torch.bfloat16``) in every message, whichever check raised; a one-sided range
+    is written as a bound, never with ``None``."""
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(InputError) as by_list:
+        ops.rms_norm(x.int(), torch.ones(64, dtype=torch.bfloat16), 1e-6)
+    assert "expected dtype torch.bfloat16 or torch.float16 or torch.float32, got dtype torch.int32" in str(
+        by_list.value
+    )
+    with pytest.raises(InputError) as by_operand:
+        ops.gemm(x, torch.zeros(8, 64, dtype=torch.float32), out_dtype=torch.bfloat16)
+    assert "expected dtype torch.bfloat16 (the dtype of 'a'), got dtype torch.float32" in str(by_operand.value)
+    with pytest.raises(InputError) as by_range:
+        ops.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), -1.0)
+    assert str(by_range.value) == "rms_norm: argument 'eps': expected a number >= 0.0, got -1.0"

@@ -1,4 +1,9 @@
-"""The pluggy hooks of the ``cuda_sm100`` backend: its description and every op it implements."""
+"""The pluggy hooks of the ``cuda_sm100`` backend: its description and every op it implements.
+
+This module imports without Triton: the kernel modules are imported by ``deepinfer_op_impls``, which registers
+nothing when Triton is not installed. The backend is then listed, with its aliases, as unavailable because
+``triton is not installed`` (its probe), as the ``ascend`` backend is without torch_npu.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,7 @@ from functools import partial
 
 from deepinfer import BackendSpec, OpImpl, hookimpl
 
-from . import activation, attention, gemm, moe, norm, probe, rope, sampling
-
-try:
-    from . import gemm_gluon
-except ImportError:  # a Triton without Gluon's Hopper language: cuBLAS and the Triton kernels serve every gemm
-    gemm_gluon = None
+from . import probe
 
 NAME = "cuda_sm100"
 
@@ -34,6 +34,15 @@ def _impl(op, provider, fn, supports, *, invariant=True, priority=0) -> OpImpl:
 
 @hookimpl
 def deepinfer_op_impls() -> list[OpImpl]:
+    if not probe.triton_installed():
+        return []  # the probe says why the backend is unavailable; there are no kernels to register
+    from . import activation, attention, gemm, moe, norm, rope, sampling
+
+    try:
+        from . import gemm_gluon
+    except ImportError:  # a Triton without Gluon's Hopper language: cuBLAS and the Triton kernels serve every gemm
+        gemm_gluon = None
+
     impls = [
         _impl("mla_decode", "triton", attention.mla_decode, attention.mla_supports, invariant=False, priority=1),
         _impl(

@@ -61,8 +61,16 @@ def first_gpu() -> GpuInfo | str:
         nvml.nvmlShutdown()
 
 
+def triton_installed() -> bool:
+    """Whether ``import triton`` can work here (found without importing it)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ValueError:  # sys.modules["triton"] is None: its import is blocked, as if it were not installed
+        return False
+
+
 def probe() -> tuple[bool, str]:
-    if importlib.util.find_spec("triton") is None:
+    if not triton_installed():
         return False, "triton is not installed (pip install 'deepinfer[cuda]')"
     if interpreting():
         return True, "Triton interpreter on the CPU (TRITON_INTERPRET=1): correctness only, not speed"

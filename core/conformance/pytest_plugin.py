@@ -3,7 +3,8 @@
     pytest --pyargs deepinfer.conformance --deepinfer-backend NAME [--deepinfer-shapes full] [--deepinfer-seed N]
 
 Each case and each bad input is one test; a case the backend leaves to the reference is skipped with that reason
-(it is not a pass). Without ``--deepinfer-backend`` the selected backend is checked.
+(it is not a pass). Without ``--deepinfer-backend`` the selected backend is checked. A backend that is not installed
+or not available here is one usage error before any test runs, with the reason ``deepinfer conformance`` gives.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ def pytest_addoption(parser) -> None:
     group.addoption("--deepinfer-shapes", default="small", choices=("small", "full"), help="shape grid")
     group.addoption("--deepinfer-seed", type=int, default=None, help="random seed (default: fresh, printed)")
     group.addoption("--deepinfer-device", default=None, help="torch device for the inputs (default: the backend's)")
+
+
+def pytest_configure(config) -> None:
+    name = config.getoption("deepinfer_backend", None)
+    if name:
+        from ..errors import BackendError
+        from ..selection import require
+
+        try:
+            require(name, f"--deepinfer-backend {name}")
+        except BackendError as e:
+            raise pytest.UsageError(str(e)) from None
 
 
 def pytest_generate_tests(metafunc) -> None:

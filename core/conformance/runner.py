@@ -15,7 +15,7 @@ import torch
 
 from .. import dispatch, ops, registry
 from ..errors import FallbackWarning, InputError
-from ..selection import use
+from ..selection import require, use
 from . import activation, attention, gemm, moe, norm, rope, sampling, sparse_attention
 from .cases import BadInput, Case, Gen, bitwise_equal, error
 from .tolerances import tolerance
@@ -93,7 +93,7 @@ def _served_by(op: str) -> tuple[str, bool]:
 
 
 def _device_for(backend: str) -> str:
-    return registry.get().lookup(backend).device_type  # device types are torch device names
+    return require(backend).device_type  # device types are torch device names
 
 
 def _environment(device: str) -> dict[str, str]:
@@ -226,7 +226,7 @@ def run_conformance(
 
 def check_case(case: Case, backend: str, seed: int, device: str | None = None) -> list[CaseResult]:
     """Accuracy, then (where declared) determinism and batch invariance, of one case on ``backend``."""
-    spec = registry.get().lookup(backend)
+    spec = require(backend)
     backend, device = spec.name, device or spec.device_type  # an alias must reach the same implementations
     overrides = spec.tolerances
     gen = Gen(seed, device)
