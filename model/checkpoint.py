@@ -367,7 +367,7 @@ class Checkpoint:
         cfg = self.config
         mtp = cfg.num_nextn_predict_layers
         with_mtp = f" plus {mtp} multi-token-prediction layer{'s' if mtp > 1 else ''}" if mtp else ""
-        return f"the {cfg.num_hidden_layers}-layer DeepseekV3 layout{with_mtp} config.json describes"
+        return f"the {cfg.num_hidden_layers}-layer {cfg.model_type} layout{with_mtp} config.json describes"
 
     def _check_tensor(self, name: str, info: TensorInfo, want: Expected) -> None:
         if info.shape != want.shape:

@@ -23,6 +23,7 @@ same comparison.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 
@@ -263,3 +264,31 @@ def test_v32_checkpoint_without_its_indexer_is_refused(tmp_path):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"indexer\.wk\.weight"):
         LLM(path, progress=False)
+
+
+def test_v32_mtp_layer_is_recognised_with_its_indexer(tmp_path):
+    """DeepSeek-V3.2's MTP layer is a whole decoder layer, its indexer included: accepted and kept out of the model;
+    without its indexer it is refused as incomplete."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file, save_file
+
+    from deepinfer.model import Checkpoint, ModelConfig
+    from deepinfer.model.checkpoint import mtp_layer_keys
+
+    path = v32_checkpoint(tmp_path / "v32", 0)
+    cfg = ModelConfig.from_dir(path)
+    mtp = mtp_layer_keys(replace(cfg, num_nextn_predict_layers=1), cfg.num_hidden_layers)
+    prefix = f"model.layers.{cfg.num_hidden_layers}.self_attn.indexer."
+    assert {prefix + "wq_b.weight", prefix + "weights_proj.weight"} <= set(mtp)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors |= {n: torch.randn(e.shape).to(torch.bfloat16) for n, e in mtp.items() if not e.optional}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = Checkpoint.open(path)
+    assert prefix + "wk.weight" in ckpt.mtp_keys and not any(n.startswith(prefix) for n in ckpt.layout)
+    del tensors[prefix + "wk.weight"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"indexer\.wk\.weight"):
+        Checkpoint.open(path)
