@@ -57,6 +57,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("rope", "triton", rope.rope, rope.supports),
         _impl("silu_and_mul", "triton", activation.silu_and_mul, activation.supports),
         _impl("sample", "triton", sampling.sample, sampling.supports),
+        _impl("layer_norm", "triton", norm.layer_norm, norm.layer_norm_supports),
     ]
     if gemm_gluon is not None:  # the first two give the unsplit Triton kernel's bits: batch-invariant mode takes them
         impls.append(_impl("gemm", "gluon-fp8-ws", gemm_gluon.gemm_fp8, gemm_gluon.supports, priority=4))
