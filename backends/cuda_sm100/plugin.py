@@ -6,7 +6,7 @@ from functools import partial
 
 from deepinfer import BackendSpec, OpImpl, hookimpl
 
-from . import activation, attention, gemm, moe, norm, probe, rope, sampling
+from . import activation, attention, gemm, moe, norm, probe, rope, sampling, sparse_attention
 
 try:
     from . import gemm_gluon
@@ -58,6 +58,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("silu_and_mul", "triton", activation.silu_and_mul, activation.supports),
         _impl("sample", "triton", sampling.sample, sampling.supports),
         _impl("layer_norm", "triton", norm.layer_norm, norm.layer_norm_supports),
+        _impl("write_index_cache", "triton", sparse_attention.write_index_cache, sparse_attention.write_supports),
     ]
     if gemm_gluon is not None:  # the first two give the unsplit Triton kernel's bits: batch-invariant mode takes them
         impls.append(_impl("gemm", "gluon-fp8-ws", gemm_gluon.gemm_fp8, gemm_gluon.supports, priority=4))
