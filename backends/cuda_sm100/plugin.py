@@ -59,6 +59,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("sample", "triton", sampling.sample, sampling.supports),
         _impl("layer_norm", "triton", norm.layer_norm, norm.layer_norm_supports),
         _impl("write_index_cache", "triton", sparse_attention.write_index_cache, sparse_attention.write_supports),
+        _impl("indexer_topk", "triton", sparse_attention.indexer_topk, sparse_attention.topk_supports),
     ]
     if gemm_gluon is not None:  # the first two give the unsplit Triton kernel's bits: batch-invariant mode takes them
         impls.append(_impl("gemm", "gluon-fp8-ws", gemm_gluon.gemm_fp8, gemm_gluon.supports, priority=4))

@@ -1,7 +1,19 @@
-"""DeepSeek Sparse Attention (DSA): ``write_index_cache`` (``indexer_topk`` and ``sparse_mla`` to follow).
+"""DeepSeek Sparse Attention (DSA): ``write_index_cache``, ``indexer_topk`` (``sparse_mla`` to follow).
 
 ``write_index_cache`` is one program per token: a bf16 copy, or DeepSeek's FP8 indexer key (e4m3 values and one
 power-of-two fp32 scale per 128 values), rounded as ``deepinfer.index_cache.pack_fp8_ds_index`` rounds.
+
+``indexer_topk`` scores, then selects. A scores kernel (one program per query token and span of positions) computes
+``I[p] = sum_h w[h] * relu(q[h] . k[p])`` in fp32 for every position of the token's block-table row, reading keys
+through the block table, and writes one int64 sort key per position: the score mapped to an order-preserving int32
+in the high word, ``2^31 - 1 - p`` in the low word. The keys of a row are distinct and order (score descending,
+position ascending) exactly as the contract breaks ties, so ``torch.topk`` over them picks the same set whatever its
+internal algorithm; positions the query does not see get the smallest key of all. A last kernel (one program per
+token, or per few tokens where topk is small) recovers the positions from the chosen keys, sorts them ascending, maps
+them to cache slots through the block table and pads with ``-1``. The buffer is sized by the block table's capacity
+(``max_blocks * block_size``), not by the sequence lengths, so nothing waits on the host and the whole op can be
+captured in a CUDA graph; rows are taken in chunks that keep the buffer under ``TOPK_KEYS_BYTES``. Each row's work
+depends on that row alone: the op is batch-invariant.
 """
 
 from __future__ import annotations
@@ -12,7 +24,10 @@ import triton.language as tl
 
 from deepinfer.index_cache import FP8_GROUP
 
-from ._triton import INTERPRET, PDL, cast, next_pow2, on_device, pdl_wait, pow2_ceil, to_e4m3
+from ._triton import INTERPRET, PDL, cast, dot, next_pow2, on_device, pdl_wait, pow2_ceil, to_e4m3
+from .attention import _dequantize
+
+_INTERPRET = tl.constexpr(INTERPRET)
 
 # --- write_index_cache ------------------------------------------------------------------------------------------
 
@@ -79,3 +94,289 @@ def write_index_cache(k, index_cache, slot_mapping):
 
 def write_supports(k, index_cache, slot_mapping) -> bool:
     return on_device(k, index_cache, slot_mapping) and k.stride(1) == 1 and k.shape[1] <= 8192
+
+
+# --- indexer_topk -----------------------------------------------------------------------------------------------
+
+# Positions per scores program (a multiple of every BLOCK_N below): the program loads its query's [H, D] once and
+# walks its span BLOCK_N positions at a time. At ctx 128K a query row has 64 programs.
+TOPK_SPAN = 2048
+# Heads >= 16: tl.dot of q [H, D] by keys [D, BLOCK_N], BLOCK_N = TOPK_DOT_ELEMENTS // BLOCK_H (128 at 64 heads).
+TOPK_DOT_ELEMENTS, TOPK_DOT_WARPS, TOPK_DOT_STAGES = 8192, 8, 3
+# Fewer heads: one [BLOCK_N, D] product per head.
+TOPK_LOOP_BLOCK_N, TOPK_LOOP_WARPS = 64, 4
+# The int64 sort keys of this many bytes at most per chunk of query rows (8 bytes per position of the table).
+TOPK_KEYS_BYTES = 256 << 20
+# Positions kept per row at most (one program sorts them): beyond, the reference serves. Short rows are sorted
+# several to a program, up to TOPK_SORT_ELEMENTS entries.
+TOPK_MAX, TOPK_SORT_ELEMENTS = 16384, 2048
+
+
+@triton.jit
+def _token_rows_kernel(cu_ptr, seq_lens_ptr, seq_ptr, limit_ptr, BLOCK: tl.constexpr):
+    """For each query token of sequence ``program_id(0)``: its sequence, and how many positions it sees
+    (``seq_lens[b] - L_b + i + 1`` for query ``i`` of ``L_b``)."""
+    pdl_wait()
+    b = tl.program_id(0)
+    start = tl.load(cu_ptr + b)
+    stop = tl.load(cu_ptr + b + 1)
+    first = tl.load(seq_lens_ptr + b) - (stop - start) + 1
+    for t0 in range(start, stop, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        mask = t < stop
+        tl.store(seq_ptr + t, tl.full((BLOCK,), 0, tl.int32) + b, mask=mask)
+        tl.store(limit_ptr + t, first + (t - start), mask=mask)
+
+
+@triton.jit
+def _opaque(x):
+    """``x`` (int64), of which the compiler then knows nothing: no divisibility, no contiguity.
+
+    A slot computed as ``page * PAGE + pos % PAGE`` can be credited by Triton's alignment analysis with the
+    divisibility of the first position of a contiguous run (mla_decode met it: 16-byte loads on 4-byte aligned
+    fp8_ds_mla records, benchmarks/NOTES.md). Records whose width is not a multiple of 16 bytes, such as the 132-byte
+    fp8_ds_index key, take their row offsets through this move, and get loads no wider than the record's own
+    alignment whatever the Triton version (3.9's analysis already gives 4-byte copies there, with or without it).
+    The interpreter has no such analysis (and no inline assembly)."""
+    if _INTERPRET:
+        return x
+    return tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [x], dtype=tl.int64, is_pure=True, pack=1)
+
+
+@triton.jit
+def _load_keys(cache_ptr, cache_f32_ptr, slot, valid, D: tl.constexpr, WIDTH: tl.constexpr, FP8: tl.constexpr):
+    """The indexer keys [BLOCK_N, D] at cache rows ``slot``, zeros where not ``valid``: bf16 as cached, or e4m3 times
+    its power-of-two scale (exact in bf16)."""
+    d = tl.arange(0, D)
+    if FP8 and WIDTH % 16 != 0:
+        slot = _opaque(slot)
+    k = tl.load(cache_ptr + (slot * WIDTH)[:, None] + d[None, :], mask=valid[:, None], other=0)
+    if FP8:
+        G: tl.constexpr = D // 128
+        scale = tl.load(
+            cache_f32_ptr + ((slot * WIDTH + D) // 4)[:, None] + tl.arange(0, G)[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        k = _dequantize(k, scale, G)
+    return k
+
+
+@triton.jit
+def _sort_keys(score, pos, visible):
+    """int64 keys ordering (score descending, position ascending) as signed integers: the fp32 bits made
+    order-preserving (negatives' magnitude bits flipped; -0 read as +0) in the high word, ``2^31 - 1 - pos`` in the
+    low one. Positions not ``visible`` (and a score of -inf, as the reference reads it) get -2^63, below every other
+    key."""
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = (ordered.to(tl.int64) << 32) + (0x7FFFFFFF - pos).to(tl.int64)
+    nothing = tl.full(pos.shape, -2147483648, tl.int32).to(tl.int64) << 32
+    return tl.where(visible & (score > float("-inf")), key, nothing)
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr,
+    w_ptr,
+    cache_ptr,
+    cache_f32_ptr,
+    table_ptr,
+    seq_ptr,
+    limit_ptr,
+    keys_ptr,
+    row0,
+    H,
+    reach,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_table,
+    D: tl.constexpr,
+    WIDTH: tl.constexpr,
+    PAGE: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPAN: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """The sort keys (``_sort_keys``) of positions ``SPAN * program_id(1) + [0, SPAN)`` for query token ``row0 +
+    program_id(0)``, into row ``program_id(0)`` of ``keys [rows, reach]``. ``USE_DOT``: the heads' dot products as
+    one tl.dot (bf16 q and keys multiply exactly, fp32 accumulation); else one head at a time, in head order."""
+    pdl_wait()
+    r = tl.program_id(0)
+    t = (row0 + r).to(tl.int64)
+    start = tl.program_id(1) * SPAN
+    b = tl.load(seq_ptr + t)
+    limit = tl.load(limit_ptr + t)  # positions < limit are visible
+    table_row = table_ptr + b.to(tl.int64) * stride_table
+    key_row = keys_ptr + r.to(tl.int64) * reach
+    d = tl.arange(0, D)
+    tokens = tl.arange(0, BLOCK_N)
+    if USE_DOT:
+        heads = tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+        if q.dtype != tl.bfloat16:  # fp32 and fp16 queries: fp32 products (bf16 keys are exact in fp32)
+            q = q.to(tl.float32)
+        w = tl.load(w_ptr + t * stride_wt + heads, mask=hmask, other=0.0)
+    hi = tl.minimum(start + SPAN, limit)
+    for n0 in range(start, hi, BLOCK_N):
+        pos = n0 + tokens
+        valid = pos < limit
+        page = tl.load(table_row + pos // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+        k = _load_keys(cache_ptr, cache_f32_ptr, slot, valid, D, WIDTH, FP8)
+        if USE_DOT:
+            s = dot(q, tl.trans(k.to(q.dtype)), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), FP32_DOT)
+            score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+        else:
+            kf = k.to(tl.float32)
+            score = tl.zeros((BLOCK_N,), tl.float32)
+            for h in range(H):
+                qh = tl.load(q_ptr + t * stride_qt + h * stride_qh + d).to(tl.float32)
+                wh = tl.load(w_ptr + t * stride_wt + h)
+                score += wh * tl.maximum(tl.sum(kf * qh[None, :], axis=1), 0.0)
+        tl.store(key_row + pos, _sort_keys(score, pos, valid), mask=pos < reach)
+    # The rest of the span (up to the row's end) is past the query's limit.
+    seen = tl.maximum(hi - start, 0)
+    nothing = tl.full((BLOCK_N,), -2147483648, tl.int32).to(tl.int64) << 32  # _sort_keys's key of the unseen
+    for n0 in range(start + (seen + BLOCK_N - 1) // BLOCK_N * BLOCK_N, tl.minimum(start + SPAN, reach), BLOCK_N):
+        pos = n0 + tokens
+        tl.store(key_row + pos, nothing, mask=pos < reach)
+
+
+@triton.jit
+def _topk_slots_kernel(
+    chosen_ptr,
+    table_ptr,
+    seq_ptr,
+    out_ptr,
+    row0,
+    rows,
+    k,
+    topk,
+    stride_table,
+    PAGE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Rows ``ROWS * program_id(0) + [0, ROWS)`` of the ``k`` chosen keys (any order) to cache slots in ascending
+    position order, then ``-1``: ``topk`` int32 entries of output rows ``row0 + ...``."""
+    pdl_wait()
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = r < rows
+    t = (row0 + r).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    key = tl.load(chosen_ptr + r.to(tl.int64)[:, None] * k + cols[None, :], mask=rmask[:, None] & (cols < k)[None, :])
+    visible = rmask[:, None] & (cols < k)[None, :] & ((key >> 32) != -2147483648)
+    pos = tl.where(visible, 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32), 0x7FFFFFFF)
+    pos = tl.sort(pos)  # ascending along each row; what the query does not see (2^31 - 1) last
+    visible = pos != 0x7FFFFFFF
+    b = tl.load(seq_ptr + t, mask=rmask, other=0)
+    page = tl.load(table_ptr + b.to(tl.int64)[:, None] * stride_table + pos // PAGE, mask=visible, other=0)
+    slot = tl.where(visible, page * PAGE + pos % PAGE, -1)
+    out_rows = out_ptr + t[:, None] * topk
+    tl.store(out_rows + cols[None, :], slot, mask=rmask[:, None] & (cols < topk)[None, :])
+    for c0 in range(BLOCK_K, topk, BLOCK_K):
+        c = c0 + cols
+        tl.store(
+            out_rows + c[None, :], tl.full((ROWS, BLOCK_K), -1, tl.int32), mask=rmask[:, None] & (c < topk)[None, :]
+        )
+
+
+def _scores_config(heads: int) -> dict:
+    block_h = next_pow2(heads)
+    if block_h >= 16:
+        block_n = max(16, min(128, TOPK_DOT_ELEMENTS // block_h))
+        return dict(
+            BLOCK_H=block_h, BLOCK_N=block_n, USE_DOT=True, num_warps=TOPK_DOT_WARPS, num_stages=TOPK_DOT_STAGES
+        )
+    return dict(BLOCK_H=block_h, BLOCK_N=TOPK_LOOP_BLOCK_N, USE_DOT=False, num_warps=TOPK_LOOP_WARPS)
+
+
+def indexer_topk(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *, topk):
+    tokens, heads, head_dim = q.shape
+    out = torch.empty(tokens, topk, dtype=torch.int32, device=q.device)
+    batch = block_table.shape[0]
+    page = index_cache.shape[1]
+    reach = block_table.shape[1] * page  # positions a block-table row can hold
+    if tokens == 0 or reach == 0:
+        return out.fill_(-1)
+    k = min(topk, reach)
+    seq = torch.empty(tokens, dtype=torch.int32, device=q.device)
+    limit = torch.empty(tokens, dtype=torch.int32, device=q.device)
+    _token_rows_kernel[(batch,)](cu_seqlens_q, seq_lens, seq, limit, BLOCK=256, launch_pdl=PDL)
+    fp8 = index_cache.dtype == torch.uint8
+    flat = index_cache.view(-1)
+    config = _scores_config(heads)
+    span = triton.cdiv(TOPK_SPAN, config["BLOCK_N"]) * config["BLOCK_N"]  # whole blocks
+    rows = max(1, min(tokens, TOPK_KEYS_BYTES // (8 * reach)))
+    keys = torch.empty(rows, reach, dtype=torch.int64, device=q.device)
+    for row0 in range(0, tokens, rows):
+        n = min(rows, tokens - row0)
+        _index_scores_kernel[(n, triton.cdiv(reach, span))](
+            q,
+            weights,
+            flat,
+            flat.view(torch.float32) if fp8 else flat,
+            block_table,
+            seq,
+            limit,
+            keys,
+            row0,
+            heads,
+            reach,
+            q.stride(0),
+            q.stride(1),
+            weights.stride(0),
+            block_table.stride(0),
+            D=head_dim,
+            WIDTH=index_cache.shape[2],
+            PAGE=page,
+            FP8=fp8,
+            SPAN=span,
+            FP32_DOT=INTERPRET,
+            **config,
+            launch_pdl=PDL,
+        )
+        # Distinct keys: the set is the same whatever topk's algorithm; the order is the slots kernel's business.
+        chosen = torch.topk(keys[:n], k, dim=1, sorted=False).values.contiguous()
+        block_k = next_pow2(k)
+        per_program = min(next_pow2(n), max(1, TOPK_SORT_ELEMENTS // block_k))
+        _topk_slots_kernel[(triton.cdiv(n, per_program),)](
+            chosen,
+            block_table,
+            seq,
+            out,
+            row0,
+            n,
+            k,
+            topk,
+            block_table.stride(0),
+            PAGE=page,
+            ROWS=per_program,
+            BLOCK_K=block_k,
+            num_warps=4 if per_program * block_k <= 1024 else 8,
+            launch_pdl=PDL,
+        )
+    return out
+
+
+def topk_supports(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *, topk) -> bool:
+    """A power-of-two head_dim of at most 256 and at most 128 heads (one program holds a query's [H, D]); at most
+    ``TOPK_MAX`` positions kept per row (one program sorts them)."""
+    head_dim = q.shape[2]
+    return (
+        on_device(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens)
+        and q.stride(2) == 1
+        and weights.stride(1) == 1
+        and block_table.stride(1) == 1
+        and head_dim == next_pow2(head_dim)
+        and head_dim <= 256
+        and q.shape[1] <= 128
+        and min(topk, block_table.shape[1] * index_cache.shape[1]) <= TOPK_MAX
+    )
