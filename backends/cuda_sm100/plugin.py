@@ -60,6 +60,20 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("layer_norm", "triton", norm.layer_norm, norm.layer_norm_supports),
         _impl("write_index_cache", "triton", sparse_attention.write_index_cache, sparse_attention.write_supports),
         _impl("indexer_topk", "triton", sparse_attention.indexer_topk, sparse_attention.topk_supports),
+        _impl(
+            "sparse_mla",
+            "triton",
+            sparse_attention.sparse_mla,
+            sparse_attention.sparse_supports,
+            invariant=False,
+            priority=1,
+        ),
+        _impl(
+            "sparse_mla",
+            "triton-unsplit",
+            partial(sparse_attention.sparse_mla, invariant=True),
+            sparse_attention.sparse_supports,
+        ),
     ]
     if gemm_gluon is not None:  # the first two give the unsplit Triton kernel's bits: batch-invariant mode takes them
         impls.append(_impl("gemm", "gluon-fp8-ws", gemm_gluon.gemm_fp8, gemm_gluon.supports, priority=4))

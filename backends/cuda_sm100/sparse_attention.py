@@ -1,4 +1,4 @@
-"""DeepSeek Sparse Attention (DSA): ``write_index_cache``, ``indexer_topk`` (``sparse_mla`` to follow).
+"""DeepSeek Sparse Attention (DSA): ``write_index_cache``, ``indexer_topk``, ``sparse_mla``.
 
 ``write_index_cache`` is one program per token: a bf16 copy, or DeepSeek's FP8 indexer key (e4m3 values and one
 power-of-two fp32 scale per 128 values), rounded as ``deepinfer.index_cache.pack_fp8_ds_index`` rounds.
@@ -14,6 +14,13 @@ them to cache slots through the block table and pads with ``-1``. The buffer is 
 (``max_blocks * block_size``), not by the sequence lengths, so nothing waits on the host and the whole op can be
 captured in a CUDA graph; rows are taken in chunks that keep the buffer under ``TOPK_KEYS_BYTES``. Each row's work
 depends on that row alone: the op is batch-invariant.
+
+``sparse_mla`` is absorbed MLA over the listed slots: one program per (query token, block of heads[, span of the
+index list]) gathers the cache rows of its slots ``BLOCK_N`` at a time, ``-1`` entries masked out (their scores to
+``-inf``, their values to zero: the cache at a slot no one listed may hold anything, NaN included), and keeps an
+online softmax in fp32 (exp2), the latent in two halves as ``mla_decode`` does. With one span per row it writes the
+output and lse itself and is batch-invariant; the default mode may split a row's list into spans when the grid is
+small, merged by ``mla_decode``'s merge kernel.
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ import triton.language as tl
 
 from deepinfer.index_cache import FP8_GROUP
 
-from ._triton import INTERPRET, PDL, cast, dot, next_pow2, on_device, pdl_wait, pow2_ceil, to_e4m3
-from .attention import _dequantize
+from ._triton import INTERPRET, PDL, cast, dot, next_pow2, num_sms, on_device, pdl_wait, pow2_ceil, to_e4m3
+from .attention import _dequantize, _mla_merge_kernel, _rope_at
 
 _INTERPRET = tl.constexpr(INTERPRET)
 
@@ -379,4 +386,232 @@ def topk_supports(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, 
         and head_dim <= 256
         and q.shape[1] <= 128
         and min(topk, block_table.shape[1] * index_cache.shape[1]) <= TOPK_MAX
+    )
+
+
+# --- sparse_mla -------------------------------------------------------------------------------------------------
+
+# Heads per program, listed slots per step, warps, stages: mla_decode's tile (measured there on the H200); the latent
+# halves are each [BLOCK_H, 256] fp32 at DeepSeek's 512.
+SPARSE_TILE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+# Default mode: a row's index list is split into spans (merged by lse) while the grid would give fewer than
+# SPARSE_GRID_FILL programs per multiprocessor, down to spans of SPARSE_MIN_SPLIT entries.
+SPARSE_GRID_FILL, SPARSE_MIN_SPLIT = 1.0, 256
+LIST_CHUNK = 1024  # index entries read at a time to find where a row's list ends
+
+
+@triton.jit
+def _gather_rows(
+    cache_ptr,
+    cache_f32_ptr,
+    cache_bf16_ptr,
+    slot,
+    valid,
+    L: tl.constexpr,
+    LH: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    WIDTH: tl.constexpr,
+    ROPE_AT: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """The latent halves [BLOCK_N, LH] (bf16; columns ``[0, LH)`` and ``[LH, 2 LH)``, zero past ``L``) and the rope
+    part [BLOCK_N, BLOCK_R] of the cache rows ``slot``; zeros where not ``valid``."""
+    cols = tl.arange(0, LH)
+    m0 = valid[:, None] & (cols < L)[None, :]
+    m1 = valid[:, None] & (LH + cols < L)[None, :]
+    base = slot * WIDTH  # elements of the cache's dtype (bytes for fp8_ds_mla)
+    other = 0 if FP8 else 0.0
+    c0 = tl.load(cache_ptr + base[:, None] + cols[None, :], mask=m0, other=other)
+    c1 = tl.load(cache_ptr + base[:, None] + LH + cols[None, :], mask=m1, other=other)
+    r = tl.arange(0, BLOCK_R)
+    rope = (base // 2 if FP8 else base) + ROPE_AT
+    k_rope = tl.load(cache_bf16_ptr + rope[:, None] + r[None, :], mask=valid[:, None] & (r < R)[None, :], other=0.0)
+    if FP8:  # each e4m3 byte times its 128-group's scale; a half narrower than a group lies in one group
+        GH: tl.constexpr = LH // 128 if LH >= 128 else 1
+        g0 = tl.arange(0, GH)[None, :]
+        g1 = g0 + LH // 128
+        scales = ((base + L) // 4)[:, None]
+        s0 = tl.load(cache_f32_ptr + scales + g0, mask=valid[:, None] & (g0 * 128 < L), other=0.0)
+        s1 = tl.load(cache_f32_ptr + scales + g1, mask=valid[:, None] & (g1 * 128 < L), other=0.0)
+        c0 = _dequantize(c0, s0, GH)
+        c1 = _dequantize(c1, s1, GH)
+    return c0, c1, k_rope
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr,
+    cache_ptr,
+    cache_f32_ptr,
+    cache_bf16_ptr,
+    idx_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    H,
+    topk,
+    n_splits,
+    stride_qt,
+    stride_qh,
+    stride_it,
+    L: tl.constexpr,
+    LH: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    WIDTH: tl.constexpr,
+    ROPE_AT: tl.constexpr,
+    FP8: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LIST_CHUNK: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """Heads ``BLOCK_H * program_id(1) + [0, BLOCK_H)`` of query token ``program_id(0)`` over index entries
+    ``SPLIT * program_id(2) + [0, SPLIT)`` of its list: out [H, L] and lse (natural log) at row ``(t * H + head) *
+    n_splits + split`` of ``part_out`` / ``part_lse`` (the op's out and lse themselves when ``n_splits == 1``)."""
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    hmask = heads < H
+    idx_row = idx_ptr + t * stride_it
+    # Where the span's listed slots end (indexer_topk pads with -1 at the end: those steps are skipped). -1 entries
+    # before it are masked one by one.
+    start = split * SPLIT
+    stop = tl.minimum(start + SPLIT, topk)
+    end = start
+    for i0 in range(start, stop, LIST_CHUNK):
+        i = i0 + tl.arange(0, LIST_CHUNK)
+        listed = tl.load(idx_row + i, mask=i < stop, other=-1) >= 0
+        end = tl.maximum(end, tl.max(tl.where(listed, i + 1, 0), axis=0))
+
+    cols = tl.arange(0, LH)
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    q0 = tl.load(q_row + cols[None, :], mask=hmask[:, None] & (cols < L)[None, :], other=0.0)
+    q1 = tl.load(q_row + LH + cols[None, :], mask=hmask[:, None] & (LH + cols < L)[None, :], other=0.0)
+    r = tl.arange(0, BLOCK_R)
+    q_rope = tl.load(q_row + L + r[None, :], mask=hmask[:, None] & (r < R)[None, :], other=0.0)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc0 = tl.zeros((BLOCK_H, LH), tl.float32)
+    acc1 = tl.zeros((BLOCK_H, LH), tl.float32)
+    qk_scale = scale * 1.4426950408889634  # exp2 domain
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx_row + n, mask=n < end, other=-1)
+        valid = slot >= 0
+        slot = tl.where(valid, slot, 0).to(tl.int64)
+        c0, c1, k_rope = _gather_rows(
+            cache_ptr, cache_f32_ptr, cache_bf16_ptr, slot, valid, L, LH, R, BLOCK_R, WIDTH, ROPE_AT, FP8
+        )
+        qk = dot(q0, tl.trans(c0), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), FP32_DOT)
+        qk = dot(q1, tl.trans(c1), qk, FP32_DOT)
+        qk = dot(q_rope, tl.trans(k_rope), qk, FP32_DOT)
+        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing listed so far: p = 0, acc stays 0
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = cast(p, c0.dtype)
+        acc0 = dot(p, c0, acc0 * alpha[:, None], FP32_DOT)
+        acc1 = dot(p, c1, acc1 * alpha[:, None], FP32_DOT)
+        m_i = m_new
+    empty = l_i == 0.0  # nothing listed: zeros and lse = -inf
+    denom = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(denom)) / 1.4426950408889634)  # natural log
+    denom = denom[:, None]
+    part = (t * H + heads) * n_splits + split
+    out_row = part_out_ptr + part[:, None] * L + cols[None, :]
+    tl.store(out_row, cast(acc0 / denom, part_out_ptr.dtype.element_ty), mask=hmask[:, None] & (cols < L)[None, :])
+    tl.store(
+        out_row + LH, cast(acc1 / denom, part_out_ptr.dtype.element_ty), mask=hmask[:, None] & (LH + cols < L)[None, :]
+    )
+    tl.store(part_lse_ptr + part, lse, mask=hmask)
+
+
+def _sparse_split(programs: int, topk: int, kv_lora_rank: int, sms: int) -> int:
+    """Index entries per span in default mode: the whole list, halved (down to ``SPARSE_MIN_SPLIT``) while the grid
+    has fewer than ``SPARSE_GRID_FILL`` programs per multiprocessor. The merge kernel holds a row of a power-of-two
+    latent: other latents keep the whole list."""
+    split = next_pow2(topk)
+    if kv_lora_rank != next_pow2(kv_lora_rank):
+        return split
+    while split > SPARSE_MIN_SPLIT and programs * triton.cdiv(topk, split) < SPARSE_GRID_FILL * sms:
+        split //= 2
+    return split
+
+
+def sparse_mla(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format, invariant=False):
+    tokens, heads, d_qk = q.shape
+    rope_dim = d_qk - kv_lora_rank
+    topk = indices.shape[1]
+    out = torch.empty(tokens, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    if tokens == 0:
+        return out, lse
+    tile = dict(SPARSE_TILE)
+    block_h = min(tile.pop("BLOCK_H"), max(16, next_pow2(heads)))
+    head_blocks = triton.cdiv(heads, block_h)
+    split = next_pow2(topk)
+    if not invariant:
+        split = _sparse_split(tokens * head_blocks, topk, kv_lora_rank, num_sms(q.device.index or 0))
+    n_splits = triton.cdiv(topk, split)
+    if n_splits == 1:  # the kernel writes the op's output
+        part_out, part_lse = out.view(-1, kv_lora_rank), lse.view(-1)
+    else:
+        part_out = torch.empty(tokens * heads * n_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(tokens * heads * n_splits, dtype=torch.float32, device=q.device)
+    fp8 = kv_format == "fp8_ds_mla"
+    flat = kv_cache.view(-1)
+    _sparse_mla_kernel[(tokens, head_blocks, n_splits)](
+        q,
+        flat,
+        flat.view(torch.float32) if fp8 else flat,
+        flat.view(torch.bfloat16) if fp8 else flat,
+        indices,
+        part_out,
+        part_lse,
+        softmax_scale,
+        heads,
+        topk,
+        n_splits,
+        q.stride(0),
+        q.stride(1),
+        indices.stride(0),
+        L=kv_lora_rank,
+        LH=max(16, next_pow2(kv_lora_rank) // 2),
+        R=rope_dim,
+        BLOCK_R=max(16, next_pow2(rope_dim)),
+        WIDTH=kv_cache.shape[2],
+        ROPE_AT=_rope_at(kv_lora_rank, fp8),
+        FP8=fp8,
+        SPLIT=split,
+        BLOCK_H=block_h,
+        LIST_CHUNK=min(LIST_CHUNK, next_pow2(split)),
+        FP32_DOT=INTERPRET,
+        **tile,
+        launch_pdl=PDL,
+    )
+    if n_splits > 1:
+        _mla_merge_kernel[(tokens * heads,)](
+            part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits), CHUNK=8, launch_pdl=PDL
+        )
+    return out, lse
+
+
+def sparse_supports(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format) -> bool:
+    """bf16 queries, a latent of at most 1024 and a rope part of at most 256 (any widths: the tiles are padded to
+    powers of two and masked). Unlike ``mla_decode``, fp8_ds_mla records of any width are taken: the slots come from
+    a load (``indices``), of which Triton assumes no divisibility, so a row offset ``slot * WIDTH`` is credited with
+    WIDTH's own alignment only (4 bytes for the 260-byte records of kv_lora_rank 128)."""
+    return (
+        on_device(q, kv_cache, indices)
+        and q.dtype == torch.bfloat16
+        and q.stride(2) == 1
+        and indices.stride(1) == 1
+        and kv_lora_rank <= 1024
+        and q.shape[2] - kv_lora_rank <= 256
     )
