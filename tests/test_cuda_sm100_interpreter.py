@@ -59,7 +59,7 @@ def test_conformance_through_the_triton_interpreter(tmp_path):
     fallbacks = {(r["op"], r["case"]) for r in body["results"] if r["status"] == "fallback"}
     assert fallbacks == EXPECTED_FALLBACKS
     served = {r["op"] for r in body["results"] if r["check"] == "accuracy" and r["impl"].startswith("cuda_sm100/")}
-    assert len(served) == 13, served  # every op runs a Triton kernel
+    assert len(served) == 17, served  # every op runs a Triton kernel
     assert any(r["check"] == "batch_invariance" and r["status"] == "pass" for r in body["results"])
 
 
@@ -484,6 +484,109 @@ def test_mla_decode_bf16_copy_of_an_fp8_cache_is_exact():
     out = subprocess.run([sys.executable, "-c", MLA_BF16_COPY], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:3] == ["True [[0, 1], [2, 3], [4, 5]]", "True", "True"]
+
+
+INDEXER_TOPK_PATHS = """
+import torch, deepinfer
+from deepinfer import ops
+from deepinfer.conformance.cases import Gen
+from deepinfer.conformance.sparse_attention import _compare_topk, _index_cache, _pack_lens
+from deepinfer_cuda_sm100 import sparse_attention as sa
+
+sa.TOPK_DOT_ELEMENTS = 256  # 16 positions per step with 16 heads
+sa.TOPK_LOOP_BLOCK_N = 16
+sa.TOPK_SPAN = 16  # three programs over a row of the 48-position table, some of them past the query's limit
+sa.TOPK_KEYS_BYTES = 4 * 48 * 8  # rows in chunks of four (each sorted by one program), then three
+g = Gen(5, "cpu")
+q_lens, seq_lens = [1, 4, 2], [40, 33, 6]
+for fmt in ("bf16", "fp8_ds_index"):
+    line = [fmt]
+    for heads in (4, 16):  # one head at a time, then tl.dot
+        for integer in (True, False):
+            cache, table = _index_cache(g, seq_lens, 16, 128, fmt, integer)
+            t = sum(q_lens)
+            if integer:
+                q = g.randint(-2, 3, t, heads, 128).to(torch.bfloat16)
+                w = torch.exp2(g.randint(-2, 3, t, heads).float()) * (g.randint(0, 2, t, heads).float() * 2 - 1)
+            else:
+                q, w = g.randn(t, heads, 128), g.randn(t, heads, dtype=torch.float32, scale=heads**-0.5)
+            kw = dict(q=q, weights=w, index_cache=cache, block_table=table, cu_seqlens_q=_pack_lens(q_lens, "cpu"),
+                      seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+            for topk in (20, 100):  # 100: more than the table's 48 positions
+                with deepinfer.use("reference"):
+                    want = ops.indexer_topk(**kw, topk=topk)
+                with deepinfer.use("cuda_sm100"):
+                    got = ops.indexer_topk(**kw, topk=topk)
+                exact = torch.equal(got, want)
+                line.append(exact if integer else _compare_topk(got, want, {**kw, "topk": topk}) < 1e-3)
+    print(*line)
+"""
+
+
+def test_indexer_topk_head_paths_spans_chunks_and_padding():
+    """``indexer_topk`` with one head at a time (4 heads) and with tl.dot (16 heads; the conformance cases have
+    at most 8), each row scored by several span programs, rows in chunks of sort keys (each sorted by one program,
+    the last with a masked row), and topk above the table's capacity (-1 past it): bit for bit the reference's
+    slots on integer-valued inputs (exact scores, frequent ties), within the conformance tolerance on random
+    ones."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", INDEXER_TOPK_PATHS], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["bf16" + " True" * 8, "fp8_ds_index" + " True" * 8]
+
+
+SPARSE_MLA_UNLISTED = """
+import torch, deepinfer
+from deepinfer import ops
+from deepinfer.conformance.cases import error
+from deepinfer.dispatch import batch_invariant, last_resolution
+from deepinfer.kv_cache import pack_fp8_ds_mla
+from deepinfer_cuda_sm100 import sparse_attention as sa
+
+sa.SPARSE_TILE = dict(sa.SPARSE_TILE, BLOCK_N=16)
+sa.SPARSE_MIN_SPLIT, sa.num_sms = 16, lambda *_: 1000  # default mode: spans of 16 entries, merged
+g = torch.Generator().manual_seed(3)
+for fmt, rank, rope in (("bf16", 128, 64), ("fp8_ds_mla", 256, 32), ("bf16", 96, 24), ("fp8_ds_mla", 384, 64)):
+    cache = deepinfer.allocate_kv_cache(8, 16, kv_lora_rank=rank, rope_dim=rope, kv_format=fmt, device="cpu")
+    cache.view(torch.uint8).fill_(0xFF)  # NaN at every slot but the listed ones
+    listed = torch.randperm(128, generator=g)[:40]
+    listed = listed[listed != 0]  # slot 0 (where a -1 entry would land if it were read) stays NaN
+    tokens = torch.randn(listed.numel(), rank + rope, generator=g).bfloat16()
+    cache.view(128, -1)[listed] = tokens if fmt == "bf16" else pack_fp8_ds_mla(tokens, rank)
+    indices = torch.full((5, 96), -1, dtype=torch.int32)
+    indices[0, :30] = listed[:30].int()  # a prefix, then -1 (indexer_topk's layout)
+    indices[1, [0, 50, 95]] = listed[30:33].int()  # whole steps and spans of -1 between listed slots
+    indices[2, ::2] = listed[torch.randint(0, listed.numel(), (48,), generator=g)].int()  # repeats
+    indices[4, 17] = listed[5]  # row 3: nothing listed; row 4: one slot
+    kw = dict(q=torch.randn(5, 16, rank + rope, generator=g).bfloat16(), kv_cache=cache, indices=indices,
+              softmax_scale=0.1, kv_lora_rank=rank)
+    with deepinfer.use("reference"):
+        want = ops.sparse_mla(**kw)
+    line = [fmt]
+    with deepinfer.use("cuda_sm100"):
+        for invariant in (True, False):
+            with batch_invariant(invariant):
+                out, lse = ops.sparse_mla(**kw)
+            impl, fallback = last_resolution("sparse_mla")
+            line += [impl.provider, not fallback, bool(out.isfinite().all()), error((out, lse), want) < 1e-2]
+            line += [bool((out[3] == 0).all() and (lse[3] == float("-inf")).all())]
+    print(*line)
+"""
+
+
+def test_sparse_mla_reads_only_listed_slots():
+    """``sparse_mla`` over a cache that holds NaN at every slot but the listed ones (slot 0 included, where a -1
+    entry would land if it were read): -1 entries before, between (whole steps and whole spans of them) and after
+    the listed slots, repeated slots, a row with one slot and a row with none. The outputs are finite and within
+    the conformance tolerance of the reference, zeros and lse = -inf for the empty row, both for the batch-invariant
+    kernel (the whole list in one program) and for the default mode's spans of 16 entries, merged by lse (where the
+    latent is a power of two). Latents and rope parts of other widths (96 + 24, 384 + 64; the conformance cases
+    have powers of two) run in padded, masked tiles."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", SPARSE_MLA_UNLISTED], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    row = " triton-unsplit True True True True triton True True True True"
+    assert out.stdout.split("\n")[:4] == [fmt + row for fmt in ("bf16", "fp8_ds_mla") * 2]
 
 
 def setup_rank() -> None:

@@ -98,7 +98,7 @@ def test_the_compiled_wait_comes_before_any_global_memory_access():
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     order = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(order) == 7
+    assert len(order) == 13
     for name, (trigger, wait, first_access) in order.items():
         assert trigger is not None and wait is not None, f"{name}: no griddepcontrol in its PTX"
         assert first_access is not None and wait < first_access, f"{name}: global memory touched before the wait"
@@ -107,12 +107,14 @@ def test_the_compiled_wait_comes_before_any_global_memory_access():
 def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
     """PTX line numbers (from the entry) of launch_dependents, wait and the first global load, store, atomic or
     async copy, for the kernels compiled for SM90 with their decode-path settings (the swapped GEMM with TMA
-    copies and with pointer loads, and storing its K blocks' products for the kernel that chains them)."""
+    copies and with pointer loads, and storing its K blocks' products for the kernel that chains them), and the
+    sparse attention kernels at DeepSeek-V3.2's shapes (which the interpreter runs at small ones only: this also
+    checks that they compile for the GPU)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from deepinfer_cuda_sm100 import gemm, norm
+    from deepinfer_cuda_sm100 import gemm, norm, sparse_attention
 
     def order(fn, types: list[str], constexprs: dict) -> tuple[int | None, int | None, int | None]:
         names = fn.arg_names
@@ -163,6 +165,32 @@ def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
             [*fp8_operands, "*i32"] + ["i32"] * 7,
             {**tile, "BLOCK_E": 256},
         ),
+        # DeepSeek-V3.2's sparse attention at its shapes: 64 indexer heads of 128 over an fp8_ds_index cache (132-byte
+        # records), sparse MLA over 656-byte fp8_ds_mla records, 128 heads in blocks of 64.
+        "_write_index_kernel": order(
+            sparse_attention._write_index_kernel,
+            ["*bf16", "*i64", "*u8", "*fp32", "i32"],
+            {"D": 128, "BLOCK_D": 128, "GROUPS": 1, "WIDTH": 132, "FP8": True, "PREROUND": False},
+        ),
+        "_token_rows_kernel": order(sparse_attention._token_rows_kernel, ["*i32"] * 4, {"BLOCK": 256}),
+        "_index_scores_kernel": order(
+            sparse_attention._index_scores_kernel,
+            ["*bf16", "*fp32", "*u8", "*fp32", "*i32", "*i32", "*i32", "*i64"] + ["i32"] * 7,
+            {"D": 128, "WIDTH": 132, "PAGE": 64, "FP8": True, "SPAN": 2048, "FP32_DOT": False}
+            | {k: v for k, v in sparse_attention._scores_config(64).items() if k.isupper()},
+        ),
+        "_topk_slots_kernel": order(
+            sparse_attention._topk_slots_kernel,
+            ["*i64", "*i32", "*i32", "*i32"] + ["i32"] * 5,
+            {"PAGE": 64, "ROWS": 1, "BLOCK_K": 2048},
+        ),
+        "_sparse_mla_kernel": order(
+            sparse_attention._sparse_mla_kernel,
+            ["*bf16", "*u8", "*fp32", "*bf16", "*i32", "*bf16", "*fp32", "fp32"] + ["i32"] * 6,
+            {"L": 512, "LH": 256, "R": 64, "BLOCK_R": 64, "WIDTH": 656, "ROPE_AT": 264, "FP8": True, "SPLIT": 2048}
+            | {"BLOCK_H": 64, "BLOCK_N": 64, "LIST_CHUNK": 1024, "FP32_DOT": False},
+        ),
+        "_layer_norm_kernel": order(norm._layer_norm_kernel, ["*bf16"] * 4 + ["i32", "fp32"], {"BLOCK": 128}),
     }
 
 

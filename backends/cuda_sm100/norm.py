@@ -1,4 +1,5 @@
-"""``rms_norm``: one program per row, the residual add fused in front; batch-invariant by construction."""
+"""``rms_norm`` (the residual add fused in front) and ``layer_norm``: one program per row, fp32 math; batch-invariant
+by construction."""
 
 from __future__ import annotations
 
@@ -51,3 +52,42 @@ def rms_norm(x, w, eps, residual):
 
 def supports(x, w, eps, residual) -> bool:
     return on_device(x, w, residual) and x.shape[-1] <= 65536
+
+
+@triton.jit
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, H, eps, BLOCK: tl.constexpr):
+    """``(x - mean) / sqrt(var + eps) * w + b`` of one row, the biased variance of the centred values, in fp32."""
+    pdl_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    centred = tl.where(mask, x - tl.sum(x, axis=0) / H, 0.0)
+    variance = tl.sum(centred * centred, axis=0) / H
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = centred * tl.rsqrt(variance + eps) * w + b
+    tl.store(y_ptr + row * H + cols, cast(y, y_ptr.dtype.element_ty), mask=mask)
+
+
+def layer_norm(x, w, b, eps):
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden).contiguous()
+    y = torch.empty_like(x2)
+    if x2.shape[0]:
+        _layer_norm_kernel[(x2.shape[0],)](
+            x2,
+            w.contiguous(),
+            b.contiguous(),
+            y,
+            hidden,
+            eps,
+            BLOCK=next_pow2(hidden),
+            num_warps=8 if hidden >= 4096 else 4,
+            launch_pdl=PDL,
+        )
+    return y.view(x.shape)
+
+
+def layer_norm_supports(x, w, b, eps) -> bool:
+    return on_device(x, w, b) and x.shape[-1] <= 65536

@@ -36,7 +36,7 @@ def _impl(op, provider, fn, supports, *, invariant=True, priority=0) -> OpImpl:
 def deepinfer_op_impls() -> list[OpImpl]:
     if not probe.triton_installed():
         return []  # the probe says why the backend is unavailable; there are no kernels to register
-    from . import activation, attention, gemm, moe, norm, rope, sampling
+    from . import activation, attention, gemm, moe, norm, rope, sampling, sparse_attention
 
     try:
         from . import gemm_gluon
@@ -66,6 +66,23 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("rope", "triton", rope.rope, rope.supports),
         _impl("silu_and_mul", "triton", activation.silu_and_mul, activation.supports),
         _impl("sample", "triton", sampling.sample, sampling.supports),
+        _impl("layer_norm", "triton", norm.layer_norm, norm.layer_norm_supports),
+        _impl("write_index_cache", "triton", sparse_attention.write_index_cache, sparse_attention.write_supports),
+        _impl("indexer_topk", "triton", sparse_attention.indexer_topk, sparse_attention.topk_supports),
+        _impl(
+            "sparse_mla",
+            "triton",
+            sparse_attention.sparse_mla,
+            sparse_attention.sparse_supports,
+            invariant=False,
+            priority=1,
+        ),
+        _impl(
+            "sparse_mla",
+            "triton-unsplit",
+            partial(sparse_attention.sparse_mla, invariant=True),
+            sparse_attention.sparse_supports,
+        ),
     ]
     if gemm_gluon is not None:  # the first two give the unsplit Triton kernel's bits: batch-invariant mode takes them
         impls.append(_impl("gemm", "gluon-fp8-ws", gemm_gluon.gemm_fp8, gemm_gluon.supports, priority=4))
