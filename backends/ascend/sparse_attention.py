@@ -175,7 +175,7 @@ def indexer_topk_lightning_supports(q, weights, index_cache, block_table, cu_seq
 
 def compact_rows(indices: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``indices [T, K]`` (cache slots, -1 anywhere) -> row numbers in ``slots`` (sorted, distinct, holding every
-    listed slot): each row ascending, valid entries first, -1 last, repeats kept (int32)."""
+    listed slot, possibly -1 too): each row ascending, valid entries first, -1 last, repeats kept (int32)."""
     listed = indices >= 0
     local = torch.searchsorted(slots, indices.long().clamp_min(0))
     big = torch.iinfo(torch.int64).max
@@ -199,13 +199,14 @@ def sparse_mla_sfa(
     tokens, heads, _ = q.shape
     zeros = q.new_zeros(tokens, heads, kv_lora_rank)
     no_lse = torch.full((tokens, heads), float("-inf"), device=q.device)
-    listed = indices >= 0
     if tokens == 0:
         return zeros, no_lse
-    slots = torch.unique(indices[listed].long())  # sorted; its size is one host synchronisation
-    if slots.numel() == 0:
+    # Sorted distinct entries, -1 first where a row has padding: its size is the one host synchronisation. The -1
+    # entry stays (dropping it would cost another) and becomes a spare row (slot 0) that no index points to.
+    slots = torch.unique(indices).long()
+    if slots.numel() == 1 and int(slots[0]) < 0:  # nothing listed anywhere
         return zeros, no_lse
-    rows = kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots)
+    rows = kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots.clamp_min(0))
     nope, rope = _planes(rows, kv_lora_rank, kv_format)
     key = nope.unsqueeze(1)  # [U, KV_N = 1, 512]; MLA-absorb: key and value are the same tensor
     out, softmax_max, softmax_sum = npu.npu_sparse_flash_attention(
@@ -227,7 +228,7 @@ def sparse_mla_sfa(
     )
     # softmax_max / softmax_sum are [KV_N, T, N]; max of the scaled scores (README assumption 26).
     lse = (softmax_max[0] + torch.log(softmax_sum[0])).float()
-    sees = listed.any(dim=1)  # a row with nothing listed is undefined for the operator: the contract's zeros, -inf
+    sees = (indices >= 0).any(dim=1)  # a row with nothing listed is undefined for the operator: zeros, -inf
     out = torch.where(sees[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out, torch.where(sees[:, None], lse, no_lse)
 
