@@ -543,6 +543,18 @@ def test_indexer_topk_turns_the_lightning_indexers_positions_into_sorted_slots(n
     assert torch.equal(out, reference(ops.indexer_topk, q, w, cache, table, cu, lens, topk=24))
 
 
+def test_fp8_indexer_keys_are_dequantised_from_the_pages_the_batch_reads(npu):
+    """A long sequence among many pages: only its pages are copied (a compact table), not the whole cache."""
+    cache, table = _index_cache([90, 10], 16, "fp8_ds_index", integer=True)
+    big = torch.full((40, 16, 132), 0xFF, dtype=torch.uint8)
+    big[: cache.shape[0]] = cache  # 33 more pages nobody uses
+    q, w, _, _, cu, lens = _indexer_inputs([4, 1], [90, 10], 16, "fp8_ds_index", integer=True)
+    out = ops.indexer_topk(q, w, big, table, cu, lens, topk=32)
+    (call,) = calls(npu, "npu_lightning_indexer")
+    assert call["key_blocks"] == 2 * 6 and call["key_dtype"] == torch.bfloat16  # B x the longest's pages
+    assert torch.equal(out, reference(ops.indexer_topk, q, w, big, table, cu, lens, topk=32))
+
+
 def test_positions_map_through_the_block_table_in_ascending_order():
     """The documented part of the indexer's output is the first min(topk, visible) entries of a row; their order is
     undocumented. Out-of-range or later entries (undefined) are dropped; kept positions are sorted, then mapped."""

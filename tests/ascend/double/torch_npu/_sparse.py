@@ -141,6 +141,7 @@ def npu_lightning_indexer(
         sparse_mode=sparse_mode,
         heads=heads,
         block_size=block_size,
+        key_blocks=blocks,
         key_dtype=key.dtype,
         weights_dtype=weights.dtype,
         seq_lens_q=lens_q,
