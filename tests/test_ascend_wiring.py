@@ -17,6 +17,7 @@ import torch
 import deepinfer
 from deepinfer import ops, registry
 from deepinfer.dispatch import last_resolution
+from deepinfer.index_cache import allocate_index_cache, pack_fp8_ds_index
 from deepinfer.kv_cache import allocate_kv_cache, pack_fp8_ds_mla
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 
@@ -487,3 +488,225 @@ def test_a_wrong_layout_does_not_slip_through(npu, monkeypatch):
     monkeypatch.setattr(attention, "causal_mask", lambda device: torch.ones(2048, 2048, dtype=torch.bool).tril())
     with pytest.raises(npu.DocumentedRejection, match="upper triangle"):
         ops.mla_decode(q, cache, table, torch.tensor([40, 33], dtype=torch.int32), softmax_scale=0.1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention: indexer_topk, sparse_mla, write_index_cache (and layer_norm)
+
+
+def _index_cache(lens: list[int], block_size: int, fmt: str, head_dim: int = 128, integer: bool = False):
+    """An indexer-key cache with each sequence's keys in shuffled pages, NaN bytes everywhere else; unused table
+    entries are -1 (the core does not validate them)."""
+    pages = [math.ceil(n / block_size) for n in lens]
+    cache = allocate_index_cache(sum(pages) + 2, block_size, head_dim=head_dim, index_format=fmt)
+    cache.view(torch.uint8).fill_(0xFF)
+    order = torch.randperm(cache.shape[0]).tolist()
+    table = torch.full((len(lens), max(pages)), -1, dtype=torch.int32)
+    flat = cache.view(-1, cache.shape[-1])
+    for b, n in enumerate(lens):
+        ids, order = order[: pages[b]], order[pages[b] :]
+        table[b, : pages[b]] = torch.tensor(ids, dtype=torch.int32)
+        pos = torch.arange(n)
+        slots = table[b, pos // block_size].long() * block_size + pos % block_size
+        if integer:  # three distinct integer keys: many exact ties
+            keys = torch.randint(-2, 3, (3, head_dim)).float()[torch.randint(0, 3, (n,))]
+        else:
+            keys = torch.randn(n, head_dim)
+        flat[slots] = keys.bfloat16() if fmt == "bf16" else pack_fp8_ds_index(keys)
+    return cache, table
+
+
+def _indexer_inputs(q_lens: list[int], lens: list[int], heads: int, fmt: str, integer: bool, block_size: int = 16):
+    cache, table = _index_cache(lens, block_size, fmt, integer=integer)
+    t = sum(q_lens)
+    if integer:  # exact scores: small integers, signed power-of-two weights (exact in bf16 too)
+        q = torch.randint(-2, 3, (t, heads, 128)).bfloat16()
+        weights = torch.exp2(torch.randint(-2, 3, (t, heads)).float()) * (torch.randint(0, 2, (t, heads)) * 2 - 1)
+    else:
+        q, weights = torch.randn(t, heads, 128).bfloat16(), torch.randn(t, heads) * heads**-0.5
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, weights, cache, table, cu, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_index"])
+def test_indexer_topk_turns_the_lightning_indexers_positions_into_sorted_slots(npu, fmt):
+    """Exact ties everywhere: the indexer's score-ordered positions come back as the contract's rows, exactly."""
+    # decode, a chunk over a prefix, rows that see fewer than topk positions (undefined tail), an empty sequence
+    q, w, cache, table, cu, lens = _indexer_inputs([1, 5, 2, 0, 2], [40, 70, 9, 5, 33], 8, fmt, integer=True)
+    out = ops.indexer_topk(q, w, cache, table, cu, lens, topk=24)
+    assert served_by("indexer_topk") == "torch_npu.npu_lightning_indexer"
+    (call,) = calls(npu, "npu_lightning_indexer")
+    assert (call["layout_query"], call["layout_key"], call["sparse_mode"]) == ("TND", "PA_BSND", 3)
+    assert call["sparse_count"] == 24 and call["key_dtype"] == torch.bfloat16  # fp8 keys go in dequantised
+    assert call["weights_dtype"] == torch.bfloat16  # the 950 takes no fp32 weights
+    assert call["seq_lens_q"] == [1, 5, 2, 0, 2] and call["seq_lens_k"] == [40, 70, 9, 5, 33]
+    assert torch.equal(out, reference(ops.indexer_topk, q, w, cache, table, cu, lens, topk=24))
+
+
+def test_fp8_indexer_keys_are_dequantised_from_the_pages_the_batch_reads(npu):
+    """A long sequence among many pages: only its pages are copied (a compact table), not the whole cache."""
+    cache, table = _index_cache([90, 10], 16, "fp8_ds_index", integer=True)
+    big = torch.full((40, 16, 132), 0xFF, dtype=torch.uint8)
+    big[: cache.shape[0]] = cache  # 33 more pages nobody uses
+    q, w, _, _, cu, lens = _indexer_inputs([4, 1], [90, 10], 16, "fp8_ds_index", integer=True)
+    out = ops.indexer_topk(q, w, big, table, cu, lens, topk=32)
+    (call,) = calls(npu, "npu_lightning_indexer")
+    assert call["key_blocks"] == 2 * 6 and call["key_dtype"] == torch.bfloat16  # B x the longest's pages
+    assert torch.equal(out, reference(ops.indexer_topk, q, w, big, table, cu, lens, topk=32))
+
+
+def test_positions_map_through_the_block_table_in_ascending_order():
+    """The documented part of the indexer's output is the first min(topk, visible) entries of a row; their order is
+    undocumented. Out-of-range or later entries (undefined) are dropped; kept positions are sorted, then mapped."""
+    from deepinfer_ascend.sparse_attention import positions_to_slots
+
+    table = torch.tensor([[5, 2, 9]], dtype=torch.int32)  # page size 16
+    positions = torch.tensor(
+        [
+            [33, 3, 17, 123, 123],  # by score, then undefined bytes past the 3 positions that are not 123
+            [1, 0, 7, 7, 7],  # sees 2 positions: only the first 2 entries count
+            [2, 0, 1, 1, 0],  # sees 3: later repeats are not read
+        ],
+        dtype=torch.int32,
+    )
+    seq, visible = torch.zeros(3, dtype=torch.long), torch.tensor([34, 2, 3])
+    out = positions_to_slots(positions, seq, visible, table, 16)
+    assert out.tolist() == [[83, 33, 145, -1, -1], [80, 81, -1, -1, -1], [80, 81, 82, -1, -1]]
+    assert out.dtype == torch.int32
+
+
+def test_indexer_topk_chooses_like_the_reference_with_fp32_scores_on_an_a2(npu, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_TORCH_NPU_DOUBLE_SOC", "Ascend910B3")
+    monkeypatch.setattr("deepinfer_ascend.probe._soc_cache", weakref.WeakKeyDictionary())
+    registry.reload()
+    q, w, cache, table, cu, lens = _indexer_inputs([3, 1], [50, 20], 4, "bf16", integer=False)
+    with deepinfer.use("ascend") as spec:
+        assert "indexer_topk/bf16" not in spec.tolerances
+        out = ops.indexer_topk(q, w, cache, table, cu, lens, topk=16)
+        assert served_by("indexer_topk") == "torch_npu.npu_lightning_indexer"  # 4 heads: A2 takes up to 64
+    (call,) = calls(npu, "npu_lightning_indexer")
+    assert call["weights_dtype"] == torch.float32  # the contract's weights, unrounded
+    assert torch.equal(out, reference(ops.indexer_topk, q, w, cache, table, cu, lens, topk=16))
+
+
+def test_indexer_topk_outside_the_envelope_runs_the_composite(npu):
+    q, w, cache, table, cu, lens = _indexer_inputs([2, 1], [30, 12], 4, "bf16", integer=True)  # 950: 4 heads
+    out = ops.indexer_topk(q, w, cache, table, cu, lens, topk=10)
+    assert served_by("indexer_topk") == "torch-composite" and not calls(npu, "npu_lightning_indexer")
+    assert torch.equal(out, reference(ops.indexer_topk, q, w, cache, table, cu, lens, topk=10))
+
+
+def test_the_950_declares_the_indexer_tolerance_its_bf16_weights_need(npu):
+    spec = registry.get().lookup("ascend")
+    value, why = spec.tolerances["indexer_topk/bf16"]
+    assert spec.tolerances["indexer_topk/fp8_ds_index"] == (value, why) and value == 5e-3 and "bf16" in why
+    assert "indexer_topk/exact" not in spec.tolerances  # integer inputs stay exact
+
+
+def test_compact_rows_keeps_repeats_and_puts_valid_entries_first():
+    from deepinfer_ascend.sparse_attention import compact_rows
+
+    indices = torch.tensor([[7, -1, 3, -1, 7], [-1, -1, -1, -1, -1], [12, 3, -1, -1, -1]], dtype=torch.int32)
+    slots = torch.tensor([3, 7, 12])
+    assert compact_rows(indices, slots).tolist() == [[0, 1, 1, -1, -1], [-1] * 5, [0, 2, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_sparse_mla_gathers_the_listed_slots_into_one_tnd_sequence(npu, kv_format):
+    cache, table = _paged([70, 33], 16, kv_format)
+    pos = [torch.randperm(70)[:12], torch.randperm(33)[:12]]
+    slots = [table[b, p // 16].long() * 16 + p % 16 for b, p in enumerate(pos)]
+    indices = torch.full((5, 16), -1, dtype=torch.int32)
+    indices[0, :12] = slots[0].int()
+    indices[1, ::2][:8] = slots[1][:8].int()  # -1 interleaved
+    indices[2, 3:15] = slots[0].flip(0).int()
+    indices[2, 15] = indices[2, 3]  # listed twice: counted twice
+    indices[3] = indices[1].flip(0)
+    # row 4 lists nothing
+    q = torch.randn(5, 16, 576, dtype=torch.bfloat16)
+    out, lse = ops.sparse_mla(q, cache, indices, softmax_scale=0.07)
+    assert served_by("sparse_mla") == "torch_npu.npu_sparse_flash_attention"
+    (call,) = calls(npu, "npu_sparse_flash_attention")
+    assert (call["layout_query"], call["layout_kv"], call["sparse_mode"], call["batch"]) == ("TND", "TND", 0, 1)
+    assert call["lse"] and call["topk"] == 16
+    assert call["kv_tokens"] == len(set(indices.flatten().tolist()))  # the distinct slots (-1 included: a spare row)
+    ref_out, ref_lse = reference(ops.sparse_mla, q, cache, indices, softmax_scale=0.07)
+    assert torch.equal(out[4], torch.zeros_like(out[4])) and bool(torch.isneginf(lse[4]).all())
+    assert rel_err(out, ref_out) < 1e-2 and torch.allclose(lse[:4], ref_lse[:4], atol=1e-3)
+
+
+def test_sparse_mla_with_an_unsupported_head_count_on_an_a2_runs_the_composite(npu, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_TORCH_NPU_DOUBLE_SOC", "Ascend910B3")
+    monkeypatch.setattr("deepinfer_ascend.probe._soc_cache", weakref.WeakKeyDictionary())
+    registry.reload()
+    cache, table = _paged([40], 16, "bf16")
+    pos = torch.randperm(40)[:20]
+    indices = (table[0, pos // 16].long() * 16 + pos % 16).int().view(2, 10)
+    q = torch.randn(2, 12, 576, dtype=torch.bfloat16)  # 12 heads: a 950 takes them, A2/A3 want powers of two
+    with deepinfer.use("ascend"):
+        out, _ = ops.sparse_mla(q, cache, indices, softmax_scale=0.07)
+        assert served_by("sparse_mla") == "torch-composite"
+    assert not calls(npu, "npu_sparse_flash_attention")
+    assert rel_err(out, reference(ops.sparse_mla, q, cache, indices, softmax_scale=0.07)[0]) < 1e-2
+
+
+def test_write_index_cache_scatters_int8_records_and_skips_minus_one(npu):
+    cache = allocate_index_cache(3, 16, head_dim=128, index_format="fp8_ds_index").zero_()
+    k = torch.randn(4, 128, dtype=torch.bfloat16)
+    ops.write_index_cache(k, cache, torch.tensor([3, -1, 40, 17]))
+    assert served_by("write_index_cache") == "torch_npu.npu_scatter_nd_update_"
+    (call,) = calls(npu, "npu_scatter_nd_update_")
+    assert call["dtype"] == torch.int8 and call["n"] == 3 and call["depth"] == 1
+    assert torch.equal(cache.view(-1, 132)[[3, 40, 17]], pack_fp8_ds_index(k[[0, 2, 3]]))
+    assert int(cache.view(-1, 132).any(dim=1).sum()) == 3
+
+
+def test_layer_norm_is_plain_torch_in_fp32(npu):
+    x, w, b = torch.randn(5, 128, dtype=torch.bfloat16) * 3 + 2, torch.randn(128), torch.randn(128)
+    y = ops.layer_norm(x, w, b, 1e-6)
+    assert served_by("layer_norm") == "torch-composite" and y.dtype == torch.bfloat16
+    assert rel_err(y, reference(ops.layer_norm, x, w, b, 1e-6)) < 1e-2
+
+
+def test_double_rejects_documented_dsa_misuse(npu, monkeypatch):
+    reject = npu.DocumentedRejection
+    key = torch.randn(4, 16, 1, 128, dtype=torch.bfloat16)
+    q, w = torch.randn(3, 8, 128, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16)
+    li = {"actual_seq_lengths_query": torch.tensor([1, 3], dtype=torch.int32), "layout_query": "TND"}
+    li |= {"actual_seq_lengths_key": torch.tensor([20, 9], dtype=torch.int32), "layout_key": "PA_BSND"}
+    li |= {"block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), "sparse_count": 8}
+    npu.npu_lightning_indexer(q, key, w, **li)  # the documented form is accepted
+    with pytest.raises(reject, match="float32"):
+        npu.npu_lightning_indexer(q, key, w.float(), **li)  # a 950 takes no fp32 weights
+    with pytest.raises(reject, match="N of query"):
+        npu.npu_lightning_indexer(q[:, :4].contiguous(), key, w[:, :4].contiguous(), **li)
+    with pytest.raises(reject, match="sparse_count"):
+        npu.npu_lightning_indexer(q, key, w, **(li | {"sparse_count": 2049}))
+    with pytest.raises(reject, match="multiple of 16"):
+        npu.npu_lightning_indexer(q, key.view(8, 8, 1, 128), w, **(li | {"block_table": torch.zeros(2, 4).int()}))
+    with pytest.raises(reject, match="128"):
+        npu.npu_lightning_indexer(q[..., :64].contiguous(), key[..., :64].contiguous(), w, **li)
+    with pytest.raises(reject, match="prefix sums"):
+        npu.npu_lightning_indexer(q, key, w, **(li | {"actual_seq_lengths_query": torch.tensor([2, 1]).int()}))
+    with pytest.raises(reject, match="return_value"):
+        npu.npu_lightning_indexer(q, key, w, **(li | {"return_value": True}))
+
+    kv = torch.randn(6, 1, 512, dtype=torch.bfloat16)
+    qs, qr, kr = torch.randn(2, 4, 512).bfloat16(), torch.randn(2, 4, 64).bfloat16(), torch.randn(6, 1, 64).bfloat16()
+    sfa = {"query_rope": qr, "key_rope": kr, "layout_query": "TND", "layout_kv": "TND", "attention_mode": 2}
+    sfa |= {"actual_seq_lengths_query": torch.tensor([2]).int(), "actual_seq_lengths_kv": torch.tensor([6]).int()}
+    sfa |= {"sparse_mode": 0, "return_softmax_lse": True}
+    idx = torch.tensor([[[0, 5, -1]], [[2, -1, -1]]], dtype=torch.int32)
+    npu.npu_sparse_flash_attention(qs, kv, kv, idx, 0.1, **sfa)
+    with pytest.raises(reject, match="valid sparse_indices must come before"):
+        npu.npu_sparse_flash_attention(qs, kv, kv, idx.flip(-1).contiguous(), 0.1, **sfa)
+    with pytest.raises(reject, match="share the same data"):
+        npu.npu_sparse_flash_attention(qs, kv, kv + 1, idx, 0.1, **sfa)
+    with pytest.raises(reject, match="attention_mode"):
+        npu.npu_sparse_flash_attention(qs, kv, kv, idx, 0.1, **(sfa | {"attention_mode": 0}))
+    with pytest.raises(reject, match="inside the batch"):
+        npu.npu_sparse_flash_attention(qs, kv, kv, idx + 6, 0.1, **sfa)
+    monkeypatch.setenv("DEEPINFER_TORCH_NPU_DOUBLE_SOC", "Ascend910B3")
+    q3, qr3 = torch.randn(2, 3, 512).bfloat16(), torch.randn(2, 3, 64).bfloat16()
+    with pytest.raises(reject, match="Q_N"):
+        npu.npu_sparse_flash_attention(q3, kv, kv, idx, 0.1, **(sfa | {"query_rope": qr3}))

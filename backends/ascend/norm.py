@@ -1,4 +1,5 @@
-"""Normalisation on Ascend: ``rms_norm`` -> ``npu_rms_norm`` / ``npu_add_rms_norm`` (torch_npu, op-plugin docs).
+"""Normalisation on Ascend: ``rms_norm`` -> ``npu_rms_norm`` / ``npu_add_rms_norm`` (torch_npu, op-plugin docs);
+``layer_norm`` -> ``torch.nn.functional.layer_norm``.
 
 ``npu_add_rms_norm(x1, x2, gamma, epsilon)`` returns ``(y, rstd, x1 + x2)``: the sum comes back in the input
 dtype and is the new residual stream ``h``. The docs do not say whether the norm is taken of the rounded sum (the
@@ -9,6 +10,7 @@ of x and the operators take no empty tensors, so other cases run plain torch.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import probe
 
@@ -31,3 +33,8 @@ def rms_norm_torch(x, w, eps, residual) -> tuple[torch.Tensor, torch.Tensor]:
     hf = h.float()
     y = hf * torch.rsqrt(hf.square().mean(dim=-1, keepdim=True) + eps) * w.float()
     return y.to(x.dtype), h
+
+
+def layer_norm_torch(x, w, b, eps) -> torch.Tensor:
+    """The contract's fp32 LayerNorm (biased variance), returned in x's dtype."""
+    return F.layer_norm(x.float(), (x.shape[-1],), w.float(), b.float(), eps).to(x.dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from deepinfer import BackendSpec, OpImpl, hookimpl
 
-from . import activation, attention, ep_mc2, gemm, moe, norm, probe, rope, sampling, weights
+from . import activation, attention, ep_mc2, gemm, moe, norm, probe, rope, sampling, sparse_attention, weights
 
 NAME = "ascend"
 FUSED, COMPOSITE = 10, 0
@@ -48,6 +48,35 @@ def op_impls() -> list[OpImpl]:
             attention.write_kv_cache_scatter,
             attention.write_kv_cache_scatter_supports,
         ),
+        _fused(
+            "write_index_cache",
+            "torch_npu.npu_scatter_nd_update_",
+            sparse_attention.write_index_cache_scatter,
+            sparse_attention.write_index_cache_scatter_supports,
+        ),
+        _fused(
+            "indexer_topk",
+            "torch_npu.npu_lightning_indexer",
+            sparse_attention.indexer_topk_lightning,
+            sparse_attention.indexer_topk_lightning_supports,
+        ),
+        _composite(
+            "indexer_topk",
+            sparse_attention.indexer_topk_torch,
+            "q",
+            "weights",
+            "index_cache",
+            "block_table",
+            "cu_seqlens_q",
+            "seq_lens",
+        ),
+        _fused(
+            "sparse_mla",
+            "torch_npu.npu_sparse_flash_attention",
+            sparse_attention.sparse_mla_sfa,
+            sparse_attention.sparse_mla_sfa_supports,
+        ),
+        _composite("sparse_mla", sparse_attention.sparse_mla_torch, "q", "kv_cache", "indices"),
         _fused(
             "quantize_fp8",
             "torch_npu.npu_dynamic_block_quant",
@@ -87,6 +116,7 @@ def op_impls() -> list[OpImpl]:
         ),
         _fused("rms_norm", "torch_npu.npu_(add_)rms_norm", norm.rms_norm_fused, norm.rms_norm_fused_supports),
         _composite("rms_norm", norm.rms_norm_torch, "x", "w", "residual"),
+        _composite("layer_norm", norm.layer_norm_torch, "x", "w", "b"),
         _fused("rope", "torch_npu.npu_rotary_mul", rope.rope_rotary_mul, rope.rope_rotary_mul_supports),
         _fused(
             "silu_and_mul",
@@ -107,9 +137,12 @@ def op_impls() -> list[OpImpl]:
 
 def tolerances() -> dict[str, tuple[float, str]]:
     """Conformance tolerances this backend knowingly needs beyond the core's, as data with the reason."""
+    out = {}
     if gemm.mx_recipe():
-        return {"gemm/fp8": gemm.MX_TOLERANCE}
-    return {}
+        out["gemm/fp8"] = gemm.MX_TOLERANCE
+    if "dsa_fp32_weights" not in probe.declared_capabilities():  # the 950 (and the target, before the chip is known)
+        out["indexer_topk/bf16"] = out["indexer_topk/fp8_ds_index"] = sparse_attention.BF16_WEIGHTS_TOLERANCE
+    return out
 
 
 @hookimpl

@@ -27,10 +27,18 @@ from types import ModuleType
 EMULATED = "torch_npu test double (emulated, not hardware)"
 SOC_ENV = "DEEPINFER_ASCEND_SOC"
 
+#: DeepSeek Sparse Attention: ``dsa`` = npu_lightning_indexer and npu_sparse_flash_attention exist (their docs list
+#: 950, A3 and A2); the rest are where the generations' documented envelopes differ: ``dsa_fp32_weights`` (the
+#: indexer takes fp32 weights; the 950 docs exclude them), ``dsa_indexer_any_heads`` (any query head count up to 64;
+#: the 950 takes 8, 16, 24, 32 or 64), ``dsa_sfa_any_heads`` (sparse attention takes 1..128 heads; A2/A3 powers of
+#: two only).
+DSA_950 = frozenset({"dsa", "dsa_sfa_any_heads"})
+DSA_A2_A3 = frozenset({"dsa", "dsa_fp32_weights", "dsa_indexer_any_heads"})
+
 GENERATION_CAPS = {
-    "950": frozenset({"bf16", "fp8_e4m3", "fp8_block_gemm", "mxfp8", "kv_fp8_ds_mla", "ep_mc2"}),
-    "A3": frozenset({"bf16", "nz_grouped_weight", "ep_mc2"}),
-    "A2": frozenset({"bf16", "nz_grouped_weight"}),
+    "950": frozenset({"bf16", "fp8_e4m3", "fp8_block_gemm", "mxfp8", "kv_fp8_ds_mla", "ep_mc2"}) | DSA_950,
+    "A3": frozenset({"bf16", "nz_grouped_weight", "ep_mc2"}) | DSA_A2_A3,
+    "A2": frozenset({"bf16", "nz_grouped_weight"}) | DSA_A2_A3,
     "unknown": frozenset({"bf16"}),
 }
 #: What the backend can do on the chip it targets; shown before the chip is known.

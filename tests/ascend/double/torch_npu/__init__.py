@@ -33,6 +33,7 @@ from ._gemm import (
 )
 from ._misc import npu_add_rms_norm, npu_rms_norm, npu_rotary_mul, npu_scatter_nd_update_, npu_swiglu
 from ._moe import npu_moe_finalize_routing, npu_moe_gating_top_k, npu_moe_init_routing_v2
+from ._sparse import npu_lightning_indexer, npu_sparse_flash_attention
 
 TEST_DOUBLE = True
 __version__ = "test-double"
@@ -60,6 +61,7 @@ __all__ = [
     "npu_fused_infer_attention_score_v2",
     "npu_grouped_matmul",
     "npu_kv_quant_sparse_flash_attention",
+    "npu_lightning_indexer",
     "npu_moe_distribute_combine_v2",
     "npu_moe_distribute_dispatch_v2",
     "npu_moe_finalize_routing",
@@ -69,5 +71,6 @@ __all__ = [
     "npu_rms_norm",
     "npu_rotary_mul",
     "npu_scatter_nd_update_",
+    "npu_sparse_flash_attention",
     "npu_swiglu",
 ]
