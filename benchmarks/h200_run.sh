@@ -3,9 +3,10 @@
 # Usage on the GPU machine: OUT=<dir> bash benchmarks/h200_run.sh STEP
 #   conformance  full DeepSeek-V3 shapes, then the small shapes (reports under $OUT)
 #   model        model tests against transformers on cuda_sm100, then the decode benchmark with a kernel profile
-#   dsa          DeepSeek-V3.2: the sparse-attention ops' full-shape conformance (report under $OUT), their
-#                `deepinfer bench` rows, the V3.2 model tests on cuda_sm100, and the V3.2 decode step at 64k context
-#                with a kernel profile (the indexer's share)
+#   dsa-check    DeepSeek-V3.2: the sparse-attention ops' conformance, small and full shapes (reports under $OUT),
+#                then the V3.2 model tests and the CUDA-graph tests on cuda_sm100
+#   dsa-bench    their `deepinfer bench` rows, then the V3.2 decode step at 64k context with a kernel profile (the
+#                indexer's share)
 #   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
@@ -55,16 +56,16 @@ case ${1:-} in
       --deepinfer-backend cuda_sm100 --tb=line 2>&1 | tail -8
     timeout 300 python3 benchmarks/bench_model.py "$OUT/model_decode.json" --backend cuda_sm100 --batches 1,8,64,256 \
       --steps 20 --hf-batches 1,64 --hf-steps 3 --profile 2>&1 | grep -v Loading | tail -80 ;;
-  dsa)
+  dsa-check)
     ops=write_index_cache,indexer_topk,sparse_mla,layer_norm
+    timeout 90 deepinfer conformance --backend cuda_sm100 --ops $ops --report "$OUT/conformance_dsa_small.json" 2>&1 | tail -3
     timeout 240 deepinfer conformance --backend cuda_sm100 --shapes full --ops $ops \
       --report "$OUT/conformance_dsa_full.json" 2>&1 | tail -3
-    timeout 60 deepinfer conformance --backend cuda_sm100 --ops $ops --report "$OUT/conformance_dsa_small.json" 2>&1 | tail -3
-    timeout 240 deepinfer bench --backend cuda_sm100 --ops indexer_topk,sparse_mla,mla_decode --json "$OUT/bench_dsa.json" \
-      2>&1 | tail -30
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_v32.py tests/test_model_cuda.py \
-      --deepinfer-backend cuda_sm100 --tb=line 2>&1 | tail -8
-    timeout 200 python3 benchmarks/bench_model.py "$OUT/model_v32.json" --model v32 --kv-format fp8_ds_mla \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_model_v32.py tests/test_model_cuda.py \
+      --deepinfer-backend cuda_sm100 --tb=short 2>&1 | tail -30 ;;
+  dsa-bench)
+    timeout 300 deepinfer bench --backend cuda_sm100 --ops indexer_topk,sparse_mla --json "$OUT/bench_dsa.json" 2>&1 | tail -40
+    timeout 240 python3 benchmarks/bench_model.py "$OUT/model_v32.json" --model v32 --kv-format fp8_ds_mla \
       --context 65536 --batches 1,16,64 --steps 10 --profile 2>&1 | grep -v Loading | tail -60 ;;
   bench)
     timeout 560 deepinfer bench --backend cuda_sm100 ${2:+--ops "$2"} --json "$OUT/bench.json" > /dev/null 2>&1
