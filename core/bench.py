@@ -532,7 +532,8 @@ def _dsa_cases(quick: bool) -> list[BenchCase]:
             rows = batch * s_q
             flops = 2 * rows * heads * topk * (rank + rope + rank)
             nbytes = rows * topk * record + rows * heads * (rank + rope + rank) * 2 + rows * topk * 4
-            name = f"{fmt} T={rows} H={heads} topk={topk} ctx={ctx}" + (" prefill" if batch == 1 else "")
+            shape = f"T={rows} prefill" if batch == 1 else f"B={batch} S_q={s_q}"
+            name = f"{fmt} {shape} H={heads} topk={topk} ctx={ctx}"
             peers = {"torch gather + einsum": _sparse_mla_torch} if fmt == "bf16" and rows <= 256 else {}
             out.append(BenchCase("sparse_mla", name, make, flops, nbytes, peers, sets=1 if ctx > 8192 else None))
     if not quick:  # the dense decode that reads as many tokens as the sparse one: its time is the sparse target
