@@ -77,13 +77,15 @@ BASE = dict(
 )
 
 
-def hf_checkpoint(path: Path, seed: int, **overrides) -> Path:
-    """A tiny random ``DeepseekV3ForCausalLM`` saved by transformers (bf16 weights, hub layout with per-expert
-    keys). Weights are redrawn so every part matters: norms ``1 + N(0, 0.2^2)``, router bias ``N(0, 0.1^2)``,
-    linears ``N(0, 1/K)``, embeddings ``N(0, 1)``, ``lm_head`` ``N(0, 0.5^2)`` (spread-out logits)."""
-    cfg = DeepseekV3Config(**(BASE | overrides))
+def hf_checkpoint(path: Path, seed: int, classes=(DeepseekV3Config, DeepseekV3ForCausalLM), **overrides) -> Path:
+    """A tiny random ``DeepseekV3ForCausalLM`` (or the model of ``classes``: its config and model class) saved by
+    transformers (bf16 weights, hub layout with per-expert keys). Weights are redrawn so every part matters: norms
+    ``1 + N(0, 0.2^2)``, norm biases ``N(0, 0.2^2)``, router bias ``N(0, 0.1^2)``, linears ``N(0, 1/K)``,
+    embeddings ``N(0, 1)``, ``lm_head`` ``N(0, 0.5^2)`` (spread-out logits)."""
+    config_class, model_class = classes
+    cfg = config_class(**(BASE | overrides))
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(cfg)
+    model = model_class(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
@@ -92,6 +94,8 @@ def hf_checkpoint(path: Path, seed: int, **overrides) -> Path:
             noise = torch.randn(p.shape, generator=g)
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1 + 0.2 * noise)
+            elif name.endswith("norm.bias"):
+                p.copy_(0.2 * noise)
             elif "e_score_correction_bias" in name:
                 p.copy_(0.1 * noise)
             elif "embed_tokens" in name:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 
 import pytest
@@ -34,6 +33,7 @@ from model_helpers import (  # noqa: F401 (one_thread: autouse fixture)
     LatentPrecisionCache,
     fp8_activations,
     fp8_copy,
+    hf_checkpoint,
     one_thread,
     random_prompts,
     round_bf16,
@@ -54,29 +54,8 @@ V32 = dict(index_n_heads=16, index_head_dim=32, index_topk=TOPK, first_k_dense_r
 
 
 def v32_checkpoint(path, seed: int, **overrides):
-    """A tiny random ``DeepseekV32ForCausalLM`` saved by transformers (bf16, hub layout), weights redrawn as the V3
-    helpers do: norms ``1 + N(0, 0.2^2)``, biases ``N(0, 0.2^2)``, linears ``N(0, 1/K)``, embeddings ``N(0, 1)``."""
-    cfg = DeepseekV32Config(**(BASE | V32 | overrides))
-    torch.manual_seed(seed)
-    model = DeepseekV32ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if "inv_freq" in name:
-                continue
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1 + 0.2 * noise)
-            elif name.endswith("norm.bias") or "e_score_correction_bias" in name:
-                p.copy_(0.2 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            elif "lm_head" in name:
-                p.copy_(0.5 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
+    """A tiny random ``DeepseekV32ForCausalLM`` saved by transformers, weights redrawn as ``hf_checkpoint`` does."""
+    return hf_checkpoint(path, seed, (DeepseekV32Config, DeepseekV32ForCausalLM), **(V32 | overrides))
 
 
 def sylvester(n: int) -> torch.Tensor:

@@ -33,7 +33,8 @@ import math
 
 import torch
 
-from deepinfer.index_cache import pack_fp8_ds_index, read_keys, unpack_fp8_ds_index
+from deepinfer.index_cache import pack_fp8_ds_index, unpack_fp8_ds_index
+from deepinfer.reference import sparse_attention as reference
 
 from . import probe
 from .attention import MLA_HEADS, MLA_NOPE, MLA_ROPE, unpack_records
@@ -280,34 +281,9 @@ def write_index_cache_scatter_supports(k, index_cache, slot_mapping) -> bool:
 # Plain-torch composites (run on the NPU for shapes the fused operators do not take).
 
 
-def indexer_topk_torch(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *, topk) -> torch.Tensor:
-    """One sequence at a time: fp32 scores of a chunk of its queries over its keys, a stable descending sort (ties
-    to the lower position), the kept positions ascending, mapped to slots."""
-    tokens, heads, head_dim = q.shape
-    block_size = index_cache.shape[1]
-    out = torch.full((tokens, topk), NO_SLOT, dtype=torch.int32, device=q.device)
-    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    for b, n in enumerate(lens):
-        start, stop = cu[b], cu[b + 1]
-        if stop == start:
-            continue
-        pos = torch.arange(n, device=q.device)
-        slots = block_table[b].long()[pos // block_size] * block_size + pos % block_size
-        keys = read_keys(index_cache, slots, head_dim)
-        k = min(topk, n)
-        step = max(1, SCORES_PER_CHUNK // max(1, heads * n))
-        for s in range(start, stop, step):
-            e = min(stop, s + step)
-            dots = torch.einsum("lhd,nd->lhn", q[s:e].float(), keys).relu_()
-            scores = torch.einsum("lhn,lh->ln", dots, weights[s:e].float())
-            first = n - (stop - start) + (s - start) + 1  # positions the chunk's first query sees
-            hidden = pos[None, :] >= first + torch.arange(e - s, device=q.device)[:, None]
-            scores = scores.masked_fill(hidden, float("-inf"))
-            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-            seen = scores.gather(1, order) > float("-inf")
-            chosen = torch.where(seen, order, n).sort(dim=-1).values
-            out[s:e, :k] = torch.where(chosen < n, slots[chosen.clamp(max=n - 1)], NO_SLOT).to(torch.int32)
-    return out
+# The indexer's composite is the reference's plain torch (one sequence at a time, fp32 scores, a stable sort), which
+# runs on the NPU as on any torch device.
+indexer_topk_torch = reference.indexer_topk
 
 
 def sparse_mla_torch(
