@@ -32,6 +32,15 @@ def check_cache(c: Check, kv_cache, kv_format: str | None, kv_lora_rank: int, ro
     return fmt
 
 
+def check_slots(c: Check, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Every entry of ``slot_mapping`` a slot of the paged ``cache`` or -1, no slot twice (a value check)."""
+    slots = cache.shape[0] * cache.shape[1]
+    c.values_in_range("slot_mapping", slot_mapping, -1, slots - 1, what="slots (or -1)")
+    used = slot_mapping[slot_mapping >= 0]
+    if used.unique().numel() != used.numel():
+        raise c.fail("slot_mapping", "distinct slots (apart from -1)", "a slot written twice")
+
+
 def check_pages(c: Check, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """seq_lens within the block table, and the page ids of the pages in use inside the cache (a value check: one
     host synchronisation for both)."""
@@ -170,11 +179,7 @@ def write_kv_cache(
     c.index("slot_mapping", slot_mapping, dtype=torch.int64, length=latent.shape[0])
     c.same_device(latent=latent, kv_cache=kv_cache, slot_mapping=slot_mapping)
     if value_checks_enabled(latent) and latent.shape[0]:
-        slots = kv_cache.shape[0] * kv_cache.shape[1]
-        c.values_in_range("slot_mapping", slot_mapping, -1, slots - 1, what="slots (or -1)")
-        used = slot_mapping[slot_mapping >= 0]
-        if used.unique().numel() != used.numel():
-            raise c.fail("slot_mapping", "distinct slots (apart from -1)", "a slot written twice")
+        check_slots(c, kv_cache, slot_mapping)
     call(
         "write_kv_cache",
         latent=latent,

@@ -12,7 +12,7 @@ import torch
 from ..dispatch import call
 from ..index_cache import FP8_GROUP, index_cache_dtype, index_cache_width, index_format_of
 from ..validation import FLOAT_DTYPES, Check, value_checks_enabled
-from .attention import check_cache, check_pages
+from .attention import check_cache, check_pages, check_slots
 
 
 def _check_index_cache(c: Check, index_cache, head_dim: int) -> str:
@@ -46,11 +46,7 @@ def write_index_cache(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: 
     c.index("slot_mapping", slot_mapping, dtype=torch.int64, length=k.shape[0])
     c.same_device(k=k, index_cache=index_cache, slot_mapping=slot_mapping)
     if value_checks_enabled(k) and k.shape[0]:
-        slots = index_cache.shape[0] * index_cache.shape[1]
-        c.values_in_range("slot_mapping", slot_mapping, -1, slots - 1, what="slots (or -1)")
-        used = slot_mapping[slot_mapping >= 0]
-        if used.unique().numel() != used.numel():
-            raise c.fail("slot_mapping", "distinct slots (apart from -1)", "a slot written twice")
+        check_slots(c, index_cache, slot_mapping)
     call("write_index_cache", k=k, index_cache=index_cache, slot_mapping=slot_mapping)
 
 
