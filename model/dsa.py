@@ -119,10 +119,7 @@ class SparseMLAttention(MLAttention):
 
     def forward(self, x, batch: ForwardBatch, kv_cache, index_cache=None) -> torch.Tensor:
         t, w = x.shape[0], self.w
-        q_resid = ops.rms_norm(
-            linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias")), w["q_a_layernorm.weight"], self.eps
-        )[0]
-        q = linear(q_resid, w["q_b_proj.weight"]).view(t, self.heads, self.nope + self.rope_dim)
+        q, q_resid = self._query(x)
         q_pe = ops.rope(q[..., self.nope :], batch.positions, self.cos_sin_cache, self.interleaved)
         self._write_latent(x, batch, kv_cache)
         indices = self.indexer.forward(x, q_resid, batch, index_cache)

@@ -52,20 +52,24 @@ class MLAttention:
         self.softmax_scale = softmax_scale
         self.w = weights
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def _query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The per-head queries ``[T, H, nope + rope]`` (rope not yet applied), and the normed low-rank query
+        ``q_resid`` they come from (None without ``q_lora_rank``)."""
         w = self.w
+        q_resid = None
         if "q_proj.weight" in w:
             q = linear(x, w["q_proj.weight"])
         else:
             qa = linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias"))
-            q = linear(ops.rms_norm(qa, w["q_a_layernorm.weight"], self.eps)[0], w["q_b_proj.weight"])
-        return q.view(x.shape[0], self.heads, self.nope + self.rope_dim)
+            q_resid = ops.rms_norm(qa, w["q_a_layernorm.weight"], self.eps)[0]
+            q = linear(q_resid, w["q_b_proj.weight"])
+        return q.view(x.shape[0], self.heads, self.nope + self.rope_dim), q_resid
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, index_cache=None) -> torch.Tensor:
         """The layer's attention output ``[T, hidden]``; writes the tokens' latents into ``kv_cache``
         (``index_cache``: unused, for the signature of sparse attention layers)."""
         t, w = x.shape[0], self.w
-        q = self._query(x)
+        q, _ = self._query(x)
         q_nope = q[..., : self.nope]
         q_pe = ops.rope(q[..., self.nope :], batch.positions, self.cos_sin_cache, self.interleaved)
 
