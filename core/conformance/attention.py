@@ -16,30 +16,36 @@ from .cases import BadInput, Case, Gen, rows_of, take_rows
 NAN_BYTE = 0xFF  # e4m3 NaN, and an fp32/bf16 NaN when four/two of them meet
 
 
-def _paged_cache(g: Gen, seq_lens: list[int], block_size: int, kv_lora_rank: int, rope_dim: int, kv_format: str):
-    """A cache holding random tokens for each sequence in scattered pages, NaN everywhere else."""
+def scattered_pages(g: Gen, seq_lens: list[int], block_size: int, spare: int):
+    """Pages for sequences of ``seq_lens`` tokens in a random order, ``spare`` pages left over: ``(num_blocks,
+    block_table [B, max_pages] int32 on the CPU, each sequence's token slots on the device)``. Table entries past a
+    sequence's pages point anywhere valid."""
     pages = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(pages) + 3
-    cache = allocate_kv_cache(
-        num_blocks, block_size, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, kv_format=kv_format, device=g.device
-    )
-    if kv_format == "bf16":
-        cache.fill_(float("nan"))
-    else:
-        cache.fill_(NAN_BYTE)
+    num_blocks = sum(pages) + spare
     order = g.perm(num_blocks).tolist()
     table = torch.zeros(len(seq_lens), max(max(pages, default=0), 1), dtype=torch.int32)
-    flat = cache.view(-1, cache.shape[-1])
+    slots = []
     for b, (n, p) in enumerate(zip(seq_lens, pages)):
         ids, order = order[:p], order[p:]
         table[b, :p] = torch.tensor(ids, dtype=torch.int32)
-        table[b, p:] = order[0] if order else 0  # unused entries point anywhere valid
-        if n == 0:
-            continue
+        table[b, p:] = order[0] if order else 0
         pos = torch.arange(n)
-        slots = (table[b, pos // block_size].long() * block_size + pos % block_size).to(g.device)
-        latent = g.randn(n, kv_lora_rank + rope_dim)
-        flat[slots] = latent if kv_format == "bf16" else pack_fp8_ds_mla(latent, kv_lora_rank)
+        slots.append((table[b, pos // block_size].long() * block_size + pos % block_size).to(g.device))
+    return num_blocks, table, slots
+
+
+def _paged_cache(g: Gen, seq_lens: list[int], block_size: int, kv_lora_rank: int, rope_dim: int, kv_format: str):
+    """A cache holding random tokens for each sequence in scattered pages, NaN everywhere else."""
+    num_blocks, table, slots = scattered_pages(g, seq_lens, block_size, spare=3)
+    cache = allocate_kv_cache(
+        num_blocks, block_size, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, kv_format=kv_format, device=g.device
+    )
+    cache.view(torch.uint8).fill_(NAN_BYTE)
+    flat = cache.view(-1, cache.shape[-1])
+    for n, seq_slots in zip(seq_lens, slots):
+        if n:
+            latent = g.randn(n, kv_lora_rank + rope_dim)
+            flat[seq_slots] = latent if kv_format == "bf16" else pack_fp8_ds_mla(latent, kv_lora_rank)
     return cache, table.to(g.device)
 
 

@@ -13,37 +13,28 @@ exactly.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..index_cache import allocate_index_cache, index_cache_width, pack_fp8_ds_index, read_keys
 from ..reference.sparse_attention import indexer_scores, sequence_slots
-from .attention import NAN_BYTE, _paged_cache
+from .attention import NAN_BYTE, _paged_cache, scattered_pages
 from .cases import BadInput, Case, Gen, rows_of, take_rows
 
 
 def _index_cache(g: Gen, seq_lens: list[int], block_size: int, head_dim: int, fmt: str, integer: bool = False):
     """An indexer-key cache holding random keys for each sequence in scattered pages, NaN everywhere else."""
-    pages = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(pages) + 2
+    num_blocks, table, slots = scattered_pages(g, seq_lens, block_size, spare=2)
     cache = allocate_index_cache(num_blocks, block_size, head_dim=head_dim, index_format=fmt, device=g.device)
     cache.view(torch.uint8).fill_(NAN_BYTE)
-    order = g.perm(num_blocks).tolist()
-    table = torch.zeros(len(seq_lens), max(max(pages, default=0), 1), dtype=torch.int32)
     flat = cache.view(-1, cache.shape[-1])
-    for b, (n, p) in enumerate(zip(seq_lens, pages)):
-        ids, order = order[:p], order[p:]
-        table[b, :p] = torch.tensor(ids, dtype=torch.int32)
-        table[b, p:] = order[0] if order else 0
-        if n == 0:
+    for n, seq_slots in zip(seq_lens, slots):
+        if not n:
             continue
-        slots = sequence_slots(table[b], n, block_size).to(g.device)
         if integer:  # a few distinct integer keys repeated: many exact ties
             keys = g.randint(-2, 3, 3, head_dim).float()[g.randint(0, 3, n).long()]
         else:
             keys = g.randn(n, head_dim, dtype=torch.float32)
-        flat[slots] = keys.to(torch.bfloat16) if fmt == "bf16" else pack_fp8_ds_index(keys)
+        flat[seq_slots] = keys.to(torch.bfloat16) if fmt == "bf16" else pack_fp8_ds_index(keys)
     return cache, table.to(g.device)
 
 
