@@ -212,20 +212,26 @@ def attention_varlen_fia_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softma
 # write_kv_cache
 
 
-def write_kv_cache_scatter(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format) -> None:
-    """``write_kv_cache`` through ``npu_scatter_nd_update_`` (in place) on the ``[slots, width]`` view."""
+def scatter_rows(cache, slot_mapping, rows, pack=None) -> None:
+    """``rows`` into the paged ``cache`` at ``slot_mapping`` (``-1`` skipped) through ``npu_scatter_nd_update_`` (in
+    place) on its ``[slots, width]`` view: as bf16, or as the byte records ``pack(rows)`` (an int8 view)."""
     npu = probe.torch_npu()
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]  # dropping the -1 entries synchronises once
     if slots.numel() == 0:
         return
-    rows = latent[keep]
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    if kv_format == "bf16":
-        updates = rows.to(torch.bfloat16).contiguous()
+    flat = cache.view(-1, cache.shape[-1])
+    if pack is None:
+        updates = rows[keep].to(torch.bfloat16).contiguous()
     else:
-        updates, flat = pack_fp8_ds_mla(rows, kv_lora_rank).view(torch.int8), flat.view(torch.int8)
+        updates, flat = pack(rows[keep]).view(torch.int8), flat.view(torch.int8)
     npu.npu_scatter_nd_update_(flat, slots.view(-1, 1), updates)
+
+
+def write_kv_cache_scatter(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format) -> None:
+    """``write_kv_cache`` through ``npu_scatter_nd_update_``."""
+    pack = None if kv_format == "bf16" else (lambda rows: pack_fp8_ds_mla(rows, kv_lora_rank))
+    scatter_rows(kv_cache, slot_mapping, latent, pack)
 
 
 def write_kv_cache_scatter_supports(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format) -> bool:

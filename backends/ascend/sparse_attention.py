@@ -37,7 +37,7 @@ from deepinfer.index_cache import pack_fp8_ds_index, unpack_fp8_ds_index
 from deepinfer.reference import sparse_attention as reference
 
 from . import probe
-from .attention import MLA_HEADS, MLA_NOPE, MLA_ROPE, unpack_records
+from .attention import MLA_HEADS, MLA_NOPE, MLA_ROPE, scatter_rows, unpack_records
 
 LI_HEAD_DIM = 128  # the indexer's only documented head dim
 LI_MAX_HEADS = 64
@@ -256,19 +256,8 @@ def sparse_mla_sfa_supports(q, kv_cache, indices, *, softmax_scale, kv_lora_rank
 
 
 def write_index_cache_scatter(k, index_cache, slot_mapping) -> None:
-    """``write_index_cache`` through ``npu_scatter_nd_update_`` (in place) on the ``[slots, width]`` view."""
-    npu = probe.torch_npu()
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]  # dropping the -1 entries synchronises once
-    if slots.numel() == 0:
-        return
-    rows = k[keep]
-    flat = index_cache.view(-1, index_cache.shape[-1])
-    if index_cache.dtype == torch.bfloat16:
-        updates = rows.to(torch.bfloat16).contiguous()
-    else:
-        updates, flat = pack_fp8_ds_index(rows).view(torch.int8), flat.view(torch.int8)
-    npu.npu_scatter_nd_update_(flat, slots.view(-1, 1), updates)
+    """``write_index_cache`` through ``npu_scatter_nd_update_``."""
+    scatter_rows(index_cache, slot_mapping, k, None if index_cache.dtype == torch.bfloat16 else pack_fp8_ds_index)
 
 
 def write_index_cache_scatter_supports(k, index_cache, slot_mapping) -> bool:
