@@ -135,10 +135,12 @@ class ModelRunner:
             fb.seq_lens = self._tensor([s.num_computed + 1 for s in batch.decodes], torch.int32)
         if batch.prefills:
             cu_q, cu_k, ctx = [0], [0], []
-            width = max(len(ch.seq.block_table) for ch in batch.prefills)
-            fb.prefill_block_table = self._tensor(
-                [ch.seq.block_table + [0] * (width - len(ch.seq.block_table)) for ch in batch.prefills], torch.int32
-            )
+            if self.index_caches is not None:  # sparse attention's indexer reads the chunks' pages
+                width = max(len(ch.seq.block_table) for ch in batch.prefills)
+                fb.prefill_block_table = self._tensor(
+                    [ch.seq.block_table + [0] * (width - len(ch.seq.block_table)) for ch in batch.prefills],
+                    torch.int32,
+                )
             for ch in batch.prefills:
                 seq = ch.seq
                 ids.extend(seq.token_ids[ch.start : ch.end])
