@@ -437,7 +437,7 @@ def _mla_cases(quick: bool) -> list[BenchCase]:
                 latent = g.randn(batch * pages * page, rank + rope)
                 flat = cache.view(batch * pages * page, -1)
                 flat.copy_(latent if fmt == "bf16" else pack_fp8_ds_mla(latent, rank))
-                table = torch.randperm(batch * pages, generator=g.cpu).view(batch, pages).int().to(g.device)
+                table, _ = _scattered_sequences(g, batch, ctx, page)
                 return {
                     "q": g.randn(batch, 1, heads, rank + rope),
                     "kv_cache": cache,
