@@ -29,6 +29,7 @@ from .dsa import SparseMLAttention
 from .forward_batch import ForwardBatch
 from .mla import MLAttention
 from .moe import DenseMLP, ExpertParallel, MoE
+from .mtp import MTPLayer
 
 ATTN_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
@@ -55,7 +56,7 @@ class WeightLoader:
         self.ckpt, self.dtype, self.device, self.on_progress = ckpt, dtype, torch.device(device), on_progress
 
     def raw(self, name: str) -> torch.Tensor | QTensor:
-        kind = self.ckpt.layout[name].kind
+        kind = (self.ckpt.layout.get(name) or self.ckpt.mtp_layout[name]).kind
         t = self.ckpt.read(name, torch.float32 if kind == FP32 else self.dtype, self.device)
         if self.on_progress is not None:
             self.on_progress(self.ckpt.nbytes(name))
@@ -100,7 +101,8 @@ def _put(stack, i: int, w, dtype: torch.dtype) -> None:
 
 class DeepseekV3:
     """The model. ``forward`` returns the final normed hidden states of the batch's tokens; ``compute_logits``
-    the fp32 logits of the rows asked for."""
+    the fp32 logits of the rows asked for; ``mtp`` holds the multi-token-prediction layers when loaded
+    (``mtp.py``)."""
 
     def __init__(
         self,
@@ -118,16 +120,25 @@ class DeepseekV3:
         self.norm = weights["model.norm.weight"]
         cos_sin = ops.rope_cos_sin_cache(cfg.qk_rope_head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.cos_sin_cache = cos_sin.to(device)
-        scale = ops.mla_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            attention = SparseMLAttention if cfg.sparse_attention else MLAttention
-            attn = attention(cfg, _below(weights, p + "self_attn."), self.cos_sin_cache, scale)
-            mlp = _below(weights, p + "mlp.")
-            ffn = MoE(cfg, mlp, ep) if cfg.is_moe_layer(i) else DenseMLP(mlp)
-            norms = weights[p + "input_layernorm.weight"], weights[p + "post_attention_layernorm.weight"]
-            self.layers.append((norms[0], attn, norms[1], ffn))
+        scale, eps = ops.mla_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling), cfg.rms_norm_eps
+        self.layers = [self._block(weights, i, scale) for i in range(cfg.num_hidden_layers)]
+        mtp_layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+        self.mtp = [
+            MTPLayer(
+                _below(weights, f"model.layers.{i}."), self._block(weights, i, scale), self.embed, self.lm_head, eps
+            )
+            for i in mtp_layers
+            if f"model.layers.{i}.eh_proj.weight" in weights
+        ]
+
+    def _block(self, weights: dict, i: int, softmax_scale: float) -> tuple:
+        """Decoder layer ``i``: ``(input norm, attention, post-attention norm, dense MLP or MoE)``."""
+        cfg, p = self.cfg, f"model.layers.{i}."
+        attention = SparseMLAttention if cfg.sparse_attention else MLAttention
+        attn = attention(cfg, _below(weights, p + "self_attn."), self.cos_sin_cache, softmax_scale)
+        mlp = _below(weights, p + "mlp.")
+        ffn = MoE(cfg, mlp, self.ep) if cfg.is_moe_layer(i) else DenseMLP(mlp)
+        return weights[p + "input_layernorm.weight"], attn, weights[p + "post_attention_layernorm.weight"], ffn
 
     @classmethod
     def load(
@@ -139,12 +150,14 @@ class DeepseekV3:
         ep: ExpertParallel | None = None,
         max_position: int | None = None,
         on_progress: Callable[[int], None] | None = None,
+        mtp: bool = False,
     ) -> DeepseekV3:
-        """Builds the model from a checked checkpoint: every weight read once, assembled, prepared once."""
+        """Builds the model from a checked checkpoint: every weight read once, assembled, prepared once. ``mtp``:
+        also its multi-token-prediction layers (``self.mtp``, empty when the checkpoint has none)."""
         cfg = ckpt.config
         device = torch.device(device)
         ep = ep or ExpertParallel.single(cfg.n_routed_experts)
-        weights = load_weights(ckpt, WeightLoader(ckpt, dtype, device, on_progress), ep)
+        weights = load_weights(ckpt, WeightLoader(ckpt, dtype, device, on_progress), ep, mtp)
         return cls(
             cfg,
             weights,
@@ -189,8 +202,9 @@ def _below(weights: dict, prefix: str) -> dict:
     return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
-def load_weights(ckpt: Checkpoint, loader: WeightLoader, ep: ExpertParallel) -> dict:
-    """Every op weight of the model by name, read, assembled and passed through ``prepare_weight`` once."""
+def load_weights(ckpt: Checkpoint, loader: WeightLoader, ep: ExpertParallel, mtp: bool = False) -> dict:
+    """Every op weight of the model by name, read, assembled and passed through ``prepare_weight`` once; with
+    ``mtp``, also those of the checkpoint's multi-token-prediction layers."""
     cfg = ckpt.config
     out: dict = {}
 
@@ -202,41 +216,52 @@ def load_weights(ckpt: Checkpoint, loader: WeightLoader, ep: ExpertParallel) -> 
     put("lm_head.weight", embed if cfg.tie_word_embeddings else loader.raw("lm_head.weight"))
     put("model.norm.weight", loader.raw("model.norm.weight"))
     for layer in range(cfg.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            put(f"{p}{norm}.weight", loader.raw(f"{p}{norm}.weight"))
-        a = p + "self_attn."
-        for name in ckpt.layout:
-            if name.startswith(a) and (name.endswith(".bias") or "layernorm" in name) and ".indexer." not in name:
-                put(name, loader.raw(name))
-        for name in ckpt.layout:
-            if name.startswith(a + "indexer."):
-                put(name, loader.raw(name))
-        for lin in ATTN_LINEARS:
-            name = f"{a}{lin}.weight"
-            if name in ckpt.layout:
-                w = loader.raw(name)
-                if lin == "kv_b_proj":
-                    w_uk, w_uv = _absorbed(cfg, w, loader.dtype)
-                    put(f"{a}w_uk", w_uk)
-                    put(f"{a}w_uv", w_uv)
-                put(name, w)
-        m = p + "mlp."
-        if not cfg.is_moe_layer(layer):
-            put(m + "gate_up_proj.weight", loader.fused([m + "gate_proj.weight", m + "up_proj.weight"]))
-            put(m + "down_proj.weight", loader.raw(m + "down_proj.weight"))
-            continue
-        put(m + "gate.weight", loader.raw(m + "gate.weight"))
-        if m + "gate.e_score_correction_bias" in ckpt.layout:
-            put(m + "gate.e_score_correction_bias", loader.raw(m + "gate.e_score_correction_bias"))
-        w13, w2 = loader.experts(m, ep)
-        put(m + "experts.gate_up_proj", w13)
-        put(m + "experts.down_proj", w2)
-        if cfg.n_shared_experts:
-            s = m + "shared_experts."
-            put(s + "gate_up_proj.weight", loader.fused([s + "gate_proj.weight", s + "up_proj.weight"]))
-            put(s + "down_proj.weight", loader.raw(s + "down_proj.weight"))
+        _load_layer(ckpt, loader, ep, layer, ckpt.layout, put)
+    if mtp and ckpt.mtp_keys:
+        for layer in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+            p = f"model.layers.{layer}."
+            for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
+                put(p + name, loader.raw(p + name))
+            _load_layer(ckpt, loader, ep, layer, ckpt.mtp_layout, put)
     return out
+
+
+def _load_layer(ckpt: Checkpoint, loader: WeightLoader, ep: ExpertParallel, layer: int, layout: dict, put) -> None:
+    """The decoder block of ``layer``: its norms, attention (with DeepSeek-V3.2's indexer) and MLP or MoE."""
+    cfg, p = ckpt.config, f"model.layers.{layer}."
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        put(f"{p}{norm}.weight", loader.raw(f"{p}{norm}.weight"))
+    a = p + "self_attn."
+    for name in layout:
+        if name.startswith(a) and (name.endswith(".bias") or "layernorm" in name) and ".indexer." not in name:
+            put(name, loader.raw(name))
+    for name in layout:
+        if name.startswith(a + "indexer."):
+            put(name, loader.raw(name))
+    for lin in ATTN_LINEARS:
+        name = f"{a}{lin}.weight"
+        if name in layout:
+            w = loader.raw(name)
+            if lin == "kv_b_proj":
+                w_uk, w_uv = _absorbed(cfg, w, loader.dtype)
+                put(f"{a}w_uk", w_uk)
+                put(f"{a}w_uv", w_uv)
+            put(name, w)
+    m = p + "mlp."
+    if not cfg.is_moe_layer(layer):
+        put(m + "gate_up_proj.weight", loader.fused([m + "gate_proj.weight", m + "up_proj.weight"]))
+        put(m + "down_proj.weight", loader.raw(m + "down_proj.weight"))
+        return
+    put(m + "gate.weight", loader.raw(m + "gate.weight"))
+    if m + "gate.e_score_correction_bias" in layout:
+        put(m + "gate.e_score_correction_bias", loader.raw(m + "gate.e_score_correction_bias"))
+    w13, w2 = loader.experts(m, ep)
+    put(m + "experts.gate_up_proj", w13)
+    put(m + "experts.down_proj", w2)
+    if cfg.n_shared_experts:
+        s = m + "shared_experts."
+        put(s + "gate_up_proj.weight", loader.fused([s + "gate_proj.weight", s + "up_proj.weight"]))
+        put(s + "down_proj.weight", loader.raw(s + "down_proj.weight"))
 
 
 def _absorbed(cfg: ModelConfig, kv_b, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
