@@ -74,7 +74,7 @@ class BuildWithDefault(build_py):
 setup(
     packages=list(package_dir),
     package_dir=package_dir,
-    package_data={"deepinfer.model": ["*.json"]},
+    package_data={"deepinfer.model": ["*.json", "checkpoints/*/*.md", "checkpoints/*/*.json", "checkpoints/*/*/*"]},
     install_requires=install_requires,
     extras_require={
         "cuda": ["triton>=3.0", "cupy-cuda12x"],

@@ -7,6 +7,10 @@
 #                then the V3.2 model tests and the CUDA-graph tests on cuda_sm100
 #   dsa-bench    their `deepinfer bench` rows, then the V3.2 decode step at 64k context with a kernel profile (the
 #                indexer's share)
+#   train-embedded [ARGS]  trains the embedded model (training/train_embedded.py ARGS):
+#                $OUT/bf16, $OUT/fp8 and $OUT/training.json, to copy into model/checkpoints/tiny-py
+#   embedded-check  the embedded model on cuda_sm100: held-out bits per byte and per-token log-probabilities
+#                against the reference backend ($OUT/embedded_eval_cuda_sm100.json), then its tests on cuda_sm100
 #   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
@@ -67,6 +71,13 @@ case ${1:-} in
     timeout 300 deepinfer bench --backend cuda_sm100 --ops indexer_topk,sparse_mla --json "$OUT/bench_dsa.json" 2>&1 | tail -40
     timeout 240 python3 benchmarks/bench_model.py "$OUT/model_v32.json" --model v32 --kv-format fp8_ds_mla \
       --context 65536 --batches 1,16,64 --steps 10 --profile 2>&1 | grep -v Loading | tail -60 ;;
+  train-embedded)
+    python3 training/train_embedded.py --out "$OUT" "${@:2}" 2>&1 | grep -v "Writing model" ;;
+  embedded-check)
+    timeout 200 python3 training/evaluate_embedded.py --backend cuda_sm100 --compare reference \
+      --json "$OUT/embedded_eval_cuda_sm100.json" 2>&1 | tail -25
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_embedded_model.py tests/test_model_mtp.py \
+      --deepinfer-backend cuda_sm100 --tb=short 2>&1 | grep -v UNEXPECTED | tail -25 ;;
   bench)
     timeout 560 deepinfer bench --backend cuda_sm100 ${2:+--ops "$2"} --json "$OUT/bench.json" > /dev/null 2>&1
     echo "bench exit $?" ;;

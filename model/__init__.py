@@ -1,8 +1,8 @@
 """The DeepSeek-V3 model family on deepinfer ops: checkpoint loader, model, paged-cache engine, offline API.
 
     from deepinfer.model import LLM, SamplingParams
-    llm = LLM()                                   # the small embedded default checkpoint, no download
-    out = llm.generate("Hello", SamplingParams(max_tokens=16, temperature=0))
+    llm = LLM()                                   # the embedded model (trained on Python code), no download
+    out = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=16, temperature=0))
     print(out[0].outputs[0].text)
 
 The model computes only through ``deepinfer.ops``, so it runs unchanged on every backend.
@@ -11,13 +11,13 @@ The model computes only through ``deepinfer.ops``, so it runs unchanged on every
 from .checkpoint import Checkpoint, expected_layout
 from .config import ModelConfig
 from .deepseek_v3 import DeepseekV3
+from .embedded import default_checkpoint
 from .engine import LLMEngine
 from .errors import CheckpointError, ParallelError, RankDivergenceError, RequestError
 from .llm import LLM
 from .moe import ExpertParallel
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
-from .tiny import default_checkpoint
 
 __all__ = [
     "LLM",

@@ -3,7 +3,7 @@
 Prompts are text (with a ``tokenizer.json`` in the checkpoint) or lists of token ids::
 
     from deepinfer.model import LLM, SamplingParams
-    llm = LLM("path/to/deepseek-checkpoint")          # or LLM() for the small embedded default
+    llm = LLM("path/to/deepseek-checkpoint")          # or LLM() for the embedded model
     outs = llm.generate(["Hello", [0, 17, 42]], SamplingParams(max_tokens=32, temperature=0))
     outs[0].outputs[0].text, outs[1].outputs[0].token_ids
 
@@ -35,6 +35,7 @@ from deepinfer.validation import Check
 
 from .checkpoint import Checkpoint
 from .deepseek_v3 import DeepseekV3
+from .embedded import default_checkpoint
 from .engine import LLMEngine
 from .errors import RequestError
 from .outputs import CompletionOutput, RequestOutput
@@ -51,7 +52,7 @@ PROGRESS_MIN_PROMPTS = 8
 class LLM:
     """A DeepSeek-V3-family checkpoint served by the continuous-batching engine on one backend.
 
-    model: a Hugging Face layout directory (None: the small embedded default, created on first use).
+    model: a Hugging Face layout directory (None: the embedded model, ``deepinfer.model.embedded``).
     backend: a backend name or alias (None: the selected one, as ``deepinfer.current_backend()``); every op of
     this LLM runs on it. dtype: activations and float weights, ``bfloat16`` (default) or ``float32``.
     kv_format: ``bf16`` or ``fp8_ds_mla``. block_size: tokens per cache page. num_blocks / kv_cache_gb: cache
@@ -109,8 +110,6 @@ class LLM:
             preemption_mode=preemption_mode,
         )
         if model is None:
-            from .tiny import default_checkpoint
-
             model = default_checkpoint()
         self.path = Path(model)
         if backend is None:

@@ -1,22 +1,17 @@
-"""The embedded default: a small DeepSeek-V3-architecture checkpoint, created deterministically on first use.
+"""Random-weight DeepSeek-V3-architecture checkpoints, written deterministically: for tests and benchmarks that
+need arbitrary shapes (the embedded trained model, ``deepinfer.model.embedded``, is the default model).
 
-``default_checkpoint()`` returns its directory, ``$DEEPINFER_CACHE/tiny-deepseek-v3-v1`` (default cache:
-``~/.cache/deepinfer``), writing it there the first time: ``config.json``, ``model.safetensors`` (bf16, about
-12 MB) and a byte-level ``tokenizer.json`` (256 byte tokens plus begin/end-of-sentence), all from this file's
-code and a fixed seed (NumPy's legacy ``RandomState``, whose stream never changes), so every machine gets the same
-bytes. It has every feature of the architecture the loader and the model support: MLA with a low-rank query,
-YaRN rope, a dense first layer, group-limited routing over 16 experts with a shared expert.
-
-Its weights are random: its text means nothing. It exists so that ``deepinfer generate`` shows the whole
-pipeline (tokenizer, loader, prefill, paged decode, MoE, sampling) on any machine with no download. The rows of
-``lm_head`` for printable ASCII are larger than the others, so the text it produces is mostly readable characters.
+``write_checkpoint(path, config)`` writes ``config.json``, ``model.safetensors`` (bf16) and a byte-level
+``tokenizer.json`` (256 byte tokens plus begin/end-of-sentence), all from this file's code and a fixed seed (NumPy's
+legacy ``RandomState``, whose stream never changes), so every machine gets the same bytes. ``TINY_CONFIG`` (about
+12 MB) has every feature of the architecture the loader and the model support: MLA with a low-rank query, YaRN
+rope, a dense first layer, group-limited routing over 16 experts with a shared expert. The rows of ``lm_head`` for
+printable ASCII are larger than the others, so the text it produces is mostly readable characters.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +22,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from .checkpoint import expected_layout
 from .config import ModelConfig
 
-VERSION = 1
-NAME = f"tiny-deepseek-v3-v{VERSION}"
 SEED = 20250101
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
@@ -78,26 +71,6 @@ TINY_CONFIG: dict = {
     "eos_token_id": 257,
     "torch_dtype": "bfloat16",
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DEEPINFER_CACHE") or Path.home() / ".cache" / "deepinfer")
-
-
-def default_checkpoint() -> Path:
-    """The embedded default's directory, written on first use (atomically: concurrent first uses are safe)."""
-    target = cache_root() / NAME
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{NAME}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_checkpoint(tmp)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process got there first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _bytes_to_unicode() -> dict[int, str]:

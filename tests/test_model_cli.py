@@ -1,5 +1,6 @@
-"""``deepinfer generate`` and the embedded default checkpoint: the README's first command works on a CPU with no
-download, the default is the same bytes on every machine, and the model is never imported unless asked for."""
+"""``deepinfer generate``: the README's first command works on a CPU with no download (the embedded model), the
+random-weight test checkpoint is the same bytes on every machine, and the model is never imported unless asked
+for."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from model_helpers import one_thread  # noqa: F401 (autouse fixture)
 from deepinfer import InputError, cli
 from deepinfer.model import LLM, RequestError, SamplingParams
 from deepinfer.model import cli as model_cli
-from deepinfer.model.tiny import NAME, TINY_CONFIG, default_checkpoint, write_checkpoint
+from deepinfer.model.embedded import checkpoint_dir
+from deepinfer.model.tiny import TINY_CONFIG, write_checkpoint
 
-# sha256 of the embedded default's model.safetensors: its weights come from a fixed seed of NumPy's frozen
-# RandomState stream, so this holds on every machine (a change here changes every user's default model).
+# sha256 of the random test checkpoint's model.safetensors: its weights come from a fixed seed of NumPy's frozen
+# RandomState stream, so this holds on every machine (a change here changes every test that uses it).
 TINY_WEIGHTS_SHA256 = "9fa30cd2984bc96138fa21fb4eb16c1f88318e6629352912e2229750c2248687"
 
 
@@ -36,33 +38,28 @@ def test_tiny_checkpoint_is_deterministic(tmp_path):
     assert sha256(a / "model.safetensors") == TINY_WEIGHTS_SHA256
 
 
-def test_default_checkpoint_is_created_once_in_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
-    path = default_checkpoint()
-    assert path == tmp_path / NAME and (path / "tokenizer.json").is_file()
-    stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert default_checkpoint() == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
-    llm = LLM(progress=False)  # no path: the default
-    out = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))[0]
-    assert len(out.outputs[0].token_ids) == 8 and isinstance(out.outputs[0].text, str)
+def test_llm_with_no_path_runs_the_embedded_model():
+    llm = LLM(progress=False)
+    assert llm.path == checkpoint_dir("bf16")
+    out = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=8, temperature=0))[0]
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text.strip()
 
 
-def test_readme_first_command_runs_with_no_download(tmp_path):
-    env = dict(os.environ, DEEPINFER_CACHE=str(tmp_path))
+def test_readme_first_command_runs_with_no_download():
+    env = dict(os.environ)
     env.pop("DEEPINFER_ACCELERATOR", None)
     run = subprocess.run(
-        [sys.executable, "-m", "deepinfer.cli", "generate", "--prompt", "Hello, DeepSeek", "--max-tokens", "16"],
+        [sys.executable, "-m", "deepinfer.cli", "generate", "--prompt", "def fibonacci(n):", "--max-tokens", "16"],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
-    assert "Hello, DeepSeek" in run.stdout and "16 generated tokens" in run.stdout and "tokens/s" in run.stdout
+    assert "def fibonacci(n):" in run.stdout and "16 generated tokens" in run.stdout and "tokens/s" in run.stdout
 
 
-def test_generate_batch_file_token_ids_and_sampling(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
+def test_generate_batch_file_token_ids_and_sampling(tmp_path, capsys):
     batch = tmp_path / "prompts.txt"
     batch.write_text("\n".join(["[256, 72, 105]", *[f"prompt number {i}" for i in range(9)], ""]))
     argv = ["generate", "--batch", str(batch), "--max-tokens", "4", "--temperature", "0.7", "--seed", "5"]
