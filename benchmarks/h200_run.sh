@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 session, in steps that each fit one 10-minute device call.
+# The usual GPU runs, in steps that each fit one 10-minute device call.
 # Usage on the GPU machine: OUT=<dir> bash benchmarks/h200_run.sh STEP
 #   conformance  full DeepSeek-V3 shapes, then the small shapes (reports under $OUT)
 #   model        model tests against transformers on cuda_sm100, then the decode benchmark with a kernel profile

@@ -825,10 +825,10 @@ def _grouped_masked_swapped_kernel(
 
 # One tile for every row count and both layouts (batch-invariant: a row's bits never depend on the layout it came
 # in). Outside batch-invariant mode, the bf16 masked layout of decode (the absorbed MLA products, every head holding
-# the batch's rows) takes 16-row tiles below DECODE_TILE_MAX_M rows: from 64 rows the 64 x 128 tile was 1.3-1.9x
-# faster (benchmarks/NOTES.md, seventeenth session). FP8 in the masked layout, in both modes, swaps its operands:
-# 64 weight rows by 16 of A, over the tiles that hold rows only, MASKED_PROGRAMS_PER_SM programs per SM
-# (benchmarks/grouped_masked_swap.py).
+# the batch's rows) takes 16-row tiles below DECODE_TILE_MAX_M rows: from 64 rows the 64 x 128 tile measured
+# 1.3-1.9x faster. FP8 in the masked layout, in both modes, swaps its operands: 64 weight rows by 16 of A, over the
+# tiles that hold rows only, MASKED_PROGRAMS_PER_SM programs per SM (benchmarks/NOTES.md, grouped_gemm: 2026-12-02 —
+# masked FP8 grouped_gemm, swapped).
 GROUPED_TILE = Tile(64, 128, 4, 3)
 GROUPED_DECODE_TILE, DECODE_TILE_MAX_M = Tile(16, 64, 4, 4), 63
 GROUPED_GROUP_M = 16  # M tiles walked together down the column tiles (16 x 64 rows: 1024 rows, an expert or two)
