@@ -7,7 +7,7 @@ beside cuBLAS block-scaled ``scaled_mm`` in the same run.
 small: M = 1, 8, 64 over BLOCK_N x stages x split-K (the default mode's tiles below ``CUBLAS_FP8_MIN_M``).
 invariant: tiles that do not depend on M (batch-invariant mode) at M = 1, 64, 512, 4096.
 unsplit: 64-row tiles without a split over K at M = 1 ... 256, each also compared bit for bit with the 64 x 128
-launch (and with cuBLAS from 64 rows, which computes each element the same way: ``cublas_invariance.py``).
+launch (and with cuBLAS from 64 rows, which computes each element the same way: NOTES.md, gemm, 2026-12-01).
 large: tiles where rows are many: M=4096 for two projections, and ``grouped_gemm`` contiguous with 32 experts x
 512 rows (gate/up and down).
 Activations arrive quantised; the weights are the DeepSeek-V3 projections of the issue's table.

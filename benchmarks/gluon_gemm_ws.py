@@ -1,8 +1,8 @@
 """The warp-specialized, persistent Gluon FP8 GEMM (``backends/cuda_sm100/gemm_gluon.py``) beside cuBLAS, in its
 schedules: A streamed (4 stages) and A resident in shared memory (K <= 512; 4 or 5 stages of B, 5 is what ``gemm``
-takes). It was written to test whether Hopper's usual GEMM schedule reaches 75% of the FP8 peak at M = 4096 on the
-DeepSeek-V3 projections where cuBLAS does not. The 128 x 128 tiles measured in the twenty-third session are in git
-history (commit b51e50a), the 128 x 176 tiles of the twenty-eighth session too (commit 032aead); NOTES.md has every
+takes). It measures whether Hopper's usual GEMM schedule reaches 75% of the FP8 peak at M = 4096 on the DeepSeek-V3
+projections where cuBLAS does not, and times each side against a ceiling measured in the same rounds. Other tiles
+are in git history: 128 x 128 (commit b51e50a), 128 x 176 (commit 032aead); benchmarks/NOTES.md, gemm, has every
 variant's outcome.
 
     python3 benchmarks/gluon_gemm_ws.py OUT.json        (on the GPU: each side checked against the dequantised product

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 session, in steps that each fit one 10-minute device call.
+# The usual GPU runs, in steps that each fit one 10-minute device call.
 # Usage on the GPU machine: OUT=<dir> bash benchmarks/h200_run.sh STEP
 #   conformance  full DeepSeek-V3 shapes, then the small shapes (reports under $OUT)
 #   model        model tests against transformers on cuda_sm100, then the decode benchmark with a kernel profile
@@ -15,12 +15,9 @@
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
 #   tiles        the mla_decode / attention_varlen tile sweep, device time from CUDA graphs
-#   spans        mla_decode's default span rule beside fixed spans of 1024, 2048, 4096 tokens, B = 1 ... 128
-#   halves [ARGS]  mla_decode with and without the Gluon kernel's latent halves at a few rows, both modes, bits checked
 #   scores-first [ARGS]  batch-invariant mla_decode (both caches) with its scores computed first, beside the split
 #                kernel alone and the default mode, at a few rows, bits checked (benchmarks/mla_scores_first.py ARGS)
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
-#   gluon        the Gluon FP8 GEMM prototype (two products in flight) beside cuBLAS and the committed kernel
 #   gluon-ws [sweep [M,...]]  the warp-specialized, persistent Gluon FP8 GEMM beside cuBLAS, bits checked: M = 4096
 #                on every projection, or over row counts where `gemm` takes it
 #   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against
@@ -29,13 +26,8 @@
 #                per SETTINGS (MODULE.NAME=VALUE[,...], e.g. attention.MLA_GLUON=False)
 #   ep           two GPUs (nvidia-h200-x2): dispatch + combine over NCCL, then the model with its experts on both
 #   ep-check     one GPU: the multi-rank dispatch kernels checked by two ranks through Gloo with CUDA tensors
-#   cublas-invariance  whether cuBLAS's block-scaled FP8 product keeps a row's bits whatever the row count, and
-#                whether the unsplit Triton kernel gives its bits
 #   gemm-invariant [--block-parts-max-m M]  what batch-invariant mode costs FP8 gemm at M = 1 ... 4096 (also with no
 #                split over K at all), and that its rows keep their bits
-#   gemm-swap [N,K ...]  the swapped FP8 kernel's launch shapes at M = 1 ... 64, bits checked, beside the unswapped
-#   grouped-swap REV [TOKENS]  FP8 masked grouped_gemm (decode): the swapped kernel's variants beside REV's kernel
-#   pdl          programmatic dependent launch alone: chains of small kernels and GEMVs, with and without it
 #   profile-gemm the warp-specialized Gluon GEMM and cuBLAS at M=4096 under Nsight Compute (pipes, memory, stalls)
 #   throughput CASE:KERNEL ...  Nsight Compute's unit throughputs (tensor pipe, shared memory banks, L2, DRAM, clock)
 #                of one launch of each KERNEL (a name regex) in `benchmarks/profile_launch.py CASE`: $OUT/CASE.csv
@@ -83,17 +75,10 @@ case ${1:-} in
     echo "bench exit $?" ;;
   tiles)
     timeout 560 python3 benchmarks/tile_variants.py 4200 all 2>&1 | tee "$OUT/tiles.txt" | tail -60 ;;
-  spans)
-    timeout 400 python3 benchmarks/mla_spans.py 2>&1 | tee "$OUT/spans.txt" | tail -20 ;;
-  halves)
-    shift
-    timeout 400 python3 benchmarks/mla_halves.py "$@" 2>&1 | tee "$OUT/halves.txt" | tail -70 ;;
   scores-first)
     timeout 540 python3 benchmarks/mla_scores_first.py "${@:2}" 2>&1 | tee "$OUT/scores_first.txt" | tail -40 ;;
   gemm-tiles)
     timeout "${2:-300}" python3 benchmarks/gemm_tiles.py "$OUT/gemm_tiles.json" all 2>&1 | tail -50 ;;
-  gluon)
-    timeout 400 python3 benchmarks/gluon_gemm.py "$OUT/gluon_gemm.json" 2>&1 | tail -40 ;;
   gluon-ws)
     shift
     timeout 500 python3 benchmarks/gluon_gemm_ws.py "$OUT/gluon_gemm_ws.json" "$@" 2>&1 | tee "$OUT/gluon_ws.txt" | tail -60 ;;
@@ -111,19 +96,9 @@ case ${1:-} in
   ep-check)
     timeout 300 torchrun --nproc-per-node 2 benchmarks/bench_ep.py --backend gloo-cuda --check-only \
       --out "$OUT/ep_check.json" --timeout 200 2>&1 | grep -v "^W1" | tail -4 ;;
-  cublas-invariance)
-    timeout 300 python3 benchmarks/cublas_invariance.py 2>&1 | tee "$OUT/cublas_invariance.txt" | tail -10 ;;
   gemm-invariant)
     shift
     timeout 420 python3 benchmarks/gemm_invariant_cost.py "$OUT/gemm_invariant.json" "$@" 2>&1 | tail -80 ;;
-  gemm-swap)
-    shift
-    timeout 300 python3 benchmarks/gemm_swap_ab.py "$OUT/gemm_swap.json" "$@" 2>&1 | tail -50 ;;
-  grouped-swap)
-    timeout 500 python3 benchmarks/grouped_masked_swap.py "$OUT/grouped_swap.json" --rev "$2" ${3:+--tokens "$3"} 2>&1 \
-      | tail -130 ;;
-  pdl)
-    timeout 200 python3 benchmarks/pdl_chain.py "$OUT/pdl_chain.json" 2>&1 | tail -40 ;;
   profile)
     cd benchmarks && timeout 200 ncu --clock-control none -k "regex:$3" --launch-skip 3 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$OUT/$2" \
@@ -171,6 +146,6 @@ for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith("\"")):
       grep -E '"(Kernel Name|Duration|SM Frequency|Grid Size|Block Size|Cluster Size|Registers Per Thread|Memory Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Executed Ipc Active)"' \
         "$OUT/${case}_details.csv" | awk -F'","' '{print $(NF-2)": "$NF}' | head -14
     done ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|bench|tiles|spans|gemm-tiles|gluon|gluon-ws|ab|ab-set|ep|ep-check|cublas-invariance|gemm-invariant|gemm-swap|grouped-swap|pdl|profile|profile-gemm" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|dsa-check|dsa-bench|bench|tiles|scores-first|gemm-tiles|gluon-ws|ab|ab-set|ep|ep-check|gemm-invariant|profile|throughput|profile-gemm" >&2
      exit 2 ;;
 esac

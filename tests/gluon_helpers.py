@@ -47,7 +47,8 @@ def ptxas_report(ptx: str) -> str:
 def wgmma_serialized(report: str) -> bool:
     """Whether ``ptxas_report`` says ptxas made each wgmma instruction wait for the one before, for any reason: C7514
     (registers of a product used while it may still run), C7512 (too few registers for products in flight), ... That
-    cost a Gluon GEMM 1.1-1.2x of its time (benchmarks/NOTES.md, twenty-third and fortieth sessions)."""
+    cost a Gluon GEMM 1.1-1.2x of its time (benchmarks/NOTES.md, gemm: 2026-12-02 — a warp-specialized Gluon FP8
+    gemm; 2026-12-04 — Gluon gemm schedules in interleaved rounds)."""
     return "wgmma.mma_async instructions are serialized" in report
 
 

@@ -19,8 +19,9 @@ Tolerances (log-probabilities in nats; measured worst cases over 8 fresh seeds i
   5e-3 [1.6e-4]), but a 1-ulp fp32 difference can move an activation across an e4m3 boundary, and MoE routing can
   amplify that, so only at least 90% of greedy steps must agree [95%]. This check needs the oracle's arithmetic
   (fp32 on the CPU): on an H200 even the reference backend, pure torch in fp32, is off by a median of 0.14 nats on
-  the same checkpoint (GPU summation orders flip e4m3 roundings, the tiny MoE amplifies them; RESULTS.md), so it
-  runs where the model runs on the CPU (the reference, Triton's interpreter), and GPUs are held to the other checks.
+  the same checkpoint (GPU summation orders flip e4m3 roundings, the tiny MoE amplifies them; benchmarks/HISTORY.md,
+  2026-11-30), so it runs where the model runs on the CPU (the reference, Triton's interpreter), and GPUs are held to
+  the other checks.
 - bf16 activations against the fp32 oracle, measured against transformers' own bf16 run on the same prompts (the
   natural scale of bf16 error): the median prompt log-probability error within twice transformers' (+0.01). bf16
   rounding also flips near-tied MoE routing decisions, in both implementations, and a token whose experts differ
@@ -30,9 +31,9 @@ Tolerances (log-probabilities in nats; measured worst cases over 8 fresh seeds i
   is taken over the tokens before the first rerouted one of their prompt (in either run: a rerouted token changes
   what the later tokens attend to), within twice transformers' (+0.05); for dense layers also the
   maximum within four times (+0.05) [the reference is within 1.3x; on the H200, over 8 MoE checkpoints, 12 of our
-  13 errors above 0.25 sat on a token with other experts, and 20 of transformers' 25, RESULTS.md]. Triton's CPU
-  interpreter truncates every fp32-to-bf16 conversion (a GPU rounds to nearest even), which doubles the error of
-  kernels run through it [2.4x], so under ``TRITON_INTERPRET=1`` the factor two becomes three.
+  13 errors above 0.25 sat on a token with other experts, and 20 of transformers' 25, benchmarks/HISTORY.md,
+  2026-12-01]. Triton's CPU interpreter truncates every fp32-to-bf16 conversion (a GPU rounds to nearest even), which
+  doubles the error of kernels run through it [2.4x], so under ``TRITON_INTERPRET=1`` the factor two becomes three.
 - FP8 weights with bf16 activations (the production path) against the plain dequantised oracle, which has no
   activation quantisation: median prompt log-probability error below 12% of their spread [8.2%]. (Wiring of the
   FP8 scales is held exactly by the emulated-oracle test above.)

@@ -18,8 +18,8 @@ INTERPRET = interpreting()
 # Programmatic dependent launch (compute capability 9.0 and later). Every `tl` kernel of this backend is launched with
 # ``launch_pdl=PDL`` and begins with ``pdl_wait()``: the next kernel in the stream may then be launched while this one
 # runs, and waits at its own ``pdl_wait()`` until this one has finished, so its launch latency hides behind this
-# kernel's tail (NOTES.md, eighteenth session). ``DEEPINFER_CUDA_PDL=0`` turns it off; the interpreter has no such
-# instructions.
+# kernel's tail (benchmarks/NOTES.md, cross-cutting: 2026-12-02 — programmatic dependent launch).
+# ``DEEPINFER_CUDA_PDL=0`` turns it off; the interpreter has no such instructions.
 PDL = not INTERPRET and os.environ.get("DEEPINFER_CUDA_PDL", "1") != "0"
 _PDL = tl.constexpr(PDL)
 _INTERPRET = tl.constexpr(INTERPRET)

@@ -47,11 +47,13 @@ LOG2E = 1.4426950408889634
 GROUP = tl.constexpr(FP8_GROUP)  # fp8_ds_mla latent columns per scale
 # Context tokens per KV split in batch-invariant mode: from 32 rows of 128 heads on, 2048 costs at most 1.17x the
 # default mode's spans; 1024 would cost up to 1.37x there, 4096 1.57x at 32 rows and ctx 4096. Smaller batches pay
-# more: 2.7x at one row and ctx 4096 (1.7x with 1024). NOTES.md, tenth and nineteenth sessions.
+# more: 2.7x at one row and ctx 4096 (1.7x with 1024). benchmarks/NOTES.md, mla_decode: 2026-12-01 — spans landed,
+# and 2026-12-02 — batch-invariant spans against partial bytes.
 SPLIT_TOKENS = 2048
 # Adaptive spans (default mode): the longest (fewest partials to merge), the shortest (every split writes a
 # [heads, L] fp32 partial: shorter spans cost more bytes than they save), and how full the grid must be before a
-# longer span is taken, in programs per multiprocessor. NOTES.md (ninth and tenth sessions) has the measurements.
+# longer span is taken, in programs per multiprocessor. benchmarks/NOTES.md, mla_decode, has the measurements
+# (2026-12-01 — the fp8_ds_mla cache in the Gluon kernel; spans landed).
 MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, GRID_FILL = 4096, 64, 0.5
 # Heads per program (each program reads its span of the cache once for all of them), tokens per step, warps, stages.
 # Measured on the H200 at B=64, ctx=4096 (benchmarks/tile_variants.py, NOTES.md): 64 heads with 8 warps beat 32 heads
@@ -67,13 +69,15 @@ MLA_HALVES_MAX_SHARE = 0.5
 # Batch-invariant mode computes every block's scores first, then their softmax, then each span's P x V
 # (``mla_gluon.launch_scores_first``, the same bits) where the split kernel would give at most this share of the SMs a
 # program. On the H200 at 2-16 programs it takes 0.23-0.70x of the split kernel's time; at 32, 0.96-0.98x with bf16
-# and 0.72-0.75x with fp8_ds_mla (``benchmarks/mla_scores_first.py``, RESULTS.md thirty-fifth session).
+# and 0.72-0.75x with fp8_ds_mla (``benchmarks/mla_scores_first.py``; benchmarks/HISTORY.md, 2026-12-04 — what bound
+# the values kernel).
 MLA_SCORES_FIRST_MAX_SHARE = 0.25
 # Batch-invariant mode, fp8_ds_mla cache, where the Gluon split kernel runs in latent halves: both programs of a pair
 # would dequantise every block of the span, so the latent is dequantised once into a bf16 copy of the rows' tokens
 # first (``_bf16_copy``; exact: e4m3 times a power of two) and the kernel reads the copy as a bf16 cache. On the H200
-# at 48-64 programs: 1.1-1.3x the default mode against 1.2-1.6x (RESULTS.md, thirty-ninth session). Tokens per
-# program of the copy: 32 and 16 took 0.95-0.98x the time of 64 and 128.
+# at 48-64 programs: 1.1-1.3x the default mode against 1.2-1.6x (benchmarks/HISTORY.md, 2026-12-04 — batch-invariant
+# ``mla_decode`` at the issue's shapes). Tokens per program of the copy: 32 and 16 took 0.95-0.98x the time of 64
+# and 128.
 MLA_FP8_COPY = True
 MLA_FP8_COPY_TOKENS = 32
 

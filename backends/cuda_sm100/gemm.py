@@ -7,7 +7,8 @@ Batch invariance is a matter of each element's arithmetic, not of the launch sha
 tile of 64-row multiples (tensor-core products of 64 rows) computes an element the same way: the K-ordered sum of
 its 128-deep products, each accumulated from zero and scaled; so do the swapped kernels that serve a few rows
 (``_gemm_swapped_kernel``) and the masked layout of decode (``_grouped_masked_swapped_kernel``). cuBLAS's
-block-scaled FP8 product gives exactly those bits from 64 rows on (``benchmarks/cublas_invariance.py``), so
+block-scaled FP8 product gives exactly those bits from 64 rows on (benchmarks/NOTES.md, gemm: 2026-12-01 —
+batch-invariant FP8 gemm without a split over K), so
 batch-invariant mode may take it, row count by row count, once it has been seen to
 (``cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16 product
 (``cublas_invariant_supports``).
@@ -228,7 +229,8 @@ def _gemm_swapped_kernel(
     """``_gemm_kernel``'s FP8 product for a few rows, with the operands swapped: each program computes the
     [BLOCK_N, BLOCK_M] tile of C^T = B A^T, so the weight's rows fill the tensor cores' 64 or 128 rows and A's few
     rows are not padded to 64. Per element the arithmetic is ``_gemm_kernel``'s (each 128-deep product from zero,
-    then one FMA with both scales), and so are its bits (``benchmarks/gemm_swap_ab.py``). Axis 0 walks the column
+    then one FMA with both scales), and so are its bits (benchmarks/NOTES.md, gemm: 2026-12-02 — few-row FP8 gemm
+    with swapped operands). Axis 0 walks the column
     tiles, axis 1 the row tiles, axis 2 the K spans (fp32 partials at ``C + split * M * N``, as there).
 
     BLOCK_PARTS: the K blocks' products, unscaled, each stored at ``C + block * M * N`` (fp32) for
@@ -316,14 +318,17 @@ SPLIT_K_MIN_K = 4096  # FP8 products this long split K where their tiles would l
 FILL_WAVES = 2  # ... that is, where the tiles give fewer programs than this many per SM
 MIN_COLUMN_TILES = 40  # unsplit tiles narrow until N gives this many (about a third of the H200's SMs) or 32 wide
 SHORT_K = 512  # ... except products this short, whose few K blocks per program leave more, narrower programs faster
-DEEP_K = 4096  # 64 x 128 tiles of products this deep keep 4 K blocks in flight, not 3 (benchmarks/gemm_kloop.py)
-SWAP_MAX_M = 16  # FP8 products of at most this many rows swap their operands (benchmarks/gemm_swap_ab.py) ...
+# Measurements of the constants below: benchmarks/NOTES.md, gemm (2026-12-01 — batch-invariant K spans in one program:
+# DEEP_K; 2026-12-02 — few-row FP8 gemm with swapped operands: SWAP_MAX_M; 2026-12-03 — cuBLAS waves, the power
+# limit, few-row gemm, and 2026-12-04 — one tile in both modes, block parts over 8 spans: SWAPPED_SPLIT_K;
+# 2026-12-02 — block parts at a few rows: BLOCK_PARTS_MAX_SHARE).
+DEEP_K = 4096  # 64 x 128 tiles of products this deep keep 4 K blocks in flight, not 3
+SWAP_MAX_M = 16  # FP8 products of at most this many rows swap their operands ...
 SWAPPED_TILE = Tile(16, 64, 4, 6, swap=True)  # ... 64 weight rows by 16 of A; the same bits as the 64-row tiles
-SWAPPED_SPLIT_K = 8  # spans of a split swapped product: 1.02-1.17x four at K >= 7168 (gemm_small_m.py, default mode;
-# gemm_block_parts.py, batch-invariant mode)
+SWAPPED_SPLIT_K = 8  # spans of a split swapped product: 1.02-1.17x four at K >= 7168, in both modes
 # Batch-invariant swapped products split long K all the same where the unsplit tiles would give at most this share
 # of the SMs a program: the K blocks' products are computed in parallel, then scaled and added in K order by a second
-# kernel, the unsplit arithmetic (``benchmarks/gemm_block_parts.py``)
+# kernel, the unsplit arithmetic
 BLOCK_PARTS_MAX_SHARE = 0.5
 CHAIN_LAUNCH = (32, 1)  # elements and warps per program of the kernel that chains the blocks' products
 
@@ -338,8 +343,8 @@ def _fills_gpu(m: int, n: int, block_m: int, block_n: int) -> bool:
 
 
 def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
-    """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``,
-    ``benchmarks/gemm_swap_ab.py``, ``benchmarks/gemm_block_parts.py``). Up to ``SWAP_MAX_M`` rows, FP8 products
+    """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``;
+    benchmarks/NOTES.md, gemm, has the swapped and block-parts launches). Up to ``SWAP_MAX_M`` rows, FP8 products
     swap their operands. Otherwise batch-invariant mode keeps 64-row tiles, whose bits do not depend on the tile
     (module docstring), and sets the tile's width by the grid. The default mode splits K where the tiles would not
     fill the GPU; batch-invariant mode never sums partial products over K, but spreads a few rows' K blocks over
@@ -347,7 +352,7 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     (``block_parts``). bf16 / fp16 products (the batch-invariant ones) take 64 x 128 tiles, or 64 x 256 where N
     alone gives two waves of those."""
     if not fp8:
-        wide = _fills_gpu(1, n, 1, 256)  # N alone, whatever M: lm_head takes 256 columns (gemm_dense_invariant.py)
+        wide = _fills_gpu(1, n, 1, 256)  # N alone, whatever M: lm_head takes 256 columns (NOTES.md, gemm)
         return Tile(64, 256, 8, 4) if wide else _deep(Tile(64, 128, 4, 3), k)
     if m <= SWAP_MAX_M:
         programs = triton.cdiv(m, SWAPPED_TILE.block_m) * triton.cdiv(n, SWAPPED_TILE.block_n)
@@ -365,7 +370,8 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
 
 # fp32 products: one tile for every row count, K cut into spans of about FP32_SPAN, at most MAX_FP32_SPANS of them.
 # Three tf32 tensor-core products each (0.7-1.2x cuBLAS's fp32 product at the router's shape; FMAs on the CUDA cores:
-# 3-8x); tiles with the same spans gave the same bits (``benchmarks/gemm_dense_invariant.py``).
+# 3-8x); tiles with the same spans give the same bits (benchmarks/NOTES.md, gemm: 2026-12-02 — batch-invariant
+# router and lm_head).
 FP32_TILE, FP32_SPAN, MAX_FP32_SPANS = Tile(64, 32, 4, 4, block_k=32, tf32x3=True), 512, 16
 
 
@@ -660,7 +666,7 @@ def cublas_supports(a, w, *, out_dtype, bias) -> bool:
     return not INTERPRET and not isinstance(w, QTensor) and not isinstance(a, QTensor) and on_device(a, w, bias)
 
 
-CUBLAS_DENSE_INVARIANT_MIN_M = 256  # below, the Triton tile is as fast at lm_head's shape (gemm_dense_invariant.py)
+CUBLAS_DENSE_INVARIANT_MIN_M = 256  # below, the Triton tile is as fast at lm_head's shape (NOTES.md, gemm)
 
 
 def cublas_invariant_supports(a, w, *, out_dtype, bias) -> bool:
@@ -825,10 +831,10 @@ def _grouped_masked_swapped_kernel(
 
 # One tile for every row count and both layouts (batch-invariant: a row's bits never depend on the layout it came
 # in). Outside batch-invariant mode, the bf16 masked layout of decode (the absorbed MLA products, every head holding
-# the batch's rows) takes 16-row tiles below DECODE_TILE_MAX_M rows: from 64 rows the 64 x 128 tile was 1.3-1.9x
-# faster (benchmarks/NOTES.md, seventeenth session). FP8 in the masked layout, in both modes, swaps its operands:
-# 64 weight rows by 16 of A, over the tiles that hold rows only, MASKED_PROGRAMS_PER_SM programs per SM
-# (benchmarks/grouped_masked_swap.py).
+# the batch's rows) takes 16-row tiles below DECODE_TILE_MAX_M rows: from 64 rows the 64 x 128 tile measured
+# 1.3-1.9x faster. FP8 in the masked layout, in both modes, swaps its operands: 64 weight rows by 16 of A, over the
+# tiles that hold rows only, MASKED_PROGRAMS_PER_SM programs per SM (benchmarks/NOTES.md, grouped_gemm: 2026-12-02 —
+# masked FP8 grouped_gemm, swapped).
 GROUPED_TILE = Tile(64, 128, 4, 3)
 GROUPED_DECODE_TILE, DECODE_TILE_MAX_M = Tile(16, 64, 4, 4), 63
 GROUPED_GROUP_M = 16  # M tiles walked together down the column tiles (16 x 64 rows: 1024 rows, an expert or two)

@@ -25,15 +25,16 @@ conformance checks rows alone against the batch), so batch-invariant mode takes 
 blocks by TMA eight stages ahead, one warpgroup multiplying two K blocks at a time (both products in flight, then
 each scaled and added in K order), every block's scale factor computed first into shared memory. Without a split over
 K it gives the unsplit bits in both modes; it serves where its grid fits the SMs once and fills enough of them
-(``few_rows_supports``; benchmarks/RESULTS.md, thirty-seventh session). Up to 8 rows, where few weight tiles leave
-most SMs idle, batch-invariant mode runs it in K groups: each group's program multiplies a quarter of the K blocks and
-stores the products, then chains a quarter of the tile's weight rows over all of them in K order (the same bits;
-thirty-eighth session).
+(``few_rows_supports``; benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` up to 192 rows). Up to 8
+rows, where few weight tiles leave most SMs idle, batch-invariant mode runs it in K groups: each group's program
+multiplies a quarter of the K blocks and stores the products, then chains a quarter of the tile's weight rows over
+all of them in K order (the same bits; benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` in K
+groups).
 
 ``gemm_fp8_cublas_waves`` (default mode only): where cuBLAS's 128 x 128 tiles make one to three whole waves and a few
 tiles more, cuBLAS takes the rows of the whole waves, writing into the output in place, and the few-row kernel the
 rest, instead of cuBLAS running a last wave of a few tiles at most of a whole wave's time (``cublas_whole_waves``;
-(2112, 7168) at 1024-3072 rows, thirty-ninth session).
+(2112, 7168) at 1024-3072 rows: benchmarks/HISTORY.md, 2026-12-04 — cuBLAS in whole waves).
 """
 
 from __future__ import annotations
@@ -195,8 +196,8 @@ def _consumer(a_s, b_s, c_s, a_ready, a_empty, ready, empty, c_desc, as_ptr, bs_
     """One warpgroup: rows ``64 PART + [0, 64)`` of each tile. Each 128-deep product (from zero) is waited for before
     it is scaled and added (``acc + part * factor``, in K order); the other warpgroups' products keep the tensor
     cores busy meanwhile. (A product left in flight while the previous one's registers are read makes ptxas
-    serialize every wgmma instruction: C7514, NOTES.md, twenty-third session.) The next block's factor loads while
-    this block's product runs."""
+    serialize every wgmma instruction: C7514; benchmarks/NOTES.md, gemm: 2026-12-02 — a warp-specialized Gluon FP8
+    gemm.) The next block's factor loads while this block's product runs."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     zero = gl.zeros([WG_ROWS, BN], gl.float32, mma)
     rows = PART * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, mma))
@@ -367,9 +368,9 @@ ARRIVALS = gl.constexpr(4)  # what a launch with K groups adds to each tile's co
 def _few_a_row(M, A_ROWS: gl.constexpr):
     """The first row of A of this program's tile: A_ROWS q, except that the last tile ends at row M (overlapping the
     one before, whose rows it computes again to the same bits) where M is at least A_ROWS. With a part-empty last
-    tile, (4096, 7168) at 96 rows took 19.5 us against 14.1 at 128; ending it at row M, 14.5 (RESULTS.md,
-    thirty-seventh session). The likely cause: reading fewer rows of A, that tile ran ahead of the one before it
-    over the same weight rows, which then no longer met in L2."""
+    tile, (4096, 7168) at 96 rows took 19.5 us against 14.1 at 128; ending it at row M, 14.5 (benchmarks/HISTORY.md,
+    2026-12-04 — the few-row Gluon FP8 ``gemm`` up to 192 rows). The likely cause: reading fewer rows of A, that tile
+    runs ahead of the one before it over the same weight rows, which then no longer meet in L2."""
     return gl.minimum(gl.program_id(1) * A_ROWS, gl.maximum(M - A_ROWS, 0))
 
 
@@ -586,19 +587,19 @@ def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, parts_ptr, count_pt
 
 # 8 stages of 16 KB at 64 rows of A: 128 KB, beside K / 2 bytes of factors (64 KB at MAX_FEW_K); one program per SM.
 # Two K blocks' products in flight (``IN_FLIGHT``). Measured against 12 stages and 1 or 4 products in flight
-# (benchmarks/gluon_gemm_few.py, RESULTS.md thirty-seventh session).
+# (benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` up to 192 rows).
 FEW_ROWS_SCHEDULE = {"STAGES": 8, "PRODUCER_REGS": 40, "IN_FLIGHT": 2}
 FEW_A_ROWS = (16, 32, 64)  # rows of A per program: 16 up to 16 rows, else the fewer of 32 and 64 whose grid fits
 MAX_FEW_K, FEW_MAX_M = 32768, 192
 # Where it serves: while its grid fits the SMs at once and gives more than this share of them a program; with fewer
 # programs the default mode's split over K is faster. In batch-invariant mode, whose other launches do not split K,
-# from a fifth of the SMs on (benchmarks/gluon_gemm_few.py, RESULTS.md thirty-seventh session).
+# from a fifth of the SMs on (benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` up to 192 rows).
 FEW_MIN_SHARE, FEW_MIN_SHARE_INVARIANT = 0.4, 0.2
 # K groups per output tile, up to FEW_GROUPS_MAX_M rows: the most of FEW_K_GROUPS that divide the K blocks, leave each
 # group at least FEW_GROUP_BLOCKS of them and keep the grid within the SMs (each must divide ARRIVALS). Beyond 8 rows
 # the products' round trip through global memory costs more than the shorter chain saves; 2 groups never paid
-# (benchmarks/gluon_gemm_few.py, RESULTS.md thirty-eighth session). Stored products loaded at once by a group: up to
-# FEW_PULL_REGS fp32 per thread.
+# (benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` in K groups). Stored products loaded at once
+# by a group: up to FEW_PULL_REGS fp32 per thread.
 FEW_K_GROUPS, FEW_GROUPS_MAX_M, FEW_GROUP_BLOCKS, FEW_PULL_REGS = (4,), 8, 8, 128
 FEW_COUNT_SLOTS = 16  # sets of per-tile counters, taken in turn: launches on concurrent streams do not share one
 
@@ -697,7 +698,7 @@ def few_rows_supports(a, w, *, out_dtype, bias) -> bool:
     """``_fp8_operands``, K at most ``MAX_FEW_K``, at most ``FEW_MAX_M`` rows, and a grid (``few_rows_grid``) that
     fits the SMs and gives more than ``FEW_MIN_SHARE_INVARIANT`` of them a program in batch-invariant mode; in the
     default mode, more than ``FEW_MIN_SHARE`` of them an output tile (K groups do not count: at 4-8 rows the split
-    over K was faster, RESULTS.md thirty-eighth session)."""
+    over K was faster: benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` in K groups)."""
     a_data = a.data if isinstance(a, QTensor) else a
     m = a_data.shape[0]
     if not (_fp8_operands(a, w, out_dtype, bias) and 1 <= m <= FEW_MAX_M and w.shape[1] <= MAX_FEW_K):
@@ -714,8 +715,8 @@ def few_rows_supports(a, w, *, out_dtype, bias) -> bool:
 CUBLAS_TILE = 128  # cuBLAS's tile of the block-scaled FP8 product on the H200 (nvjet_sm90_qqtst_128x128)
 # The most whole waves the split takes: (2112, 7168) at 1024 / 2048 / 3072 rows (1-3 waves and a few tiles) took
 # 0.82 / 0.87 / 0.89x cuBLAS's time split, but at 4096 rows (4 waves and 16 tiles) 1.05x: there cuBLAS ran another
-# kernel (2 x 4 clusters, not 4 x 2), whose last partial wave cost 5 us instead of 20-23 (RESULTS.md, thirty-ninth
-# session).
+# kernel (2 x 4 clusters, not 4 x 2), whose last partial wave cost 5 us instead of 20-23 (benchmarks/HISTORY.md,
+# 2026-12-04 — cuBLAS in whole waves).
 CUBLAS_SPLIT_MAX_WAVES = 3
 
 

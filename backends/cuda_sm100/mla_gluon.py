@@ -24,7 +24,8 @@ the same bits again).
 The query (64 x 576) and two stages of 64 cached tokens in bf16 fill the shared memory (one program per SM), which
 leaves no room for a raw fp8 stage. With a bf16 cache whole blocks come by TMA copies and the last, partial block of a
 span is gathered by pointer with zeros past the span. Measured on the H200 beside the ``tl`` kernel:
-benchmarks/NOTES.md (eighth and ninth sessions).
+benchmarks/NOTES.md, mla_decode: 2026-12-01 — a warp-specialized Gluon mla_decode; the fp8_ds_mla cache in the Gluon
+kernel.
 """
 
 from __future__ import annotations
@@ -923,8 +924,9 @@ def launch_split(
 def scores_tokens(rows: int, head_blocks: int, reach: int, sms: int) -> int:
     """The scores kernel's chunk of a table reaching ``reach`` tokens: ``SCORES_TOKENS``, halved down to 64 while the
     grid that gives still fits in ``sms`` (a chunk's blocks run in series, so one or two rows leave most SMs idle at
-    256; more programs than SMs make it slower again: NOTES.md, thirty-first and thirty-fifth sessions). The chunk
-    decides only which program computes a block's scores, never how: the bits are the same."""
+    256; more programs than SMs make it slower again: benchmarks/NOTES.md, mla_decode: 2026-12-03 — the scores
+    kernel's chunk; 2026-12-04 — what bounds the values kernel). The chunk decides only which program computes a
+    block's scores, never how: the bits are the same."""
     tokens = SCORES_TOKENS
     while tokens > BLOCK_N.value and rows * head_blocks * -(-reach // (tokens // 2)) <= sms:
         tokens //= 2
@@ -933,7 +935,8 @@ def scores_tokens(rows: int, head_blocks: int, reach: int, sms: int) -> int:
 
 def values_parts(programs: int, sms: int) -> int:
     """Latent parts per (row, head block, span) of the values kernel: 8 while ``programs`` x 8 fit ``sms`` at once, else
-    4 (each part's program streams its P again: NOTES.md, thirty-fourth session). The bits do not depend on it."""
+    4 (each part's program streams its P again: benchmarks/NOTES.md, mla_decode: 2026-12-04 — every block's softmax
+    in parallel, then P x V). The bits do not depend on it."""
     return 8 if programs * 8 <= sms else 4
 
 
