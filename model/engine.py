@@ -174,6 +174,7 @@ class LLMEngine:
         )
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self._ids = count()
+        self._unfinished: dict[int, Sequence] = {}  # every request added and not finished, by arrival
         self._seed_rng = random.Random()
         if self.sync is not None:  # unseeded requests: random per run, the same seeds on every rank
             self._seed_rng = random.Random(self.sync.broadcast_int(random.getrandbits(63)))
@@ -237,6 +238,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(str(arrival) if request_id is None else request_id, arrival, prompt_ids, params, seed, prompt)
         self.scheduler.add(seq)
+        self._unfinished[arrival] = seq
         self.stats["prompt_tokens"] += n
         return seq
 
@@ -260,7 +262,34 @@ class LLMEngine:
                 self._inflight = launched
             else:
                 self._apply(launched, finished)
+        for seq in finished:
+            self._unfinished.pop(seq.arrival, None)
         return finished
+
+    def abort_all(self) -> list[Sequence]:
+        """Ends every unfinished request (``finish_reason`` ``"abort"``, tokens still being sampled dropped) and
+        takes back every cache page and every swapped-out copy; returns the requests ended. The engine is then as
+        after ``run_until_done``, whatever step was interrupted: ``LLM.generate`` calls it when it is interrupted
+        (Ctrl-C) or fails, so that the next call starts clean. A step still running on the device finishes there,
+        in order before any later step, and its results are dropped."""
+        self._inflight = None
+        aborted = []
+        for seq in self._unfinished.values():
+            if seq.status is Status.FINISHED:
+                continue
+            while seq.token_ids and seq.token_ids[-1] == PENDING:
+                seq.token_ids.pop()
+            seq.block_table, seq.swapped, seq.swapped_pages = [], None, 0
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            aborted.append(seq)
+        self._unfinished.clear()
+        sched = self.scheduler
+        sched.waiting, sched.running, sched.swapped, sched.truncated = [], [], [], []
+        # No request holds a page now. Rebuilding the free list (rather than releasing page by page) is also right
+        # when the interruption came in the middle of handing pages out.
+        self.allocator.reset()
+        self._sampled = []
+        return aborted
 
     def _ready_to_run_ahead(self, inflight: _Launched) -> bool:
         """Whether the next batch can be scheduled before ``inflight``'s tokens are read: with asynchronous

@@ -210,7 +210,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for each prompt (a str, a list of token ids, or a list of those); returns one
         ``RequestOutput`` per prompt, in order. ``sampling_params``: one for all, or one per prompt; each a
-        ``SamplingParams`` or a dict of its fields (``{"max_tokens": 8, "temperature": 0}``)."""
+        ``SamplingParams`` or a dict of its fields (``{"max_tokens": 8, "temperature": 0}``).
+
+        A call that raises, or is interrupted (``KeyboardInterrupt``), aborts every request it queued (and any
+        queued directly on ``self.engine`` and not finished) and frees their cache pages first: the next call
+        starts from a clean engine."""
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         )
@@ -228,11 +232,15 @@ class LLM:
         start = time.perf_counter()
         gen0, prompt0 = engine.stats["generated_tokens"], engine.stats["prompt_tokens"]
         with deepinfer.use(self.backend):
-            seqs = self._add_all(prompts, params)
-            if show:
-                self._run_with_progress(len(seqs), start, gen0)
-            else:
-                engine.run_until_done()
+            try:
+                seqs = self._add_all(prompts, params)
+                if show:
+                    self._run_with_progress(len(seqs), start, gen0)
+                else:
+                    engine.run_until_done()
+            except BaseException:  # Ctrl-C included: nothing of this call may stay queued or hold cache pages
+                engine.abort_all()
+                raise
         elapsed = time.perf_counter() - start
         self.last_stats = {
             "requests": len(seqs),

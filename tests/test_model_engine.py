@@ -421,3 +421,49 @@ def test_greedy_tokens_are_the_first_maximum_of_each_row():
     tied = torch.zeros(2, 300)
     tied[0, [5, 200]] = 3.0  # ties in different pieces: the first wins; an all-equal row gives 0
     assert greedy_tokens(tied).tolist() == [5, 0]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("cache", ["ample", "swap", "recompute"])
+def test_an_interrupted_generate_aborts_its_requests_and_the_llm_stays_usable(make, async_scheduling, cache):
+    """Ctrl-C in the middle of ``generate`` (here: a ``KeyboardInterrupt`` from a step, while requests are
+    prefilling, decoding, waiting and, with a small cache, preempted): the interrupted requests end, every cache
+    page comes back, and the next ``generate`` returns what a fresh LLM returns, running nothing else."""
+    prompts = random_prompts(258, [30, 9, 41, 17, 3, 25, 12, 6], seed=8)
+    params = mixed_params(len(prompts), max_tokens=12)
+    kw = {"async_scheduling": async_scheduling, "prefill_chunk_size": 16, "max_num_batched_tokens": 32}
+    if cache != "ample":
+        kw |= {"num_blocks": 12, "preemption_mode": cache}
+    with deepinfer.batch_invariant():
+        fresh = make(**kw).generate(prompts, params)
+        llm = make(**kw)
+        engine, step = llm.engine, llm.engine.step
+        calls = []
+
+        def interrupted_step():
+            calls.append(engine.scheduler.num_preemptions)
+            if len(calls) == 9:
+                raise KeyboardInterrupt
+            return step()
+
+        engine.step = interrupted_step
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params)
+        del engine.step
+        if cache != "ample":
+            assert calls[-1] > 0, "some request was preempted before the interruption"
+        assert not engine.has_unfinished()
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+        again = llm.generate(prompts, params)
+    assert outcome(again) == outcome(fresh)
+    assert llm.last_stats["prompt_tokens"] == sum(map(len, prompts))
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_a_generate_refused_halfway_through_its_prompts_queues_none_of_them(make):
+    llm = make(max_model_len=64)
+    with pytest.raises(RequestError, match="context"):
+        llm.generate([[5] * 10, [6] * 70], SamplingParams(max_tokens=4, temperature=0))
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([[7] * 5], SamplingParams(max_tokens=4, temperature=0))
+    assert llm.last_stats["prompt_tokens"] == 5 and len(out[0].outputs[0].token_ids) == 4
