@@ -22,6 +22,13 @@ from .errors import CheckpointError
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 MODEL_TYPES = tuple(ARCHITECTURES)
 FP8_BLOCK = (128, 128)
+# Bounds on sizes that no tensor of the checkpoint bounds (the others are checked against the files' headers before
+# anything of their size is built): generous for this family (DeepSeek-V3: 163840 positions, 256 experts, one MTP
+# layer), and small enough that what is built from them (the rope table, the MTP layers' expected layout when the
+# files hold none of their tensors) stays within memory.
+MAX_POSITIONS = 1 << 22
+MAX_ROUTED_EXPERTS = 1 << 12
+MAX_MTP_LAYERS = 16
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,8 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
+            if file.exists():  # a FIFO would block the read
+                raise CheckpointError(f"{file}: not a regular file")
             raise CheckpointError(f"{file}: not found (a Hugging Face layout directory has a config.json)")
         try:
             raw = json.loads(file.read_text())
@@ -219,6 +228,17 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
+        limits = (
+            ("max_position_embeddings", MAX_POSITIONS),
+            ("n_routed_experts", MAX_ROUTED_EXPERTS),
+            ("num_nextn_predict_layers", MAX_MTP_LAYERS),
+        )
+        for name, limit in limits:
+            if not 0 <= getattr(self, name) <= limit:
+                raise fail(f"field {name!r} must lie in [0, {limit}], got {getattr(self, name)}")
+        for name in ("n_shared_experts", "first_k_dense_replace"):
+            if getattr(self, name) < 0:
+                raise fail(f"field {name!r} must be >= 0, got {getattr(self, name)}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise fail(f"field 'q_lora_rank' must be positive or null, got {self.q_lora_rank}")
         if self.mlp_layer_types is not None and len(self.mlp_layer_types) != self.num_hidden_layers:
@@ -230,6 +250,11 @@ class ModelConfig:
                     raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
             if self.q_lora_rank is None:
                 raise fail("deepseek_v32 needs q_lora_rank (its indexer reads the query's low-rank projection)")
+            if self.index_topk > self.max_position_embeddings:
+                raise fail(
+                    f"field 'index_topk' must be at most max_position_embeddings ({self.max_position_embeddings}), "
+                    f"got {self.index_topk}"
+                )
             if not self.qk_rope_head_dim <= self.index_head_dim:
                 raise fail(f"index_head_dim ({self.index_head_dim}) must hold the rope part ({self.qk_rope_head_dim})")
         if self.qk_rope_head_dim % 2:
