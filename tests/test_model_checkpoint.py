@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -378,3 +379,44 @@ def test_the_counted_layout_size_is_the_layout_s(base, edit):
     number of tensors of the model's layout."""
     cfg = ModelConfig.from_dict(json.loads((base / "config.json").read_text()) | edit)
     assert model_layout_size(cfg) == sum(not e.mtp for e in expected_layout(cfg).values())
+
+
+def yarn(**fields):
+    return lambda c: c["rope_scaling"].update(fields)
+
+
+@pytest.mark.parametrize(
+    "edit, fragments",
+    [
+        ({"rms_norm_eps": -1e-6}, ["'rms_norm_eps'", "a finite number > 0", "got -1e-06"]),
+        ({"rms_norm_eps": math.nan}, ["'rms_norm_eps'", "a finite number > 0", "got nan"]),
+        ({"routed_scaling_factor": -2.5}, ["'routed_scaling_factor'", "a finite number > 0", "got -2.5"]),
+        ({"routed_scaling_factor": math.nan}, ["'routed_scaling_factor'", "got nan"]),
+        ({"routed_scaling_factor": math.inf}, ["'routed_scaling_factor'", "got inf"]),
+        ({"routed_scaling_factor": 10**400}, ["'routed_scaling_factor'", "a finite number"]),
+        ({"rope_theta": math.nan}, ["rope_theta", "got nan"]),
+        (yarn(factor=math.inf), ["yarn", "'factor'", "a finite number > 0", "got inf"]),
+        (yarn(beta_fast=math.nan), ["yarn", "'beta_fast'", "got nan"]),
+        (yarn(mscale_all_dim="x"), ["yarn", "'mscale_all_dim'", "got 'x'"]),
+        ({"num_experts_per_tok": 0}, ["num_experts_per_tok", "[1,", "got 0"]),
+        ({"eos_token_id": "x"}, ["'eos_token_id'", "an int >= 0, a list of them or null", "got 'x'"]),
+        ({"eos_token_id": [1, 2.5]}, ["'eos_token_id'", "got [1, 2.5]"]),
+        ({"n_shared_experts": -1}, ["'n_shared_experts'", ">= 0", "got -1"]),
+        (
+            {
+                "model_type": "deepseek_v32",
+                "architectures": [],
+                "index_n_heads": 2,
+                "index_head_dim": 16,
+                "index_topk": 10**6,
+            },
+            ["'index_topk'", "at most max_position_embeddings (1024)", "got 1000000"],
+        ),
+    ],
+)
+def test_config_values_the_model_cannot_use_are_refused_at_load(base, tmp_path, monkeypatch, edit, fragments):
+    """Values that parse but would fail at the first forward (with an op's error that does not say where they came
+    from) or quietly give wrong tokens are refused when config.json is read, naming the file, the field, what it
+    takes and what it holds."""
+    path = variant(base, tmp_path / "x", config=edit if callable(edit) else lambda c: c.update(edit))
+    refused(path, str(path / "config.json"), *fragments, monkeypatch=monkeypatch)
