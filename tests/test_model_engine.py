@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -467,3 +468,24 @@ def test_a_generate_refused_halfway_through_its_prompts_queues_none_of_them(make
     assert not llm.engine.has_unfinished()
     out = llm.generate([[7] * 5], SamplingParams(max_tokens=4, temperature=0))
     assert llm.last_stats["prompt_tokens"] == 5 and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_temperatures_too_small_to_divide_by_are_greedy(make):
+    """Logits divided by a temperature of 1e-38 or less overflow fp32 (every row became token 0); such temperatures
+    (below ``SAMPLING_EPS``) decode greedily, alone and beside rows that sample."""
+    llm = make()
+    prompts = random_prompts(258, [5, 11], seed=4)
+    greedy = tokens(llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
+    for t in (1e-40, 1e-38, 1e-30, 1e-6):
+        assert SamplingParams(temperature=t).temperature == 0
+        tiny = SamplingParams(max_tokens=6, temperature=t, seed=3, ignore_eos=True)
+        assert tokens(llm.generate(prompts, tiny)) == greedy, t
+        sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+        assert tokens(llm.generate(prompts, [tiny, sampled]))[0] == greedy[0], t
+
+
+@pytest.mark.parametrize("stop", [["a"], [1.5], [True], [-1], 7, "12"])
+def test_stop_token_ids_are_a_list_of_token_ids(stop):
+    with pytest.raises(RequestError, match=re.escape(f"stop_token_ids must be a list of ints >= 0, got {stop!r}")):
+        SamplingParams(stop_token_ids=stop)
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
