@@ -489,3 +489,37 @@ def test_stop_token_ids_are_a_list_of_token_ids(stop):
     with pytest.raises(RequestError, match=re.escape(f"stop_token_ids must be a list of ints >= 0, got {stop!r}")):
         SamplingParams(stop_token_ids=stop)
     assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+
+
+@pytest.mark.parametrize(
+    "kw, arg",
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
+        ({"kv_cache_bytes": -1}, "kv_cache_bytes"),
+        ({"kv_cache_bytes": 100}, "kv_cache_bytes"),  # less than one page
+        ({"max_model_len": -5}, "max_model_len"),
+        ({"max_model_len": 2.5}, "max_model_len"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"chunk_size": 0}, "chunk_size"),
+    ],
+)
+def test_engine_arguments_are_checked(make, kw, arg):
+    from deepinfer import InputError
+    from deepinfer.model.engine import LLMEngine
+
+    model = make().model
+    with pytest.raises(InputError) as e:
+        LLMEngine(model, **kw)
+    assert e.value.op == "LLMEngine" and e.value.arg == arg and e.value.actual == repr(kw[arg]), e.value
+
+
+def test_a_cache_smaller_than_one_page_is_refused_before_the_weights_are_read(make, monkeypatch):
+    from deepinfer import InputError
+    from deepinfer.model import deepseek_v3
+
+    monkeypatch.setattr(deepseek_v3.DeepseekV3, "load", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(InputError) as e:
+        make(kv_cache_gb=1e-9)
+    assert e.value.arg == "kv_cache_gb" and "one cache page" in e.value.expected and e.value.actual == "1e-09"
