@@ -409,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     except DeepInferError as e:
         console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT (128 + 2), one line instead of a traceback
+        Console(stderr=True).print("interrupted", highlight=False)
+        return 130
 
 
 if __name__ == "__main__":

@@ -58,6 +58,11 @@ class BlockAllocator:
             self._used.remove(b)
             self._free.append(b)
 
+    def reset(self) -> None:
+        """Takes back every page, in the order of a new allocator (for when no sequence holds any)."""
+        self._free = deque(range(self.num_blocks))
+        self._used = set()
+
     def release(self, seq: Sequence) -> None:
         """Takes back every page of ``seq``."""
         self.free(seq.block_table)

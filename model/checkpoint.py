@@ -8,7 +8,10 @@ A checkpoint directory holds ``config.json`` and one or more ``*.safetensors`` f
 against the layout ``config.json`` implies (``expected_layout``): each file is well formed and not truncated,
 every expected tensor is present once with the expected shape and a usable dtype, FP8 weights come with
 ``weight_scale_inv`` of the block-scale shape, nothing unexpected is left over. Any problem is a
-``CheckpointError`` naming the file and the tensor, raised before a single weight is read.
+``CheckpointError`` naming the file and the tensor, raised before a single weight is read. The counts in
+``config.json`` are checked against the number of tensors in the headers before the layout is built, and anything
+but a regular file is refused before it is opened, so that no checkpoint can make the check itself hang or exhaust
+memory.
 
 Multi-token-prediction layers: ``num_nextn_predict_layers = K`` in ``config.json`` declares K MTP layers after the
 ``L = num_hidden_layers`` decoder layers, named ``model.layers.{L + i}.`` as DeepSeek writes them: ``enorm``,
@@ -27,6 +30,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -87,29 +93,50 @@ class Expected:
 def expected_layout(cfg: ModelConfig) -> dict[str, Expected]:
     """Every tensor a checkpoint of ``cfg`` may hold (Hugging Face names, per-expert keys), with its shape: the
     model's, then those of its ``num_nextn_predict_layers`` multi-token-prediction layers (``mtp=True``)."""
-    h = cfg.hidden_size
-    out: dict[str, Expected] = {"model.embed_tokens.weight": Expected((cfg.vocab_size, h), FLOAT)}
-    out["model.norm.weight"] = Expected((h,), FLOAT)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = Expected((cfg.vocab_size, h), LINEAR)
-    for layer in range(cfg.num_hidden_layers):
-        out.update(decoder_layer_keys(cfg, layer))
+    out = dict(_model_items(cfg))
     for layer in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
         out.update(mtp_layer_keys(cfg, layer))
     return out
 
 
+def _model_items(cfg: ModelConfig) -> Iterator[tuple[str, Expected]]:
+    """The model's tensors (no MTP layer), one at a time, in ``expected_layout``'s order."""
+    h = cfg.hidden_size
+    yield "model.embed_tokens.weight", Expected((cfg.vocab_size, h), FLOAT)
+    yield "model.norm.weight", Expected((h,), FLOAT)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", Expected((cfg.vocab_size, h), LINEAR)
+    for layer in range(cfg.num_hidden_layers):
+        yield from _decoder_layer_items(cfg, layer)
+
+
+def model_layout_size(cfg: ModelConfig) -> int:
+    """How many tensors the model (no MTP layer) has: ``len`` of ``expected_layout`` less the MTP layers, counted
+    without building it, so that it can be checked against the files before anything of that size is made."""
+    layers, experts = cfg.num_hidden_layers, cfg.n_routed_experts
+    if experts <= 0:
+        moe_layers = 0
+    elif cfg.mlp_layer_types is not None:
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(len(cfg.mlp_layer_types)))
+    else:
+        moe_layers = max(0, layers - cfg.first_k_dense_replace)
+    moe_mlp = 1 + (cfg.scoring_func == "sigmoid") + 3 * experts + (3 if cfg.n_shared_experts else 0)
+    per_layer = 2 + len(attention_keys(cfg, ""))
+    return 2 + (not cfg.tie_word_embeddings) + layers * per_layer + (layers - moe_layers) * 3 + moe_layers * moe_mlp
+
+
 def decoder_layer_keys(cfg: ModelConfig, layer: int) -> dict[str, Expected]:
     """The tensors of decoder layer ``layer``: its two norms, its attention and its MLP (dense or MoE by the layer
     index, as ``ModelConfig.is_moe_layer`` says)."""
+    return dict(_decoder_layer_items(cfg, layer))
+
+
+def _decoder_layer_items(cfg: ModelConfig, layer: int) -> Iterator[tuple[str, Expected]]:
     h, p = cfg.hidden_size, f"model.layers.{layer}."
-    out = {
-        p + "input_layernorm.weight": Expected((h,), FLOAT),
-        p + "post_attention_layernorm.weight": Expected((h,), FLOAT),
-    }
-    out.update(attention_keys(cfg, p + "self_attn."))
-    out.update(mlp_keys(cfg, layer, p + "mlp."))
-    return out
+    yield p + "input_layernorm.weight", Expected((h,), FLOAT)
+    yield p + "post_attention_layernorm.weight", Expected((h,), FLOAT)
+    yield from attention_keys(cfg, p + "self_attn.").items()
+    yield from _mlp_items(cfg, layer, p + "mlp.")
 
 
 def attention_keys(cfg: ModelConfig, a: str) -> dict[str, Expected]:
@@ -152,19 +179,21 @@ def indexer_keys(cfg: ModelConfig, prefix: str) -> dict[str, Expected]:
 def mlp_keys(cfg: ModelConfig, layer: int, m: str) -> dict[str, Expected]:
     """The tensors of layer ``layer``'s MLP under the prefix ``m`` (``model.layers.{i}.mlp.``): a dense SwiGLU, or
     the router, the routed experts and the shared experts."""
+    return dict(_mlp_items(cfg, layer, m))
+
+
+def _mlp_items(cfg: ModelConfig, layer: int, m: str) -> Iterator[tuple[str, Expected]]:
     h = cfg.hidden_size
-    out: dict[str, Expected] = {}
     if not cfg.is_moe_layer(layer):
-        _mlp(out, m, h, cfg.intermediate_size)
-        return out
-    out[m + "gate.weight"] = Expected((cfg.n_routed_experts, h), FP32)
+        yield from _mlp(m, h, cfg.intermediate_size)
+        return
+    yield m + "gate.weight", Expected((cfg.n_routed_experts, h), FP32)
     if cfg.scoring_func == "sigmoid":
-        out[m + "gate.e_score_correction_bias"] = Expected((cfg.n_routed_experts,), FP32)
+        yield m + "gate.e_score_correction_bias", Expected((cfg.n_routed_experts,), FP32)
     for e in range(cfg.n_routed_experts):
-        _mlp(out, f"{m}experts.{e}.", h, cfg.moe_intermediate_size)
+        yield from _mlp(f"{m}experts.{e}.", h, cfg.moe_intermediate_size)
     if cfg.n_shared_experts:
-        _mlp(out, m + "shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts)
-    return out
+        yield from _mlp(m + "shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
 
 def mtp_layer_keys(cfg: ModelConfig, layer: int) -> dict[str, Expected]:
@@ -186,17 +215,35 @@ def mtp_layer_keys(cfg: ModelConfig, layer: int) -> dict[str, Expected]:
     return {n: replace(e, mtp=True) for n, e in out.items()}
 
 
-def _mlp(out: dict[str, Expected], prefix: str, hidden: int, inter: int) -> None:
-    out[prefix + "gate_proj.weight"] = Expected((inter, hidden), LINEAR)
-    out[prefix + "up_proj.weight"] = Expected((inter, hidden), LINEAR)
-    out[prefix + "down_proj.weight"] = Expected((hidden, inter), LINEAR)
+def _mlp(prefix: str, hidden: int, inter: int) -> Iterator[tuple[str, Expected]]:
+    yield prefix + "gate_proj.weight", Expected((inter, hidden), LINEAR)
+    yield prefix + "up_proj.weight", Expected((inter, hidden), LINEAR)
+    yield prefix + "down_proj.weight", Expected((hidden, inter), LINEAR)
+
+
+FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
+
+
+def check_regular_file(file: Path, mode: int) -> None:
+    """``CheckpointError`` unless ``mode`` (of ``file``, symlinks followed) is a regular file's: opening a FIFO
+    blocks until a writer comes, and a device may never end."""
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in FILE_KINDS if test(mode)), "not a file")
+        raise CheckpointError(f"{file}: not a regular file ({kind}); checkpoint files must be regular files")
 
 
 def read_header(file: Path) -> dict[str, TensorInfo]:
-    """The tensors of one safetensors file, from its header alone; checks the header against the file size."""
+    """The tensors of one safetensors file, from its header alone; checks the header against the file size.
+    Anything but a regular file (symlinks followed) is refused before it is opened."""
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
+        check_regular_file(file, file.stat().st_mode)
+        # Non-blocking, so that a file swapped for a FIFO after the check cannot block the open either.
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            check_regular_file(file, st.st_mode)
+            size = st.st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{file}: truncated or not a safetensors file ({size} bytes, no header)")
@@ -263,8 +310,9 @@ def find_files(path: Path) -> list[Path]:
         for name in files:
             if not isinstance(name, str) or not name.endswith(".safetensors") or "/" in name or "\\" in name:
                 raise CheckpointError(f"{index}: refers to {name!r}; only safetensors files in this directory")
-            if not (path / name).is_file():
+            if not (path / name).exists():
                 raise CheckpointError(f"{index}: refers to {name}, which is missing from {path}")
+            check_regular_file(path / name, (path / name).stat().st_mode)
         return [path / n for n in files]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -276,6 +324,24 @@ def find_files(path: Path) -> list[Path]:
             )
         raise CheckpointError(f"{path}: no *.safetensors files")
     return files
+
+
+def _check_counts(path: Path, cfg: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
+    """Refuses a ``config.json`` that implies more tensors than the files hold, before its layout is built: the
+    counts in it (``num_hidden_layers``, ``n_routed_experts``) are then bounded by the headers, and an absurd one
+    costs no more than the files' own size. Names the first missing tensor, as the full check would."""
+    want = model_layout_size(cfg)
+    have = sum(not n.endswith(SCALE_SUFFIX) for n in tensors)
+    if want <= have:
+        return
+    # More tensors are implied than exist, so one of the first have + 1 implied names is missing.
+    first = next(n for n, _ in _model_items(cfg) if n not in tensors)
+    files = ", ".join(sorted({i.file.name for i in tensors.values()})) or "no tensors at all"
+    raise CheckpointError(
+        f"{path}: missing tensor {first!r}: config.json (num_hidden_layers = {cfg.num_hidden_layers}, "
+        f"n_routed_experts = {cfg.n_routed_experts}, first_k_dense_replace = {cfg.first_k_dense_replace}) implies "
+        f"{want} tensors, the files hold {have} (searched {files})"
+    )
 
 
 @dataclass
@@ -311,6 +377,7 @@ class Checkpoint:
                 if name not in tensors or tensors[name].file.name != file:
                     where = f"it is in {tensors[name].file}" if name in tensors else "no file holds it"
                     raise CheckpointError(f"{index}: maps tensor {name!r} to {file} but {where}")
+        _check_counts(path, config, tensors)
         expected = expected_layout(config)
         layout = {n: e for n, e in expected.items() if not e.mtp}
         ckpt = cls(path, config, tensors, layout, {n: e for n, e in expected.items() if e.mtp})

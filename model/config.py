@@ -22,6 +22,13 @@ from .errors import CheckpointError
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 MODEL_TYPES = tuple(ARCHITECTURES)
 FP8_BLOCK = (128, 128)
+# Bounds on sizes that no tensor of the checkpoint bounds (the others are checked against the files' headers before
+# anything of their size is built): generous for this family (DeepSeek-V3: 163840 positions, 256 experts, one MTP
+# layer), and small enough that what is built from them (the rope table, the MTP layers' expected layout when the
+# files hold none of their tensors) stays within memory.
+MAX_POSITIONS = 1 << 22
+MAX_ROUTED_EXPERTS = 1 << 12
+MAX_MTP_LAYERS = 16
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,8 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
+            if file.exists():  # a FIFO would block the read
+                raise CheckpointError(f"{file}: not a regular file")
             raise CheckpointError(f"{file}: not found (a Hugging Face layout directory has a config.json)")
         try:
             raw = json.loads(file.read_text())
@@ -131,7 +140,7 @@ class ModelConfig:
             if value is None:
                 return None
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
+                value = float(value) if abs(value) < 1 << 1000 else math.inf  # float() of a huge int raises
             if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise fail(f"field {name!r} must be an integer, got {value!r}")
             if not isinstance(value, kind):
@@ -154,6 +163,8 @@ class ModelConfig:
             raise fail(f"moe_layer_freq {moe_freq} is not supported (1)")
         eos = raw.get("eos_token_id", 1)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_ids):
+            raise fail(f"field 'eos_token_id' must be an int >= 0, a list of them or null, got {eos!r}")
 
         rope_theta, rope_scaling = _rope(raw, fail)
         sparse = model_type == "deepseek_v32"
@@ -179,7 +190,7 @@ class ModelConfig:
             qk_nope_head_dim=get("qk_nope_head_dim", int, required=True),
             n_group=get("n_group", int, 1) or 1,
             topk_group=get("topk_group", int, 1) or 1,
-            num_experts_per_tok=get("num_experts_per_tok", int, 1) or 1,
+            num_experts_per_tok=get("num_experts_per_tok", int, 1),
             first_k_dense_replace=get("first_k_dense_replace", int, 0) or 0,
             norm_topk_prob=bool(get("norm_topk_prob", bool, False)),
             scoring_func=scoring,
@@ -192,7 +203,7 @@ class ModelConfig:
             tie_word_embeddings=bool(get("tie_word_embeddings", bool, False)),
             num_nextn_predict_layers=get("num_nextn_predict_layers", int, 0) or 0,
             bos_token_id=get("bos_token_id", int, None),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
+            eos_token_ids=eos_ids,
             fp8=_quantization(raw.get("quantization_config"), fail),
             model_type=model_type,
             index_n_heads=get("index_n_heads", int, 64) if sparse else 0,
@@ -219,6 +230,19 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
+        for name in ("rms_norm_eps", "routed_scaling_factor"):  # a bad one fails the first forward, or gives NaN
+            _finite(fail, f"field {name!r}", getattr(self, name), positive=True)
+        limits = (
+            ("max_position_embeddings", MAX_POSITIONS),
+            ("n_routed_experts", MAX_ROUTED_EXPERTS),
+            ("num_nextn_predict_layers", MAX_MTP_LAYERS),
+        )
+        for name, limit in limits:
+            if not 0 <= getattr(self, name) <= limit:
+                raise fail(f"field {name!r} must lie in [0, {limit}], got {getattr(self, name)}")
+        for name in ("n_shared_experts", "first_k_dense_replace"):
+            if getattr(self, name) < 0:
+                raise fail(f"field {name!r} must be >= 0, got {getattr(self, name)}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise fail(f"field 'q_lora_rank' must be positive or null, got {self.q_lora_rank}")
         if self.mlp_layer_types is not None and len(self.mlp_layer_types) != self.num_hidden_layers:
@@ -230,6 +254,11 @@ class ModelConfig:
                     raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
             if self.q_lora_rank is None:
                 raise fail("deepseek_v32 needs q_lora_rank (its indexer reads the query's low-rank projection)")
+            if self.index_topk > self.max_position_embeddings:
+                raise fail(
+                    f"field 'index_topk' must be at most max_position_embeddings ({self.max_position_embeddings}), "
+                    f"got {self.index_topk}"
+                )
             if not self.qk_rope_head_dim <= self.index_head_dim:
                 raise fail(f"index_head_dim ({self.index_head_dim}) must hold the rope part ({self.qk_rope_head_dim})")
         if self.qk_rope_head_dim % 2:
@@ -237,13 +266,13 @@ class ModelConfig:
         if self.first_k_dense_replace < self.num_hidden_layers and self.n_routed_experts > 0:
             e, g = self.n_routed_experts, self.n_group
             if e % g:
-                raise fail(f"n_group ({g}) must divide n_routed_experts ({e})")
+                raise fail(f"field 'n_group' must divide n_routed_experts ({e}), got {g}")
             if not 1 <= self.topk_group <= g:
-                raise fail(f"topk_group ({self.topk_group}) must lie in [1, n_group = {g}]")
+                raise fail(f"field 'topk_group' must lie in [1, n_group = {g}], got {self.topk_group}")
             if not 1 <= self.num_experts_per_tok <= self.topk_group * (e // g):
                 raise fail(
-                    f"num_experts_per_tok ({self.num_experts_per_tok}) must lie in [1, topk_group * experts per "
-                    f"group = {self.topk_group * (e // g)}]"
+                    f"field 'num_experts_per_tok' must lie in [1, topk_group * experts per group = "
+                    f"{self.topk_group * (e // g)}], got {self.num_experts_per_tok}"
                 )
             if self.moe_intermediate_size <= 0:
                 raise fail(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
@@ -259,8 +288,7 @@ def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
         if scaling is None:
             scaling = params
     theta = 10000.0 if theta is None else theta
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise fail(f"rope_theta must be a positive number, got {theta!r}")
+    _finite(fail, "rope_theta", theta, positive=True)
     if scaling is None:
         return float(theta), None
     if not isinstance(scaling, dict):
@@ -278,11 +306,24 @@ def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
     yarn["original_max_position_embeddings"] = original
     if yarn.get("factor") is None:  # transformers: the ratio of the context lengths
         yarn["factor"] = raw.get("max_position_embeddings", original) / original
-    if not isinstance(yarn["factor"], (int, float)) or yarn["factor"] <= 0 or math.isnan(yarn["factor"]):
-        raise fail(f"yarn factor must be a positive number, got {yarn['factor']!r}")
+    _finite(fail, "yarn rope scaling field 'factor'", yarn["factor"], positive=True)
+    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if yarn.get(name) is not None:
+            _finite(fail, f"yarn rope scaling field {name!r}", yarn[name])
+    if yarn.get("attention_factor") is not None:
+        _finite(fail, "yarn rope scaling field 'attention_factor'", yarn["attention_factor"], positive=True)
     if yarn.get("truncate") is False:
         raise fail("yarn with truncate=false is not supported")
     return float(theta), yarn
+
+
+def _finite(fail, what: str, value: Any, *, positive: bool = False) -> None:
+    """Refuses ``value`` unless it is a finite number (and > 0 with ``positive``); ``what`` names the field."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and isinstance(value, int):
+        ok = abs(value) < 1 << 1000  # math.isfinite of a huge int raises
+    if not ok or not math.isfinite(value) or (positive and value <= 0):
+        raise fail(f"{what} must be a finite number{' > 0' if positive else ''}, got {value!r}")
 
 
 def _quantization(qc: Any, fail) -> Fp8Config | None:

@@ -33,8 +33,8 @@ from itertools import count
 import torch
 
 import deepinfer
-from deepinfer.errors import InputError
 from deepinfer.index_cache import allocate_index_cache
+from deepinfer.validation import Check
 
 from .block_manager import BlockAllocator
 from .cuda_graphs import CAPABILITY, DecodeGraphs
@@ -57,6 +57,20 @@ def index_format_for(cfg, kv_format: str) -> str | None:
     return "fp8_ds_index" if kv_format == "fp8_ds_mla" and cfg.index_head_dim % 128 == 0 else "bf16"
 
 
+def cache_page_bytes(cfg, kv_format: str, block_size: int) -> int:
+    """Bytes of one cache page (``block_size`` tokens) over all layers: the latent cache's, plus the indexer keys'
+    for sparse attention."""
+    probe = deepinfer.allocate_kv_cache(
+        1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
+    )
+    page_bytes = probe.numel() * probe.element_size() * cfg.num_hidden_layers
+    index_format = index_format_for(cfg, kv_format)
+    if index_format is not None:  # the indexer keys are paged beside the latents, on the same pages
+        probe = allocate_index_cache(1, block_size, head_dim=cfg.index_head_dim, index_format=index_format)
+        page_bytes += probe.numel() * probe.element_size() * cfg.num_hidden_layers
+    return page_bytes
+
+
 @dataclass
 class _Launched:
     """A launched step: its batch, what the device computes for it, and where each sampled token goes
@@ -77,6 +91,9 @@ class LLMEngine:
     ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now; they are replayed only in that
     mode. async_scheduling: schedule and launch each step before reading back the previous one's tokens (above);
     ``step`` then returns what finished in the previous step. The attribute can be changed between steps.
+
+    A bad argument (a size that is not a positive int, ``kv_cache_bytes`` below one cache page, ``max_model_len``
+    outside ``[2, max_position_embeddings]``) is an ``InputError`` naming it, before anything is allocated.
 
     Expert parallelism (``model.ep`` over several ranks): every rank constructs the engine with the same arguments
     and then adds the same requests in the same order and steps alike; ``step`` and ``run_until_done`` are then
@@ -101,9 +118,22 @@ class LLMEngine:
     ):
         cfg = model.cfg
         self.model, self.cfg = model, cfg
-        if max_model_len is not None and not 2 <= max_model_len <= cfg.max_position_embeddings:
-            raise InputError(
-                "LLMEngine",
+        c = Check("LLMEngine")
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("chunk_size", chunk_size),
+        ):
+            c.positive_int(name, value)
+        if num_blocks is not None:
+            c.positive_int("num_blocks", num_blocks)
+        if max_model_len is not None and (
+            isinstance(max_model_len, bool)
+            or not isinstance(max_model_len, int)
+            or not 2 <= max_model_len <= cfg.max_position_embeddings
+        ):
+            raise c.fail(
                 "max_model_len",
                 f"an int in [2, {cfg.max_position_embeddings}] (the model's max_position_embeddings) or None",
                 repr(max_model_len),
@@ -111,16 +141,16 @@ class LLMEngine:
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         if kv_format == "fp8_ds_mla" and cfg.kv_lora_rank % 128:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
+        page_bytes = cache_page_bytes(cfg, kv_format, block_size)
+        if kv_cache_bytes is not None and (
+            isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < page_bytes
+        ):
+            raise c.fail(
+                "kv_cache_bytes", f"an int of at least one cache page ({page_bytes}) or None", repr(kv_cache_bytes)
+            )
         device = model.device
         self.sync = RankSync(model.ep.group, device) if model.ep.world_size > 1 else None
-        probe = deepinfer.allocate_kv_cache(
-            1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
-        )
-        page_bytes = probe.numel() * probe.element_size() * cfg.num_hidden_layers
         self.index_format = index_format_for(cfg, kv_format)
-        if self.index_format is not None:  # the indexer keys are paged beside the latents, on the same pages
-            probe = allocate_index_cache(1, block_size, head_dim=cfg.index_head_dim, index_format=self.index_format)
-            page_bytes += probe.numel() * probe.element_size() * cfg.num_hidden_layers
         max_blocks = math.ceil(self.max_model_len / block_size)
         if num_blocks is None:
             if kv_cache_bytes is None:
@@ -174,6 +204,7 @@ class LLMEngine:
         )
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self._ids = count()
+        self._unfinished: dict[int, Sequence] = {}  # every request added and not finished, by arrival
         self._seed_rng = random.Random()
         if self.sync is not None:  # unseeded requests: random per run, the same seeds on every rank
             self._seed_rng = random.Random(self.sync.broadcast_int(random.getrandbits(63)))
@@ -237,6 +268,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(str(arrival) if request_id is None else request_id, arrival, prompt_ids, params, seed, prompt)
         self.scheduler.add(seq)
+        self._unfinished[arrival] = seq
         self.stats["prompt_tokens"] += n
         return seq
 
@@ -260,7 +292,34 @@ class LLMEngine:
                 self._inflight = launched
             else:
                 self._apply(launched, finished)
+        for seq in finished:
+            self._unfinished.pop(seq.arrival, None)
         return finished
+
+    def abort_all(self) -> list[Sequence]:
+        """Ends every unfinished request (``finish_reason`` ``"abort"``, tokens still being sampled dropped) and
+        takes back every cache page and every swapped-out copy; returns the requests ended. The engine is then as
+        after ``run_until_done``, whatever step was interrupted: ``LLM.generate`` calls it when it is interrupted
+        (Ctrl-C) or fails, so that the next call starts clean. A step still running on the device finishes there,
+        in order before any later step, and its results are dropped."""
+        self._inflight = None
+        aborted = []
+        for seq in self._unfinished.values():
+            if seq.status is Status.FINISHED:
+                continue
+            while seq.token_ids and seq.token_ids[-1] == PENDING:
+                seq.token_ids.pop()
+            seq.block_table, seq.swapped, seq.swapped_pages = [], None, 0
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            aborted.append(seq)
+        self._unfinished.clear()
+        sched = self.scheduler
+        sched.waiting, sched.running, sched.swapped, sched.truncated = [], [], [], []
+        # No request holds a page now. Rebuilding the free list (rather than releasing page by page) is also right
+        # when the interruption came in the middle of handing pages out.
+        self.allocator.reset()
+        self._sampled = []
+        return aborted
 
     def _ready_to_run_ahead(self, inflight: _Launched) -> bool:
         """Whether the next batch can be scheduled before ``inflight``'s tokens are read: with asynchronous

@@ -36,7 +36,7 @@ from deepinfer.validation import Check
 from .checkpoint import Checkpoint
 from .deepseek_v3 import DeepseekV3
 from .embedded import default_checkpoint
-from .engine import LLMEngine
+from .engine import LLMEngine, cache_page_bytes
 from .errors import RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .parallel import expert_parallel
@@ -56,8 +56,9 @@ class LLM:
     backend: a backend name or alias (None: the selected one, as ``deepinfer.current_backend()``); every op of
     this LLM runs on it. dtype: activations and float weights, ``bfloat16`` (default) or ``float32``.
     kv_format: ``bf16`` or ``fp8_ds_mla``. block_size: tokens per cache page. num_blocks / kv_cache_gb: cache
-    size (default: see ``LLMEngine``). max_num_seqs: sequences running at once; max_num_batched_tokens: tokens per
-    step; prefill_chunk_size: prefill chunk length; max_model_len: context limit (default: the model's).
+    size (default: see ``LLMEngine``; ``kv_cache_gb`` holds at least one page). max_num_seqs: sequences running at
+    once; max_num_batched_tokens: tokens per step; prefill_chunk_size: prefill chunk length; max_model_len: context
+    limit (default: the model's).
     preemption_mode: ``swap`` (pages to host memory and back) or ``recompute``. enforce_eager: no CUDA graphs.
     async_scheduling: schedule and launch each step before the previous step's tokens are read back, so the host's
     work overlaps the device's (see ``LLMEngine``).
@@ -134,6 +135,11 @@ class LLM:
                 )
             try:
                 self.ep = expert_parallel(ep, self.config.n_routed_experts, ep_group)
+                page_bytes = cache_page_bytes(self.config, kv_format, block_size)
+                if kv_cache_gb is not None and kv_cache_gb * (1 << 30) < page_bytes:
+                    raise InputError(
+                        "LLM", "kv_cache_gb", f"at least one cache page ({page_bytes} bytes)", repr(kv_cache_gb)
+                    )
             except BaseException:
                 ckpt.close()
                 raise
@@ -209,7 +215,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for each prompt (a str, a list of token ids, or a list of those); returns one
         ``RequestOutput`` per prompt, in order. ``sampling_params``: one for all, or one per prompt; each a
-        ``SamplingParams`` or a dict of its fields (``{"max_tokens": 8, "temperature": 0}``)."""
+        ``SamplingParams`` or a dict of its fields (``{"max_tokens": 8, "temperature": 0}``).
+
+        A call that raises, or is interrupted (``KeyboardInterrupt``), aborts every request it queued (and any
+        queued directly on ``self.engine`` and not finished) and frees their cache pages first: the next call
+        starts from a clean engine."""
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         )
@@ -227,11 +237,15 @@ class LLM:
         start = time.perf_counter()
         gen0, prompt0 = engine.stats["generated_tokens"], engine.stats["prompt_tokens"]
         with deepinfer.use(self.backend):
-            seqs = self._add_all(prompts, params)
-            if show:
-                self._run_with_progress(len(seqs), start, gen0)
-            else:
-                engine.run_until_done()
+            try:
+                seqs = self._add_all(prompts, params)
+                if show:
+                    self._run_with_progress(len(seqs), start, gen0)
+                else:
+                    engine.run_until_done()
+            except BaseException:  # Ctrl-C included: nothing of this call may stay queued or hold cache pages
+                engine.abort_all()
+                raise
         elapsed = time.perf_counter() - start
         self.last_stats = {
             "requests": len(seqs),

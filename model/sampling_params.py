@@ -9,6 +9,9 @@ from typing import Any
 from .errors import RequestError
 
 MASK63 = (1 << 63) - 1
+# Temperatures below this decode greedily, as in vLLM: fp32 logits divided by 1e-38 or less overflow, and at 1e-5 a
+# token whose logit is 1e-3 below the highest is already e^-100 times less likely (only near-ties could differ).
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -17,7 +20,8 @@ class SamplingParams:
 
     max_tokens: tokens to generate at most; a sequence also stops at the context length (``LLM.max_model_len``,
     prompt included), with finish reason ``length`` either way. temperature: 0 is greedy (the first index of the
-    highest logit); otherwise logits are divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off) filter the
+    highest logit), and so is any temperature below ``SAMPLING_EPS`` (1e-5; it is set to 0); otherwise logits are
+    divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off) filter the
     distribution as ``deepinfer.ops.sample`` documents. seed: a request's tokens depend only on its prompt, its
     parameters and this seed, never on what else is batched with it (None: a fresh random seed).
     stop_token_ids: generation ends after any of these; the model's ``eos_token_id`` ends it too unless
@@ -55,6 +59,8 @@ class SamplingParams:
             raise bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
             raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad(f"top_p must lie in (0, 1], got {self.top_p!r}")
         if self.top_k == -1:
@@ -71,7 +77,12 @@ class SamplingParams:
                 setattr(self, name, None)
             elif value is not None and (not isinstance(value, int) or value < 0):
                 raise bad(f"{name} must be None or an int >= 0, got {value!r}")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        stop = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop
+        ):
+            raise bad(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(stop)
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -23,6 +23,8 @@ class Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
+            if file.exists():  # a FIFO would block the read
+                raise CheckpointError(f"{file}: not a regular file")
             return None
         try:
             tok = _HFTokenizer.from_file(str(file))

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import shutil
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer.model import LLM, Checkpoint, CheckpointError, ModelConfig, SamplingParams, expected_layout
 from deepinfer.model import deepseek_v3 as ds
-from deepinfer.model.checkpoint import mtp_layer_keys
+from deepinfer.model.checkpoint import model_layout_size, mtp_layer_keys
 
 FILE = "model.safetensors"
 
@@ -282,3 +287,136 @@ def test_fp8_scale_missing_or_misshaped(fp8, tmp_path, monkeypatch):
     refused(bad, name, "expected float [1, 1]", monkeypatch=monkeypatch)
     no_config = variant(fp8, tmp_path / "c", config=lambda c: c.pop("quantization_config"))
     refused(no_config, "is FP8 but config.json has no fp8 quantization_config", monkeypatch=monkeypatch)
+
+
+def test_a_weights_file_that_is_not_a_regular_file_is_refused_without_opening_it(base, tmp_path):
+    """A ``*.safetensors`` symlink to a FIFO would block ``open`` until a writer comes: it is refused first. The load
+    runs in a thread, so that a regression fails here (a writer is then connected to unblock it) instead of hanging."""
+    path = variant(base, tmp_path / "x")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (path / FILE).unlink()
+    (path / FILE).symlink_to(fifo)
+    outcome: list[BaseException | None] = []
+
+    def load():
+        try:
+            Checkpoint.open(path)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the reader sees end of file and returns
+        thread.join(timeout=30)
+        pytest.fail("opening a checkpoint whose weights are a FIFO blocked")
+    (error,) = outcome
+    assert isinstance(error, CheckpointError), error
+    assert str(path / FILE) in str(error) and "not a regular file" in str(error), error
+
+
+ABSURD = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))
+from deepinfer.model import Checkpoint, CheckpointError
+out = []
+for path in sys.argv[1:]:
+    try:
+        Checkpoint.open(path)
+        out.append("accepted")
+    except CheckpointError as e:
+        out.append(str(e))
+    except MemoryError:
+        out.append("MemoryError")
+print(json.dumps(out))
+"""
+
+
+def test_absurd_config_sizes_are_refused_within_bounded_memory(base, tmp_path):
+    """Counts in config.json that the files cannot hold (a hundred million layers, ten million experts, as many
+    multi-token-prediction layers) are refused from the headers, before a layout of that size is built. They run in
+    a process whose heap is capped at 3 GiB, which a layout built first would exceed."""
+    cases = {
+        "num_hidden_layers": ({"num_hidden_layers": 10**8}, ["num_hidden_layers = 100000000", "missing tensor"]),
+        "n_routed_experts": ({"n_routed_experts": 10**7}, ["n_routed_experts", "10000000"]),
+        "num_nextn_predict_layers": ({"num_nextn_predict_layers": 10**8}, ["num_nextn_predict_layers", "100000000"]),
+        "mlp_layer_types": (
+            {"num_hidden_layers": 10**5, "mlp_layer_types": ["sparse"] * 10**5},
+            ["num_hidden_layers = 100000", "missing tensor"],
+        ),
+    }
+    paths = [variant(base, tmp_path / name, config=lambda c, e=edit: c.update(e)) for name, (edit, _) in cases.items()]
+    run = subprocess.run([sys.executable, "-c", ABSURD, *map(str, paths)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for (name, (_, fragments)), msg in zip(cases.items(), json.loads(run.stdout)):
+        assert "config.json" in msg, (name, msg)
+        for f in fragments:
+            assert f in msg, (name, msg)
+
+
+def test_max_position_embeddings_beyond_any_model_is_refused_before_the_weights(base, tmp_path, monkeypatch):
+    path = variant(base, tmp_path / "x", config=lambda c: c.update(max_position_embeddings=10**12))
+    refused(path, "config.json", "max_position_embeddings", "1000000000000", monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {},
+        {"tie_word_embeddings": True, "scoring_func": "softmax", "n_shared_experts": 0},
+        {"q_lora_rank": None, "attention_bias": True, "first_k_dense_replace": 0},
+        {"first_k_dense_replace": 9, "num_nextn_predict_layers": 2},
+        {"n_routed_experts": 0},
+        {"mlp_layer_types": ["sparse", "dense", "sparse"]},
+        {"model_type": "deepseek_v32", "architectures": [], "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4},
+    ],
+)
+def test_the_counted_layout_size_is_the_layout_s(base, edit):
+    """``model_layout_size`` (counted from the config, checked against the files before the layout is built) is the
+    number of tensors of the model's layout."""
+    cfg = ModelConfig.from_dict(json.loads((base / "config.json").read_text()) | edit)
+    assert model_layout_size(cfg) == sum(not e.mtp for e in expected_layout(cfg).values())
+
+
+def yarn(**fields):
+    return lambda c: c["rope_scaling"].update(fields)
+
+
+@pytest.mark.parametrize(
+    "edit, fragments",
+    [
+        ({"rms_norm_eps": -1e-6}, ["'rms_norm_eps'", "a finite number > 0", "got -1e-06"]),
+        ({"rms_norm_eps": math.nan}, ["'rms_norm_eps'", "a finite number > 0", "got nan"]),
+        ({"routed_scaling_factor": -2.5}, ["'routed_scaling_factor'", "a finite number > 0", "got -2.5"]),
+        ({"routed_scaling_factor": math.nan}, ["'routed_scaling_factor'", "got nan"]),
+        ({"routed_scaling_factor": math.inf}, ["'routed_scaling_factor'", "got inf"]),
+        ({"routed_scaling_factor": 10**400}, ["'routed_scaling_factor'", "a finite number"]),
+        ({"rope_theta": math.nan}, ["rope_theta", "got nan"]),
+        (yarn(factor=math.inf), ["yarn", "'factor'", "a finite number > 0", "got inf"]),
+        (yarn(beta_fast=math.nan), ["yarn", "'beta_fast'", "got nan"]),
+        (yarn(mscale_all_dim="x"), ["yarn", "'mscale_all_dim'", "got 'x'"]),
+        ({"num_experts_per_tok": 0}, ["num_experts_per_tok", "[1,", "got 0"]),
+        ({"eos_token_id": "x"}, ["'eos_token_id'", "an int >= 0, a list of them or null", "got 'x'"]),
+        ({"eos_token_id": [1, 2.5]}, ["'eos_token_id'", "got [1, 2.5]"]),
+        ({"n_shared_experts": -1}, ["'n_shared_experts'", ">= 0", "got -1"]),
+        (
+            {
+                "model_type": "deepseek_v32",
+                "architectures": [],
+                "index_n_heads": 2,
+                "index_head_dim": 16,
+                "index_topk": 10**6,
+            },
+            ["'index_topk'", "at most max_position_embeddings (1024)", "got 1000000"],
+        ),
+    ],
+)
+def test_config_values_the_model_cannot_use_are_refused_at_load(base, tmp_path, monkeypatch, edit, fragments):
+    """Values that parse but would fail at the first forward (with an op's error that does not say where they came
+    from) or quietly give wrong tokens are refused when config.json is read, naming the file, the field, what it
+    takes and what it holds."""
+    path = variant(base, tmp_path / "x", config=edit if callable(edit) else lambda c: c.update(edit))
+    refused(path, str(path / "config.json"), *fragments, monkeypatch=monkeypatch)

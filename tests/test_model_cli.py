@@ -182,3 +182,24 @@ def test_generate_takes_a_dict_of_sampling_fields(tiny):
     assert per_prompt[0].outputs[0].token_ids == want and len(per_prompt[1].outputs[0].token_ids) == 2
     with pytest.raises(RequestError, match=r"unknown field\(s\) \['max_token'\]; the fields are max_tokens"):
         llm.generate(prompt, {"max_token": 4})
+
+
+def test_ctrl_c_during_generate_is_one_line_and_exit_status_130(tiny, capsys, monkeypatch):
+    """A ``KeyboardInterrupt`` a few steps into generation (as Ctrl-C raises it): one line, no traceback, 130."""
+    from deepinfer.model.engine import LLMEngine
+
+    step, steps = LLMEngine.step, []
+
+    def interrupted(self):
+        steps.append(self)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", interrupted)
+    status, out = run_cli(["generate", "--model", str(tiny), "--prompt", "Hello", "--max-tokens", "20"], capsys)
+    assert status == 130, out
+    assert "Traceback" not in out
+    (line,) = [ln for ln in out.splitlines() if ln.strip()]
+    assert "interrupted" in line, line
+    assert not steps[-1].has_unfinished() and steps[-1].allocator.num_free == steps[-1].allocator.num_blocks

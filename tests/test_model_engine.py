@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -421,3 +422,104 @@ def test_greedy_tokens_are_the_first_maximum_of_each_row():
     tied = torch.zeros(2, 300)
     tied[0, [5, 200]] = 3.0  # ties in different pieces: the first wins; an all-equal row gives 0
     assert greedy_tokens(tied).tolist() == [5, 0]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("cache", ["ample", "swap", "recompute"])
+def test_an_interrupted_generate_aborts_its_requests_and_the_llm_stays_usable(make, async_scheduling, cache):
+    """Ctrl-C in the middle of ``generate`` (here: a ``KeyboardInterrupt`` from a step, while requests are
+    prefilling, decoding, waiting and, with a small cache, preempted): the interrupted requests end, every cache
+    page comes back, and the next ``generate`` returns what a fresh LLM returns, running nothing else."""
+    prompts = random_prompts(258, [30, 9, 41, 17, 3, 25, 12, 6], seed=8)
+    params = mixed_params(len(prompts), max_tokens=12)
+    kw = {"async_scheduling": async_scheduling, "prefill_chunk_size": 16, "max_num_batched_tokens": 32}
+    if cache != "ample":
+        kw |= {"num_blocks": 12, "preemption_mode": cache}
+    with deepinfer.batch_invariant():
+        fresh = make(**kw).generate(prompts, params)
+        llm = make(**kw)
+        engine, step = llm.engine, llm.engine.step
+        calls = []
+
+        def interrupted_step():
+            calls.append(engine.scheduler.num_preemptions)
+            if len(calls) == 9:
+                raise KeyboardInterrupt
+            return step()
+
+        engine.step = interrupted_step
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params)
+        del engine.step
+        if cache != "ample":
+            assert calls[-1] > 0, "some request was preempted before the interruption"
+        assert not engine.has_unfinished()
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+        again = llm.generate(prompts, params)
+    assert outcome(again) == outcome(fresh)
+    assert llm.last_stats["prompt_tokens"] == sum(map(len, prompts))
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_a_generate_refused_halfway_through_its_prompts_queues_none_of_them(make):
+    llm = make(max_model_len=64)
+    with pytest.raises(RequestError, match="context"):
+        llm.generate([[5] * 10, [6] * 70], SamplingParams(max_tokens=4, temperature=0))
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([[7] * 5], SamplingParams(max_tokens=4, temperature=0))
+    assert llm.last_stats["prompt_tokens"] == 5 and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_temperatures_too_small_to_divide_by_are_greedy(make):
+    """Logits divided by a temperature of 1e-38 or less overflow fp32 (every row became token 0); such temperatures
+    (below ``SAMPLING_EPS``) decode greedily, alone and beside rows that sample."""
+    llm = make()
+    prompts = random_prompts(258, [5, 11], seed=4)
+    greedy = tokens(llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
+    for t in (1e-40, 1e-38, 1e-30, 1e-6):
+        assert SamplingParams(temperature=t).temperature == 0
+        tiny = SamplingParams(max_tokens=6, temperature=t, seed=3, ignore_eos=True)
+        assert tokens(llm.generate(prompts, tiny)) == greedy, t
+        sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+        assert tokens(llm.generate(prompts, [tiny, sampled]))[0] == greedy[0], t
+
+
+@pytest.mark.parametrize("stop", [["a"], [1.5], [True], [-1], 7, "12"])
+def test_stop_token_ids_are_a_list_of_token_ids(stop):
+    with pytest.raises(RequestError, match=re.escape(f"stop_token_ids must be a list of ints >= 0, got {stop!r}")):
+        SamplingParams(stop_token_ids=stop)
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+
+
+@pytest.mark.parametrize(
+    "kw, arg",
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
+        ({"kv_cache_bytes": -1}, "kv_cache_bytes"),
+        ({"kv_cache_bytes": 100}, "kv_cache_bytes"),  # less than one page
+        ({"max_model_len": -5}, "max_model_len"),
+        ({"max_model_len": 2.5}, "max_model_len"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"chunk_size": 0}, "chunk_size"),
+    ],
+)
+def test_engine_arguments_are_checked(make, kw, arg):
+    from deepinfer import InputError
+    from deepinfer.model.engine import LLMEngine
+
+    model = make().model
+    with pytest.raises(InputError) as e:
+        LLMEngine(model, **kw)
+    assert e.value.op == "LLMEngine" and e.value.arg == arg and e.value.actual == repr(kw[arg]), e.value
+
+
+def test_a_cache_smaller_than_one_page_is_refused_before_the_weights_are_read(make, monkeypatch):
+    from deepinfer import InputError
+    from deepinfer.model import deepseek_v3
+
+    monkeypatch.setattr(deepseek_v3.DeepseekV3, "load", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(InputError) as e:
+        make(kv_cache_gb=1e-9)
+    assert e.value.arg == "kv_cache_gb" and "one cache page" in e.value.expected and e.value.actual == "1e-09"
