@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from model_helpers import one_thread  # noqa: F401 (autouse fixture)
+from model_helpers import LatentPrecisionCache, one_thread  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.masking_utils import create_causal_mask
@@ -18,7 +18,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Decod
 
 import deepinfer
 from deepinfer.model import Checkpoint, DeepseekV3
-from deepinfer.model.embedded import checkpoint_dir, stdlib_documents, token_stream
+from deepinfer.model.embedded import checkpoint_dir, stdlib_documents, token_stream, windows
 from deepinfer.model.forward_batch import ForwardBatch
 from deepinfer.model.mtp import MTPLayer
 from deepinfer.model.tiny import TINY_CONFIG, write_checkpoint
@@ -26,8 +26,8 @@ from deepinfer.model.tokenizer import Tokenizer
 
 
 def oracle_mtp_logits(path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers (fp32, eager): the main model's log-softmax for every position, and the MTP layer's for the
-    token after next of every position but the last."""
+    """transformers (fp32, eager, latents cached in bf16 as the engine caches them): the main model's log-softmax
+    for every position, and the MTP layer's for the token after next of every position but the last."""
     model = DeepseekV3ForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
     ).eval()
@@ -51,9 +51,9 @@ def oracle_mtp_logits(path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
 
-    with torch.no_grad():
+    with torch.no_grad():  # latents cached at the paged cache's bf16, as the engine keeps them
         t = torch.tensor([ids])
-        hidden = model.model(input_ids=t).last_hidden_state
+        hidden = model.model(input_ids=t, cache=LatentPrecisionCache(config=cfg), use_cache=True).last_hidden_state
         main = model.lm_head(hidden)[0]
         x = torch.cat(
             [rms(model.model.embed_tokens(t[:, 1:]), raw["enorm.weight"]), rms(hidden[:, :-1], raw["hnorm.weight"])], -1
@@ -61,22 +61,26 @@ def oracle_mtp_logits(path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]
         x = x @ raw["eh_proj.weight"].T
         pos = torch.arange(x.shape[1])[None]
         mask = create_causal_mask(config=cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos)
-        x = block(x, attention_mask=mask, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos))
+        mtp_cache = LatentPrecisionCache(config=DeepseekV3Config(**{**cfg.to_dict(), "num_hidden_layers": layer + 1}))
+        rope = model.model.rotary_emb(x, pos)
+        x = block(x, attention_mask=mask, position_ids=pos, position_embeddings=rope, cache=mtp_cache, use_cache=True)
         mtp = model.lm_head(rms(x, raw["shared_head.norm.weight"]))[0]
     return torch.log_softmax(main, -1), torch.log_softmax(mtp, -1)
 
 
-def deepinfer_mtp_logits(path, ids: list[int], dtype: torch.dtype, bug=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """deepinfer on the selected backend: the prompt as one prefill chunk, then the MTP layer over the same
-    positions (its own cache layer, the same slots). ``bug``: changes the loaded MTP layer first."""
+def load_with_mtp(path, dtype: torch.dtype) -> DeepseekV3:
     ckpt = Checkpoint.open(path)
-    cfg = ckpt.config
     device = torch.device(deepinfer.current_backend().device_type)
     model = DeepseekV3.load(ckpt, dtype=dtype, device=device, mtp=True)
     ckpt.close()
     assert len(model.mtp) == 1
-    if bug is not None:
-        bug(model.mtp[0])
+    return model
+
+
+def mtp_logits(model: DeepseekV3, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """deepinfer on the selected backend: the prompt as one prefill chunk, then the MTP layer over the same
+    positions (its own cache layer, the same slots)."""
+    cfg, device, n = model.cfg, model.device, len(ids)
 
     def prefill(n: int) -> ForwardBatch:
         return ForwardBatch(
@@ -89,10 +93,9 @@ def deepinfer_mtp_logits(path, ids: list[int], dtype: torch.dtype, bug=None) -> 
 
     def cache():
         return deepinfer.allocate_kv_cache(
-            1, len(ids), kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, device=device
+            1, n, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, device=device
         )
 
-    n = len(ids)
     tokens = torch.tensor(ids, device=device)
     hidden = model.forward(tokens, prefill(n), [cache() for _ in range(cfg.num_hidden_layers)])
     state = model.mtp[0].forward(hidden[:-1], tokens[1:], prefill(n - 1), cache())
@@ -123,8 +126,7 @@ def random_mtp_checkpoint(tmp_path_factory):
 
 def test_mtp_layer_matches_transformers_on_a_random_checkpoint(random_mtp_checkpoint):
     path, ids, (want_main, want_mtp) = random_mtp_checkpoint
-    got_main, got_mtp = deepinfer_mtp_logits(path, ids, torch.float32)
-    # the engine's latent caches are bf16, the oracle's attention fp32: that rounding is the whole difference
+    got_main, got_mtp = mtp_logits(load_with_mtp(path, torch.float32), ids)
     for got, want in ((got_main, want_main), (got_mtp, want_mtp)):
         err = (got - want).abs()
         assert err.median() < 2e-3 and err.max() < 5e-2, (err.median(), err.max())
@@ -146,23 +148,34 @@ def own_head_norm_skipped(layer: MTPLayer) -> None:
 @pytest.mark.parametrize("bug", [swap_norms, swap_halves, own_head_norm_skipped])
 def test_a_planted_bug_in_the_mtp_layer_fails_the_check(bug, random_mtp_checkpoint):
     path, ids, (_, want_mtp) = random_mtp_checkpoint
-    _, got_mtp = deepinfer_mtp_logits(path, ids, torch.float32, bug)
+    model = load_with_mtp(path, torch.float32)
+    bug(model.mtp[0])
+    _, got_mtp = mtp_logits(model, ids)
     err = (got_mtp - want_mtp).abs()
     assert err.median() > 2e-2
 
 
 def test_embedded_model_mtp_agrees_with_transformers_and_its_training_record():
+    """On held-out text: the MTP's logits as transformers computes them, and its top-1 agreement with the model's
+    own next-next token (what speculative decoding accepts) over 8 windows spread through the held-out split, within
+    0.05 of what its training measured over the whole split."""
     path = checkpoint_dir()
     record = json.loads((path.parent / "training.json").read_text())
     tokenizer = Tokenizer.from_dir(path)
-    ids = token_stream(tokenizer.encode, record["tokenizer"]["eos"], stdlib_documents("heldout")[:1])[:257]
-    _, want_mtp = oracle_mtp_logits(path, ids)
-    got_main, got_mtp = deepinfer_mtp_logits(path, ids, torch.float32)
+    ws = windows(token_stream(tokenizer.encode, record["tokenizer"]["eos"], stdlib_documents("heldout")), 1024)
+    ws = ws[:: len(ws) // 8][:8]
+    _, want_mtp = oracle_mtp_logits(path, ws[0][:257])
+    model = load_with_mtp(path, torch.float32)
+    _, got_mtp = mtp_logits(model, ws[0][:257])
     err = (got_mtp - want_mtp).abs()
     assert err.median() < 2e-3 and err.max() < 5e-2, (err.median(), err.max())
-    agreement = (got_mtp.argmax(-1) == got_main[1:].argmax(-1)).float().mean().item()
+    agree = total = 0
+    for w in ws:
+        main, mtp = mtp_logits(model, w)
+        agree += (mtp.argmax(-1) == main[1:].argmax(-1)).sum().item()
+        total += mtp.shape[0]
     recorded = record["heldout"]["mtp_agreement_with_model_next_next_top1"]
-    assert agreement > recorded - 0.15, (agreement, recorded)  # 256 tokens of one file against the whole split
+    assert abs(agree / total - recorded) < 0.05, (agree / total, recorded)
 
 
 @pytest.mark.parametrize("with_mtp", [False, True])
