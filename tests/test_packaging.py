@@ -87,6 +87,10 @@ def test_alias_build_and_default_build(tmp_path):
     names, config, metadata, _ = _read_wheel(tmp_path / "all")
     assert _packages(names) == {"deepinfer", "deepinfer_cuda_sm100", "deepinfer_ascend"}
     assert "DEFAULT_ACCELERATOR = None" in config
+    embedded = "deepinfer/model/checkpoints/tiny-py/"  # the default model ships in every wheel
+    for variant in ("bf16", "fp8"):
+        assert {f"{embedded}{variant}/{f}" for f in ("config.json", "model.safetensors", "tokenizer.json")} <= names
+    assert {embedded + "training.json", embedded + "README.md"} <= names
     assert not {"torch-npu", "triton"} & _hard_requirements(metadata)
 
 
