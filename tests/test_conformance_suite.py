@@ -180,3 +180,10 @@ def test_planted_sparse_attention_bugs_fail_where_they_show():
     # A -1 ending the row: every case shuffles some rows' -1 entries in among their slots, and fails.
     sparse = _by_check(report, "sparse_mla", "accuracy")
     assert sparse and set(sparse.values()) == {"fail"}, sparse
+
+
+def test_a_planted_bitmask_bug_fails_every_case():
+    report = run_conformance("example_buggy", seed=15, only_ops=["apply_token_bitmask"])
+    accuracy = _by_check(report, "apply_token_bitmask", "accuracy")
+    # rows with every token or none allowed read the same either way; the random rows do not
+    assert accuracy and all(s == ("pass" if c.startswith("B=0 ") else "fail") for c, s in accuracy.items()), accuracy

@@ -132,6 +132,9 @@ def op_impls() -> list[OpImpl]:
             supports=sampling.sample_torch_supports,
             batch_invariant=True,
         ),
+        _composite(
+            "apply_token_bitmask", sampling.apply_token_bitmask_torch, "logits", "bitmask", batch_invariant=True
+        ),
     ]
 
 

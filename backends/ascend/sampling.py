@@ -1,4 +1,5 @@
-"""Sampling on Ascend: ``sample`` in plain torch on the NPU (torch_npu has no per-request-seeded sampler).
+"""Sampling on Ascend: ``sample`` in plain torch on the NPU (torch_npu has no per-request-seeded sampler), and
+``apply_token_bitmask`` in plain torch (integer shifts and a masked fill, all native on the NPU).
 
 Every row draws from its own counter-based random stream: the uniform for (row, token) is a 32-bit integer hash
 of the row's seed and the token index, so a row's token depends only on its logits, parameters and seed, never
@@ -58,3 +59,9 @@ def sample_torch(logits, temperature, top_p, top_k, seeds) -> torch.Tensor:
 
 def sample_torch_supports(logits, temperature, top_p, top_k, seeds) -> bool:
     return probe.on_device(logits, temperature, top_p, top_k, seeds)
+
+
+def apply_token_bitmask_torch(logits, bitmask) -> torch.Tensor:
+    token = torch.arange(logits.shape[1], device=logits.device)
+    words = bitmask.long().index_select(1, token // 32)
+    return logits.masked_fill((words >> (token % 32)) & 1 == 0, float("-inf"))

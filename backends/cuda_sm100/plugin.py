@@ -66,6 +66,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("rope", "triton", rope.rope, rope.supports),
         _impl("silu_and_mul", "triton", activation.silu_and_mul, activation.supports),
         _impl("sample", "triton", sampling.sample, sampling.supports),
+        _impl("apply_token_bitmask", "triton", sampling.apply_token_bitmask, sampling.apply_token_bitmask_supports),
         _impl("layer_norm", "triton", norm.layer_norm, norm.layer_norm_supports),
         _impl("write_index_cache", "triton", sparse_attention.write_index_cache, sparse_attention.write_supports),
         _impl("indexer_topk", "triton", sparse_attention.indexer_topk, sparse_attention.topk_supports),

@@ -1,6 +1,7 @@
 """``sample``: temperature, top-k and top-p filtering with torch on the device, then a seeded exponential race in
 Triton: the token is argmax(p / E) with E = -log(u) and u drawn by Philox from (the row's seed, the token id), so a
-row's draw depends on nothing but its own seed and logits."""
+row's draw depends on nothing but its own seed and logits. ``apply_token_bitmask``: one program per row and block
+of tokens, each token's bit read from its word."""
 
 from __future__ import annotations
 
@@ -74,3 +75,35 @@ def sample(logits, temperature, top_p, top_k, seeds):
 
 def supports(logits, temperature, top_p, top_k, seeds) -> bool:
     return on_device(logits, temperature, top_p, top_k, seeds)
+
+
+@triton.jit
+def _bitmask_kernel(logits_ptr, bitmask_ptr, out_ptr, V, W, stride_l, stride_b, stride_o, BLOCK: tl.constexpr):
+    pdl_wait()
+    row = tl.program_id(0).to(tl.int64)
+    tok = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = tok < V
+    x = tl.load(logits_ptr + row * stride_l + tok, mask=m)
+    word = tl.load(bitmask_ptr + row * stride_b + tok // 32, mask=m, other=0)
+    allowed = ((word >> (tok % 32)) & 1) != 0
+    tl.store(out_ptr + row * stride_o + tok, tl.where(allowed, x, float("-inf")), mask=m)
+
+
+def apply_token_bitmask(logits, bitmask):
+    batch, vocab = logits.shape
+    out = torch.empty_like(logits)
+    if batch == 0 or vocab == 0:
+        return out
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    bitmask = bitmask if bitmask.stride(1) == 1 else bitmask.contiguous()
+    block = 1024
+    grid = (batch, triton.cdiv(vocab, block))
+    _bitmask_kernel[grid](
+        logits, bitmask, out, vocab, bitmask.shape[1], logits.stride(0), bitmask.stride(0), out.stride(0),
+        BLOCK=block, launch_pdl=PDL,
+    )  # fmt: skip
+    return out
+
+
+def apply_token_bitmask_supports(logits, bitmask) -> bool:
+    return on_device(logits, bitmask)

@@ -1,4 +1,5 @@
-"""Conformance cases for ``sample``: greedy rows exact, sampled rows inside the kept set, and the distribution."""
+"""Conformance cases for ``sample`` (greedy rows exact, sampled rows inside the kept set, and the distribution) and
+``apply_token_bitmask`` (bitwise)."""
 
 from __future__ import annotations
 
@@ -70,15 +71,67 @@ def _distribution_case(draws: int, vocab: int) -> Case:
     return Case("sample", f"{draws} seeds over V={vocab}", "distribution", make, compare=total_variation)
 
 
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """``[B, V]`` bool -> the ``[B, ceil(V / 32)]`` int32 words ``apply_token_bitmask`` takes (bit ``t % 32`` of
+    word ``t // 32``)."""
+    batch, vocab = allowed.shape
+    bits = torch.zeros(batch, (vocab + 31) // 32 * 32, dtype=torch.int64, device=allowed.device)
+    bits[:, :vocab] = allowed.long()
+    words = (bits.view(batch, (vocab + 31) // 32, 32) << torch.arange(32, device=allowed.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _bitmask_kwargs(g: Gen, batch: int, vocab: int, dtype: torch.dtype):
+    """Random masks (about a third of the tokens allowed), and among the rows one with every token allowed, one
+    with a single token and one with none; the bits past ``V`` in the last word are set (they must be ignored)."""
+    allowed = g.uniform(batch, vocab) < 0.3
+    for row, fill in zip(range(batch), ("all", "one", "none")):
+        allowed[row] = fill == "all"
+        if fill == "one":
+            allowed[row, int(g.randint(0, vocab, 1))] = True
+    bitmask = pack_bitmask(allowed)
+    if vocab % 32:
+        bitmask[:, -1] |= pack_bitmask(torch.ones(batch, 32, dtype=torch.bool, device=g.device))[:, 0] << (vocab % 32)
+    return {"logits": g.randn(batch, vocab, dtype=dtype, scale=3.0), "bitmask": bitmask}
+
+
+def _bitmask_case(batch: int, vocab: int, dtype: torch.dtype = torch.float32) -> Case:
+    return Case(
+        "apply_token_bitmask",
+        f"B={batch} V={vocab} {str(dtype).removeprefix('torch.')}",
+        "default",
+        lambda g: _bitmask_kwargs(g, batch, vocab, dtype),
+        sub_batch=lambda kw, rows: (take_rows(kw, tuple(kw), rows), lambda o: rows_of(o, rows)),
+        batch=lambda kw: kw["logits"].shape[0],
+    )
+
+
 def cases(shapes: str) -> list[Case]:
     if shapes == "small":
-        return [_rows_case(12, 64), _rows_case(5, 1000), _rows_case(0, 64), _distribution_case(4000, 8)]
-    return [_rows_case(256, 129280), _rows_case(1, 129280), _distribution_case(20000, 16)]
+        return [
+            _rows_case(12, 64),
+            _rows_case(5, 1000),
+            _rows_case(0, 64),
+            _distribution_case(4000, 8),
+            _bitmask_case(9, 100),
+            _bitmask_case(5, 4096, torch.bfloat16),
+            _bitmask_case(0, 64),
+        ]
+    return [
+        _rows_case(256, 129280),
+        _rows_case(1, 129280),
+        _distribution_case(20000, 16),
+        _bitmask_case(256, 129280),
+        _bitmask_case(3, 129280, torch.bfloat16),
+    ]
 
 
 def bad_inputs() -> list[BadInput]:
     def kw(g: Gen, **over):
         return {**_kwargs(g, 4, 32), **over}
+
+    def bkw(g: Gen):
+        return _bitmask_kwargs(g, 4, 100, torch.float32)
 
     return [
         BadInput(
@@ -99,5 +152,14 @@ def bad_inputs() -> list[BadInput]:
             "seeds of another length",
             "seeds",
             lambda g: kw(g, seeds=torch.zeros(3, dtype=torch.int64, device=g.device)),
+        ),
+        *(
+            BadInput("apply_token_bitmask", name, arg, lambda g, arg=arg, make=make: {**bkw(g), arg: make(g.device)})
+            for name, arg, make in (
+                ("int64 bitmask", "bitmask", lambda d: torch.zeros(4, 4, dtype=torch.int64, device=d)),
+                ("a word short", "bitmask", lambda d: torch.zeros(4, 3, dtype=torch.int32, device=d)),
+                ("a bool per token", "bitmask", lambda d: torch.ones(4, 100, dtype=torch.bool, device=d)),
+                ("int32 logits", "logits", lambda d: torch.zeros(4, 100, dtype=torch.int32, device=d)),
+            )
         ),
     ]

@@ -41,6 +41,7 @@ TOLERANCES: dict[str, float] = {
     "silu_and_mul": 1e-2,
     "silu_and_mul/fp8": 2e-2,
     "sample": 0.0,  # greedy rows exact; sampled rows must lie in the kept set
+    "apply_token_bitmask": 0.0,  # bitwise: kept logits unchanged, forbidden ones -inf
     "sample/distribution": 0.05,  # total variation between drawn frequencies and softmax(logits / T)
 }
 

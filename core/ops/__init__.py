@@ -9,7 +9,7 @@
 | ``norm`` | ``rms_norm``, ``layer_norm`` |
 | ``rope`` | ``rope`` (tables: ``rope_cos_sin_cache``, ``mla_softmax_scale``) |
 | ``activation`` | ``silu_and_mul`` |
-| ``sampling`` | ``sample`` |
+| ``sampling`` | ``sample``, ``apply_token_bitmask`` |
 
 The reference implementation of each lives in the same-named file of ``deepinfer.reference``; a backend's in the
 same-named file of its package.
@@ -21,7 +21,7 @@ from .gemm import gemm, grouped_gemm, quantize_fp8
 from .moe import DispatchHandle, ExpertLayout, ExpertPlacement, ep_combine, ep_dispatch, moe_route
 from .norm import layer_norm, rms_norm
 from .rope import mla_softmax_scale, rope, rope_cos_sin_cache
-from .sampling import sample
+from .sampling import apply_token_bitmask, sample
 from .sparse_attention import indexer_topk, sparse_mla, write_index_cache
 
 OP_NAMES = (
@@ -42,6 +42,7 @@ OP_NAMES = (
     "rope",
     "silu_and_mul",
     "sample",
+    "apply_token_bitmask",
 )
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "DispatchHandle",
     "ExpertLayout",
     "ExpertPlacement",
+    "apply_token_bitmask",
     "attention_varlen",
     "ep_combine",
     "ep_dispatch",

@@ -1,4 +1,4 @@
-"""Sampling op: ``sample`` with per-request seeds."""
+"""Sampling ops: ``sample`` with per-request seeds, and ``apply_token_bitmask`` (structured output's constraint)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,20 @@ def sample(
         if bad_top_k:
             raise c.fail("top_k", "values >= 0 (0 = off)", f"{top_k.tolist()[:8]}")
     return call("sample", logits=logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits [B, V]`` with every token a row's grammar forbids set to ``-inf``; the others unchanged (bitwise).
+
+    bitmask ``[B, ceil(V / 32)]`` int32, the layout grammar engines (xgrammar, llguidance) fill: token ``t`` of
+    row ``b`` is allowed when bit ``t % 32`` (least significant first) of ``bitmask[b, t // 32]`` is set; the bits
+    past ``V`` in the last word are ignored. A row with no allowed token comes back all ``-inf`` (the caller ends
+    such a request before sampling). A row's result depends on its own logits and mask only. Returns a new
+    ``[B, V]`` tensor of the logits' dtype.
+    """
+    c = Check("apply_token_bitmask")
+    c.tensor("logits", logits, dtypes=FLOAT_DTYPES, ndim=2)
+    batch, vocab = logits.shape
+    c.tensor("bitmask", bitmask, dtypes=(torch.int32,), shape=(batch, (vocab + 31) // 32))
+    c.same_device(logits=logits, bitmask=bitmask)
+    return call("apply_token_bitmask", logits=logits, bitmask=bitmask)

@@ -1,4 +1,5 @@
-"""Reference ``sample``: one row at a time, each with its own generator seeded by the row's seed."""
+"""Reference ``sample`` (one row at a time, each with its own generator seeded by the row's seed) and
+``apply_token_bitmask`` (each token's bit read out of its word)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,11 @@ def sample(logits, temperature, top_p, top_k, seeds):
         race = torch.empty_like(probs).exponential_(generator=gen)  # argmax p / Exp(1) draws from p
         out[b] = int(torch.argmax(probs / race))
     return out
+
+
+def apply_token_bitmask(logits, bitmask):
+    vocab = logits.shape[1]
+    token = torch.arange(vocab, device=logits.device)
+    words = bitmask.long()[:, token // 32]  # int64: the sign bit of the int32 word is an ordinary bit here
+    allowed = (words >> (token % 32)) & 1 == 1
+    return logits.masked_fill(~allowed, float("-inf"))

@@ -6,6 +6,7 @@
   result depends on the batch it came in; yet the implementation claims to be batch-invariant.
 - ``indexer_topk``: tied scores go to the higher position instead of the lower one.
 - ``sparse_mla``: a row's first ``-1`` ends its list, as if valid slots always came first.
+- ``apply_token_bitmask``: a word's bits read most significant first.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def sparse_mla(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format):
     )
 
 
+def apply_token_bitmask(logits, bitmask):
+    token = torch.arange(logits.shape[1])
+    allowed = (bitmask.long()[:, token // 32] >> (31 - token % 32)) & 1 == 1
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 @deepinfer.hookimpl
 def deepinfer_backend() -> BackendSpec:
     return BackendSpec(
@@ -92,4 +99,5 @@ def deepinfer_op_impls() -> list[OpImpl]:
         OpImpl("rms_norm", "example_buggy", "torch", rms_norm, batch_invariant=True),
         OpImpl("indexer_topk", "example_buggy", "torch", indexer_topk),
         OpImpl("sparse_mla", "example_buggy", "torch", sparse_mla),
+        OpImpl("apply_token_bitmask", "example_buggy", "torch", apply_token_bitmask),
     ]
