@@ -49,7 +49,15 @@ entry_points = {
     "pytest11": ["deepinfer = deepinfer.conformance.pytest_plugin"],
     "deepinfer": [],
 }
-install_requires = ["torch>=2.6", "pluggy>=1.3", "safetensors>=0.4", "numpy", "rich>=13", "tokenizers>=0.15"]
+install_requires = [
+    "torch>=2.6",
+    "pluggy>=1.3",
+    "safetensors>=0.4",
+    "numpy",
+    "rich>=13",
+    "tokenizers>=0.15",
+    "llguidance>=1.0",  # structured output's grammar engine
+]
 for name, (package, folder, requires, _) in shipped.items():
     package_dir[package] = folder
     entry_points["deepinfer"].append(f"{name} = {package}.plugin")

@@ -362,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep only the k most likely tokens (default 0: off)",
     )
     gen.add_argument("--seed", type=int, help="sampling seed (default: fresh each run)")
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="SCHEMA", help="structured output: a JSON schema (its text)")
+    constraint.add_argument("--regex", help="structured output: the generated text fully matches this regex")
+    constraint.add_argument("--grammar", help="structured output: a Lark or GBNF grammar (its text)")
+    constraint.add_argument("--choice", nargs="+", metavar="TEXT", help="structured output: one of these strings")
     gen.add_argument("--backend", help="backend name or alias (default: the selected one)")
     gen.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activations and float weights"

@@ -23,6 +23,7 @@ from .errors import RequestError
 from .llm import LLM
 from .parallel import init_from_torchrun
 from .sampling_params import SamplingParams
+from .structured_output import StructuredOutputsParams
 
 DEFAULT_PROMPT = "The capital of France is"
 SMALL_HIDDEN = 1024
@@ -60,12 +61,23 @@ def _device_type(backend: str | None) -> str:
 def generate(args: argparse.Namespace, console: Console) -> int:
     """Runs the prompts, prints each completion and a tokens/s summary (on rank 0 under ``--ep``)."""
     prompts = read_prompts(args)
+    constraint = {
+        name: value
+        for name, value in (
+            ("json", getattr(args, "json_schema", None)),
+            ("regex", getattr(args, "regex", None)),
+            ("grammar", getattr(args, "grammar", None)),
+            ("choice", getattr(args, "choice", None)),
+        )
+        if value is not None
+    }
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        structured_outputs=StructuredOutputsParams(**constraint) if constraint else None,
     )
     ep = getattr(args, "ep", None)
     launch = init_from_torchrun(

@@ -29,6 +29,7 @@ import math
 import random
 from dataclasses import dataclass
 from itertools import count
+from typing import Any
 
 import torch
 
@@ -248,8 +249,10 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
+        matcher: Any = None,
     ) -> Sequence:
-        """Queues a request; checks the prompt fits the model and the cache."""
+        """Queues a request; checks the prompt fits the model and the cache. ``matcher``: the grammar matcher that
+        constrains its tokens (structured output), fed every token it samples."""
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("a prompt needs at least one token")
@@ -267,6 +270,7 @@ class LLMEngine:
         arrival = next(self._ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(str(arrival) if request_id is None else request_id, arrival, prompt_ids, params, seed, prompt)
+        seq.matcher = matcher
         self.scheduler.add(seq)
         self._unfinished[arrival] = seq
         self.stats["prompt_tokens"] += n
@@ -326,6 +330,8 @@ class LLMEngine:
         scheduling, when no running sequence has to be preempted and some running sequence does not end with its
         pending token. Those that do (by length) are then set aside."""
         if not self.async_scheduling or not self.scheduler.next_step_fits():
+            return False
+        if any(s.matcher is not None for s in self.scheduler.running):  # their masks need the pending tokens
             return False
         ending = [
             s for s in inflight.step.samplers if s.status is Status.RUNNING and self._ends_by_length(s, s.num_tokens)
@@ -414,7 +420,9 @@ class LLMEngine:
             if seq.params.logprobs:
                 seq.top_logprobs.append(sampled.top)
         params = seq.params
-        if sampled.token in params.stop_token_ids or (not params.ignore_eos and sampled.token in self.eos_ids):
+        if seq.matcher is not None and not seq.matcher.consume_token(sampled.token):
+            seq.finish_reason = "abort"  # the grammar allowed no token (its matcher is in error): nothing to sample
+        elif sampled.token in params.stop_token_ids or (not params.ignore_eos and sampled.token in self.eos_ids):
             seq.finish_reason, seq.stop_reason = "stop", sampled.token
         elif self._ends_by_length(seq, index + 1):
             seq.finish_reason = "length"

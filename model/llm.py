@@ -43,6 +43,7 @@ from .parallel import expert_parallel
 from .sampling_params import SamplingParams
 from .scheduler import PREEMPTION_MODES
 from .sequence import Sequence
+from .structured_output import Grammars
 from .tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -146,6 +147,7 @@ class LLM:
             if self.ep.rank != 0:
                 self.progress = False
             self.tokenizer = Tokenizer.from_dir(self.path, self.config.bos_token_id)
+            self._grammars: Grammars | None = None  # built on the first structured-output request
             self.model = self._load(ckpt)
             self.engine = LLMEngine(
                 self.model,
@@ -256,8 +258,23 @@ class LLM:
         return [self._output(s) for s in seqs]
 
     def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
-        encoded = [self._to_ids(p) for p in prompts]  # every prompt checked before any is queued
-        return [self.engine.add_request(ids, sp, prompt=text) for (ids, text), sp in zip(encoded, params)]
+        encoded = [self._to_ids(p) for p in prompts]  # every prompt and constraint checked before any is queued
+        matchers = [self._matcher(sp) for sp in params]
+        return [
+            self.engine.add_request(ids, sp, prompt=text, matcher=m)
+            for (ids, text), sp, m in zip(encoded, params, matchers)
+        ]
+
+    def _matcher(self, params: SamplingParams):
+        """The grammar matcher of a structured-output request (None without a constraint)."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            file = self.path / "tokenizer.json"
+            if not file.is_file():
+                raise RequestError(f"structured output needs the checkpoint's tokenizer ({file} not found)")
+            self._grammars = Grammars(file, self.config.vocab_size, self.config.eos_token_ids)
+        return self._grammars.matcher(params.structured_outputs)
 
     def _run_with_progress(self, total: int, start: float, gen0: int) -> None:
         engine = self.engine

@@ -33,6 +33,7 @@ from .greedy import greedy_tokens
 from .sampling_params import step_seed
 from .scheduler import ScheduledBatch
 from .sequence import PENDING, Sequence
+from .structured_output import allowed_tokens
 
 
 @dataclass
@@ -214,8 +215,10 @@ class ModelRunner:
         host = {}
         if samplers:
             sample_logits = logits[: len(sample_rows)]
+            allowed = self._apply_grammars(sample_logits, samplers)
             with deepinfer.value_checks(False):
-                step.tokens = self._sample(sample_logits, samplers, greedy).to(torch.int64)
+                step.tokens = self._sample(allowed, samplers, None if allowed is not sample_logits else greedy)
+                step.tokens = step.tokens.to(torch.int64)
             host["tokens"] = step.tokens
             step._want = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
             if step._want:
@@ -260,6 +263,16 @@ class ModelRunner:
             seq_lens=[s.num_computed + 1 for s in seqs],
             pending=self._pending_tokens(seqs, previous),
         )
+
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """``logits`` (one row per sequence of ``seqs``) with each structured-output row's disallowed tokens at
+        ``-inf``; ``logits`` itself when no sequence has a grammar."""
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return logits
+        mask = allowed_tokens([seqs[i].matcher for i in rows], logits.shape[1]).to(self.device, non_blocking=True)
+        index = self._tensor(rows, torch.int64)
+        return logits.index_copy(0, index, ops.apply_token_bitmask(logits.index_select(0, index), mask))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None) -> torch.Tensor:
         """The next token of each of ``seqs`` (one row of ``logits`` each); ``greedy``: their greedy tokens, already

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import RequestError
+from .structured_output import StructuredOutputsParams
 
 MASK63 = (1 << 63) - 1
 # Temperatures below this decode greedily, as in vLLM: fp32 logits divided by 1e-38 or less overflow, and at 1e-5 a
@@ -28,7 +29,10 @@ class SamplingParams:
     ``ignore_eos``. logprobs: None for none; ``k >= 0`` returns the log-probability of each generated token
     (and the ``k`` most likely tokens with theirs when ``k > 0``). prompt_logprobs: the same for the prompt
     tokens (the first prompt token has none). Log-probabilities come from the model's raw logits (log_softmax
-    before temperature or filtering), as vLLM computes them by default.
+    before temperature, filtering or a structured-output mask), as vLLM computes them by default.
+    structured_outputs: hold the generated text to a JSON schema, regex, grammar or choice
+    (``StructuredOutputsParams``, ``structured_output.py``); an invalid one is a ``RequestError`` when the request
+    is submitted.
     """
 
     max_tokens: int = 16
@@ -41,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
@@ -83,6 +88,10 @@ class SamplingParams:
         ):
             raise bad(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(stop)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad(f"structured_outputs must be StructuredOutputsParams or None, got {self.structured_outputs!r}")
 
 
 def step_seed(seed: int, step: int) -> int:

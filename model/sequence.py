@@ -50,6 +50,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.num_preemptions = 0
+        self.matcher: Any = None  # the grammar matcher of a structured-output request (structured_output.py)
 
     @property
     def num_tokens(self) -> int:
