@@ -2,8 +2,9 @@
 
 The paged cache of all layers is one tensor ``[layers, num_blocks, block_size, width]`` (``kv_caches[l]`` is layer
 ``l``'s cache as the ops take it); a sparse-attention model's indexer keys live in a second such tensor on the same
-pages (``index_caches``). Decode rows come first in the packed batch, then the prefill chunks. A
-decode-only step replays a captured CUDA graph when the backend supports them (``cuda_graphs.py``).
+pages (``index_caches``). Decode rows come first in the packed batch (the decodes, then the tokens of chunks of
+``decode_rows``, one row each), then the prefill chunks. A decode-only step replays a captured CUDA graph when the
+backend supports them (``cuda_graphs.py``).
 
 A step is launched (``launch``: inputs, forward, sampling and log-probabilities queued on the device, the tokens'
 copy to the host started) and its result read later (``LaunchedStep.result``), so the engine can launch the next
@@ -31,7 +32,7 @@ from .deepseek_v3 import DeepseekV3
 from .forward_batch import ForwardBatch
 from .greedy import greedy_tokens
 from .sampling_params import step_seed
-from .scheduler import ScheduledBatch
+from .scheduler import PrefillChunk, ScheduledBatch
 from .sequence import PENDING, Sequence
 from .structured_output import allowed_tokens
 
@@ -123,26 +124,29 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        for seq in batch.decodes:
-            p = seq.num_computed
+        chunks = _chunks(batch)
+        decode_rows = [(seq, seq.num_computed) for seq in batch.decodes]
+        decode_rows += [(ch.seq, p) for ch in chunks if ch.decode_rows for p in range(ch.start, ch.end)]
+        prefills = [ch for ch in chunks if not ch.decode_rows]
+        for seq, p in decode_rows:
             ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(alloc.slot(seq, p))
-        fb = ForwardBatch(positions=None, slot_mapping=None, num_decode=len(batch.decodes))
-        if batch.decodes:
-            width = max(len(s.block_table) for s in batch.decodes)
-            table = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.decodes]
+        fb = ForwardBatch(positions=None, slot_mapping=None, num_decode=len(decode_rows))
+        if decode_rows:
+            width = max(len(s.block_table) for s, _ in decode_rows)
+            table = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in decode_rows]
             fb.block_table = self._tensor(table, torch.int32)
-            fb.seq_lens = self._tensor([s.num_computed + 1 for s in batch.decodes], torch.int32)
-        if batch.prefills:
+            fb.seq_lens = self._tensor([p + 1 for _, p in decode_rows], torch.int32)
+        if prefills:
             cu_q, cu_k, ctx = [0], [0], []
             if self.index_caches is not None:  # sparse attention's indexer reads the chunks' pages
-                width = max(len(ch.seq.block_table) for ch in batch.prefills)
+                width = max(len(ch.seq.block_table) for ch in prefills)
                 fb.prefill_block_table = self._tensor(
-                    [ch.seq.block_table + [0] * (width - len(ch.seq.block_table)) for ch in batch.prefills],
+                    [ch.seq.block_table + [0] * (width - len(ch.seq.block_table)) for ch in prefills],
                     torch.int32,
                 )
-            for ch in batch.prefills:
+            for ch in prefills:
                 seq = ch.seq
                 ids.extend(seq.token_ids[ch.start : ch.end])
                 pos.extend(range(ch.start, ch.end))
@@ -172,7 +176,7 @@ class ModelRunner:
             sample_rows.append(i)
             samplers.append(seq)
         row = len(batch.decodes)
-        for ch in batch.prefills:
+        for ch in _chunks(batch):
             seq = ch.seq
             if seq.wants_prompt_logprobs:
                 first = max(ch.start, len(seq.prompt_logprobs) - 1)
@@ -287,6 +291,11 @@ class ModelRunner:
             self._tensor([p.top_k for p in params], torch.int32),
             self._tensor([step_seed(s.seed, s.num_generated) for s in seqs], torch.int64),
         )
+
+
+def _chunks(batch: ScheduledBatch) -> list[PrefillChunk]:
+    """``batch.prefills`` in the order their rows are packed: the chunks of ``decode_rows`` first."""
+    return [ch for ch in batch.prefills if ch.decode_rows] + [ch for ch in batch.prefills if not ch.decode_rows]
 
 
 def _logprob_tensors(out: dict[str, torch.Tensor], name: str, logits: torch.Tensor, targets: torch.Tensor, kmax: int):

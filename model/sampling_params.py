@@ -22,9 +22,14 @@ class SamplingParams:
     max_tokens: tokens to generate at most; a sequence also stops at the context length (``LLM.max_model_len``,
     prompt included), with finish reason ``length`` either way. temperature: 0 is greedy (the first index of the
     highest logit), and so is any temperature below ``SAMPLING_EPS`` (1e-5; it is set to 0); otherwise logits are
-    divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off) filter the
-    distribution as ``deepinfer.ops.sample`` documents. seed: a request's tokens depend only on its prompt, its
-    parameters and this seed, never on what else is batched with it (None: a fresh random seed).
+    divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off) filter the distribution as
+    ``deepinfer.ops.sample`` documents. seed: the random draw of a request's ``i``-th token depends only on this
+    seed and ``i``, never on what else is batched with it (None: a fresh random seed). With
+    batch-invariant ops (``DEEPINFER_BATCH_INVARIANT=1`` on a backend that declares them) the logits do not depend
+    on the batch either, so a request's tokens and log-probabilities are bitwise the same alone and in any batch. In
+    the default mode the logits' rounding depends on the batch (kernels pick their tiling by the number of rows), so
+    where a draw falls close to the boundary between two tokens, or two logits tie for greedy, a request can take
+    another token in another batch and continue differently from there, as in vLLM.
     stop_token_ids: generation ends after any of these; the model's ``eos_token_id`` ends it too unless
     ``ignore_eos``. logprobs: None for none; ``k >= 0`` returns the log-probability of each generated token
     (and the ``k`` most likely tokens with theirs when ``k > 0``). prompt_logprobs: the same for the prompt

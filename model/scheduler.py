@@ -15,8 +15,10 @@ A prompt is prefilled in chunks that end at multiples of ``chunk_size`` (the las
 split never depends on what else runs with it: with batch-invariant ops its tokens are bitwise the same alone or in
 any batch. Preemption copies the victim's pages to host memory (``swap``) and copies them back when it resumes:
 nothing is recomputed and the resumed request continues exactly where it stopped. ``recompute`` drops the pages
-instead and prefills prompt and generated tokens again. A sequence that outgrows the whole cache while running alone
-finishes with ``finish_reason="length"``.
+instead and computes them again as they were first computed: the prompt in the same chunks, then the generated
+tokens in chunks of decode rows (``PrefillChunk.decode_rows``), so that with batch-invariant ops the cache and every
+later token are bitwise those of a run without preemption. A sequence that outgrows the whole cache while running
+alone finishes with ``finish_reason="length"``.
 """
 
 from __future__ import annotations
@@ -34,11 +36,20 @@ PREEMPTION_MODES = ("swap", "recompute")
 
 @dataclass
 class PrefillChunk:
-    """Tokens ``[start, end)`` of ``seq`` to prefill this step."""
+    """Tokens ``[start, end)`` of ``seq`` to compute this step: prompt tokens (prefill), or tokens the sequence
+    generated before it was preempted by recomputation (``decode_rows``)."""
 
     seq: Sequence
     start: int
     end: int
+
+    @property
+    def decode_rows(self) -> bool:
+        """Generated tokens computed again after preemption by recomputation. They go through the decode path, one
+        row per token (each attending to the cache up to itself, which this step's earlier rows write first), as
+        they did when they were decoded: the prefill path rounds differently, and its cache entries and logits
+        would differ from those the request had before it was preempted."""
+        return self.start >= self.seq.num_prompt_tokens
 
 
 @dataclass
@@ -99,8 +110,10 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def chunk_end(self, seq: Sequence) -> int:
-        """End of the next prefill chunk of ``seq``: the next multiple of ``chunk_size`` or the last token."""
-        return min((seq.num_computed // self.chunk_size + 1) * self.chunk_size, seq.num_tokens)
+        """End of the next chunk of ``seq``: the next multiple of ``chunk_size``, or the end of the prompt while the
+        prompt is prefilled (a chunk never holds both prompt and generated tokens), or the last token."""
+        last = seq.num_prompt_tokens if seq.num_computed < seq.num_prompt_tokens else seq.num_tokens
+        return min((seq.num_computed // self.chunk_size + 1) * self.chunk_size, last)
 
     def finish(self, seq: Sequence) -> None:
         """Takes a finished sequence out and frees its pages."""

@@ -22,8 +22,8 @@ class Sequence:
     its cache pages (``block_table``) and what it has produced so far.
 
     The model must compute tokens ``[num_computed, len(token_ids))`` before it can sample the next one. Prompt
-    tokens always go through prefill (in chunks); a generated token is decoded when it is the only pending one
-    (after preemption by recomputation, generated tokens are prefilled again with the prompt).
+    tokens always go through prefill (in chunks); generated tokens always go through decode: one at a time, or
+    after preemption by recomputation several in one step, one row each (``PrefillChunk.decode_rows``).
     """
 
     def __init__(

@@ -2,7 +2,8 @@
 independently pair by pair, a stand-in expert, the one-process reference, and the harness that plays a test
 module's scenarios on spawned Gloo ranks.
 
-A test module using ``launch`` defines ``SCENARIOS`` (and optionally ``FAULTS``): name -> ``f(rank, world, *args)``,
+A test module using ``launch`` defines ``SCENARIOS`` (and optionally ``FAULTS`` and ``MISMATCHES``): name ->
+``f(rank, world, *args)``,
 and may define ``SEED`` (set on every rank from the parent's) and ``setup_rank()`` (backend selection before the
 process group starts). Every rank still alive at the end or at the deadline is killed, so a bug fails a test but
 never hangs the run.
@@ -212,7 +213,7 @@ def _worker(module: str, rank: int, world: int, port: int, seed, args, names, pg
         for name in names:
             results.put((rank, name, traceback.format_exc(), None, 0.0))
         return
-    scenarios = {**mod.SCENARIOS, **getattr(mod, "FAULTS", {})}
+    scenarios = {**mod.SCENARIOS, **getattr(mod, "FAULTS", {}), **getattr(mod, "MISMATCHES", {})}
     for name in names:
         start = time.monotonic()
         try:

@@ -4,7 +4,8 @@ Each run spawns the ranks once and plays every scenario in them; each scenario i
 Every rank draws the whole problem (all ranks' tokens and routings) from one shared fresh seed, so each checks its
 own received layout against an independent pair-by-pair construction, and its combined output against the
 one-process reference on the concatenated batch. Dead and hung ranks must surface as errors within the process
-group's timeout; the harness kills whatever is left, so a bug can fail these tests but never hang the run.
+group's timeout, and arguments that differ between ranks as the same ``InputError`` on every rank at once; the
+harness kills whatever is left, so a bug can fail these tests but never hang the run.
 """
 
 from __future__ import annotations
@@ -282,6 +283,86 @@ def sc_hung_rank(rank: int, world: int) -> None:
 FAULTS = {"dead_rank": sc_dead_rank, "hung_rank": sc_hung_rank}
 
 
+def _mismatch(rank: int, world: int, arg: str, ours: dict, theirs: dict, shown: tuple[str, str]) -> str:
+    """Every rank dispatches a fresh random problem over a new group (its first use: nothing agreed yet) with the
+    keyword arguments ``ours``, the last rank with ``theirs`` instead; every rank must raise ``InputError`` about
+    ``arg`` showing both values (``shown``: how the message spells ours and theirs). Returns the message."""
+    grp = torch.distributed.new_group(list(range(world)))
+    mine = theirs if rank == world - 1 else ours
+    hidden, k, dtype, num_experts = mine.get("hidden", 64), mine.get("k", 2), mine.get("dtype"), mine["num_experts"]
+    p = random_problem(_gen(f"mismatch {arg}"), [4] * world, num_experts, k, hidden)
+    x = p.xs[rank] if dtype is None else p.xs[rank].to(dtype)
+    kw = {key: v for key, v in mine.items() if key not in ("hidden", "k", "dtype")}
+    with pytest.raises(InputError) as err:
+        ep_dispatch(x, p.ids[rank], p.weights[rank], group=grp, **kw)
+    message = str(err.value)
+    assert err.value.arg == arg, message
+    assert f"{shown[0]} on rank" in message and f"{shown[1]} on rank {world - 1}" in message, message
+    assert "every rank of the group" in err.value.expected, message
+    return message
+
+
+def sc_mismatch_placement(rank: int, world: int) -> str:
+    """Both placements are valid on their own: without the check the sums come out wrong on every rank, silently."""
+    ours = ExpertPlacement.contiguous(2 * world, world)
+    theirs = ExpertPlacement(2 * world, ours.local_experts[::-1])
+    n = 2 * world
+    return _mismatch(rank, world, "placement", {"num_experts": n, "placement": ours},
+                     {"num_experts": n, "placement": theirs}, (repr(ours), repr(theirs)))  # fmt: skip
+
+
+def sc_mismatch_num_experts(rank: int, world: int) -> str:
+    n = 2 * world
+    return _mismatch(rank, world, "num_experts", {"num_experts": n}, {"num_experts": n + 2}, (str(n), str(n + 2)))
+
+
+def sc_mismatch_hidden(rank: int, world: int) -> str:
+    n = 2 * world
+    return _mismatch(rank, world, "x", {"num_experts": n}, {"num_experts": n, "hidden": 128}, ("64", "128"))
+
+
+def sc_mismatch_dtype(rank: int, world: int) -> str:
+    n = 2 * world
+    theirs = {"num_experts": n, "dtype": torch.float32}
+    return _mismatch(rank, world, "x", {"num_experts": n}, theirs, ("'torch.bfloat16'", "'torch.float32'"))
+
+
+def sc_mismatch_capacity(rank: int, world: int) -> str:
+    ours = {"num_experts": 2 * world, "mode": "low_latency", "capacity": 4}
+    return _mismatch(rank, world, "capacity", ours, ours | {"capacity": 6}, ("4", "6"))
+
+
+def sc_mismatch_mode(rank: int, world: int) -> str:
+    ours = {"num_experts": 2 * world}
+    theirs = ours | {"mode": "low_latency", "capacity": 4}
+    return _mismatch(rank, world, "mode", ours, theirs, ("'normal'", "'low_latency'"))
+
+
+def sc_mismatch_top_k(rank: int, world: int) -> str:
+    n = 2 * world
+    return _mismatch(rank, world, "ids", {"num_experts": n}, {"num_experts": n, "k": 3}, ("2", "3"))
+
+
+def sc_agreeing_after_mismatches(rank: int, world: int) -> None:
+    """After the mismatches, each raised on every rank, the group still works."""
+    _run_and_check(random_problem(_gen("after mismatches"), [5] * world, 2 * world, 2, 64), rank, "normal")
+
+
+MISMATCHES = {
+    f.__name__.removeprefix("sc_"): f
+    for f in (
+        sc_mismatch_placement,
+        sc_mismatch_num_experts,
+        sc_mismatch_hidden,
+        sc_mismatch_dtype,
+        sc_mismatch_capacity,
+        sc_mismatch_mode,
+        sc_mismatch_top_k,
+        sc_agreeing_after_mismatches,
+    )
+}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Harness
 
@@ -317,6 +398,23 @@ def test_fault_surfaces_within_timeout(fault):
     assert seconds < timeout_s + 10, f"the error took {seconds:.1f} s"
     if fault == "hung_rank":  # nothing else failed first: it was the timeout
         assert seconds > 0.8 * timeout_s, err
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mismatched_arguments_raise_on_every_rank(world):
+    """Ranks that pass different placements, expert counts, hidden sizes, dtypes, capacities, modes or top-k: every
+    rank raises ``InputError`` naming the argument and each rank's value, at once (well within the group's timeout),
+    instead of silently wrong sums on every rank or an abort of one."""
+    timeout_s = 20.0
+    got = launch(__name__, world, list(MISMATCHES), seed=SEED, pg_timeout_s=timeout_s, deadline_s=120.0)
+    for name in MISMATCHES:
+        for rank in range(world):
+            assert (rank, name) in got, f"rank {rank} never reported {name!r} (seed {SEED}): it died or hung"
+            err, _, seconds = got[(rank, name)]
+            assert err is None, f"{name}, rank {rank} of {world}, seed {SEED}:\n{err}"
+            assert seconds < timeout_s / 2, f"{name} took {seconds:.1f} s on rank {rank}"
+        if name != "agreeing_after_mismatches":
+            assert len({got[(r, name)][1] for r in range(world)}) == 1, f"{name}: the ranks' messages differ"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ both ops are collectives over that group. Which rank holds which experts is data
 from __future__ import annotations
 
 import functools
+import hashlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -218,6 +220,72 @@ def _check_placement(c: Check, placement, num_experts: int, world: int) -> None:
         raise c.fail("placement", f"one entry per rank of the group ({world})", f"{placement.world_size} ranks")
 
 
+# Per process group, the argument sets of ``ep_dispatch`` whose agreement across its ranks has been checked.
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _stable_code(text: str) -> int:
+    """A 63-bit digest of ``text``, the same in every process (``hash`` of a str is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _gather_texts(text: str, group, world: int, device: torch.device) -> list[str]:
+    """``text`` of every rank of ``group``, in rank order (two small collectives)."""
+    import torch.distributed as dist
+
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    rows = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(rows, padded, group=group)
+    return [bytes(row[: int(n)].tolist()).decode() for row, n in zip(rows, lengths)]
+
+
+def _check_ranks_agree(c: Check, group, world: int, fields: list[tuple[str, str, object]], device) -> None:
+    """Raises the same ``InputError`` on every rank of ``group`` when its ranks passed different values for one of
+    ``fields`` (``(argument, what it is, value)``), naming the first such argument and every rank's value.
+
+    A collective the first time this process uses this set of values on this group (one all-gather of a digest per
+    field; on a difference, two more to show the values); later calls with the same set exchange nothing. Ranks that
+    pass the same values reach the check together, so it never desynchronises a correct program. Skipped while a
+    CUDA graph is captured (the exchange would be captured too); the first call outside capture checks."""
+    key = tuple(value for _, _, value in fields)
+    try:
+        agreed = _AGREED.setdefault(group, set())
+        if key in agreed:
+            return
+    except TypeError:  # a group that cannot be weakly referenced or hashed: check every call
+        agreed = None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    import torch.distributed as dist
+
+    codes = torch.tensor([_stable_code(repr(value)) for _, _, value in fields], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(codes) for _ in range(world)]
+    dist.all_gather(everyone, codes, group=group)
+    table = torch.stack(everyone).cpu()
+    differs = (table != table[0]).any(dim=0).tolist()
+    if True in differs:
+        arg, what, value = fields[differs.index(True)]
+        values = _gather_texts(repr(value), group, world, device)
+        ranks: dict[str, list[int]] = {}
+        for rank, v in enumerate(values):
+            ranks.setdefault(v, []).append(rank)
+        got = "; ".join(f"{v} on rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}" for v, r in ranks.items())
+        raise c.fail(arg, f"the same {what} on every rank of the group ({world} ranks)", got)
+    if agreed is not None:
+        agreed.add(key)
+
+
+def _payload_kind(x) -> str:
+    if isinstance(x, QTensor):
+        return f"FP8 {x.data.dtype} with {x.scale_format} scales"
+    return str(x.dtype)
+
+
 def ep_dispatch(
     x: torch.Tensor | QTensor,
     ids: torch.Tensor,
@@ -261,10 +329,15 @@ def ep_dispatch(
     ``handle.overflow`` is true on every rank, and ``ep_combine`` returns NaN for each source token that lost a row.
 
     Several ranks: both ops are collectives; every rank of ``group`` calls them in the same order with the same
-    ``num_experts``, ``mode``, ``capacity``, ``placement``, hidden size and payload kind (bf16 or FP8), and calls
-    ``ep_combine`` on each handle. A rank that dies or never calls surfaces on the others as the process group's
-    error after its timeout (``timeout=`` of ``init_process_group`` / ``new_group``). An ``InputError`` is raised
-    before any exchange, on the ranks whose own arguments are wrong.
+    ``num_experts``, ``placement``, ``mode``, ``capacity``, hidden size, payload kind (dtype, or FP8 and its scale
+    format) and top-k (columns of ``ids``), and calls ``ep_combine`` on each handle. The first time a process
+    dispatches with a given set of those over a group, the ranks compare them (one small all-gather; nothing on later
+    calls with the same set, nor while a CUDA graph is captured): if they differ, every rank raises the same
+    ``InputError`` naming the first differing argument and each rank's value. Ranks whose values differ only on a
+    later call, after agreeing on both sets before, are not caught. A rank that dies or never calls surfaces on the
+    others as the process group's error after its timeout (``timeout=`` of ``init_process_group`` / ``new_group``).
+    An ``InputError`` about a rank's own arguments is raised before any exchange, on the ranks whose arguments are
+    wrong.
 
     Returns ``(recv_x, recv_ids, recv_weights, layout, handle)``: the global expert id and routing weight of each
     received row (shaped like recv_x without H; unused low-latency rows hold -1 and 0), the layout, and the handle
@@ -299,6 +372,17 @@ def ep_dispatch(
             raise c.fail(
                 "capacity", f"at least T = {tokens} (a rank sends its tokens in capacity slots)", str(capacity)
             )
+    if world > 1:
+        fields = [
+            ("num_experts", "number of experts", num_experts),
+            ("placement", "expert placement", placement),
+            ("mode", "mode", mode),
+            ("capacity", "capacity", capacity),
+            ("x", "hidden size (columns of x)", x.shape[1]),
+            ("x", "payload kind", _payload_kind(x)),
+            ("ids", "top-k (columns of ids)", ids.shape[1]),
+        ]
+        _check_ranks_agree(c, group, world, fields, x_data.device)
     checks = value_checks_enabled(ids)
     if checks and ids.numel():
         c.values_in_range("ids", ids, -1, num_experts - 1, what="expert ids (or -1)")
