@@ -1,0 +1,112 @@
+"""The DeepSeek-V4 ops' references against transformers' DeepseekV4 modules (the oracle), on fresh random weights
+and inputs; and the conformance cases of those ops checked to catch the bugs they are meant to catch.
+
+Each run draws new data; ``DEEPINFER_TEST_SEED=<n>`` replays a run (the seed is printed with a failure).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+import deepinfer
+from deepinfer import ops
+from deepinfer.conformance import activation as activation_cases
+from deepinfer.conformance.cases import Gen, error
+from deepinfer.conformance.tolerances import tolerance
+
+transformers_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config  # noqa: E402
+
+U32 = 2.0**-24  # fp32 unit roundoff
+BASE_SEED = int(os.environ.get("DEEPINFER_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+@pytest.fixture(autouse=True)
+def on_reference():
+    """Every op call in this file runs the reference backend."""
+    with deepinfer.use("reference"):
+        yield
+
+
+@pytest.fixture
+def g(request) -> torch.Generator:
+    """A generator seeded per test from the run's seed (printed, so a failure can be replayed)."""
+    print(f"DEEPINFER_TEST_SEED={BASE_SEED}")
+    return torch.Generator().manual_seed(BASE_SEED + zlib.crc32(request.node.name.encode()))
+
+
+def randn(g: torch.Generator, *shape: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def config(**over) -> DeepseekV4Config:
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=32,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        vocab_size=100,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        hc_mult=4,
+    )
+    return DeepseekV4Config(**{**kw, **over})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Clipped SwiGLU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("limit", [10.0, 1.5])
+def test_clipped_silu_and_mul_matches_the_v4_experts_gate(g, dtype, limit):
+    """silu_and_mul(limit=) equals DeepseekV4Experts._apply_gate (gate clamped above, up both ways, then
+    silu(gate) * up) on a packed gate_up with many values beyond the limit, transformers run on the fp32 values:
+    fp32 to a few ulps, bf16 within the output's one rounding."""
+    experts = transformers_v4.DeepseekV4Experts(config(swiglu_limit=limit))
+    x = randn(g, 9, 2 * 96, scale=1.2 * limit, dtype=dtype)
+    assert (x.float().abs() > limit).float().mean() > 0.2  # the clamp matters
+    expected = experts._apply_gate(x.float())
+    out = ops.silu_and_mul(x, limit=limit)
+    assert out.dtype == dtype and out.shape == (9, 96)
+    rtol = 2.0**-8 if dtype == torch.bfloat16 else 8 * U32
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=1e-6)
+    unclipped = ops.silu_and_mul(x)
+    assert not torch.allclose(unclipped.float(), expected, rtol=0.05)
+
+
+def test_clipped_silu_and_mul_matches_the_v4_shared_mlp(g):
+    """The shared expert's DeepseekV4MLP (gate and up as two projections) gives the same as gemm outputs packed
+    [gate | up] through silu_and_mul(limit=)."""
+    cfg = config(swiglu_limit=2.0)
+    mlp = transformers_v4.DeepseekV4MLP(cfg)
+    with torch.no_grad():
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            lin.weight.copy_(randn(g, *lin.weight.shape, scale=0.3))
+    x = randn(g, 5, cfg.hidden_size)
+    h = torch.cat([x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T], dim=-1)
+    out = ops.silu_and_mul(h, limit=2.0) @ mlp.down_proj.weight.T
+    with torch.no_grad():
+        torch.testing.assert_close(out, mlp(x), rtol=1e-5, atol=1e-6)
+
+
+def test_every_clipped_case_fails_an_implementation_that_ignores_the_limit():
+    """The conformance cases with a limit put enough values beyond it that the unclipped product misses the
+    tolerance (masked rows included)."""
+    limited = [c for shapes in ("small", "full") for c in activation_cases.cases(shapes) if "limit=" in c.name]
+    assert len(limited) >= 10
+    for case in limited:
+        kw = case.make(Gen(5, "cpu")) if "8192" not in case.name else None
+        if kw is None or kw["x"].numel() > 2**24:
+            continue
+        run = case.run or (lambda op, k: op(**k))
+        clipped = run(ops.silu_and_mul, kw)
+        ignored = run(ops.silu_and_mul, {**kw, "limit": None})
+        tol, _ = tolerance("silu_and_mul", case.variant)
+        assert error(ignored, clipped) > 10 * tol, case.name
