@@ -110,3 +110,70 @@ def test_every_clipped_case_fails_an_implementation_that_ignores_the_limit():
         ignored = run(ops.silu_and_mul, {**kw, "limit": None})
         tol, _ = tolerance("silu_and_mul", case.variant)
         assert error(ignored, clipped) > 10 * tol, case.name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routing: sqrtsoftplus top-k and hash routing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _router(cls, cfg, g):
+    router = cls(cfg)
+    with torch.no_grad():
+        router.weight.copy_(randn(g, *router.weight.shape, scale=0.5))
+    return router
+
+
+def _sorted(weights: torch.Tensor, ids: torch.Tensor):
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_sqrtsoftplus_route_matches_the_v4_topk_router(g, tokens):
+    """moe_route(scoring="sqrtsoftplus", n_group=1) chooses the experts of DeepseekV4TopKRouter (top-k of
+    sqrt(softplus(logit)) + bias) and gives its weights (unbiased scores over their sum + 1e-20, times the scaling
+    factor) to a few fp32 ulps."""
+    cfg = config(n_routed_experts=64, num_experts_per_tok=6, routed_scaling_factor=1.5)
+    router = _router(transformers_v4.DeepseekV4TopKRouter, cfg, g)
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(randn(g, 64, scale=0.3))
+        x = randn(g, tokens, cfg.hidden_size)
+        logits, want_w, want_ids = router(x)
+    w, ids = ops.moe_route(
+        logits.float(),
+        router.e_score_correction_bias,
+        top_k=6,
+        routed_scaling_factor=1.5,
+        scoring="sqrtsoftplus",
+    )
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (tokens, 6)
+    w, ids = _sorted(w, ids)
+    want_w, want_ids = _sorted(want_w, want_ids.to(torch.int32))
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=8 * U32, atol=0)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
+def test_hash_route_matches_the_v4_hash_router(g, scoring):
+    """moe_route_hash(logits, tid2eid[input_ids]) equals DeepseekV4HashRouter: ids exactly, in the table's order,
+    and weights to a few fp32 ulps."""
+    cfg = config(n_routed_experts=32, num_experts_per_tok=4, routed_scaling_factor=2.5, scoring_func=scoring)
+    router = _router(transformers_v4.DeepseekV4HashRouter, cfg, g)
+    table = torch.stack([torch.randperm(32, generator=g)[:4] for _ in range(cfg.vocab_size)])
+    with torch.no_grad():
+        router.tid2eid.copy_(table)
+        input_ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)
+        x = randn(g, 2, 9, cfg.hidden_size)
+        logits, want_w, want_ids = router(x, input_ids)
+    expert_ids = table[input_ids.reshape(-1)].to(torch.int32)
+    w, ids = ops.moe_route_hash(logits, expert_ids, routed_scaling_factor=2.5, scoring=scoring)
+    assert torch.equal(ids, want_ids.to(torch.int32)) and torch.equal(ids, expert_ids)
+    torch.testing.assert_close(w, want_w, rtol=8 * U32, atol=0)
+
+
+def test_sqrtsoftplus_keeps_precision_far_below_zero():
+    """Scores of very negative logits are sqrt(exp(x)), not the 0 a naive log(1 + exp(x)) gives."""
+    logits = torch.tensor([[-30.0, -20.0, -18.0, 0.0]])
+    w, _ = ops.moe_route_hash(logits, torch.tensor([[0, 1, 2]], dtype=torch.int32), renormalize=False)
+    torch.testing.assert_close(w, torch.exp(logits[:, :3].double() / 2).float(), rtol=1e-6, atol=0)

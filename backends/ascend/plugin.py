@@ -90,6 +90,7 @@ def op_impls() -> list[OpImpl]:
         _composite("grouped_gemm", gemm.grouped_gemm_torch, "a", "w"),
         _fused("moe_route", "torch_npu.npu_moe_gating_top_k", moe.moe_route_gating, moe.moe_route_gating_supports),
         _composite("moe_route", moe.moe_route_torch, "logits", "bias"),
+        _composite("moe_route_hash", moe.moe_route_hash_torch, "logits", "expert_ids"),
         _fused(
             "ep_dispatch",
             "torch_npu.npu_moe_init_routing_v2",

@@ -60,6 +60,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("gemm", "triton", gemm.gemm_triton, gemm.triton_dense_supports),
         _impl("grouped_gemm", "triton", gemm.grouped_gemm, gemm.grouped_supports),
         _impl("moe_route", "triton", moe.moe_route, moe.route_supports),
+        _impl("moe_route_hash", "triton", moe.moe_route_hash, moe.route_hash_supports),
         _impl("ep_dispatch", "triton", moe.ep_dispatch, moe.dispatch_supports),
         _impl("ep_combine", "triton", moe.ep_combine, moe.combine_supports),
         _impl("rms_norm", "triton", norm.rms_norm, norm.supports),

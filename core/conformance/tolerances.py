@@ -33,6 +33,7 @@ TOLERANCES: dict[str, float] = {
     "grouped_gemm/bf16": 1e-2,
     "grouped_gemm/fp8": 1e-2,
     "moe_route": 1e-5,  # fp32 weights; ids exact
+    "moe_route_hash": 1e-5,  # ditto
     "ep_dispatch": 0.0,  # a permutation: exact
     "ep_combine": 1e-2,  # fp32 sums of bf16 rows, rounded to bf16
     "rms_norm": 1e-2,

@@ -5,7 +5,7 @@
 | ``attention`` | ``mla_decode``, ``attention_varlen``, ``write_kv_cache`` |
 | ``sparse_attention`` | ``write_index_cache``, ``indexer_topk``, ``sparse_mla`` |
 | ``gemm`` | ``quantize_fp8``, ``gemm``, ``grouped_gemm`` |
-| ``moe`` | ``moe_route``, ``ep_dispatch``, ``ep_combine`` |
+| ``moe`` | ``moe_route``, ``moe_route_hash``, ``ep_dispatch``, ``ep_combine`` |
 | ``norm`` | ``rms_norm``, ``layer_norm`` |
 | ``rope`` | ``rope`` (tables: ``rope_cos_sin_cache``, ``mla_softmax_scale``) |
 | ``activation`` | ``silu_and_mul`` |
@@ -18,7 +18,7 @@ same-named file of its package.
 from .activation import silu_and_mul
 from .attention import attention_varlen, mla_decode, write_kv_cache
 from .gemm import gemm, grouped_gemm, quantize_fp8
-from .moe import DispatchHandle, ExpertLayout, ExpertPlacement, ep_combine, ep_dispatch, moe_route
+from .moe import DispatchHandle, ExpertLayout, ExpertPlacement, ep_combine, ep_dispatch, moe_route, moe_route_hash
 from .norm import layer_norm, rms_norm
 from .rope import mla_softmax_scale, rope, rope_cos_sin_cache
 from .sampling import sample
@@ -35,6 +35,7 @@ OP_NAMES = (
     "gemm",
     "grouped_gemm",
     "moe_route",
+    "moe_route_hash",
     "ep_dispatch",
     "ep_combine",
     "rms_norm",
@@ -59,6 +60,7 @@ __all__ = [
     "mla_decode",
     "mla_softmax_scale",
     "moe_route",
+    "moe_route_hash",
     "quantize_fp8",
     "rms_norm",
     "rope",
