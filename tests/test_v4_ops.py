@@ -177,3 +177,80 @@ def test_sqrtsoftplus_keeps_precision_far_below_zero():
     logits = torch.tensor([[-30.0, -20.0, -18.0, 0.0]])
     w, _ = ops.moe_route_hash(logits, torch.tensor([[0, 1, 2]], dtype=torch.int32), renormalize=False)
     torch.testing.assert_close(w, torch.exp(logits[:, :3].double() / 2).float(), rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hyper-connections
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _hc_module(cls, cfg, g, n: int, mixes: int, scales: int):
+    module = cls(cfg).to(torch.float32)
+    fn, base, scale = (
+        (module.fn, module.base, module.scale)
+        if hasattr(module, "fn")
+        else (
+            module.hc_fn,
+            module.hc_base,
+            module.hc_scale,
+        )
+    )
+    with torch.no_grad():
+        fn.copy_(randn(g, mixes, n * cfg.hidden_size, scale=(n * cfg.hidden_size) ** -0.5))
+        base.copy_(randn(g, mixes, scale=0.5))
+        scale.copy_(torch.rand(scales, generator=g) * 1.5 + 0.5)
+    return module, fn.detach(), base.detach(), scale.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_matches_the_v4_hyper_connection(g, dtype):
+    """hc_pre returns DeepseekV4HyperConnection's collapsed input, post and comb (Sinkhorn included) on random
+    weights: post and comb to fp32 accuracy of a reordered N*D-term sum, collapsed within one rounding."""
+    cfg = config(hidden_size=96, hc_mult=4, hc_sinkhorn_iters=20)
+    module, fn, base, scale = _hc_module(transformers_v4.DeepseekV4HyperConnection, cfg, g, 4, 24, 3)
+    streams = randn(g, 2, 5, 4, 96, scale=1.5, dtype=dtype)
+    with torch.no_grad():
+        want_post, want_comb, want_collapsed = module(streams)
+    collapsed, post, comb = ops.hc_pre(
+        streams.reshape(10, 4, 96), fn, base, scale, sinkhorn_iters=20, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps
+    )
+    assert collapsed.dtype == dtype and post.dtype == comb.dtype == torch.float32
+    torch.testing.assert_close(post, want_post.reshape(10, 4), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb, want_comb.reshape(10, 4, 4), rtol=1e-5, atol=1e-6)
+    rtol = 2.0**-8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(collapsed.float(), want_collapsed.reshape(10, 96).float(), rtol=rtol, atol=1e-5)
+    columns, rows = comb.sum(dim=-2), comb.sum(dim=-1)  # columns normalised last; rows close to one
+    assert torch.allclose(columns, torch.ones_like(columns), atol=1e-5)
+    assert torch.allclose(rows, torch.ones_like(rows), atol=0.1)
+    assert not torch.allclose(comb, comb.transpose(-1, -2), atol=1e-3)  # and not symmetric: the transpose matters
+
+
+def test_hc_post_matches_the_v4_decoder_layer(g):
+    """hc_post is the decoder layer's expansion and mix (comb applied transposed), on hc_pre's own outputs: fp32
+    streams give the layer's formula to fp32 accuracy, and comb untransposed would not."""
+    cfg = config(hidden_size=64, hc_mult=4)
+    module, *_ = _hc_module(transformers_v4.DeepseekV4HyperConnection, cfg, g, 4, 24, 3)
+    streams = randn(g, 1, 6, 4, 64)
+    block_out = randn(g, 1, 6, 64)
+    with torch.no_grad():
+        post, comb, _ = module(streams)
+        # The decoder layer's expression, verbatim (DeepseekV4DecoderLayer.forward).
+        want = post.unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+    out = ops.hc_post(block_out[0], streams[0], post[0], comb[0])
+    torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-6)
+    untransposed = post[0].unsqueeze(-1) * block_out[0].unsqueeze(-2) + torch.matmul(comb[0], streams[0])
+    assert not torch.allclose(out, untransposed, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_head_matches_the_v4_hyper_head(g, dtype):
+    """hc_head equals DeepseekV4HyperHead on random weights."""
+    cfg = config(hidden_size=80, hc_mult=3)
+    module, fn, base, scale = _hc_module(transformers_v4.DeepseekV4HyperHead, cfg, g, 3, 3, 1)
+    streams = randn(g, 2, 4, 3, 80, scale=1.5, dtype=dtype)
+    with torch.no_grad():
+        want = module(streams)
+    out = ops.hc_head(streams.reshape(8, 3, 80), fn, base, scale, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    assert out.dtype == dtype
+    rtol = 2.0**-8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), want.reshape(8, 80).float(), rtol=rtol, atol=1e-5)

@@ -10,6 +10,7 @@
 | ``rope`` | ``rope`` (tables: ``rope_cos_sin_cache``, ``mla_softmax_scale``) |
 | ``activation`` | ``silu_and_mul`` |
 | ``sampling`` | ``sample`` |
+| ``hyper_connection`` | ``hc_pre``, ``hc_post``, ``hc_head`` |
 
 The reference implementation of each lives in the same-named file of ``deepinfer.reference``; a backend's in the
 same-named file of its package.
@@ -18,6 +19,7 @@ same-named file of its package.
 from .activation import silu_and_mul
 from .attention import attention_varlen, mla_decode, write_kv_cache
 from .gemm import gemm, grouped_gemm, quantize_fp8
+from .hyper_connection import hc_head, hc_post, hc_pre
 from .moe import DispatchHandle, ExpertLayout, ExpertPlacement, ep_combine, ep_dispatch, moe_route, moe_route_hash
 from .norm import layer_norm, rms_norm
 from .rope import mla_softmax_scale, rope, rope_cos_sin_cache
@@ -43,6 +45,9 @@ OP_NAMES = (
     "rope",
     "silu_and_mul",
     "sample",
+    "hc_pre",
+    "hc_post",
+    "hc_head",
 )
 
 __all__ = [
@@ -55,6 +60,9 @@ __all__ = [
     "ep_dispatch",
     "gemm",
     "grouped_gemm",
+    "hc_head",
+    "hc_post",
+    "hc_pre",
     "indexer_topk",
     "layer_norm",
     "mla_decode",
