@@ -254,3 +254,12 @@ def test_hc_head_matches_the_v4_hyper_head(g, dtype):
     assert out.dtype == dtype
     rtol = 2.0**-8 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.float(), want.reshape(8, 80).float(), rtol=rtol, atol=1e-5)
+
+
+def test_a_comb_applied_untransposed_fails_every_hc_post_case():
+    """example_buggy's hc_post forgets comb's transpose: conformance fails each of its cases (T > 0)."""
+    from deepinfer.conformance import run_conformance
+
+    report = run_conformance("example_buggy", seed=53, only_ops=["hc_post"])
+    accuracy = {r.case: r.status for r in report.results if r.check == "accuracy"}
+    assert accuracy and all(s == ("pass" if case.startswith("T=0 ") else "fail") for case, s in accuracy.items())

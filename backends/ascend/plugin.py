@@ -12,7 +12,20 @@ from __future__ import annotations
 
 from deepinfer import BackendSpec, OpImpl, hookimpl
 
-from . import activation, attention, ep_mc2, gemm, moe, norm, probe, rope, sampling, sparse_attention, weights
+from . import (
+    activation,
+    attention,
+    ep_mc2,
+    gemm,
+    hyper_connection,
+    moe,
+    norm,
+    probe,
+    rope,
+    sampling,
+    sparse_attention,
+    weights,
+)
 
 NAME = "ascend"
 FUSED, COMPOSITE = 10, 0
@@ -125,6 +138,21 @@ def op_impls() -> list[OpImpl]:
             activation.silu_and_mul_swiglu,
             activation.silu_and_mul_swiglu_supports,
         ),
+        _fused(
+            "hc_pre",
+            "torch_npu.npu_rms_norm",
+            hyper_connection.hc_pre_rms_norm,
+            hyper_connection.hc_pre_rms_norm_supports,
+        ),
+        _composite("hc_pre", hyper_connection.hc_pre_torch, "streams", "fn", "base", "scale"),
+        _fused(
+            "hc_head",
+            "torch_npu.npu_rms_norm",
+            hyper_connection.hc_head_rms_norm,
+            hyper_connection.hc_head_rms_norm_supports,
+        ),
+        _composite("hc_head", hyper_connection.hc_head_torch, "streams", "fn", "base", "scale"),
+        _composite("hc_post", hyper_connection.hc_post_torch, "block_out", "streams", "post", "comb"),
         OpImpl(
             "sample",
             NAME,

@@ -6,6 +6,7 @@
   result depends on the batch it came in; yet the implementation claims to be batch-invariant.
 - ``indexer_topk``: tied scores go to the higher position instead of the lower one.
 - ``sparse_mla``: a row's first ``-1`` ends its list, as if valid slots always came first.
+- ``hc_post``: comb applied as ``comb @ streams`` instead of transposed (Sinkhorn's comb is not symmetric).
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def sparse_mla(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format):
     )
 
 
+def hc_post(block_out, streams, post, comb):
+    mixed = torch.matmul(comb, streams.float())
+    return (post.unsqueeze(-1) * block_out.float().unsqueeze(1) + mixed).to(streams.dtype)
+
+
 @deepinfer.hookimpl
 def deepinfer_backend() -> BackendSpec:
     return BackendSpec(
@@ -92,4 +98,5 @@ def deepinfer_op_impls() -> list[OpImpl]:
         OpImpl("rms_norm", "example_buggy", "torch", rms_norm, batch_invariant=True),
         OpImpl("indexer_topk", "example_buggy", "torch", indexer_topk),
         OpImpl("sparse_mla", "example_buggy", "torch", sparse_mla),
+        OpImpl("hc_post", "example_buggy", "torch", hc_post),
     ]
