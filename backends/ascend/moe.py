@@ -6,6 +6,8 @@ Fused operators (torch_npu, op-plugin docs):
   sigmoid and then renormalises by ``sum + eps``, 0 is softmax without renormalisation (the parameter table
   says the opposite; the example and the logic agree with us). Group scores: top-2 sum (mode 1, sigmoid) or max
   (mode 0, softmax). Sigmoid without renormalisation has no fused form; softmax with it is renormalised after.
+  DeepSeek-V4's ``sqrtsoftplus`` scores have no documented ``norm_type``: plain torch.
+- ``moe_route_hash`` (experts given per token): plain torch, a gather of the scores; no operator takes the experts.
 - ``ep_dispatch`` -> ``npu_moe_init_routing_v2``: a stable sort of the (token, k) pairs by expert (ids outside
   ``[0, E)``, i.e. -1, are left out), gather indices (``row_idx_type`` 0) and per-expert counts
   (``expert_tokens_num_type`` 1). FP8 rows travel as their bytes (an int8 view; the op takes int8 x) and their
@@ -82,7 +84,16 @@ def moe_route_gating_supports(
         and experts <= 2048
         and (n_group == 1 or (per_group > 2 and -(-per_group // 32) * 32 * n_group <= 2048))
         and (renormalize or scoring == "softmax")
+        and scoring != "sqrtsoftplus"  # norm_type is documented for softmax (0) and sigmoid (1) only
     )
+
+
+def _scores(logits, scoring) -> torch.Tensor:
+    if scoring == "sigmoid":
+        return torch.sigmoid(logits)
+    if scoring == "softmax":
+        return torch.softmax(logits, dim=-1)
+    return torch.nn.functional.softplus(logits).sqrt()  # DeepSeek-V4's sqrtsoftplus
 
 
 def moe_route_torch(
@@ -90,7 +101,7 @@ def moe_route_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-limited routing in plain torch (fp32)."""
     tokens, experts = logits.shape
-    scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    scores = _scores(logits, scoring)
     choose = scores if bias is None else scores + bias
     if n_group > 1:
         grouped = choose.view(tokens, n_group, experts // n_group)
@@ -106,6 +117,16 @@ def moe_route_torch(
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def moe_route_hash_torch(
+    logits, expert_ids, *, renormalize, routed_scaling_factor, scoring
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights of the given experts in plain torch (fp32): no torch_npu operator takes the experts as input."""
+    weights = _scores(logits, scoring).gather(1, expert_ids.long())
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, expert_ids.clone()
 
 
 # ---------------------------------------------------------------------------------------------------------------

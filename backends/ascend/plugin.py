@@ -12,7 +12,20 @@ from __future__ import annotations
 
 from deepinfer import BackendSpec, OpImpl, hookimpl
 
-from . import activation, attention, ep_mc2, gemm, moe, norm, probe, rope, sampling, sparse_attention, weights
+from . import (
+    activation,
+    attention,
+    ep_mc2,
+    gemm,
+    hyper_connection,
+    moe,
+    norm,
+    probe,
+    rope,
+    sampling,
+    sparse_attention,
+    weights,
+)
 
 NAME = "ascend"
 FUSED, COMPOSITE = 10, 0
@@ -90,6 +103,7 @@ def op_impls() -> list[OpImpl]:
         _composite("grouped_gemm", gemm.grouped_gemm_torch, "a", "w"),
         _fused("moe_route", "torch_npu.npu_moe_gating_top_k", moe.moe_route_gating, moe.moe_route_gating_supports),
         _composite("moe_route", moe.moe_route_torch, "logits", "bias"),
+        _composite("moe_route_hash", moe.moe_route_hash_torch, "logits", "expert_ids"),
         _fused(
             "ep_dispatch",
             "torch_npu.npu_moe_init_routing_v2",
@@ -124,6 +138,21 @@ def op_impls() -> list[OpImpl]:
             activation.silu_and_mul_swiglu,
             activation.silu_and_mul_swiglu_supports,
         ),
+        _fused(
+            "hc_pre",
+            "torch_npu.npu_rms_norm",
+            hyper_connection.hc_pre_rms_norm,
+            hyper_connection.hc_pre_rms_norm_supports,
+        ),
+        _composite("hc_pre", hyper_connection.hc_pre_torch, "streams", "fn", "base", "scale"),
+        _fused(
+            "hc_head",
+            "torch_npu.npu_rms_norm",
+            hyper_connection.hc_head_rms_norm,
+            hyper_connection.hc_head_rms_norm_supports,
+        ),
+        _composite("hc_head", hyper_connection.hc_head_torch, "streams", "fn", "base", "scale"),
+        _composite("hc_post", hyper_connection.hc_post_torch, "block_out", "streams", "post", "comb"),
         OpImpl(
             "sample",
             NAME,

@@ -22,9 +22,11 @@ def _silu_and_mul_kernel(
     masked_ptr,
     inter,
     max_m,
+    limit,
     MASKED: tl.constexpr,
     QUANT: tl.constexpr,
     UE8M0: tl.constexpr,
+    CLAMP: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUPS: tl.constexpr,
     PREROUND: tl.constexpr,
@@ -40,6 +42,9 @@ def _silu_and_mul_kernel(
     mask = cols < inter
     gate = tl.load(x_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:  # DeepSeek-V4's clipped SwiGLU
+        gate = tl.minimum(gate, limit)
+        up = tl.clamp(up, -limit, limit)
     y = gate / (1.0 + tl.exp(-gate)) * up
     if QUANT:
         scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4) / 448.0
@@ -53,7 +58,7 @@ def _silu_and_mul_kernel(
         tl.store(y_ptr + row * inter + cols, cast(y, y_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x, *, quantize, scale_format, masked_m):
+def silu_and_mul(x, *, quantize, scale_format, masked_m, limit):
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * inter).contiguous()
     rows = x2.shape[0]
@@ -73,9 +78,11 @@ def silu_and_mul(x, *, quantize, scale_format, masked_m):
             s if masked_m is None else masked_m,
             inter,
             x.shape[1] if masked_m is not None else 1,
+            1.0 if limit is None else limit,
             MASKED=masked_m is not None,
             QUANT=quantize,
             UE8M0=scale_format == "ue8m0",
+            CLAMP=limit is not None,
             BLOCK=BLOCK,
             GROUPS=groups,
             PREROUND=INTERPRET,
@@ -87,5 +94,5 @@ def silu_and_mul(x, *, quantize, scale_format, masked_m):
     return y.view(*lead, inter)
 
 
-def supports(x, *, quantize, scale_format, masked_m) -> bool:
+def supports(x, *, quantize, scale_format, masked_m, limit) -> bool:
     return on_device(x, masked_m)

@@ -30,6 +30,17 @@ from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
 
 
 @triton.jit
+def sqrt_softplus(x):
+    """DeepSeek-V4's router score ``sqrt(log(1 + exp(x)))``, as ``max(x, 0) + log1p(exp(-|x|))`` with log1p taken
+    from ``log(1 + t)`` corrected for the rounding of ``1 + t`` (exact to a few ulps where ``t`` is tiny)."""
+    t = tl.exp(-tl.abs(x))
+    u = 1.0 + t
+    exact = u == 1.0
+    log1p = tl.where(exact, t, tl.log(u) * (t / tl.where(exact, 1.0, u - 1.0)))
+    return tl.sqrt_rn(tl.maximum(x, 0.0) + log1p)
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr,
     bias_ptr,
@@ -39,6 +50,7 @@ def _route_kernel(
     scaling,
     HAS_BIAS: tl.constexpr,
     SOFTMAX: tl.constexpr,
+    SQRTSOFTPLUS: tl.constexpr,
     RENORM: tl.constexpr,
     N_GROUP: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -58,6 +70,8 @@ def _route_kernel(
     if SOFTMAX:
         e = tl.exp(x - tl.max(tl.max(x, axis=1), axis=0))
         scores = e / tl.sum(tl.sum(e, axis=1), axis=0)
+    elif SQRTSOFTPLUS:
+        scores = sqrt_softplus(x)
     else:
         scores = 1.0 / (1.0 + tl.exp(-x))
     choice = scores
@@ -112,6 +126,7 @@ def moe_route(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_s
             routed_scaling_factor,
             HAS_BIAS=bias is not None,
             SOFTMAX=scoring == "softmax",
+            SQRTSOFTPLUS=scoring == "sqrtsoftplus",
             RENORM=renormalize,
             N_GROUP=n_group,
             GROUP_SIZE=group_size,
@@ -764,3 +779,80 @@ def ep_combine(y, handle):
 def combine_supports(y, handle) -> bool:
     """The one-process handle of this backend's dispatch, or a handle of the core's multi-rank dispatch."""
     return isinstance(handle, (GpuHandle, ep.NormalHandle, ep.LowLatencyHandle)) and on_device(y)
+
+
+# --- moe_route_hash -----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_hash_kernel(
+    logits_ptr,
+    ids_ptr,
+    w_ptr,
+    out_ids_ptr,
+    E,
+    stride_t,
+    stride_ids,
+    stride_k,
+    scaling,
+    SCORING: tl.constexpr,
+    RENORM: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One token: the scores of its given experts (SCORING 0 sigmoid, 1 softmax over all E, 2 sqrt-softplus)."""
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    ids = tl.load(ids_ptr + t * stride_ids + k * stride_k, mask=k < TOP_K, other=0)
+    x = tl.load(logits_ptr + t * stride_t + ids, mask=k < TOP_K, other=0.0)
+    if SCORING == 0:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    elif SCORING == 1:
+        row_max = float("-inf")
+        for start in range(0, E, 1024):
+            cols = start + tl.arange(0, 1024)
+            row_max = tl.maximum(
+                row_max, tl.max(tl.load(logits_ptr + t * stride_t + cols, mask=cols < E, other=float("-inf")), axis=0)
+            )
+        total = 0.0
+        for start in range(0, E, 1024):
+            cols = start + tl.arange(0, 1024)
+            v = tl.load(logits_ptr + t * stride_t + cols, mask=cols < E, other=float("-inf"))
+            total += tl.sum(tl.exp(v - row_max), axis=0)
+        scores = tl.exp(x - row_max) / total
+    else:
+        scores = sqrt_softplus(x)
+    scores = tl.where(k < TOP_K, scores, 0.0)
+    if RENORM:
+        scores = scores / (tl.sum(scores, axis=0) + 1e-20)
+    tl.store(w_ptr + t * TOP_K + k, scores * scaling, mask=k < TOP_K)
+    tl.store(out_ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
+
+
+def moe_route_hash(logits, expert_ids, *, renormalize, routed_scaling_factor, scoring):
+    tokens, top_k = expert_ids.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if tokens:
+        _route_hash_kernel[(tokens,)](
+            logits,
+            expert_ids,
+            weights,
+            ids,
+            logits.shape[1],
+            logits.stride(0),
+            expert_ids.stride(0),
+            expert_ids.stride(1),
+            routed_scaling_factor,
+            SCORING=("sigmoid", "softmax", "sqrtsoftplus").index(scoring),
+            RENORM=renormalize,
+            TOP_K=top_k,
+            BLOCK_K=next_pow2(top_k),
+            launch_pdl=PDL,
+        )
+    return weights, ids
+
+
+def route_hash_supports(logits, expert_ids, *, renormalize, routed_scaling_factor, scoring) -> bool:
+    return on_device(logits, expert_ids) and logits.stride(1) == 1 and expert_ids.shape[1] <= 256

@@ -36,7 +36,7 @@ def _impl(op, provider, fn, supports, *, invariant=True, priority=0) -> OpImpl:
 def deepinfer_op_impls() -> list[OpImpl]:
     if not probe.triton_installed():
         return []  # the probe says why the backend is unavailable; there are no kernels to register
-    from . import activation, attention, gemm, moe, norm, rope, sampling, sparse_attention
+    from . import activation, attention, gemm, hyper_connection, moe, norm, rope, sampling, sparse_attention
 
     try:
         from . import gemm_gluon
@@ -60,6 +60,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("gemm", "triton", gemm.gemm_triton, gemm.triton_dense_supports),
         _impl("grouped_gemm", "triton", gemm.grouped_gemm, gemm.grouped_supports),
         _impl("moe_route", "triton", moe.moe_route, moe.route_supports),
+        _impl("moe_route_hash", "triton", moe.moe_route_hash, moe.route_hash_supports),
         _impl("ep_dispatch", "triton", moe.ep_dispatch, moe.dispatch_supports),
         _impl("ep_combine", "triton", moe.ep_combine, moe.combine_supports),
         _impl("rms_norm", "triton", norm.rms_norm, norm.supports),
@@ -67,6 +68,9 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("silu_and_mul", "triton", activation.silu_and_mul, activation.supports),
         _impl("sample", "triton", sampling.sample, sampling.supports),
         _impl("apply_token_bitmask", "triton", sampling.apply_token_bitmask, sampling.apply_token_bitmask_supports),
+        _impl("hc_pre", "triton", hyper_connection.hc_pre, hyper_connection.pre_supports),
+        _impl("hc_post", "triton", hyper_connection.hc_post, hyper_connection.post_supports),
+        _impl("hc_head", "triton", hyper_connection.hc_head, hyper_connection.head_supports),
         _impl("layer_norm", "triton", norm.layer_norm, norm.layer_norm_supports),
         _impl("write_index_cache", "triton", sparse_attention.write_index_cache, sparse_attention.write_supports),
         _impl("indexer_topk", "triton", sparse_attention.indexer_topk, sparse_attention.topk_supports),

@@ -1,4 +1,4 @@
-"""Conformance cases for ``moe_route``, ``ep_dispatch``, ``ep_combine`` (one process)."""
+"""Conformance cases for ``moe_route``, ``moe_route_hash``, ``ep_dispatch``, ``ep_combine`` (one process)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,37 @@ def _route_case(
         make,
         run=lambda op, kw: _sorted_pairs(op(**kw)),
         sub_batch=lambda kw, rows: (take_rows(kw, ("logits",), rows), lambda o: rows_of(o, rows)),
+        batch=lambda kw: kw["logits"].shape[0],
+    )
+
+
+def _hash_route_case(
+    tokens: int, experts: int, top_k: int, *, scoring: str = "sqrtsoftplus", distinct: bool = True, scale: float = 1.5
+) -> Case:
+    """Given experts per token (DeepSeek-V4's ``tid2eid[input_ids]``): distinct per row as a hash table gives them,
+    or drawn with repeats. Logits of both signs and beyond softplus's linear range."""
+
+    def make(g: Gen):
+        if distinct:
+            ids = torch.stack([g.perm(experts)[:top_k] for _ in range(tokens)]) if tokens else None
+        else:
+            ids = torch.randint(0, experts, (tokens, top_k), generator=g.cpu)
+        if ids is None:
+            ids = torch.zeros(0, top_k, dtype=torch.long)
+        return {
+            "logits": g.randn(tokens, experts, dtype=torch.float32, scale=8.0),
+            "expert_ids": ids.to(dtype=torch.int32, device=g.device),
+            "routed_scaling_factor": scale,
+            "scoring": scoring,
+        }
+
+    name = f"T={tokens} E={experts} k={top_k} {scoring}" + ("" if distinct else " repeats")
+    return Case(
+        "moe_route_hash",
+        name,
+        "default",
+        make,
+        sub_batch=lambda kw, rows: (take_rows(kw, ("logits", "expert_ids"), rows), lambda o: rows_of(o, rows)),
         batch=lambda kw: kw["logits"].shape[0],
     )
 
@@ -149,6 +180,15 @@ def cases(shapes: str) -> list[Case]:
             _route_case(0, 16, 4, 4, 2),
             _route_case(7, 8, 2, 1, 1, scale=1.0),  # E below the CPU vector width: rows must not share vectors
             _route_case(9, 24, 3, 3, 2),
+            # DeepSeek-V4: sqrt(softplus) scores, no groups.
+            _route_case(1, 16, 4, 1, 1, scoring="sqrtsoftplus", scale=1.5),
+            _route_case(37, 64, 6, 1, 1, scoring="sqrtsoftplus", scale=1.5),
+            _route_case(9, 24, 3, 1, 1, scoring="sqrtsoftplus", bias=False, renormalize=False),
+            _hash_route_case(1, 16, 4),
+            _hash_route_case(37, 64, 6),
+            _hash_route_case(0, 16, 4),
+            _hash_route_case(13, 8, 3, distinct=False),
+            _hash_route_case(11, 32, 4, scoring="sigmoid"),
         ]
         for mode in ("normal", "low_latency"):
             for fp8 in (False, True):
@@ -161,6 +201,8 @@ def cases(shapes: str) -> list[Case]:
             ]
         return out
     out = [_route_case(t, 256, 8, 8, 4) for t in (1, 128, 4096)]
+    out += [_route_case(t, 256, 6, 1, 1, scoring="sqrtsoftplus", scale=1.5) for t in (1, 128, 4096)]
+    out += [_hash_route_case(t, 256, 6) for t in (1, 128, 4096)]
     for mode in ("normal", "low_latency"):
         for fp8 in (False, True):
             out += [_dispatch_case(t, 7168, 256, 8, fp8, mode) for t in (1, 128)]
@@ -175,6 +217,10 @@ def bad_inputs() -> list[BadInput]:
         kw = {"logits": g.randn(4, 16, dtype=torch.float32), "bias": None, "top_k": 2, "n_group": 4, "topk_group": 2}
         return {**kw, **over}
 
+    def hashed(g: Gen, **over):
+        ids = torch.stack([g.perm(16)[:2] for _ in range(4)]).to(dtype=torch.int32, device=g.device)
+        return {**{"logits": g.randn(4, 16, dtype=torch.float32), "expert_ids": ids}, **over}
+
     def disp(g: Gen, **over):
         ids, weights = _routing(g, 4, 8, 2, 0.0)
         return {**{"x": g.randn(4, 128), "ids": ids, "weights": weights, "num_experts": 8}, **over}
@@ -188,6 +234,51 @@ def bad_inputs() -> list[BadInput]:
             "moe_route", "bias of the wrong length", "bias", lambda g: route(g, bias=g.randn(8, dtype=torch.float32))
         ),
         BadInput("moe_route", "unknown scoring", "scoring", lambda g: route(g, scoring="relu")),
+        BadInput("moe_route", "groups with sqrtsoftplus", "n_group", lambda g: route(g, scoring="sqrtsoftplus")),
+        BadInput("moe_route_hash", "bf16 logits", "logits", lambda g: hashed(g, logits=g.randn(4, 16))),
+        BadInput(
+            "moe_route_hash",
+            "expert id past E",
+            "expert_ids",
+            lambda g: hashed(g, expert_ids=torch.full((4, 2), 16, dtype=torch.int32, device=g.device)),
+        ),
+        BadInput(
+            "moe_route_hash",
+            "negative expert id",
+            "expert_ids",
+            lambda g: hashed(g, expert_ids=torch.full((4, 2), -1, dtype=torch.int32, device=g.device)),
+        ),
+        BadInput(
+            "moe_route_hash",
+            "int64 expert ids",
+            "expert_ids",
+            lambda g: hashed(g, expert_ids=hashed(g)["expert_ids"].long()),
+        ),
+        BadInput(
+            "moe_route_hash",
+            "expert ids rows != tokens",
+            "expert_ids",
+            lambda g: hashed(g, expert_ids=torch.zeros(5, 2, dtype=torch.int32, device=g.device)),
+        ),
+        BadInput(
+            "moe_route_hash",
+            "1-D expert ids",
+            "expert_ids",
+            lambda g: hashed(g, expert_ids=torch.zeros(4, dtype=torch.int32, device=g.device)),
+        ),
+        BadInput(
+            "moe_route_hash",
+            "no expert per token",
+            "expert_ids",
+            lambda g: hashed(g, expert_ids=torch.zeros(4, 0, dtype=torch.int32, device=g.device)),
+        ),
+        BadInput("moe_route_hash", "unknown scoring", "scoring", lambda g: hashed(g, scoring="relu")),
+        BadInput(
+            "moe_route_hash",
+            "negative scaling",
+            "routed_scaling_factor",
+            lambda g: hashed(g, routed_scaling_factor=-1.0),
+        ),
         BadInput("ep_dispatch", "int64 ids", "ids", lambda g: disp(g, ids=disp(g)["ids"].long())),
         BadInput(
             "ep_dispatch",

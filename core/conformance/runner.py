@@ -16,11 +16,11 @@ import torch
 from .. import dispatch, ops, registry
 from ..errors import FallbackWarning, InputError
 from ..selection import require, use
-from . import activation, attention, gemm, moe, norm, rope, sampling, sparse_attention
+from . import activation, attention, gemm, hyper_connection, moe, norm, rope, sampling, sparse_attention
 from .cases import BadInput, Case, Gen, bitwise_equal, error
 from .tolerances import tolerance
 
-FAMILIES = (attention, sparse_attention, gemm, moe, norm, rope, activation, sampling)
+FAMILIES = (attention, sparse_attention, gemm, moe, norm, rope, activation, sampling, hyper_connection)
 SHAPE_GRIDS = ("small", "full")
 
 

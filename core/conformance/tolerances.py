@@ -33,6 +33,7 @@ TOLERANCES: dict[str, float] = {
     "grouped_gemm/bf16": 1e-2,
     "grouped_gemm/fp8": 1e-2,
     "moe_route": 1e-5,  # fp32 weights; ids exact
+    "moe_route_hash": 1e-5,  # ditto
     "ep_dispatch": 0.0,  # a permutation: exact
     "ep_combine": 1e-2,  # fp32 sums of bf16 rows, rounded to bf16
     "rms_norm": 1e-2,
@@ -40,6 +41,14 @@ TOLERANCES: dict[str, float] = {
     "rope": 1e-2,
     "silu_and_mul": 1e-2,
     "silu_and_mul/fp8": 2e-2,
+    # hyper-connections: bf16 streams round the collapsed input or the new streams once; fp32 cases check post and
+    # comb (after the Sinkhorn iterations) near fp32 accuracy: sums over N*D products in another order.
+    "hc_pre": 1e-2,
+    "hc_pre/fp32": 1e-4,
+    "hc_post": 1e-2,
+    "hc_post/fp32": 1e-5,
+    "hc_head": 1e-2,
+    "hc_head/fp32": 1e-4,
     "sample": 0.0,  # greedy rows exact; sampled rows must lie in the kept set
     "apply_token_bitmask": 0.0,  # bitwise: kept logits unchanged, forbidden ones -inf
     "sample/distribution": 0.05,  # total variation between drawn frequencies and softmax(logits / T)

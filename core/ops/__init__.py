@@ -5,11 +5,12 @@
 | ``attention`` | ``mla_decode``, ``attention_varlen``, ``write_kv_cache`` |
 | ``sparse_attention`` | ``write_index_cache``, ``indexer_topk``, ``sparse_mla`` |
 | ``gemm`` | ``quantize_fp8``, ``gemm``, ``grouped_gemm`` |
-| ``moe`` | ``moe_route``, ``ep_dispatch``, ``ep_combine`` |
+| ``moe`` | ``moe_route``, ``moe_route_hash``, ``ep_dispatch``, ``ep_combine`` |
 | ``norm`` | ``rms_norm``, ``layer_norm`` |
 | ``rope`` | ``rope`` (tables: ``rope_cos_sin_cache``, ``mla_softmax_scale``) |
 | ``activation`` | ``silu_and_mul`` |
 | ``sampling`` | ``sample``, ``apply_token_bitmask`` |
+| ``hyper_connection`` | ``hc_pre``, ``hc_post``, ``hc_head`` |
 
 The reference implementation of each lives in the same-named file of ``deepinfer.reference``; a backend's in the
 same-named file of its package.
@@ -18,7 +19,8 @@ same-named file of its package.
 from .activation import silu_and_mul
 from .attention import attention_varlen, mla_decode, write_kv_cache
 from .gemm import gemm, grouped_gemm, quantize_fp8
-from .moe import DispatchHandle, ExpertLayout, ExpertPlacement, ep_combine, ep_dispatch, moe_route
+from .hyper_connection import hc_head, hc_post, hc_pre
+from .moe import DispatchHandle, ExpertLayout, ExpertPlacement, ep_combine, ep_dispatch, moe_route, moe_route_hash
 from .norm import layer_norm, rms_norm
 from .rope import mla_softmax_scale, rope, rope_cos_sin_cache
 from .sampling import apply_token_bitmask, sample
@@ -35,6 +37,7 @@ OP_NAMES = (
     "gemm",
     "grouped_gemm",
     "moe_route",
+    "moe_route_hash",
     "ep_dispatch",
     "ep_combine",
     "rms_norm",
@@ -43,6 +46,9 @@ OP_NAMES = (
     "silu_and_mul",
     "sample",
     "apply_token_bitmask",
+    "hc_pre",
+    "hc_post",
+    "hc_head",
 )
 
 __all__ = [
@@ -56,11 +62,15 @@ __all__ = [
     "ep_dispatch",
     "gemm",
     "grouped_gemm",
+    "hc_head",
+    "hc_post",
+    "hc_pre",
     "indexer_topk",
     "layer_norm",
     "mla_decode",
     "mla_softmax_scale",
     "moe_route",
+    "moe_route_hash",
     "quantize_fp8",
     "rms_norm",
     "rope",

@@ -12,9 +12,18 @@ FP8_BLOCK = 128
 
 
 def silu_and_mul(
-    x: torch.Tensor, *, quantize: bool = False, scale_format: str = "fp32", masked_m: torch.Tensor | None = None
+    x: torch.Tensor,
+    *,
+    quantize: bool = False,
+    scale_format: str = "fp32",
+    masked_m: torch.Tensor | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor | QTensor:
     """``silu(x[..., :I]) * x[..., I:]`` for ``x [..., 2I]`` (gate then up), computed in fp32.
+
+    With ``limit`` (a finite number > 0; DeepSeek-V4's ``swiglu_limit``), the clipped SwiGLU of transformers'
+    DeepseekV4: the gate is clamped to at most ``limit`` and up to ``[-limit, limit]`` (in fp32, before the
+    product): ``silu(min(gate, limit)) * clamp(up, -limit, limit)``. None (the default) clamps nothing.
 
     Returns ``[..., I]`` in x's dtype, or with ``quantize=True`` an FP8 ``QTensor`` with ``(1, 128)`` scales in
     ``scale_format``, quantised from the fp32 product as ``quantize_fp8`` does (``I % 128 == 0``). ``x`` is 2-D
@@ -29,6 +38,10 @@ def silu_and_mul(
     if not isinstance(quantize, bool):
         raise c.fail("quantize", "a bool", repr(quantize))
     c.choice("scale_format", scale_format, SCALE_FORMATS)
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf")
+    ):
+        raise c.fail("limit", "None or a finite number > 0", repr(limit))
     if quantize and (x.shape[-1] // 2) % FP8_BLOCK:
         raise c.fail("x", f"I = last dim / 2 a multiple of {FP8_BLOCK} to quantise", f"shape {list(x.shape)}")
     if masked_m is not None:
@@ -38,4 +51,11 @@ def silu_and_mul(
         c.same_device(x=x, masked_m=masked_m)
         if value_checks_enabled(masked_m):
             c.values_in_range("masked_m", masked_m, 0, x.shape[1], what="row counts")
-    return call("silu_and_mul", x=x, quantize=quantize, scale_format=scale_format, masked_m=masked_m)
+    return call(
+        "silu_and_mul",
+        x=x,
+        quantize=quantize,
+        scale_format=scale_format,
+        masked_m=masked_m,
+        limit=None if limit is None else float(limit),
+    )

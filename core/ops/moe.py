@@ -21,7 +21,7 @@ from ..dispatch import call
 from ..qtensor import QTensor
 from ..validation import FLOAT_DTYPES, Check, value_checks_enabled
 
-SCORINGS = ("sigmoid", "softmax")
+SCORINGS = ("sigmoid", "softmax", "sqrtsoftplus")
 EP_MODES = ("normal", "low_latency")
 
 
@@ -145,8 +145,9 @@ def moe_route(
     """DeepSeek-V3 group-limited routing, with the semantics of Hugging Face transformers' DeepseekV3 router.
 
     logits: ``[T, E]`` fp32 router logits; bias: ``[E]`` fp32 ``e_score_correction_bias`` or None.
-    ``s = sigmoid(logits)`` (``softmax`` over E for ``scoring="softmax"``); ``b = s + bias`` is used for
-    selection only. Experts form ``n_group`` equal groups; a group scores the sum of its top-2 ``b`` (its max for
+    ``s = sigmoid(logits)`` (``softmax`` over E for ``scoring="softmax"``; ``sqrt(softplus(logits))`` for
+    ``scoring="sqrtsoftplus"``, DeepSeek-V4's router, which takes no groups: ``n_group`` 1); ``b = s + bias`` is used
+    for selection only. Experts form ``n_group`` equal groups; a group scores the sum of its top-2 ``b`` (its max for
     softmax scoring); the ``topk_group`` best groups stay, the others are masked out; the ``top_k`` best ``b``
     among the kept experts are chosen. Weights are the unbiased ``s`` of the chosen experts, divided by their sum
     (+1e-20) when ``renormalize``, then times ``routed_scaling_factor``.
@@ -162,6 +163,8 @@ def moe_route(
         c.same_device(logits=logits, bias=bias)
     c.choice("scoring", scoring, SCORINGS)
     c.positive_int("n_group", n_group)
+    if scoring == "sqrtsoftplus" and n_group != 1:
+        raise c.fail("n_group", "1 with scoring='sqrtsoftplus' (DeepSeek-V4 routes without groups)", str(n_group))
     if num_experts % n_group:
         raise c.fail("n_group", f"a divisor of the {num_experts} experts", str(n_group))
     group_size = num_experts // n_group
@@ -181,6 +184,47 @@ def moe_route(
         top_k=top_k,
         n_group=n_group,
         topk_group=topk_group,
+        renormalize=bool(renormalize),
+        routed_scaling_factor=float(routed_scaling_factor),
+        scoring=scoring,
+    )
+
+
+def moe_route_hash(
+    logits: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring: str = "sqrtsoftplus",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing to given experts: DeepSeek-V4's hash routing (transformers' DeepseekV4HashRouter), where a frozen
+    token-id -> experts table chooses the experts (``expert_ids = tid2eid[input_ids]``) and the router only weights
+    them.
+
+    logits: ``[T, E]`` fp32 router logits; expert_ids: ``[T, k]`` int32 in ``[0, E)``, the experts of each token.
+    ``s`` is the score of ``scoring`` as in ``moe_route`` (default ``sqrtsoftplus``); the weights are ``s`` at the
+    given experts, divided by their sum (+1e-20) when ``renormalize``, then times ``routed_scaling_factor``. An expert
+    listed twice in a row counts twice. There is no bias and no selection.
+
+    Returns ``weights [T, k]`` fp32 and ``ids [T, k]`` int32: ``ids`` equals ``expert_ids`` entry for entry and
+    ``weights[t, j]`` belongs to ``ids[t, j]``, so the order is the caller's and the result is fully determined.
+    """
+    c = Check("moe_route_hash")
+    c.tensor("logits", logits, dtypes=(torch.float32,), ndim=2)
+    tokens, num_experts = logits.shape
+    c.index("expert_ids", expert_ids, ndim=2, length=tokens)
+    if expert_ids.shape[1] < 1:
+        raise c.fail("expert_ids", "at least one expert per token", f"shape {list(expert_ids.shape)}")
+    c.same_device(logits=logits, expert_ids=expert_ids)
+    c.choice("scoring", scoring, SCORINGS)
+    c.number("routed_scaling_factor", routed_scaling_factor, low=0.0)
+    if value_checks_enabled(expert_ids):
+        c.values_in_range("expert_ids", expert_ids, 0, num_experts - 1, what="expert ids")
+    return call(
+        "moe_route_hash",
+        logits=logits,
+        expert_ids=expert_ids,
         renormalize=bool(renormalize),
         routed_scaling_factor=float(routed_scaling_factor),
         scoring=scoring,

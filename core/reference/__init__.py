@@ -11,9 +11,9 @@ import torch
 
 from ..hookspecs import hookimpl
 from ..records import BackendSpec, OpImpl
-from . import activation, attention, gemm, moe, norm, rope, sampling, sparse_attention
+from . import activation, attention, gemm, hyper_connection, moe, norm, rope, sampling, sparse_attention
 
-_MODULES = (attention, sparse_attention, gemm, moe, norm, rope, activation, sampling)
+_MODULES = (attention, sparse_attention, gemm, moe, norm, rope, activation, sampling, hyper_connection)
 
 
 @hookimpl

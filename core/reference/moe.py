@@ -15,16 +15,26 @@ from ..ops.moe import DispatchHandle, ExpertLayout
 from ..qtensor import QTensor
 from . import ep
 
+_SCORE = {
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda x: x.softmax(dim=-1),
+    "sqrtsoftplus": lambda x: torch.nn.functional.softplus(x).sqrt(),  # DeepSeek-V4
+}
+
+
+def _scores(logits, scoring):
+    """``[T, E]`` fp32 router scores."""
+    score = _SCORE[scoring]
+    if batch_invariant_enabled() and logits.shape[0] > 1:
+        # torch's vectorised body and scalar tail round sigmoid/exp differently, and where a row's values fall in
+        # the [T, E] tensor depends on T: score each row on its own.
+        return torch.stack([score(row) for row in logits])
+    return score(logits)
+
 
 def moe_route(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_scaling_factor, scoring):
     tokens, num_experts = logits.shape
-    score = torch.sigmoid if scoring == "sigmoid" else (lambda x: x.softmax(dim=-1))
-    if batch_invariant_enabled() and tokens > 1:
-        # torch's vectorised body and scalar tail round sigmoid/exp differently, and where a row's values fall in
-        # the [T, E] tensor depends on T: score each row on its own.
-        scores = torch.stack([score(row) for row in logits])
-    else:
-        scores = score(logits)
+    scores = _scores(logits, scoring)
     choice = scores if bias is None else scores + bias
     if n_group > 1:
         grouped = choice.view(tokens, n_group, num_experts // n_group)
@@ -41,6 +51,13 @@ def moe_route(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_s
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def moe_route_hash(logits, expert_ids, *, renormalize, routed_scaling_factor, scoring):
+    weights = _scores(logits, scoring).gather(1, expert_ids.long())
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, expert_ids.clone()
 
 
 @dataclass

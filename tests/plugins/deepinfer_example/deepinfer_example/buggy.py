@@ -7,6 +7,7 @@
 - ``indexer_topk``: tied scores go to the higher position instead of the lower one.
 - ``sparse_mla``: a row's first ``-1`` ends its list, as if valid slots always came first.
 - ``apply_token_bitmask``: a word's bits read most significant first.
+- ``hc_post``: comb applied as ``comb @ streams`` instead of transposed (Sinkhorn's comb is not symmetric).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def apply_token_bitmask(logits, bitmask):
     token = torch.arange(logits.shape[1])
     allowed = (bitmask.long()[:, token // 32] >> (31 - token % 32)) & 1 == 1
     return logits.masked_fill(~allowed, float("-inf"))
+def hc_post(block_out, streams, post, comb):
+    mixed = torch.matmul(comb, streams.float())
+    return (post.unsqueeze(-1) * block_out.float().unsqueeze(1) + mixed).to(streams.dtype)
 
 
 @deepinfer.hookimpl
@@ -100,4 +104,5 @@ def deepinfer_op_impls() -> list[OpImpl]:
         OpImpl("indexer_topk", "example_buggy", "torch", indexer_topk),
         OpImpl("sparse_mla", "example_buggy", "torch", sparse_mla),
         OpImpl("apply_token_bitmask", "example_buggy", "torch", apply_token_bitmask),
+        OpImpl("hc_post", "example_buggy", "torch", hc_post),
     ]

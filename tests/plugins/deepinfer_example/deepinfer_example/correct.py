@@ -63,9 +63,11 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     return out.to(q.dtype), lse
 
 
-def silu_and_mul(x, *, quantize, scale_format, masked_m):
+def silu_and_mul(x, *, quantize, scale_format, masked_m, limit):
     half = x.shape[-1] // 2
     gate, up = x[..., :half].float(), x[..., half:].float()
+    if limit is not None:  # DeepSeek-V4's clipped SwiGLU
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return (gate / (1 + torch.exp(-gate)) * up).to(x.dtype)
 
 
@@ -91,7 +93,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
             "example_cpu",
             "torch",
             silu_and_mul,
-            supports=lambda x, *, quantize, scale_format, masked_m: not quantize,
+            supports=lambda x, *, quantize, scale_format, masked_m, limit: not quantize,
             batch_invariant=True,
         ),
     ]

@@ -1,0 +1,188 @@
+"""DeepSeek-V4's hyper-connections: ``hc_pre``, ``hc_post``, ``hc_head``, one program per token (and D block).
+
+``hc_pre`` and ``hc_head`` run two kernels: the projection of the flattened streams (sum of squares and the M dot
+products in one pass over N*D, fp32), then per (token, D block) the collapse, where the first block also writes
+post and comb (sigmoids, the softmax and the Sinkhorn iterations on an N x N tile). ``hc_post`` reads comb
+transposed per token. Every token's arithmetic is the same whatever the batch: batch-invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
+
+BLOCK_K = 512
+BLOCK_D = 256
+
+
+@triton.jit
+def _mix_kernel(x_ptr, fn_ptr, mix_ptr, K, M, norm_eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """mix[t] = fn @ x[t] * rsqrt(mean(x[t]^2) + norm_eps) over the flattened streams x[t] (K = N*D)."""
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M,), tl.float32)
+    squares = tl.zeros((BLOCK_K,), tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0).to(tl.float32)
+        squares += x * x
+        w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        acc += tl.sum(w * x[None, :], axis=1)
+    r = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / K + norm_eps)
+    tl.store(mix_ptr + t * M + m, acc * r, mask=m < M)
+
+
+@triton.jit
+def _collapse_kernel(
+    x_ptr,
+    mix_ptr,
+    base_ptr,
+    scale_ptr,
+    out_ptr,
+    post_ptr,
+    comb_ptr,
+    D,
+    M,
+    eps,
+    iters,
+    N: tl.constexpr,
+    N_P2: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    i = tl.arange(0, N_P2)
+    valid = i < N
+    pre = tl.load(mix_ptr + t * M + i, mask=valid, other=0.0) * tl.load(scale_ptr) + tl.load(
+        base_ptr + i, mask=valid, other=0.0
+    )
+    pre = tl.where(valid, 1.0 / (1.0 + tl.exp(-pre)) + eps, 0.0)
+    d = block * BLOCK_D + tl.arange(0, BLOCK_D)
+    xs = tl.load(x_ptr + t * N * D + i[:, None] * D + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
+    out = tl.sum(pre[:, None] * xs.to(tl.float32), axis=0)
+    tl.store(out_ptr + t * D + d, cast(out, out_ptr.dtype.element_ty), mask=d < D)
+    if not HEAD:  # noqa: SIM102 (a constexpr test: it must stay its own statement in Triton)
+        if block == 0:
+            post = tl.load(mix_ptr + t * M + N + i, mask=valid, other=0.0) * tl.load(scale_ptr + 1)
+            post += tl.load(base_ptr + N + i, mask=valid, other=0.0)
+            tl.store(post_ptr + t * N + i, 2.0 / (1.0 + tl.exp(-post)), mask=valid)
+            j = tl.arange(0, N_P2)
+            tile = valid[:, None] & (j[None, :] < N)
+            at = 2 * N + i[:, None] * N + j[None, :]
+            logits = tl.load(mix_ptr + t * M + at, mask=tile, other=0.0) * tl.load(scale_ptr + 2)
+            logits = tl.where(tile, logits + tl.load(base_ptr + at, mask=tile, other=0.0), float("-inf"))
+            e = tl.exp(logits - tl.max(tl.where(tile, logits, -3.0e38), axis=1)[:, None])
+            e = tl.where(tile, e, 0.0)
+            comb = tl.where(tile, e / tl.maximum(tl.sum(e, axis=1), 1e-30)[:, None] + eps, 0.0)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+            for _ in range(iters - 1):
+                comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
+                comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+            tl.store(comb_ptr + t * N * N + i[:, None] * N + j[None, :], comb, mask=tile)
+
+
+def _collapse(streams, fn, base, scale, eps, norm_eps, iters, head):
+    tokens, n, d = streams.shape
+    mixes = fn.shape[0]
+    x = streams.contiguous()
+    out = torch.empty(tokens, d, dtype=streams.dtype, device=streams.device)
+    post = torch.empty(tokens, n, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(tokens, n, n, dtype=torch.float32, device=streams.device)
+    if tokens:
+        mix = torch.empty(tokens, mixes, dtype=torch.float32, device=streams.device)
+        block_m = next_pow2(mixes)
+        block_k = max(16, min(BLOCK_K, 8192 // block_m))
+        _mix_kernel[(tokens,)](
+            x, fn.contiguous(), mix, n * d, mixes, norm_eps, BLOCK_M=block_m, BLOCK_K=block_k, launch_pdl=PDL
+        )
+        block_d = min(BLOCK_D, next_pow2(d))
+        _collapse_kernel[(tokens, triton.cdiv(d, block_d))](
+            x,
+            mix,
+            base.contiguous(),
+            scale.contiguous(),
+            out,
+            post,
+            comb,
+            d,
+            mixes,
+            eps,
+            iters,
+            N=n,
+            N_P2=next_pow2(n),
+            HEAD=head,
+            BLOCK_D=block_d,
+            launch_pdl=PDL,
+        )
+    return out, post, comb
+
+
+def hc_pre(streams, fn, base, scale, *, sinkhorn_iters, eps, norm_eps):
+    return _collapse(streams, fn, base, scale, eps, norm_eps, sinkhorn_iters, head=False)
+
+
+def hc_head(streams, fn, base, scale, *, eps, norm_eps):
+    return _collapse(streams, fn, base, scale, eps, norm_eps, 1, head=True)[0]
+
+
+@triton.jit
+def _post_kernel(
+    o_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, N: tl.constexpr, N_P2: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """y[t, i] = post[t, i] * o[t] + sum_j comb[t, j, i] * x[t, j]."""
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    i = tl.arange(0, N_P2)
+    valid = i < N
+    comb_t = tl.load(
+        comb_ptr + t * N * N + i[None, :] * N + i[:, None], mask=valid[:, None] & valid[None, :], other=0.0
+    )
+    xs = tl.load(x_ptr + t * N * D + i[:, None] * D + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
+    mixed = tl.sum(comb_t[:, :, None] * xs.to(tl.float32)[None, :, :], axis=1)
+    o = tl.load(o_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * N + i, mask=valid, other=0.0)
+    y = post[:, None] * o[None, :] + mixed
+    tl.store(
+        y_ptr + t * N * D + i[:, None] * D + d[None, :],
+        cast(y, y_ptr.dtype.element_ty),
+        mask=valid[:, None] & (d[None, :] < D),
+    )
+
+
+def hc_post(block_out, streams, post, comb):
+    tokens, n, d = streams.shape
+    y = torch.empty(tokens, n, d, dtype=streams.dtype, device=streams.device)
+    if tokens:
+        block_d = min(BLOCK_D, next_pow2(d))
+        _post_kernel[(tokens, triton.cdiv(d, block_d))](
+            block_out.contiguous(),
+            streams.contiguous(),
+            post.contiguous(),
+            comb.contiguous(),
+            y,
+            d,
+            N=n,
+            N_P2=next_pow2(n),
+            BLOCK_D=block_d,
+            launch_pdl=PDL,
+        )
+    return y
+
+
+def pre_supports(streams, fn, base, scale, *, sinkhorn_iters, eps, norm_eps) -> bool:
+    return on_device(streams, fn, base, scale) and streams.shape[1] <= 16
+
+
+def head_supports(streams, fn, base, scale, *, eps, norm_eps) -> bool:
+    return on_device(streams, fn, base, scale) and streams.shape[1] <= 16
+
+
+def post_supports(block_out, streams, post, comb) -> bool:
+    return on_device(block_out, streams, post, comb) and streams.shape[1] <= 16
