@@ -83,6 +83,8 @@ def apply_token_bitmask(logits, bitmask):
     token = torch.arange(logits.shape[1])
     allowed = (bitmask.long()[:, token // 32] >> (31 - token % 32)) & 1 == 1
     return logits.masked_fill(~allowed, float("-inf"))
+
+
 def hc_post(block_out, streams, post, comb):
     mixed = torch.matmul(comb, streams.float())
     return (post.unsqueeze(-1) * block_out.float().unsqueeze(1) + mixed).to(streams.dtype)
