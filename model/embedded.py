@@ -9,7 +9,8 @@ Its corpus exists offline on every machine: the ``.py`` files of the running int
 (``stdlib_documents``). A file belongs to the held-out split when the first byte of the SHA-256 of its path relative
 to the library root is below 13 (about 5% of the files), so the split is the same on every Python version and a
 held-out file is never trained on, whatever the version that trained the model. ``training/train_embedded.py``
-trains it; ``checkpoint_dir() / "../TRAINING.md"`` records how, on what data, and how well.
+trains it; ``checkpoints/tiny-py/README.md`` (its card) and ``training.json`` beside it record how, on what data, and
+how well.
 """
 
 from __future__ import annotations
