@@ -32,7 +32,7 @@ def test_reference_passes_every_check():
     report = run_conformance("reference", seed=11)
     assert not report.failed, report.failed
     checks = {r.check for r in report.results}
-    assert checks == {"accuracy", "determinism", "batch_invariance", "bad_input"}
+    assert checks == {"accuracy", "strided", "determinism", "batch_invariance", "bad_input"}
     assert sum(r.check == "bad_input" for r in report.results) >= 50
 
 
@@ -180,3 +180,16 @@ def test_planted_sparse_attention_bugs_fail_where_they_show():
     # A -1 ending the row: every case shuffles some rows' -1 entries in among their slots, and fails.
     sparse = _by_check(report, "sparse_mla", "accuracy")
     assert sparse and set(sparse.values()) == {"fail"}, sparse
+
+
+def test_planted_stride_bug_fails_only_on_non_contiguous_inputs():
+    """``slot_mapping`` read as if contiguous: right on every case as drawn, wrong on the same slots in a strided
+    view wherever there are two tokens or more (the cache must stay contiguous: its contract says so)."""
+    report = run_conformance("example_buggy", seed=15, only_ops=["write_kv_cache"])
+    assert set(_by_check(report, "write_kv_cache", "accuracy").values()) == {"pass"}
+    strided = _by_check(report, "write_kv_cache", "strided")
+    assert len(strided) == len([c for c in all_cases("small") if c.op == "write_kv_cache"])
+    for case, status in strided.items():
+        tokens = int(re.search(r"T=(\d+)", case).group(1))
+        assert status == ("fail" if tokens >= 2 else "pass"), (case, status)
+    assert "fail" in strided.values()

@@ -6,6 +6,8 @@
   result depends on the batch it came in; yet the implementation claims to be batch-invariant.
 - ``indexer_topk``: tied scores go to the higher position instead of the lower one.
 - ``sparse_mla``: a row's first ``-1`` ends its list, as if valid slots always came first.
+- ``write_kv_cache``: ``slot_mapping`` is read as if it were contiguous (entry ``t`` at ``ptr + t``), so a strided
+  view of the slots writes to the wrong ones.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import deepinfer
 from deepinfer import BackendSpec, OpImpl
 from deepinfer.index_cache import read_keys
+from deepinfer.reference import attention as reference_attention
 from deepinfer.reference import sparse_attention as reference
 from deepinfer.reference.sparse_attention import sequence_slots
 
@@ -77,6 +80,13 @@ def sparse_mla(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format):
     )
 
 
+def write_kv_cache(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format):
+    as_if_contiguous = torch.as_strided(slot_mapping, slot_mapping.shape, (1,), slot_mapping.storage_offset())
+    reference_attention.write_kv_cache(
+        latent, kv_cache, as_if_contiguous, kv_lora_rank=kv_lora_rank, kv_format=kv_format
+    )
+
+
 @deepinfer.hookimpl
 def deepinfer_backend() -> BackendSpec:
     return BackendSpec(
@@ -92,4 +102,5 @@ def deepinfer_op_impls() -> list[OpImpl]:
         OpImpl("rms_norm", "example_buggy", "torch", rms_norm, batch_invariant=True),
         OpImpl("indexer_topk", "example_buggy", "torch", indexer_topk),
         OpImpl("sparse_mla", "example_buggy", "torch", sparse_mla),
+        OpImpl("write_kv_cache", "example_buggy", "torch", write_kv_cache),
     ]
