@@ -753,3 +753,56 @@ def test_multi_rank_normal_dispatch_and_combine(monkeypatch):
         err, served, _ = got[(rank, "low_latency")]
         assert err is None, f"rank {rank}:\n{err}"
         assert served == [kernels] * 7, served
+
+
+STRIDED_INDICES = """
+import torch, deepinfer
+from deepinfer.conformance.cases import Gen, bitwise_equal, error, strided
+from deepinfer.conformance.runner import _run, all_cases
+from deepinfer.conformance.tolerances import tolerance
+
+ARGS = {  # the index arguments of each op, and the small vectors read beside the operands
+    "mla_decode": ("seq_lens", "block_table"),
+    "attention_varlen": ("cu_seqlens_q", "cu_seqlens_k"),
+    "write_kv_cache": ("slot_mapping",),
+    "write_index_cache": ("slot_mapping",),
+    "indexer_topk": ("block_table", "cu_seqlens_q", "seq_lens"),
+    "sparse_mla": ("indices",),
+    "grouped_gemm": ("expert_offsets", "masked_m"),
+    "silu_and_mul": ("masked_m",),
+    "rope": ("positions",),
+    "sample": ("seeds",),
+    "gemm": ("bias",),
+    "moe_route": ("bias",),
+}
+seen = set()
+for i, case in enumerate(all_cases("small")):
+    for arg in ARGS.get(case.op, ()):
+        kw = case.make(Gen(100 + i, "cpu"))
+        if (case.op, case.variant, arg) in seen or kw.get(arg) is None or kw[arg].shape[0] < 2:
+            continue
+        seen.add((case.op, case.variant, arg))
+        with deepinfer.use("reference"):
+            ref = _run(case, kw)
+        for inner in (True, False) if kw[arg].dim() > 1 else (True,):  # a table's rows strided, or padded only
+            with deepinfer.use("cuda_sm100"):
+                out = _run(case, {**kw, arg: strided(kw[arg], inner=inner)})
+                if case.op == "sample":  # a seed fixes its draw: the same tokens as from contiguous seeds
+                    ok = bitwise_equal(out, _run(case, kw))
+                else:
+                    compare = case.compare or (lambda o, r, k: error(o, r))
+                    ok = compare(out, ref, kw) <= tolerance(case.op, case.variant)[0]
+            print(case.op, case.variant, arg, "ok" if ok else "WRONG")
+"""
+
+
+def test_kernels_read_non_contiguous_index_tensors():
+    """Every index argument (slots, lengths, offsets, page tables, positions, seeds) of every Triton kernel, and the
+    biases, given as a non-contiguous view: the results equal the reference's on the same values, in each cache
+    format and layout (and a seed draws the token it draws from a contiguous tensor)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", STRIDED_INDICES], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) >= 20, lines
+    assert [line for line in lines if not line.endswith(" ok")] == []

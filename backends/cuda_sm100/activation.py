@@ -70,7 +70,7 @@ def silu_and_mul(x, *, quantize, scale_format, masked_m):
             x2,
             y,
             s,
-            s if masked_m is None else masked_m,
+            s if masked_m is None else masked_m.contiguous(),  # read at masked_ptr + expert
             inter,
             x.shape[1] if masked_m is not None else 1,
             MASKED=masked_m is not None,

@@ -396,6 +396,7 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     n = b.shape[0]
     if m == 0 or n == 0:
         return out
+    bias = bias.contiguous() if bias is not None else None  # read at bias_ptr + n
     fp8 = a_scale is not None
     tile = tile or _tile(m, n, k, fp8, invariant)
     block_m = tile.block_m
@@ -843,6 +844,9 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     a_data = a.data if fp8 else a
     experts, n, k = w.shape
     masked = masked_m is not None
+    # The kernels read entry e of either at ptr + e.
+    masked_m = masked_m.contiguous() if masked else None
+    expert_offsets = expert_offsets.contiguous() if expert_offsets is not None else None
     rows = a_data.shape[0] * a_data.shape[1] if masked else a_data.shape[0]
     out = torch.empty(*a_data.shape[:-1], n, dtype=out_dtype, device=a_data.device)
     if rows == 0 or n == 0:
