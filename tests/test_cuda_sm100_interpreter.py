@@ -806,3 +806,30 @@ def test_kernels_read_non_contiguous_index_tensors():
     lines = out.stdout.splitlines()
     assert len(lines) >= 20, lines
     assert [line for line in lines if not line.endswith(" ok")] == []
+
+
+MLA_NO_PAGES = """
+import torch, deepinfer
+from deepinfer import ops
+
+empty = torch.empty
+torch.empty = lambda *a, **k: empty(*a, **k).fill_(7)  # what a kernel leaves unwritten is not zero by chance
+g = torch.Generator().manual_seed(2)
+for fmt, width in (("bf16", 192), ("fp8_ds_mla", 196)):
+    cache = deepinfer.allocate_kv_cache(2, 16, kv_lora_rank=128, rope_dim=64, kv_format=fmt, device="cpu")
+    kw = dict(q=torch.randn(3, 2, 4, 192, generator=g).bfloat16(), kv_cache=cache, softmax_scale=0.1,
+              block_table=torch.zeros(3, 0, dtype=torch.int32), seq_lens=torch.zeros(3, dtype=torch.int32),
+              kv_lora_rank=128)
+    with deepinfer.use("cuda_sm100"):
+        out, lse = ops.mla_decode(**kw)
+    print(fmt, bool((out == 0).all()), bool((lse == float("-inf")).all()))
+"""
+
+
+def test_mla_decode_with_a_block_table_of_no_columns():
+    """A block table ``[B, 0]`` (every ``seq_lens`` 0): zeros and ``lse = -inf``, as for any query that sees nothing,
+    not whatever the output buffers held."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", MLA_NO_PAGES], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.splitlines() == ["bf16 True True", "fp8_ds_mla True True"]

@@ -55,7 +55,7 @@ def _silu_and_mul_kernel(
 
 def silu_and_mul(x, *, quantize, scale_format, masked_m):
     inter = x.shape[-1] // 2
-    x2 = x.reshape(-1, 2 * inter).contiguous()
+    x2 = x.reshape(x.shape[:-1].numel(), 2 * inter).contiguous()  # not -1: rows of no values are still rows
     rows = x2.shape[0]
     if quantize:
         y = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
@@ -63,7 +63,7 @@ def silu_and_mul(x, *, quantize, scale_format, masked_m):
     else:
         y = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
         s = torch.empty(1, dtype=torch.float32, device=x.device)  # unused
-    if rows:
+    if x2.numel():
         groups = min(GROUPS, next_pow2(triton.cdiv(inter, BLOCK)))
         grid = (rows, triton.cdiv(triton.cdiv(inter, BLOCK), groups))
         _silu_and_mul_kernel[grid](

@@ -352,6 +352,8 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     lse = torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
     if batch == 0:
         return out, lse
+    if block_table.shape[1] == 0:  # no pages: no query sees a position, and a grid of no KV span launches nothing
+        return out.zero_(), lse.fill_(float("-inf"))
     page = kv_cache.shape[1]
     tile = dict(MLA_TILE)
     block_h = min(tile.pop("BLOCK_H"), max(16, next_pow2(heads)))
