@@ -130,8 +130,8 @@ def gemm_quant_matmul(a, w, *, out_dtype, bias) -> torch.Tensor:
     """FP8 ``gemm`` through ``npu_quant_matmul`` (G-B mode, or MX when that recipe is on)."""
     npu = probe.torch_npu()
     m, n = a.shape[0], w.shape[0]
-    if m == 0:
-        return torch.zeros(0, n, dtype=out_dtype, device=w.device)
+    if m == 0 or n == 0:  # npu_quant_matmul takes no empty operand
+        return torch.zeros(m, n, dtype=out_dtype, device=w.device)
     if mx_recipe():
         mx = w.prepared if isinstance(w.prepared, MxWeight) else to_mx_weight(w)
         x = a.dequantize(torch.bfloat16) if isinstance(a, QTensor) else a.to(torch.bfloat16)
