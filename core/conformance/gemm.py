@@ -124,6 +124,7 @@ def cases(shapes: str) -> list[Case]:
     if shapes == "small":
         out += [_quantize_case(m, k, f) for m, k in [(1, 128), (7, 384), (33, 256)] for f in ("fp32", "ue8m0")]
         out.append(_quantize_case(5, 256, "fp32", experts=3))
+        out.append(_quantize_case(0, 256, "fp32"))
         for m in (1, 5, 37):
             out += [_gemm_case(m, n, k, v) for n, k in [(96, 256), (200, 384)] for v in ("bf16", "fp8w", "fp8")]
         out += [
@@ -131,6 +132,8 @@ def cases(shapes: str) -> list[Case]:
             _gemm_case(5, 96, 2304, "fp32"),  # K long enough for a backend to split it
             _gemm_case(0, 96, 256, "bf16"),
             _gemm_case(0, 96, 256, "fp8w"),
+            _gemm_case(5, 0, 256, "bf16"),
+            _gemm_case(5, 0, 256, "fp8"),
             _gemm_case(6, 96, 256, "bf16", bias=True),
             _gemm_case(6, 130, 256, "fp8", ue8m0=True),
             _gemm_case(3, 64, 4096, "fp8w", bias=True),  # long K, one tile: a backend may split K
@@ -141,6 +144,7 @@ def cases(shapes: str) -> list[Case]:
         for lay in ("contiguous", "masked"):
             out += [_grouped_case(4, 96, 256, 9, v, lay) for v in ("bf16", "fp8w", "fp8")]
         out.append(_grouped_case(3, 200, 128, 17, "fp8", "contiguous"))
+        out += [_grouped_case(3, 96, 256, 0, "bf16", lay) for lay in ("contiguous", "masked")]  # no rows at all
         return out
     out += [_quantize_case(m, 7168, f) for m in (1, 4096) for f in ("fp32", "ue8m0")]
     out.append(_quantize_case(64, 2048, "fp32", experts=32))

@@ -224,6 +224,8 @@ def cases(shapes: str) -> list[Case]:
             _sparse_case(6, 4, 24, [30, 50], 16, "fp8_ds_mla", 128, 64),
             _sparse_case(4, 16, 40, [100, 7], 64, "fp8_ds_mla", 256, 32, repeats=True),
             _sparse_case(3, 4, 12, [20], 16, "bf16", 64, 32, repeats=True),
+            _topk_case([0, 0], [5, 9], 4, 32, 8, 16, "bf16"),  # no queries
+            _sparse_case(0, 4, 16, [40], 16, "bf16", 128, 64),
         ]
     out = []
     for fmt in ("bf16", "fp8_ds_index"):
