@@ -55,6 +55,8 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, UE8M0: tl.constexpr, BLOCK: tl.c
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
     if UE8M0:
         scale = pow2_ceil(scale)
+    # max and maximum drop a NaN on the GPU: a group holding one gets a NaN scale explicitly, as the contract says.
+    scale = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), scale)
     q = to_e4m3(tl.clamp(x / scale[:, None], -448.0, 448.0), PREROUND)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask[:, None])
     tl.store(s_ptr + rows * (K // BLOCK) + group, scale, mask=mask)
