@@ -321,6 +321,8 @@ def bad_inputs() -> list[BadInput]:
             ),
         ),
         BadInput("mla_decode", "negative softmax_scale", "softmax_scale", lambda g: mla(g, softmax_scale=-1.0)),
+        BadInput("mla_decode", "infinite softmax_scale", "softmax_scale", lambda g: mla(g, softmax_scale=float("inf"))),
+        BadInput("attention_varlen", "zero softmax_scale", "softmax_scale", lambda g: varlen(g, softmax_scale=0.0)),
         BadInput("attention_varlen", "v with another token count", "v", lambda g: varlen(g, v=g.randn(4, 4, 32))),
         BadInput(
             "attention_varlen",

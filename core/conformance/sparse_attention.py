@@ -375,6 +375,7 @@ def bad_inputs() -> list[BadInput]:
             lambda g: sparse(g, indices=torch.tensor([[0, 3, -1]], dtype=i32, device=g.device)),
         ),
         BadInput("sparse_mla", "4-D q", "q", lambda g: sparse(g, q=g.randn(2, 1, 4, 192))),
+        BadInput("sparse_mla", "NaN softmax_scale", "softmax_scale", lambda g: sparse(g, softmax_scale=float("nan"))),
         BadInput(
             "sparse_mla",
             "cache width != D_qk",
