@@ -686,6 +686,25 @@ def test_rms_norm_validation(mutation, data):
     expect(ops.rms_norm, kw, mutation, check)
 
 
+@pytest.mark.parametrize(
+    ("args", "arg"),
+    [
+        ((0, 32), "rotary_dim"),
+        ((5, 32), "rotary_dim"),
+        ((64, 0), "max_position"),
+        ((64, 8, math.inf), "base"),
+        ((64, 8, 0.0), "base"),
+        ((64, 8, 10000.0, {"rope_type": "linear", "factor": 2.0}), "scaling"),
+    ],
+)
+def test_rope_table_rejects_arguments_that_give_no_table(args, arg):
+    """A rotary dim of 0 (an empty table), an odd one, no positions, a base that makes every angle 0 or NaN, an
+    unknown scaling: InputError naming the argument, never a table."""
+    with pytest.raises(InputError) as raised:
+        ops.rope_cos_sin_cache(*args)
+    assert raised.value.arg == arg
+
+
 @mutations("odd_dim pos_dtype pos_length table_dtype table_dim interleaved x_ndim meta pos_range")
 @fuzz(15)
 @given(data=st.data())
