@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 from collections.abc import Iterator, Sequence
 
@@ -133,6 +134,11 @@ class Check:
             raise self.fail(
                 arg, "a number" + ("" if low is None and high is None else f" {_range(low, high)}"), repr(value)
             )
+
+    def positive_number(self, arg: str, value) -> None:
+        """A finite number > 0 (a scale: zero, infinity or NaN would make every result meaningless)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise self.fail(arg, "a finite number > 0", repr(value))
 
     def values_in_range(self, arg: str, t: torch.Tensor, low: int, high: int, *, what: str = "values") -> None:
         """All entries in [low, high] (a value check: call only where ``value_checks_enabled``)."""

@@ -753,3 +753,83 @@ def test_multi_rank_normal_dispatch_and_combine(monkeypatch):
         err, served, _ = got[(rank, "low_latency")]
         assert err is None, f"rank {rank}:\n{err}"
         assert served == [kernels] * 7, served
+
+
+STRIDED_INDICES = """
+import torch, deepinfer
+from deepinfer.conformance.cases import Gen, bitwise_equal, error, strided
+from deepinfer.conformance.runner import _run, all_cases
+from deepinfer.conformance.tolerances import tolerance
+
+ARGS = {  # the index arguments of each op, and the small vectors read beside the operands
+    "mla_decode": ("seq_lens", "block_table"),
+    "attention_varlen": ("cu_seqlens_q", "cu_seqlens_k"),
+    "write_kv_cache": ("slot_mapping",),
+    "write_index_cache": ("slot_mapping",),
+    "indexer_topk": ("block_table", "cu_seqlens_q", "seq_lens"),
+    "sparse_mla": ("indices",),
+    "grouped_gemm": ("expert_offsets", "masked_m"),
+    "silu_and_mul": ("masked_m",),
+    "rope": ("positions",),
+    "sample": ("seeds",),
+    "gemm": ("bias",),
+    "moe_route": ("bias",),
+}
+seen = set()
+for i, case in enumerate(all_cases("small")):
+    for arg in ARGS.get(case.op, ()):
+        kw = case.make(Gen(100 + i, "cpu"))
+        if (case.op, case.variant, arg) in seen or kw.get(arg) is None or kw[arg].shape[0] < 2:
+            continue
+        seen.add((case.op, case.variant, arg))
+        with deepinfer.use("reference"):
+            ref = _run(case, kw)
+        for inner in (True, False) if kw[arg].dim() > 1 else (True,):  # a table's rows strided, or padded only
+            with deepinfer.use("cuda_sm100"):
+                out = _run(case, {**kw, arg: strided(kw[arg], inner=inner)})
+                if case.op == "sample":  # a seed fixes its draw: the same tokens as from contiguous seeds
+                    ok = bitwise_equal(out, _run(case, kw))
+                else:
+                    compare = case.compare or (lambda o, r, k: error(o, r))
+                    ok = compare(out, ref, kw) <= tolerance(case.op, case.variant)[0]
+            print(case.op, case.variant, arg, "ok" if ok else "WRONG")
+"""
+
+
+def test_kernels_read_non_contiguous_index_tensors():
+    """Every index argument (slots, lengths, offsets, page tables, positions, seeds) of every Triton kernel, and the
+    biases, given as a non-contiguous view: the results equal the reference's on the same values, in each cache
+    format and layout (and a seed draws the token it draws from a contiguous tensor)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", STRIDED_INDICES], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) >= 20, lines
+    assert [line for line in lines if not line.endswith(" ok")] == []
+
+
+MLA_NO_PAGES = """
+import torch, deepinfer
+from deepinfer import ops
+
+empty = torch.empty
+torch.empty = lambda *a, **k: empty(*a, **k).fill_(7)  # what a kernel leaves unwritten is not zero by chance
+g = torch.Generator().manual_seed(2)
+for fmt, width in (("bf16", 192), ("fp8_ds_mla", 196)):
+    cache = deepinfer.allocate_kv_cache(2, 16, kv_lora_rank=128, rope_dim=64, kv_format=fmt, device="cpu")
+    kw = dict(q=torch.randn(3, 2, 4, 192, generator=g).bfloat16(), kv_cache=cache, softmax_scale=0.1,
+              block_table=torch.zeros(3, 0, dtype=torch.int32), seq_lens=torch.zeros(3, dtype=torch.int32),
+              kv_lora_rank=128)
+    with deepinfer.use("cuda_sm100"):
+        out, lse = ops.mla_decode(**kw)
+    print(fmt, bool((out == 0).all()), bool((lse == float("-inf")).all()))
+"""
+
+
+def test_mla_decode_with_a_block_table_of_no_columns():
+    """A block table ``[B, 0]`` (every ``seq_lens`` 0): zeros and ``lse = -inf``, as for any query that sees nothing,
+    not whatever the output buffers held."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", MLA_NO_PAGES], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.splitlines() == ["bf16 True True", "fp8_ds_mla True True"]

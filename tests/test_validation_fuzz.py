@@ -348,7 +348,7 @@ def test_mla_decode_validation(mutation, data):
     batch, s_q, heads = table.shape[0], d.int(1, 3), d.int(0, 3)
     q = d.randn(batch, s_q, heads, lora + rope, dtype=d.pick(FLOATS))
     fmt = d.pick([None, "fp8_ds_mla" if fp8 else "bf16"])
-    kw = dict(q=q, kv_cache=cache, block_table=table, seq_lens=seq_lens, softmax_scale=d(st.floats(0, 4)))
+    kw = dict(q=q, kv_cache=cache, block_table=table, seq_lens=seq_lens, softmax_scale=d(st.floats(1e-3, 4)))
     kw.update(kv_lora_rank=lora, kv_format=fmt)
     if mutation == "q_type":
         kw["q"] = d.pick(NOT_A_TENSOR)
@@ -376,7 +376,7 @@ def test_mla_decode_validation(mutation, data):
     elif mutation == "lens_length":
         kw["seq_lens"] = torch.zeros(batch + 1, dtype=torch.int32)
     elif mutation == "scale":
-        kw["softmax_scale"] = d.pick([-0.5, "0.1", None])
+        kw["softmax_scale"] = d.pick([-0.5, 0.0, math.inf, "0.1", None])
     elif mutation == "scale_nan":
         kw["softmax_scale"] = math.nan
     elif mutation == "meta":
@@ -419,7 +419,7 @@ def test_attention_varlen_validation(mutation, data):
     kw = dict(
         q=d.randn(t_q, heads, d_qk, dtype=dtype), k=d.randn(t_k, kv_heads, d_qk, dtype=dtype),
         v=d.randn(t_k, kv_heads, d_v, dtype=dtype), cu_seqlens_q=cu([lq for lq, _ in lens]),
-        cu_seqlens_k=cu([lk for _, lk in lens]), softmax_scale=d(st.floats(0, 2)), causal=d(st.booleans()),
+        cu_seqlens_k=cu([lk for _, lk in lens]), softmax_scale=d(st.floats(1e-3, 2)), causal=d(st.booleans()),
     )  # fmt: skip
     if mutation == "q_ndim":
         kw["q"] = kw["q"].flatten(1)
@@ -452,7 +452,7 @@ def test_attention_varlen_validation(mutation, data):
     elif mutation == "causal":
         kw["causal"] = d.pick([1, None, "yes"])
     elif mutation == "scale":
-        kw["softmax_scale"] = d.pick([-1.0, None, "1"])
+        kw["softmax_scale"] = d.pick([-1.0, 0.0, math.inf, None, "1"])
     elif mutation == "scale_nan":
         kw["softmax_scale"] = math.nan
     elif mutation == "meta":
@@ -684,6 +684,25 @@ def test_rms_norm_validation(mutation, data):
         assert is_tensor(res[0], shape, dtype) and is_tensor(res[1], shape, dtype)
 
     expect(ops.rms_norm, kw, mutation, check)
+
+
+@pytest.mark.parametrize(
+    ("args", "arg"),
+    [
+        ((0, 32), "rotary_dim"),
+        ((5, 32), "rotary_dim"),
+        ((64, 0), "max_position"),
+        ((64, 8, math.inf), "base"),
+        ((64, 8, 0.0), "base"),
+        ((64, 8, 10000.0, {"rope_type": "linear", "factor": 2.0}), "scaling"),
+    ],
+)
+def test_rope_table_rejects_arguments_that_give_no_table(args, arg):
+    """A rotary dim of 0 (an empty table), an odd one, no positions, a base that makes every angle 0 or NaN, an
+    unknown scaling: InputError naming the argument, never a table."""
+    with pytest.raises(InputError) as raised:
+        ops.rope_cos_sin_cache(*args)
+    assert raised.value.arg == arg
 
 
 @mutations("odd_dim pos_dtype pos_length table_dtype table_dim interleaved x_ndim meta pos_range")

@@ -109,6 +109,9 @@ def mla_decode_fia(
     batch, s_q, heads, _ = q.shape
     if batch == 0:
         return q.new_zeros(0, s_q, heads, kv_lora_rank), torch.zeros(0, s_q, heads, device=q.device)
+    if block_table.shape[1] == 0:  # no pages: no query sees a position
+        lse = torch.full((batch, s_q, heads), float("-inf"), device=q.device)
+        return q.new_zeros(batch, s_q, heads, kv_lora_rank), lse
     block_size = kv_cache.shape[1]
     lens = seq_lens.tolist()  # actual_seq_kvlen is a host list in torch_npu's eager API: one sync per call
     n_pages = max(1, math.ceil(max(lens) / block_size))

@@ -130,8 +130,8 @@ def gemm_quant_matmul(a, w, *, out_dtype, bias) -> torch.Tensor:
     """FP8 ``gemm`` through ``npu_quant_matmul`` (G-B mode, or MX when that recipe is on)."""
     npu = probe.torch_npu()
     m, n = a.shape[0], w.shape[0]
-    if m == 0:
-        return torch.zeros(0, n, dtype=out_dtype, device=w.device)
+    if m == 0 or n == 0:  # npu_quant_matmul takes no empty operand
+        return torch.zeros(m, n, dtype=out_dtype, device=w.device)
     if mx_recipe():
         mx = w.prepared if isinstance(w.prepared, MxWeight) else to_mx_weight(w)
         x = a.dequantize(torch.bfloat16) if isinstance(a, QTensor) else a.to(torch.bfloat16)
@@ -151,12 +151,12 @@ def gemm_quant_matmul(a, w, *, out_dtype, bias) -> torch.Tensor:
         )
     act = _activation(a, w.scale_format)
     # G-B takes any n with ceil(n/128) scale columns (V5 doc shapes); the 128-multiple rules are the A2/A3 int8
-    # kernel's (README assumption 7).
+    # kernel's (README assumption 7). Its operands must be contiguous, or for the weight a transposed contiguous one.
     out = npu.npu_quant_matmul(
-        act.data,
-        w.data.t(),  # (k, n) as a transposed view of DeepSeek's [n, k]
-        w.scale.t(),  # (K/128, ceil(n/128)), transposed like the weight
-        pertoken_scale=act.scale,
+        act.data.contiguous(),
+        w.data.contiguous().t(),  # (k, n) as a transposed view of DeepSeek's [n, k]
+        w.scale.contiguous().t(),  # (K/128, ceil(n/128)), transposed like the weight
+        pertoken_scale=act.scale.contiguous(),
         output_dtype=torch.float32 if bias is not None else out_dtype,
         group_sizes=GB_GROUPS,
     )
@@ -217,11 +217,12 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tens
     elif isinstance(w, QTensor):
         act = _activation(flat, w.scale_format)
         # The Python API has no group_sizes: G-B's [1, 128, 128] is inferred from the scale shapes (README 7).
+        # x must be contiguous, the weight contiguous or a transposed contiguous tensor.
         out = npu.npu_grouped_matmul(
-            [act.data],
-            [w.data.transpose(1, 2)],  # [E, K, N] as a transposed view of the core's [E, N, K]
-            scale=[w.scale.transpose(1, 2)],  # [E, K/128, ceil(N/128)], transposed like the weight
-            per_token_scale=[act.scale],
+            [act.data.contiguous()],
+            [w.data.contiguous().transpose(1, 2)],  # [E, K, N] as a transposed view of the core's [E, N, K]
+            scale=[w.scale.contiguous().transpose(1, 2)],  # [E, K/128, ceil(N/128)], transposed like the weight
+            per_token_scale=[act.scale.contiguous()],
             group_list=counts,
             group_list_type=1,  # per-expert counts
             group_type=0,  # grouped along m
@@ -231,7 +232,7 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tens
     else:
         out = npu.npu_grouped_matmul(
             [flat.contiguous()],
-            [w.transpose(1, 2)],
+            [w.contiguous().transpose(1, 2)],
             group_list=counts,
             group_list_type=1,
             group_type=0,

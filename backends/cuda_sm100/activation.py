@@ -60,7 +60,7 @@ def _silu_and_mul_kernel(
 
 def silu_and_mul(x, *, quantize, scale_format, masked_m, limit):
     inter = x.shape[-1] // 2
-    x2 = x.reshape(-1, 2 * inter).contiguous()
+    x2 = x.reshape(x.shape[:-1].numel(), 2 * inter).contiguous()  # not -1: rows of no values are still rows
     rows = x2.shape[0]
     if quantize:
         y = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
@@ -68,14 +68,14 @@ def silu_and_mul(x, *, quantize, scale_format, masked_m, limit):
     else:
         y = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
         s = torch.empty(1, dtype=torch.float32, device=x.device)  # unused
-    if rows:
+    if x2.numel():
         groups = min(GROUPS, next_pow2(triton.cdiv(inter, BLOCK)))
         grid = (rows, triton.cdiv(triton.cdiv(inter, BLOCK), groups))
         _silu_and_mul_kernel[grid](
             x2,
             y,
             s,
-            s if masked_m is None else masked_m,
+            s if masked_m is None else masked_m.contiguous(),  # read at masked_ptr + expert
             inter,
             x.shape[1] if masked_m is not None else 1,
             1.0 if limit is None else limit,

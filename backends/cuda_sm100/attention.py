@@ -350,11 +350,14 @@ def _mla_tma(records, rope_records, half: int, rope_dim: int, rope_at: int, bloc
 
 def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format, invariant=False):
     batch, s_q, heads, d_qk = q.shape
+    seq_lens = seq_lens.contiguous()  # the kernels read entry b at seq_lens_ptr + b
     rope_dim = d_qk - kv_lora_rank
     out = torch.empty(batch, s_q, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
     if batch == 0:
         return out, lse
+    if block_table.shape[1] == 0:  # no pages: no query sees a position, and a grid of no KV span launches nothing
+        return out.zero_(), lse.fill_(float("-inf"))
     page = kv_cache.shape[1]
     tile = dict(MLA_TILE)
     block_h = min(tile.pop("BLOCK_H"), max(16, next_pow2(heads)))
@@ -682,6 +685,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
     batch = cu_seqlens_q.shape[0] - 1
     if tokens == 0 or batch == 0:
         return out.zero_()
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # read at cu_ptr + b
     max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one sync per prefill
     tile = dict(VARLEN_TILE)
     block_m = min(tile.pop("BLOCK_M"), 64) if INTERPRET else tile.pop("BLOCK_M")
@@ -778,7 +782,7 @@ def write_kv_cache(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format):
     rope_dim = latent.shape[1] - kv_lora_rank
     _write_kernel[(latent.shape[0],)](
         latent,
-        slot_mapping,
+        slot_mapping.contiguous(),  # read at slots_ptr + t
         flat,
         flat.view(torch.float32) if fp8 else flat,
         flat.view(torch.bfloat16) if fp8 else flat,

@@ -56,6 +56,8 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, UE8M0: tl.constexpr, BLOCK: tl.c
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
     if UE8M0:
         scale = pow2_ceil(scale)
+    # max and maximum drop a NaN on the GPU: a group holding one gets a NaN scale explicitly, as the contract says.
+    scale = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), scale)
     q = to_e4m3(tl.clamp(x / scale[:, None], -448.0, 448.0), PREROUND)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask[:, None])
     tl.store(s_ptr + rows * (K // BLOCK) + group, scale, mask=mask)
@@ -402,6 +404,7 @@ def _launch_gemm(a, b, out, a_scale, b_scale, bias, invariant: bool, tile: Tile 
     n = b.shape[0]
     if m == 0 or n == 0:
         return out
+    bias = bias.contiguous() if bias is not None else None  # read at bias_ptr + n
     fp8 = a_scale is not None
     tile = tile or _tile(m, n, k, fp8, invariant)
     block_m = tile.block_m
@@ -849,6 +852,9 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     a_data = a.data if fp8 else a
     experts, n, k = w.shape
     masked = masked_m is not None
+    # The kernels read entry e of either at ptr + e.
+    masked_m = masked_m.contiguous() if masked else None
+    expert_offsets = expert_offsets.contiguous() if expert_offsets is not None else None
     rows = a_data.shape[0] * a_data.shape[1] if masked else a_data.shape[0]
     out = torch.empty(*a_data.shape[:-1], n, dtype=out_dtype, device=a_data.device)
     if rows == 0 or n == 0:

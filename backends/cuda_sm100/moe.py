@@ -119,7 +119,7 @@ def moe_route(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_s
         group_size = experts // n_group
         _route_kernel[(tokens,)](
             logits.contiguous(),
-            bias if bias is not None else logits,
+            bias.contiguous() if bias is not None else logits,  # read at bias_ptr + expert
             weights,
             ids,
             experts,

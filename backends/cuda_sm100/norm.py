@@ -29,11 +29,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, H, eps, HAS_RES: tl.co
 
 def rms_norm(x, w, eps, residual):
     hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden).contiguous()
+    x2 = x.reshape(x.shape[:-1].numel(), hidden).contiguous()  # not -1: rows of no values are still rows
     y = torch.empty_like(x2)
     h = torch.empty_like(x2) if residual is not None else x2
-    res = residual.reshape(-1, hidden).contiguous() if residual is not None else x2
-    if x2.shape[0]:
+    res = residual.reshape(x2.shape).contiguous() if residual is not None else x2
+    if x2.numel():
         _rms_norm_kernel[(x2.shape[0],)](
             x2,
             res,
@@ -72,9 +72,9 @@ def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, H, eps, BLOCK: tl.constexpr):
 
 def layer_norm(x, w, b, eps):
     hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden).contiguous()
+    x2 = x.reshape(x.shape[:-1].numel(), hidden).contiguous()  # not -1: rows of no values are still rows
     y = torch.empty_like(x2)
-    if x2.shape[0]:
+    if x2.numel():
         _layer_norm_kernel[(x2.shape[0],)](
             x2,
             w.contiguous(),

@@ -50,7 +50,7 @@ def rope(x, positions, cos_sin_cache, interleaved):
         block_h = min(16, next_pow2(x.shape[1]))  # a decode step of one token still spreads over several programs
         _rope_kernel[(x.shape[0], triton.cdiv(x.shape[1], block_h))](
             x,
-            positions,
+            positions.contiguous(),  # read at pos_ptr + t
             cos_sin_cache.contiguous(),
             out,
             x.shape[1],

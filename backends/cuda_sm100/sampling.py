@@ -68,6 +68,7 @@ def sample(logits, temperature, top_p, top_k, seeds):
     best = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(batch, chunks, dtype=torch.int32, device=logits.device)
     grid = (triton.cdiv(batch, rows), chunks)
+    seeds = seeds.contiguous()  # read at seeds_ptr + row
     _race_kernel[grid](probs, seeds, best, best_idx, batch, vocab, CHUNK=chunk, BLOCK=block, ROWS=rows, launch_pdl=PDL)
     drawn = best_idx.gather(1, best.argmax(dim=1, keepdim=True))[:, 0]  # the first chunk holding the best wait
     return torch.where(temperature == 0, logits.argmax(dim=-1).to(torch.int32), drawn)

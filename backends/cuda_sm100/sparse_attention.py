@@ -85,7 +85,7 @@ def write_index_cache(k, index_cache, slot_mapping):
     flat = index_cache.view(-1)
     _write_index_kernel[(tokens,)](
         k,
-        slot_mapping,
+        slot_mapping.contiguous(),  # read at slots_ptr + t
         flat,
         flat.view(torch.float32) if fp8 else flat,
         k.stride(0),
@@ -316,6 +316,7 @@ def indexer_topk(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *
     k = min(topk, reach)
     seq = torch.empty(tokens, dtype=torch.int32, device=q.device)
     limit = torch.empty(tokens, dtype=torch.int32, device=q.device)
+    cu_seqlens_q, seq_lens = cu_seqlens_q.contiguous(), seq_lens.contiguous()  # entry b read at ptr + b
     _token_rows_kernel[(batch,)](cu_seqlens_q, seq_lens, seq, limit, BLOCK=256, launch_pdl=PDL)
     fp8 = index_cache.dtype == torch.uint8
     flat = index_cache.view(-1)

@@ -66,6 +66,8 @@ def cases(shapes: str) -> list[Case]:
             _case((3, 4, 256), False),
             _case((3, 4, 256), True),
             _case((0, 256), True),
+            _case((3, 0), False),
+            _masked_case(3, 0, 128, True),
             _masked_case(4, 6, 256, True),
             _masked_case(3, 5, 200, False),
             # Clipped SwiGLU (DeepSeek-V4): about half the values lie beyond +-limit.

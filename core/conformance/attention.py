@@ -59,12 +59,15 @@ def _mla_case(
     kv_lora_rank: int = 512,
     rope_dim: int = 64,
     pad_row: bool = False,
+    no_pages: bool = False,
 ) -> Case:
     def make(g: Gen):
-        seq_lens = g.ints(max(lens[0], s_q), lens[1] + 1, batch)
+        seq_lens = [0] * batch if no_pages else g.ints(max(lens[0], s_q), lens[1] + 1, batch)
         if pad_row:
             seq_lens[0] = 0  # a padding entry: sees nothing
         cache, table = _paged_cache(g, seq_lens, block_size, kv_lora_rank, rope_dim, kv_format)
+        if no_pages:  # a block table of no columns: every query sees nothing
+            table = table[:, :0]
         return {
             "q": g.randn(batch, s_q, heads, kv_lora_rank + rope_dim),
             "kv_cache": cache,
@@ -78,6 +81,8 @@ def _mla_case(
         f"{kv_format} B={batch} S_q={s_q} H={heads} ctx={lens[0]}..{lens[1]} page={block_size} "
         f"D={kv_lora_rank}+{rope_dim}"
     )
+    if no_pages:
+        name = f"{kv_format} B={batch} S_q={s_q} H={heads} no pages D={kv_lora_rank}+{rope_dim}"
     return Case(
         "mla_decode",
         name + (" +pad" if pad_row else ""),
@@ -194,6 +199,9 @@ def cases(shapes: str) -> list[Case]:
             _mla_case(3, 1, 4, (1, 40), 16, "fp8_ds_mla", 128, 64),
             _mla_case(2, 4, 4, (4, 90), 64, "fp8_ds_mla", 256, 64, pad_row=True),
             _mla_case(1, 2, 8, (150, 150), 64, "fp8_ds_mla"),
+            _mla_case(0, 1, 4, (1, 40), 16, "bf16", 128, 64),
+            _mla_case(2, 1, 4, (0, 0), 16, "bf16", 128, 64, no_pages=True),
+            _mla_case(2, 2, 4, (0, 0), 64, "fp8_ds_mla", 512, 64, no_pages=True),
             _varlen_case([5, 1, 17], [0, 0, 0], 4, 4, 48, 32, True),
             _varlen_case([7, 3], [9, 0], 4, 2, 48, 32, True),
             _varlen_case([4, 0, 6], [3, 2, 0], 2, 1, 40, 40, False),
@@ -201,6 +209,7 @@ def cases(shapes: str) -> list[Case]:
             _varlen_case([33], [20], 4, 4, 192, 128, True),
             _varlen_case([150, 70], [70, 0], 2, 1, 48, 32, True),  # key blocks below the diagonal
             _varlen_case([130], [3], 2, 2, 64, 32, False),
+            _varlen_case([0, 0], [2, 3], 4, 4, 48, 32, True),  # no queries
             _write_case(9, 16, 4, "bf16", 128, 32),
             _write_case(20, 16, 4, "fp8_ds_mla", 128, 64),
             _write_case(6, 64, 2, "fp8_ds_mla"),
@@ -312,6 +321,8 @@ def bad_inputs() -> list[BadInput]:
             ),
         ),
         BadInput("mla_decode", "negative softmax_scale", "softmax_scale", lambda g: mla(g, softmax_scale=-1.0)),
+        BadInput("mla_decode", "infinite softmax_scale", "softmax_scale", lambda g: mla(g, softmax_scale=float("inf"))),
+        BadInput("attention_varlen", "zero softmax_scale", "softmax_scale", lambda g: varlen(g, softmax_scale=0.0)),
         BadInput("attention_varlen", "v with another token count", "v", lambda g: varlen(g, v=g.randn(4, 4, 32))),
         BadInput(
             "attention_varlen",

@@ -57,6 +57,8 @@ class Case:
     sub_batch: for the batch-invariance check, ``(kwargs, rows) -> (kwargs of those rows alone, select)`` where
         ``select(full_out)`` picks the same rows' results from a whole-batch output; None if not applicable.
     batch: the number of rows ``sub_batch`` chooses from.
+    reproducible: the contract fixes a backend's output for given input values (``sample``: a seed fixes its draw),
+        so the same values in non-contiguous tensors must give the same bits, not only an accurate result.
     """
 
     op: str
@@ -67,6 +69,7 @@ class Case:
     compare: Callable[[Any, Any, dict[str, Any]], float] | None = None
     sub_batch: Callable[[dict[str, Any], list[int]], tuple[dict[str, Any], Callable[[Any], Any]]] | None = None
     batch: Callable[[dict[str, Any]], int] | None = None
+    reproducible: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,29 @@ def bitwise_equal(a: Any, b: Any) -> bool:
     if is_dataclass(a):
         return bitwise_equal([getattr(a, f.name) for f in fields(a)], [getattr(b, f.name) for f in fields(b)])
     return a == b
+
+
+def strided(t: Any, *, inner: bool = True) -> Any:
+    """A non-contiguous view holding the values of ``t`` (a tensor or ``QTensor``; anything else is returned as is).
+
+    inner: every other element along the last dim of a tensor twice as wide, so that no stride is what a contiguous
+    tensor of that shape would have. Else (a layout that kernels needing unit-stride rows still take) the first half
+    of each row of a tensor twice as wide; a 1-D tensor has no rows and is strided as with ``inner``. The elements
+    in between repeat the values: an implementation that reads the view as contiguous sees values that are valid
+    (slots, offsets and lengths in range) but wrong."""
+    if isinstance(t, QTensor):
+        return QTensor(strided(t.data, inner=inner), strided(t.scale, inner=inner), t.block, t.scale_format)
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.numel() < 2:
+        return t  # nothing that reads it can go wrong
+    n = t.shape[-1]
+    wide = torch.empty(*t.shape[:-1], 2 * n, dtype=t.dtype, device=t.device)
+    if inner or t.dim() == 1:
+        wide[..., ::2] = t
+        wide[..., 1::2] = t
+        return wide[..., ::2]
+    wide[..., :n] = t
+    wide[..., n:] = t
+    return wide[..., :n]
 
 
 def rows_of(out: Any, rows: list[int]) -> Any:

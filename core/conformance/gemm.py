@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..qtensor import QTensor, quantize_blocks, quantize_rows
-from .cases import BadInput, Case, Gen, rows_of, run_masked, take_masked_rows, take_rows
+from .cases import BadInput, Case, Gen, error, rows_of, run_masked, take_masked_rows, take_rows
 
 # DeepSeek-V3 projections (N, K): q_a+kv_a fused, q_b, kv_b, o, shared/dense down, kv_a alone.
 V3_PROJECTIONS = [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]
@@ -25,17 +25,30 @@ def _act(g: Gen, *shape: int, variant: str, ue8m0: bool = False):
     return x
 
 
-def _quantize_case(m: int, k: int, fmt: str, experts: int = 0) -> Case:
+def _nan_groups(out: QTensor, ref: QTensor, kw: dict) -> float:
+    """inf unless the scales are NaN exactly in the groups of ``x`` holding a NaN; else the error of the other
+    groups (the data of a NaN group is unspecified)."""
+    nan = kw["x"].isnan().unflatten(-1, (-1, kw["block"])).any(-1)
+    if not (torch.equal(out.scale.isnan(), nan) and torch.equal(ref.scale.isnan(), nan)):
+        return float("inf")
+    keep = ~nan.repeat_interleave(kw["block"], dim=-1)
+    return error(out.dequantize().where(keep, 0.0), ref.dequantize().where(keep, 0.0))
+
+
+def _quantize_case(m: int, k: int, fmt: str, experts: int = 0, nans: int = 0) -> Case:
     shape = (experts, m, k) if experts else (m, k)
 
     def make(g: Gen):
-        return {"x": g.randn(*shape, scale=3.0), "block": 128, "scale_format": fmt}
+        x = g.randn(*shape, scale=3.0)
+        x.view(-1)[g.perm(x.numel())[:nans].to(x.device)] = float("nan")
+        return {"x": x, "block": 128, "scale_format": fmt}
 
     return Case(
         "quantize_fp8",
-        f"x{list(shape)} {fmt}",
+        f"x{list(shape)} {fmt}" + (f" {nans} NaN" if nans else ""),
         fmt,
         make,
+        compare=_nan_groups if nans else None,
         sub_batch=None if experts else (lambda kw, rows: (take_rows(kw, ("x",), rows), lambda o: rows_of(o, rows))),
         batch=lambda kw: kw["x"].shape[0],
     )
@@ -124,6 +137,8 @@ def cases(shapes: str) -> list[Case]:
     if shapes == "small":
         out += [_quantize_case(m, k, f) for m, k in [(1, 128), (7, 384), (33, 256)] for f in ("fp32", "ue8m0")]
         out.append(_quantize_case(5, 256, "fp32", experts=3))
+        out.append(_quantize_case(0, 256, "fp32"))
+        out += [_quantize_case(7, 384, f, nans=4) for f in ("fp32", "ue8m0")]
         for m in (1, 5, 37):
             out += [_gemm_case(m, n, k, v) for n, k in [(96, 256), (200, 384)] for v in ("bf16", "fp8w", "fp8")]
         out += [
@@ -131,6 +146,8 @@ def cases(shapes: str) -> list[Case]:
             _gemm_case(5, 96, 2304, "fp32"),  # K long enough for a backend to split it
             _gemm_case(0, 96, 256, "bf16"),
             _gemm_case(0, 96, 256, "fp8w"),
+            _gemm_case(5, 0, 256, "bf16"),
+            _gemm_case(5, 0, 256, "fp8"),
             _gemm_case(6, 96, 256, "bf16", bias=True),
             _gemm_case(6, 130, 256, "fp8", ue8m0=True),
             _gemm_case(3, 64, 4096, "fp8w", bias=True),  # long K, one tile: a backend may split K
@@ -141,6 +158,7 @@ def cases(shapes: str) -> list[Case]:
         for lay in ("contiguous", "masked"):
             out += [_grouped_case(4, 96, 256, 9, v, lay) for v in ("bf16", "fp8w", "fp8")]
         out.append(_grouped_case(3, 200, 128, 17, "fp8", "contiguous"))
+        out += [_grouped_case(3, 96, 256, 0, "bf16", lay) for lay in ("contiguous", "masked")]  # no rows at all
         return out
     out += [_quantize_case(m, 7168, f) for m in (1, 4096) for f in ("fp32", "ue8m0")]
     out.append(_quantize_case(64, 2048, "fp32", experts=32))

@@ -54,9 +54,11 @@ def cases(shapes: str) -> list[Case]:
             _case(64, 512, True),
             _case(0, 64, True),
             _case(5, 64, True, torch.float32),
+            _case(3, 0, True),
             _layer_norm_case(9, 128),
             _layer_norm_case(3, 40, torch.float32),
             _layer_norm_case(0, 128),
+            _layer_norm_case(3, 0),
         ]
     out = [_case(t, h, r) for t in (1, 128, 8192) for h in (7168, 1536, 512) for r in (False, True)]
     return out + [_layer_norm_case(t, 128) for t in (1, 64, 8192)]

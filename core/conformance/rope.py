@@ -46,6 +46,7 @@ def cases(shapes: str) -> list[Case]:
             _case(5, 1, 64, True, 100, False),
             _case(9, 3, 32, False, 500, False),
             _case(0, 4, 64, True, 64, False),
+            _case(3, 0, 64, True, 64, False),
         ]
     return [_case(t, h, 64, True, 163840, True) for t in (1, 4096) for h in (128, 1)]
 

@@ -17,7 +17,7 @@ from .. import dispatch, ops, registry
 from ..errors import FallbackWarning, InputError
 from ..selection import require, use
 from . import activation, attention, gemm, hyper_connection, moe, norm, rope, sampling, sparse_attention
-from .cases import BadInput, Case, Gen, bitwise_equal, error
+from .cases import BadInput, Case, Gen, bitwise_equal, error, strided
 from .tolerances import tolerance
 
 FAMILIES = (attention, sparse_attention, gemm, moe, norm, rope, activation, sampling, hyper_connection)
@@ -26,7 +26,7 @@ SHAPE_GRIDS = ("small", "full")
 
 @dataclass
 class CaseResult:
-    """One check of one case. check: accuracy | batch_invariance | determinism | bad_input; status: pass |
+    """One check of one case. check: accuracy | strided | batch_invariance | determinism | bad_input; status: pass |
     fail | fallback (the reference ran instead of the backend) | error (the call raised)."""
 
     op: str
@@ -115,6 +115,43 @@ def _accuracy_of(case: Case, kwargs: dict, out: Any, ref: Any, overrides: dict, 
     status = "fallback" if fallback else ("pass" if err <= tol else "fail")
     detail = "; ".join(d for d in (note, "" if why == "default" else why) if d)
     return CaseResult(case.op, case.name, "accuracy", status, impl, err, tol, detail)
+
+
+LAYOUTS = {True: "every stride doubled", False: "rows of twice their width"}
+
+
+def _strided(case: Case, kwargs: dict, backend: str, ref: Any, contiguous: Any, overrides: dict) -> CaseResult:
+    """The accuracy of the case with every tensor argument replaced by a non-contiguous view of the same values
+    (``cases.strided``), except those the op's contract requires contiguous (its ``InputError`` says which). Where
+    the backend leaves views with a strided last dim to the reference, views whose rows are unit-stride follow. A
+    ``reproducible`` case must also give the bits of the backend's run on contiguous inputs (``contiguous``)."""
+    for inner, layout in LAYOUTS.items():
+        views = {k: strided(v, inner=inner) for k, v in kwargs.items()}
+        kept = []
+        try:
+            with use(backend):
+                while True:
+                    try:
+                        out = _run(case, views)
+                        break
+                    except InputError as e:
+                        name = e.arg.split(".")[0]
+                        if views.get(name) is kwargs.get(name):
+                            raise  # not about a view: the case itself is invalid
+                        views[name] = kwargs[name]
+                        kept.append(name)
+            result = _accuracy_of(case, views, out, ref, overrides, note=f"non-contiguous inputs: {layout}")
+        except Exception as e:
+            detail = f"non-contiguous inputs: {layout}; {type(e).__name__}: {e}"
+            return CaseResult(case.op, case.name, "strided", "error", backend, detail=detail)
+        if kept:
+            result.detail += f"; contiguous as the contract requires: {', '.join(sorted(kept))}"
+        result.check = "strided"
+        if result.status != "fallback":
+            break
+    if case.reproducible and result.status == "pass" and not bitwise_equal(out, contiguous):
+        result.status, result.detail = "fail", f"{result.detail}; differs from the result on contiguous inputs"
+    return result
 
 
 def _invariance(
@@ -225,7 +262,8 @@ def run_conformance(
 
 
 def check_case(case: Case, backend: str, seed: int, device: str | None = None) -> list[CaseResult]:
-    """Accuracy, then (where declared) determinism and batch invariance, of one case on ``backend``."""
+    """Accuracy, the same on non-contiguous inputs, then (where declared) determinism and batch invariance, of one
+    case on ``backend``."""
     spec = require(backend)
     backend, device = spec.name, device or spec.device_type  # an alias must reach the same implementations
     overrides = spec.tolerances
@@ -237,10 +275,12 @@ def check_case(case: Case, backend: str, seed: int, device: str | None = None) -
             with use("reference"):
                 ref = _run(case, kwargs)
             with use(backend):
-                accuracy = _accuracy_of(case, kwargs, _run(case, kwargs), ref, overrides)
+                out = _run(case, kwargs)
+                accuracy = _accuracy_of(case, kwargs, out, ref, overrides)
             if accuracy.status == "fallback":
                 return [accuracy]
-            return [accuracy, *_invariance(case, kwargs, backend, gen, ref, accuracy.impl, overrides)]
+            strided_accuracy = _strided(case, kwargs, backend, ref, out, overrides)
+            return [accuracy, strided_accuracy, *_invariance(case, kwargs, backend, gen, ref, accuracy.impl, overrides)]
         except Exception as e:  # a crashing backend is a failed case, not a crashed suite
             return [CaseResult(case.op, case.name, "accuracy", "error", backend, detail=f"{type(e).__name__}: {e}")]
 

@@ -47,6 +47,7 @@ def _rows_case(batch: int, vocab: int) -> Case:
         compare=_allowed,
         sub_batch=lambda kw, rows: (take_rows(kw, tuple(kw), rows), lambda o: rows_of(o, rows)),
         batch=lambda kw: kw["logits"].shape[0],
+        reproducible=True,
     )
 
 
@@ -68,7 +69,9 @@ def _distribution_case(draws: int, vocab: int) -> Case:
         seen = torch.bincount(out.long().cpu(), minlength=vocab).double() / draws
         return float((seen - expected).abs().sum() / 2)
 
-    return Case("sample", f"{draws} seeds over V={vocab}", "distribution", make, compare=total_variation)
+    return Case(
+        "sample", f"{draws} seeds over V={vocab}", "distribution", make, compare=total_variation, reproducible=True
+    )
 
 
 def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:

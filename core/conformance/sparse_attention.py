@@ -224,6 +224,8 @@ def cases(shapes: str) -> list[Case]:
             _sparse_case(6, 4, 24, [30, 50], 16, "fp8_ds_mla", 128, 64),
             _sparse_case(4, 16, 40, [100, 7], 64, "fp8_ds_mla", 256, 32, repeats=True),
             _sparse_case(3, 4, 12, [20], 16, "bf16", 64, 32, repeats=True),
+            _topk_case([0, 0], [5, 9], 4, 32, 8, 16, "bf16"),  # no queries
+            _sparse_case(0, 4, 16, [40], 16, "bf16", 128, 64),
         ]
     out = []
     for fmt in ("bf16", "fp8_ds_index"):
@@ -373,6 +375,7 @@ def bad_inputs() -> list[BadInput]:
             lambda g: sparse(g, indices=torch.tensor([[0, 3, -1]], dtype=i32, device=g.device)),
         ),
         BadInput("sparse_mla", "4-D q", "q", lambda g: sparse(g, q=g.randn(2, 1, 4, 192))),
+        BadInput("sparse_mla", "NaN softmax_scale", "softmax_scale", lambda g: sparse(g, softmax_scale=float("nan"))),
         BadInput(
             "sparse_mla",
             "cache width != D_qk",

@@ -77,7 +77,7 @@ def mla_decode(
         sequence including its ``S_q`` new ones, at most ``max_blocks * block_size``.
     Query ``i`` of sequence ``b`` attends to cache positions ``< seq_lens[b] - S_q + i + 1`` (causal over the
     new tokens; ``S_q > 1`` is MTP / speculative verification). A query that sees no position returns zeros and
-    ``lse = -inf``.
+    ``lse = -inf``. softmax_scale: a finite number > 0.
 
     Returns ``out [B, S_q, H, kv_lora_rank]`` in q's dtype and ``lse [B, S_q, H]`` fp32 (natural log of the sum
     of ``exp(softmax_scale * q.k)``).
@@ -94,7 +94,7 @@ def mla_decode(
     if block_table.shape[0] != batch:
         raise c.fail("block_table", f"{batch} rows (the batch of 'q')", f"shape {list(block_table.shape)}")
     c.index("seq_lens", seq_lens, length=batch)
-    c.number("softmax_scale", softmax_scale, low=0.0)
+    c.positive_number("softmax_scale", softmax_scale)
     c.same_device(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
     if value_checks_enabled(q) and batch:
         check_pages(c, kv_cache, block_table, seq_lens)
@@ -126,7 +126,7 @@ def attention_varlen(
     (query head ``h`` uses kv head ``h // (H / H_k)``). cu_seqlens_q / cu_seqlens_k: ``[B+1]`` int32 offsets,
     nondecreasing from 0 to ``T_q`` / ``T_k``. With ``causal``, query ``i`` of a sequence attends to keys
     ``j <= i + (L_k - L_q)`` (aligned bottom-right: a longer k than q is a cached prefix). A query that sees no key
-    returns zeros. Returns ``[T_q, H, D_v]`` in q's dtype.
+    returns zeros. softmax_scale: a finite number > 0. Returns ``[T_q, H, D_v]`` in q's dtype.
     """
     c = Check("attention_varlen")
     c.tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
@@ -138,7 +138,7 @@ def attention_varlen(
     c.index("cu_seqlens_k", cu_seqlens_k, length=cu_seqlens_q.shape[0])
     if cu_seqlens_q.shape[0] < 1:
         raise c.fail("cu_seqlens_q", "at least one entry (B+1 offsets)", "none")
-    c.number("softmax_scale", softmax_scale, low=0.0)
+    c.positive_number("softmax_scale", softmax_scale)
     if not isinstance(causal, bool):
         raise c.fail("causal", "a bool", repr(causal))
     c.same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)

@@ -45,8 +45,10 @@ def quantize_fp8(x: torch.Tensor, *, block: int = FP8_BLOCK, scale_format: str =
     """Quantises ``x [M, K]`` or ``[E, M, K]`` to FP8 e4m3 per row per ``block`` channels.
 
     Each group gets ``scale = max(amax, 1e-4) / 448`` (``ue8m0``: rounded up to a power of two) and data
-    ``clamp(x / scale, -448, 448)`` in e4m3. ``K`` must be a multiple of ``block``. Returns a ``QTensor`` with
-    ``block=(1, block)`` and scales ``[..., M, K // block]`` fp32. Batch-invariant by construction (per-row).
+    ``clamp(x / scale, -448, 448)`` in e4m3. A group holding a NaN gets a NaN scale (its data bytes are unspecified),
+    so all its dequantised values are NaN: a NaN is never turned into a finite value. ``K`` must be a multiple of
+    ``block``. Returns a ``QTensor`` with ``block=(1, block)`` and scales ``[..., M, K // block]`` fp32.
+    Batch-invariant by construction (per-row).
     """
     c = Check("quantize_fp8")
     c.tensor("x", x, dtypes=FLOAT_DTYPES, ndim=(2, 3))

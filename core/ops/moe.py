@@ -231,12 +231,17 @@ def moe_route_hash(
     )
 
 
-def _group_rank_size(group) -> tuple[int, int]:
+def _group_rank_size(c: Check, group) -> tuple[int, int]:
     if group is None:
         return 0, 1
     import torch.distributed as dist
 
-    return dist.get_rank(group), dist.get_world_size(group)
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise c.fail("group", "a torch.distributed ProcessGroup or None", repr(group))
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise c.fail("group", "a process group this process belongs to", "a group without this process")
+    return rank, dist.get_world_size(group)
 
 
 @functools.lru_cache(maxsize=64)
@@ -401,7 +406,7 @@ def ep_dispatch(
     c.choice("mode", mode, EP_MODES)
     x_data = x.data if isinstance(x, QTensor) else x
     c.same_device(x=x_data, ids=ids, weights=weights)
-    _, world = _group_rank_size(group)
+    _, world = _group_rank_size(c, group)
     if placement is None:
         placement = _default_placement(num_experts, world)
     _check_placement(c, placement, num_experts, world)

@@ -43,7 +43,16 @@ def rope_cos_sin_cache(
     ``original_max_position_embeddings``, optional ``beta_fast`` 32, ``beta_slow`` 1, ``mscale``,
     ``mscale_all_dim``, ``attention_factor``, ``truncate`` True): frequencies blended between interpolated and
     original by YaRN's ramp, cos/sin times the attention factor, as transformers computes them.
+
+    rotary_dim: an even int >= 2; max_position: an int >= 1; base: a finite number > 0. ``InputError`` otherwise,
+    and for a scaling type other than ``default`` or ``yarn``.
     """
+    c = Check("rope_cos_sin_cache")
+    c.positive_int("rotary_dim", rotary_dim, minimum=2)
+    if rotary_dim % 2:
+        raise c.fail("rotary_dim", "an even int", repr(rotary_dim))
+    c.positive_int("max_position", max_position)
+    c.positive_number("base", base)
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     attention_factor = 1.0
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -56,7 +65,7 @@ def rope_cos_sin_cache(
             else _yarn_mscale(factor)
         )
     elif kind != "default":
-        raise ValueError(f"rope scaling type {kind!r} is not supported (default or yarn)")
+        raise c.fail("scaling", "rope_type 'default' or 'yarn'", repr(kind))
     angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return (torch.cat([angles.cos(), angles.sin()], dim=1) * attention_factor).float()
 

@@ -141,6 +141,7 @@ def sparse_mla(
     kv_cache: the paged latent cache (``mla_decode``'s: ``bf16`` or ``fp8_ds_mla``, ``deepinfer.kv_cache``).
     indices: ``[T, topk]`` int32 cache slots (``indexer_topk``'s output); ``-1`` entries are skipped. Query ``t``
         attends to the tokens at its listed slots, each entry once (no causal mask: the list is the mask).
+    softmax_scale: a finite number > 0.
 
     Returns ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32 (natural log of the sum of
     ``exp(softmax_scale * q.k)``); a query with no slot listed returns zeros and ``lse = -inf``.
@@ -155,7 +156,7 @@ def sparse_mla(
     c.index("indices", indices, ndim=2, length=q.shape[0])
     if indices.shape[1] < 1:
         raise c.fail("indices", "at least one column", f"shape {list(indices.shape)}")
-    c.number("softmax_scale", softmax_scale, low=0.0)
+    c.positive_number("softmax_scale", softmax_scale)
     c.same_device(q=q, kv_cache=kv_cache, indices=indices)
     if value_checks_enabled(q) and indices.numel():
         slots = kv_cache.shape[0] * kv_cache.shape[1]

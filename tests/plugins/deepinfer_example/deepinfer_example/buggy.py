@@ -8,6 +8,8 @@
 - ``sparse_mla``: a row's first ``-1`` ends its list, as if valid slots always came first.
 - ``apply_token_bitmask``: a word's bits read most significant first.
 - ``hc_post``: comb applied as ``comb @ streams`` instead of transposed (Sinkhorn's comb is not symmetric).
+- ``write_kv_cache``: ``slot_mapping`` is read as if it were contiguous (entry ``t`` at ``ptr + t``), so a strided
+  view of the slots writes to the wrong ones.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import deepinfer
 from deepinfer import BackendSpec, OpImpl
 from deepinfer.index_cache import read_keys
+from deepinfer.reference import attention as reference_attention
 from deepinfer.reference import sparse_attention as reference
 from deepinfer.reference.sparse_attention import sequence_slots
 
@@ -90,6 +93,13 @@ def hc_post(block_out, streams, post, comb):
     return (post.unsqueeze(-1) * block_out.float().unsqueeze(1) + mixed).to(streams.dtype)
 
 
+def write_kv_cache(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format):
+    as_if_contiguous = torch.as_strided(slot_mapping, slot_mapping.shape, (1,), slot_mapping.storage_offset())
+    reference_attention.write_kv_cache(
+        latent, kv_cache, as_if_contiguous, kv_lora_rank=kv_lora_rank, kv_format=kv_format
+    )
+
+
 @deepinfer.hookimpl
 def deepinfer_backend() -> BackendSpec:
     return BackendSpec(
@@ -107,4 +117,5 @@ def deepinfer_op_impls() -> list[OpImpl]:
         OpImpl("sparse_mla", "example_buggy", "torch", sparse_mla),
         OpImpl("apply_token_bitmask", "example_buggy", "torch", apply_token_bitmask),
         OpImpl("hc_post", "example_buggy", "torch", hc_post),
+        OpImpl("write_kv_cache", "example_buggy", "torch", write_kv_cache),
     ]
