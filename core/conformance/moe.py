@@ -299,6 +299,7 @@ def bad_inputs() -> list[BadInput]:
             lambda g: disp(g, ids=torch.zeros(5, 2, dtype=torch.int32, device=g.device)),
         ),
         BadInput("ep_dispatch", "unknown mode", "mode", lambda g: disp(g, mode="fast")),
+        BadInput("ep_dispatch", "a billion experts", "num_experts", lambda g: disp(g, num_experts=10**9)),
         BadInput("ep_dispatch", "group not a process group", "group", lambda g: disp(g, group="world")),
         BadInput(
             "ep_dispatch",

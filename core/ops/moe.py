@@ -231,6 +231,9 @@ def moe_route_hash(
     )
 
 
+MAX_EXPERTS = 1 << 16  # per MoE layer: DeepSeek's models route over 256
+
+
 def _group_rank_size(c: Check, group) -> tuple[int, int]:
     if group is None:
         return 0, 1
@@ -349,8 +352,8 @@ def ep_dispatch(
     """Sends each (token, expert) pair of ``ids`` as one row to a rank holding that expert.
 
     x: ``[T, H]`` bf16 (or fp16 / fp32), or an FP8 ``QTensor`` with ``(1, 128)`` scales (FP8 dispatch: rows travel
-    with their scales). ids: ``[T, k]`` int32 global expert ids in ``[0, num_experts)``, or -1 for "no expert" (the
-    pair is skipped); weights: ``[T, k]`` fp32 routing weights. group: a ``torch.distributed`` process group, or
+    with their scales). num_experts: at most ``MAX_EXPERTS`` (65536). ids: ``[T, k]`` int32 global expert ids in
+    ``[0, num_experts)``, or -1 for "no expert" (the pair is skipped); weights: ``[T, k]`` fp32 routing weights. group: a ``torch.distributed`` process group, or
     None for one process (None never means the default group). placement: which rank holds which experts
     (``ExpertPlacement``); default ``ExpertPlacement.contiguous(num_experts, world size)``. In one process the
     placement may only reorder the experts (local order); by default local expert ``i`` is expert ``i``.
@@ -403,6 +406,8 @@ def ep_dispatch(
         raise c.fail("ids", f"{tokens} rows (the tokens of 'x')", f"shape {list(ids.shape)}")
     c.tensor("weights", weights, dtypes=(torch.float32,), shape=tuple(ids.shape))
     c.positive_int("num_experts", num_experts)
+    if num_experts > MAX_EXPERTS:  # the placement tables grow with it: refuse before building them
+        raise c.fail("num_experts", f"an int in [1, {MAX_EXPERTS}]", repr(num_experts))
     c.choice("mode", mode, EP_MODES)
     x_data = x.data if isinstance(x, QTensor) else x
     c.same_device(x=x_data, ids=ids, weights=weights)
