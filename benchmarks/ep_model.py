@@ -109,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     backend = args.backend or ("reference" if args.tiny else deepinfer.current_backend().name)
-    device_type = "cpu" if args.tiny else deepinfer.registry.get().lookup(backend).device_type
-    launch = init_from_torchrun(None, device_type=device_type, timeout_s=args.timeout)
+    spec = deepinfer.registry.get().lookup(backend)
+    device_type = "cpu" if args.tiny else spec.device_type
+    dist_backend = None if args.tiny else spec.dist_backend
+    launch = init_from_torchrun(None, device_type=device_type, dist_backend=dist_backend, timeout_s=args.timeout)
     if launch is None:
         raise SystemExit("run under torchrun with at least 2 processes")
     rank, world = launch.rank, launch.world_size

@@ -26,6 +26,10 @@ class BackendSpec:
         (same logical shape and values).
     tolerances: per-op overrides of the conformance tolerances, ``{"op" or "op/variant": (max_rel_err, why)}``,
         for precision a backend knowingly gives up (e.g. a lossy scale conversion).
+    dist_backend: the ``torch.distributed`` backend of process groups over its devices (``nccl``, ``hccl``); None:
+        torch's default for the device type.
+    free_memory: ``free_memory(device) -> bytes`` free on one of its devices, which the engine sizes its cache by;
+        None: not known (the engine then takes a fixed default).
     """
 
     name: str
@@ -36,6 +40,8 @@ class BackendSpec:
     version: str = ""
     prepare_weight: Callable[[str, Any], Any] | None = None
     tolerances: dict[str, tuple[float, str]] = field(default_factory=dict)
+    dist_backend: str | None = None
+    free_memory: Callable[[Any], int] | None = None
 
 
 @dataclass(frozen=True)

@@ -52,10 +52,10 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     return prompts or [DEFAULT_PROMPT]
 
 
-def _device_type(backend: str | None) -> str:
+def _backend_spec(backend: str | None):
     if backend is None:
-        return deepinfer.current_backend().device_type
-    return require(backend, f"--backend {backend}").device_type
+        return deepinfer.current_backend()
+    return require(backend, f"--backend {backend}")
 
 
 def generate(args: argparse.Namespace, console: Console) -> int:
@@ -80,8 +80,12 @@ def generate(args: argparse.Namespace, console: Console) -> int:
         structured_outputs=StructuredOutputsParams(**constraint) if constraint else None,
     )
     ep = getattr(args, "ep", None)
+    spec = _backend_spec(args.backend)
     launch = init_from_torchrun(
-        ep, device_type=_device_type(args.backend), timeout_s=getattr(args, "dist_timeout", 600.0)
+        ep,
+        device_type=spec.device_type,
+        dist_backend=spec.dist_backend,
+        timeout_s=getattr(args, "dist_timeout", 600.0),
     )
     try:
         return _generate(args, console, prompts, params, launch)

@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
-import torch
-
 import deepinfer
 from deepinfer.index_cache import allocate_index_cache
 from deepinfer.validation import Check
@@ -47,7 +45,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PENDING, Sequence, Status
 
-DEFAULT_CPU_CACHE_BYTES = 1 << 30
+DEFAULT_CACHE_BYTES = 1 << 30
 
 
 def index_format_for(cfg, kv_format: str) -> str | None:
@@ -86,8 +84,9 @@ class LLMEngine:
     """Continuous-batching engine over one model.
 
     kv_format: ``bf16`` or ``fp8_ds_mla`` (needs ``kv_lora_rank % 128 == 0``). num_blocks: cache pages (default:
-    enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens, within ``kv_cache_bytes``; on a GPU
-    ``kv_cache_bytes`` defaults to 90% of the free memory less a reserve for activations). chunk_size: prefill
+    enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens, within ``kv_cache_bytes``; on a device whose
+    backend reports its free memory (``BackendSpec.free_memory``) ``kv_cache_bytes`` defaults to 90% of it less a
+    reserve for activations, elsewhere to 1 GiB). chunk_size: prefill
     chunk length (chunks end at its multiples). cuda_graphs: capture decode graphs when the backend declares
     ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now; they are replayed only in that
     mode. async_scheduling: schedule and launch each step before reading back the previous one's tokens (above);
@@ -155,11 +154,11 @@ class LLMEngine:
         max_blocks = math.ceil(self.max_model_len / block_size)
         if num_blocks is None:
             if kv_cache_bytes is None:
-                if device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(device)
-                    kv_cache_bytes = max(int(free * 0.9) - (4 << 30), page_bytes)
+                free_memory = deepinfer.current_backend().free_memory
+                if device.type != "cpu" and free_memory is not None:
+                    kv_cache_bytes = max(int(free_memory(device) * 0.9) - (4 << 30), page_bytes)
                 else:
-                    kv_cache_bytes = DEFAULT_CPU_CACHE_BYTES
+                    kv_cache_bytes = DEFAULT_CACHE_BYTES
             num_blocks = max(1, min(max_blocks * max_num_seqs, kv_cache_bytes // page_bytes))
             if self.sync is not None:  # free memory may differ per rank; the schedule must not
                 num_blocks = self.sync.min_int(num_blocks)

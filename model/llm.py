@@ -11,7 +11,7 @@ With the routed experts sharded over the ``N`` processes of a ``torch.distribute
 group initialised by the caller or by ``deepinfer generate --ep N``), every rank builds ``LLM(path, ..., ep=N)``
 with the same arguments and calls ``generate`` with the same prompts; every rank returns the same outputs::
 
-    torch.distributed.init_process_group("gloo")      # nccl on CUDA, after torch.cuda.set_device(local rank)
+    torch.distributed.init_process_group(deepinfer.current_backend().dist_backend)  # None: gloo on the CPU
     llm = LLM("path/to/deepseek-checkpoint", ep=torch.distributed.get_world_size())
 """
 

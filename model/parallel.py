@@ -45,7 +45,6 @@ from .errors import ParallelError, RankDivergenceError
 from .moe import ExpertParallel
 
 DEFAULT_TIMEOUT_S = 600.0
-PROCESS_GROUP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
 def check_ep(ep: Any, num_experts: int, group_size: int | None, *, arg: str = "ep") -> int:
@@ -133,6 +132,7 @@ def init_from_torchrun(
     ep: int | None,
     *,
     device_type: str,
+    dist_backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     arg: str = "--ep",
     env: Mapping[str, str] | None = None,
@@ -142,8 +142,8 @@ def init_from_torchrun(
     Outside torchrun (no ``WORLD_SIZE`` in ``env``, default ``os.environ``): None for ``ep`` None or 1, else
     ``ParallelError``. Under torchrun: ``ep`` None means ``WORLD_SIZE``, any other value must equal it
     (``ParallelError`` naming ``arg`` otherwise); a launch of one process returns None. Otherwise this process
-    selects device ``LOCAL_RANK`` of ``device_type`` (not for ``cpu``), initialises the default group (``gloo`` for
-    ``cpu``, ``nccl`` for ``cuda``, ``hccl`` for ``npu``, torch's default for the device type otherwise) with
+    selects device ``LOCAL_RANK`` of ``device_type`` (not for ``cpu``), initialises the default group
+    (``dist_backend``, the backend's ``BackendSpec.dist_backend``; None: torch's default for the device type) with
     ``timeout_s`` as the timeout of every collective, unless one is already initialised (it must then have
     ``WORLD_SIZE`` ranks), and returns its ``Launch``.
     """
@@ -182,7 +182,7 @@ def init_from_torchrun(
                 "process group", f"WORLD_SIZE={world} ranks (torchrun's)", f"{dist.get_world_size()} ranks"
             )
         return Launch(dist.get_rank(), world, local_rank, device, owns_group=False)
-    backend = PROCESS_GROUP_BACKENDS.get(device_type) or dist.Backend.default_device_backend_map.get(device_type)
+    backend = dist_backend or dist.Backend.default_device_backend_map.get(device_type)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return Launch(dist.get_rank(), world, local_rank, device, owns_group=True)
 

@@ -32,6 +32,29 @@ def test_core_and_model_import_no_vendor_code():
     assert not offenders, offenders
 
 
+def test_backends_do_not_import_each_other():
+    packages = {"cuda_sm100": "deepinfer_cuda_sm100", "ascend": "deepinfer_ascend"}
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(_imported_modules(p) & (set(packages.values()) - {own}))
+        for folder, own in packages.items()
+        for p in (ROOT / "backends" / folder).rglob("*.py")
+        if _imported_modules(p) & (set(packages.values()) - {own})
+    }
+    assert not offenders, offenders
+
+
+def test_the_model_takes_platform_facts_from_the_backend_spec():
+    """Process-group backends and free device memory come from ``BackendSpec`` (``dist_backend``, ``free_memory``):
+    the model names no collective library and asks no vendor module for memory."""
+    words = ("nccl", "hccl", "mem_get_info", "torch.npu")
+    offenders = {
+        str(p.relative_to(ROOT)): [w for w in words if w in p.read_text()]
+        for p in (ROOT / "model").rglob("*.py")
+        if any(w in p.read_text() for w in words)
+    }
+    assert not offenders, offenders
+
+
 def _run(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -10,6 +10,8 @@ assumption 5). See README.md for every assumption, the precision notes and the h
 
 from __future__ import annotations
 
+import torch
+
 from deepinfer import BackendSpec, OpImpl, hookimpl
 
 from . import (
@@ -188,6 +190,8 @@ def deepinfer_backend() -> BackendSpec:
         version="0.1.0",
         prepare_weight=weights.prepare_weight,
         tolerances=tolerances(),
+        dist_backend="hccl",
+        free_memory=lambda device: torch.npu.mem_get_info(device)[0],  # torch_npu's torch.npu namespace
     )
 
 

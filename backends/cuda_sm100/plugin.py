@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
+
 from deepinfer import BackendSpec, OpImpl, hookimpl
 
 from . import probe
@@ -25,6 +27,8 @@ def deepinfer_backend() -> BackendSpec:
         probe=probe.probe,
         capabilities=probe.capabilities(),
         version="0.1.0",
+        dist_backend="nccl",
+        free_memory=lambda device: torch.cuda.mem_get_info(device)[0],
     )
 
 

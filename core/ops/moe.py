@@ -353,10 +353,11 @@ def ep_dispatch(
 
     x: ``[T, H]`` bf16 (or fp16 / fp32), or an FP8 ``QTensor`` with ``(1, 128)`` scales (FP8 dispatch: rows travel
     with their scales). num_experts: at most ``MAX_EXPERTS`` (65536). ids: ``[T, k]`` int32 global expert ids in
-    ``[0, num_experts)``, or -1 for "no expert" (the pair is skipped); weights: ``[T, k]`` fp32 routing weights. group: a ``torch.distributed`` process group, or
-    None for one process (None never means the default group). placement: which rank holds which experts
-    (``ExpertPlacement``); default ``ExpertPlacement.contiguous(num_experts, world size)``. In one process the
-    placement may only reorder the experts (local order); by default local expert ``i`` is expert ``i``.
+    ``[0, num_experts)``, or -1 for "no expert" (the pair is skipped); weights: ``[T, k]`` fp32 routing weights.
+    group: a ``torch.distributed`` process group, or None for one process (None never means the default group).
+    placement: which rank holds which experts (``ExpertPlacement``); default ``ExpertPlacement.contiguous(num_experts,
+    world size)``. In one process the placement may only reorder the experts (local order); by default local expert
+    ``i`` is expert ``i``.
 
     Received rows, on each rank, cover only that rank's ``E_local`` experts, grouped by ascending local expert index;
     within a local expert they are ordered by (source rank, source token, slot ``j`` of ``ids``) ascending. One
