@@ -11,39 +11,16 @@ Each run draws new data; ``DEEPINFER_TEST_SEED=<n>`` replays a run (the seed is 
 from __future__ import annotations
 
 import math
-import os
-import random
-import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+from reference_helpers import U32, g_fixture, on_reference_fixture, randn  # noqa: F401 (fixtures)
 
-import deepinfer
 from deepinfer import InputError, QTensor, ops
 from deepinfer.reference import attention as reference_attention
 
 FP8 = torch.float8_e4m3fn
-U32 = 2.0**-24  # fp32 unit roundoff
-BASE_SEED = int(os.environ.get("DEEPINFER_TEST_SEED", random.SystemRandom().randrange(2**31)))
-
-
-@pytest.fixture(autouse=True)
-def on_reference():
-    """Every op call in this file runs the reference backend."""
-    with deepinfer.use("reference"):
-        yield
-
-
-@pytest.fixture
-def g(request) -> torch.Generator:
-    """A generator seeded per test from the run's seed (printed, so a failure can be replayed)."""
-    print(f"DEEPINFER_TEST_SEED={BASE_SEED}")
-    return torch.Generator().manual_seed(BASE_SEED + zlib.crc32(request.node.name.encode()))
-
-
-def randn(g: torch.Generator, *shape: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
 def randint(g: torch.Generator, low: int, high: int, *shape: int, dtype=torch.int32) -> torch.Tensor:

@@ -6,14 +6,10 @@ Each run draws new data; ``DEEPINFER_TEST_SEED=<n>`` replays a run (the seed is 
 
 from __future__ import annotations
 
-import os
-import random
-import zlib
-
 import pytest
 import torch
+from reference_helpers import U32, g_fixture, on_reference_fixture, randn  # noqa: F401 (fixtures)
 
-import deepinfer
 from deepinfer import ops
 from deepinfer.conformance import activation as activation_cases
 from deepinfer.conformance.cases import Gen, error
@@ -21,27 +17,6 @@ from deepinfer.conformance.tolerances import tolerance
 
 transformers_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config  # noqa: E402
-
-U32 = 2.0**-24  # fp32 unit roundoff
-BASE_SEED = int(os.environ.get("DEEPINFER_TEST_SEED", random.SystemRandom().randrange(2**31)))
-
-
-@pytest.fixture(autouse=True)
-def on_reference():
-    """Every op call in this file runs the reference backend."""
-    with deepinfer.use("reference"):
-        yield
-
-
-@pytest.fixture
-def g(request) -> torch.Generator:
-    """A generator seeded per test from the run's seed (printed, so a failure can be replayed)."""
-    print(f"DEEPINFER_TEST_SEED={BASE_SEED}")
-    return torch.Generator().manual_seed(BASE_SEED + zlib.crc32(request.node.name.encode()))
-
-
-def randn(g: torch.Generator, *shape: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
 def config(**over) -> DeepseekV4Config:
