@@ -62,8 +62,8 @@ class StructuredOutputsParams:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
             except ValueError as e:
                 raise RequestError(f"structured output: invalid json_schema: not JSON: {e}") from e
-            if isinstance(schema, dict):  # the separators only, unless the schema says otherwise: free whitespace
-                schema = {"x-guidance": {"whitespace_flexible": False}, **schema}  # lets a model wander off
+            if isinstance(schema, dict):  # no free whitespace (a model can wander off into it) unless the schema asks
+                schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
             return "json_schema", json.dumps(schema, sort_keys=True)
         if self.regex is not None:
             return "regex", self.regex
@@ -81,7 +81,6 @@ class Grammars:
         except ImportError as e:  # a dependency of deepinfer; only structured output needs it
             raise RequestError(f"structured output needs the llguidance package (pip install llguidance): {e}") from e
         self._ll = llguidance
-        self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(
             Path(tokenizer_file).read_text(), n_vocab=vocab_size, eos_token=list(eos_ids)
         )
