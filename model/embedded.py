@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 NAME = "tiny-py"
 VARIANTS = ("bf16", "fp8")
 HELDOUT_BELOW = 13  # of 256: the held-out share of files
@@ -89,3 +91,10 @@ def windows(stream: list[int], seq_len: int) -> list[list[int]]:
     """``stream`` cut into windows of ``seq_len + 1`` tokens, each sharing its first token with the previous
     window's last, so that every token but the first is predicted exactly once (the last window may be shorter)."""
     return [stream[i : i + seq_len + 1] for i in range(0, len(stream) - 1, seq_len)]
+
+
+def unigram_bits(train: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> float:
+    """The baseline the model's held-out figure stands beside: the summed negative log-probability, in bits, of
+    ``targets`` under the token frequencies of ``train`` (both int64 token ids), add-one smoothed."""
+    freq = torch.bincount(train, minlength=vocab_size).double() + 1
+    return -(freq / freq.sum()).log2()[targets].sum().item()

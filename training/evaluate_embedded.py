@@ -21,10 +21,11 @@ import platform
 import statistics
 import sys
 import time
-from collections import Counter
+
+import torch
 
 from deepinfer.model import LLM, SamplingParams
-from deepinfer.model.embedded import checkpoint_dir, stdlib_documents, token_stream, windows
+from deepinfer.model.embedded import checkpoint_dir, stdlib_documents, token_stream, unigram_bits, windows
 
 SEQ_LEN = 1024
 
@@ -60,10 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - t0
     bits = nll_bits(prompts, lps, bos)
 
-    freq = Counter(token_stream(encode, eos, stdlib_documents("train")))
-    total, vocab = sum(freq.values()), llm.config.vocab_size
+    train = torch.tensor(token_stream(encode, eos, stdlib_documents("train")))
     targets = [t for p in prompts for t in p[1:] if t != bos]
-    unigram = -sum(math.log2((freq[t] + 1) / (total + vocab)) for t in targets)
+    unigram = unigram_bits(train, torch.tensor(targets), llm.config.vocab_size)
 
     figures = {
         "model": f"{path.parent.name}/{args.variant}",

@@ -48,7 +48,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3TopkRouter,
 )
 
-from deepinfer.model.embedded import HELDOUT_BELOW, stdlib_documents
+from deepinfer.model.embedded import HELDOUT_BELOW, stdlib_documents, unigram_bits
 from deepinfer.qtensor import quantize_blocks
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -266,15 +266,6 @@ def evaluate(model, mtp, stream: torch.Tensor, seq_len: int, batch: int) -> dict
     )
 
 
-def unigram_nll(train: torch.Tensor, heldout: torch.Tensor) -> float:
-    """Summed NLL (nats) of ``heldout``'s tokens (begin-of-sentence excluded) under the training split's token
-    frequencies, add-one smoothed."""
-    freq = torch.bincount(train, minlength=VOCAB).double() + 1
-    logp = (freq / freq.sum()).log()
-    tokens = heldout[1:]
-    return -logp[tokens[tokens != 0]].sum().item()
-
-
 # ---------------------------------------------------------------- checkpoint
 
 
@@ -457,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         m.load_state_dict(state)
 
     ev = evaluate(model, mtp, held, hp["seq_len"], hp["batch"])
-    uni = unigram_nll(train, held)
+    targets = held[1:]
+    uni_bits = unigram_bits(train, targets[targets != 0], VOCAB)  # begin-of-sentence targets excluded
     ln2 = math.log(2)
     record = {
         "model": "deepinfer tiny-py: DeepseekV3ForCausalLM + one MTP layer",
@@ -489,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_seconds": round(train_seconds, 1),
         "heldout": {
             "bits_per_byte": ev["nll_nats"] / ln2 / held_bytes,
-            "unigram_bits_per_byte": uni / ln2 / held_bytes,
+            "unigram_bits_per_byte": uni_bits / held_bytes,
             "loss_nats_per_token": ev["nll_nats"] / ev["tokens"],
             "top1": ev["top1"],
             "mtp_agreement_with_model_next_next_top1": ev["mtp_agreement"],
