@@ -66,10 +66,13 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # the final normed states of every row (the MTP layer reads them)
+        self.last = 0  # the bucket replayed last
         self.invariant = False  # the batch-invariant mode of the capture
 
-    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = ForwardBatch(
+    def batch(self, b: int) -> ForwardBatch:
+        """The metadata of bucket ``b``, over the static input buffers."""
+        return ForwardBatch(
             positions=self.narrow[:b],
             slot_mapping=self.wide[b : 2 * b],
             num_decode=b,
@@ -77,9 +80,11 @@ class DecodeGraphs:
             seq_lens=self.narrow[b : 2 * b],
             moe_mode="low_latency",
         )
-        hidden = self.model.forward(self.wide[:b], batch, self.kv_caches, self.index_caches)
+
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.model.forward(self.wide[:b], self.batch(b), self.kv_caches, self.index_caches)
         logits = self.model.compute_logits(hidden)
-        return logits, greedy_tokens(logits)
+        return logits, greedy_tokens(logits), hidden
 
     def capture(self) -> bool:
         """Captures every bucket, largest first (they share one memory pool). Returns False, with a warning and
@@ -97,14 +102,13 @@ class DecodeGraphs:
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[b], self.greedy[b] = self._forward(b)
+                    self.logits[b], self.greedy[b], self.hidden[b] = self._forward(b)
                 pool = graph.pool()
                 self.graphs[b] = graph
             torch.cuda.synchronize()
         except Exception as e:  # capture errors come from any op or from torch itself
-            self.graphs.clear()
-            self.logits.clear()
-            self.greedy.clear()
+            for outputs in (self.graphs, self.logits, self.greedy, self.hidden):
+                outputs.clear()
             warnings.warn(f"CUDA graph capture of the decode step failed, decoding eagerly: {e}", stacklevel=2)
             return False
         return True
@@ -139,4 +143,10 @@ class DecodeGraphs:
         if pending is not None:
             self.wide.index_copy_(0, *pending)
         self.graphs[b].replay()
+        self.last = b
         return self.logits[b][:n], self.greedy[b][:n]
+
+    def replayed(self) -> tuple[torch.Tensor, ForwardBatch]:
+        """The final normed states ``[b, H]`` of every row of the last replay, padding included, and its metadata
+        (views of the graph's buffers until its next replay)."""
+        return self.hidden[self.last], self.batch(self.last)

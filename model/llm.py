@@ -17,6 +17,7 @@ with the same arguments and calls ``generate`` with the same prompts; every rank
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -43,6 +44,7 @@ from .parallel import expert_parallel
 from .sampling_params import SamplingParams
 from .scheduler import PREEMPTION_MODES
 from .sequence import Sequence
+from .speculative import SpeculativeConfig, SpeculativeStats
 from .structured_output import Grammars
 from .tokenizer import Tokenizer
 
@@ -98,7 +100,9 @@ class LLM:
         progress: bool = True,
         ep: int | None = None,
         ep_group: Any = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
     ):
+        self.speculative_config = SpeculativeConfig.from_value(speculative_config)
         _check_arguments(
             dtype=dtype,
             kv_format=kv_format,
@@ -136,7 +140,15 @@ class LLM:
                 )
             try:
                 self.ep = expert_parallel(ep, self.config.n_routed_experts, ep_group)
-                page_bytes = cache_page_bytes(self.config, kv_format, block_size)
+                mtp_layers = 1 if self.speculative_config is not None else 0
+                if mtp_layers and not self.config.num_nextn_predict_layers:
+                    raise InputError(
+                        "LLM",
+                        "speculative_config",
+                        "a checkpoint with MTP layers (num_nextn_predict_layers >= 1) for method 'mtp'",
+                        f"num_nextn_predict_layers 0 in {self.path / 'config.json'}",
+                    )
+                page_bytes = cache_page_bytes(self.config, kv_format, block_size, mtp_layers)
                 if kv_cache_gb is not None and kv_cache_gb * (1 << 30) < page_bytes:
                     raise InputError(
                         "LLM", "kv_cache_gb", f"at least one cache page ({page_bytes} bytes)", repr(kv_cache_gb)
@@ -162,6 +174,7 @@ class LLM:
                 preemption_mode=preemption_mode,
                 cuda_graphs=not enforce_eager,
                 async_scheduling=async_scheduling,
+                speculative_config=self.speculative_config,
             )
         self.last_stats: dict[str, float] = {}
 
@@ -172,9 +185,11 @@ class LLM:
 
     def _load(self, ckpt: Checkpoint) -> DeepseekV3:
         local = {f".experts.{e}." for e in self.ep.local}
-        total = ckpt.total_bytes(n for n in ckpt.layout if ".experts." not in n or any(e in n for e in local))
+        mtp = self.speculative_config is not None
+        names = [*ckpt.layout, *(n for n in ckpt.mtp_layout if n in ckpt.tensors and mtp)]
+        total = ckpt.total_bytes(n for n in names if ".experts." not in n or any(e in n for e in local))
         if not self.progress:
-            model = DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device, ep=self.ep)
+            model = DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device, ep=self.ep, mtp=mtp)
             ckpt.close()
             return model
         with Progress(
@@ -187,7 +202,12 @@ class LLM:
         ) as bar:
             task = bar.add_task("load", total=total)
             model = DeepseekV3.load(
-                ckpt, dtype=self.dtype, device=self.device, ep=self.ep, on_progress=lambda n: bar.advance(task, n)
+                ckpt,
+                dtype=self.dtype,
+                device=self.device,
+                ep=self.ep,
+                on_progress=lambda n: bar.advance(task, n),
+                mtp=mtp,
             )
         ckpt.close()
         return model
@@ -238,6 +258,7 @@ class LLM:
         engine = self.engine
         start = time.perf_counter()
         gen0, prompt0 = engine.stats["generated_tokens"], engine.stats["prompt_tokens"]
+        spec0 = dataclasses.replace(engine.spec_stats)
         with deepinfer.use(self.backend):
             try:
                 seqs = self._add_all(prompts, params)
@@ -255,6 +276,11 @@ class LLM:
             "generated_tokens": engine.stats["generated_tokens"] - gen0,
             "seconds": elapsed,
         }
+        if self.speculative_config is not None:
+            now = engine.spec_stats
+            self.last_stats["speculative"] = SpeculativeStats(
+                now.drafted - spec0.drafted, now.accepted - spec0.accepted, now.verifications - spec0.verifications
+            ).as_dict()
         return [self._output(s) for s in seqs]
 
     def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
@@ -314,7 +340,8 @@ class LLM:
             outputs=[completion],
             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs else None,
-            metrics={"preemptions": seq.num_preemptions},
+            metrics={"preemptions": seq.num_preemptions}
+            | ({"drafted": seq.num_drafted, "accepted": seq.num_accepted} if self.speculative_config else {}),
         )
 
 
