@@ -306,12 +306,18 @@ class ModelRunner:
         )
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """``logits`` (one row per sequence of ``seqs``) with each structured-output row's disallowed tokens at
-        ``-inf``; ``logits`` itself when no sequence has a grammar."""
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        """``logits`` (one row per sampler row of ``seqs``: a sequence with drafts has one per verification row)
+        with each structured-output row's disallowed tokens at ``-inf``; ``logits`` itself when no sequence has a
+        grammar."""
+        rows, matchers = [], []
+        for i, (seq, offset) in enumerate(_row_offsets(seqs)):
+            if seq.matcher is not None:
+                rows.append(i)
+                if offset == 0:
+                    matchers.append((seq.matcher, seq.drafts))
         if not rows:
             return logits
-        mask = allowed_tokens([seqs[i].matcher for i in rows], logits.shape[1]).to(self.device, non_blocking=True)
+        mask = allowed_tokens(matchers, logits.shape[1]).to(self.device, non_blocking=True)
         index = self._tensor(rows, torch.int64)
         return logits.index_copy(0, index, ops.apply_token_bitmask(logits.index_select(0, index), mask))
 

@@ -26,8 +26,9 @@ step's MTP pass rewrites them, in row order, before any later row reads them.
 
 Confidence scheduling (``confidence_threshold``): a sequence verifies its drafts up to the first one the MTP layer
 gives a probability below the threshold, at most ``num_speculative_tokens``; 0 (the default) is fixed-``k``
-speculation. Drafts past ``max_tokens`` or the context are never verified. Requests with a structured-output
-constraint decode without drafts.
+speculation. Drafts past ``max_tokens`` or the context are never verified. A request with a structured-output
+constraint masks each verification row with what its grammar allows after the drafts before it (the matcher
+rolls the drafts back), so a draft the grammar refuses is never accepted.
 """
 
 from __future__ import annotations
@@ -159,8 +160,8 @@ class MTPDrafter:
     def limit(self, seq) -> int:
         """Drafts ``seq`` may verify this step: ``num_speculative_tokens``, fewer where the scheduler gave it less
         room (``Sequence.max_drafts``) or ``max_tokens`` or the context would end the sequence first; none without a
-        first draft or with a grammar."""
-        if seq.matcher is not None or seq.next_draft is None:
+        first draft."""
+        if seq.next_draft is None:
             return 0
         room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(self.config.num_speculative_tokens, seq.max_drafts, room))
