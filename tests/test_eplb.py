@@ -321,3 +321,30 @@ def test_rebalance_in_one_process_keeps_the_placement(ckpt):
     before = llm.eplb.placements
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=5, ignore_eos=True))
     assert llm.eplb.rebalances >= 2 and llm.eplb.placements == before
+
+
+def test_load_counted_inside_cuda_graphs_matches_eager(deepinfer_backend, deepinfer_device, tmp_path):
+    """On a backend that replays CUDA graphs (skipped elsewhere): the load counted by graph-replayed decode steps,
+    padding rows excluded, equals that of eager steps, in batch-invariant mode where both route alike."""
+    from model_helpers import small_checkpoint
+
+    import deepinfer
+    from deepinfer import registry
+
+    spec = registry.get().lookup(deepinfer_backend)
+    if "cuda_graphs" not in spec.capabilities or not torch.cuda.is_available() or deepinfer_device == "cpu":
+        pytest.skip(f"{deepinfer_backend} does not run CUDA graphs here")
+    path = small_checkpoint(tmp_path, seed=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=16)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 258, (n,), generator=g).tolist() for n in (5, 40, 17, 1, 29)]  # bucket 8: padding
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    common = dict(block_size=16, max_num_seqs=8, progress=False, enable_eplb=True, eplb_window_size=10_000)
+    out = {}
+    with deepinfer.batch_invariant():
+        for eager in (True, False):
+            llm = LLM(path, deepinfer_backend, enforce_eager=eager, **common)
+            assert (llm.engine.runner.graphs is None) == eager
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            out[eager] = (tokens, llm.expert_load())
+    assert out[True][0] == out[False][0]
+    assert int(out[True][1].sum()) > 0 and torch.equal(out[True][1], out[False][1])
