@@ -255,7 +255,19 @@ class LLMEngine:
         self._sampled: list = []  # tokens read back and finishes since the last check across ranks (next launch)
         self.async_scheduling = async_scheduling
         self._inflight: _Launched | None = None  # launched, results not yet applied
+        self.eplb: Any = None  # an eplb.ExpertLoadBalancer, told after each launched step (LLM(enable_eplb=True))
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+
+    def _recapture_graphs(self) -> None:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return
+        captured = graphs.capture()
+        if self.sync is not None:
+            captured = self.sync.min_int(int(captured)) == 1
+        if not captured:
+            self.runner.graphs = None
+        self.eplb.current.zero_()  # the capture's warm-up forwards counted
 
     def drop_cuda_graphs(self) -> None:
         """Frees the captured decode graphs; decode runs eagerly from then on. Under expert parallelism over NCCL
@@ -315,6 +327,8 @@ class LLMEngine:
             if inflight is not None:
                 self._apply(inflight, finished)
             launched = self._launch(finished)
+        if launched is not None and self.eplb is not None and self.eplb.end_step():
+            self._recapture_graphs()  # the graphs hold the dispatch tables of the placement they were captured with
         if launched is not None:
             if self.async_scheduling:
                 self._inflight = launched

@@ -38,6 +38,7 @@ from .checkpoint import Checkpoint
 from .deepseek_v3 import DeepseekV3
 from .embedded import default_checkpoint
 from .engine import LLMEngine, cache_page_bytes
+from .eplb import ExpertLoadBalancer, nodes_of
 from .errors import RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .parallel import expert_parallel
@@ -77,6 +78,14 @@ class LLM:
     ``RankDivergenceError``; a rank that dies or hangs surfaces as the process group's error after its timeout.
     Over NCCL, drop the LLM (or call ``llm.engine.drop_cuda_graphs()``) before destroying the process group: its
     CUDA graphs hold captured collectives, which the destruction would wait for.
+
+    Expert load balancing (vLLM's names; ``eplb.py``): num_redundant_experts: extra copies of experts (with
+    ``ep`` above 1; ``E + num_redundant_experts`` must be a multiple of ``ep``), placed by ``rebalance_experts`` on
+    a uniform load at start; a hot expert's tokens are spread over its copies. enable_eplb: measure the tokens per
+    expert of every MoE layer over the last ``eplb_window_size`` steps (``expert_load()``) and, every
+    ``eplb_step_interval`` steps (None: never), re-place the experts from that load, moving weights between ranks in
+    place between two steps. Outputs do not depend on the placement beyond fp32 reassociation in ``ep_combine``
+    (none in batch-invariant mode).
     """
 
     def __init__(
@@ -101,6 +110,10 @@ class LLM:
         ep: int | None = None,
         ep_group: Any = None,
         speculative_config: SpeculativeConfig | dict | None = None,
+        enable_eplb: bool = False,
+        num_redundant_experts: int = 0,
+        eplb_window_size: int = 1000,
+        eplb_step_interval: int | None = 3000,
     ):
         self.speculative_config = SpeculativeConfig.from_value(speculative_config)
         _check_arguments(
@@ -115,6 +128,7 @@ class LLM:
             max_model_len=max_model_len,
             preemption_mode=preemption_mode,
         )
+        _check_eplb(enable_eplb, eplb_window_size, eplb_step_interval)
         if model is None:
             model = default_checkpoint()
         self.path = Path(model)
@@ -139,7 +153,13 @@ class LLM:
                     str(max_model_len),
                 )
             try:
-                self.ep = expert_parallel(ep, self.config.n_routed_experts, ep_group)
+                self.ep = expert_parallel(
+                    ep,
+                    self.config.n_routed_experts,
+                    ep_group,
+                    num_redundant_experts=num_redundant_experts,
+                    num_groups=self.config.n_group or 1,
+                )
                 mtp_layers = 1 if self.speculative_config is not None else 0
                 if mtp_layers and not self.config.num_nextn_predict_layers:
                     raise InputError(
@@ -161,6 +181,14 @@ class LLM:
             self.tokenizer = Tokenizer.from_dir(self.path, self.config.bos_token_id)
             self._grammars: Grammars | None = None  # built on the first structured-output request
             self.model = self._load(ckpt)
+            self.eplb: ExpertLoadBalancer | None = None
+            if enable_eplb:  # before the engine: CUDA graphs capture the counting
+                self.eplb = ExpertLoadBalancer(
+                    self.model,
+                    window_size=eplb_window_size,
+                    step_interval=eplb_step_interval,
+                    num_nodes=nodes_of(self.ep.world_size),
+                )
             self.engine = LLMEngine(
                 self.model,
                 kv_format=kv_format,
@@ -176,6 +204,9 @@ class LLM:
                 async_scheduling=async_scheduling,
                 speculative_config=self.speculative_config,
             )
+            if self.eplb is not None:
+                self.eplb.reset()
+                self.engine.eplb = self.eplb
         self.last_stats: dict[str, float] = {}
 
     @property
@@ -211,6 +242,14 @@ class LLM:
             )
         ckpt.close()
         return model
+
+    def expert_load(self) -> torch.Tensor:
+        """``[MoE layers, E]`` int64: tokens routed to each logical expert of each MoE layer over the last
+        ``eplb_window_size`` steps, all ranks together (needs ``enable_eplb=True``; a collective under ``ep``: every
+        rank calls it)."""
+        if self.eplb is None:
+            raise RequestError("expert load is measured only with LLM(..., enable_eplb=True)")
+        return self.eplb.expert_load()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -353,6 +392,15 @@ def _sampling_params(p: Any) -> SamplingParams:
     raise RequestError(
         f"sampling_params: expected a SamplingParams, a dict of its fields or a list of those, got {type(p).__name__}"
     )
+
+
+def _check_eplb(enable: Any, window: Any, interval: Any) -> None:
+    c = Check("LLM")
+    if not isinstance(enable, bool):
+        raise c.fail("enable_eplb", "a bool", repr(enable))
+    c.positive_int("eplb_window_size", window)
+    if interval is not None:
+        c.positive_int("eplb_step_interval", interval)
 
 
 def _check_arguments(**kw: Any) -> None:
