@@ -205,7 +205,9 @@ class LLMEngine:
         backend = deepinfer.current_backend()
         if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda":
             rows = max_num_seqs * (1 + lookahead)  # a verification step runs 1 + drafts rows per sequence
-            graphs = DecodeGraphs(model, self.kv_cache, self.index_cache, max_batch=rows, max_blocks=max_blocks)
+            graphs = DecodeGraphs(
+                model, self.kv_cache, self.index_cache, max_batch=rows, max_blocks=max_blocks, drafter=drafter
+            )
         self.runner = ModelRunner(
             model, self.kv_cache, self.allocator, graphs=graphs, index_cache=self.index_cache, drafter=drafter
         )
@@ -391,7 +393,7 @@ class LLMEngine:
         truncated, self.scheduler.truncated = self.scheduler.truncated, []
         finished.extend(truncated)
         if self.runner.drafter is not None and batch.decodes:
-            self.runner.drafter.propose(batch.decodes, self.runner._tensor)
+            self.runner.drafter.propose(batch.decodes, self.runner._tensor, self.runner.graphs)
         if self.sync is not None:
             self._check_step(batch, truncated)
         if not batch:

@@ -245,7 +245,8 @@ class ModelRunner:
                 kmax = max(samplers[i].params.logprobs for i in step._want)
                 _logprob_tensors(host, "sample", sample_logits[want], step.tokens[want], kmax)
         if self.drafter is not None:
-            host.update(self._draft(step, batch, hidden, fb, sample_rows))
+            graphed = use_graph and self.graphs.replays_mtp(hidden.shape[0])
+            host.update(self._draft(step, batch, hidden, fb, sample_rows, graphed))
         if prompt_rows:
             targets = self._tensor([seq.token_ids[p + 1] for seq, _, p in prompt_rows], torch.int64)
             kmax = max(seq.params.prompt_logprobs for seq, _, _ in prompt_rows)
@@ -259,11 +260,18 @@ class ModelRunner:
         return step
 
     def _draft(
-        self, step: LaunchedStep, batch: ScheduledBatch, hidden: torch.Tensor, fb: ForwardBatch, sample_rows: list
+        self,
+        step: LaunchedStep,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor,
+        fb: ForwardBatch,
+        sample_rows: list,
+        graphed: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Speculative decoding: the MTP pass over the forward's rows (``hidden``, padded rows included), each row
-        with the token after it (its sampled token where it samples); keeps the sampler rows' MTP states in
-        ``step.draft_states`` and returns their drafts and probabilities, on the device."""
+        with the token after it (its sampled token where it samples), from the MTP graph of the decode graph just
+        replayed when ``graphed``; keeps the sampler rows' MTP states in ``step.draft_states`` and returns their
+        drafts and probabilities, on the device."""
         after = [_token(seq, p + 1) if p + 1 < seq.num_tokens else 0 for seq, p in _decode_rows(batch)]
         for ch in _chunks(batch):
             if not ch.decode_rows:
@@ -273,8 +281,12 @@ class ModelRunner:
         index = self._tensor(sample_rows, torch.int64)
         if sample_rows:  # each sampler row's sampled token
             next_ids.index_copy_(0, index, step.tokens)
-        with deepinfer.value_checks(False):
-            step.draft_states, tokens, probs = self.drafter.run(hidden, next_ids, fb, index)
+        if graphed:  # the rows of the decode graph just replayed
+            state, tokens, probs = (t.index_select(0, index) for t in self.graphs.run_mtp(hidden, next_ids))
+            step.draft_states = state
+        else:
+            with deepinfer.value_checks(False):
+                step.draft_states, tokens, probs = self.drafter.run(hidden, next_ids, fb, index)
         return {"draft_tokens": tokens, "draft_probs": probs} if sample_rows else {}
 
     def _pending_tokens(

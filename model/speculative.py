@@ -142,16 +142,18 @@ class MTPDrafter:
     def __init__(self, mtp, kv_cache, index_cache, allocator, config: SpeculativeConfig, max_model_len: int):
         self.mtp, self.kv_cache, self.index_cache = mtp, kv_cache, index_cache
         self.allocator, self.config, self.max_model_len = allocator, config, max_model_len
+        self._caches = (kv_cache, index_cache)
 
     def run(self, hidden, next_ids, batch, sample_rows):
         """The MTP pass over every row of a forward (``hidden [T, H]``: the main model's final states; ``next_ids
         [T]``: the token after each row) -> for the rows ``sample_rows``: the MTP states ``[S, H]``, their draft
         tokens ``[S]`` int64 and the drafts' probabilities ``[S]`` fp32, on the device."""
-        state = self.mtp.forward(hidden, next_ids, batch, self.kv_cache, self.index_cache)
+        state = self.mtp.forward(hidden, next_ids, batch, *self._caches)
         state = state.index_select(0, sample_rows)
-        return (state, *self._draft(state))
+        return (state, *self.draft(state))
 
-    def _draft(self, state):
+    def draft(self, state):
+        """The MTP layer's greedy drafts ``[N]`` and their probabilities ``[N]`` from its states ``[N, H]``."""
         logits = self.mtp.compute_logits(state)
         tokens = greedy_tokens(logits)
         probs = torch.softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
@@ -166,11 +168,12 @@ class MTPDrafter:
         room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(self.config.num_speculative_tokens, seq.max_drafts, room))
 
-    def propose(self, seqs: list, tensor) -> None:
+    def propose(self, seqs: list, tensor, graphs=None) -> None:
         """Sets ``seq.drafts`` for each decoding sequence of ``seqs``: its first draft, chained on by the MTP layer
         (one decode row per sequence and draft, at positions ``num_computed .. num_computed + n - 2``), cut by
-        ``limit`` and the confidence threshold. ``tensor(values, dtype)`` makes a device tensor. Reads the drafts
-        back once (a host synchronisation) when any sequence chains."""
+        ``limit`` and the confidence threshold. ``tensor(values, dtype)`` makes a device tensor; ``graphs``: the
+        engine's ``DecodeGraphs``, whose MTP graphs run the chain steps they fit. Reads the drafts back once (a host
+        synchronisation) when any sequence chains."""
         threshold = self.config.confidence_threshold
         limits = []
         for seq in seqs:
@@ -185,10 +188,20 @@ class MTPDrafter:
             ids = tensor([drafts[i][0][0] for i in rows], torch.int64)
         m = 1  # drafts each row in `rows` has
         while rows:
-            batch = decode_batch([(seqs[i], seqs[i].num_computed - 1 + m) for i in rows], self.allocator, tensor)
-            with deepinfer.value_checks(False):
-                state = self.mtp.forward(state, ids, batch, self.kv_cache, self.index_cache)
-                tokens, probs = self._draft(state)
+            at = [(seqs[i], seqs[i].num_computed - 1 + m) for i in rows]
+            if graphs is not None and graphs.replays_mtp(len(rows)):
+                meta = dict(
+                    positions=[p for _, p in at],
+                    slot_mapping=[self.allocator.slot(s, p) for s, p in at],
+                    block_tables=[s.block_table for s, _ in at],
+                    seq_lens=[p + 1 for _, p in at],
+                )
+                state, tokens, probs = graphs.run_mtp(state, ids, meta)
+                tokens, probs = tokens.clone(), probs.clone()  # the graph's outputs, overwritten by its next replay
+            else:
+                with deepinfer.value_checks(False):
+                    state = self.mtp.forward(state, ids, decode_batch(at, self.allocator, tensor), *self._caches)
+                    tokens, probs = self.draft(state)
             chained.append((rows, tokens, probs))
             m += 1
             keep = [j for j, i in enumerate(rows) if limits[i] > m]
