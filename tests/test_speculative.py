@@ -119,7 +119,7 @@ def test_sparse_attention_model_keeps_every_token(invariant, tmp_path):
         {"num_speculative_tokens": 1},
         {"num_speculative_tokens": 3},
         {"method": "deepseek_mtp", "num_speculative_tokens": 4, "confidence_threshold": 0.5},
-        {"num_speculative_tokens": 2, "disable_by_batch_size": 4},
+        {"num_speculative_tokens": 2, "disable_by_batch_size": 5},
     ],
 )
 def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
@@ -151,8 +151,10 @@ def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
     assert 0.2 < stats["acceptance_rate"] < 1 and stats["mean_accepted_length"] > 1.4, stats
     if "confidence_threshold" in spec:  # confidence scheduling verifies fewer than k drafts on average
         assert stats["drafted"] < k * stats["verifications"], stats
-    elif "disable_by_batch_size" in spec:  # drafts only once fewer than 4 of the 6 requests decode
-        assert 0 < stats["verifications"] < 40, stats
+    elif "disable_by_batch_size" in spec:  # drafts only once fewer than 5 of the 6 requests decode
+        uncapped = LLM(progress=False, speculative_config={"num_speculative_tokens": 2})
+        assert [result(o) for o in uncapped.generate(CODE_PROMPTS, params)] == plain
+        assert 0 < stats["verifications"] < uncapped.last_stats["speculative"]["verifications"] / 2, stats
     else:
         assert stats["drafted"] > 0.8 * k * stats["verifications"], stats
     outs = llm.generate(CODE_PROMPTS[:2], params[:2])
