@@ -13,6 +13,8 @@
 #                against the reference backend ($OUT/embedded_eval_cuda_sm100.json), then its tests on cuda_sm100
 #   speculative  speculative decoding's tests on cuda_sm100 (CUDA graphs, batch-invariant mode), then
 #                benchmarks/bench_speculative.py at batch 1, 16 and 64 ($OUT/speculative.json)
+#   structured   benchmarks/bench_structured_output.py at batch 64: compile, mask fill and apply against a step
+#                ($OUT/structured_output.json)
 #   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
@@ -54,6 +56,9 @@ case ${1:-} in
       --tb=short 2>&1 | tail -15
     timeout 330 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --batches 1,16,64 \
       --json "$OUT/speculative.json" 2>&1 | tail -30 ;;
+  structured)
+    timeout 300 python3 benchmarks/bench_structured_output.py --backend cuda_sm100 --batch 64 \
+      --json "$OUT/structured_output.json" 2>&1 | tail -5 ;;
   model)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_vs_transformers.py tests/test_model_cuda.py \
       --deepinfer-backend cuda_sm100 --tb=line 2>&1 | tail -8
