@@ -324,6 +324,23 @@ class LLMEngine:
         self._sampled = []
         return aborted
 
+    def abort(self, seq: Sequence, finish_reason: str = "abort", stop_reason: Any = None) -> bool:
+        """Ends one unfinished request now (``finish_reason`` ``"abort"`` by default; a server that finds a stop
+        string passes ``"stop"`` and the string) and takes back its cache pages or its swapped-out copy at once; its
+        tokens still being sampled are dropped. Returns False, changing nothing, when it had already finished. Call it
+        between steps (not from another thread while ``step`` runs). A step still running on the device that
+        includes it finishes there and its results for it are dropped; pages it wrote are handed out again only to
+        steps queued after it. Under expert parallelism every rank must abort the same request between the same
+        steps."""
+        if seq.status is Status.FINISHED:
+            return False
+        self.scheduler.abort(seq)
+        while seq.token_ids and seq.token_ids[-1] == PENDING:
+            seq.token_ids.pop()
+        seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
+        self._unfinished.pop(seq.arrival, None)
+        return True
+
     def _ready_to_run_ahead(self, inflight: _Launched) -> bool:
         """Whether the next batch can be scheduled before ``inflight``'s tokens are read: with asynchronous
         scheduling, when no running sequence has to be preempted and some running sequence does not end with its

@@ -43,6 +43,7 @@ from .parallel import expert_parallel
 from .sampling_params import SamplingParams
 from .scheduler import PREEMPTION_MODES
 from .sequence import Sequence
+from .streaming import RequestStream
 from .structured_output import Grammars
 from .tokenizer import Tokenizer
 
@@ -241,8 +242,20 @@ class LLM:
         with deepinfer.use(self.backend):
             try:
                 seqs = self._add_all(prompts, params)
+                # requests with stop strings: their text is followed step by step, and each ends at its stop string
+                streams = [
+                    RequestStream(s, self.tokenizer, s.params.stop, s.params.include_stop_str_in_output)
+                    for s in seqs
+                    if s.params.stop
+                ]
                 if show:
-                    self._run_with_progress(len(seqs), start, gen0)
+                    self._run_with_progress(len(seqs), start, gen0, streams)
+                elif streams:
+                    while engine.has_unfinished():
+                        engine.step()
+                        for stream in streams:
+                            stream.update(engine)
+                    engine.check_ranks_done()
                 else:
                     engine.run_until_done()
             except BaseException:  # Ctrl-C included: nothing of this call may stay queued or hold cache pages
@@ -255,7 +268,8 @@ class LLM:
             "generated_tokens": engine.stats["generated_tokens"] - gen0,
             "seconds": elapsed,
         }
-        return [self._output(s) for s in seqs]
+        texts = {id(st.seq): st.text for st in streams}
+        return [self._output(s, texts.get(id(s))) for s in seqs]
 
     def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
         encoded = [self._to_ids(p) for p in prompts]  # every prompt and constraint checked before any is queued
@@ -276,7 +290,7 @@ class LLM:
             self._grammars = Grammars(file, self.config.vocab_size, self.config.eos_token_ids)
         return self._grammars.matcher(params.structured_outputs)
 
-    def _run_with_progress(self, total: int, start: float, gen0: int) -> None:
+    def _run_with_progress(self, total: int, start: float, gen0: int, streams: list[RequestStream]) -> None:
         engine = self.engine
         with Progress(
             TextColumn("generating"),
@@ -289,15 +303,22 @@ class LLM:
         ) as bar:
             task = bar.add_task("generate", total=total, rate="")
             while engine.has_unfinished():
-                done = engine.step()
+                ended = {id(seq) for seq in engine.step()}
+                for st in streams:  # requests ended at a stop string are not among those the step reports
+                    delta = st.update(engine)
+                    if delta is not None and delta.finished and id(st.seq) not in ended:
+                        ended.add(id(st.seq))
+                done = len(ended)
                 rate = (engine.stats["generated_tokens"] - gen0) / max(time.perf_counter() - start, 1e-9)
-                bar.update(task, advance=len(done), rate=f"{rate:.1f} tok/s")
+                bar.update(task, advance=done, rate=f"{rate:.1f} tok/s")
         engine.check_ranks_done()
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
+        """``seq``'s output; ``text``: its text when it was followed by a ``RequestStream`` (stop strings)."""
         p = seq.params
         ids = seq.generated_ids
-        text = self.tokenizer.decode(ids, p.skip_special_tokens) if self.tokenizer is not None else ""
+        if text is None:
+            text = self.tokenizer.decode(ids, p.skip_special_tokens) if self.tokenizer is not None else ""
         completion = CompletionOutput(
             index=0,
             text=text,

@@ -122,6 +122,17 @@ class Scheduler:
         self.allocator.release(seq)
         seq.status = Status.FINISHED
 
+    def abort(self, seq: Sequence) -> None:
+        """Takes ``seq`` out of whichever queue holds it (or of the sequences set aside) and frees its pages and
+        its swapped-out copy; it is then ``FINISHED`` (the engine sets the reason)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.block_table:
+            self.allocator.release(seq)
+        seq.swapped, seq.swapped_pages = None, 0
+        seq.status = Status.FINISHED
+
     def set_aside(self, seq: Sequence) -> None:
         """Takes a running sequence out of the next batches; it keeps its pages until ``finish``."""
         self.running.remove(seq)
