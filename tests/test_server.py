@@ -513,12 +513,13 @@ def test_chat_template_sources(tmp_path):
     assert ChatTemplate.load(empty) is None
 
 
-def test_the_load_script_starts_deepinfer_serve_itself():
+def test_the_load_script_starts_deepinfer_serve_itself(tmp_path):
     """The command line end to end: ``benchmarks/serve_load.py`` starts ``deepinfer serve`` (the embedded model) on a
     free port, loads it and stops it."""
     import subprocess
 
     args = ["--requests", "6", "--concurrency", "3", "--max-tokens", "4", "--time-limit", "240"]
+    args += ["--json", str(tmp_path / "load.json")]
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), *args],
         capture_output=True,
@@ -526,6 +527,6 @@ def test_the_load_script_starts_deepinfer_serve_itself():
         timeout=400,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    report = json.loads(run.stdout[: run.stdout.rindex("}") + 1])
+    report = json.loads((tmp_path / "load.json").read_text())
     assert report["finished"] == 6 and report["completion_tokens"] == 24
     assert "every request finished" in run.stdout
