@@ -231,7 +231,7 @@ class AsyncEngine:
                 finish_reason=seq.finish_reason,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_generated=len(seq.generated_ids),
-                num_cached_tokens=getattr(seq, "num_cached_tokens", 0),
+                num_cached_tokens=seq.num_cached_tokens,
                 arrival_s=req.arrival_s,
                 first_token_s=req.first_token_s,
                 finish_s=now,

@@ -86,11 +86,14 @@ class LLMEngine:
     kv_format: ``bf16`` or ``fp8_ds_mla`` (needs ``kv_lora_rank % 128 == 0``). num_blocks: cache pages (default:
     enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens, within ``kv_cache_bytes``; on a device whose
     backend reports its free memory (``BackendSpec.free_memory``) ``kv_cache_bytes`` defaults to 90% of it less a
-    reserve for activations, elsewhere to 1 GiB). chunk_size: prefill
-    chunk length (chunks end at its multiples). cuda_graphs: capture decode graphs when the backend declares
-    ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now; they are replayed only in that
-    mode. async_scheduling: schedule and launch each step before reading back the previous one's tokens (above);
-    ``step`` then returns what finished in the previous step. The attribute can be changed between steps.
+    reserve for activations, elsewhere to 1 GiB). chunk_size: prefill chunk length (chunks end at its multiples).
+    enable_prefix_caching: a request reuses the cache pages of the longest prefix of its prompt that an earlier
+    request computed, in whole chunks, and prefills only the rest (``block_manager.py``,
+    ``Scheduler._reuse_prefix``); each sequence's ``num_cached_tokens`` says how many prompt tokens it found,
+    ``stats`` counts the prompt tokens prefilled and found. cuda_graphs: capture decode graphs when the backend
+    declares ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now; they are replayed only
+    in that mode. async_scheduling: schedule and launch each step before reading back the previous one's tokens
+    (above); ``step`` then returns what finished in the previous step. The attribute can be changed between steps.
 
     A bad argument (a size that is not a positive int, ``kv_cache_bytes`` below one cache page, ``max_model_len``
     outside ``[2, max_position_embeddings]``) is an ``InputError`` naming it, before anything is allocated.
@@ -115,6 +118,7 @@ class LLMEngine:
         preemption_mode: str = "swap",
         cuda_graphs: bool = True,
         async_scheduling: bool = True,
+        enable_prefix_caching: bool = True,
     ):
         cfg = model.cfg
         self.model, self.cfg = model, cfg
@@ -181,7 +185,7 @@ class LLMEngine:
                 device=device,
             ).view(cfg.num_hidden_layers, num_blocks, block_size, -1)
             model.use_index_format(self.index_format)
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         graphs = None
         backend = deepinfer.current_backend()
         if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda":
@@ -225,12 +229,21 @@ class LLMEngine:
                 self.runner.graphs is not None,
                 deepinfer.batch_invariant_enabled(),
                 async_scheduling,
+                enable_prefix_caching,
             )
             self.sync.check("engine start", {"engine settings": settings})
         self._sampled: list = []  # tokens read back and finishes since the last check across ranks (next launch)
         self.async_scheduling = async_scheduling
         self._inflight: _Launched | None = None  # launched, results not yet applied
-        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+        # prefilled_tokens: prompt tokens computed (a prompt found in the prefix cache is not); cached_prompt_tokens:
+        # prompt tokens found there when their requests were admitted
+        self.stats = {
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "steps": 0,
+            "prefilled_tokens": 0,
+            "cached_prompt_tokens": 0,
+        }
 
     def drop_cuda_graphs(self) -> None:
         """Frees the captured decode graphs; decode runs eagerly from then on. Under expert parallelism over NCCL
@@ -377,7 +390,14 @@ class LLMEngine:
         for seq in batch.decodes:
             seq.num_computed += 1
         for chunk in batch.prefills:
-            chunk.seq.num_computed = chunk.end
+            seq = chunk.seq
+            if chunk.start == seq.num_cached_tokens and seq.num_preemptions == 0 and not chunk.decode_rows:
+                self.stats["cached_prompt_tokens"] += seq.num_cached_tokens  # its first chunk: admitted now
+            seq.num_computed = chunk.end
+            if not chunk.decode_rows:
+                self.stats["prefilled_tokens"] += chunk.end - chunk.start
+            # prefix caching: its full prompt pages are registered once queued (later steps read them after)
+            self.allocator.register(seq, min(chunk.end, seq.num_prompt_tokens))
         index = {}
         for seq in step.samplers:
             index[id(seq)] = seq.num_tokens

@@ -63,7 +63,9 @@ class LLM:
     limit (default: the model's).
     preemption_mode: ``swap`` (pages to host memory and back) or ``recompute``. enforce_eager: no CUDA graphs.
     async_scheduling: schedule and launch each step before the previous step's tokens are read back, so the host's
-    work overlaps the device's (see ``LLMEngine``).
+    work overlaps the device's (see ``LLMEngine``). enable_prefix_caching: a prompt reuses the cache pages of the
+    longest prefix an earlier request computed, in whole prefill chunks, and prefills only the rest (each output's
+    ``num_cached_tokens``; ``last_stats``' ``cached_prompt_tokens`` and ``prefilled_tokens``).
     device: torch device (default: the backend's device type). progress: progress bars for loading and for
     batches of at least 8 prompts (on rank 0 only under expert parallelism).
 
@@ -95,6 +97,7 @@ class LLM:
         preemption_mode: str = "swap",
         enforce_eager: bool = False,
         async_scheduling: bool = True,
+        enable_prefix_caching: bool = True,
         device: str | torch.device | None = None,
         progress: bool = True,
         ep: int | None = None,
@@ -163,6 +166,7 @@ class LLM:
                 preemption_mode=preemption_mode,
                 cuda_graphs=not enforce_eager,
                 async_scheduling=async_scheduling,
+                enable_prefix_caching=enable_prefix_caching,
             )
         self.last_stats: dict[str, float] = {}
 
@@ -239,6 +243,7 @@ class LLM:
         engine = self.engine
         start = time.perf_counter()
         gen0, prompt0 = engine.stats["generated_tokens"], engine.stats["prompt_tokens"]
+        prefilled0 = engine.stats["prefilled_tokens"]
         with deepinfer.use(self.backend):
             try:
                 seqs = self._add_all(prompts, params)
@@ -266,6 +271,8 @@ class LLM:
             "requests": len(seqs),
             "prompt_tokens": engine.stats["prompt_tokens"] - prompt0,
             "generated_tokens": engine.stats["generated_tokens"] - gen0,
+            "prefilled_tokens": engine.stats["prefilled_tokens"] - prefilled0,
+            "cached_prompt_tokens": sum(s.num_cached_tokens for s in seqs),
             "seconds": elapsed,
         }
         texts = {id(st.seq): st.text for st in streams}
@@ -336,6 +343,7 @@ class LLM:
             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs else None,
             metrics={"preemptions": seq.num_preemptions},
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
 

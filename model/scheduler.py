@@ -19,11 +19,15 @@ instead and computes them again as they were first computed: the prompt in the s
 tokens in chunks of decode rows (``PrefillChunk.decode_rows``), so that with batch-invariant ops the cache and every
 later token are bitwise those of a run without preemption. A sequence that outgrows the whole cache while running
 alone finishes with ``finish_reason="length"``.
+
+Prefix caching (``_reuse_prefix``, ``block_manager.py``): a request is admitted with the longest cached prefix of its
+prompt already in place, in whole chunks, and prefills only the rest.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,8 +208,12 @@ class Scheduler:
 
         while self.waiting and not self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            self._reuse_prefix(seq)
             end = self.chunk_end(seq)
             if end - seq.num_computed > budget or not self.allocator.can_grow(seq, end):
+                if seq.num_computed:  # not admitted: give the cached pages back until it is
+                    self.allocator.release(seq)
+                    seq.num_computed = 0
                 break
             self.waiting.pop(0)
             seq.status = Status.RUNNING
@@ -215,6 +223,19 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= end - seq.num_computed
         return batch
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Prefix caching: a request about to be admitted with nothing computed starts after the longest cached
+        prefix of its prompt (``BlockAllocator.match``), in whole chunks (a multiple of ``chunk_size`` and of the
+        page size): its remaining chunks are then exactly those a run without the cache computes, over the same
+        cache entries, so a hit gives the same bits as a miss. At least the last prompt token is computed (its
+        logits give the first token); a request that asks for prompt log-probabilities computes its whole prompt."""
+        if seq.num_computed or seq.block_table or seq.params.prompt_logprobs is not None:
+            return
+        align = math.lcm(self.chunk_size, self.allocator.block_size)
+        seq.num_computed = self.allocator.match(seq, seq.num_prompt_tokens - 1, align)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed
 
     def next_step_fits(self) -> bool:
         """Whether every running sequence has the pages for its next step: the next ``schedule`` then preempts

@@ -97,7 +97,7 @@ class RequestStream:
             delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
             delta.num_prompt_tokens = seq.num_prompt_tokens
             delta.num_generated = len(seq.generated_ids)
-            delta.num_cached_tokens = getattr(seq, "num_cached_tokens", 0)
+            delta.num_cached_tokens = seq.num_cached_tokens
         return delta
 
     def _visible_text(self, ids: list[int], final: bool) -> str:
