@@ -404,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds a rank waits for the others in a collective before failing (with --ep; default 600)",
     )
+    gen.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="compute every prompt in full (default: reuse the cache pages of the longest prefix computed before)",
+    )
     gen.set_defaults(fn=cmd_generate)
 
     srv = sub.add_parser(
@@ -440,6 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="uvicorn's"
+    )
+    srv.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="compute every prompt in full (default: reuse the cache pages of the longest prefix computed before)",
     )
     srv.set_defaults(fn=cmd_serve)
     return parser

@@ -752,6 +752,7 @@ def serve(args: argparse.Namespace, console) -> int:
         kv_format=args.kv_format,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
         progress=True,
     )
     if llm.device.type == "cpu" and llm.config.hidden_size <= 1024:
