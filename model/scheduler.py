@@ -210,7 +210,7 @@ class Scheduler:
             seq = self.waiting[0]
             self._reuse_prefix(seq)
             end = self.chunk_end(seq)
-            if end - seq.num_computed > budget or not self.allocator.can_grow(seq, end):
+            if end - seq.num_computed > budget or not self.allocator.can_grow(seq, end) or self._waits_for_prefix(seq):
                 if seq.num_computed:  # not admitted: give the cached pages back until it is
                     self.allocator.release(seq)
                     seq.num_computed = 0
@@ -236,6 +236,26 @@ class Scheduler:
         seq.num_computed = self.allocator.match(seq, seq.num_prompt_tokens - 1, align)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed
+
+    def _waits_for_prefix(self, seq: Sequence) -> bool:
+        """Prefix caching: whether the next whole chunk of ``seq``'s prompt is being prefilled by a running sequence
+        with the same tokens from the start (its pages not registered yet). ``seq`` then waits for them (and the
+        requests behind it with it) instead of computing the same prefix a second time: requests that arrive
+        together with a shared prefix prefill it once."""
+        alloc = self.allocator
+        if not alloc.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return False
+        align = math.lcm(self.chunk_size, alloc.block_size)
+        if seq.num_computed + align > seq.num_prompt_tokens - 1:
+            return False  # no further whole chunk to gain
+        i = seq.num_computed // alloc.block_size
+        (key,) = alloc.page_keys(seq, i + 1)[i:]
+        for owner in self.running:
+            if owner.num_computed >= owner.num_prompt_tokens or i < owner.num_registered_pages:
+                continue
+            if (i + 1) * alloc.block_size <= owner.num_prompt_tokens and alloc.page_keys(owner, i + 1)[i] == key:
+                return True
+        return False
 
     def next_step_fits(self) -> bool:
         """Whether every running sequence has the pages for its next step: the next ``schedule`` then preempts
