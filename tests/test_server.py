@@ -46,6 +46,7 @@ TEMPLATE = (
 MAX_LEN = 512
 NUM_BLOCKS = 64
 BLOCK = 16
+CHUNK = 32  # prefix-cache hits come in whole chunks
 PROMPTS = [
     "def fibonacci(n):",
     "import os\n",
@@ -58,7 +59,13 @@ PROMPTS = [
 
 
 def llm_kwargs():
-    return {"dtype": "float32", "max_model_len": MAX_LEN, "num_blocks": NUM_BLOCKS, "block_size": BLOCK}
+    return {
+        "dtype": "float32",
+        "max_model_len": MAX_LEN,
+        "num_blocks": NUM_BLOCKS,
+        "block_size": BLOCK,
+        "prefill_chunk_size": CHUNK,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -393,6 +400,30 @@ def test_structured_outputs(client):
         assert isinstance(json.loads(js.choices[0].message.content)["a"], int)
     else:  # the small model may not close the object in 24 tokens; what it wrote is a prefix of one
         assert js.choices[0].message.content.startswith('{"a":')
+
+
+def test_usage_and_metrics_report_prefix_cache_hits(client, served, offline):
+    url = served[1]
+    hits0, queries0 = (
+        metric(url, "deepinfer_prefix_cache_hits_total"),
+        metric(url, "deepinfer_prefix_cache_queries_total"),
+    )
+    base = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(description=__doc__)\n"
+    first = client.completions.create(model="tiny-py", prompt=base * 2, max_tokens=2, temperature=0)
+    second = client.completions.create(model="tiny-py", prompt=base * 2 + "    args", max_tokens=2, temperature=0)
+    a, b = offline.tokenizer.encode(base * 2), offline.tokenizer.encode(base * 2 + "    args")
+    common = next(i for i, (x, y) in enumerate(zip([*a, -1], b)) if x != y)
+    expected = min(common // BLOCK * BLOCK, len(b) - 1) // CHUNK * CHUNK  # whole pages of a, in whole chunks
+    assert expected >= CHUNK, (len(a), common)
+    assert second.usage.prompt_tokens_details.cached_tokens == expected
+    assert second.usage.prompt_tokens == len(b)
+    assert second.choices[0].text == offline_out(offline, b, max_tokens=2, temperature=0).outputs[0].text
+    wait_idle(served[0])
+    hits = metric(url, "deepinfer_prefix_cache_hits_total") - hits0
+    queries = metric(url, "deepinfer_prefix_cache_queries_total") - queries0
+    assert hits == first.usage.prompt_tokens_details.cached_tokens + expected
+    assert queries == first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert 0 < metric(url, "deepinfer_prefix_cache_hit_rate") <= 1
 
 
 def test_metrics_count_requests_tokens_and_latencies(client, served):
