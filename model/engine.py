@@ -352,6 +352,8 @@ class LLMEngine:
             seq.token_ids.pop()
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         self._unfinished.pop(seq.arrival, None)
+        if not self._unfinished:  # the step in flight has no request left to apply its results to
+            self._inflight = None
         return True
 
     def _ready_to_run_ahead(self, inflight: _Launched) -> bool:

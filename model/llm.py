@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -227,18 +228,7 @@ class LLM:
         A call that raises, or is interrupted (``KeyboardInterrupt``), aborts every request it queued (and any
         queued directly on ``self.engine`` and not finished) and frees their cache pages first: the next call
         starts from a clean engine."""
-        single = isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
-        )
-        prompts = [prompts] if single else list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [
-            _sampling_params(p)
-            for p in (sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts))
-        ]
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        prompts, params = _requests(prompts, sampling_params)
         show = (self.progress if progress is None else progress) and len(prompts) >= PROGRESS_MIN_PROMPTS
         engine = self.engine
         start = time.perf_counter()
@@ -277,6 +267,45 @@ class LLM:
         }
         texts = {id(st.seq): st.text for st in streams}
         return [self._output(s, texts.get(id(s))) for s in seqs]
+
+    def stream(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Generates as ``generate`` does, yielding outputs as they grow: after each engine step, one
+        ``RequestOutput`` per request that gained tokens or text, holding all of them so far (``finished`` False),
+        and for each request once its final output (``finished`` True, the same as ``generate``'s). The text of an
+        unfinished output never ends in an incomplete character or in what may be the start of a stop string.
+        Closing the iterator early (``break``, an exception in the loop) aborts the requests still running and frees
+        their pages."""
+        prompts, params = _requests(prompts, sampling_params)
+        engine = self.engine
+        with deepinfer.use(self.backend):
+            seqs = self._add_all(prompts, params)
+        streams = [RequestStream(s, self.tokenizer, s.params.stop, s.params.include_stop_str_in_output) for s in seqs]
+        try:
+            while engine.has_unfinished() and any(not st.finished for st in streams):
+                with deepinfer.use(self.backend):
+                    engine.step()
+                    updated = [st for st in streams if st.update(engine) is not None]
+                for st in updated:
+                    out = self._output(st.seq, st.text)
+                    if not st.finished:
+                        done = st.sent_tokens
+                        out.outputs[0].token_ids = out.outputs[0].token_ids[:done]
+                        for name in ("logprobs", "top_logprobs"):
+                            values = getattr(out.outputs[0], name)
+                            if values is not None:
+                                setattr(out.outputs[0], name, values[:done])
+                        out.outputs[0].finish_reason, out.finished = None, False
+                    yield out
+        finally:
+            with deepinfer.use(self.backend):
+                for st in streams:
+                    engine.abort(st.seq)  # nothing for those already finished
+                if not engine.has_unfinished():
+                    engine.check_ranks_done()
 
     def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
         encoded = [self._to_ids(p) for p in prompts]  # every prompt and constraint checked before any is queued
@@ -345,6 +374,23 @@ class LLM:
             metrics={"preemptions": seq.num_preemptions},
             num_cached_tokens=seq.num_cached_tokens,
         )
+
+
+def _requests(prompts: Any, sampling_params: Any) -> tuple[list, list[SamplingParams]]:
+    """The prompts of a ``generate`` call as a list, and one ``SamplingParams`` for each."""
+    single = isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+    )
+    prompts = [prompts] if single else list(prompts)
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    params = [
+        _sampling_params(p)
+        for p in (sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts))
+    ]
+    if len(params) != len(prompts):
+        raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    return prompts, params
 
 
 def _sampling_params(p: Any) -> SamplingParams:

@@ -561,3 +561,34 @@ def test_the_load_script_starts_deepinfer_serve_itself(tmp_path):
     report = json.loads((tmp_path / "load.json").read_text())
     assert report["finished"] == 6 and report["completion_tokens"] == 24
     assert "every request finished" in run.stdout
+
+
+def test_offline_streaming_grows_to_the_generated_output_and_closing_it_frees_the_requests(offline):
+    params = [
+        SamplingParams(max_tokens=20, temperature=0, logprobs=1),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=3, stop=["\n"]),
+    ]
+    want = offline.generate(PROMPTS[:2], params)
+    seen: dict[str, list] = {}
+    for out in offline.stream(PROMPTS[:2], params):
+        seen.setdefault(out.request_id, []).append(out)
+    assert len(seen) == 2
+    for outs, w in zip(seen.values(), want):
+        *partial, final = outs
+        assert final.finished and not any(o.finished for o in partial) and len(partial) >= 2
+        for a, b in zip(partial, [*partial[1:], final]):  # each holds the one before
+            assert b.outputs[0].text.startswith(a.outputs[0].text)
+            assert b.outputs[0].token_ids[: len(a.outputs[0].token_ids)] == a.outputs[0].token_ids
+        f, g = final.outputs[0], w.outputs[0]
+        assert (f.text, f.token_ids, f.finish_reason, f.stop_reason) == (
+            g.text,
+            g.token_ids,
+            g.finish_reason,
+            g.stop_reason,
+        )
+        assert f.logprobs == g.logprobs
+    it = offline.stream(PROMPTS[2], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
+    first = next(it)
+    assert not first.finished and offline.engine.has_unfinished()
+    it.close()
+    assert not offline.engine.has_unfinished() and offline.engine.allocator.num_free == NUM_BLOCKS
