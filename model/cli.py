@@ -106,6 +106,7 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         device=None if launch is None else launch.device,
         progress=launch is None or launch.rank == 0,
         ep=None if launch is None else launch.world_size,
+        speculative_config=getattr(args, "speculative_config", None),
     )
     if llm.device.type == "cpu" and llm.config.hidden_size <= SMALL_HIDDEN:
         torch.set_num_threads(1)  # small matrices gain nothing from more threads and lose much when cores are busy
@@ -152,6 +153,13 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         console.print(
             f"[dim]prefix cache: {s['cached_prompt_tokens']} of {s['prompt_tokens']} prompt tokens found "
             f"({s['cached_prompt_tokens'] / max(s['prompt_tokens'], 1):.0%}), {s['prefilled_tokens']} prefilled"
+        )
+    if "speculative" in s:
+        d = s["speculative"]
+        console.print(
+            f"[dim]speculative decoding: {d['drafted']} drafts verified, {d['accepted']} accepted "
+            f"({100 * d['acceptance_rate']:.1f}%), mean accepted length {d['mean_accepted_length']:.2f}[/dim]",
+            highlight=False,
         )
     return 0
 

@@ -17,6 +17,7 @@ with the same arguments and calls ``generate`` with the same prompts; every rank
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -38,12 +39,14 @@ from .checkpoint import Checkpoint
 from .deepseek_v3 import DeepseekV3
 from .embedded import default_checkpoint
 from .engine import LLMEngine, cache_page_bytes
+from .eplb import ExpertLoadBalancer, nodes_of
 from .errors import RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .parallel import expert_parallel
 from .sampling_params import SamplingParams
 from .scheduler import PREEMPTION_MODES
 from .sequence import Sequence
+from .speculative import SpeculativeConfig, SpeculativeStats
 from .streaming import RequestStream
 from .structured_output import Grammars
 from .tokenizer import Tokenizer
@@ -79,6 +82,14 @@ class LLM:
     ``RankDivergenceError``; a rank that dies or hangs surfaces as the process group's error after its timeout.
     Over NCCL, drop the LLM (or call ``llm.engine.drop_cuda_graphs()``) before destroying the process group: its
     CUDA graphs hold captured collectives, which the destruction would wait for.
+
+    Expert load balancing (vLLM's names; ``eplb.py``): num_redundant_experts: extra copies of experts (with
+    ``ep`` above 1; ``E + num_redundant_experts`` must be a multiple of ``ep``), placed by ``rebalance_experts`` on
+    a uniform load at start; a hot expert's tokens are spread over its copies. enable_eplb: measure the tokens per
+    expert of every MoE layer over the last ``eplb_window_size`` steps (``expert_load()``) and, every
+    ``eplb_step_interval`` steps (None: never), re-place the experts from that load, moving weights between ranks in
+    place between two steps. Outputs do not depend on the placement beyond fp32 reassociation in ``ep_combine``
+    (none in batch-invariant mode).
     """
 
     def __init__(
@@ -103,7 +114,13 @@ class LLM:
         progress: bool = True,
         ep: int | None = None,
         ep_group: Any = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
+        enable_eplb: bool = False,
+        num_redundant_experts: int = 0,
+        eplb_window_size: int = 1000,
+        eplb_step_interval: int | None = 3000,
     ):
+        self.speculative_config = SpeculativeConfig.from_value(speculative_config)
         _check_arguments(
             dtype=dtype,
             kv_format=kv_format,
@@ -116,6 +133,7 @@ class LLM:
             max_model_len=max_model_len,
             preemption_mode=preemption_mode,
         )
+        _check_eplb(enable_eplb, eplb_window_size, eplb_step_interval)
         if model is None:
             model = default_checkpoint()
         self.path = Path(model)
@@ -140,8 +158,22 @@ class LLM:
                     str(max_model_len),
                 )
             try:
-                self.ep = expert_parallel(ep, self.config.n_routed_experts, ep_group)
-                page_bytes = cache_page_bytes(self.config, kv_format, block_size)
+                self.ep = expert_parallel(
+                    ep,
+                    self.config.n_routed_experts,
+                    ep_group,
+                    num_redundant_experts=num_redundant_experts,
+                    num_groups=self.config.n_group or 1,
+                )
+                mtp_layers = 1 if self.speculative_config is not None else 0
+                if mtp_layers and not self.config.num_nextn_predict_layers:
+                    raise InputError(
+                        "LLM",
+                        "speculative_config",
+                        "a checkpoint with MTP layers (num_nextn_predict_layers >= 1) for method 'mtp'",
+                        f"num_nextn_predict_layers 0 in {self.path / 'config.json'}",
+                    )
+                page_bytes = cache_page_bytes(self.config, kv_format, block_size, mtp_layers)
                 if kv_cache_gb is not None and kv_cache_gb * (1 << 30) < page_bytes:
                     raise InputError(
                         "LLM", "kv_cache_gb", f"at least one cache page ({page_bytes} bytes)", repr(kv_cache_gb)
@@ -154,6 +186,14 @@ class LLM:
             self.tokenizer = Tokenizer.from_dir(self.path, self.config.bos_token_id)
             self._grammars: Grammars | None = None  # built on the first structured-output request
             self.model = self._load(ckpt)
+            self.eplb: ExpertLoadBalancer | None = None
+            if enable_eplb:  # before the engine: CUDA graphs capture the counting
+                self.eplb = ExpertLoadBalancer(
+                    self.model,
+                    window_size=eplb_window_size,
+                    step_interval=eplb_step_interval,
+                    num_nodes=nodes_of(self.ep.world_size),
+                )
             self.engine = LLMEngine(
                 self.model,
                 kv_format=kv_format,
@@ -168,7 +208,11 @@ class LLM:
                 cuda_graphs=not enforce_eager,
                 async_scheduling=async_scheduling,
                 enable_prefix_caching=enable_prefix_caching,
+                speculative_config=self.speculative_config,
             )
+            if self.eplb is not None:
+                self.eplb.reset()
+                self.engine.eplb = self.eplb
         self.last_stats: dict[str, float] = {}
 
     @property
@@ -178,9 +222,11 @@ class LLM:
 
     def _load(self, ckpt: Checkpoint) -> DeepseekV3:
         local = {f".experts.{e}." for e in self.ep.local}
-        total = ckpt.total_bytes(n for n in ckpt.layout if ".experts." not in n or any(e in n for e in local))
+        mtp = self.speculative_config is not None
+        names = [*ckpt.layout, *(n for n in ckpt.mtp_layout if n in ckpt.tensors and mtp)]
+        total = ckpt.total_bytes(n for n in names if ".experts." not in n or any(e in n for e in local))
         if not self.progress:
-            model = DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device, ep=self.ep)
+            model = DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device, ep=self.ep, mtp=mtp)
             ckpt.close()
             return model
         with Progress(
@@ -193,10 +239,23 @@ class LLM:
         ) as bar:
             task = bar.add_task("load", total=total)
             model = DeepseekV3.load(
-                ckpt, dtype=self.dtype, device=self.device, ep=self.ep, on_progress=lambda n: bar.advance(task, n)
+                ckpt,
+                dtype=self.dtype,
+                device=self.device,
+                ep=self.ep,
+                on_progress=lambda n: bar.advance(task, n),
+                mtp=mtp,
             )
         ckpt.close()
         return model
+
+    def expert_load(self) -> torch.Tensor:
+        """``[MoE layers, E]`` int64: tokens routed to each logical expert of each MoE layer over the last
+        ``eplb_window_size`` steps, all ranks together (needs ``enable_eplb=True``; a collective under ``ep``: every
+        rank calls it)."""
+        if self.eplb is None:
+            raise RequestError("expert load is measured only with LLM(..., enable_eplb=True)")
+        return self.eplb.expert_load()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -234,6 +293,7 @@ class LLM:
         start = time.perf_counter()
         gen0, prompt0 = engine.stats["generated_tokens"], engine.stats["prompt_tokens"]
         prefilled0 = engine.stats["prefilled_tokens"]
+        spec0 = dataclasses.replace(engine.spec_stats)
         with deepinfer.use(self.backend):
             try:
                 seqs = self._add_all(prompts, params)
@@ -266,6 +326,11 @@ class LLM:
             "seconds": elapsed,
         }
         texts = {id(st.seq): st.text for st in streams}
+        if self.speculative_config is not None:
+            now = engine.spec_stats
+            self.last_stats["speculative"] = SpeculativeStats(
+                now.drafted - spec0.drafted, now.accepted - spec0.accepted, now.verifications - spec0.verifications
+            ).as_dict()
         return [self._output(s, texts.get(id(s))) for s in seqs]
 
     def stream(
@@ -371,7 +436,8 @@ class LLM:
             outputs=[completion],
             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs else None,
-            metrics={"preemptions": seq.num_preemptions},
+            metrics={"preemptions": seq.num_preemptions}
+            | ({"drafted": seq.num_drafted, "accepted": seq.num_accepted} if self.speculative_config else {}),
             num_cached_tokens=seq.num_cached_tokens,
         )
 
@@ -401,6 +467,15 @@ def _sampling_params(p: Any) -> SamplingParams:
     raise RequestError(
         f"sampling_params: expected a SamplingParams, a dict of its fields or a list of those, got {type(p).__name__}"
     )
+
+
+def _check_eplb(enable: Any, window: Any, interval: Any) -> None:
+    c = Check("LLM")
+    if not isinstance(enable, bool):
+        raise c.fail("enable_eplb", "a bool", repr(enable))
+    c.positive_int("eplb_window_size", window)
+    if interval is not None:
+        c.positive_int("eplb_step_interval", interval)
 
 
 def _check_arguments(**kw: Any) -> None:

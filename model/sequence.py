@@ -56,6 +56,13 @@ class Sequence:
         self.page_keys: list[tuple] = []
         self.num_registered_pages = 0
         self.num_cached_tokens = 0
+        # Speculative decoding (speculative.py): the drafts this step verifies; the MTP layer's draft of the token
+        # after the last one, with its probability, and the MTP state behind it (on the device); counts.
+        self.drafts: list[int] = []
+        self.max_drafts = 0  # the scheduler's room for drafts this step
+        self.next_draft: tuple[int, float] | None = None
+        self.draft_state: Any = None
+        self.num_drafted = self.num_accepted = 0
 
     @property
     def num_tokens(self) -> int:
