@@ -153,17 +153,16 @@ class AsyncEngine:
     def _run(self) -> None:
         with deepinfer.use(self.llm.backend):
             while not self._stopping.is_set():
-                self._take_commands(block=not self.engine.has_unfinished())
-                if self._stopping.is_set() or not self.engine.has_unfinished():
-                    continue
                 try:
+                    self._take_commands(block=not self.engine.has_unfinished())
+                    if self._stopping.is_set() or not self.engine.has_unfinished():
+                        continue
                     self.engine.step()
+                    self._publish()
                 except Exception as e:  # one failed step must not stop the server
                     log.exception("engine step failed; ending the requests in flight")
                     self.error = e
                     self._fail_all(e, drain=False)
-                    continue
-                self._publish()
             self._fail_all(EngineDeadError("the engine loop has stopped"), drain=True)
 
     def _take_commands(self, block: bool) -> None:

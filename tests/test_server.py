@@ -592,3 +592,21 @@ def test_offline_streaming_grows_to_the_generated_output_and_closing_it_frees_th
     assert not first.finished and offline.engine.has_unfinished()
     it.close()
     assert not offline.engine.has_unfinished() and offline.engine.allocator.num_free == NUM_BLOCKS
+
+
+def test_a_failing_step_ends_its_requests_with_a_500_and_the_server_goes_on(served, client, offline, monkeypatch):
+    state, url = served
+    engine = state.llm.engine
+    real_step = engine.step
+
+    def broken_step():
+        monkeypatch.setattr(engine, "step", real_step)  # only once
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    resp = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=60)
+    assert resp.status_code == 500 and "planted failure" in resp.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 200
+    ok = client.completions.create(model="tiny-py", prompt="x", max_tokens=4, temperature=0)
+    assert ok.choices[0].text == offline_out(offline, "x", max_tokens=4, temperature=0).outputs[0].text
+    assert wait_idle(state).num_free == NUM_BLOCKS
