@@ -453,6 +453,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="context length: prompt plus generated tokens (default: the model's max_position_embeddings)",
     )
     srv.add_argument(
+        "--prefill-chunk-size",
+        type=_int_at_least(1),
+        default=1024,
+        help="prefill chunk length (default 1024); prefix-cache hits come in whole chunks",
+    )
+    srv.add_argument(
+        "--max-num-batched-tokens", type=_int_at_least(1), default=4096, help="tokens per step at most (default 4096)"
+    )
+    srv.add_argument(
+        "--kv-cache-gb",
+        type=_finite("a finite number > 0", lambda v: v > 0),
+        help="cache size in GiB (default: 90%% of the device's free memory less a reserve; 1 GiB on the CPU)",
+    )
+    srv.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    srv.add_argument(
+        "--speculative-config",
+        type=_checked(json.loads, "a JSON object", lambda v: isinstance(v, dict)),
+        metavar="JSON",
+        help="speculative decoding with the checkpoint's MTP layer, as for generate (default: off)",
+    )
+    srv.add_argument(
         "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="uvicorn's"
     )
     srv.add_argument(

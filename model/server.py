@@ -752,6 +752,11 @@ def serve(args: argparse.Namespace, console) -> int:
         kv_format=args.kv_format,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_gb=args.kv_cache_gb,
+        enforce_eager=args.enforce_eager,
+        speculative_config=args.speculative_config,
         enable_prefix_caching=args.enable_prefix_caching,
         progress=True,
     )

@@ -10,6 +10,7 @@ load-test script.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -78,13 +79,10 @@ def deepinfer_backend_name(pytestconfig):
     return pytestconfig.getoption("deepinfer_backend") or "reference"
 
 
-@pytest.fixture(scope="module")
-def served(deepinfer_backend_name):
-    """(server state, base URL) of a server running on a free port for the whole module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    llm = LLM(None, deepinfer_backend_name, progress=False, **llm_kwargs())
-    state = make_server(llm, "tiny-py", chat_template=TEMPLATE)
+@contextlib.contextmanager
+def running_server(llm: LLM, **kw):
+    """(server state, base URL) of a server over ``llm`` on a free localhost port, for the ``with`` block."""
+    state = make_server(llm, "tiny-py", **kw)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -95,10 +93,22 @@ def served(deepinfer_backend_name):
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
-    yield state, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(30)
-    sock.close()
+    try:
+        yield state, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def served(deepinfer_backend_name):
+    """(server state, base URL) of a server running on a free port for the whole module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    llm = LLM(None, deepinfer_backend_name, progress=False, **llm_kwargs())
+    with running_server(llm, chat_template=TEMPLATE) as running:
+        yield running
     torch.set_num_threads(threads)
 
 
@@ -610,3 +620,21 @@ def test_a_failing_step_ends_its_requests_with_a_500_and_the_server_goes_on(serv
     ok = client.completions.create(model="tiny-py", prompt="x", max_tokens=4, temperature=0)
     assert ok.choices[0].text == offline_out(offline, "x", max_tokens=4, temperature=0).outputs[0].text
     assert wait_idle(state).num_free == NUM_BLOCKS
+
+
+def test_a_server_with_speculative_decoding_gives_the_same_text(offline, deepinfer_backend_name):
+    llm = LLM(
+        None, deepinfer_backend_name, progress=False, speculative_config={"num_speculative_tokens": 2}, **llm_kwargs()
+    )
+    with running_server(llm) as (state, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for prompt in PROMPTS[:3]:
+            got = client.completions.create(model="tiny-py", prompt=prompt, max_tokens=30, temperature=0, stop=["\n\n"])
+            want = offline_out(offline, prompt, max_tokens=30, temperature=0, stop=["\n\n"]).outputs[0]
+            assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, want.finish_reason)
+        body = {"prompt": PROMPTS[4], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            assert [next(lines) for _ in range(4)]
+        assert wait_idle(state).num_free == NUM_BLOCKS
+        assert llm.engine.spec_stats.drafted > 0
