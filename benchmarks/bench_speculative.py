@@ -5,7 +5,9 @@ library files.
     python benchmarks/bench_speculative.py [--backend cuda_sm100] [--batches 1,16,64] [--specs 1,2,3,3@0.5]
         [--max-tokens 128] [--repeats 3] [--json OUT.json]
 
-Each spec is ``k`` or ``k@threshold`` (``num_speculative_tokens`` and ``confidence_threshold``). For every batch
+Each spec is ``k[@threshold][/batch]`` (``num_speculative_tokens``, ``confidence_threshold``,
+``disable_by_batch_size``), or ``sync``: plain decoding without asynchronous scheduling (speculation turns it off,
+so this row separates the overlap lost from the cost of verification). For every batch
 size, each configuration generates the same prompts ``--repeats`` times after one warm-up; the table gives the
 median tokens per second, the speed-up over plain decoding measured in the same run, the mean accepted length and
 the share of requests whose tokens equal plain decoding's (in the default mode the logits' rounding depends on the
@@ -34,10 +36,13 @@ def prompts_from_heldout(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def spec_config(text: str) -> dict | None:
-    if text == "0":
+    """``0`` or ``sync`` (no speculation), else ``k[@threshold][/disable_by_batch_size]``."""
+    if text in ("0", "sync"):
         return None
+    text, _, cap = text.partition("/")
     k, _, threshold = text.partition("@")
-    return {"method": "mtp", "num_speculative_tokens": int(k), "confidence_threshold": float(threshold or 0)}
+    config = {"method": "mtp", "num_speculative_tokens": int(k), "confidence_threshold": float(threshold or 0)}
+    return config | ({"disable_by_batch_size": int(cap)} if cap else {})
 
 
 def main() -> None:
@@ -45,7 +50,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(default_checkpoint()))
     ap.add_argument("--backend")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--specs", default="1,2,3,3@0.5")
+    ap.add_argument("--specs", default="sync,1,2,3,3@0.5,3/32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -56,14 +61,19 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rows = []
     llms = {
-        c: LLM(args.model, args.backend, max_num_seqs=max(batches), progress=False, speculative_config=spec_config(c))
+        c: LLM(
+            args.model,
+            args.backend,
+            max_num_seqs=max(batches),
+            progress=False,
+            speculative_config=spec_config(c),
+            async_scheduling=c != "sync",
+        )
         for c in configs
     }
     prompts = prompts_from_heldout(llms["0"].tokenizer, max(batches), args.prompt_len)
     print(f"{llms['0'].backend} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
-    print(
-        "| batch | spec (k@threshold) | tokens/s | vs plain | mean accepted length | drafts verified / step | same tokens |"
-    )
+    print("| batch | spec | tokens/s | vs plain | mean accepted length | drafts verified / step | same tokens |")
     print("|---|---|---|---|---|---|---|")
     for b in batches:
         plain_tokens, plain_rate = None, None

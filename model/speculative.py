@@ -26,13 +26,15 @@ step's MTP pass rewrites them, in row order, before any later row reads them.
 
 Confidence scheduling (``confidence_threshold``): a sequence verifies its drafts up to the first one the MTP layer
 gives a probability below the threshold, at most ``num_speculative_tokens``; 0 (the default) is fixed-``k``
-speculation. Drafts past ``max_tokens`` or the context are never verified. A request with a structured-output
-constraint masks each verification row with what its grammar allows after the drafts before it (the matcher
-rolls the drafts back), so a draft the grammar refuses is never accepted.
+speculation. ``disable_by_batch_size`` turns drafting off in steps that decode that many sequences or more. Neither
+changes a token, only how many a step verifies. Drafts past ``max_tokens`` or the context are never verified. A
+request with a structured-output constraint masks each verification row with what its grammar allows after the
+drafts before it (the matcher rolls the drafts back), so a draft the grammar refuses is never accepted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -52,11 +54,14 @@ METHODS = ("mtp", "deepseek_mtp")
 class SpeculativeConfig:
     """How the engine speculates. method: ``mtp`` (``deepseek_mtp`` is the same); num_speculative_tokens: drafts per
     step at most (``k``; one MTP layer is chained for ``k > 1``); confidence_threshold in ``[0, 1)``: verify drafts
-    only while the MTP layer's probability of each is at least this (0: always ``k``)."""
+    only while the MTP layer's probability of each is at least this (0: always ``k``); disable_by_batch_size: no
+    drafts in a step that decodes at least this many sequences (None: never), where verifying more rows costs more
+    than the accepted drafts save."""
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
     confidence_threshold: float = 0.0
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_value(cls, value: Any) -> SpeculativeConfig | None:
@@ -65,11 +70,10 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             cfg = value
         elif isinstance(value, dict):
-            unknown = sorted(set(value) - {"method", "num_speculative_tokens", "confidence_threshold"})
+            fields = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(set(value) - set(fields))
             if unknown:
-                raise Check("speculative_config").fail(
-                    "speculative_config", "keys method, num_speculative_tokens, confidence_threshold", str(unknown)
-                )
+                raise Check("speculative_config").fail("speculative_config", f"keys among {fields}", str(unknown))
             cfg = cls(**value)
         else:
             raise Check("LLM").fail("speculative_config", "a dict, a SpeculativeConfig or None", repr(value))
@@ -84,6 +88,8 @@ class SpeculativeConfig:
         t = self.confidence_threshold
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 <= t < 1 and math.isfinite(t)):
             raise c.fail("confidence_threshold", "a number in [0, 1)", repr(t))
+        if self.disable_by_batch_size is not None:
+            c.positive_int("disable_by_batch_size", self.disable_by_batch_size)
 
 
 def accepted_drafts(drafts: list[int], targets: list[int]) -> int:
@@ -174,11 +180,11 @@ class MTPDrafter:
         ``limit`` and the confidence threshold. ``tensor(values, dtype)`` makes a device tensor; ``graphs``: the
         engine's ``DecodeGraphs``, whose MTP graphs run the chain steps they fit. Reads the drafts back once (a host
         synchronisation) when any sequence chains."""
-        threshold = self.config.confidence_threshold
+        threshold, cap = self.config.confidence_threshold, self.config.disable_by_batch_size
         limits = []
         for seq in seqs:
             seq.drafts = []
-            ok = seq.next_draft is not None and seq.next_draft[1] >= threshold
+            ok = seq.next_draft is not None and seq.next_draft[1] >= threshold and (cap is None or len(seqs) < cap)
             limits.append(self.limit(seq) if ok else 0)
         drafts = [[s.next_draft] if n else [] for s, n in zip(seqs, limits)]
         rows = [i for i, n in enumerate(limits) if n > 1]

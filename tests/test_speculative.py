@@ -74,6 +74,7 @@ def test_config_is_checked_before_anything_is_read(mtp_checkpoint, tmp_path):
         ({"num_speculative_tokens": True}, "num_speculative_tokens"),
         ({"confidence_threshold": 1.0}, "confidence_threshold"),
         ({"confidence_threshold": float("nan")}, "confidence_threshold"),
+        ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({"num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config"),
         ("mtp", "speculative_config"),
     ]:
@@ -118,6 +119,7 @@ def test_sparse_attention_model_keeps_every_token(invariant, tmp_path):
         {"num_speculative_tokens": 1},
         {"num_speculative_tokens": 3},
         {"method": "deepseek_mtp", "num_speculative_tokens": 4, "confidence_threshold": 0.5},
+        {"num_speculative_tokens": 2, "disable_by_batch_size": 5},
     ],
 )
 def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
@@ -143,12 +145,16 @@ def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
     assert result(out) == plain[0]
     steps = llm.engine.stats["steps"] - before
     assert steps == len(out.outputs[0].token_ids) - out.metrics["accepted"]
-    if "confidence_threshold" not in spec:  # every decode step verifies drafts, but the last (one token left)
+    if len(spec) == 1:  # every decode step verifies drafts, but the last (one token left)
         assert out.metrics["drafted"] >= steps - 2, (out.metrics, steps)
     k = spec["num_speculative_tokens"]
     assert 0.2 < stats["acceptance_rate"] < 1 and stats["mean_accepted_length"] > 1.4, stats
     if "confidence_threshold" in spec:  # confidence scheduling verifies fewer than k drafts on average
         assert stats["drafted"] < k * stats["verifications"], stats
+    elif "disable_by_batch_size" in spec:  # drafts only once fewer than 5 of the 6 requests decode
+        uncapped = LLM(progress=False, speculative_config={"num_speculative_tokens": 2})
+        assert [result(o) for o in uncapped.generate(CODE_PROMPTS, params)] == plain
+        assert 0 < stats["verifications"] < uncapped.last_stats["speculative"]["verifications"] / 2, stats
     else:
         assert stats["drafted"] > 0.8 * k * stats["verifications"], stats
     outs = llm.generate(CODE_PROMPTS[:2], params[:2])
