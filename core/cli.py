@@ -418,6 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="compute every prompt in full (default: reuse the cache pages of the longest prefix computed before)",
     )
+    gen.add_argument(
+        "--num-redundant-experts",
+        type=_int_at_least(0),
+        default=0,
+        help="extra expert copies placed by EPLB over the --ep ranks (experts + copies a multiple of --ep; default 0)",
+    )
+    gen.add_argument(
+        "--enable-eplb",
+        action="store_true",
+        help="measure the load of every expert and re-place the experts every --eplb-step-interval steps",
+    )
+    gen.add_argument(
+        "--eplb-step-interval", type=_int_at_least(1), default=3000, help="steps between rebalances (default 3000)"
+    )
     gen.set_defaults(fn=cmd_generate)
 
     srv = sub.add_parser(

@@ -107,6 +107,9 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         progress=launch is None or launch.rank == 0,
         ep=None if launch is None else launch.world_size,
         speculative_config=getattr(args, "speculative_config", None),
+        num_redundant_experts=getattr(args, "num_redundant_experts", 0),
+        enable_eplb=getattr(args, "enable_eplb", False),
+        eplb_step_interval=getattr(args, "eplb_step_interval", 3000),
     )
     if llm.device.type == "cpu" and llm.config.hidden_size <= SMALL_HIDDEN:
         torch.set_num_threads(1)  # small matrices gain nothing from more threads and lose much when cores are busy
