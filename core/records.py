@@ -62,7 +62,7 @@ def verdict(answer: object) -> tuple[bool, str]:
     plain ``False``) declines without one."""
     if isinstance(answer, Decline):
         return False, answer.reason
-    return (True, "") if answer else (False, "supports returned False (no reason given)")
+    return (True, "") if answer else (False, "no reason given")
 
 
 @dataclass(frozen=True)
