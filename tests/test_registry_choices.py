@@ -276,3 +276,28 @@ def test_conformance_report_names_the_mla_decode_kernel_that_ran():
     assert len(body["choices"]) == len(ran)
     for case, mode, taken in body["choices"]:
         assert ran[(case, mode)][0] == f"cuda_sm100/{taken}"
+
+
+def test_gemm_kernels_say_why_they_decline(monkeypatch):
+    """The Gluon FP8 kernels as an SM90 GPU of 132 SMs sees them: the short-K kernel wants 384 rows, the few-row one
+    a grid that fits the SMs once."""
+    gemm_gluon = pytest.importorskip("deepinfer_cuda_sm100.gemm_gluon")
+    if not any(i.provider == "gluon-fp8-few" for i in registry.get().impls_for("cuda_sm100", "gemm")):
+        pytest.skip("cuda_sm100 registers no Gluon gemm here")
+    from deepinfer.qtensor import quantize_blocks, quantize_rows
+
+    monkeypatch.setattr(gemm_gluon, "INTERPRET", False)
+    monkeypatch.setattr(gemm_gluon, "on_device", lambda *tensors: True)
+    monkeypatch.setattr(gemm_gluon, "hopper", lambda index: True)
+    monkeypatch.setattr(gemm_gluon, "num_sms", lambda *_: SMS)
+    w = quantize_blocks(torch.randn(7168, 2048))
+
+    def explain(m: int) -> dict[str, tuple[str, str]]:
+        kwargs = dict(a=quantize_rows(torch.randn(m, 2048), 128, "fp32"), w=w, out_dtype=torch.bfloat16, bias=None)
+        return {c.impl.provider: (c.status, c.reason) for c in dispatch.explain("gemm", kwargs, "cuda_sm100")}
+
+    got = explain(4)
+    assert got["gluon-fp8-ws"] == ("declined", f"4 rows < {gemm_gluon.MIN_M}")
+    assert got["gluon-fp8-few"] == ("taken", "")
+    got = explain(65)  # 7168 / 64 weight-row tiles x 2 row tiles of A
+    assert got["gluon-fp8-few"] == ("declined", f"224 programs > {SMS} SMs")
