@@ -235,7 +235,11 @@ def test_mla_decode_gluon_kernels_decline_with_the_unmet_condition(hopper, monke
 
     got = reasons(heads=32)
     assert got["gluon-split-halves"] == got["gluon-split"] == "32 heads < 64"
-    assert reasons(page=32)["gluon-split"] == "the cache's records cannot be read by TMA copies"  # blocks of 64
+    assert reasons(page=32)["gluon-split"] == "pages of 32 tokens, not a multiple of 64"
+    kwargs = _mla_args(64, 4096)
+    kwargs["kv_cache"] = torch.randn(4 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 576)  # 2-byte aligned
+    got = {c.impl.provider: c.reason for c in dispatch.explain("mla_decode", kwargs, "cuda_sm100")}
+    assert got["gluon-split"] == "the cache's records cannot be read by TMA copies"
     monkeypatch.setattr(attention.mla_gluon, "on_hopper", lambda t: False)
     assert reasons()["gluon-split"] == "q is not on an SM90 (Hopper) GPU"
     monkeypatch.setattr(attention.mla_gluon, "on_hopper", lambda t: True)

@@ -31,6 +31,7 @@ from ._triton import (
     INTERPRET,
     PDL,
     cast,
+    cdiv,
     device_type,
     dot,
     next_pow2,
@@ -323,7 +324,7 @@ def _split_tokens(programs_per_split: int, context: int, sms: int, invariant: bo
     if invariant:
         return SPLIT_TOKENS
     split = MAX_SPLIT_TOKENS
-    while split > MIN_SPLIT_TOKENS and programs_per_split * triton.cdiv(context, split) < GRID_FILL * sms:
+    while split > MIN_SPLIT_TOKENS and programs_per_split * cdiv(context, split) < GRID_FILL * sms:
         split //= 2
     return split
 
@@ -372,11 +373,11 @@ def mla_grid(q, kv_cache, block_table, kv_lora_rank: int, kv_format: str, invari
     batch, s_q, heads, d_qk = q.shape
     page = kv_cache.shape[1]
     block_h = min(MLA_TILE["BLOCK_H"], max(16, next_pow2(heads)))
-    head_blocks = triton.cdiv(heads, block_h)
+    head_blocks = cdiv(heads, block_h)
     context = block_table.shape[1] * page
     sms = num_sms(q.device.index or 0)
     split = _split_tokens(batch * s_q * head_blocks, context, sms, invariant)
-    n_splits = triton.cdiv(context, split)
+    n_splits = cdiv(context, split)
     fp8 = kv_format == "fp8_ds_mla"
     records = kv_cache.view(-1, kv_cache.shape[2])  # one row per cached token
     rope_records = records.view(torch.bfloat16) if fp8 else records
@@ -408,10 +409,12 @@ def mla_kernel_declines(
         return "this Triton has no Gluon Hopper language"
     if q.shape[0] == 0 or block_table.shape[1] == 0:
         return "no rows or no pages: nothing to launch"
-    grid = mla_grid(q, kv_cache, block_table, kv_lora_rank, kv_format, invariant)
-    why = mla_gluon.declines(q, kv_cache, kv_lora_rank, kv_format, grid.tma)
+    why = mla_gluon.declines(q, kv_cache, kv_lora_rank, kv_format, tma=True)  # the launch geometry only where needed
     if why is not None:
         return why
+    grid = mla_grid(q, kv_cache, block_table, kv_lora_rank, kv_format, invariant)
+    if not grid.tma:
+        return mla_gluon.declines(q, kv_cache, kv_lora_rank, kv_format, tma=False)
     share = {"gluon-scores-first": MLA_SCORES_FIRST_MAX_SHARE, "gluon-split-halves": MLA_HALVES_MAX_SHARE}.get(kernel)
     if share is not None and grid.programs > share * grid.sms:
         return f"{grid.programs} programs > {share:g} x {grid.sms} SMs"
