@@ -12,7 +12,9 @@ split kernel in ``mla_gluon`` instead (same partial outputs, same merge, same di
 batch-invariant mode, the scores are computed first over the whole context in parallel, then their softmax, then
 each span's P x V (``mla_gluon.launch_scores_first``, the same bits). Where the Gluon kernel runs in latent halves
 in batch-invariant mode, an fp8_ds_mla cache is first dequantised once into a bf16 copy of the rows' tokens
-(``_bf16_copy``), which the kernel reads as a bf16 cache (the same bits again).
+(``_bf16_copy``), which the kernel reads as a bf16 cache (the same bits again). Each of these kernels is an
+implementation of its own in the registry (``MLA_KERNELS``, ``mla_kernel_declines``): ``deepinfer info --ops
+--shapes`` says which one a shape takes and why the ones before it decline.
 """
 
 from __future__ import annotations
