@@ -11,7 +11,7 @@ from .errors import BackendError, DeepInferError, FallbackWarning, InputError, N
 from .hookspecs import hookimpl
 from .kv_cache import allocate_kv_cache
 from .qtensor import QTensor
-from .records import BackendSpec, OpImpl
+from .records import BackendSpec, Decline, OpImpl
 from .selection import available_backends, current_backend, use
 from .validation import value_checks
 
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError",
     "BackendSpec",
+    "Decline",
     "DeepInferError",
     "FallbackWarning",
     "InputError",

@@ -52,7 +52,7 @@ def _ops_table(backend: str) -> Table:
     spec = reg.lookup(backend)
     backend = spec.name if spec else backend  # an alias shows its backend's implementations
     table = Table(title=f"Ops on {backend}", title_justify="left")
-    for col in ("op", "implementations (first that supports the arguments wins)", "batch-invariant", "otherwise"):
+    for col in ("op", "implementations, in the order tried (the first that accepts runs)", "batch-invariant", "else"):
         table.add_column(col)
     for op in OP_NAMES:
         impls = reg.impls_for(backend, op)
@@ -60,6 +60,22 @@ def _ops_table(backend: str) -> Table:
         invariant = ", ".join(i.provider for i in impls if i.batch_invariant) or "-"
         fallback = "" if backend == "reference" else "reference (fallback)"
         table.add_row(op, names, invariant, fallback)
+    return table
+
+
+def _choices_table(backend: str, shapes: str, device: str | None, only: list[str] | None) -> Table:
+    from .conformance.choices import case_choices
+
+    spec = selection.require(backend, f"--backend {backend}")
+    table = Table(title=f"Implementation taken per conformance case on {spec.name} ({shapes} shapes)")
+    for col in ("op", "case", "mode", "taken", "declined before it (why)"):
+        table.add_column(col, overflow="fold")
+    with console.status("asking each implementation"):
+        choices = case_choices(spec.name, shapes, device, only)
+    for c in choices:
+        why = "; ".join(f"{p}: {r}" for p, r in c.declined)
+        taken = f"[red]{escape(c.error)}" if c.error else ("[yellow]" if "fallback" in c.taken else "") + c.taken
+        table.add_row(c.op, escape(c.case), c.mode, taken, escape(why))
     return table
 
 
@@ -77,8 +93,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     except DeepInferError as e:
         console.print(f"[red]No backend can be selected:[/red] {escape(str(e))}")
         shown = "reference"
+    if args.only and set(args.only.split(",")) - set(OP_NAMES):
+        return _bad_flag("--only", f"ops among {', '.join(OP_NAMES)}", args.only)
     if args.ops:
         console.print(_ops_table(args.backend or shown))
+        if args.shapes:
+            only = args.only.split(",") if args.only else None
+            console.print(_choices_table(args.backend or shown, args.shapes, args.device, only))
     return 0
 
 
@@ -286,8 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     about = "installed backends, whether each is available here and why, and which one is selected"
     info = sub.add_parser("info", help=about, description=f"List the {about}.")
-    info.add_argument("--ops", action="store_true", help="show the implementation each op resolves to")
+    info.add_argument("--ops", action="store_true", help="list each op's implementations in the order they are tried")
     info.add_argument("--backend", help="show --ops for this backend instead of the selected one")
+    info.add_argument(
+        "--shapes",
+        choices=("small", "full"),
+        help="with --ops: for each conformance case of this grid, the implementation taken (default mode and "
+        "batch-invariant mode) and why the ones tried before it declined; no kernel runs",
+    )
+    info.add_argument("--only", help="with --shapes: comma-separated ops (default: all)")
+    info.add_argument("--device", help="with --shapes: torch device of the inputs (default: the backend's)")
     info.set_defaults(fn=cmd_info)
 
     about = "check a backend against the reference"

@@ -3,7 +3,8 @@
 The first implementation (highest priority) whose ``supports`` accepts the arguments runs; if none does, the
 reference runs and a ``FallbackWarning`` is shown once per (backend, op), or ``NotSupportedError`` is raised under
 ``DEEPINFER_STRICT=1``. Under ``DEEPINFER_BATCH_INVARIANT=1`` (or inside ``batch_invariant()``) only
-implementations declared batch-invariant are considered.
+implementations declared batch-invariant are considered. ``explain`` and ``explain_call`` say, without running
+a kernel, which implementation a call takes and why the ones before it declined (``deepinfer info --ops``).
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from . import registry, selection
 from .errors import FallbackWarning, NotSupportedError
-from .records import OpImpl
+from .records import OpImpl, verdict
 
 _invariant_override: list[bool] = []
 _warned: set[tuple[str, str]] = set()
 _last: dict[str, tuple[OpImpl, bool]] = {}
+_intercepted: list[tuple[str, str | None]] = []  # (op, backend) whose next call explain_call answers instead
 
 
 def batch_invariant_enabled() -> bool:
@@ -77,8 +80,63 @@ def resolve(op: str, kwargs: dict[str, Any], backend: str | None = None) -> tupl
     return reference_impl(op), True
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What one implementation answers for one call. status: ``taken`` (it runs), ``declined`` (its ``supports``
+    said no; ``reason`` says why where it gave a ``Decline``), ``skipped`` (not batch-invariant, in batch-invariant
+    mode) or ``not tried`` (after the taken one); ``fallback``: the reference runs because nothing accepted."""
+
+    impl: OpImpl
+    status: str
+    reason: str = ""
+
+
+def explain(op: str, kwargs: dict[str, Any], backend: str | None = None) -> list[Choice]:
+    """Each implementation of ``op`` on ``backend`` (default: the selected one) in the order ``resolve`` tries them,
+    with its answer for ``kwargs``; where none accepts, the reference last (``fallback``). Calls only ``supports``."""
+    name = backend or selection.current_backend().name
+    invariant = batch_invariant_enabled()
+    choices: list[Choice] = []
+    taken = False
+    for impl in registry.get().impls_for(name, op):
+        if taken:
+            choices.append(Choice(impl, "not tried"))
+        elif invariant and not impl.batch_invariant:
+            choices.append(Choice(impl, "skipped", "not batch-invariant"))
+        else:
+            ok, why = (True, "") if impl.supports is None else verdict(impl.supports(**kwargs))
+            choices.append(Choice(impl, "taken" if ok else "declined", why))
+            taken = ok
+    if not taken:
+        fallback = name != "reference"
+        why = f"no implementation of {name!r} accepts these arguments" if fallback else ""
+        choices.append(Choice(reference_impl(op), "fallback" if fallback else "taken", why))
+    return choices
+
+
+class _Explained(BaseException):  # not an Exception: no `except Exception` on the way may swallow it
+    def __init__(self, choices: list[Choice]):
+        self.choices = choices
+
+
+def explain_call(op: str, run: Callable[[], Any], backend: str | None = None) -> list[Choice]:
+    """``explain`` for the first call of ``op`` that ``run`` makes (through the public op, so with the arguments
+    validation hands to dispatch); that call is not run, nor what follows it in ``run``. Calls of other ops before it
+    run as usual. Raises ``LookupError`` if ``run`` never calls ``op``."""
+    _intercepted.append((op, backend))
+    try:
+        run()
+    except _Explained as e:
+        return e.choices
+    finally:
+        _intercepted.pop()
+    raise LookupError(f"the call never reached {op}")
+
+
 def call(op: str, **kwargs: Any) -> Any:
     """Runs ``op`` on the selected backend (arguments already validated by the op)."""
+    if _intercepted and _intercepted[-1][0] == op:
+        raise _Explained(explain(op, kwargs, _intercepted[-1][1]))
     _last[op] = resolve(op, kwargs)
     return _last[op][0].fn(**kwargs)
 

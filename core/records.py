@@ -1,4 +1,4 @@
-"""The records plugins return: a backend's description and its op implementations."""
+"""The records plugins return: a backend's description, its op implementations, and why one declines a call."""
 
 from __future__ import annotations
 
@@ -45,6 +45,27 @@ class BackendSpec:
 
 
 @dataclass(frozen=True)
+class Decline:
+    """What an ``OpImpl.supports`` returns to decline a call and say why: falsy, so a caller that only tests the
+    answer (``if impl.supports(**kwargs)``) reads it as False. ``reason`` is one short clause in the present tense
+    naming the argument or condition (``"kv_format is fp8_ds_mla, expected bf16"``, ``"96 programs > 0.25 x 132
+    SMs"``); ``deepinfer info --ops --shapes`` shows it beside the implementation."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def verdict(answer: object) -> tuple[bool, str]:
+    """``(accepted, reason)`` of a ``supports`` answer: a ``Decline`` gives its reason; any other falsy answer (a
+    plain ``False``) declines without one."""
+    if isinstance(answer, Decline):
+        return False, answer.reason
+    return (True, "") if answer else (False, "no reason given")
+
+
+@dataclass(frozen=True)
 class OpImpl:
     """One implementation of one op.
 
@@ -53,8 +74,12 @@ class OpImpl:
     provider: what computes it (``triton``, ``cublas``, ``torch_npu``, ``torch``...), shown by ``deepinfer info
         --ops``; (backend, op, provider) must be unique.
     fn: called with the op's validated arguments, as keywords.
-    supports: called with the same keywords; returns False where ``fn`` cannot handle them (the next
-        implementation, or the reference, is used). ``None`` means it supports everything valid.
+    supports: called with the same keywords; returns a true value where ``fn`` serves them, and a falsy one where
+        it does not: the next implementation, or the reference, is then used. Returning ``Decline(reason)``
+        instead of ``False`` says why (``deepinfer info --ops --shapes`` lists it); a plain ``False`` still works.
+        ``None`` means it supports everything valid. A backend may register several kernels of one op as separate
+        implementations, each declining where an earlier one should run or where it cannot: the first that accepts
+        is the kernel that runs.
     batch_invariant: for a given row, ``fn`` returns bitwise the same result whatever else is in the batch and
         on every run. Only such implementations are used under ``DEEPINFER_BATCH_INVARIANT=1``.
     priority: higher is tried first among one backend's implementations of an op.
@@ -64,6 +89,6 @@ class OpImpl:
     backend: str
     provider: str
     fn: Callable[..., Any]
-    supports: Callable[..., bool] | None = None
+    supports: Callable[..., bool | Decline] | None = None
     batch_invariant: bool = False
     priority: int = 0

@@ -303,8 +303,8 @@ def off_by_one_bit(a, w, out_dtype, bias):
 gemm.cublas_fp8_supports = lambda a, w, **kw: True  # stands in for a GPU with cuBLAS
 capturing = [False]
 torch.cuda.is_current_stream_capturing = lambda: capturing[0]
-ask = lambda m: gemm.cublas_fp8_invariant_supports(
-    quantize_rows(torch.randn(m, 512, generator=g), 128, "fp32"), w, out_dtype=torch.bfloat16, bias=None)
+ask = lambda m: bool(gemm.cublas_fp8_invariant_supports(
+    quantize_rows(torch.randn(m, 512, generator=g), 128, "fp32"), w, out_dtype=torch.bfloat16, bias=None))
 gemm.gemm_fp8_cublas = lambda a, w, *, out_dtype, bias: unsplit(a, w, out_dtype, bias)  # same bits
 first = ask(256)
 gemm.gemm_fp8_cublas = off_by_one_bit  # asked again only at a new row count
@@ -340,8 +340,8 @@ def off_by_one_bit(a, w, *, out_dtype, bias):
 gemm.cublas_supports = lambda a, w, **kw: True  # stands in for a GPU with cuBLAS
 capturing = [False]
 torch.cuda.is_current_stream_capturing = lambda: capturing[0]
-ask = lambda m, bias=None: gemm.cublas_invariant_supports(
-    torch.randn(m, 256, generator=g).bfloat16(), w, out_dtype=torch.float32, bias=bias)
+ask = lambda m, bias=None: bool(gemm.cublas_invariant_supports(
+    torch.randn(m, 256, generator=g).bfloat16(), w, out_dtype=torch.float32, bias=bias))
 gemm.gemm_cublas = triton_bits  # same bits
 first, fewer, biased = ask(256), ask(255), ask(512, bias=torch.zeros(96, dtype=torch.bfloat16))
 gemm.gemm_cublas = off_by_one_bit  # asked again only at a new row count

@@ -154,7 +154,7 @@ def test_few_rows_supports_where_its_grid_fits_the_sms_once_and_fills_enough_of_
     default mode's split over K is faster."""
     monkeypatch.setattr(gemm_gluon, "num_sms", lambda *_: 132)
     bf16 = torch.bfloat16
-    takes = lambda m, n, k: gemm_gluon.few_rows_supports(*_operands(m, n, k), out_dtype=bf16, bias=None)
+    takes = lambda m, n, k: bool(gemm_gluon.few_rows_supports(*_operands(m, n, k), out_dtype=bf16, bias=None))
     for invariant in (False, True):
         with batch_invariant(invariant):
             assert takes(1, 7168, 2048) and takes(16, 7168, 2048) and takes(64, 7168, 2048)
@@ -187,7 +187,7 @@ def test_cublas_takes_the_rows_of_whole_waves_and_the_few_row_kernel_the_rest(on
     assert waves(2944, 2112, 7168) == waves(256, 2112, 7168) == 0
     assert waves(2048, 7168, 2048) == waves(2048, 24576, 1536) == waves(2048, 7168, 16384) == 0
     bf16 = torch.bfloat16
-    takes = lambda m, n, k: gemm_gluon.cublas_waves_supports(*_operands(m, n, k), out_dtype=bf16, bias=None)
+    takes = lambda m, n, k: bool(gemm_gluon.cublas_waves_supports(*_operands(m, n, k), out_dtype=bf16, bias=None))
     assert takes(2048, 2112, 7168) and not takes(2944, 2112, 7168) and not takes(2048, 7168, 2048)
     assert waves(2048, 2112, 512) == 1920 and not takes(2048, 2112, 512)  # the short-K kernel's
     a, w = _operands(2048, 2112, 7168)

@@ -12,22 +12,29 @@ split kernel in ``mla_gluon`` instead (same partial outputs, same merge, same di
 batch-invariant mode, the scores are computed first over the whole context in parallel, then their softmax, then
 each span's P x V (``mla_gluon.launch_scores_first``, the same bits). Where the Gluon kernel runs in latent halves
 in batch-invariant mode, an fp8_ds_mla cache is first dequantised once into a bf16 copy of the rows' tokens
-(``_bf16_copy``), which the kernel reads as a bf16 cache (the same bits again).
+(``_bf16_copy``), which the kernel reads as a bf16 cache (the same bits again). Each of these kernels is an
+implementation of its own in the registry (``MLA_KERNELS``, ``mla_kernel_declines``): ``deepinfer info --ops
+--shapes`` says which one a shape takes and why the ones before it decline.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from deepinfer import Decline
 from deepinfer.kv_cache import FP8_GROUP, fp8_ds_mla_offsets
 
 from ._triton import (
     INTERPRET,
     PDL,
     cast,
+    cdiv,
+    device_type,
     dot,
     next_pow2,
     num_sms,
@@ -62,7 +69,7 @@ MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, GRID_FILL = 4096, 64, 0.5
 # 0.339 ms, fp8_ds_mla 0.417 against 0.446 ms).
 MLA_TILE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 MLA_TMA = True  # whole blocks by TMA copies where the cache allows it (see ``_mla_tma``)
-MLA_GLUON = True  # the warp-specialized Gluon split kernel where it applies (see ``mla_gluon.takes``)
+MLA_GLUON = True  # the warp-specialized Gluon kernels where they apply (see ``mla_kernel_declines``)
 # The Gluon kernel gives each of two programs one latent half of P x V (``mla_gluon``'s ``HALVES``, the same bits)
 # where its grid would otherwise give at most this share of the SMs a program.
 MLA_HALVES_MAX_SHARE = 0.5
@@ -319,7 +326,7 @@ def _split_tokens(programs_per_split: int, context: int, sms: int, invariant: bo
     if invariant:
         return SPLIT_TOKENS
     split = MAX_SPLIT_TOKENS
-    while split > MIN_SPLIT_TOKENS and programs_per_split * triton.cdiv(context, split) < GRID_FILL * sms:
+    while split > MIN_SPLIT_TOKENS and programs_per_split * cdiv(context, split) < GRID_FILL * sms:
         split //= 2
     return split
 
@@ -348,7 +355,91 @@ def _mla_tma(records, rope_records, half: int, rope_dim: int, rope_at: int, bloc
     )
 
 
-def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format, invariant=False):
+@dataclass(frozen=True)
+class MlaGrid:
+    """The launch geometry of one ``mla_decode`` call: heads per program and head blocks, context tokens per KV split
+    and splits, the GPU's multiprocessors, whether whole blocks are read by TMA copies, and the split kernels'
+    programs (rows x head blocks x splits)."""
+
+    block_h: int
+    head_blocks: int
+    split: int
+    n_splits: int
+    sms: int
+    tma: bool
+    programs: int
+
+
+def mla_grid(q, kv_cache, block_table, kv_lora_rank: int, kv_format: str, invariant: bool) -> MlaGrid:
+    """The geometry ``mla_decode`` launches with (a call with rows and pages)."""
+    batch, s_q, heads, d_qk = q.shape
+    page = kv_cache.shape[1]
+    block_h = min(MLA_TILE["BLOCK_H"], max(16, next_pow2(heads)))
+    head_blocks = cdiv(heads, block_h)
+    context = block_table.shape[1] * page
+    sms = num_sms(q.device.index or 0)
+    split = _split_tokens(batch * s_q * head_blocks, context, sms, invariant)
+    n_splits = cdiv(context, split)
+    fp8 = kv_format == "fp8_ds_mla"
+    records = kv_cache.view(-1, kv_cache.shape[2])  # one row per cached token
+    rope_records = records.view(torch.bfloat16) if fp8 else records
+    rope_at = _rope_at(kv_lora_rank, fp8)
+    tma = _mla_tma(records, rope_records, kv_lora_rank // 2, d_qk - kv_lora_rank, rope_at, MLA_TILE["BLOCK_N"], page)
+    return MlaGrid(block_h, head_blocks, split, n_splits, sms, tma, batch * s_q * head_blocks * n_splits)
+
+
+# The kernels ``mla_decode`` chooses between, in the order they are tried (each a registered implementation:
+# ``plugin.py``): the Gluon scores-first kernels (batch-invariant mode only), the Gluon split kernel in latent halves,
+# the Gluon split kernel, the Triton split kernel (serves every supported call).
+MLA_KERNELS = ("gluon-scores-first", "gluon-split-halves", "gluon-split", "triton-split")
+
+
+def mla_kernel_declines(
+    kernel: str, q, kv_cache, block_table, *, kv_lora_rank: int, kv_format: str, invariant: bool
+) -> str | None:
+    """Why ``kernel`` (one of ``MLA_KERNELS``) does not serve a supported call in the given mode, or None where it
+    does. The Gluon kernels need ``MLA_GLUON`` and ``mla_gluon.declines``'s shapes; in latent halves where the grid
+    gives at most ``MLA_HALVES_MAX_SHARE`` of the SMs a program, scores first (batch-invariant mode) at most
+    ``MLA_SCORES_FIRST_MAX_SHARE``."""
+    if kernel == "triton-split":
+        return None
+    if kernel == "gluon-scores-first" and not invariant:
+        return "scores first serves batch-invariant mode only"
+    if not MLA_GLUON:
+        return "MLA_GLUON is off"
+    if mla_gluon is None:
+        return "this Triton has no Gluon Hopper language"
+    if q.shape[0] == 0 or block_table.shape[1] == 0:
+        return "no rows or no pages: nothing to launch"
+    why = mla_gluon.declines(q, kv_cache, kv_lora_rank, kv_format, tma=True)  # the launch geometry only where needed
+    if why is not None:
+        return why
+    grid = mla_grid(q, kv_cache, block_table, kv_lora_rank, kv_format, invariant)
+    if not grid.tma:
+        return mla_gluon.declines(q, kv_cache, kv_lora_rank, kv_format, tma=False)
+    share = {"gluon-scores-first": MLA_SCORES_FIRST_MAX_SHARE, "gluon-split-halves": MLA_HALVES_MAX_SHARE}.get(kernel)
+    if share is not None and grid.programs > share * grid.sms:
+        return f"{grid.programs} programs > {share:g} x {grid.sms} SMs"
+    return None
+
+
+def mla_kernel(q, kv_cache, block_table, *, kv_lora_rank: int, kv_format: str, invariant: bool) -> str:
+    """The first of ``MLA_KERNELS`` that serves the call: the one dispatch runs."""
+    return next(
+        k
+        for k in MLA_KERNELS
+        if mla_kernel_declines(
+            k, q, kv_cache, block_table, kv_lora_rank=kv_lora_rank, kv_format=kv_format, invariant=invariant
+        )
+        is None
+    )
+
+
+def mla_decode(
+    q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format, invariant=False, kernel=None
+):
+    """``ops.mla_decode`` by ``kernel`` (one of ``MLA_KERNELS``; None: ``mla_kernel``'s choice), with adaptive spans,
+    or fixed ones where ``invariant``. The caller makes sure ``kernel`` serves the call (``mla_kernel_declines``)."""
     batch, s_q, heads, d_qk = q.shape
     seq_lens = seq_lens.contiguous()  # the kernels read entry b at seq_lens_ptr + b
     rope_dim = d_qk - kv_lora_rank
@@ -360,12 +451,13 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
         return out.zero_(), lse.fill_(float("-inf"))
     page = kv_cache.shape[1]
     tile = dict(MLA_TILE)
-    block_h = min(tile.pop("BLOCK_H"), max(16, next_pow2(heads)))
-    head_blocks = triton.cdiv(heads, block_h)
-    context = block_table.shape[1] * page
-    sms = num_sms(q.device.index or 0)
-    split = _split_tokens(batch * s_q * head_blocks, context, sms, invariant)
-    n_splits = triton.cdiv(context, split)
+    del tile["BLOCK_H"]
+    grid = mla_grid(q, kv_cache, block_table, kv_lora_rank, kv_format, invariant)
+    split, n_splits, tma = grid.split, grid.n_splits, grid.tma
+    if kernel is None:
+        kernel = mla_kernel(
+            q, kv_cache, block_table, kv_lora_rank=kv_lora_rank, kv_format=kv_format, invariant=invariant
+        )
     if n_splits == 1:  # one span covers the context: the split kernel writes the output, no merge
         part_out, part_lse = out.view(-1, kv_lora_rank), lse.view(-1)
     else:
@@ -377,20 +469,18 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
     rope_records = records.view(torch.bfloat16) if fp8 else records
     rope_at = _rope_at(kv_lora_rank, fp8)
     half = kv_lora_rank // 2
-    tma = _mla_tma(records, rope_records, half, rope_dim, rope_at, tile["BLOCK_N"], page)
-    if MLA_GLUON and mla_gluon is not None and mla_gluon.takes(q, kv_cache, kv_lora_rank, kv_format, tma):
-        programs = batch * s_q * head_blocks * n_splits
+    if kernel != "triton-split":
         args = (q, records, block_table, seq_lens, part_out, part_lse, softmax_scale, split, n_splits, page)
-        halves = programs <= MLA_HALVES_MAX_SHARE * sms
-        if invariant and programs <= MLA_SCORES_FIRST_MAX_SHARE * sms:
+        if kernel == "gluon-scores-first":
             mla_gluon.launch_scores_first(*args)
         else:
+            halves = kernel == "gluon-split-halves"
             if invariant and halves and fp8 and MLA_FP8_COPY:  # at most 66 spans of 2048 tokens: 156 MB of copy
                 copy, copy_table = _bf16_copy(kv_cache, block_table, seq_lens, kv_lora_rank, rope_dim)
                 args = (q, copy, copy_table, *args[3:])
             mla_gluon.launch_split(*args, halves=halves)
     else:
-        _mla_split_kernel[(batch * s_q, head_blocks, n_splits)](
+        _mla_split_kernel[(batch * s_q, grid.head_blocks, n_splits)](
             q,
             TensorDescriptor.from_tensor(records, [tile["BLOCK_N"], half]) if tma else flat,
             TensorDescriptor.from_tensor(rope_records, [tile["BLOCK_N"], rope_dim]) if tma else flat,
@@ -418,7 +508,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_ran
             FP8=fp8,
             TMA=tma,
             SPLIT=split,
-            BLOCK_H=block_h,
+            BLOCK_H=grid.block_h,
             FP32_DOT=INTERPRET,
             DIRECT=n_splits == 1,
             **tile,
@@ -503,23 +593,51 @@ def _bf16_copy(kv_cache, block_table, seq_lens, kv_lora_rank: int, rope_dim: int
     return copy.view(batch * reach, -1), table
 
 
-def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format) -> bool:
+def mla_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format) -> bool | Decline:
     """bf16 queries, power-of-two latent (at least 32: two halves of 16) and rope widths. An fp8_ds_mla record must
     be a multiple of 16 bytes (DeepSeek-V3's 656 is): Triton assumes 16-byte alignment for the per-token rows of
     ``slot * WIDTH`` and issues 16-byte loads, which fault on the 260- and 392-byte records of smaller latents (found
     with compute-sanitizer on the H200); those go to the reference."""
     rope_dim = q.shape[3] - kv_lora_rank
-    return (
-        on_device(q, kv_cache, block_table, seq_lens)
-        and q.dtype == torch.bfloat16
-        and q.stride(3) == 1
-        and kv_lora_rank == next_pow2(kv_lora_rank)
-        and rope_dim == next_pow2(rope_dim)
-        and rope_dim >= 16
-        and kv_lora_rank >= 32
-        and block_table.stride(1) == 1
-        and (kv_format == "bf16" or INTERPRET or kv_cache.shape[2] % 16 == 0)
-    )
+    if not on_device(q, kv_cache, block_table, seq_lens):
+        return Decline(f"tensors are not on {device_type()}")
+    if q.dtype != torch.bfloat16:
+        return Decline(f"q is {q.dtype}, expected torch.bfloat16")
+    if q.stride(3) != 1:
+        return Decline("q's last dimension is not contiguous")
+    if kv_lora_rank != next_pow2(kv_lora_rank) or kv_lora_rank < 32:
+        return Decline(f"kv_lora_rank {kv_lora_rank} is not a power of two >= 32")
+    if rope_dim != next_pow2(rope_dim) or rope_dim < 16:
+        return Decline(f"rope width {rope_dim} is not a power of two >= 16")
+    if block_table.stride(1) != 1:
+        return Decline("block_table's rows are not contiguous")
+    if not (kv_format == "bf16" or INTERPRET or kv_cache.shape[2] % 16 == 0):
+        return Decline(f"fp8_ds_mla records of {kv_cache.shape[2]} bytes, not a multiple of 16")
+    return True
+
+
+def mla_kernel_supports(kernel: str, invariant: bool):
+    """The ``supports`` of ``kernel``'s implementation (one of ``MLA_KERNELS``) in the given mode: ``mla_supports``,
+    then ``mla_kernel_declines``."""
+
+    def supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format) -> bool | Decline:
+        answer = mla_supports(
+            q,
+            kv_cache,
+            block_table,
+            seq_lens,
+            softmax_scale=softmax_scale,
+            kv_lora_rank=kv_lora_rank,
+            kv_format=kv_format,
+        )
+        if not answer:
+            return answer
+        why = mla_kernel_declines(
+            kernel, q, kv_cache, block_table, kv_lora_rank=kv_lora_rank, kv_format=kv_format, invariant=invariant
+        )
+        return True if why is None else Decline(why)
+
+    return supports
 
 
 # --- attention_varlen (prefill) -----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from deepinfer import QTensor
+from deepinfer import Decline, QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 from deepinfer.qtensor import quantize_blocks
 
@@ -537,23 +537,29 @@ def _cublas_fp8_agrees() -> bool:
     return bool(((got - want).norm() / want.norm()) < 1e-2)
 
 
-def cublas_fp8_supports(a, w, *, out_dtype, bias) -> bool:
+def cublas_fp8_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     a_data = a.data if isinstance(a, QTensor) else a
-    return (
-        not INTERPRET
-        and isinstance(w, QTensor)
-        and w.block == (FP8_BLOCK, FP8_BLOCK)
-        and (not isinstance(a, QTensor) or a.block == (1, FP8_BLOCK))
-        and a_data.dim() == 2
-        and a_data.shape[0] >= CUBLAS_FP8_MIN_M
-        and w.shape[1] % (4 * FP8_BLOCK) == 0  # cuBLAS wants a multiple of 4 scale blocks along K
-        and bias is None
-        and out_dtype == torch.bfloat16
-        and a_data.dtype in (torch.bfloat16, torch.float8_e4m3fn)
-        and on_device(a_data, w.data)
-        and hasattr(F, "scaled_mm")
-        and _cublas_fp8_ready()
-    )
+    if INTERPRET:
+        return Decline("cuBLAS does not run in the Triton interpreter")
+    if not isinstance(w, QTensor) or w.block != (FP8_BLOCK, FP8_BLOCK):
+        return Decline(f"w is not FP8 with ({FP8_BLOCK}, {FP8_BLOCK}) scale blocks")
+    if isinstance(a, QTensor) and a.block != (1, FP8_BLOCK):
+        return Decline(f"a's scale blocks are {a.block}, not (1, {FP8_BLOCK})")
+    if a_data.dim() != 2 or a_data.shape[0] < CUBLAS_FP8_MIN_M:
+        return Decline(f"{a_data.shape[0]} rows < {CUBLAS_FP8_MIN_M}")
+    if w.shape[1] % (4 * FP8_BLOCK):  # cuBLAS wants a multiple of 4 scale blocks along K
+        return Decline(f"K = {w.shape[1]} is not a multiple of {4 * FP8_BLOCK}")
+    if bias is not None or out_dtype != torch.bfloat16:
+        return Decline("a bias or a result other than bf16")
+    if a_data.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        return Decline(f"a is {a_data.dtype}, not bf16 or e4m3")
+    if not on_device(a_data, w.data):
+        return Decline("operands are not on the GPU")
+    if not hasattr(F, "scaled_mm"):
+        return Decline("this torch has no scaled_mm")
+    if not _cublas_fp8_ready():
+        return Decline("cuBLAS's block-scaled FP8 product is not known to agree here")
+    return True
 
 
 def _cublas_fp8_ready() -> bool:
@@ -579,13 +585,16 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     return x.dtype == y.dtype and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
 
 
-def cublas_fp8_invariant_supports(a, w, *, out_dtype, bias) -> bool:
+def cublas_fp8_invariant_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     """cuBLAS in batch-invariant mode: where it runs, and only at a row count where it gave the unsplit Triton
     kernel's bits (asked once per row count and weight shape, outside graph capture, on random activations)."""
-    if not cublas_fp8_supports(a, w, out_dtype=out_dtype, bias=bias):
-        return False
+    answer = cublas_fp8_supports(a, w, out_dtype=out_dtype, bias=bias)
+    if not answer:
+        return answer
     m = (a.data if isinstance(a, QTensor) else a).shape[0]
-    return _cublas_agreed((m, *w.shape, w.data.device.index or 0), lambda: _cublas_gives_unsplit_bits(m, w))
+    if not _cublas_agreed((m, *w.shape, w.data.device.index or 0), lambda: _cublas_gives_unsplit_bits(m, w)):
+        return Decline(f"at {m} rows cuBLAS does not give the unsplit kernel's bits (or was not asked yet)")
+    return True
 
 
 def _cublas_gives_unsplit_bits(m: int, w: QTensor) -> bool:
@@ -647,45 +656,56 @@ def gemm_cublas(a, w, *, out_dtype, bias):
     return out.to(out_dtype)
 
 
-def fp8_supports(a, w, *, out_dtype, bias) -> bool:
+def fp8_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     a_data = a.data if isinstance(a, QTensor) else a
-    return (
-        isinstance(w, QTensor)
-        and on_device(a_data, w.data, bias)
-        and a_data.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-    )
+    if not isinstance(w, QTensor):
+        return Decline("w is not FP8")
+    if not on_device(a_data, w.data, bias):
+        return Decline("operands are not on the backend's device")
+    if a_data.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
+        return Decline(f"a is {a_data.dtype}")
+    return True
 
 
-def triton_dense_supports(a, w, *, out_dtype, bias) -> bool:
-    return (
-        not isinstance(w, QTensor)
-        and not isinstance(a, QTensor)
-        and on_device(a, w, bias)
-        and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
-    )
+def triton_dense_supports(a, w, *, out_dtype, bias) -> bool | Decline:
+    if isinstance(w, QTensor) or isinstance(a, QTensor):
+        return Decline("an FP8 operand")
+    if not on_device(a, w, bias):
+        return Decline("operands are not on the backend's device")
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return Decline(f"a is {a.dtype}")
+    return True
 
 
-def cublas_supports(a, w, *, out_dtype, bias) -> bool:
-    return not INTERPRET and not isinstance(w, QTensor) and not isinstance(a, QTensor) and on_device(a, w, bias)
+def cublas_supports(a, w, *, out_dtype, bias) -> bool | Decline:
+    if INTERPRET:
+        return Decline("cuBLAS does not run in the Triton interpreter")
+    if isinstance(w, QTensor) or isinstance(a, QTensor):
+        return Decline("an FP8 operand")
+    if not on_device(a, w, bias):
+        return Decline("operands are not on the GPU")
+    return True
 
 
 CUBLAS_DENSE_INVARIANT_MIN_M = 256  # below, the Triton tile is as fast at lm_head's shape (NOTES.md, gemm)
 
 
-def cublas_invariant_supports(a, w, *, out_dtype, bias) -> bool:
+def cublas_invariant_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     """cuBLAS for bf16 / fp16 operands in batch-invariant mode: from ``CUBLAS_DENSE_INVARIANT_MIN_M`` rows, without
     a bias, and only at a row count where it gave ``gemm_triton``'s bits (asked once per row count, shape and dtypes,
     outside graph capture, on random activations against the weight itself)."""
-    if not (
-        cublas_supports(a, w, out_dtype=out_dtype, bias=bias)
-        and bias is None
-        and a.dtype in (torch.bfloat16, torch.float16)
-        and a.shape[0] >= CUBLAS_DENSE_INVARIANT_MIN_M
-    ):
-        return False
+    answer = cublas_supports(a, w, out_dtype=out_dtype, bias=bias)
+    if not answer:
+        return answer
+    if bias is not None or a.dtype not in (torch.bfloat16, torch.float16):
+        return Decline("a bias, or operands other than bf16 / fp16")
+    if a.shape[0] < CUBLAS_DENSE_INVARIANT_MIN_M:
+        return Decline(f"{a.shape[0]} rows < {CUBLAS_DENSE_INVARIANT_MIN_M}")
     m = a.shape[0]
     key = ("dense", m, *w.shape, a.dtype, out_dtype, w.device.index or 0)
-    return _cublas_agreed(key, lambda: _cublas_gives_triton_bits(m, w, out_dtype))
+    if not _cublas_agreed(key, lambda: _cublas_gives_triton_bits(m, w, out_dtype)):
+        return Decline(f"at {m} rows cuBLAS does not give the Triton tile's bits (or was not asked yet)")
+    return True
 
 
 def _cublas_gives_triton_bits(m: int, w: torch.Tensor, out_dtype: torch.dtype) -> bool:

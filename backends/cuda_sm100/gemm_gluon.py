@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from deepinfer import QTensor
+from deepinfer import Decline, QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 
 from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, launch_dependents, plain_rows, tma_descriptor, wait_previous
@@ -329,33 +329,40 @@ def gemm_fp8(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
     return launch(_as_fp8(a, w), w)
 
 
-def _fp8_operands(a, w, out_dtype, bias) -> bool:
+def _fp8_operands(a, w, out_dtype, bias) -> bool | Decline:
     """An SM90 GPU, a (128, 128)-scaled e4m3 weight [N, K] with K a multiple of 128 and N a multiple of 8 (TMA's
     16-byte rows), an e4m3 (1, 128)-scaled or bf16 [M, K] activation, a bf16 result, no bias."""
     a_data = a.data if isinstance(a, QTensor) else a
     e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    if INTERPRET:
+        return Decline("Gluon does not run in the Triton interpreter")
+    if not isinstance(w, QTensor) or w.block != (FP8_BLOCK, FP8_BLOCK) or w.data.dtype != e4m3:
+        return Decline(f"w is not e4m3 with ({FP8_BLOCK}, {FP8_BLOCK}) scale blocks")
     a_kind = (a.block, a_data.dtype) == ((1, FP8_BLOCK), e4m3) if isinstance(a, QTensor) else a_data.dtype == bf16
-    return (
-        not INTERPRET
-        and isinstance(w, QTensor)
-        and w.block == (FP8_BLOCK, FP8_BLOCK)
-        and w.data.dtype == e4m3
-        and a_kind
-        and a_data.dim() == 2
-        and w.shape[1] % FP8_BLOCK == 0
-        and w.shape[0] % 8 == 0
-        and bias is None
-        and out_dtype == bf16
-        and on_device(a_data, w.data)
-        and hopper(a_data.device.index or 0)
-        and tma_ready(a_data, w.data)
-    )
+    if not a_kind or a_data.dim() != 2:
+        return Decline(f"a is not a 2-D bf16 or (1, {FP8_BLOCK})-scaled e4m3 matrix")
+    if w.shape[1] % FP8_BLOCK or w.shape[0] % 8:
+        return Decline(f"w is {list(w.shape)}: K not a multiple of {FP8_BLOCK} or N of 8")
+    if bias is not None or out_dtype != bf16:
+        return Decline("a bias or a result other than bf16")
+    if not on_device(a_data, w.data) or not hopper(a_data.device.index or 0):
+        return Decline("operands are not on an SM90 (Hopper) GPU")
+    if not tma_ready(a_data, w.data):
+        return Decline("operands cannot be read by TMA copies")
+    return True
 
 
-def supports(a, w, *, out_dtype, bias) -> bool:
+def supports(a, w, *, out_dtype, bias) -> bool | Decline:
     """``_fp8_operands``, at least ``MIN_M`` rows and K at most ``MAX_K``."""
     a_data = a.data if isinstance(a, QTensor) else a
-    return _fp8_operands(a, w, out_dtype, bias) and a_data.shape[0] >= MIN_M and w.shape[1] <= MAX_K
+    answer = _fp8_operands(a, w, out_dtype, bias)
+    if not answer:
+        return answer
+    if a_data.shape[0] < MIN_M:
+        return Decline(f"{a_data.shape[0]} rows < {MIN_M}")
+    if w.shape[1] > MAX_K:
+        return Decline(f"K = {w.shape[1]} > {MAX_K}")
+    return True
 
 
 # --- a few rows: the weight's rows as wgmma's M ---------------------------------------------------------------------
@@ -694,20 +701,31 @@ def gemm_fp8_few_rows(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
     return launch_few_rows(_as_fp8(a, w), w)
 
 
-def few_rows_supports(a, w, *, out_dtype, bias) -> bool:
+def few_rows_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     """``_fp8_operands``, K at most ``MAX_FEW_K``, at most ``FEW_MAX_M`` rows, and a grid (``few_rows_grid``) that
     fits the SMs and gives more than ``FEW_MIN_SHARE_INVARIANT`` of them a program in batch-invariant mode; in the
     default mode, more than ``FEW_MIN_SHARE`` of them an output tile (K groups do not count: at 4-8 rows the split
     over K was faster: benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` in K groups)."""
     a_data = a.data if isinstance(a, QTensor) else a
     m = a_data.shape[0]
-    if not (_fp8_operands(a, w, out_dtype, bias) and 1 <= m <= FEW_MAX_M and w.shape[1] <= MAX_FEW_K):
-        return False
+    answer = _fp8_operands(a, w, out_dtype, bias)
+    if not answer:
+        return answer
+    if not 1 <= m <= FEW_MAX_M:
+        return Decline(f"{m} rows, not 1 to {FEW_MAX_M}")
+    if w.shape[1] > MAX_FEW_K:
+        return Decline(f"K = {w.shape[1]} > {MAX_FEW_K}")
     sms = num_sms(a_data.device.index or 0)
     _, groups, programs = few_rows_grid(m, w.shape[0], w.shape[1], sms)
+    if programs > sms:
+        return Decline(f"{programs} programs > {sms} SMs")
     if batch_invariant_enabled():
-        return FEW_MIN_SHARE_INVARIANT * sms < programs <= sms
-    return FEW_MIN_SHARE * sms < programs // groups and programs <= sms
+        if FEW_MIN_SHARE_INVARIANT * sms < programs:
+            return True
+        return Decline(f"{programs} programs <= {FEW_MIN_SHARE_INVARIANT:g} x {sms} SMs")
+    if FEW_MIN_SHARE * sms < programs // groups:
+        return True
+    return Decline(f"{programs // groups} output tiles <= {FEW_MIN_SHARE:g} x {sms} SMs")
 
 
 # --- cuBLAS in whole waves, the rest of the rows by the few-row kernel ---------------------------------------------
@@ -752,12 +770,20 @@ def gemm_fp8_cublas_waves(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
     return out
 
 
-def cublas_waves_supports(a, w, *, out_dtype, bias) -> bool:
+def cublas_waves_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     """Where cuBLAS would serve (``gemm.cublas_fp8_supports`` and not ``supports``), with the out form of the op behind
     ``scaled_mm``, the few-row kernel's operands, and rows that ``cublas_whole_waves`` splits."""
-    if not (cublas_fp8_supports(a, w, out_dtype=out_dtype, bias=bias) and _fp8_operands(a, w, out_dtype, bias)):
-        return False
-    if supports(a, w, out_dtype=out_dtype, bias=bias) or not hasattr(torch, "_scaled_mm_v2"):
-        return False
+    answer = cublas_fp8_supports(a, w, out_dtype=out_dtype, bias=bias)
+    answer = _fp8_operands(a, w, out_dtype, bias) if answer else answer
+    if not answer:
+        return answer
+    if supports(a, w, out_dtype=out_dtype, bias=bias):
+        return Decline("gluon-fp8-ws serves these rows")
+    if not hasattr(torch, "_scaled_mm_v2"):
+        return Decline("this torch has no _scaled_mm_v2 (the out form of scaled_mm)")
     m = (a.data if isinstance(a, QTensor) else a).shape[0]
-    return cublas_whole_waves(m, *w.shape, num_sms(w.data.device.index or 0)) > 0
+    if cublas_whole_waves(m, *w.shape, num_sms(w.data.device.index or 0)) == 0:
+        return Decline(
+            f"{m} rows do not split into 1 to {CUBLAS_SPLIT_MAX_WAVES} whole cuBLAS waves and a few-row rest"
+        )
+    return True

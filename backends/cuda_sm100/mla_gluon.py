@@ -877,20 +877,33 @@ def _factor_rows(f_s):
     return plain_rows(f_s, [2 * f_s.shape[0], BLOCK_H])
 
 
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on an SM90 GPU (wgmma is Hopper's)."""
+    return t.is_cuda and hopper(t.device.index or 0)
+
+
+def declines(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> str | None:
+    """Why this kernel cannot serve the call, or None where it can: it needs an SM90 GPU, latent 512 and rope 64, at
+    least 64 heads, pages of a multiple of 64 tokens (a block lies in one page), and a cache whose records TMA can
+    read (``tma``: the whole bf16 record, or the bf16 rope part of an fp8_ds_mla record)."""
+    if not on_hopper(q):
+        return "q is not on an SM90 (Hopper) GPU"
+    if kv_format not in ("bf16", "fp8_ds_mla"):
+        return f"kv_format {kv_format!r} is not bf16 or fp8_ds_mla"
+    if not tma:
+        return "the cache's records cannot be read by TMA copies"
+    if kv_lora_rank != L.value or q.shape[3] != L.value + R.value:
+        return f"latent {kv_lora_rank} and rope {q.shape[3] - kv_lora_rank}, expected {L.value} and {R.value}"
+    if kv_cache.shape[1] % BLOCK_N.value:
+        return f"pages of {kv_cache.shape[1]} tokens, not a multiple of {BLOCK_N.value}"
+    if q.shape[2] < BLOCK_H.value:
+        return f"{q.shape[2]} heads < {BLOCK_H.value}"
+    return None
+
+
 def takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, kv_format: str, tma: bool) -> bool:
-    """Whether this kernel serves the call: an SM90 GPU (wgmma is Hopper's), latent 512 and rope 64, at least 64 heads,
-    pages of a multiple of 64 tokens (a block lies in one page), and a cache whose records TMA can read (``tma``:
-    the whole bf16 record, or the bf16 rope part of an fp8_ds_mla record)."""
-    return (
-        q.is_cuda
-        and hopper(q.device.index or 0)
-        and kv_format in ("bf16", "fp8_ds_mla")
-        and tma
-        and kv_lora_rank == L.value
-        and q.shape[3] == L.value + R.value
-        and kv_cache.shape[1] % BLOCK_N.value == 0
-        and q.shape[2] >= BLOCK_H.value
-    )
+    """Whether this kernel can serve the call (``declines`` gives None)."""
+    return declines(q, kv_cache, kv_lora_rank, kv_format, tma) is None
 
 
 def _descriptor(records: torch.Tensor, cols: int) -> TensorDescriptor:

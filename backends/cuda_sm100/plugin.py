@@ -36,6 +36,24 @@ def _impl(op, provider, fn, supports, *, invariant=True, priority=0) -> OpImpl:
     return OpImpl(op, NAME, provider, fn, supports=supports, batch_invariant=invariant, priority=priority)
 
 
+def _mla_decode_impls(attention) -> list[OpImpl]:
+    """One implementation per kernel ``attention.mla_decode`` chooses between, in ``MLA_KERNELS``' order: first the
+    default mode's (adaptive spans; ``gluon-split-halves``, ``gluon-split``, ``triton-split``), then the
+    batch-invariant ones (fixed spans: ``gluon-scores-first``, ``gluon-fixed-split-halves``, ``gluon-fixed-split``,
+    ``triton-fixed-split``). ``triton-split`` accepts every supported call, so the default mode never reaches the
+    batch-invariant ones."""
+    impls = []
+    for invariant in (False, True):
+        for kernel in attention.MLA_KERNELS:
+            if kernel == "gluon-scores-first" and not invariant:
+                continue
+            provider = kernel.replace("split", "fixed-split") if invariant else kernel
+            fn = partial(attention.mla_decode, invariant=invariant, kernel=kernel)
+            supports = attention.mla_kernel_supports(kernel, invariant)
+            impls.append(_impl("mla_decode", provider, fn, supports, invariant=invariant, priority=-len(impls)))
+    return impls
+
+
 @hookimpl
 def deepinfer_op_impls() -> list[OpImpl]:
     if not probe.triton_installed():
@@ -48,10 +66,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
         gemm_gluon = None
 
     impls = [
-        _impl("mla_decode", "triton", attention.mla_decode, attention.mla_supports, invariant=False, priority=1),
-        _impl(
-            "mla_decode", "triton-fixed-split", partial(attention.mla_decode, invariant=True), attention.mla_supports
-        ),
+        *_mla_decode_impls(attention),
         _impl("attention_varlen", "triton", attention.attention_varlen, attention.varlen_supports),
         _impl("write_kv_cache", "triton", attention.write_kv_cache, attention.write_supports),
         _impl("quantize_fp8", "triton", gemm.quantize_fp8, gemm.quantize_supports),

@@ -3,6 +3,8 @@
 A plugin module provides two hooks. ``deepinfer_backend`` describes the backend; ``deepinfer_op_impls`` lists
 implementations, each with an optional ``supports`` predicate (arguments it declines go to the next
 implementation, then to the reference) and a ``batch_invariant`` flag the conformance suite verifies bitwise.
+``supports`` may answer a plain bool (``gemm_supports``) or, to say why it declines, ``Decline(reason)``
+(``silu_and_mul_supports``), which ``deepinfer info --ops --shapes small`` shows.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import deepinfer
-from deepinfer import BackendSpec, OpImpl, QTensor
+from deepinfer import BackendSpec, Decline, OpImpl, QTensor
 from deepinfer.kv_cache import read_tokens
 
 
@@ -30,6 +32,10 @@ def gemm(a, w, *, out_dtype, bias):
 
 def gemm_supports(a, w, *, out_dtype, bias) -> bool:
     return isinstance(a, QTensor) and isinstance(w, QTensor) and a.device.type == "cpu"
+
+
+def silu_and_mul_supports(x, *, quantize, scale_format, masked_m, limit) -> bool | Decline:
+    return Decline("quantize=True: no FP8 output here") if quantize else True
 
 
 def rms_norm(x, w, eps, residual):
@@ -93,7 +99,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
             "example_cpu",
             "torch",
             silu_and_mul,
-            supports=lambda x, *, quantize, scale_format, masked_m, limit: not quantize,
+            supports=silu_and_mul_supports,
             batch_invariant=True,
         ),
     ]
