@@ -225,7 +225,7 @@ class V4Attention:
             window_idx.append(torch.where(j >= 0, j + base, -1))
             pool.append(keys)
             base += keys.shape[0]
-            ls.window = keys[keys.shape[0] - (sw - 1) :].clone() if sw > 1 else keys[:0].clone()
+            ls.window = keys[max(0, keys.shape[0] - (sw - 1)) :].clone()
             if self.compressor is None:
                 continue
             self.compressor.step(comp[0][rows], comp[1][rows], ls.compressor)

@@ -1,0 +1,344 @@
+"""DeepSeek-V4 against transformers' ``DeepseekV4ForCausalLM`` (fp32 oracle, eager attention).
+
+Tiny random checkpoints are written by transformers itself (DeepSeek's tensor names, as transformers saves them),
+with every layer type (sliding window, compressed sparse, heavily compressed), hash-routed and top-k routed MoE
+layers, ``hc_mult`` 2 or 3, a sliding window of 8 or 5 tokens, compression rates 4 / 8 (and 3 / 6), an
+``index_topk`` of 3 or 2, and prompts up to 45 tokens: longer than the window, spanning several windows of each
+compressor, and with more compressed entries than the indexer keeps, so window, entries and the indexer's choice all
+decide what a query attends to. Weights are redrawn so that every part matters (sinks, the compressors' position
+biases and the mHC biases and scales of order one; the hash table random; ``swiglu_limit`` 1 so the clipping
+bites).
+
+Sixteen indexer heads: with few heads every ``relu`` of a key is often zero, so keys tie at score 0, and
+transformers' ``topk`` breaks ties in no documented order (ours: the lower entry).
+
+Bounds (fp32 on both sides; measured at most 1e-5): log-probabilities of every prompt token within 1e-3 nats, with
+all prompts of a batch in one forward; the same through chunked prefill and one-token decode steps for several
+sequences at once; greedy tokens for 12 steps equal to the oracle's (a step where the oracle's two best differ by
+less than the bound may go either way). Planted bugs (window ignored, sinks ignored, top-k ignored, compressed
+entries ignored) fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from model_helpers import one_thread  # noqa: F401 (autouse fixture)
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+from deepinfer import ops
+from deepinfer.model import deepseek_v4
+from deepinfer.model.config_v4 import V4Checkpoint, V4Config
+from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.errors import CheckpointError
+from deepinfer.selection import use
+
+TOL = 1e-3
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+BASE = dict(
+    vocab_size=160,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    head_dim=32,
+    q_lora_rank=48,
+    num_experts_per_tok=2,
+    n_routed_experts=8,
+    partial_rotary_factor=8 / 32,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=16,
+    index_head_dim=16,
+    max_position_embeddings=512,
+    swiglu_limit=1.0,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+CONFIGS = {
+    "yarn": dict(
+        num_hidden_layers=5,
+        layer_types=[SLIDING, CSA, HCA, CSA, HCA],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
+        compress_rates={CSA: 4, HCA: 8},
+        sliding_window=8,
+        index_topk=3,
+        hc_mult=2,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+    ),
+    "plain": dict(
+        num_hidden_layers=4,
+        layer_types=[HCA, CSA, SLIDING, CSA],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={CSA: 3, HCA: 6},
+        sliding_window=5,
+        index_topk=2,
+        hc_mult=3,
+        hc_sinkhorn_iters=5,
+    ),
+}
+LENGTHS = [1, 7, 19, 33, 45]
+
+
+def v4_checkpoint(path, seed: int, **cfg):
+    """A tiny random ``DeepseekV4ForCausalLM`` saved by transformers (fp32); returns the oracle too."""
+    config = DeepseekV4Config(**(BASE | cfg))
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "inv_freq" in name:
+                continue
+            if "tid2eid" in name:
+                p.copy_(torch.randint(0, config.n_routed_experts, p.shape, generator=g))
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1 + 0.2 * noise)
+            elif "e_score_correction_bias" in name:
+                p.copy_(0.1 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            elif "lm_head" in name:
+                p.copy_(0.5 * noise)
+            elif name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.copy_(noise)
+            elif name.endswith(("scale", "hc_scale")):
+                p.copy_(1 + 0.3 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            path = tmp_path_factory.mktemp(f"v4-{name}")
+            made[name] = (path, v4_checkpoint(path, seed=len(made) + 3, **CONFIGS[name]))
+        return made[name]
+
+    return get
+
+
+def prompts(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 160, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def oracle_logprobs(oracle, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(oracle(torch.tensor([ids])).logits[0].float(), -1)
+
+
+@pytest.fixture
+def load(deepinfer_backend, deepinfer_device):
+    def make(path) -> DeepseekV4:
+        with use(deepinfer_backend):
+            import deepinfer
+
+            device = deepinfer_device or deepinfer.current_backend().device_type
+            return DeepseekV4.load(V4Checkpoint.open(path), dtype=torch.float32, device=device)
+
+    with use(deepinfer_backend):
+        yield make
+
+
+def run(model: DeepseekV4, states, chunks: list[list[int]]) -> torch.Tensor:
+    """One forward of ``chunks[b]`` new tokens for sequence ``b``; log-probabilities ``[T, vocab]``."""
+    ids = torch.tensor([t for c in chunks for t in c], device=model.device)
+    batch = model.batch(states, ids, [len(c) for c in chunks])
+    return torch.log_softmax(model.compute_logits(model.forward(ids, batch)), -1).cpu()
+
+
+def prompt_errors(model, oracle, ps, chunk: int | None = None) -> float:
+    """Worst |ours - oracle| prompt log-probability; all prompts in one batch, whole or in chunks of ``chunk``
+    tokens (the last chunks of a prompt as single-token steps when ``chunk`` is 1)."""
+    states = [model.new_state() for _ in ps]
+    got: list[list[torch.Tensor]] = [[] for _ in ps]
+    step = chunk or max(map(len, ps))
+    for start in range(0, max(map(len, ps)), step):
+        live = [b for b, p in enumerate(ps) if start < len(p)]
+        chunks = [ps[b][start : start + step] for b in live]
+        lp, o = run(model, [states[b] for b in live], chunks), 0
+        for b, c in zip(live, chunks):
+            got[b].append(lp[o : o + len(c)])
+            o += len(c)
+    worst = 0.0
+    for p, rows in zip(ps, got):
+        ours, ref = torch.cat(rows), oracle_logprobs(oracle, p)
+        idx = torch.tensor(p[1:], dtype=torch.long)[:, None]
+        errs = [(ours[:-1].gather(1, idx) - ref[:-1].gather(1, idx)).abs().flatten()]
+        errs.append((ours[-1] - ref[-1]).abs())  # the whole next-token distribution
+        worst = max(worst, torch.cat(errs).max().item())
+    return worst
+
+
+@pytest.mark.parametrize("name", ["yarn", "plain"])
+def test_prompt_logprobs_match_transformers(name, checkpoints, load):
+    path, oracle = checkpoints(name)
+    model = load(path)
+    assert prompt_errors(model, oracle, prompts(1)) < TOL
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 11])
+def test_chunked_prefill_and_decode_match_transformers(chunk, checkpoints, load):
+    path, oracle = checkpoints("yarn")
+    assert prompt_errors(load(path), oracle, prompts(2), chunk) < TOL
+
+
+def test_greedy_tokens_match_transformers_decode(checkpoints, load):
+    """Several sequences decode together, each step one token each; the oracle decodes with its own cache."""
+    path, oracle = checkpoints("plain")
+    model, ps, steps = load(path), prompts(3)[1:], 12
+    states = [model.new_state() for _ in ps]
+    lp = run(model, states, ps)
+    ends = torch.tensor([len(p) for p in ps]).cumsum(0) - 1
+    ours = [[int(lp[e].argmax())] for e in ends]
+    ours_lp = [[lp[e]] for e in ends]
+    for _ in range(steps - 1):
+        lp = run(model, states, [[o[-1]] for o in ours])
+        for b in range(len(ps)):
+            ours[b].append(int(lp[b].argmax()))
+            ours_lp[b].append(lp[b])
+    for p, gen, rows in zip(ps, ours, ours_lp):
+        ref = oracle_logprobs(oracle, p + gen)[len(p) - 1 :][:steps]
+        assert (torch.stack(rows) - ref).abs().max().item() < TOL
+        for j, t in enumerate(gen):
+            row = ref[j]
+            assert int(row.argmax()) == t or float(row.max() - row[t]) < TOL
+
+
+def test_transformers_own_decode_agrees_with_its_prompt_forward(checkpoints):
+    """The oracle's incremental path (its V4 caches) gives its full-prompt log-probabilities: decode is checked
+    against the full forward above, and this ties the two oracles together."""
+    from transformers import DynamicCache
+
+    _, oracle = checkpoints("yarn")
+    ids = torch.tensor([prompts(4)[-1]])
+    with torch.no_grad():
+        full = oracle(ids).logits[0]
+        cache = DynamicCache(config=oracle.config)
+        steps = [oracle(ids[:, :20], cache=cache, use_cache=True).logits[0]]
+        steps += [oracle(ids[:, i : i + 1], cache=cache, use_cache=True).logits[0] for i in range(20, ids.shape[1])]
+    assert (torch.cat(steps) - full).abs().max().item() < 1e-4
+
+
+def _sinks_ignored(real):
+    def planted(q, kv, indices, sinks, *, softmax_scale):
+        return real(q, kv, indices, torch.full_like(sinks, float("-inf")), softmax_scale=softmax_scale)
+
+    return planted
+
+
+def _topk_ignored(real):
+    def planted(q, weights, keys, key_start, key_count, *, topk):
+        return real(q, weights, keys, key_start, key_count, topk=4096)
+
+    return planted
+
+
+WINDOW = CONFIGS["yarn"]["sliding_window"]
+
+
+def _entries_ignored(real):
+    def planted(q, kv, indices, sinks, *, softmax_scale):  # the window's columns come first
+        return real(q, kv, indices[:, :WINDOW].contiguous(), sinks, softmax_scale=softmax_scale)
+
+    return planted
+
+
+@pytest.mark.parametrize("bug", ["window ignored", "sinks ignored", "top-k ignored", "entries ignored"])
+def test_planted_bugs_fail_the_comparison(bug, checkpoints, load, monkeypatch):
+    path, oracle = checkpoints("yarn")
+    model = load(path)
+    assert prompt_errors(model, oracle, prompts(5)) < TOL  # the comparison passes without the bug
+    if bug == "window ignored":
+        for _, attn, _, _, _ in model.layers:
+            attn.cfg = dataclasses.replace(attn.cfg, sliding_window=4096)
+    elif bug == "sinks ignored":
+        monkeypatch.setattr(ops, "sparse_attention_sinks", _sinks_ignored(ops.sparse_attention_sinks))
+    elif bug == "top-k ignored":
+        monkeypatch.setattr(ops, "indexer_topk_entries", _topk_ignored(ops.indexer_topk_entries))
+    else:
+        monkeypatch.setattr(ops, "sparse_attention_sinks", _entries_ignored(ops.sparse_attention_sinks))
+    assert prompt_errors(model, oracle, prompts(5)) > 10 * TOL
+
+
+def test_the_model_computes_through_deepinfer_ops_only():
+    """The model file calls no torch function that a backend would accelerate (matmul, softmax, einsum)."""
+    src = Path(deepseek_v4.__file__).read_text()
+    for banned in ("torch.matmul(", ".softmax(", "torch.einsum(", " @ ", "F.linear(", "torch.bmm("):
+        assert banned not in src, banned
+
+
+# --- config and checkpoint ------------------------------------------------------------------------------------------
+
+
+def test_config_reads_transformers_and_legacy_fields():
+    raw = json.loads(json.dumps({"model_type": "deepseek_v4", **BASE, **CONFIGS["plain"]}))
+    cfg = V4Config.from_dict(raw)
+    assert cfg.layer_types == tuple(CONFIGS["plain"]["layer_types"]) and cfg.qk_rope_head_dim == 8
+    assert cfg.compress_rate(0) == 6 and cfg.compress_rate(1) == 3 and cfg.compress_rate(2) == 0
+    legacy = {k: v for k, v in raw.items() if k not in ("layer_types", "mlp_layer_types", "partial_rotary_factor")}
+    legacy |= {"compress_ratios": [128, 4, 0, 4], "num_hash_layers": 1, "qk_rope_head_dim": 8}
+    cfg = V4Config.from_dict(legacy)
+    assert cfg.layer_types == (HCA, CSA, SLIDING, CSA) and cfg.mlp_layer_types == ("hash_moe", "moe", "moe", "moe")
+    assert cfg.compress_rate(0) == 6  # compress_rates still applies
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"layer_types": [SLIDING, "full_attention", SLIDING, SLIDING]}, "layer_types"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+        ({"compress_rates": {CSA: 0, HCA: 6}}, "compress_rates"),
+        ({"swiglu_limit": float("nan")}, "swiglu_limit"),
+        ({"n_shared_experts": 2}, "n_shared_experts"),
+        ({"rope_parameters": {"rope_type": "longrope"}}, "compress rope type"),
+    ],
+)
+def test_bad_configs_are_refused(change, message):
+    raw = {"model_type": "deepseek_v4", **BASE, **CONFIGS["plain"], **change}
+    with pytest.raises(CheckpointError, match=message):
+        V4Config.from_dict(raw)
+
+
+@pytest.mark.parametrize("damage", ["missing", "misshaped", "unexpected", "float table"])
+def test_damaged_checkpoints_are_refused_before_loading(damage, checkpoints, tmp_path):
+    path, _ = checkpoints("plain")
+    tensors = load_file(path / "model.safetensors")
+    key = "model.layers.1.attn.indexer.compressor.ape"
+    if damage == "missing":
+        del tensors[key]
+    elif damage == "misshaped":
+        tensors[key] = tensors[key][:, :-1].contiguous()
+    elif damage == "unexpected":
+        key = "model.layers.2.attn.compressor.ape"  # a sliding-window layer has no compressor
+        tensors[key] = tensors["model.layers.1.attn.compressor.ape"].clone()
+    else:
+        key = "model.layers.0.ffn.gate.tid2eid"
+        tensors[key] = tensors[key].float()
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=key.removeprefix("model.").replace(".", r"\.")):
+        V4Checkpoint.open(tmp_path)
+
+
+def test_mtp_tensors_are_recognised_not_loaded(checkpoints, tmp_path):
+    path, _ = checkpoints("plain")
+    tensors = load_file(path / "model.safetensors")
+    tensors["mtp.0.e_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    assert V4Checkpoint.open(tmp_path).mtp_keys == ["mtp.0.e_proj.weight"]
