@@ -80,6 +80,38 @@ class V4Config:
     model_type: str = "deepseek_v4"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    # The model keeps its caches per sequence (``deepseek_v4.V4State``), not in the engine's paged latent cache: the
+    # engine asks ``cache_page_bytes`` for its budget and keeps only a placeholder page table (``engine.py``).
+    owns_cache = True
+    sparse_attention = False  # no DeepSeek-V3.2 paged indexer-key cache either
+
+    def cache_bytes_per_token(self, elem_bytes: int = 2) -> float:
+        """Bytes the caches grow by per token of context: every compressed layer's entry (``head_dim``) and, for
+        compressed sparse attention, its indexer key (``index_head_dim``), once per ``m`` tokens. The window's keys
+        (``sliding_window - 1`` per layer) are a fixed cost per sequence (``cache_bytes_per_sequence``)."""
+        total = 0.0
+        for i, kind in enumerate(self.layer_types):
+            if kind != SLIDING:
+                total += (self.head_dim + (self.index_head_dim if kind == CSA else 0)) / self.compress_rate(i)
+        return total * elem_bytes
+
+    def cache_bytes_per_sequence(self, elem_bytes: int = 2) -> int:
+        """Fixed bytes per sequence: the window's keys of every layer, and each compressor's unfinished window."""
+        window = self.num_hidden_layers * (self.sliding_window - 1) * self.head_dim
+        buffers = 0
+        for i, kind in enumerate(self.layer_types):
+            if kind == CSA:  # two series of head_dim and of index_head_dim, kv and gate, up to 2m rows
+                buffers += 2 * 2 * self.compress_rate(i) * 2 * (self.head_dim + self.index_head_dim)
+            elif kind == HCA:
+                buffers += 2 * self.compress_rate(i) * self.head_dim
+        return (window + buffers) * elem_bytes
+
+    def cache_page_bytes(self, kv_format: str, block_size: int) -> int:
+        """The engine's budget for one page of ``block_size`` tokens (bf16 states)."""
+        if kv_format != "bf16":
+            raise CheckpointError(f"deepseek_v4 keeps its caches in the model's dtype: kv_format bf16, got {kv_format}")
+        return max(1, math.ceil(self.cache_bytes_per_token() * block_size))
+
     def compress_rate(self, layer: int) -> int:
         """``m`` of a compressed layer (0 for a sliding-window layer)."""
         kind = self.layer_types[layer]
@@ -286,6 +318,16 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
     return float(theta), float(c_theta), yarn
 
 
+def is_v4_checkpoint(path: str | Path) -> bool:
+    """Whether ``path/config.json`` declares ``model_type: deepseek_v4`` (False when it cannot be read: the other
+    loader then reports what is wrong)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("model_type") == "deepseek_v4"
+
+
 # --- layout --------------------------------------------------------------------------------------------------------
 
 FLOAT, INDEX = "float", "index"
@@ -449,6 +491,9 @@ class V4Checkpoint:
             raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
         self.bytes_read += t.numel() * t.element_size()
         return t.to(device=device, dtype=dtype or t.dtype)
+
+    def close(self) -> None:
+        self._handles.clear()
 
     def total_bytes(self) -> int:
         from .checkpoint import DTYPES

@@ -44,6 +44,7 @@ import torch
 from deepinfer import ops, prepare_weight
 
 from .config_v4 import CSA, HCA, SLIDING, V4Checkpoint, V4Config
+from .forward_batch import ForwardBatch
 from .mla import linear
 from .moe import ExpertParallel
 
@@ -362,7 +363,15 @@ class DeepseekV4:
         positions = torch.cat(pos).to(self.device) if pos else torch.zeros(0, dtype=torch.int32, device=self.device)
         return V4Batch(states, list(lens), positions, input_ids, [s.length for s in states])
 
-    def forward(self, input_ids: torch.Tensor, batch: V4Batch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, batch: V4Batch | ForwardBatch, kv_caches=None, index_caches=None
+    ) -> torch.Tensor:
+        """``input_ids [T]`` -> final normed hidden states ``[T, hidden]``. ``batch``: a ``V4Batch``, or the engine's
+        ``ForwardBatch``, whose ``rows`` name the sequence of each run of rows: each sequence's state is kept on it
+        (``seq.model_state``), made afresh when its rows start at position 0 (a new request, or one recomputed
+        after preemption). The engine's paged caches (``kv_caches``, ``index_caches``) are not used."""
+        if isinstance(batch, ForwardBatch):
+            batch = self._from_engine(input_ids, batch)
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         n = cfg.hc_mult
         streams = self.embed[input_ids][:, None, :].expand(-1, n, -1).contiguous()
@@ -379,19 +388,33 @@ class DeepseekV4:
         h = ops.hc_head(streams, *self.hc_head, eps=cfg.hc_eps, norm_eps=eps)
         return ops.rms_norm(h, self.norm, eps)[0]
 
+    def _from_engine(self, input_ids: torch.Tensor, fb: ForwardBatch) -> V4Batch:
+        states, lens = [], []
+        for seq, start, n in fb.rows:
+            st = getattr(seq, "model_state", None)
+            if st is None or start == 0:
+                st = seq.model_state = self.new_state()
+            if st.length != start:
+                raise RuntimeError(
+                    f"request {seq.request_id}: its cache holds {st.length} tokens, the step starts at {start}"
+                )
+            states.append(st)
+            lens.append(n)
+        return V4Batch(states, lens, fb.positions, input_ids, [s.length for s in states])
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` of ``hidden [N, hidden]``."""
         return ops.gemm(hidden, self.lm_head, out_dtype=torch.float32)
 
 
 def _fp32(key: str) -> bool:
-    """Weights V4 keeps in fp32: mHC, sinks, compressor biases, norms, the router."""
+    """Weights used in fp32: mHC, sinks, compressor biases, norms, the router, the indexer's head weights."""
     last = key.split(".")[-1]
     return (
         ".hc_" in key
         or key.startswith("hc_head.")
         or last in ("attn_sink", "ape")
-        or key.endswith(("norm.weight", "ffn.gate.weight", "ffn.gate.bias"))
+        or key.endswith(("norm.weight", "ffn.gate.weight", "ffn.gate.bias", "indexer.weights_proj.weight"))
     )
 
 

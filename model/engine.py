@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
+import torch
+
 import deepinfer
 from deepinfer.index_cache import allocate_index_cache
 from deepinfer.validation import Check
@@ -58,7 +60,9 @@ def index_format_for(cfg, kv_format: str) -> str | None:
 
 def cache_page_bytes(cfg, kv_format: str, block_size: int) -> int:
     """Bytes of one cache page (``block_size`` tokens) over all layers: the latent cache's, plus the indexer keys'
-    for sparse attention."""
+    for sparse attention. A model that keeps its own caches (``cfg.owns_cache``: DeepSeek-V4) says what to budget."""
+    if getattr(cfg, "owns_cache", False):
+        return cfg.cache_page_bytes(kv_format, block_size)
     probe = deepinfer.allocate_kv_cache(
         1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
     )
@@ -139,7 +143,8 @@ class LLMEngine:
                 repr(max_model_len),
             )
         self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if kv_format == "fp8_ds_mla" and cfg.kv_lora_rank % 128:
+        owns_cache = getattr(cfg, "owns_cache", False)
+        if kv_format == "fp8_ds_mla" and not owns_cache and cfg.kv_lora_rank % 128:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
         page_bytes = cache_page_bytes(cfg, kv_format, block_size)
         if kv_cache_bytes is not None and (
@@ -150,7 +155,7 @@ class LLMEngine:
             )
         device = model.device
         self.sync = RankSync(model.ep.group, device) if model.ep.world_size > 1 else None
-        self.index_format = index_format_for(cfg, kv_format)
+        self.index_format = None if owns_cache else index_format_for(cfg, kv_format)
         max_blocks = math.ceil(self.max_model_len / block_size)
         if num_blocks is None:
             if kv_cache_bytes is None:
@@ -162,15 +167,10 @@ class LLMEngine:
             num_blocks = max(1, min(max_blocks * max_num_seqs, kv_cache_bytes // page_bytes))
             if self.sync is not None:  # free memory may differ per rank; the schedule must not
                 num_blocks = self.sync.min_int(num_blocks)
-        cache = deepinfer.allocate_kv_cache(
-            num_blocks * cfg.num_hidden_layers,
-            block_size,
-            kv_lora_rank=cfg.kv_lora_rank,
-            rope_dim=cfg.qk_rope_head_dim,
-            kv_format=kv_format,
-            device=device,
-        )
-        self.kv_cache = cache.view(cfg.num_hidden_layers, num_blocks, block_size, -1)
+        if owns_cache:  # pages are only the budget's unit; a placeholder keeps the runner's page bookkeeping
+            self.kv_cache = torch.zeros(1, num_blocks, block_size, 1, dtype=torch.uint8, device=device)
+        else:
+            self.kv_cache = self._allocate(cfg, num_blocks, block_size, kv_format, device)
         self.index_cache = None
         if self.index_format is not None:
             self.index_cache = allocate_index_cache(
@@ -184,7 +184,7 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks, block_size)
         graphs = None
         backend = deepinfer.current_backend()
-        if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda":
+        if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda" and not owns_cache:
             graphs = DecodeGraphs(model, self.kv_cache, self.index_cache, max_batch=max_num_seqs, max_blocks=max_blocks)
         self.runner = ModelRunner(model, self.kv_cache, self.allocator, graphs=graphs, index_cache=self.index_cache)
         if graphs is not None:
@@ -231,6 +231,19 @@ class LLMEngine:
         self.async_scheduling = async_scheduling
         self._inflight: _Launched | None = None  # launched, results not yet applied
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+
+    @staticmethod
+    def _allocate(cfg, num_blocks: int, block_size: int, kv_format: str, device) -> torch.Tensor:
+        """The paged latent cache of every layer, ``[layers, num_blocks, block_size, width]``."""
+        cache = deepinfer.allocate_kv_cache(
+            num_blocks * cfg.num_hidden_layers,
+            block_size,
+            kv_lora_rank=cfg.kv_lora_rank,
+            rope_dim=cfg.qk_rope_head_dim,
+            kv_format=kv_format,
+            device=device,
+        )
+        return cache.view(cfg.num_hidden_layers, num_blocks, block_size, -1)
 
     def drop_cuda_graphs(self) -> None:
         """Frees the captured decode graphs; decode runs eagerly from then on. Under expert parallelism over NCCL
@@ -297,6 +310,7 @@ class LLMEngine:
                 self._apply(launched, finished)
         for seq in finished:
             self._unfinished.pop(seq.arrival, None)
+            seq.model_state = None  # a model's own per-sequence caches (DeepSeek-V4), if any
         return finished
 
     def abort_all(self) -> list[Sequence]:
@@ -314,6 +328,7 @@ class LLMEngine:
                 seq.token_ids.pop()
             seq.block_table, seq.swapped, seq.swapped_pages = [], None, 0
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            seq.model_state = None
             aborted.append(seq)
         self._unfinished.clear()
         sched = self.scheduler

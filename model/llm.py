@@ -34,10 +34,12 @@ from deepinfer.selection import require
 from deepinfer.validation import Check
 
 from .checkpoint import Checkpoint
+from .config_v4 import V4Checkpoint, is_v4_checkpoint
 from .deepseek_v3 import DeepseekV3
+from .deepseek_v4 import DeepseekV4
 from .embedded import default_checkpoint
 from .engine import LLMEngine, cache_page_bytes
-from .errors import RequestError
+from .errors import ParallelError, RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .parallel import expert_parallel
 from .sampling_params import SamplingParams
@@ -123,7 +125,7 @@ class LLM:
         self.progress = progress
         with deepinfer.use(self.backend) as spec:
             self.device = torch.device(device if device is not None else spec.device_type)
-            ckpt = Checkpoint.open(self.path)
+            ckpt = V4Checkpoint.open(self.path) if is_v4_checkpoint(self.path) else Checkpoint.open(self.path)
             self.config = ckpt.config
             positions = self.config.max_position_embeddings
             if max_model_len is not None and max_model_len > positions:
@@ -136,6 +138,8 @@ class LLM:
                 )
             try:
                 self.ep = expert_parallel(ep, self.config.n_routed_experts, ep_group)
+                if isinstance(ckpt, V4Checkpoint) and self.ep.world_size > 1:
+                    raise ParallelError("ep", "1 for deepseek_v4 (its experts are not sharded yet)", str(ep))
                 page_bytes = cache_page_bytes(self.config, kv_format, block_size)
                 if kv_cache_gb is not None and kv_cache_gb * (1 << 30) < page_bytes:
                     raise InputError(
@@ -170,11 +174,21 @@ class LLM:
         """The context length: prompt plus generated tokens of one sequence, at most."""
         return self.engine.max_model_len
 
-    def _load(self, ckpt: Checkpoint) -> DeepseekV3:
-        local = {f".experts.{e}." for e in self.ep.local}
-        total = ckpt.total_bytes(n for n in ckpt.layout if ".experts." not in n or any(e in n for e in local))
+    def _load(self, ckpt: Checkpoint | V4Checkpoint) -> DeepseekV3 | DeepseekV4:
+        if isinstance(ckpt, V4Checkpoint):
+            total = ckpt.total_bytes()
+
+            def build(on_progress=None):
+                return DeepseekV4.load(ckpt, dtype=self.dtype, device=self.device, on_progress=on_progress)
+        else:
+            local = {f".experts.{e}." for e in self.ep.local}
+            total = ckpt.total_bytes(n for n in ckpt.layout if ".experts." not in n or any(e in n for e in local))
+
+            def build(on_progress=None):
+                return DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device, ep=self.ep, on_progress=on_progress)
+
         if not self.progress:
-            model = DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device, ep=self.ep)
+            model = build()
             ckpt.close()
             return model
         with Progress(
@@ -186,9 +200,7 @@ class LLM:
             transient=True,
         ) as bar:
             task = bar.add_task("load", total=total)
-            model = DeepseekV3.load(
-                ckpt, dtype=self.dtype, device=self.device, ep=self.ep, on_progress=lambda n: bar.advance(task, n)
-            )
+            model = build(lambda n: bar.advance(task, n))
         ckpt.close()
         return model
 

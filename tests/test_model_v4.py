@@ -342,3 +342,93 @@ def test_mtp_tensors_are_recognised_not_loaded(checkpoints, tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     assert V4Checkpoint.open(tmp_path).mtp_keys == ["mtp.0.e_proj.weight"]
+
+
+# --- serving ---------------------------------------------------------------------------------------------------------
+
+
+def serve(path, backend, device, **kw):
+    from deepinfer.model import LLM
+
+    args = dict(dtype="float32", block_size=4, prefill_chunk_size=8, max_num_batched_tokens=32, progress=False)
+    return LLM(path, backend, device=device, **(args | kw))
+
+
+def test_llm_serves_v4_as_transformers_computes_it(checkpoints, deepinfer_backend, deepinfer_device):
+    """``LLM`` on a V4 checkpoint: chunked prefill, continuous batching, greedy decode; prompt and generated
+    log-probabilities against the oracle over the whole completion."""
+    from deepinfer.model import SamplingParams
+
+    path, oracle = checkpoints("yarn")
+    llm = serve(path, deepinfer_backend, deepinfer_device)
+    ps = prompts(7)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    for p, out in zip(ps, llm.generate(ps, params)):
+        gen = out.outputs[0].token_ids
+        full, ref = p + gen, oracle_logprobs(oracle, p + gen)
+        errs = [abs(ref[j - 1, full[j]].item() - out.prompt_logprobs[j]) for j in range(1, len(p))]
+        errs += [abs(ref[len(p) - 1 + j, t].item() - lp) for j, (t, lp) in enumerate(zip(gen, out.outputs[0].logprobs))]
+        assert len(gen) == 10 and max(errs) < TOL
+        for j, t in enumerate(gen):
+            row = ref[len(p) - 1 + j]
+            assert int(row.argmax()) == t or float(row.max() - row[t]) < TOL
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_resumes_v4_requests(mode, checkpoints, deepinfer_backend, deepinfer_device):
+    """A cache of 16 pages of 4 tokens preempts requests; they resume (their own caches kept on swap, rebuilt from
+    the prompt on recomputation) with the tokens of a run that never preempts."""
+    from deepinfer.model import SamplingParams
+
+    path, _ = checkpoints("yarn")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    ps = prompts(8)
+    roomy = serve(path, deepinfer_backend, deepinfer_device)
+    tight = serve(path, deepinfer_backend, deepinfer_device, num_blocks=16, preemption_mode=mode)
+    want, got = roomy.generate(ps, params), tight.generate(ps, params)
+    assert tight.engine.num_preemptions > 0
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert max(abs(a - b) for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs)) < TOL
+
+
+def test_v4_refusals_at_serving(checkpoints, deepinfer_backend):
+    from deepinfer.errors import InputError
+
+    path, _ = checkpoints("yarn")
+    with pytest.raises(CheckpointError, match="kv_format bf16"):
+        serve(path, deepinfer_backend, None, kv_format="fp8_ds_mla")
+    with pytest.raises(InputError, match="max_model_len"):
+        serve(path, deepinfer_backend, None, max_model_len=10**6)
+
+
+def test_cli_generates_from_a_v4_checkpoint(checkpoints, tmp_path, capsys):
+    from deepinfer import cli
+
+    path, _ = checkpoints("plain")
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("[5, 17, 33, 2, 9, 11, 40]\n[7, 7, 7]\n")
+    argv = ["generate", "--model", str(path), "--batch", str(batch), "--max-tokens", "6", "--backend", "reference"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 request(s), 10 prompt + 12 generated tokens" in out, out
+
+
+def test_bf16_logprobs_as_close_as_transformers_bf16(checkpoints, deepinfer_backend, deepinfer_device):
+    """bf16 weights and activations (caches in bf16) against the fp32 oracle, measured against transformers' own
+    bf16 run on the same prompts: the median prompt log-probability error within twice transformers' (+0.01)."""
+    from deepinfer.model import SamplingParams
+
+    path, oracle = checkpoints("yarn")
+    ps = prompts(9)
+    llm = serve(path, deepinfer_backend, deepinfer_device, dtype="bfloat16")
+    outs = llm.generate(ps, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    hf_bf16 = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ours, theirs = [], []
+    for p, o in zip(ps, outs):
+        ref = oracle_logprobs(oracle, p)
+        bf16 = oracle_logprobs(hf_bf16, p)
+        ours += [abs(o.prompt_logprobs[j] - ref[j - 1, p[j]].item()) for j in range(1, len(p))]
+        theirs += [abs(bf16[j - 1, p[j]].item() - ref[j - 1, p[j]].item()) for j in range(1, len(p))]
+    ours_median, theirs_median = torch.tensor(ours).median().item(), torch.tensor(theirs).median().item()
+    assert ours_median <= 2 * theirs_median + 0.01, (ours_median, theirs_median)
