@@ -432,3 +432,52 @@ def test_bf16_logprobs_as_close_as_transformers_bf16(checkpoints, deepinfer_back
         theirs += [abs(bf16[j - 1, p[j]].item() - ref[j - 1, p[j]].item()) for j in range(1, len(p))]
     ours_median, theirs_median = torch.tensor(ours).median().item(), torch.tensor(theirs).median().item()
     assert ours_median <= 2 * theirs_median + 0.01, (ours_median, theirs_median)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_batch_invariance_alone_in_batches_and_under_preemption(
+    dtype, checkpoints, monkeypatch, deepinfer_backend, deepinfer_device
+):
+    """With ``DEEPINFER_BATCH_INVARIANT=1``, 16 mixed requests (greedy and seeded sampling, prompts of 1 to 45
+    tokens in chunks) give bitwise the tokens and log-probabilities they get alone, in batches of any size and on a
+    cache so small that requests are preempted (swap and recomputation)."""
+    import random
+
+    import deepinfer
+    from deepinfer import registry
+    from deepinfer.model import SamplingParams
+
+    if "batch_invariant" not in registry.get().lookup(deepinfer_backend).capabilities:
+        pytest.skip(f"{deepinfer_backend} does not declare batch_invariant")
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    assert deepinfer.batch_invariant_enabled()
+    rng = random.Random(11)
+    path, _ = checkpoints("yarn")
+    g = torch.Generator().manual_seed(12)
+    ps = [torch.randint(2, 160, (rng.randint(1, 45),), generator=g).tolist() for _ in range(16)]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(3, 10),
+            temperature=0.0 if i % 3 == 0 else rng.choice([0.5, 1.0]),
+            top_k=rng.choice([0, 5]),
+            seed=rng.randint(0, 1 << 40),
+            ignore_eos=True,
+            logprobs=1,
+        )
+        for i in range(16)
+    ]
+
+    def result(out):
+        return out.outputs[0].token_ids, out.outputs[0].logprobs, out.outputs[0].top_logprobs
+
+    llm = serve(path, deepinfer_backend, deepinfer_device, dtype=dtype, max_num_seqs=16)
+    everything = [result(o) for o in llm.generate(ps, params)]
+    assert len({tuple(r[0]) for r in everything}) > 8, "the requests are meant to differ"
+    for size in (1, 1, 3, 7):
+        chosen = rng.sample(range(16), size)
+        for i, out in zip(chosen, llm.generate([ps[i] for i in chosen], [params[i] for i in chosen])):
+            assert result(out) == everything[i], f"request {i} differs in a batch of {size}"
+    for mode in ("swap", "recompute"):
+        tight = serve(path, deepinfer_backend, deepinfer_device, dtype=dtype, num_blocks=20, preemption_mode=mode)
+        assert [result(o) for o in tight.generate(ps, params)] == everything, mode
+        assert tight.engine.num_preemptions > 0
