@@ -12,8 +12,15 @@ The weights are found under the names DeepSeek writes and transformers saves (``
 (DeepSeek's own files have none, and call the embedding ``embed.weight`` and the head's mHC ``hc_head_fn``).
 ``V4Checkpoint.open`` reads every header and checks the whole checkpoint against the layout before a weight is read:
 a missing, unexpected or mis-shaped tensor is a ``CheckpointError`` naming the file and the tensor. The
-multi-token-prediction layers (``mtp.*``) are recognised and not loaded. FP8 / FP4 checkpoints are refused (not yet
-supported).
+multi-token-prediction layers (``mtp.*``) are recognised and not loaded.
+
+Quantised checkpoints (``quantization_config``: ``quant_method: fp8``, ``fmt: e4m3``, ``weight_block_size: [128,
+128]``, ``scale_fmt`` ``ue8m0`` or none, ``expert_dtype`` ``fp4`` or ``fp8``), as transformers' fine-grained FP8
+integration writes them: a linear weight may be e4m3 with ``weight_scale_inv [ceil(N/128), ceil(K/128)]``; with
+``expert_dtype: fp4`` the routed experts' weights are int8 ``[N, K/2]``, two e2m1 values a byte (the low nibble
+first), with one scale per 32 values of a row, ``weight_scale_inv [N, K/32]``. Scales are fp32 or ``F8_E8M0``.
+Every quantised weight is dequantised once, at load, to the model's dtype (``read``): the model then runs as a
+bf16 one (the FP8 activation quantisation of DeepSeek's GEMMs and FP4 expert kernels are not used yet).
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class V4Config:
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
     model_type: str = "deepseek_v4"
+    quantization: dict[str, str] | None = None  # {"scale_fmt": ..., "expert_dtype": "fp8" | "fp4"} when quantised
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # The model keeps its caches per sequence (``deepseek_v4.V4State``), not in the engine's paged latent cache: the
@@ -148,8 +156,7 @@ class V4Config:
         for flag in ("attention_bias", "mlp_bias"):
             if raw.get(flag):
                 raise fail(f"{flag}=true is not supported by DeepSeek-V4")
-        if raw.get("quantization_config") is not None:
-            raise fail("quantized DeepSeek-V4 checkpoints (FP8 / FP4 experts) are not supported yet; use bf16 weights")
+        quant = _v4_quantization(raw.get("quantization_config"), raw.get("expert_dtype"), fail)
         scoring = get("scoring_func", str, "sqrtsoftplus")
         if scoring not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise fail(f"scoring_func {scoring!r} is not supported (sqrtsoftplus, sigmoid or softmax)")
@@ -227,6 +234,7 @@ class V4Config:
             tie_word_embeddings=bool(get("tie_word_embeddings", bool, False)),
             bos_token_id=get("bos_token_id", int, None),
             eos_token_ids=eos_ids,
+            quantization=quant,
             extra=raw,
         )
         cfg._check(fail)
@@ -280,6 +288,26 @@ class V4Config:
             raise fail(f"o_groups ({self.o_groups}) must divide num_attention_heads * head_dim")
 
 
+def _v4_quantization(qc: Any, expert_dtype: Any, fail) -> dict[str, str] | None:
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise fail(f"quantization_config must be an object, got {qc!r}")
+    if qc.get("quant_method") != "fp8":
+        raise fail(f"unsupported quantization quant_method={qc.get('quant_method')!r} (supported: fp8)")
+    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise fail("FP8 checkpoints must use fmt e4m3 and activation_scheme dynamic")
+    if list(qc.get("weight_block_size") or []) != [128, 128]:
+        raise fail(f"unsupported weight_block_size={qc.get('weight_block_size')!r} (supported: [128, 128])")
+    scale_fmt = qc.get("scale_fmt") or "fp32"
+    if scale_fmt not in ("fp32", "ue8m0"):
+        raise fail(f"unsupported scale_fmt={scale_fmt!r} (supported: ue8m0 or none)")
+    experts = qc.get("expert_dtype", expert_dtype) or "fp8"
+    if experts not in ("fp8", "fp4"):
+        raise fail(f"unsupported expert_dtype={experts!r} (supported: fp8, fp4)")
+    return {"scale_fmt": scale_fmt, "expert_dtype": experts}
+
+
 def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | None]:
     """``(main theta, compress theta, compress YaRN parameters or None)``."""
     rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -330,7 +358,13 @@ def is_v4_checkpoint(path: str | Path) -> bool:
 
 # --- layout --------------------------------------------------------------------------------------------------------
 
-FLOAT, INDEX = "float", "index"
+FLOAT, INDEX, LINEAR, EXPERT = "float", "index", "linear", "expert"
+SCALE_SUFFIX = "_scale_inv"
+# Linears a quantised V4 checkpoint keeps in high precision (transformers' ``_keep_in_fp32_modules``): the
+# compressors' and the indexer's projections, the router, the head; any other linear may be FP8.
+HIGH_PRECISION = ("compressor.wkv.", "compressor.wgate.", "indexer.weights_proj.", "ffn.gate.", "head.")
+FP4_GROUP = 32
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def expected_layout(cfg: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -361,13 +395,13 @@ def expected_layout(cfg: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
         out.update(
             {
                 a + "attn_sink": ((nh,), FLOAT),
-                a + "wq_a.weight": ((q, h), FLOAT),
+                a + "wq_a.weight": ((q, h), LINEAR),
                 a + "q_norm.weight": ((q,), FLOAT),
-                a + "wq_b.weight": ((nh * d, q), FLOAT),
-                a + "wkv.weight": ((d, h), FLOAT),
+                a + "wq_b.weight": ((nh * d, q), LINEAR),
+                a + "wkv.weight": ((d, h), LINEAR),
                 a + "norm.weight": ((d,), FLOAT),
-                a + "wo_a.weight": ((g * r, nh * d // g), FLOAT),
-                a + "wo_b.weight": ((h, g * r), FLOAT),
+                a + "wo_a.weight": ((g * r, nh * d // g), LINEAR),
+                a + "wo_b.weight": ((h, g * r), LINEAR),
             }
         )
         kind = cfg.layer_types[i]
@@ -377,7 +411,7 @@ def expected_layout(cfg: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
         if kind == CSA:
             di, ni = cfg.index_head_dim, cfg.index_n_heads
             out.update(_compressor(a + "indexer.compressor.", cfg.compress_rate(i), 2 * di, di, h))
-            out[a + "indexer.wq_b.weight"] = ((ni * di, q), FLOAT)
+            out[a + "indexer.wq_b.weight"] = ((ni * di, q), LINEAR)
             out[a + "indexer.weights_proj.weight"] = ((ni, h), FLOAT)
         f = p + "ffn."
         out[f + "gate.weight"] = ((cfg.n_routed_experts, h), FLOAT)
@@ -386,9 +420,10 @@ def expected_layout(cfg: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
         else:
             out[f + "gate.bias"] = ((cfg.n_routed_experts,), FLOAT)
         for e in [*(f"experts.{j}." for j in range(cfg.n_routed_experts)), "shared_experts."]:
-            out[f + e + "w1.weight"] = ((inter, h), FLOAT)
-            out[f + e + "w3.weight"] = ((inter, h), FLOAT)
-            out[f + e + "w2.weight"] = ((h, inter), FLOAT)
+            kind = LINEAR if e == "shared_experts." else EXPERT
+            out[f + e + "w1.weight"] = ((inter, h), kind)
+            out[f + e + "w3.weight"] = ((inter, h), kind)
+            out[f + e + "w2.weight"] = ((h, inter), kind)
     return out
 
 
@@ -403,6 +438,45 @@ def _compressor(p: str, m: int, width: int, dim: int, h: int) -> dict[str, tuple
 
 ALIASES = {"embed.weight": "embed_tokens.weight", "hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base"}
 ALIASES["hc_head_scale"] = "hc_head.hc_scale"
+
+
+def _check_quantised(cfg: V4Config, tensors: dict, name: str, info: TensorInfo, shape: tuple, kind: str) -> None:
+    """An e4m3 weight with 128 x 128 block scales, or (routed experts of an ``expert_dtype: fp4`` checkpoint) an
+    int8 weight of two e2m1 values a byte with one scale per 32 values of a row."""
+    if cfg.quantization is None:
+        raise CheckpointError(f"{info.file}: tensor {name!r} is {info.dtype}; config.json has no quantization_config")
+    n, k = shape
+    fp4 = info.dtype == "I8"
+    if fp4 and (kind != EXPERT or cfg.quantization["expert_dtype"] != "fp4"):
+        raise CheckpointError(f"{info.file}: tensor {name!r} is int8 (FP4); only routed experts with expert_dtype fp4")
+    if not fp4 and any(p in name for p in HIGH_PRECISION):
+        raise CheckpointError(f"{info.file}: tensor {name!r} is FP8; DeepSeek-V4 keeps it in high precision")
+    want = (n, k // 2) if fp4 else shape
+    if info.shape != want or (fp4 and k % FP4_GROUP):
+        raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected {list(want)}")
+    scale = tensors.get(name + SCALE_SUFFIX)
+    want_scale = (n, k // FP4_GROUP) if fp4 else (math.ceil(n / 128), math.ceil(k / 128))
+    if scale is None:
+        raise CheckpointError(f"{info.file}: quantised tensor {name!r} has no {name + SCALE_SUFFIX!r}")
+    if scale.shape != want_scale or scale.dtype not in ("F32", "BF16", "F8_E8M0"):
+        raise CheckpointError(
+            f"{scale.file}: tensor {name + SCALE_SUFFIX!r} is {scale.dtype}{list(scale.shape)}, expected fp32 or "
+            f"ue8m0 {list(want_scale)}"
+        )
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of a quantised weight: e4m3 ``[N, K]`` times its 128 x 128 block scales, or int8 ``[N, K/2]`` of
+    two e2m1 values a byte (the low nibble is the even element) times one scale per 32 values of a row."""
+    s = scale.float()
+    if w.dtype == torch.int8:
+        lut = torch.tensor(E2M1, dtype=torch.float32, device=w.device)
+        u8 = w.view(torch.uint8)
+        values = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1).reshape(w.shape[0], -1)
+        return values * s.repeat_interleave(FP4_GROUP, dim=1)
+    n, k = w.shape
+    full = s.repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+    return w.float() * full
 
 
 def normalise(name: str) -> str:
@@ -448,10 +522,16 @@ class V4Checkpoint:
         want = expected_layout(config)
         names: dict[str, str] = {}
         mtp: list[str] = []
+        scales = {n for n in tensors if n.endswith(SCALE_SUFFIX)}
         for name, info in sorted(tensors.items()):
             key = normalise(name)
             if key.startswith("mtp."):
                 mtp.append(name)
+                continue
+            if name in scales:
+                weight = name[: -len(SCALE_SUFFIX)]
+                if weight not in tensors or tensors[weight].dtype not in ("F8_E4M3", "I8"):
+                    raise CheckpointError(f"{info.file}: unexpected tensor {name!r} (no quantised weight {weight!r})")
                 continue
             if key not in want:
                 raise CheckpointError(
@@ -461,6 +541,10 @@ class V4Checkpoint:
             if key in names:
                 raise CheckpointError(f"{info.file}: tensor {name!r} duplicates {names[key]!r}")
             shape, kind = want[key]
+            if info.dtype in ("F8_E4M3", "I8") and kind in (LINEAR, EXPERT):
+                _check_quantised(config, tensors, name, info, shape, kind)
+                names[key] = name
+                continue
             if info.shape != shape:
                 raise CheckpointError(
                     f"{info.file}: tensor {name!r} has shape {list(info.shape)}, config.json implies {list(shape)}"
@@ -487,9 +571,13 @@ class V4Checkpoint:
                 raise CheckpointError(f"{info.file}: cannot be opened as safetensors: {e}") from e
         try:
             t = handle.get_tensor(name)
+            scale = handle.get_tensor(name + SCALE_SUFFIX) if info.dtype in ("F8_E4M3", "I8") else None
         except Exception as e:
             raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
         self.bytes_read += t.numel() * t.element_size()
+        if scale is not None:
+            self.bytes_read += scale.numel() * scale.element_size()
+            t = dequantize(t.to(device), scale.to(device))
         return t.to(device=device, dtype=dtype or t.dtype)
 
     def close(self) -> None:

@@ -301,7 +301,11 @@ def test_config_reads_transformers_and_legacy_fields():
     [
         ({"layer_types": [SLIDING, "full_attention", SLIDING, SLIDING]}, "layer_types"),
         ({"num_key_value_heads": 2}, "num_key_value_heads"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp2"}},
+            "fp2",
+        ),
         ({"compress_rates": {CSA: 0, HCA: 6}}, "compress_rates"),
         ({"swiglu_limit": float("nan")}, "swiglu_limit"),
         ({"n_shared_experts": 2}, "n_shared_experts"),
@@ -481,3 +485,87 @@ def test_batch_invariance_alone_in_batches_and_under_preemption(
         tight = serve(path, deepinfer_backend, deepinfer_device, dtype=dtype, num_blocks=20, preemption_mode=mode)
         assert [result(o) for o in tight.generate(ps, params)] == everything, mode
         assert tight.engine.num_preemptions > 0
+
+
+# --- quantised checkpoints -------------------------------------------------------------------------------------------
+
+
+def _e8m0(x: torch.Tensor) -> torch.Tensor:
+    """The next power of two at or above ``x``, stored as ue8m0."""
+    return torch.exp2(torch.ceil(torch.log2(x.clamp_min(2.0**-100)))).to(torch.float8_e8m0fnu)
+
+
+def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 data and ue8m0 scales of one 128 x 128 block grid (the tiny weights fit one block each way)."""
+    n, k = w.shape
+    rows, cols = math.ceil(n / 128), math.ceil(k / 128)
+    scale = torch.empty(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            scale[i, j] = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].abs().max() / 448
+    scale = _e8m0(scale)
+    full = scale.float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two e2m1 values a byte (low nibble first), one ue8m0 scale per 32 values of a row."""
+    n, k = w.shape
+    scale = _e8m0(w.view(n, k // 32, 32).abs().amax(-1) / 6)
+    x = w / scale.float().repeat_interleave(32, 1)
+    code = (x.abs()[..., None] - E2M1).abs().argmin(-1) | ((x < 0).long() << 3)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale
+
+
+def test_fp8_and_fp4_expert_checkpoints_load_as_transformers_dequantises_them(checkpoints, tmp_path, load):
+    """A copy of a checkpoint with FP8 linears (128 x 128 ue8m0 block scales) and FP4 routed experts (one ue8m0
+    scale per 32 values) against the fp32 oracle holding the values transformers' ``Fp8Dequantize`` decodes."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    path, oracle = checkpoints("plain")
+    tensors = load_file(path / "model.safetensors")
+    out = {}
+    for name, w in tensors.items():
+        linear = name.endswith((".wq_a.weight", ".wq_b.weight", ".attn.wkv.weight", ".wo_a.weight", ".wo_b.weight"))
+        expert = ".ffn.experts." in name
+        if expert or linear or ".shared_experts." in name:
+            out[name], out[name + "_scale_inv"] = (_fp4_rows if expert else _fp8_blocks)(w.float())
+        else:
+            out[name] = w
+    save_file(out, tmp_path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128], scale_fmt="ue8m0"
+    )
+    cfg["quantization_config"]["expert_dtype"] = "fp4"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    decode = Fp8Dequantize(None)._dequantize_one
+    values = {n: decode(out[n], out[n + "_scale_inv"], torch.float32) for n in out if n + "_scale_inv" in out}
+    assert len(values) > 100
+    ref = v4_checkpoint(tmp_path / "oracle", seed=0, **CONFIGS["plain"])
+    ref.load_state_dict(oracle.state_dict())
+    with torch.no_grad():
+        for layer in range(len(ref.model.layers)):
+            src, dst = f"model.layers.{layer}.", ref.model.layers[layer]
+            attn = dst.self_attn
+            for mod, key in ((attn.q_a_proj, "attn.wq_a"), (attn.q_b_proj, "attn.wq_b"), (attn.kv_proj, "attn.wkv")):
+                mod.weight.copy_(values[src + key + ".weight"])
+            attn.o_a_proj.weight.copy_(values[src + "attn.wo_a.weight"])
+            attn.o_b_proj.weight.copy_(values[src + "attn.wo_b.weight"])
+            if src + "attn.indexer.wq_b.weight" in values:
+                attn.compressor.indexer.q_b_proj.weight.copy_(values[src + "attn.indexer.wq_b.weight"])
+            sh = dst.mlp.shared_experts
+            for mod, key in ((sh.gate_proj, "w1"), (sh.up_proj, "w3"), (sh.down_proj, "w2")):
+                mod.weight.copy_(values[f"{src}ffn.shared_experts.{key}.weight"])
+            experts = dst.mlp.experts
+            for e in range(experts.num_experts):
+                p = f"{src}ffn.experts.{e}."
+                experts.gate_up_proj[e].copy_(torch.cat([values[p + "w1.weight"], values[p + "w3.weight"]]))
+                experts.down_proj[e].copy_(values[p + "w2.weight"])
+    assert not torch.equal(ref.model.layers[1].mlp.experts.down_proj, oracle.model.layers[1].mlp.experts.down_proj)
+    assert prompt_errors(load(tmp_path), ref, prompts(10)) < TOL
