@@ -37,7 +37,7 @@ The caches are contiguous per sequence, not paged (``model/README.md`` says what
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -114,7 +114,6 @@ class V4Batch:
     lens: list[int]
     positions: torch.Tensor
     input_ids: torch.Tensor
-    starts: list[int] = field(default_factory=list)
 
     @property
     def offsets(self) -> list[int]:
@@ -361,7 +360,7 @@ class DeepseekV4:
         from its state's length."""
         pos = [torch.arange(s.length, s.length + n, dtype=torch.int32) for s, n in zip(states, lens)]
         positions = torch.cat(pos).to(self.device) if pos else torch.zeros(0, dtype=torch.int32, device=self.device)
-        return V4Batch(states, list(lens), positions, input_ids, [s.length for s in states])
+        return V4Batch(states, list(lens), positions, input_ids)
 
     def forward(
         self, input_ids: torch.Tensor, batch: V4Batch | ForwardBatch, kv_caches=None, index_caches=None
@@ -400,7 +399,7 @@ class DeepseekV4:
                 )
             states.append(st)
             lens.append(n)
-        return V4Batch(states, lens, fb.positions, input_ids, [s.length for s in states])
+        return V4Batch(states, lens, fb.positions, input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` of ``hidden [N, hidden]``."""

@@ -569,3 +569,30 @@ def test_fp8_and_fp4_expert_checkpoints_load_as_transformers_dequantises_them(ch
                 experts.down_proj[e].copy_(values[p + "w2.weight"])
     assert not torch.equal(ref.model.layers[1].mlp.experts.down_proj, oracle.model.layers[1].mlp.experts.down_proj)
     assert prompt_errors(load(tmp_path), ref, prompts(10)) < TOL
+
+
+@pytest.mark.parametrize("damage", ["no scale", "fp8 router", "fp4 shared expert", "scale grid", "no config"])
+def test_damaged_quantised_checkpoints_are_refused(damage, checkpoints, tmp_path):
+    path, _ = checkpoints("plain")
+    tensors = load_file(path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = dict(quant_method="fp8", weight_block_size=[128, 128], expert_dtype="fp4")
+    name = {
+        "no scale": "model.layers.0.attn.wq_a.weight",
+        "fp8 router": "model.layers.1.ffn.gate.weight",
+        "fp4 shared expert": "model.layers.1.ffn.shared_experts.w1.weight",
+        "scale grid": "model.layers.1.attn.wo_b.weight",
+        "no config": "model.layers.1.attn.wo_b.weight",
+    }[damage]
+    packed = _fp4_rows if damage == "fp4 shared expert" else _fp8_blocks
+    tensors[name], scale = packed(tensors[name].float())
+    if damage == "scale grid":
+        scale = torch.ones(2, 2)
+    if damage != "no scale":
+        tensors[name + "_scale_inv"] = scale
+    if damage == "no config":
+        del cfg["quantization_config"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        V4Checkpoint.open(tmp_path)
