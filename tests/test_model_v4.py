@@ -596,3 +596,18 @@ def test_damaged_quantised_checkpoints_are_refused(damage, checkpoints, tmp_path
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         V4Checkpoint.open(tmp_path)
+
+
+def test_cache_budget_per_token_follows_the_layer_types():
+    """V4-Flash-shaped config (transformers' defaults: 43 layers, 2 HCA then CSA and HCA alternating): per token of
+    context every CSA layer grows by one entry of 512 and one indexer key of 128 per 4 tokens, every HCA layer by
+    one entry of 512 per 128 tokens, in bf16."""
+    raw = {"model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048}
+    raw |= {"num_hidden_layers": 43, "num_attention_heads": 64, "n_routed_experts": 256}
+    cfg = V4Config.from_dict(raw)
+    csa, hca = cfg.layer_types.count(CSA), cfg.layer_types.count(HCA)
+    assert (csa, hca) == (20, 23)
+    assert cfg.cache_bytes_per_token() == csa * (512 + 128) / 4 * 2 + hca * 512 / 128 * 2 == 6584
+    assert cfg.cache_page_bytes("bf16", 64) == 6584 * 64
+    with pytest.raises(CheckpointError, match="kv_format bf16"):
+        cfg.cache_page_bytes("fp8_ds_mla", 64)
