@@ -55,10 +55,12 @@ def _rope_tail(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, ro
     return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
 
 
-def _inverse(table: torch.Tensor) -> torch.Tensor:
-    """The table of the opposite angles: ``[cos | -sin]``."""
-    half = table.shape[1] // 2
-    return torch.cat([table[:, :half], -table[:, half:]], dim=1).contiguous()
+def _rope_tail_back(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """``_rope_tail`` by the opposite angles: a pair ``(a, b)`` rotated back is the mirror ``(a, -b)`` rotated
+    forward, mirrored again (so no second table is needed)."""
+    sign = torch.ones(rope_dim, dtype=x.dtype, device=x.device)
+    sign[1::2] = -1
+    return torch.cat([x[..., :-rope_dim], ops.rope(x[..., -rope_dim:] * sign, positions, table, True) * sign], -1)
 
 
 @dataclass
@@ -175,7 +177,7 @@ class V4Attention:
         self.heads, self.dim, self.rd = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
         self.eps = cfg.rms_norm_eps
         rope = "main" if self.kind == SLIDING else "compress"
-        self.table, self.inv_table = tables[rope], tables[rope + "_inv"]
+        self.table = tables[rope]
         self.ones = torch.ones(self.dim, dtype=dtype, device=w["wkv.weight"].device)
         self.m = cfg.compress_rate(layer)
         self.compressor = self.indexer = None
@@ -266,7 +268,7 @@ class V4Attention:
             indices.append(torch.where(chosen >= 0, chosen.long() + sh, -1))
         indices = torch.cat(indices, dim=1).to(torch.int32)
         out = ops.sparse_attention_sinks(q, torch.cat(pool), indices, w["attn_sink"], softmax_scale=d**-0.5)
-        out = _rope_tail(out, pos, self.inv_table, self.rd)
+        out = _rope_tail_back(out, pos, self.table, self.rd)
         g = cfg.o_groups
         grouped = out.reshape(t, g, -1).transpose(0, 1).contiguous()
         per_group = torch.full((g,), t, dtype=torch.int32, device=x.device)
@@ -327,7 +329,7 @@ class DeepseekV4:
         rd, pmax = cfg.qk_rope_head_dim, cfg.max_position_embeddings
         main = ops.rope_cos_sin_cache(rd, pmax, cfg.rope_theta).to(device)
         compress = ops.rope_cos_sin_cache(rd, pmax, cfg.compress_rope_theta, cfg.compress_rope_scaling).to(device)
-        tables = {"main": main, "main_inv": _inverse(main), "compress": compress, "compress_inv": _inverse(compress)}
+        tables = {"main": main, "compress": compress}
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"layers.{i}."
