@@ -611,3 +611,27 @@ def test_cache_budget_per_token_follows_the_layer_types():
     assert cfg.cache_page_bytes("bf16", 64) == 6584 * 64
     with pytest.raises(CheckpointError, match="kv_format bf16"):
         cfg.cache_page_bytes("fp8_ds_mla", 64)
+
+
+def test_stop_tokens_and_asynchronous_scheduling(checkpoints, deepinfer_backend, deepinfer_device):
+    """A request that stops on a sampled stop token under asynchronous scheduling (it takes one more step, whose
+    token is dropped, and its caches go with it) leaves its neighbours and the next requests as a synchronous run
+    gives them."""
+    from deepinfer.model import SamplingParams
+
+    path, _ = checkpoints("yarn")
+    ps = prompts(11)
+    free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    sync = serve(path, deepinfer_backend, deepinfer_device, async_scheduling=False)
+    base = [o.outputs[0].token_ids for o in sync.generate(ps, free)]
+    stop = base[2][3]  # the fourth token of the third request
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], logprobs=0)
+    want = []
+    for toks in base:
+        cut = toks.index(stop) + 1 if stop in toks else len(toks)
+        want.append(toks[:cut])
+    for llm in (sync, serve(path, deepinfer_backend, deepinfer_device, async_scheduling=True)):
+        for _ in range(2):  # the same engine serves the next call alike
+            outs = llm.generate(ps, params)
+            assert [o.outputs[0].token_ids for o in outs] == want
+            assert outs[2].outputs[0].finish_reason == "stop"
