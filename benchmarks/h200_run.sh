@@ -11,6 +11,8 @@
 #                $OUT/bf16, $OUT/fp8 and $OUT/training.json, to copy into model/checkpoints/tiny-py
 #   embedded-check  the embedded model on cuda_sm100: held-out bits per byte and per-token log-probabilities
 #                against the reference backend ($OUT/embedded_eval_cuda_sm100.json), then its tests on cuda_sm100
+#   speculative  speculative decoding's tests on cuda_sm100 (CUDA graphs, batch-invariant mode), then
+#                benchmarks/bench_speculative.py at batch 1, 16 and 64 ($OUT/speculative.json)
 #   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
@@ -47,6 +49,11 @@ case ${1:-} in
     timeout 300 deepinfer conformance --backend cuda_sm100 --shapes full --report "$OUT/conformance_full.json" \
       --note "NVIDIA H200, full DeepSeek-V3 shapes" 2>&1 | tail -3
     timeout 200 deepinfer conformance --backend cuda_sm100 --report "$OUT/conformance_small.json" 2>&1 | tail -3 ;;
+  speculative)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_speculative.py --deepinfer-backend cuda_sm100 \
+      --tb=short 2>&1 | tail -15
+    timeout 330 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --batches 1,16,64 \
+      --json "$OUT/speculative.json" 2>&1 | tail -30 ;;
   model)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_vs_transformers.py tests/test_model_cuda.py \
       --deepinfer-backend cuda_sm100 --tb=line 2>&1 | tail -8

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import sys
 from collections.abc import Callable
@@ -367,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
     constraint.add_argument("--regex", help="structured output: the generated text fully matches this regex")
     constraint.add_argument("--grammar", help="structured output: a Lark or GBNF grammar (its text)")
     constraint.add_argument("--choice", nargs="+", metavar="TEXT", help="structured output: one of these strings")
+    gen.add_argument(
+        "--speculative-config",
+        type=_checked(json.loads, "a JSON object", lambda v: isinstance(v, dict)),
+        metavar="JSON",
+        help='speculative decoding with the checkpoint\'s MTP layer, e.g. \'{"method": "mtp", '
+        '"num_speculative_tokens": 2, "confidence_threshold": 0.3}\' (default: off)',
+    )
     gen.add_argument("--backend", help="backend name or alias (default: the selected one)")
     gen.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activations and float weights"

@@ -105,6 +105,7 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         device=None if launch is None else launch.device,
         progress=launch is None or launch.rank == 0,
         ep=None if launch is None else launch.world_size,
+        speculative_config=getattr(args, "speculative_config", None),
     )
     if llm.device.type == "cpu" and llm.config.hidden_size <= SMALL_HIDDEN:
         torch.set_num_threads(1)  # small matrices gain nothing from more threads and lose much when cores are busy
@@ -147,6 +148,13 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         f"{(s['prompt_tokens'] + s['generated_tokens']) / secs:.1f} tokens/s in all "
         f"(backend {llm.backend}{_ep_note(llm)}, {llm.path})"
     )
+    if "speculative" in s:
+        d = s["speculative"]
+        console.print(
+            f"[dim]speculative decoding: {d['drafted']} drafts verified, {d['accepted']} accepted "
+            f"({100 * d['acceptance_rate']:.1f}%), mean accepted length {d['mean_accepted_length']:.2f}[/dim]",
+            highlight=False,
+        )
     return 0
 
 

@@ -29,6 +29,7 @@ import deepinfer
 from .deepseek_v3 import DeepseekV3
 from .forward_batch import ForwardBatch
 from .greedy import greedy_tokens
+from .speculative import MTPDrafter
 
 CAPABILITY = "cuda_graphs"
 
@@ -52,8 +53,9 @@ class DecodeGraphs:
         *,
         max_batch: int,
         max_blocks: int,
+        drafter: MTPDrafter | None = None,
     ):
-        self.model = model
+        self.model, self.drafter = model, drafter
         self.kv_caches = list(kv_cache.unbind(0))
         self.index_caches = list(index_cache.unbind(0)) if index_cache is not None else None
         self.sizes = buckets(max_batch)
@@ -66,10 +68,20 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # the final normed states of every row (the MTP layer reads them)
+        # Speculative decoding: the MTP pass over a bucket's rows, a graph of its own over the same metadata buffers
+        # and two inputs of its own, the states and the next tokens; outputs (states, drafts, their probabilities).
+        self.mtp_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mtp_out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if drafter is not None:
+            self.mtp_in = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+            self.mtp_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.last = 0  # the bucket replayed last
         self.invariant = False  # the batch-invariant mode of the capture
 
-    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = ForwardBatch(
+    def batch(self, b: int) -> ForwardBatch:
+        """The metadata of bucket ``b``, over the static input buffers."""
+        return ForwardBatch(
             positions=self.narrow[:b],
             slot_mapping=self.wide[b : 2 * b],
             num_decode=b,
@@ -77,9 +89,28 @@ class DecodeGraphs:
             seq_lens=self.narrow[b : 2 * b],
             moe_mode="low_latency",
         )
-        hidden = self.model.forward(self.wide[:b], batch, self.kv_caches, self.index_caches)
+
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.model.forward(self.wide[:b], self.batch(b), self.kv_caches, self.index_caches)
         logits = self.model.compute_logits(hidden)
-        return logits, greedy_tokens(logits)
+        return logits, greedy_tokens(logits), hidden
+
+    def _mtp_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.drafter
+        state = d.mtp.forward(self.mtp_in[:b], self.mtp_ids[:b], self.batch(b), *d._caches)
+        return (state, *d.draft(state))
+
+    def _capture_one(self, forward, b: int, pool):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), deepinfer.value_checks(False):  # as the engine's eager forward
+            for _ in range(2):  # warm-up: lazy initialisation and autotuning happen outside the graph
+                forward(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward(b)
+        return graph, out
 
     def capture(self) -> bool:
         """Captures every bucket, largest first (they share one memory pool). Returns False, with a warning and
@@ -89,28 +120,25 @@ class DecodeGraphs:
         try:
             for b in reversed(self.sizes):
                 self.wide[b : 2 * b].fill_(-1)  # the warm-up runs write no cache slot
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream), deepinfer.value_checks(False):  # as the engine's eager forward
-                    for _ in range(2):  # warm-up: lazy initialisation and autotuning happen outside the graph
-                        self._forward(b)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[b], self.greedy[b] = self._forward(b)
+                graph, (self.logits[b], self.greedy[b], self.hidden[b]) = self._capture_one(self._forward, b, pool)
                 pool = graph.pool()
                 self.graphs[b] = graph
+                if self.drafter is not None:
+                    self.mtp_graphs[b], self.mtp_out[b] = self._capture_one(self._mtp_forward, b, pool)
             torch.cuda.synchronize()
         except Exception as e:  # capture errors come from any op or from torch itself
-            self.graphs.clear()
-            self.logits.clear()
-            self.greedy.clear()
+            for outputs in (self.graphs, self.logits, self.greedy, self.hidden, self.mtp_graphs, self.mtp_out):
+                outputs.clear()
             warnings.warn(f"CUDA graph capture of the decode step failed, decoding eagerly: {e}", stacklevel=2)
             return False
         return True
 
     def fits(self, n: int) -> bool:
         return bool(self.graphs) and 0 < n <= self.sizes[-1]
+
+    def replays_mtp(self, n: int) -> bool:
+        """Whether ``n`` rows' MTP pass can replay a graph now (captured, and in the mode of the capture)."""
+        return bool(self.mtp_graphs) and self.fits(n) and self.invariant == deepinfer.batch_invariant_enabled()
 
     def run(
         self,
@@ -126,6 +154,23 @@ class DecodeGraphs:
         greedy tokens ``[n]``, views of the graph's outputs until its next replay. ``pending``: ``(rows, tokens)``,
         input ids already on the device, written over ``input_ids[rows]``."""
         n = len(input_ids)
+        b = self._load(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        if pending is not None:
+            self.wide.index_copy_(0, *pending)
+        self.graphs[b].replay()
+        self.last = b
+        return self.logits[b][:n], self.greedy[b][:n]
+
+    def _load(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+    ) -> int:
+        """Copies ``n`` rows' inputs into the smallest bucket ``b >= n`` (padding rows after them); returns ``b``."""
+        n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
         pad = [0] * (b - n)
         wide = torch.tensor(input_ids + pad + slot_mapping + [-1] * (b - n), dtype=torch.int64).pin_memory()
@@ -136,7 +181,24 @@ class DecodeGraphs:
         table[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
         self.wide[: 2 * b].copy_(wide, non_blocking=True)  # pinned sources: the host allocator keeps them alive
         self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
-        if pending is not None:
-            self.wide.index_copy_(0, *pending)
-        self.graphs[b].replay()
-        return self.logits[b][:n], self.greedy[b][:n]
+        return b
+
+    def run_mtp(
+        self, hidden: torch.Tensor, next_ids: torch.Tensor, rows: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The MTP pass from a graph: over the rows of the last replay (``rows`` None: ``hidden`` and ``next_ids``
+        have that bucket's rows, padding included), or over ``n = len(next_ids)`` new decode rows whose metadata
+        ``rows`` gives (``run``'s keywords but ``input_ids``). Returns the states, drafts and their probabilities of
+        the ``n`` rows, views of the graph's outputs until its next replay."""
+        n = next_ids.shape[0]
+        b = self.last if rows is None else self._load([0] * n, **rows)
+        self.mtp_in[:n].copy_(hidden)
+        self.mtp_ids[:n].copy_(next_ids)
+        self.mtp_ids[n:b].zero_()
+        self.mtp_graphs[b].replay()
+        return tuple(t[:n] for t in self.mtp_out[b])
+
+    def replayed(self) -> tuple[torch.Tensor, ForwardBatch]:
+        """The final normed states ``[b, H]`` of every row of the last replay, padding included, and its metadata
+        (views of the graph's buffers until its next replay)."""
+        return self.hidden[self.last], self.batch(self.last)

@@ -189,7 +189,7 @@ class DeepseekV3:
     def use_index_format(self, index_format: str) -> None:
         """Tells the sparse attention layers the format of their indexer-key caches (an FP8 cache makes the
         indexers rotate queries and keys first: ``dsa.py``)."""
-        for _, attn, _, _ in self.layers:
+        for _, attn, _, _ in [*self.layers, *(m.block for m in self.mtp)]:
             if isinstance(attn, SparseMLAttention) and index_format == "fp8_ds_index":
                 attn.indexer.use_rotation(self.dtype, self.device)
 

@@ -323,6 +323,7 @@ class DeepseekV4:
 
     def __init__(self, cfg: V4Config, weights: dict, *, dtype: torch.dtype, device: torch.device, ep: ExpertParallel):
         self.cfg, self.dtype, self.device, self.ep = cfg, dtype, device, ep
+        self.mtp: list = []  # multi-token-prediction layers: recognised in checkpoints, not loaded
         self.embed, self.norm = weights["embed_tokens.weight"], weights["norm.weight"]
         self.lm_head = weights["embed_tokens.weight" if cfg.tie_word_embeddings else "head.weight"]
         self.hc_head = tuple(weights[f"hc_head.hc_{k}"] for k in ("fn", "base", "scale"))

@@ -46,6 +46,7 @@ from .parallel import RankSync, fingerprint
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PENDING, Sequence, Status
+from .speculative import MTPDrafter, SpeculativeConfig, SpeculativeStats, accepted_drafts
 
 DEFAULT_CACHE_BYTES = 1 << 30
 
@@ -58,19 +59,21 @@ def index_format_for(cfg, kv_format: str) -> str | None:
     return "fp8_ds_index" if kv_format == "fp8_ds_mla" and cfg.index_head_dim % 128 == 0 else "bf16"
 
 
-def cache_page_bytes(cfg, kv_format: str, block_size: int) -> int:
-    """Bytes of one cache page (``block_size`` tokens) over all layers: the latent cache's, plus the indexer keys'
-    for sparse attention. A model that keeps its own caches (``cfg.owns_cache``: DeepSeek-V4) says what to budget."""
+def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0) -> int:
+    """Bytes of one cache page (``block_size`` tokens) over all layers (and ``mtp_layers`` multi-token-prediction
+    layers): the latent cache's, plus the indexer keys' for sparse attention. A model that keeps its own caches
+    (``cfg.owns_cache``: DeepSeek-V4) says what to budget."""
     if getattr(cfg, "owns_cache", False):
         return cfg.cache_page_bytes(kv_format, block_size)
+    layers = cfg.num_hidden_layers + mtp_layers
     probe = deepinfer.allocate_kv_cache(
         1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
     )
-    page_bytes = probe.numel() * probe.element_size() * cfg.num_hidden_layers
+    page_bytes = probe.numel() * probe.element_size() * layers
     index_format = index_format_for(cfg, kv_format)
     if index_format is not None:  # the indexer keys are paged beside the latents, on the same pages
         probe = allocate_index_cache(1, block_size, head_dim=cfg.index_head_dim, index_format=index_format)
-        page_bytes += probe.numel() * probe.element_size() * cfg.num_hidden_layers
+        page_bytes += probe.numel() * probe.element_size() * layers
     return page_bytes
 
 
@@ -119,10 +122,19 @@ class LLMEngine:
         preemption_mode: str = "swap",
         cuda_graphs: bool = True,
         async_scheduling: bool = True,
+        speculative_config: SpeculativeConfig | dict | None = None,
     ):
         cfg = model.cfg
         self.model, self.cfg = model, cfg
         c = Check("LLMEngine")
+        spec = SpeculativeConfig.from_value(speculative_config)
+        if spec is not None and not model.mtp:
+            raise c.fail(
+                "speculative_config",
+                "a model loaded with its MTP layers (DeepseekV3.load(..., mtp=True) on a checkpoint that has them)",
+                "a model without MTP layers",
+            )
+        mtp_layers = 1 if spec is not None else 0  # the drafts chain the first MTP layer
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
@@ -146,7 +158,7 @@ class LLMEngine:
         owns_cache = getattr(cfg, "owns_cache", False)
         if kv_format == "fp8_ds_mla" and not owns_cache and cfg.kv_lora_rank % 128:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
-        page_bytes = cache_page_bytes(cfg, kv_format, block_size)
+        page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers)
         if kv_cache_bytes is not None and (
             isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < page_bytes
         ):
@@ -167,26 +179,47 @@ class LLMEngine:
             num_blocks = max(1, min(max_blocks * max_num_seqs, kv_cache_bytes // page_bytes))
             if self.sync is not None:  # free memory may differ per rank; the schedule must not
                 num_blocks = self.sync.min_int(num_blocks)
+        layers = cfg.num_hidden_layers + mtp_layers  # the MTP layer's cache follows the model's layers
         if owns_cache:  # pages are only the budget's unit; a placeholder keeps the runner's page bookkeeping
             self.kv_cache = torch.zeros(1, num_blocks, block_size, 1, dtype=torch.uint8, device=device)
         else:
-            self.kv_cache = self._allocate(cfg, num_blocks, block_size, kv_format, device)
+            cache = deepinfer.allocate_kv_cache(
+                num_blocks * layers,
+                block_size,
+                kv_lora_rank=cfg.kv_lora_rank,
+                rope_dim=cfg.qk_rope_head_dim,
+                kv_format=kv_format,
+                device=device,
+            )
+            self.kv_cache = cache.view(layers, num_blocks, block_size, -1)
         self.index_cache = None
         if self.index_format is not None:
             self.index_cache = allocate_index_cache(
-                num_blocks * cfg.num_hidden_layers,
+                num_blocks * layers,
                 block_size,
                 head_dim=cfg.index_head_dim,
                 index_format=self.index_format,
                 device=device,
-            ).view(cfg.num_hidden_layers, num_blocks, block_size, -1)
+            ).view(layers, num_blocks, block_size, -1)
             model.use_index_format(self.index_format)
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self.speculative_config = spec
+        self.spec_stats = SpeculativeStats()
+        drafter = None
+        if spec is not None:
+            index_layer = self.index_cache[-1] if self.index_cache is not None else None
+            drafter = MTPDrafter(model.mtp[0], self.kv_cache[-1], index_layer, self.allocator, spec, self.max_model_len)
+        lookahead = spec.num_speculative_tokens if spec is not None else 0
         graphs = None
         backend = deepinfer.current_backend()
         if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda" and not owns_cache:
-            graphs = DecodeGraphs(model, self.kv_cache, self.index_cache, max_batch=max_num_seqs, max_blocks=max_blocks)
-        self.runner = ModelRunner(model, self.kv_cache, self.allocator, graphs=graphs, index_cache=self.index_cache)
+            rows = max_num_seqs * (1 + lookahead)  # a verification step runs 1 + drafts rows per sequence
+            graphs = DecodeGraphs(
+                model, self.kv_cache, self.index_cache, max_batch=rows, max_blocks=max_blocks, drafter=drafter
+            )
+        self.runner = ModelRunner(
+            model, self.kv_cache, self.allocator, graphs=graphs, index_cache=self.index_cache, drafter=drafter
+        )
         if graphs is not None:
             captured = graphs.capture()
             if self.sync is not None:  # a step's MoE mode depends on the graphs: all ranks use them or none does
@@ -201,6 +234,8 @@ class LLMEngine:
             preemption_mode=preemption_mode,
             swap_out=self.runner.swap_out,
             swap_in=self.runner.swap_in,
+            lookahead=lookahead,
+            max_model_len=self.max_model_len,
         )
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self._ids = count()
@@ -225,25 +260,25 @@ class LLMEngine:
                 self.runner.graphs is not None,
                 deepinfer.batch_invariant_enabled(),
                 async_scheduling,
+                repr(spec),
             )
             self.sync.check("engine start", {"engine settings": settings})
         self._sampled: list = []  # tokens read back and finishes since the last check across ranks (next launch)
         self.async_scheduling = async_scheduling
         self._inflight: _Launched | None = None  # launched, results not yet applied
+        self.eplb: Any = None  # an eplb.ExpertLoadBalancer, told after each launched step (LLM(enable_eplb=True))
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
 
-    @staticmethod
-    def _allocate(cfg, num_blocks: int, block_size: int, kv_format: str, device) -> torch.Tensor:
-        """The paged latent cache of every layer, ``[layers, num_blocks, block_size, width]``."""
-        cache = deepinfer.allocate_kv_cache(
-            num_blocks * cfg.num_hidden_layers,
-            block_size,
-            kv_lora_rank=cfg.kv_lora_rank,
-            rope_dim=cfg.qk_rope_head_dim,
-            kv_format=kv_format,
-            device=device,
-        )
-        return cache.view(cfg.num_hidden_layers, num_blocks, block_size, -1)
+    def _recapture_graphs(self) -> None:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return
+        captured = graphs.capture()
+        if self.sync is not None:
+            captured = self.sync.min_int(int(captured)) == 1
+        if not captured:
+            self.runner.graphs = None
+        self.eplb.current.zero_()  # the capture's warm-up forwards counted
 
     def drop_cuda_graphs(self) -> None:
         """Frees the captured decode graphs; decode runs eagerly from then on. Under expert parallelism over NCCL
@@ -303,6 +338,8 @@ class LLMEngine:
             if inflight is not None:
                 self._apply(inflight, finished)
             launched = self._launch(finished)
+        if launched is not None and self.eplb is not None and self.eplb.end_step():
+            self._recapture_graphs()  # the graphs hold the dispatch tables of the placement they were captured with
         if launched is not None:
             if self.async_scheduling:
                 self._inflight = launched
@@ -343,8 +380,8 @@ class LLMEngine:
         """Whether the next batch can be scheduled before ``inflight``'s tokens are read: with asynchronous
         scheduling, when no running sequence has to be preempted and some running sequence does not end with its
         pending token. Those that do (by length) are then set aside."""
-        if not self.async_scheduling or not self.scheduler.next_step_fits():
-            return False
+        if not self.async_scheduling or not self.scheduler.next_step_fits() or self.runner.drafter is not None:
+            return False  # (speculative decoding: where each sequence stands depends on what the step accepts)
         if any(s.matcher is not None for s in self.scheduler.running):  # their masks need the pending tokens
             return False
         ending = [
@@ -366,6 +403,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         truncated, self.scheduler.truncated = self.scheduler.truncated, []
         finished.extend(truncated)
+        if self.runner.drafter is not None and batch.decodes:
+            self.runner.drafter.propose(batch.decodes, self.runner._tensor, self.runner.graphs)
         if self.sync is not None:
             self._check_step(batch, truncated)
         if not batch:
@@ -378,8 +417,9 @@ class LLMEngine:
             chunk.seq.num_computed = chunk.end
         index = {}
         for seq in step.samplers:
-            index[id(seq)] = seq.num_tokens
-            seq.token_ids.append(PENDING)
+            if id(seq) not in index:  # (a sequence with drafts samples several rows)
+                index[id(seq)] = seq.num_tokens
+                seq.token_ids.append(PENDING)
         return _Launched(batch, step, index)
 
     def _apply(self, launched: _Launched, finished: list[Sequence]) -> None:
@@ -397,9 +437,9 @@ class LLMEngine:
                         seq.prompt_top_logprobs.append(top)
             sampled = result.sampled.get(id(seq))
             if sampled is not None:
-                done = self._append(seq, sampled, launched.index[id(seq)])
+                done = self._take(seq, sampled, result.drafts.get(id(seq)), launched)
                 if self.sync is not None:
-                    self._sampled.append((seq.arrival, sampled.token, seq.finish_reason))
+                    self._sampled.append((seq.arrival, [s.token for s in sampled], seq.finish_reason))
                 if done:
                     self.scheduler.finish(seq)
                     finished.append(seq)
@@ -407,7 +447,7 @@ class LLMEngine:
     def _check_step(self, batch: ScheduledBatch, truncated: list[Sequence]) -> None:
         """Checks across ranks, before this step's forward, the batch every rank scheduled and the tokens read back
         since the last check."""
-        decodes = [(s.arrival, s.num_computed, s.token_ids[s.num_computed], s.seed) for s in batch.decodes]
+        decodes = [(s.arrival, s.num_computed, s.token_ids[s.num_computed], s.seed, s.drafts) for s in batch.decodes]
         prefills = [
             (c.seq.arrival, c.start, c.end, c.seq.seed, fingerprint(c.seq.token_ids[c.start : c.end]))
             + ((repr(c.seq.params),) if c.start == 0 else ())
@@ -423,6 +463,30 @@ class LLMEngine:
         )
         sampled, self._sampled = self._sampled, []
         self.sync.check(f"step {self.stats['steps']}", {"scheduled batch": schedule, "sampled tokens": sampled})
+
+    def _take(self, seq: Sequence, sampled: list, drafts: list | None, launched: _Launched) -> bool:
+        """Records what a step sampled for ``seq``: its token, or under speculative decoding the target's tokens up
+        to the first rejected draft (``speculative.py``), and the MTP layer's next draft; returns whether the
+        sequence is finished."""
+        a = accepted_drafts(seq.drafts, [s.token for s in sampled])
+        if seq.drafts:
+            self.spec_stats.drafted += len(seq.drafts)
+            self.spec_stats.accepted += a
+            self.spec_stats.verifications += 1
+            seq.num_drafted += len(seq.drafts)
+            seq.num_accepted += a
+        seq.drafts = []
+        index = launched.index[id(seq)]
+        for i in range(a + 1):
+            if i:
+                seq.token_ids.append(PENDING)
+            if self._append(seq, sampled[i], index + i):
+                return True
+        seq.num_computed += a  # the accepted drafts' rows hold their cache entries
+        if drafts is not None:
+            row, token, prob = drafts[a]
+            seq.next_draft, seq.draft_state = (token, prob), launched.step.draft_states[row]
+        return False
 
     def _append(self, seq: Sequence, sampled, index: int) -> bool:
         """Puts a sampled token in place of ``seq``'s pending token ``index``; returns whether the sequence is

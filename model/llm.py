@@ -17,6 +17,7 @@ with the same arguments and calls ``generate`` with the same prompts; every rank
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -39,12 +40,14 @@ from .deepseek_v3 import DeepseekV3
 from .deepseek_v4 import DeepseekV4
 from .embedded import default_checkpoint
 from .engine import LLMEngine, cache_page_bytes
+from .eplb import ExpertLoadBalancer, nodes_of
 from .errors import ParallelError, RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .parallel import expert_parallel
 from .sampling_params import SamplingParams
 from .scheduler import PREEMPTION_MODES
 from .sequence import Sequence
+from .speculative import SpeculativeConfig, SpeculativeStats
 from .structured_output import Grammars
 from .tokenizer import Tokenizer
 
@@ -77,6 +80,14 @@ class LLM:
     ``RankDivergenceError``; a rank that dies or hangs surfaces as the process group's error after its timeout.
     Over NCCL, drop the LLM (or call ``llm.engine.drop_cuda_graphs()``) before destroying the process group: its
     CUDA graphs hold captured collectives, which the destruction would wait for.
+
+    Expert load balancing (vLLM's names; ``eplb.py``): num_redundant_experts: extra copies of experts (with
+    ``ep`` above 1; ``E + num_redundant_experts`` must be a multiple of ``ep``), placed by ``rebalance_experts`` on
+    a uniform load at start; a hot expert's tokens are spread over its copies. enable_eplb: measure the tokens per
+    expert of every MoE layer over the last ``eplb_window_size`` steps (``expert_load()``) and, every
+    ``eplb_step_interval`` steps (None: never), re-place the experts from that load, moving weights between ranks in
+    place between two steps. Outputs do not depend on the placement beyond fp32 reassociation in ``ep_combine``
+    (none in batch-invariant mode).
     """
 
     def __init__(
@@ -100,7 +111,13 @@ class LLM:
         progress: bool = True,
         ep: int | None = None,
         ep_group: Any = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
+        enable_eplb: bool = False,
+        num_redundant_experts: int = 0,
+        eplb_window_size: int = 1000,
+        eplb_step_interval: int | None = 3000,
     ):
+        self.speculative_config = SpeculativeConfig.from_value(speculative_config)
         _check_arguments(
             dtype=dtype,
             kv_format=kv_format,
@@ -113,6 +130,7 @@ class LLM:
             max_model_len=max_model_len,
             preemption_mode=preemption_mode,
         )
+        _check_eplb(enable_eplb, eplb_window_size, eplb_step_interval)
         if model is None:
             model = default_checkpoint()
         self.path = Path(model)
@@ -137,10 +155,24 @@ class LLM:
                     str(max_model_len),
                 )
             try:
-                self.ep = expert_parallel(ep, self.config.n_routed_experts, ep_group)
-                if isinstance(ckpt, V4Checkpoint) and self.ep.world_size > 1:
-                    raise ParallelError("ep", "1 for deepseek_v4 (its experts are not sharded yet)", str(ep))
-                page_bytes = cache_page_bytes(self.config, kv_format, block_size)
+                self.ep = expert_parallel(
+                    ep,
+                    self.config.n_routed_experts,
+                    ep_group,
+                    num_redundant_experts=num_redundant_experts,
+                    num_groups=getattr(self.config, "n_group", 1) or 1,
+                )
+                if isinstance(ckpt, V4Checkpoint):
+                    _refuse_for_v4(self.ep.world_size, ep, self.speculative_config, enable_eplb)
+                mtp_layers = 1 if self.speculative_config is not None else 0
+                if mtp_layers and not self.config.num_nextn_predict_layers:
+                    raise InputError(
+                        "LLM",
+                        "speculative_config",
+                        "a checkpoint with MTP layers (num_nextn_predict_layers >= 1) for method 'mtp'",
+                        f"num_nextn_predict_layers 0 in {self.path / 'config.json'}",
+                    )
+                page_bytes = cache_page_bytes(self.config, kv_format, block_size, mtp_layers)
                 if kv_cache_gb is not None and kv_cache_gb * (1 << 30) < page_bytes:
                     raise InputError(
                         "LLM", "kv_cache_gb", f"at least one cache page ({page_bytes} bytes)", repr(kv_cache_gb)
@@ -153,6 +185,14 @@ class LLM:
             self.tokenizer = Tokenizer.from_dir(self.path, self.config.bos_token_id)
             self._grammars: Grammars | None = None  # built on the first structured-output request
             self.model = self._load(ckpt)
+            self.eplb: ExpertLoadBalancer | None = None
+            if enable_eplb:  # before the engine: CUDA graphs capture the counting
+                self.eplb = ExpertLoadBalancer(
+                    self.model,
+                    window_size=eplb_window_size,
+                    step_interval=eplb_step_interval,
+                    num_nodes=nodes_of(self.ep.world_size),
+                )
             self.engine = LLMEngine(
                 self.model,
                 kv_format=kv_format,
@@ -166,7 +206,11 @@ class LLM:
                 preemption_mode=preemption_mode,
                 cuda_graphs=not enforce_eager,
                 async_scheduling=async_scheduling,
+                speculative_config=self.speculative_config,
             )
+            if self.eplb is not None:
+                self.eplb.reset()
+                self.engine.eplb = self.eplb
         self.last_stats: dict[str, float] = {}
 
     @property
@@ -182,10 +226,14 @@ class LLM:
                 return DeepseekV4.load(ckpt, dtype=self.dtype, device=self.device, on_progress=on_progress)
         else:
             local = {f".experts.{e}." for e in self.ep.local}
-            total = ckpt.total_bytes(n for n in ckpt.layout if ".experts." not in n or any(e in n for e in local))
+            mtp = self.speculative_config is not None
+            names = [*ckpt.layout, *(n for n in ckpt.mtp_layout if n in ckpt.tensors and mtp)]
+            total = ckpt.total_bytes(n for n in names if ".experts." not in n or any(e in n for e in local))
 
             def build(on_progress=None):
-                return DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device, ep=self.ep, on_progress=on_progress)
+                return DeepseekV3.load(
+                    ckpt, dtype=self.dtype, device=self.device, ep=self.ep, on_progress=on_progress, mtp=mtp
+                )
 
         if not self.progress:
             model = build()
@@ -203,6 +251,14 @@ class LLM:
             model = build(lambda n: bar.advance(task, n))
         ckpt.close()
         return model
+
+    def expert_load(self) -> torch.Tensor:
+        """``[MoE layers, E]`` int64: tokens routed to each logical expert of each MoE layer over the last
+        ``eplb_window_size`` steps, all ranks together (needs ``enable_eplb=True``; a collective under ``ep``: every
+        rank calls it)."""
+        if self.eplb is None:
+            raise RequestError("expert load is measured only with LLM(..., enable_eplb=True)")
+        return self.eplb.expert_load()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -250,6 +306,7 @@ class LLM:
         engine = self.engine
         start = time.perf_counter()
         gen0, prompt0 = engine.stats["generated_tokens"], engine.stats["prompt_tokens"]
+        spec0 = dataclasses.replace(engine.spec_stats)
         with deepinfer.use(self.backend):
             try:
                 seqs = self._add_all(prompts, params)
@@ -267,6 +324,11 @@ class LLM:
             "generated_tokens": engine.stats["generated_tokens"] - gen0,
             "seconds": elapsed,
         }
+        if self.speculative_config is not None:
+            now = engine.spec_stats
+            self.last_stats["speculative"] = SpeculativeStats(
+                now.drafted - spec0.drafted, now.accepted - spec0.accepted, now.verifications - spec0.verifications
+            ).as_dict()
         return [self._output(s) for s in seqs]
 
     def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
@@ -326,7 +388,8 @@ class LLM:
             outputs=[completion],
             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs else None,
-            metrics={"preemptions": seq.num_preemptions},
+            metrics={"preemptions": seq.num_preemptions}
+            | ({"drafted": seq.num_drafted, "accepted": seq.num_accepted} if self.speculative_config else {}),
         )
 
 
@@ -338,6 +401,15 @@ def _sampling_params(p: Any) -> SamplingParams:
     raise RequestError(
         f"sampling_params: expected a SamplingParams, a dict of its fields or a list of those, got {type(p).__name__}"
     )
+
+
+def _check_eplb(enable: Any, window: Any, interval: Any) -> None:
+    c = Check("LLM")
+    if not isinstance(enable, bool):
+        raise c.fail("enable_eplb", "a bool", repr(enable))
+    c.positive_int("eplb_window_size", window)
+    if interval is not None:
+        c.positive_int("eplb_step_interval", interval)
 
 
 def _check_arguments(**kw: Any) -> None:
@@ -364,3 +436,15 @@ def _check_arguments(**kw: Any) -> None:
         raise c.fail("kv_cache_gb", "a finite number > 0 or None", repr(gb))
     if kw["max_model_len"] is not None:
         c.positive_int("max_model_len", kw["max_model_len"], minimum=2)  # one prompt token and one generated
+
+
+def _refuse_for_v4(world_size: int, ep, speculative_config, enable_eplb: bool) -> None:
+    """What DeepSeek-V4 serving does not do yet, refused before its weights are read."""
+    if world_size > 1:
+        raise ParallelError("ep", "1 for deepseek_v4 (its experts are not sharded yet)", str(ep))
+    if speculative_config is not None:
+        raise InputError(
+            "LLM", "speculative_config", "None for deepseek_v4 (its MTP layers are not loaded)", "a config"
+        )
+    if enable_eplb:
+        raise InputError("LLM", "enable_eplb", "False for deepseek_v4 (its experts are not sharded)", "True")

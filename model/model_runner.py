@@ -34,6 +34,7 @@ from .greedy import greedy_tokens
 from .sampling_params import step_seed
 from .scheduler import PrefillChunk, ScheduledBatch
 from .sequence import PENDING, Sequence
+from .speculative import MTPDrafter
 from .structured_output import allowed_tokens
 
 
@@ -46,11 +47,14 @@ class SampledToken:
 
 @dataclass
 class StepResult:
-    """sampled: the new token of every sequence that produced one; prompt: per sequence, ``(position, logprob,
-    top)`` of prompt tokens whose log-probability this step computed."""
+    """sampled: the new tokens of every sequence that produced some (one, or one per verification row under
+    speculative decoding); prompt: per sequence, ``(position, logprob, top)`` of prompt tokens whose
+    log-probability this step computed; drafts: under speculative decoding, per sequence and sampled token, the
+    MTP layer's ``(row of LaunchedStep.draft_states, draft of the token after it, its probability)``."""
 
-    sampled: dict[int, SampledToken] = field(default_factory=dict)
+    sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     prompt: dict[int, list[tuple[int, float, dict[int, float] | None]]] = field(default_factory=dict)
+    drafts: dict[int, list[tuple[int, int, float]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,6 +66,7 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None
     _want: list[int] = field(default_factory=list)  # sampler indices that asked for log-probabilities
     _prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    draft_states: torch.Tensor | None = None  # speculative decoding: the MTP state of every sampler row
     _host: dict[str, torch.Tensor] = field(default_factory=dict)  # device -> host copies in flight
     _ready: torch.Event | None = None  # recorded after those copies
 
@@ -75,7 +80,11 @@ class LaunchedStep:
             by_row = dict(zip(self._want, _logprob_lists(host, "sample", ks)))
             for i, (seq, token) in enumerate(zip(self.samplers, tokens)):
                 lp, top = by_row.get(i, (None, None))
-                out.sampled[id(seq)] = SampledToken(token, lp, top)
+                out.sampled.setdefault(id(seq), []).append(SampledToken(token, lp, top))
+            if "draft_tokens" in host:
+                drafts = zip(range(len(tokens)), host["draft_tokens"].tolist(), host["draft_probs"].tolist())
+                for seq, draft in zip(self.samplers, drafts):
+                    out.drafts.setdefault(id(seq), []).append(draft)
         ks = [seq.params.prompt_logprobs for seq, _, _ in self._prompt_rows]
         for (seq, _, p), (lp, top) in zip(self._prompt_rows, _logprob_lists(host, "prompt", ks)):
             out.prompt.setdefault(id(seq), []).append((p + 1, lp, top))
@@ -93,8 +102,10 @@ class ModelRunner:
         *,
         graphs: DecodeGraphs | None = None,
         index_cache: torch.Tensor | None = None,
+        drafter: MTPDrafter | None = None,
     ):
         self.model, self.kv_cache, self.allocator = model, kv_cache, allocator
+        self.drafter = drafter  # speculative decoding: the MTP pass after every forward (speculative.py)
         self.kv_caches = list(kv_cache.unbind(0))
         self.index_cache = index_cache  # [layers, blocks, block_size, width] for sparse attention, on the same pages
         self.index_caches = list(index_cache.unbind(0)) if index_cache is not None else None
@@ -124,12 +135,10 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        chunks = _chunks(batch)
-        decode_rows = [(seq, seq.num_computed) for seq in batch.decodes]
-        decode_rows += [(ch.seq, p) for ch in chunks if ch.decode_rows for p in range(ch.start, ch.end)]
-        prefills = [ch for ch in chunks if not ch.decode_rows]
+        decode_rows = _decode_rows(batch)
+        prefills = [ch for ch in _chunks(batch) if not ch.decode_rows]
         for seq, p in decode_rows:
-            ids.append(seq.token_ids[p])
+            ids.append(_token(seq, p))
             pos.append(p)
             slots.append(alloc.slot(seq, p))
         fb = ForwardBatch(positions=None, slot_mapping=None, num_decode=len(decode_rows))
@@ -164,19 +173,21 @@ class ModelRunner:
         fb.positions = self._tensor(pos, torch.int32)
         fb.slot_mapping = self._tensor(slots, torch.int64)
         input_ids = self._tensor(ids, torch.int64)
-        pending = self._pending_tokens(batch.decodes, previous)
+        pending = self._pending_tokens(decode_rows, previous)
         if pending is not None:
             input_ids.index_copy_(0, *pending)
         return input_ids, fb
 
     def _logit_rows(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence], list[tuple[Sequence, int, int]]]:
-        """Rows whose logits are needed: ``sample_rows`` (one per sequence that samples, with ``samplers``) and
-        ``prompt_rows`` ``(seq, row, position)`` predicting prompt token ``position + 1``."""
+        """Rows whose logits are needed: ``sample_rows`` (one per sequence that samples, with ``samplers``; one per
+        verification row of a sequence with drafts, the sequence repeated) and ``prompt_rows`` ``(seq, row,
+        position)`` predicting prompt token ``position + 1``."""
         sample_rows, samplers, prompt_rows = [], [], []
-        for i, seq in enumerate(batch.decodes):
-            sample_rows.append(i)
-            samplers.append(seq)
-        row = len(batch.decodes)
+        for seq in batch.decodes:
+            for _ in range(1 + len(seq.drafts)):
+                sample_rows.append(len(sample_rows))
+                samplers.append(seq)
+        row = len(sample_rows)
         for ch in _chunks(batch):
             seq = ch.seq
             if seq.wants_prompt_logprobs:
@@ -200,15 +211,17 @@ class ModelRunner:
         pending."""
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
         rows = sample_rows + [r for _, r, _ in prompt_rows]
+        decode_rows = _decode_rows(batch)
         use_graph = (
             self.graphs is not None
             and not batch.prefills
-            and self.graphs.fits(len(batch.decodes))
+            and self.graphs.fits(len(decode_rows))
             and self.graphs.invariant == deepinfer.batch_invariant_enabled()
         )
         greedy = None  # the graph's greedy tokens, taken inside it
         if use_graph:
-            logits, greedy = self._graph_logits(batch, previous)
+            logits, greedy = self._graph_logits(decode_rows, previous)
+            hidden, fb = self.graphs.replayed()
         else:
             input_ids, fb = self.prepare(batch, previous)
             with deepinfer.value_checks(False):
@@ -216,6 +229,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
         step = LaunchedStep(samplers=samplers, _prompt_rows=prompt_rows)
         if not rows:
+            if self.drafter is not None:  # the MTP layer's cache entries of these prompt rows
+                self._draft(step, batch, hidden, fb, [])
             return step
         host = {}
         if samplers:
@@ -230,6 +245,9 @@ class ModelRunner:
                 want = self._tensor(step._want, torch.int64)
                 kmax = max(samplers[i].params.logprobs for i in step._want)
                 _logprob_tensors(host, "sample", sample_logits[want], step.tokens[want], kmax)
+        if self.drafter is not None:
+            graphed = use_graph and self.graphs.replays_mtp(hidden.shape[0])
+            host.update(self._draft(step, batch, hidden, fb, sample_rows, graphed))
         if prompt_rows:
             targets = self._tensor([seq.token_ids[p + 1] for seq, _, p in prompt_rows], torch.int64)
             kmax = max(seq.params.prompt_logprobs for seq, _, _ in prompt_rows)
@@ -242,46 +260,84 @@ class ModelRunner:
             step._ready.record()
         return step
 
+    def _draft(
+        self,
+        step: LaunchedStep,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor,
+        fb: ForwardBatch,
+        sample_rows: list,
+        graphed: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Speculative decoding: the MTP pass over the forward's rows (``hidden``, padded rows included), each row
+        with the token after it (its sampled token where it samples), from the MTP graph of the decode graph just
+        replayed when ``graphed``; keeps the sampler rows' MTP states in ``step.draft_states`` and returns their
+        drafts and probabilities, on the device."""
+        after = [_token(seq, p + 1) if p + 1 < seq.num_tokens else 0 for seq, p in _decode_rows(batch)]
+        for ch in _chunks(batch):
+            if not ch.decode_rows:
+                after += [_token(ch.seq, p + 1) if p + 1 < ch.seq.num_tokens else 0 for p in range(ch.start, ch.end)]
+        after += [0] * (hidden.shape[0] - len(after))  # CUDA-graph padding
+        next_ids = self._tensor([max(t, 0) for t in after], torch.int64)
+        index = self._tensor(sample_rows, torch.int64)
+        if sample_rows:  # each sampler row's sampled token
+            next_ids.index_copy_(0, index, step.tokens)
+        if graphed:  # the rows of the decode graph just replayed
+            state, tokens, probs = (t.index_select(0, index) for t in self.graphs.run_mtp(hidden, next_ids))
+            step.draft_states = state
+        else:
+            with deepinfer.value_checks(False):
+                step.draft_states, tokens, probs = self.drafter.run(hidden, next_ids, fb, index)
+        return {"draft_tokens": tokens, "draft_probs": probs} if sample_rows else {}
+
     def _pending_tokens(
-        self, seqs: list[Sequence], previous: LaunchedStep | None
+        self, rows: list[tuple[Sequence, int]], previous: LaunchedStep | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For the decode rows of ``seqs`` whose token is still being sampled (``PENDING``): their row indices and
-        the tokens ``previous`` samples for them, both on the device; None when there are none."""
-        rows = [i for i, s in enumerate(seqs) if s.token_ids[s.num_computed] == PENDING]
-        if not rows:
+        """For the decode rows ``(seq, position)`` whose token is still being sampled (``PENDING``): their row
+        indices and the tokens ``previous`` samples for them, both on the device; None when there are none."""
+        pending = [i for i, (s, p) in enumerate(rows) if _token(s, p) == PENDING]
+        if not pending:
             return None
         where = {id(seq): i for i, seq in enumerate(previous.samplers)} if previous is not None else {}
-        missing = [seqs[i].request_id for i in rows if id(seqs[i]) not in where]
+        missing = [rows[i][0].request_id for i in pending if id(rows[i][0]) not in where]
         if missing:
             raise RuntimeError(f"requests {missing} decode a token that the previous step did not sample")
-        index = self._tensor([rows, [where[id(seqs[i])] for i in rows]], torch.int64)
+        index = self._tensor([pending, [where[id(rows[i][0])] for i in pending]], torch.int64)
         return index[0], previous.tokens.index_select(0, index[1])
 
-    def _graph_logits(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> tuple[torch.Tensor, torch.Tensor]:
-        seqs = batch.decodes
+    def _graph_logits(
+        self, rows: list[tuple[Sequence, int]], previous: LaunchedStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         alloc = self.allocator
         return self.graphs.run(
-            input_ids=[s.token_ids[s.num_computed] for s in seqs],
-            positions=[s.num_computed for s in seqs],
-            slot_mapping=[alloc.slot(s, s.num_computed) for s in seqs],
-            block_tables=[s.block_table for s in seqs],
-            seq_lens=[s.num_computed + 1 for s in seqs],
-            pending=self._pending_tokens(seqs, previous),
+            input_ids=[_token(s, p) for s, p in rows],
+            positions=[p for _, p in rows],
+            slot_mapping=[alloc.slot(s, p) for s, p in rows],
+            block_tables=[s.block_table for s, _ in rows],
+            seq_lens=[p + 1 for _, p in rows],
+            pending=self._pending_tokens(rows, previous),
         )
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """``logits`` (one row per sequence of ``seqs``) with each structured-output row's disallowed tokens at
-        ``-inf``; ``logits`` itself when no sequence has a grammar."""
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        """``logits`` (one row per sampler row of ``seqs``: a sequence with drafts has one per verification row)
+        with each structured-output row's disallowed tokens at ``-inf``; ``logits`` itself when no sequence has a
+        grammar."""
+        rows, matchers = [], []
+        for i, (seq, offset) in enumerate(_row_offsets(seqs)):
+            if seq.matcher is not None:
+                rows.append(i)
+                if offset == 0:
+                    matchers.append((seq.matcher, seq.drafts))
         if not rows:
             return logits
-        mask = allowed_tokens([seqs[i].matcher for i in rows], logits.shape[1]).to(self.device, non_blocking=True)
+        mask = allowed_tokens(matchers, logits.shape[1]).to(self.device, non_blocking=True)
         index = self._tensor(rows, torch.int64)
         return logits.index_copy(0, index, ops.apply_token_bitmask(logits.index_select(0, index), mask))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None) -> torch.Tensor:
-        """The next token of each of ``seqs`` (one row of ``logits`` each); ``greedy``: their greedy tokens, already
-        taken (by a decode graph), or None."""
+        """The next token of each of ``seqs`` (one row of ``logits`` each; a sequence with drafts has one row per
+        verification row, each drawn with the seed of the generated position it samples); ``greedy``: their greedy
+        tokens, already taken (by a decode graph), or None."""
         params = [s.params for s in seqs]
         if all(p.temperature == 0 for p in params):  # greedy rows need no filtering, seeds or value checks
             return greedy if greedy is not None else greedy_tokens(logits)
@@ -290,7 +346,7 @@ class ModelRunner:
             self._tensor([float(p.temperature) for p in params], torch.float32),
             self._tensor([float(p.top_p) for p in params], torch.float32),
             self._tensor([p.top_k for p in params], torch.int32),
-            self._tensor([step_seed(s.seed, s.num_generated) for s in seqs], torch.int64),
+            self._tensor([step_seed(s.seed, s.num_generated + i) for s, i in _row_offsets(seqs)], torch.int64),
         )
 
 
@@ -303,6 +359,29 @@ def _runs(rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int]]:
         else:
             out.append((seq, p, 1))
     return out
+
+
+def _row_offsets(seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+    """``(seq, i)`` per sampler row: the row samples ``seq``'s ``i``-th token from now (``i > 0``: after drafts)."""
+    seen: dict[int, int] = {}
+    out = []
+    for s in seqs:
+        i = seen[id(s)] = seen.get(id(s), -1) + 1
+        out.append((s, i))
+    return out
+
+
+def _decode_rows(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+    """The decode rows ``(seq, position)`` of ``batch``, in packing order: each decoding sequence's pending token
+    and its drafts, then the tokens of the chunks of ``decode_rows``."""
+    rows = [(seq, seq.num_computed + i) for seq in batch.decodes for i in range(1 + len(seq.drafts))]
+    return rows + [(ch.seq, p) for ch in _chunks(batch) if ch.decode_rows for p in range(ch.start, ch.end)]
+
+
+def _token(seq: Sequence, position: int) -> int:
+    """The token of ``seq`` at ``position``: one of its tokens, or one of its drafts past them."""
+    n = seq.num_tokens
+    return seq.token_ids[position] if position < n else seq.drafts[position - n]
 
 
 def _chunks(batch: ScheduledBatch) -> list[PrefillChunk]:

@@ -88,20 +88,39 @@ class MoE:
         self.w13, self.w2 = weights["experts.gate_up_proj"], weights["experts.down_proj"]
         shared = {k.removeprefix("shared_experts."): v for k, v in weights.items() if k.startswith("shared_experts.")}
         self.shared = DenseMLP(shared) if shared else None
+        self.load: torch.Tensor | None = None  # [E] int64: when set, each forward adds its tokens per expert (eplb.py)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``. Over several ranks a collective: every rank calls it with the same ``T`` and
         ``batch.moe_mode``, and gets the whole batch's output."""
         ep = self.ep
         if ep.world_size == 1:
-            return self._forward(x, batch.moe_mode, None)
+            return self._forward(x, batch.moe_mode, None, self._counted(batch, 0, x.shape[0]))
         start, end, share = ep.token_share(x.shape[0])
         if share == 0:
             return torch.empty_like(x)
         capacity = share if batch.moe_mode == "low_latency" else None
-        return _all_gather_rows(self._forward(x[start:end], batch.moe_mode, capacity), share, x.shape[0], ep.group)
+        out = self._forward(x[start:end], batch.moe_mode, capacity, self._counted(batch, start, end))
+        return _all_gather_rows(out, share, x.shape[0], ep.group)
 
-    def _forward(self, x: torch.Tensor, mode: str, capacity: int | None) -> torch.Tensor:
+    def _counted(self, batch: ForwardBatch, start: int, end: int) -> torch.Tensor | None:
+        """``[end - start]`` int64: 1 for each of the rows that count towards the expert load, 0 for padding rows of
+        a CUDA-graph batch (decode rows with ``seq_len`` 0); None when the load is not measured. Made once per
+        forward and shared by the layers."""
+        if self.load is None:
+            return None
+        key = ("counted", start, end)
+        if key not in batch._made:
+            rows = torch.ones(end - start, dtype=torch.int64, device=self.load.device)
+            decode = min(end, batch.num_decode)
+            if batch.seq_lens is not None and decode > start:
+                rows[: decode - start] = (batch.seq_lens[start:decode] > 0).to(torch.int64)
+            batch._made[key] = rows
+        return batch._made[key]
+
+    def _forward(
+        self, x: torch.Tensor, mode: str, capacity: int | None, counted: torch.Tensor | None = None
+    ) -> torch.Tensor:
         cfg = self.cfg
         logits = ops.gemm(x.float(), self.gate, out_dtype=torch.float32)
         weights, ids = ops.moe_route(
@@ -114,6 +133,8 @@ class MoE:
             routed_scaling_factor=cfg.routed_scaling_factor,
             scoring=cfg.scoring_func,
         )
+        if counted is not None and ids.numel():  # on the device, no host synchronisation
+            self.load.index_add_(0, ids.reshape(-1).long(), counted.repeat_interleave(ids.shape[1]))
         routed = x
         if isinstance(self.w13, QTensor):  # quantised once per token, not once per (token, expert) row received
             routed = ops.quantize_fp8(x, block=self.w13.block[1], scale_format=self.w13.scale_format)

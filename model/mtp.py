@@ -34,17 +34,23 @@ class MTPLayer:
         self.block, self.embed, self.lm_head, self.eps = block, embed, lm_head, eps
 
     def forward(
-        self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+        index_cache: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden [T, H]`` (the main model's final normed states, or this layer's output to chain a further draft)
         and ``next_ids [T]`` (the token after each position) -> the layer's state ``[T, H]`` at ``batch.positions``;
-        writes the block's latents into ``kv_cache`` at ``batch.slot_mapping``."""
+        writes the block's latents into ``kv_cache`` (and, for sparse attention, its indexer keys into
+        ``index_cache``) at ``batch.slot_mapping``."""
         e = ops.rms_norm(self.embed[next_ids], self.enorm, self.eps)[0]
         h = ops.rms_norm(hidden, self.hnorm, self.eps)[0]
         x = linear(torch.cat([e, h], dim=-1), self.eh_proj)
         in_norm, attn, post_norm, ffn = self.block
         y, residual = ops.rms_norm(x, in_norm, self.eps)
-        y, residual = ops.rms_norm(attn.forward(y, batch, kv_cache), post_norm, self.eps, residual)
+        y, residual = ops.rms_norm(attn.forward(y, batch, kv_cache, index_cache), post_norm, self.eps, residual)
         return residual + ffn.forward(y, batch)
 
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:

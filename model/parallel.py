@@ -47,15 +47,28 @@ from .moe import ExpertParallel
 DEFAULT_TIMEOUT_S = 600.0
 
 
-def check_ep(ep: Any, num_experts: int, group_size: int | None, *, arg: str = "ep") -> int:
+def check_ep(
+    ep: Any, num_experts: int, group_size: int | None, *, arg: str = "ep", num_redundant_experts: int = 0
+) -> int:
     """``ep`` as an int after checking it: a positive int (None means 1), equal to ``group_size`` (the size of the
     process group, None when there is none) when above 1, and a divisor of the model's ``num_experts`` routed
-    experts. Raises ``ParallelError`` naming ``arg``."""
+    experts plus ``num_redundant_experts`` (copies of hot experts, ``eplb.py``: a non-negative int, 0 for one rank,
+    and at most ``num_experts * (ep - 1)`` since a rank holds an expert once). Raises ``ParallelError`` naming
+    ``arg`` or ``num_redundant_experts``."""
     if ep is None:
         ep = 1
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ParallelError(arg, "a positive int (the number of ranks the routed experts are split over)", repr(ep))
+    redundant = num_redundant_experts
+    if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0:
+        raise ParallelError("num_redundant_experts", "an int >= 0", repr(redundant))
     if ep == 1:
+        if redundant:
+            raise ParallelError(
+                "num_redundant_experts",
+                "0 without expert parallelism (one rank holds each expert once)",
+                str(redundant),
+            )
         return ep
     if group_size is None:
         raise ParallelError(
@@ -69,30 +82,57 @@ def check_ep(ep: Any, num_experts: int, group_size: int | None, *, arg: str = "e
         raise ParallelError(arg, f"the size of the process group ({group_size} ranks)", str(ep))
     if num_experts < 1:
         raise ParallelError(arg, "1 for a model without routed experts (nothing to split)", str(ep))
-    if num_experts % ep:
+    if redundant > num_experts * (ep - 1):
+        raise ParallelError(
+            "num_redundant_experts",
+            f"at most {num_experts * (ep - 1)} (each of the {num_experts} experts at most once per rank)",
+            str(redundant),
+        )
+    if (num_experts + redundant) % ep:
+        if redundant:
+            raise ParallelError(
+                "num_redundant_experts",
+                f"a count that makes the {num_experts} routed experts plus the redundant ones a multiple of ep={ep}",
+                str(redundant),
+            )
         raise ParallelError(
             arg, f"a divisor of the model's {num_experts} routed experts (every rank holds as many)", str(ep)
         )
     return ep
 
 
-def expert_parallel(ep: Any, num_experts: int, group: Any = None, *, arg: str = "ep") -> ExpertParallel:
+def expert_parallel(
+    ep: Any,
+    num_experts: int,
+    group: Any = None,
+    *,
+    arg: str = "ep",
+    num_redundant_experts: int = 0,
+    num_groups: int = 1,
+) -> ExpertParallel:
     """This process's ``ExpertParallel`` for ``ep`` ranks (``check_ep``): for ``ep`` None or 1 one process holding
-    every expert; otherwise the contiguous placement over ``group`` (default: the default process group, which must
-    be initialised) and this process's rank in it."""
+    every expert; otherwise, over ``group`` (default: the default process group, which must be initialised) and
+    this process's rank in it, the contiguous placement, or with ``num_redundant_experts`` (or several nodes) the
+    placement ``eplb.initial_placement`` gives for the router's ``num_groups`` groups."""
     import torch.distributed as dist
 
     ready = dist.is_available() and dist.is_initialized()
     if group is None and ready and ep not in (None, 1):
         group = dist.group.WORLD
     size = dist.get_world_size(group) if group is not None and ready else None
-    ep = check_ep(ep, num_experts, size, arg=arg)
+    ep = check_ep(ep, num_experts, size, arg=arg, num_redundant_experts=num_redundant_experts)
     if ep == 1:
         return ExpertParallel.single(num_experts)
     rank = dist.get_rank(group)
     if rank < 0:
         raise ParallelError("ep_group", "a process group this process belongs to", "a group without it")
-    return ExpertParallel(ExpertPlacement.contiguous(num_experts, ep), rank, group)
+    if num_redundant_experts == 0:
+        return ExpertParallel(ExpertPlacement.contiguous(num_experts, ep), rank, group)
+    from .eplb import initial_placement, nodes_of
+
+    groups = num_groups if num_groups and num_experts % num_groups == 0 else 1
+    placement = initial_placement(num_experts, num_redundant_experts, ep, groups, nodes_of(ep))
+    return ExpertParallel(placement, rank, group)
 
 
 # ----------------------------------------------------------------------------------------------------------------

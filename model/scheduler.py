@@ -19,6 +19,9 @@ instead and computes them again as they were first computed: the prompt in the s
 tokens in chunks of decode rows (``PrefillChunk.decode_rows``), so that with batch-invariant ops the cache and every
 later token are bitwise those of a run without preemption. A sequence that outgrows the whole cache while running
 alone finishes with ``finish_reason="length"``.
+
+Under speculative decoding (``lookahead`` > 0) a decoding sequence also gets token budget and free pages for up to
+``lookahead`` draft tokens (``Sequence.max_drafts``), verified in the same step (``speculative.py``).
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ class Scheduler:
         preemption_mode: str = "swap",
         swap_out: Callable[[list[int]], Any] | None = None,
         swap_in: Callable[[Any, list[int]], None] | None = None,
+        lookahead: int = 0,
+        max_model_len: int | None = None,
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
@@ -96,6 +101,7 @@ class Scheduler:
             chunk_size,
         )
         self.preemption_mode, self._swap_out, self._swap_in = preemption_mode, swap_out, swap_in
+        self.lookahead, self.max_model_len = lookahead, max_model_len
         self.waiting: list[Sequence] = []  # each list is kept in arrival order
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -175,10 +181,11 @@ class Scheduler:
                 continue
             if not self._make_room(seq, seq.num_computed + 1, scheduled):
                 continue
-            self.allocator.grow(seq, seq.num_computed + 1)
+            seq.max_drafts = self._lookahead(seq, budget)
+            self.allocator.grow(seq, seq.num_computed + 1 + seq.max_drafts)
             batch.decodes.append(seq)
             scheduled.add(id(seq))
-            budget -= 1
+            budget -= 1 + seq.max_drafts
 
         for seq in self.running:
             if seq.is_decode or id(seq) in scheduled:
@@ -204,6 +211,17 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= end - seq.num_computed
         return batch
+
+    def _lookahead(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens a decoding ``seq`` may verify this step (speculative decoding): ``lookahead``, fewer where
+        the token budget, the context or the free pages end first. Pages for drafts are taken only when free: they
+        never preempt another sequence."""
+        extra = min(self.lookahead, budget - 1)
+        if self.max_model_len is not None:
+            extra = min(extra, self.max_model_len - seq.num_computed - 1)
+        while extra > 0 and not self.allocator.can_grow(seq, seq.num_computed + 1 + extra):
+            extra -= 1
+        return max(extra, 0)
 
     def next_step_fits(self) -> bool:
         """Whether every running sequence has the pages for its next step: the next ``schedule`` then preempts

@@ -51,6 +51,13 @@ class Sequence:
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.matcher: Any = None  # the grammar matcher of a structured-output request (structured_output.py)
+        # Speculative decoding (speculative.py): the drafts this step verifies; the MTP layer's draft of the token
+        # after the last one, with its probability, and the MTP state behind it (on the device); counts.
+        self.drafts: list[int] = []
+        self.max_drafts = 0  # the scheduler's room for drafts this step
+        self.next_draft: tuple[int, float] | None = None
+        self.draft_state: Any = None
+        self.num_drafted = self.num_accepted = 0
 
     @property
     def num_tokens(self) -> int:

@@ -104,12 +104,25 @@ class Grammars:
         return m
 
 
-def allowed_tokens(matchers: list[Any], vocab_size: int) -> torch.Tensor:
-    """``[len(matchers), ceil(vocab_size / 32)]`` int32 on the host: the tokens each matcher allows next, in the
-    layout ``deepinfer.ops.apply_token_bitmask`` takes."""
+def allowed_tokens(matchers: list[tuple[Any, list[int]]], vocab_size: int) -> torch.Tensor:
+    """int32 on the host, ``ceil(vocab_size / 32)`` words a row, in the layout ``deepinfer.ops.apply_token_bitmask``
+    takes: per ``(matcher, drafts)``, ``1 + len(drafts)`` rows, row ``i`` the tokens the matcher allows after
+    ``drafts[:i]`` (speculative decoding verifies a row per draft). Past a draft the grammar refuses, rows repeat
+    the last mask (no later draft can be accepted there). Each matcher is left as it was (drafts rolled back)."""
     from llguidance.torch import fill_next_token_bitmask
 
-    mask = torch.zeros(len(matchers), (vocab_size + 31) // 32, dtype=torch.int32)
-    for i, m in enumerate(matchers):
-        fill_next_token_bitmask(m, mask, i)
+    mask = torch.zeros(sum(1 + len(d) for _, d in matchers), (vocab_size + 31) // 32, dtype=torch.int32)
+    row = 0
+    for m, drafts in matchers:
+        fill_next_token_bitmask(m, mask, row)
+        consumed = 0
+        for i, token in enumerate(drafts, 1):
+            if m.is_stopped() or m.try_consume_tokens([token]) != 1:
+                mask[row + i : row + 1 + len(drafts)] = mask[row + i - 1]
+                break
+            consumed += 1
+            fill_next_token_bitmask(m, mask, row + i)
+        if consumed:
+            m.rollback(consumed)
+        row += 1 + len(drafts)
     return mask

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +100,25 @@ def generation(path, ep: int | None, variant: str) -> dict:
     }
 
 
+def mtp_checkpoint(path, name: str):
+    """The module's checkpoint shape with a multi-token-prediction layer, written under ``name`` beside ``path``."""
+    from model_helpers import small_checkpoint
+
+    return small_checkpoint(Path(path).parent / name, seed=CKPT_SEED, num_nextn_predict_layers=1)
+
+
+def speculative_generation(path, ep: int | None, spec: dict | None) -> dict:
+    """Tokens and log-probabilities in batch-invariant mode, with speculative decoding ``spec`` (or none)."""
+    llm = build(path, ep, speculative_config=spec)
+    with deepinfer.batch_invariant():
+        outs = llm.generate(prompts(llm.config.vocab_size), params())
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "logprobs": [o.outputs[0].logprobs for o in outs],
+        "drafted": llm.engine.spec_stats.drafted,
+    }
+
+
 def expert_weights(llm: LLM) -> list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]]:
     """Per MoE layer: the global ids of this rank's experts and their stacked weights."""
     return [(llm.ep.local, ffn.w13, ffn.w2) for *_, ffn in llm.model.layers if isinstance(ffn, MoE)]
@@ -118,6 +138,10 @@ def sc_invariant(rank: int, world: int, path) -> dict:
 
 def sc_low_latency(rank: int, world: int, path) -> dict:
     return generation(path, world, "low_latency")
+
+
+def sc_speculative(rank: int, world: int, path) -> dict:
+    return speculative_generation(mtp_checkpoint(path, f"mtp-rank{rank}"), world, {"num_speculative_tokens": 2})
 
 
 def sc_experts(rank: int, world: int, path) -> list:
@@ -268,6 +292,7 @@ SCENARIOS = {
         sc_normal,
         sc_invariant,
         sc_low_latency,
+        sc_speculative,
         sc_experts,
         sc_moe_layer,
         sc_unseeded,
@@ -348,6 +373,15 @@ def test_same_tokens_as_one_process(ranks, one_process, world, variant):
         assert got["tokens"] == one_process["normal"]["tokens"], f"rank {rank}"
         assert_close_logprobs(got["logprobs"], ref["logprobs"])
         assert (got["preemptions"], got["low_latency_steps"]) == (ref["preemptions"], ref["low_latency_steps"])
+
+
+def test_speculative_decoding_gives_one_process_tokens_without_it(ranks, ckpt):
+    """The MTP layer's experts are sharded like the model's; drafting, verification and the checks across ranks
+    run on every rank, and the tokens are bitwise those of one process without speculation."""
+    ref = speculative_generation(mtp_checkpoint(ckpt, "mtp-one"), None, None)
+    for rank, got in enumerate(ranks(2, "speculative")):
+        assert got["drafted"] > 0, f"rank {rank}"
+        assert (got["tokens"], got["logprobs"]) == (ref["tokens"], ref["logprobs"]), f"rank {rank}"
 
 
 @pytest.mark.parametrize("world", WORLDS)

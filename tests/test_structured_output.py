@@ -117,6 +117,24 @@ def test_a_dict_is_taken_as_structured_outputs_params():
     assert params.structured_outputs == StructuredOutputsParams(regex="[0-9]+")
 
 
+def test_speculative_decoding_keeps_every_constrained_token(llm):
+    """With MTP drafts verified under the grammar (each verification row masked by what the grammar allows after
+    the drafts before it, the matcher rolled back), constrained requests take the tokens they take without
+    speculation, and still validate."""
+    spec = LLM(progress=False, speculative_config={"num_speculative_tokens": 3})
+    cases = [("json", 0.0), ("regex", 1.0), ("choice", 0.0), ("json", 1.0), ("regex", 0.0), ("choice", 1.0)]
+    requests = [(k, PROMPTS[i % 4], constrained(k, i, temperature=t)) for i, (k, t) in enumerate(cases)]
+    prompts, params = [p for _, p, _ in requests], [sp for _, _, sp in requests]
+    with deepinfer.batch_invariant():
+        plain = llm.generate(prompts, params)
+        fast = spec.generate(prompts, params)
+    for (kind, _, _), a, b in zip(requests, plain, fast):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, kind
+        check(kind, b.outputs[0].text)
+    stats = spec.last_stats["speculative"]
+    assert stats["accepted"] > 0 and stats["drafted"] > stats["accepted"], stats
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_constraints_hold_under_preemption_in_both_scheduling_modes(async_scheduling):
     """A cache of 6 pages of 16 tokens for 6 requests: sequences are preempted (recomputed) and resumed."""

@@ -1,0 +1,234 @@
+"""Speculative decoding with the checkpoint's multi-token-prediction (MTP) layer.
+
+Each step a decoding sequence verifies ``n`` draft tokens: the target model runs its last token and the drafts as
+``n + 1`` decode rows (positions ``p .. p + n``, each attending to the cache up to itself, as a plain decode row
+does), and samples a token ``y_i`` from every row exactly as it samples without speculation (the same seed per
+generated position, ``sampling_params.step_seed``). Draft ``d_{i+1}`` is accepted while it equals ``y_i``; the
+sequence then takes ``y_0 .. y_a``, where ``a`` drafts were accepted: ``y_a`` is the correction (or, when every
+draft was accepted, the bonus) token.
+
+Drafts are the MTP layer's greedy tokens, so the draft distribution ``q`` is a point mass: the standard rejection
+rule accepts ``d`` with probability ``min(1, p(d) / q(d)) = p(d)`` and on rejection samples the residual
+``max(0, p - q)`` normalised, which is ``p`` without ``d``. Comparing ``d`` with a sample ``y ~ p`` realises exactly
+that rule (``P(y = d) = p(d)``; given ``y != d``, ``y`` follows the residual) with the draw the sequence makes
+without speculation. So every token is the one the sequence takes without speculation: greedy and seeded sampling
+alike, with or without speculation, of this request or of its neighbours. With batch-invariant ops
+(``DEEPINFER_BATCH_INVARIANT=1``) that holds bitwise, since a decode row's logits do not depend on its batch; in
+the default mode the logits' rounding depends on the rows a step runs, as it does between any two schedules.
+
+Drafting. The MTP layer runs over every row of every forward pass (prefill chunks, decode and verification rows)
+on the main model's final hidden states and the token after each row (the row's sampled token where it samples),
+writing its own cache layer; on a sampling row it also drafts the token after that sampled token. So after a step a
+sequence holds its first draft and the MTP state that produced it; the next step chains the MTP layer from there
+for drafts ``2 .. k`` (the layer's output state and the previous draft in, one decode row per sequence) before the
+target verifies them. Chained rows write provisional MTP cache entries past the sequence's end; the verification
+step's MTP pass rewrites them, in row order, before any later row reads them.
+
+Confidence scheduling (``confidence_threshold``): a sequence verifies its drafts up to the first one the MTP layer
+gives a probability below the threshold, at most ``num_speculative_tokens``; 0 (the default) is fixed-``k``
+speculation. ``disable_by_batch_size`` turns drafting off in steps that decode that many sequences or more. Neither
+changes a token, only how many a step verifies. Drafts past ``max_tokens`` or the context are never verified. A
+request with a structured-output constraint masks each verification row with what its grammar allows after the
+drafts before it (the matcher rolls the drafts back), so a draft the grammar refuses is never accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import deepinfer
+from deepinfer.validation import Check
+
+from .forward_batch import ForwardBatch
+from .greedy import greedy_tokens
+
+METHODS = ("mtp", "deepseek_mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates. method: ``mtp`` (``deepseek_mtp`` is the same); num_speculative_tokens: drafts per
+    step at most (``k``; one MTP layer is chained for ``k > 1``); confidence_threshold in ``[0, 1)``: verify drafts
+    only while the MTP layer's probability of each is at least this (0: always ``k``); disable_by_batch_size: no
+    drafts in a step that decodes at least this many sequences (None: never), where verifying more rows costs more
+    than the accepted drafts save."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+    confidence_threshold: float = 0.0
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_value(cls, value: Any) -> SpeculativeConfig | None:
+        """A config from a ``SpeculativeConfig``, a dict of its fields (vLLM's ``speculative_config``) or None;
+        ``InputError`` naming the field otherwise."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            cfg = value
+        elif isinstance(value, dict):
+            fields = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(set(value) - set(fields))
+            if unknown:
+                raise Check("speculative_config").fail("speculative_config", f"keys among {fields}", str(unknown))
+            cfg = cls(**value)
+        else:
+            raise Check("LLM").fail("speculative_config", "a dict, a SpeculativeConfig or None", repr(value))
+        if cfg is not None:
+            cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        c = Check("speculative_config")
+        c.choice("method", self.method, METHODS)
+        c.positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        t = self.confidence_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 <= t < 1 and math.isfinite(t)):
+            raise c.fail("confidence_threshold", "a number in [0, 1)", repr(t))
+        if self.disable_by_batch_size is not None:
+            c.positive_int("disable_by_batch_size", self.disable_by_batch_size)
+
+
+def accepted_drafts(drafts: list[int], targets: list[int]) -> int:
+    """How many leading drafts the target's tokens confirm: ``drafts[i]`` is accepted while every earlier one was
+    and it equals ``targets[i]``, the token the target sampled at the row before it."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return a
+
+
+def confident_drafts(probs: list[float], threshold: float) -> int:
+    """How many leading drafts to verify: those before the first whose probability is below ``threshold``."""
+    n = 0
+    while n < len(probs) and probs[n] >= threshold:
+        n += 1
+    return n
+
+
+@dataclass
+class SpeculativeStats:
+    """Counts over an engine's life. drafted: draft tokens verified; accepted: of those, accepted; verifications:
+    sequence-steps that verified at least one draft. ``mean_accepted_length``: tokens a verification yields on
+    average, the bonus or correction token included (``1 + accepted / verifications``)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verifications: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1 + self.accepted / self.verifications if self.verifications else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "verifications": self.verifications,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
+
+
+class MTPDrafter:
+    """Runs the MTP layer ``mtp`` over its own cache layers (``kv_cache``, and ``index_cache`` for sparse attention:
+    ``[blocks, block_size, width]`` on the engine's pages) for an engine with ``config``.
+
+    ``run`` is the pass over a forward's rows; ``propose`` chains further drafts before a step and sets each
+    sequence's ``drafts``. A sequence's first draft and the MTP state behind it (``Sequence.next_draft``,
+    ``Sequence.draft_state``) come from the step that sampled its last token."""
+
+    def __init__(self, mtp, kv_cache, index_cache, allocator, config: SpeculativeConfig, max_model_len: int):
+        self.mtp, self.kv_cache, self.index_cache = mtp, kv_cache, index_cache
+        self.allocator, self.config, self.max_model_len = allocator, config, max_model_len
+        self._caches = (kv_cache, index_cache)
+
+    def run(self, hidden, next_ids, batch, sample_rows):
+        """The MTP pass over every row of a forward (``hidden [T, H]``: the main model's final states; ``next_ids
+        [T]``: the token after each row) -> for the rows ``sample_rows``: the MTP states ``[S, H]``, their draft
+        tokens ``[S]`` int64 and the drafts' probabilities ``[S]`` fp32, on the device."""
+        state = self.mtp.forward(hidden, next_ids, batch, *self._caches)
+        state = state.index_select(0, sample_rows)
+        return (state, *self.draft(state))
+
+    def draft(self, state):
+        """The MTP layer's greedy drafts ``[N]`` and their probabilities ``[N]`` from its states ``[N, H]``."""
+        logits = self.mtp.compute_logits(state)
+        tokens = greedy_tokens(logits)
+        probs = torch.softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+        return tokens, probs
+
+    def limit(self, seq) -> int:
+        """Drafts ``seq`` may verify this step: ``num_speculative_tokens``, fewer where the scheduler gave it less
+        room (``Sequence.max_drafts``) or ``max_tokens`` or the context would end the sequence first; none without a
+        first draft."""
+        if seq.next_draft is None:
+            return 0
+        room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(self.config.num_speculative_tokens, seq.max_drafts, room))
+
+    def propose(self, seqs: list, tensor, graphs=None) -> None:
+        """Sets ``seq.drafts`` for each decoding sequence of ``seqs``: its first draft, chained on by the MTP layer
+        (one decode row per sequence and draft, at positions ``num_computed .. num_computed + n - 2``), cut by
+        ``limit`` and the confidence threshold. ``tensor(values, dtype)`` makes a device tensor; ``graphs``: the
+        engine's ``DecodeGraphs``, whose MTP graphs run the chain steps they fit. Reads the drafts back once (a host
+        synchronisation) when any sequence chains."""
+        threshold, cap = self.config.confidence_threshold, self.config.disable_by_batch_size
+        limits = []
+        for seq in seqs:
+            seq.drafts = []
+            ok = seq.next_draft is not None and seq.next_draft[1] >= threshold and (cap is None or len(seqs) < cap)
+            limits.append(self.limit(seq) if ok else 0)
+        drafts = [[s.next_draft] if n else [] for s, n in zip(seqs, limits)]
+        rows = [i for i, n in enumerate(limits) if n > 1]
+        chained = []  # per chain step: (rows, draft tokens, draft probabilities), on the device
+        if rows:
+            state = torch.stack([seqs[i].draft_state for i in rows])
+            ids = tensor([drafts[i][0][0] for i in rows], torch.int64)
+        m = 1  # drafts each row in `rows` has
+        while rows:
+            at = [(seqs[i], seqs[i].num_computed - 1 + m) for i in rows]
+            if graphs is not None and graphs.replays_mtp(len(rows)):
+                meta = dict(
+                    positions=[p for _, p in at],
+                    slot_mapping=[self.allocator.slot(s, p) for s, p in at],
+                    block_tables=[s.block_table for s, _ in at],
+                    seq_lens=[p + 1 for _, p in at],
+                )
+                state, tokens, probs = graphs.run_mtp(state, ids, meta)
+                tokens, probs = tokens.clone(), probs.clone()  # the graph's outputs, overwritten by its next replay
+            else:
+                with deepinfer.value_checks(False):
+                    state = self.mtp.forward(state, ids, decode_batch(at, self.allocator, tensor), *self._caches)
+                    tokens, probs = self.draft(state)
+            chained.append((rows, tokens, probs))
+            m += 1
+            keep = [j for j, i in enumerate(rows) if limits[i] > m]
+            index = tensor(keep, torch.int64)
+            rows, state, ids = [rows[j] for j in keep], state[index], tokens[index]
+        for step_rows, tokens, probs in chained:
+            for i, t, p in zip(step_rows, tokens.tolist(), probs.tolist()):
+                drafts[i].append((t, p))
+        for seq, n, d in zip(seqs, limits, drafts):
+            n = min(n, confident_drafts([p for _, p in d], threshold))
+            seq.drafts = [t for t, _ in d[:n]]
+
+
+def decode_batch(rows: list, allocator, tensor) -> ForwardBatch:
+    """The ``ForwardBatch`` of decode rows ``(seq, position)``: each row's token at ``position`` attends to its
+    sequence's cache up to and including it."""
+    width = max(len(s.block_table) for s, _ in rows)
+    return ForwardBatch(
+        positions=tensor([p for _, p in rows], torch.int32),
+        slot_mapping=tensor([allocator.slot(s, p) for s, p in rows], torch.int64),
+        num_decode=len(rows),
+        block_table=tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in rows], torch.int32),
+        seq_lens=tensor([p + 1 for _, p in rows], torch.int32),
+    )

@@ -1,0 +1,350 @@
+"""Expert-parallel load balancing in one process: the placement algorithm against hand-checked cases, a brute-force
+oracle and its invariants (hypothesis), and the load the model measures against the routing recorded independently.
+The multi-rank parts (weight moves, rebalancing while generating) are in ``test_eplb_distributed.py``."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer import InputError, ops
+from deepinfer.model import LLM, SamplingParams
+from deepinfer.model.eplb import (
+    _pack,
+    _replicate,
+    hierarchical,
+    initial_placement,
+    nodes_of,
+    phy2log_of,
+    placement_of,
+    rank_loads,
+    rebalance_experts,
+)
+from deepinfer.model.errors import ParallelError, RequestError
+from deepinfer.model.forward_batch import ForwardBatch
+from deepinfer.model.moe import MoE
+from deepinfer.model.parallel import check_ep
+from deepinfer.ops.moe import ExpertPlacement
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hand-checked cases (worked out in the comments)
+
+
+def test_global_packing_without_redundancy():
+    # loads 4 3 2 1 on 2 ranks: 4 -> r0, 3 -> r1, 2 -> r1 (3 < 4), 1 -> r0 (4 < 5): both ranks carry 5
+    r = rebalance_experts(torch.tensor([[4.0, 3.0, 2.0, 1.0]]), 4, 1, 1, 2)
+    assert r.phy2log.tolist() == [[0, 3, 1, 2]]
+    assert r.logcnt.tolist() == [[1, 1, 1, 1]]
+    assert r.log2phy.tolist() == [[[0], [2], [3], [1]]]
+
+
+def test_global_replication_gives_extra_slots_to_the_highest_load_per_copy():
+    # loads 12 2 2 2, 6 slots on 2 ranks (at most 2 copies each): expert 0 gets a copy (6 per copy), then expert 0
+    # is at its cap and expert 1 (2, lowest index of the ties) gets one. Copies 6 6 | 1 1 | 2 | 2, heaviest first:
+    # e0 -> r0, e0 -> r1 (r0 holds e0), e2 -> r0 (6 = 6: lower index), e3 -> r1, e1 -> r0 (8 = 8), e1 -> r1.
+    r = rebalance_experts(torch.tensor([[12, 2, 2, 2]]), 6, 1, 1, 2)
+    assert r.logcnt.tolist() == [[2, 2, 1, 1]]
+    assert r.phy2log.tolist() == [[0, 1, 2, 0, 1, 3]]
+    assert r.log2phy.tolist() == [[[0, 3], [1, 4], [2, -1], [5, -1]]]
+    assert rank_loads(r.phy2log[0], [12, 2, 2, 2], 2) == [9.0, 9.0]
+
+
+def test_hierarchical_packs_groups_to_nodes_then_replicates_within_nodes():
+    # groups {0, 1} (load 3) and {2, 3} (load 13) over 2 nodes of 2 ranks, 2 slots per rank: the heavier group goes
+    # to node 0. Node 0 holds experts 2 (10) and 3 (3) in 4 slots, at most 2 copies each: 2 -> 2 copies (5), then
+    # 3 -> 2 copies (1.5); copies 5 5 1.5 1.5 -> r0: 2, r1: 2, r0: 3, r1: 3. Node 1 likewise with 1 (2) and 0 (1).
+    r = rebalance_experts(torch.tensor([[1.0, 2.0, 10.0, 3.0]]), 8, 2, 2, 4)
+    assert r.phy2log.tolist() == [[2, 3, 2, 3, 0, 1, 0, 1]]
+    assert r.logcnt.tolist() == [[2, 2, 2, 2]]
+    # the same load with groups that do not divide over the nodes: the global policy over 4 ranks
+    g = rebalance_experts(torch.tensor([[1.0, 2.0, 10.0, 3.0]]), 8, 1, 2, 4)
+    assert g.logcnt.tolist() == [[1, 1, 4, 2]]  # 10 -> 4 copies of 2.5 (cap 4 ranks), 3 -> 2 of 1.5
+    assert hierarchical(2, 2) and not hierarchical(1, 2) and not hierarchical(4, 1) and not hierarchical(3, 2)
+
+
+def test_packing_moves_an_item_when_only_holders_of_the_label_have_room():
+    # weights 9 5 3 1 | 1 1 (label 2 twice), 3 per pack: 9 -> p0, 5 -> p1, 3 -> p1, 1 (label 0) -> p1 (8 < 9, p1
+    # full), first label-2 copy -> p0, second: only p0 has room and holds label 2. Moving an item of p1 to p0:
+    # 5 gives max(15, 5), 3 gives max(13, 7), 1 gives max(11, 9): the label-0 item moves, the copy takes its place.
+    packs = _pack([1, 3, 1, 1, 9, 5], [0, 1, 2, 2, 3, 4], 2, 3)
+    assert [sorted(p) for p in packs] == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_replication_is_optimal_against_brute_force():
+    g = torch.Generator().manual_seed(5)
+    for _ in range(40):
+        n = int(torch.randint(1, 5, (1,), generator=g))
+        cap = int(torch.randint(1, 4, (1,), generator=g))
+        slots = int(torch.randint(n, n * cap + 1, (1,), generator=g))
+        load = (torch.rand(n, generator=g) ** 3 * 50).tolist()
+        counts = _replicate(load, slots, cap)
+        assert sum(counts) == slots and all(1 <= c <= cap for c in counts)
+        best = min(
+            max(w / c for w, c in zip(load, cs))
+            for cs in itertools.product(range(1, cap + 1), repeat=n)
+            if sum(cs) == slots
+        )
+        assert max(w / c for w, c in zip(load, counts)) == pytest.approx(best)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Invariants
+
+
+@st.composite
+def problems(draw):
+    ranks = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+    nodes = draw(st.sampled_from([d for d in range(1, ranks + 1) if ranks % d == 0]))
+    groups = draw(st.sampled_from([1, 2, 4, 8]))
+    experts = groups * draw(st.integers(1, 4))
+    physical = ranks * draw(st.integers(-(-experts // ranks), experts))
+    layers = draw(st.integers(1, 3))
+    skew = draw(st.sampled_from([1.0, 3.0, 8.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    load = (torch.rand(layers, experts, generator=g) ** skew * 1000).round()
+    if draw(st.booleans()):
+        load[:, draw(st.integers(0, experts - 1))] += 5000  # one expert takes most of the tokens
+    return load, physical, groups, nodes, ranks
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_invariants(problem):
+    load, physical, groups, nodes, ranks = problem
+    layers, experts = load.shape
+    r = rebalance_experts(load, physical, groups, nodes, ranks)
+    per, per_node = physical // ranks, ranks // nodes
+    hier = hierarchical(groups, nodes) and physical <= experts * per_node
+    assert r.phy2log.shape == (layers, physical) and r.phy2log.dtype == torch.int64
+    for i in range(layers):
+        row = r.phy2log[i].tolist()
+        assert sorted(set(row)) == list(range(experts)), "every logical expert placed"
+        slots = [row[k * per : (k + 1) * per] for k in range(ranks)]
+        assert all(len(set(s)) == per for s in slots), "a rank holds an expert at most once"
+        assert placement_of(row, ranks, experts).problem() is None
+        assert r.logcnt[i].tolist() == [row.count(e) for e in range(experts)]
+        for e in range(experts):
+            held = [k for k in r.log2phy[i, e].tolist() if k >= 0]
+            assert held == [k for k, x in enumerate(row) if x == e]
+        w = load[i].double().tolist()
+        loads = rank_loads(row, w, ranks)
+        biggest_copy = max(w[e] / row.count(e) for e in range(experts))
+        if hier:  # groups stay whole on one node; copies of an expert stay on its node
+            node_of = [k // (per * per_node) for k in range(physical)]
+            size = experts // groups
+            for grp in range(groups):
+                assert len({node_of[k] for k, x in enumerate(row) if x // size == grp}) == 1
+            node_loads = [sum(loads[n * per_node : (n + 1) * per_node]) for n in range(nodes)]
+            group_loads = [sum(w[grp * size : (grp + 1) * size]) for grp in range(groups)]
+            assert max(node_loads) <= sum(node_loads) / nodes + max(group_loads) + 1e-6
+            for n in range(nodes):
+                mine = loads[n * per_node : (n + 1) * per_node]
+                assert max(mine) <= sum(mine) / per_node + biggest_copy + 1e-6
+        else:  # the stated bound: the heaviest rank exceeds the mean by less than one copy's load
+            assert max(loads) <= sum(loads) / ranks + biggest_copy + 1e-6
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_previous_placement_keeps_experts_in_place(problem):
+    load, physical, groups, nodes, ranks = problem
+    first = rebalance_experts(load, physical, groups, nodes, ranks)
+    again = rebalance_experts(load, physical, groups, nodes, ranks, previous=first.phy2log)
+    assert torch.equal(again.phy2log, first.phy2log), "the same load re-placed moves nothing"
+    other = load.flip(-1)
+    fresh = rebalance_experts(other, physical, groups, nodes, ranks)
+    kept = rebalance_experts(other, physical, groups, nodes, ranks, previous=first.phy2log)
+    assert torch.equal(fresh.logcnt, kept.logcnt)
+    per = physical // ranks
+
+    def moved(new):
+        return sum(
+            len(set(new[i, k * per : (k + 1) * per].tolist()) - set(first.phy2log[i, k * per : (k + 1) * per].tolist()))
+            for i in range(load.shape[0])
+            for k in range(ranks)
+        )
+
+    assert moved(kept.phy2log) <= moved(fresh.phy2log)
+    for i in range(load.shape[0]):  # the same per-rank loads up to the order of the ranks within a node
+        a = sorted(rank_loads(kept.phy2log[i], other[i], ranks))
+        b = sorted(rank_loads(fresh.phy2log[i], other[i], ranks))
+        assert a == pytest.approx(b)
+
+
+def test_redundancy_balances_a_skewed_load_better():
+    g = torch.Generator().manual_seed(2)
+    load = torch.rand(4, 32, generator=g) * 100
+    load[:, 3] += 3000
+    plain = rebalance_experts(load, 32, 4, 1, 4)
+    spread = rebalance_experts(load, 40, 4, 1, 4)
+    for i in range(4):
+        a, b = rank_loads(plain.phy2log[i], load[i], 4), rank_loads(spread.phy2log[i], load[i], 4)
+        assert max(b) < 0.6 * max(a)
+        assert spread.logcnt[i, 3] == 4
+
+
+def test_errors_name_the_argument():
+    load = torch.ones(2, 8)
+    cases = [
+        (dict(load=torch.ones(8)), "load"),
+        (dict(load=-load), "load"),
+        (dict(num_physical=9), "num_physical"),
+        (dict(num_physical=6), "num_physical"),
+        (dict(num_physical=40), "num_physical"),
+        (dict(num_groups=3), "num_groups"),
+        (dict(num_nodes=3), "num_nodes"),
+        (dict(num_ranks=0), "num_ranks"),
+        (dict(previous=torch.zeros(2, 4, dtype=torch.int64)), "previous"),
+    ]
+    for kw, arg in cases:
+        args = dict(load=load, num_physical=8, num_groups=2, num_nodes=1, num_ranks=4) | kw
+        with pytest.raises(InputError) as err:
+            rebalance_experts(**args)
+        assert err.value.arg == arg, (kw, err.value)
+
+
+def test_placement_helpers():
+    assert initial_placement(8, 0, 2, 4, 1) == ExpertPlacement.contiguous(8, 2)
+    p = initial_placement(8, 4, 4, 4, 2)
+    assert [len(r) for r in p.local_experts] == [3] * 4 and p.problem() is None
+    assert placement_of(phy2log_of(p), 4, 8) == p
+    assert (
+        nodes_of(8, {"LOCAL_WORLD_SIZE": "4"}) == 2
+        and nodes_of(8, {}) == 1
+        and nodes_of(6, {"LOCAL_WORLD_SIZE": "4"}) == 1
+    )
+
+
+def test_check_ep_redundant_experts():
+    assert check_ep(2, 32, 2, num_redundant_experts=2) == 2
+    assert check_ep(3, 32, 3, num_redundant_experts=4) == 3  # 36 slots: 3 does not divide 32, but divides 36
+    cases = [
+        ((1, 32, None), -1, "an int >= 0"),
+        ((1, 32, None), 2, "0 without expert parallelism"),
+        ((2, 32, 2), 1, "a multiple of ep=2"),
+        ((2, 4, 2), 5, "at most 4"),
+    ]
+    for args, redundant, expected in cases:
+        with pytest.raises(ParallelError) as err:
+            check_ep(*args, num_redundant_experts=redundant)
+        assert err.value.arg == "num_redundant_experts" and expected in err.value.expected, err.value
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Load measured by the model
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from model_helpers import small_checkpoint
+
+    return small_checkpoint(tmp_path_factory.mktemp("eplb"), seed=3)
+
+
+ENGINE = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16)
+
+
+def spy_routes(monkeypatch) -> list[torch.Tensor]:
+    """Records the expert ids of every ``moe_route`` call, in order."""
+    calls: list[torch.Tensor] = []
+    route = ops.moe_route
+
+    def spy(*args, **kw):
+        out = route(*args, **kw)
+        calls.append(out[1].clone())
+        return out
+
+    monkeypatch.setattr(ops, "moe_route", spy)
+    return calls
+
+
+def test_expert_load_counts_the_routed_tokens_over_a_sliding_window(ckpt, monkeypatch):
+    llm = LLM(ckpt, "reference", dtype="float32", progress=False, enable_eplb=True, eplb_window_size=3, **ENGINE)
+    calls = spy_routes(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, llm.config.vocab_size, (n,), generator=g).tolist() for n in (3, 20, 9)]
+    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    layers = len(llm.eplb.layers)
+    assert layers == 2 and len(calls) % layers == 0
+    steps = len(calls) // layers
+    assert steps == llm.engine.stats["steps"] == llm.eplb.steps > 3
+    experts = llm.config.n_routed_experts
+    counts = torch.stack([torch.bincount(c.flatten().long(), minlength=experts) for c in calls]).view(steps, layers, -1)
+    assert torch.equal(llm.expert_load(), counts[-3:].sum(0)), "the last 3 steps"
+    assert int(counts.sum()) > 0
+
+
+def test_padding_rows_of_a_graph_batch_are_not_counted(ckpt, monkeypatch):
+    llm = LLM(ckpt, "reference", dtype="float32", progress=False, enable_eplb=True, **ENGINE)
+    calls = spy_routes(monkeypatch)
+    moe = llm.eplb.layers[0]
+    assert isinstance(moe, MoE)
+    x = torch.randn(5, llm.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    batch = ForwardBatch(
+        positions=torch.zeros(5, dtype=torch.int32),
+        slot_mapping=torch.full((5,), -1),
+        num_decode=5,
+        seq_lens=torch.tensor([4, 0, 7, 0, 0], dtype=torch.int32),
+    )
+    moe.forward(x, batch)
+    ids = calls[0]
+    want = torch.bincount(ids[[0, 2]].flatten().long(), minlength=llm.config.n_routed_experts)
+    assert torch.equal(llm.eplb.current[0], want)
+    assert int(llm.eplb.current[1].sum()) == 0
+
+
+def test_eplb_arguments(ckpt):
+    llm = LLM(ckpt, "reference", dtype="float32", progress=False, **ENGINE)
+    with pytest.raises(RequestError, match="enable_eplb=True"):
+        llm.expert_load()
+    bad = [
+        (dict(enable_eplb=1), "enable_eplb"),
+        (dict(eplb_window_size=0), "eplb_window_size"),
+        (dict(eplb_step_interval=0), "eplb_step_interval"),
+    ]
+    for kw, arg in bad:
+        with pytest.raises(InputError) as err:
+            LLM(ckpt, "reference", progress=False, **kw)
+        assert err.value.arg == arg
+    with pytest.raises(ParallelError) as err:
+        LLM(ckpt, "reference", progress=False, num_redundant_experts=2)
+    assert err.value.arg == "num_redundant_experts"
+
+
+def test_rebalance_in_one_process_keeps_the_placement(ckpt):
+    llm = LLM(ckpt, "reference", dtype="float32", progress=False, enable_eplb=True, eplb_step_interval=2, **ENGINE)
+    before = llm.eplb.placements
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert llm.eplb.rebalances >= 2 and llm.eplb.placements == before
+
+
+def test_load_counted_inside_cuda_graphs_matches_eager(deepinfer_backend, deepinfer_device, tmp_path):
+    """On a backend that replays CUDA graphs (skipped elsewhere): the load counted by graph-replayed decode steps,
+    padding rows excluded, equals that of eager steps, in batch-invariant mode where both route alike."""
+    from model_helpers import small_checkpoint
+
+    import deepinfer
+    from deepinfer import registry
+
+    spec = registry.get().lookup(deepinfer_backend)
+    if "cuda_graphs" not in spec.capabilities or not torch.cuda.is_available() or deepinfer_device == "cpu":
+        pytest.skip(f"{deepinfer_backend} does not run CUDA graphs here")
+    path = small_checkpoint(tmp_path, seed=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=16)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 258, (n,), generator=g).tolist() for n in (5, 40, 17, 1, 29)]  # bucket 8: padding
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    common = dict(block_size=16, max_num_seqs=8, progress=False, enable_eplb=True, eplb_window_size=10_000)
+    out = {}
+    with deepinfer.batch_invariant():
+        for eager in (True, False):
+            llm = LLM(path, deepinfer_backend, enforce_eager=eager, **common)
+            assert (llm.engine.runner.graphs is None) == eager
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            out[eager] = (tokens, llm.expert_load())
+    assert out[True][0] == out[False][0]
+    assert int(out[True][1].sum()) > 0 and torch.equal(out[True][1], out[False][1])

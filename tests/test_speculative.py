@@ -1,0 +1,273 @@
+"""Speculative decoding with the MTP layer (``model/speculative.py``): every token is the one the request takes
+without speculation (greedy and seeded sampling, log-probabilities included, bitwise in batch-invariant mode), the
+cache holds the same entries, preemption in the middle of speculation loses nothing, and the verification rule
+accepts a draft with the target's probability and otherwise samples the target's residual.
+
+Two models: a random checkpoint with an MTP layer (its drafts are mostly rejected) and the embedded trained model
+(its MTP layer's drafts are mostly accepted), so both branches of verification run on every path."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+
+import deepinfer
+from deepinfer import ops
+from deepinfer.cli import main
+from deepinfer.model import LLM, SamplingParams
+from deepinfer.model.sampling_params import step_seed
+from deepinfer.model.scheduler import Scheduler
+from deepinfer.model.speculative import SpeculativeConfig, accepted_drafts, confident_drafts
+
+CODE_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main():",
+    "class Stack:\n    def __init__(self):\n",
+    "    for key, value in sorted(",
+    "if __name__ == '__main__':",
+    '"""Utilities for parsing',
+]
+
+
+def result(out) -> tuple:
+    c = out.outputs[0]
+    return c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason, out.prompt_logprobs
+
+
+def requests(n: int, rng: random.Random, vocab: int) -> tuple[list, list[SamplingParams]]:
+    prompts = random_prompts(vocab, [rng.randint(1, 30) for _ in range(n)], seed=rng.randint(0, 1 << 30))
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(4, 24),
+            temperature=0.0 if i % 2 == 0 else rng.choice([0.6, 1.0]),
+            top_p=rng.choice([1.0, 0.9]),
+            top_k=rng.choice([0, 20]),
+            seed=rng.randint(0, 1 << 40),
+            ignore_eos=i % 3 != 0,
+            logprobs=rng.choice([None, 0, 2]),
+            prompt_logprobs=0 if i % 4 == 0 else None,
+        )
+        for i in range(n)
+    ]
+    return prompts, params
+
+
+@pytest.fixture
+def invariant(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    assert deepinfer.batch_invariant_enabled()
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    return small_checkpoint(tmp_path_factory.mktemp("mtp"), seed=11, num_nextn_predict_layers=1)
+
+
+def test_config_is_checked_before_anything_is_read(mtp_checkpoint, tmp_path):
+    for bad, arg in [
+        ({"method": "eagle"}, "method"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"confidence_threshold": 1.0}, "confidence_threshold"),
+        ({"confidence_threshold": float("nan")}, "confidence_threshold"),
+        ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
+        ({"num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config"),
+        ("mtp", "speculative_config"),
+    ]:
+        with pytest.raises(deepinfer.InputError, match=arg):
+            LLM(tmp_path / "absent", speculative_config=bad)
+    plain = small_checkpoint(tmp_path / "plain", seed=1)
+    with pytest.raises(deepinfer.InputError, match="num_nextn_predict_layers"):
+        LLM(plain, progress=False, speculative_config={"num_speculative_tokens": 1})
+    assert SpeculativeConfig.from_value({"method": "deepseek_mtp"}).num_speculative_tokens == 1
+
+
+@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 1}, {"num_speculative_tokens": 3}])
+def test_random_checkpoint_tokens_identical_with_and_without_speculation(mtp_checkpoint, invariant, spec):
+    seed = random.randrange(1 << 30)
+    prompts, params = requests(24, random.Random(seed), 258)
+    kw = dict(block_size=8, prefill_chunk_size=16, max_num_batched_tokens=128, progress=False)
+    plain = [result(o) for o in LLM(mtp_checkpoint, **kw).generate(prompts, params)]
+    llm = LLM(mtp_checkpoint, speculative_config=spec, **kw)
+    outs = [result(o) for o in llm.generate(prompts, params)]
+    differ = [i for i in range(len(prompts)) if outs[i] != plain[i]]
+    assert not differ, f"requests {differ} differ with speculation {spec} (seed {seed})"
+    stats = llm.last_stats["speculative"]
+    assert stats["drafted"] > 50 and stats["verifications"] > 20, stats
+    alone = [result(llm.generate([prompts[i]], [params[i]])[0]) for i in (0, 1, 5)]
+    assert alone == [plain[i] for i in (0, 1, 5)], "a request alone with speculation differs from the batch"
+
+
+def test_sparse_attention_model_keeps_every_token(invariant, tmp_path):
+    """DeepSeek-V3.2: the MTP layer's indexer keeps its own layer of the indexer-key cache."""
+    v32 = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_n_heads=8, index_topk=6)
+    ckpt = small_checkpoint(tmp_path, seed=5, num_nextn_predict_layers=1, index_head_dim=32, **v32)
+    prompts, params = requests(8, random.Random(1), 258)
+    plain = [result(o) for o in LLM(ckpt, block_size=8, progress=False).generate(prompts, params)]
+    llm = LLM(ckpt, block_size=8, progress=False, speculative_config={"num_speculative_tokens": 2})
+    assert [result(o) for o in llm.generate(prompts, params)] == plain
+    assert llm.last_stats["speculative"]["drafted"] > 20
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"num_speculative_tokens": 1},
+        {"num_speculative_tokens": 3},
+        {"method": "deepseek_mtp", "num_speculative_tokens": 4, "confidence_threshold": 0.5},
+        {"num_speculative_tokens": 2, "disable_by_batch_size": 5},
+    ],
+)
+def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
+    """On the embedded model, whose MTP layer was trained, most drafts are accepted; greedy and sampled requests
+    (log-probabilities too) are bitwise those without speculation, alone and in one batch."""
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=1),
+        SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=7, logprobs=0),
+        SamplingParams(max_tokens=33, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=1.0, top_k=40, seed=123),
+        SamplingParams(max_tokens=17, temperature=0.0, prompt_logprobs=1),
+        SamplingParams(max_tokens=40, temperature=0.5, seed=99),
+    ]
+    base = LLM(progress=False)
+    plain = [result(o) for o in base.generate(CODE_PROMPTS, params)]
+    llm = LLM(progress=False, speculative_config=spec)
+    outs = [result(o) for o in llm.generate(CODE_PROMPTS, params)]
+    assert outs == plain
+    stats = llm.last_stats["speculative"]
+    # A request alone: its prefill step gives one token and each later step one plus the drafts it accepted.
+    before = llm.engine.stats["steps"]
+    out = llm.generate(CODE_PROMPTS[0], params[0])[0]
+    assert result(out) == plain[0]
+    steps = llm.engine.stats["steps"] - before
+    assert steps == len(out.outputs[0].token_ids) - out.metrics["accepted"]
+    if len(spec) == 1:  # every decode step verifies drafts, but the last (one token left)
+        assert out.metrics["drafted"] >= steps - 2, (out.metrics, steps)
+    k = spec["num_speculative_tokens"]
+    assert 0.2 < stats["acceptance_rate"] < 1 and stats["mean_accepted_length"] > 1.4, stats
+    if "confidence_threshold" in spec:  # confidence scheduling verifies fewer than k drafts on average
+        assert stats["drafted"] < k * stats["verifications"], stats
+    elif "disable_by_batch_size" in spec:  # drafts only once fewer than 5 of the 6 requests decode
+        uncapped = LLM(progress=False, speculative_config={"num_speculative_tokens": 2})
+        assert [result(o) for o in uncapped.generate(CODE_PROMPTS, params)] == plain
+        assert 0 < stats["verifications"] < uncapped.last_stats["speculative"]["verifications"] / 2, stats
+    else:
+        assert stats["drafted"] > 0.8 * k * stats["verifications"], stats
+    outs = llm.generate(CODE_PROMPTS[:2], params[:2])
+    assert [result(o) for o in outs] == plain[:2]
+    for out in outs:  # per-request counts
+        assert out.metrics["drafted"] >= out.metrics["accepted"] > 0
+
+
+def test_cache_entries_are_those_of_a_run_without_speculation(invariant):
+    """Rejected drafts leave nothing behind: once a sequence has computed N positions, the latents of positions
+    below N are bitwise those a run without speculation writes, in every layer, and the MTP layer's entries are
+    the same whatever the number of drafts."""
+    prompt = LLM(progress=False).tokenizer.encode(CODE_PROMPTS[1])
+    n = len(prompt) + 30
+
+    def cache_after(spec) -> tuple[torch.Tensor, float]:
+        llm = LLM(progress=False, speculative_config=spec, block_size=16)
+        engine = llm.engine
+        seq = engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=0.0))
+        while seq.num_computed < n:
+            engine.step()
+        slots = torch.tensor([engine.allocator.slot(seq, p) for p in range(n)])
+        cache = engine.kv_cache.flatten(1, 2)[:, slots]
+        rate = engine.spec_stats.acceptance_rate
+        engine.abort_all()
+        return cache, rate
+
+    plain, _ = cache_after(None)
+    one, rate1 = cache_after({"num_speculative_tokens": 1})
+    three, rate3 = cache_after({"num_speculative_tokens": 3})
+    assert 0 < rate3 < 1 and 0 < rate1 < 1, "both accepted and rejected drafts are meant to occur"
+    layers = plain.shape[0]
+    assert torch.equal(one[:layers], plain) and torch.equal(three[:layers], plain)
+    assert torch.equal(one[layers:], three[layers:]), "the MTP layer's cache depends on the number of drafts"
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_in_the_middle_of_speculation_loses_nothing(mtp_checkpoint, invariant, monkeypatch, mode):
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    prompts, params = requests(16, rng, 258)
+    for p in params:
+        p.max_tokens, p.ignore_eos = rng.randint(20, 40), True
+    kw = dict(block_size=8, progress=False)
+    plain = [result(o) for o in LLM(mtp_checkpoint, **kw).generate(prompts, params)]
+    with_drafts = []
+    preempt = Scheduler._preempt
+
+    def spy(self, seq):
+        with_drafts.append(seq.num_drafted)
+        return preempt(self, seq)
+
+    monkeypatch.setattr(Scheduler, "_preempt", spy)
+    spec = {"num_speculative_tokens": 2}
+    llm = LLM(mtp_checkpoint, num_blocks=12, preemption_mode=mode, speculative_config=spec, **kw)
+    outs = [result(o) for o in llm.generate(prompts, params)]
+    assert sum(d > 0 for d in with_drafts) >= 4, f"too few preemptions after speculation began: {with_drafts}"
+    differ = [i for i in range(len(prompts)) if outs[i] != plain[i]]
+    assert not differ, f"requests {differ} differ after {mode} preemption under speculation (seed {seed})"
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+
+
+def test_verification_rule_follows_the_target_distribution():
+    """The rule as the engine applies it: the target samples row ``i`` with the seed of its position, and the draft
+    is accepted when it equals that sample. Over many seeds the acceptance rate of a draft ``d`` is ``p(d)`` and
+    the tokens taken on rejection follow ``p`` without ``d``, renormalised (chi-square test)."""
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    vocab, n = 12, 6000
+    logits = torch.randn(1, vocab, generator=g) * 1.5
+    p = torch.softmax(logits[0].double(), -1)
+    for draft in (int(p.argmax()), int(p.argsort()[vocab // 2])):
+        seeds = torch.tensor([step_seed(s, 3) for s in range(n)])
+        y = ops.sample(
+            logits.expand(n, vocab).contiguous(),
+            torch.ones(n),
+            torch.ones(n),
+            torch.zeros(n, dtype=torch.int32),
+            seeds,
+        ).tolist()
+        accepted = [accepted_drafts([draft], [t]) for t in y]
+        rate = sum(accepted) / n
+        sigma = (p[draft] * (1 - p[draft]) / n).sqrt()
+        assert abs(rate - p[draft]) < 5 * sigma, (draft, rate, float(p[draft]))
+        rejected = torch.bincount(torch.tensor([t for t, a in zip(y, accepted) if not a]), minlength=vocab).double()
+        assert rejected[draft] == 0
+        residual = p.clone()
+        residual[draft] = 0
+        expected = residual / residual.sum() * rejected.sum()
+        keep = expected > 5
+        chi2 = float(((rejected[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+        dof = int(keep.sum()) - 1
+        assert chi2 < dof + 6 * (2 * dof) ** 0.5, (draft, chi2, dof)
+
+
+def test_acceptance_and_confidence_counts():
+    assert accepted_drafts([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted_drafts([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted_drafts([5], [4, 5]) == 0
+    assert accepted_drafts([], [4]) == 0
+    assert confident_drafts([0.9, 0.6, 0.2, 0.95], 0.5) == 2
+    assert confident_drafts([0.1, 0.9], 0.5) == 0
+    assert confident_drafts([0.1, 0.9], 0.0) == 2
+
+
+def test_cli_flag_runs_and_reports(capsys):
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    argv = ["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "24", "--speculative-config", spec]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding:" in out and "mean accepted length" in out
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--speculative-config", "{num_speculative_tokens: 2"])
+    assert e.value.code == 2
+    assert "--speculative-config" in capsys.readouterr().err
+    assert main(["generate", "--max-tokens", "2", "--speculative-config", '{"num_speculative_tokens": 0}']) == 2
+    assert "num_speculative_tokens" in capsys.readouterr().out
