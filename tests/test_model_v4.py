@@ -404,6 +404,10 @@ def test_v4_refusals_at_serving(checkpoints, deepinfer_backend):
         serve(path, deepinfer_backend, None, kv_format="fp8_ds_mla")
     with pytest.raises(InputError, match="max_model_len"):
         serve(path, deepinfer_backend, None, max_model_len=10**6)
+    with pytest.raises(InputError, match="speculative_config"):
+        serve(path, deepinfer_backend, None, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(InputError, match="enable_eplb"):
+        serve(path, deepinfer_backend, None, enable_eplb=True)
 
 
 def test_cli_generates_from_a_v4_checkpoint(checkpoints, tmp_path, capsys):
