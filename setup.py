@@ -87,6 +87,8 @@ setup(
     extras_require={
         "cuda": ["triton>=3.0", "cupy-cuda12x"],
         "ascend": ["torch-npu"],
+        # deepinfer serve: the OpenAI-compatible server
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "prometheus-client>=0.20"],
         # triton (Linux): the NVIDIA kernels run through its CPU interpreter in the tests. The example plugin of
         # tests/plugins is made visible to the tests by tests/conftest.py, not installed.
         "test": [
@@ -97,6 +99,12 @@ setup(
             "setuptools>=69",
             "wheel",
             "triton>=3.0; sys_platform == 'linux'",
+            # the server's tests: its dependencies, and the official client that drives it
+            "fastapi>=0.110",
+            "uvicorn>=0.29",
+            "jinja2>=3.1",
+            "prometheus-client>=0.20",
+            "openai>=1.0",
         ],
     },
     entry_points=entry_points,

@@ -148,7 +148,8 @@ def main() -> None:
     ranks = args.ranks or cfg["ranks"]
     redundant = args.redundant or cfg["redundant"]
     device = torch.device(args.device)
-    report: dict = {"config": cfg | {"tokens": tokens, "zipf": args.zipf, "hot": args.hot}, "results": []}
+    settings = {"tokens": tokens, "zipf": args.zipf, "hot": args.hot, "ranks": ranks, "redundant": redundant}
+    report: dict = {"config": cfg | settings, "results": []}
     with deepinfer.use(args.backend):
         skew, perm = popularity_skew(cfg, 1, args.zipf)
         window = routing(cfg, tokens, args.hot, 2, skew, int(perm[0]))

@@ -13,6 +13,11 @@
 #                against the reference backend ($OUT/embedded_eval_cuda_sm100.json), then its tests on cuda_sm100
 #   speculative  speculative decoding's tests on cuda_sm100 (CUDA graphs, batch-invariant mode), then
 #                benchmarks/bench_speculative.py at batch 1, 16 and 64 ($OUT/speculative.json)
+#   structured   benchmarks/bench_structured_output.py at batch 64: compile, mask fill and apply against a step
+#                ($OUT/structured_output.json)
+#   prefix-cache [ARGS]  time to first token with a prefix-cache hit against a miss (4096 + 64 tokens), and one
+#                4096-token prefix shared by 64 requests, caching on and off (benchmarks/prefix_cache.py ARGS;
+#                $OUT/prefix_cache.json)
 #   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
@@ -49,11 +54,18 @@ case ${1:-} in
     timeout 300 deepinfer conformance --backend cuda_sm100 --shapes full --report "$OUT/conformance_full.json" \
       --note "NVIDIA H200, full DeepSeek-V3 shapes" 2>&1 | tail -3
     timeout 200 deepinfer conformance --backend cuda_sm100 --report "$OUT/conformance_small.json" 2>&1 | tail -3 ;;
+  prefix-cache)
+    shift
+    timeout 540 python3 benchmarks/prefix_cache.py "$OUT/prefix_cache.json" --backend cuda_sm100 --layers 2 "$@" 2>&1 \
+      | grep -v "wrote model" | tail -30 ;;
   speculative)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_speculative.py --deepinfer-backend cuda_sm100 \
       --tb=short 2>&1 | tail -15
     timeout 330 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --batches 1,16,64 \
       --json "$OUT/speculative.json" 2>&1 | tail -30 ;;
+  structured)
+    timeout 300 python3 benchmarks/bench_structured_output.py --backend cuda_sm100 --batch 64 \
+      --json "$OUT/structured_output.json" 2>&1 | tail -5 ;;
   model)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_vs_transformers.py tests/test_model_cuda.py \
       --deepinfer-backend cuda_sm100 --tb=line 2>&1 | tail -8
@@ -153,6 +165,6 @@ for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith("\"")):
       grep -E '"(Kernel Name|Duration|SM Frequency|Grid Size|Block Size|Cluster Size|Registers Per Thread|Memory Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Executed Ipc Active)"' \
         "$OUT/${case}_details.csv" | awk -F'","' '{print $(NF-2)": "$NF}' | head -14
     done ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|dsa-check|dsa-bench|bench|tiles|scores-first|gemm-tiles|gluon-ws|ab|ab-set|ep|ep-check|gemm-invariant|profile|throughput|profile-gemm" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|prefix-cache|dsa-check|dsa-bench|bench|tiles|scores-first|gemm-tiles|gluon-ws|ab|ab-set|ep|ep-check|gemm-invariant|profile|throughput|profile-gemm" >&2
      exit 2 ;;
 esac

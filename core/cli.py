@@ -1,4 +1,5 @@
-"""The ``deepinfer`` command line: ``info``, ``conformance``, ``bench`` and ``generate`` (``build_parser``)."""
+"""The ``deepinfer`` command line: ``info``, ``conformance``, ``bench``, ``generate`` and ``serve``
+(``build_parser``)."""
 
 from __future__ import annotations
 
@@ -227,10 +228,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return generate(args, console)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .model.server import serve  # imported here: the server's dependencies load only for `serve`
+
+    return serve(args, console)
+
+
 DESCRIPTION = (
     "deepinfer: DeepSeek-V3-family inference on pluggable backends. Subcommands: info (installed backends and the "
     "selected one), conformance (check a backend against the reference), bench (time each op against measured "
-    "ceilings and peers), generate (run a checkpoint)."
+    "ceilings and peers), generate (run a checkpoint), serve (an OpenAI-compatible server)."
 )
 
 
@@ -273,9 +280,9 @@ def _bad_flag(flag: str, expected: str, got: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``deepinfer`` and its four subcommands."""
+    """The parser of ``deepinfer`` and its five subcommands."""
     parser = _Parser(prog="deepinfer", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,conformance,bench,generate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,conformance,bench,generate,serve}")
 
     about = "installed backends, whether each is available here and why, and which one is selected"
     info = sub.add_parser("info", help=about, description=f"List the {about}.")
@@ -405,7 +412,91 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds a rank waits for the others in a collective before failing (with --ep; default 600)",
     )
+    gen.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="compute every prompt in full (default: reuse the cache pages of the longest prefix computed before)",
+    )
+    gen.add_argument(
+        "--num-redundant-experts",
+        type=_int_at_least(0),
+        default=0,
+        help="extra expert copies placed by EPLB over the --ep ranks (experts + copies a multiple of --ep; default 0)",
+    )
+    gen.add_argument(
+        "--enable-eplb",
+        action="store_true",
+        help="measure the load of every expert and re-place the experts every --eplb-step-interval steps",
+    )
+    gen.add_argument(
+        "--eplb-step-interval", type=_int_at_least(1), default=3000, help="steps between rebalances (default 3000)"
+    )
     gen.set_defaults(fn=cmd_generate)
+
+    srv = sub.add_parser(
+        "serve",
+        help="serve a checkpoint over an OpenAI-compatible HTTP API (default: the embedded one)",
+        description="Serve a DeepSeek-V3-family checkpoint over HTTP: /v1/completions, /v1/chat/completions "
+        "(streaming by server-sent events), /v1/models, /health and Prometheus /metrics. Needs the server "
+        "dependencies (pip install 'deepinfer[serve]').",
+    )
+    srv.add_argument("--model", help="checkpoint directory (default: the embedded one)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    srv.add_argument(
+        "--port", type=_checked(int, "a port in [0, 65535]", lambda v: 0 <= v <= 65535), default=8000, help="port"
+    )
+    srv.add_argument("--served-model-name", help="the model's name in the API (default: --model as given, or tiny-py)")
+    srv.add_argument(
+        "--chat-template",
+        help="a Jinja2 chat template (a file, or the template text) for checkpoints without one; without any, chat "
+        "requests are refused",
+    )
+    srv.add_argument("--api-key", help="require this key (Authorization: Bearer KEY) on /v1 endpoints")
+    srv.add_argument("--backend", help="backend name or alias (default: the selected one)")
+    srv.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activations and float weights"
+    )
+    srv.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16", help="the paged latent cache")
+    srv.add_argument(
+        "--max-num-seqs", type=_int_at_least(1), default=64, help="sequences decoded together at most (default 64)"
+    )
+    srv.add_argument(
+        "--max-model-len",
+        type=_int_at_least(2),
+        help="context length: prompt plus generated tokens (default: the model's max_position_embeddings)",
+    )
+    srv.add_argument(
+        "--prefill-chunk-size",
+        type=_int_at_least(1),
+        default=1024,
+        help="prefill chunk length (default 1024); prefix-cache hits come in whole chunks",
+    )
+    srv.add_argument(
+        "--max-num-batched-tokens", type=_int_at_least(1), default=4096, help="tokens per step at most (default 4096)"
+    )
+    srv.add_argument(
+        "--kv-cache-gb",
+        type=_finite("a finite number > 0", lambda v: v > 0),
+        help="cache size in GiB (default: 90%% of the device's free memory less a reserve; 1 GiB on the CPU)",
+    )
+    srv.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    srv.add_argument(
+        "--speculative-config",
+        type=_checked(json.loads, "a JSON object", lambda v: isinstance(v, dict)),
+        metavar="JSON",
+        help="speculative decoding with the checkpoint's MTP layer, as for generate (default: off)",
+    )
+    srv.add_argument(
+        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="uvicorn's"
+    )
+    srv.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="compute every prompt in full (default: reuse the cache pages of the longest prefix computed before)",
+    )
+    srv.set_defaults(fn=cmd_serve)
     return parser
 
 

@@ -1,30 +1,47 @@
-"""``BlockAllocator``: the pages of the paged latent cache.
+"""``BlockAllocator``: the pages of the paged latent cache, with automatic prefix caching.
 
 The cache is ``num_blocks`` pages of ``block_size`` token slots; a sequence owns the pages in its block table, and
 token ``i`` of the sequence lives in slot ``block_table[i // block_size] * block_size + i % block_size``.
+
+Prefix caching (``enable_prefix_caching``, on by default). A full page of prompt tokens, once computed, is
+registered under the key of its tokens chained to the key of the page before it (so a key identifies the whole
+prefix up to the page's end). Pages are reference-counted: several sequences may share a registered page (they only
+read it; a sequence writes only slots past its shared prefix). A page whose last reference goes stays registered and
+counts as free; free pages are handed out least recently freed first, and handing out a registered one forgets its
+key (eviction). ``match`` finds the longest registered prefix of a prompt and takes a reference on each of its pages.
+Keys are exact (the tokens themselves are compared, not only a hash), and one allocator serves one engine, so one
+model and one cache format: a page's content is a function of its key.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict
 
 from .sequence import Sequence
 
+PageKey = tuple  # (key of the previous page or None, the page's tokens)
+
 
 class BlockAllocator:
-    """Hands out and takes back cache pages; pages are reused lowest-freed-first (FIFO)."""
+    """Hands out and takes back cache pages; reused least-recently-freed first (FIFO without prefix caching)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self.enable_prefix_caching = enable_prefix_caching
+        self.reset()
 
     @property
     def num_free(self) -> int:
+        """Pages no sequence holds (registered ones included: they are given up when needed)."""
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered pages (held or free)."""
+        return len(self._page_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Pages that ``num_tokens`` slots need."""
@@ -45,28 +62,93 @@ class BlockAllocator:
         seq.block_table.extend(self.allocate(need))
 
     def allocate(self, n: int) -> list[int]:
+        """``n`` free pages, one reference each; registered pages among them are forgotten (evicted)."""
         if n > len(self._free):
             raise RuntimeError(f"{n} cache pages needed, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        self._used.update(blocks)
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            key = self._key_of.pop(b, None)
+            if key is not None:
+                del self._page_of[key]
+            self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if b not in self._used:
+        """Drops one reference of each page; a page left with none becomes free (with prefix caching the last of
+        ``blocks`` first, so that a prefix's first pages, shared most, are evicted last)."""
+        for b in reversed(blocks) if self.enable_prefix_caching else blocks:
+            refs = self._refs.get(b, 0)
+            if refs < 1:
                 raise RuntimeError(f"page {b} freed twice or never allocated")
-            self._used.remove(b)
-            self._free.append(b)
+            if refs == 1:
+                del self._refs[b]
+                self._free[b] = None
+            else:
+                self._refs[b] = refs - 1
 
     def reset(self) -> None:
-        """Takes back every page, in the order of a new allocator (for when no sequence holds any)."""
-        self._free = deque(range(self.num_blocks))
-        self._used = set()
+        """Takes back every page and forgets every registered one, as a new allocator (for when no sequence holds
+        any)."""
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
+        self._refs: dict[int, int] = {}
+        self._page_of: dict[PageKey, int] = {}
+        self._key_of: dict[int, PageKey] = {}
 
     def release(self, seq: Sequence) -> None:
         """Takes back every page of ``seq``."""
         self.free(seq.block_table)
         seq.block_table = []
+        seq.num_registered_pages = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # --- prefix caching ---
+
+    def page_keys(self, seq: Sequence, num_pages: int) -> list[PageKey]:
+        """The keys of ``seq``'s first ``num_pages`` pages (each chained to the one before), kept on ``seq``."""
+        keys = seq.page_keys
+        bs = self.block_size
+        while len(keys) < num_pages:
+            i = len(keys)
+            keys.append((keys[-1] if keys else None, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+        return keys[:num_pages]
+
+    def match(self, seq: Sequence, max_tokens: int, align: int) -> int:
+        """Gives ``seq`` (holding no page) the registered pages of its longest cached prefix of at most
+        ``max_tokens`` tokens, cut to a multiple of ``align`` tokens (a multiple of ``block_size``), one reference
+        each; returns the number of tokens they hold (0 with prefix caching off)."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        pages = []
+        for key in self.page_keys(seq, max_tokens // self.block_size):
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        pages = pages[: len(pages) * self.block_size // align * align // self.block_size]
+        for b in pages:
+            if b in self._free:
+                del self._free[b]
+            self._refs[b] = self._refs.get(b, 0) + 1
+        seq.block_table = pages
+        seq.num_registered_pages = len(pages)
+        return len(pages) * self.block_size
+
+    def register(self, seq: Sequence, num_tokens: int) -> None:
+        """Registers ``seq``'s full pages among its first ``num_tokens`` tokens (tokens whose cache entries are
+        computed, or queued to be before any later step reads them). A key already registered to another page
+        keeps that page."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(num_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_registered_pages:
+            return
+        for i, key in enumerate(self.page_keys(seq, full)[seq.num_registered_pages :], seq.num_registered_pages):
+            page = seq.block_table[i]
+            if key not in self._page_of and page not in self._key_of:
+                self._page_of[key] = page
+                self._key_of[page] = key
+        seq.num_registered_pages = full

@@ -102,10 +102,14 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         kv_format=args.kv_format,
         max_num_seqs=args.max_num_seqs,
         max_model_len=getattr(args, "max_model_len", None),
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
         device=None if launch is None else launch.device,
         progress=launch is None or launch.rank == 0,
         ep=None if launch is None else launch.world_size,
         speculative_config=getattr(args, "speculative_config", None),
+        num_redundant_experts=getattr(args, "num_redundant_experts", 0),
+        enable_eplb=getattr(args, "enable_eplb", False),
+        eplb_step_interval=getattr(args, "eplb_step_interval", 3000),
     )
     if llm.device.type == "cpu" and llm.config.hidden_size <= SMALL_HIDDEN:
         torch.set_num_threads(1)  # small matrices gain nothing from more threads and lose much when cores are busy
@@ -148,6 +152,11 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         f"{(s['prompt_tokens'] + s['generated_tokens']) / secs:.1f} tokens/s in all "
         f"(backend {llm.backend}{_ep_note(llm)}, {llm.path})"
     )
+    if s["cached_prompt_tokens"]:
+        console.print(
+            f"[dim]prefix cache: {s['cached_prompt_tokens']} of {s['prompt_tokens']} prompt tokens found "
+            f"({s['cached_prompt_tokens'] / max(s['prompt_tokens'], 1):.0%}), {s['prefilled_tokens']} prefilled"
+        )
     if "speculative" in s:
         d = s["speculative"]
         console.print(

@@ -93,11 +93,14 @@ class LLMEngine:
     kv_format: ``bf16`` or ``fp8_ds_mla`` (needs ``kv_lora_rank % 128 == 0``). num_blocks: cache pages (default:
     enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens, within ``kv_cache_bytes``; on a device whose
     backend reports its free memory (``BackendSpec.free_memory``) ``kv_cache_bytes`` defaults to 90% of it less a
-    reserve for activations, elsewhere to 1 GiB). chunk_size: prefill
-    chunk length (chunks end at its multiples). cuda_graphs: capture decode graphs when the backend declares
-    ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now; they are replayed only in that
-    mode. async_scheduling: schedule and launch each step before reading back the previous one's tokens (above);
-    ``step`` then returns what finished in the previous step. The attribute can be changed between steps.
+    reserve for activations, elsewhere to 1 GiB). chunk_size: prefill chunk length (chunks end at its multiples).
+    enable_prefix_caching: a request reuses the cache pages of the longest prefix of its prompt that an earlier
+    request computed, in whole chunks, and prefills only the rest (``block_manager.py``,
+    ``Scheduler._reuse_prefix``); each sequence's ``num_cached_tokens`` says how many prompt tokens it found,
+    ``stats`` counts the prompt tokens prefilled and found. cuda_graphs: capture decode graphs when the backend
+    declares ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now; they are replayed only
+    in that mode. async_scheduling: schedule and launch each step before reading back the previous one's tokens
+    (above); ``step`` then returns what finished in the previous step. The attribute can be changed between steps.
 
     A bad argument (a size that is not a positive int, ``kv_cache_bytes`` below one cache page, ``max_model_len``
     outside ``[2, max_position_embeddings]``) is an ``InputError`` naming it, before anything is allocated.
@@ -122,6 +125,7 @@ class LLMEngine:
         preemption_mode: str = "swap",
         cuda_graphs: bool = True,
         async_scheduling: bool = True,
+        enable_prefix_caching: bool = True,
         speculative_config: SpeculativeConfig | dict | None = None,
     ):
         cfg = model.cfg
@@ -202,7 +206,7 @@ class LLMEngine:
                 device=device,
             ).view(layers, num_blocks, block_size, -1)
             model.use_index_format(self.index_format)
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.speculative_config = spec
         self.spec_stats = SpeculativeStats()
         drafter = None
@@ -260,6 +264,7 @@ class LLMEngine:
                 self.runner.graphs is not None,
                 deepinfer.batch_invariant_enabled(),
                 async_scheduling,
+                enable_prefix_caching,
                 repr(spec),
             )
             self.sync.check("engine start", {"engine settings": settings})
@@ -267,7 +272,15 @@ class LLMEngine:
         self.async_scheduling = async_scheduling
         self._inflight: _Launched | None = None  # launched, results not yet applied
         self.eplb: Any = None  # an eplb.ExpertLoadBalancer, told after each launched step (LLM(enable_eplb=True))
-        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+        # prefilled_tokens: prompt tokens computed (a prompt found in the prefix cache is not); cached_prompt_tokens:
+        # prompt tokens found there when their requests were admitted
+        self.stats = {
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "steps": 0,
+            "prefilled_tokens": 0,
+            "cached_prompt_tokens": 0,
+        }
 
     def _recapture_graphs(self) -> None:
         graphs = self.runner.graphs
@@ -376,6 +389,25 @@ class LLMEngine:
         self._sampled = []
         return aborted
 
+    def abort(self, seq: Sequence, finish_reason: str = "abort", stop_reason: Any = None) -> bool:
+        """Ends one unfinished request now (``finish_reason`` ``"abort"`` by default; a server that finds a stop
+        string passes ``"stop"`` and the string) and takes back its cache pages or its swapped-out copy at once; its
+        tokens still being sampled are dropped. Returns False, changing nothing, when it had already finished. Call it
+        between steps (not from another thread while ``step`` runs). A step still running on the device that
+        includes it finishes there and its results for it are dropped; pages it wrote are handed out again only to
+        steps queued after it. Under expert parallelism every rank must abort the same request between the same
+        steps."""
+        if seq.status is Status.FINISHED:
+            return False
+        self.scheduler.abort(seq)
+        while seq.token_ids and seq.token_ids[-1] == PENDING:
+            seq.token_ids.pop()
+        seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
+        self._unfinished.pop(seq.arrival, None)
+        if not self._unfinished:  # the step in flight has no request left to apply its results to
+            self._inflight = None
+        return True
+
     def _ready_to_run_ahead(self, inflight: _Launched) -> bool:
         """Whether the next batch can be scheduled before ``inflight``'s tokens are read: with asynchronous
         scheduling, when no running sequence has to be preempted and some running sequence does not end with its
@@ -414,7 +446,14 @@ class LLMEngine:
         for seq in batch.decodes:
             seq.num_computed += 1
         for chunk in batch.prefills:
-            chunk.seq.num_computed = chunk.end
+            seq = chunk.seq
+            if chunk.start == seq.num_cached_tokens and seq.num_preemptions == 0 and not chunk.decode_rows:
+                self.stats["cached_prompt_tokens"] += seq.num_cached_tokens  # its first chunk: admitted now
+            seq.num_computed = chunk.end
+            if not chunk.decode_rows:
+                self.stats["prefilled_tokens"] += chunk.end - chunk.start
+            # prefix caching: its full prompt pages are registered once queued (later steps read them after)
+            self.allocator.register(seq, min(chunk.end, seq.num_prompt_tokens))
         index = {}
         for seq in step.samplers:
             if id(seq) not in index:  # (a sequence with drafts samples several rows)

@@ -117,13 +117,16 @@ def rebalance_experts(
     load: ``[L, E]`` non-negative load per logical expert (tokens routed to it; any real dtype). num_groups: the
     expert groups of the router (``n_group``; dividing E); num_nodes: nodes the ranks are spread over (dividing
     num_ranks; consecutive ranks share a node). num_physical: a multiple of num_ranks, at least E, at most
-    ``E * ranks per node`` (hierarchical) or ``E * num_ranks`` (global), so that no rank holds an expert twice.
+    ``E * num_ranks`` so that no rank holds an expert twice; the policy is hierarchical where ``hierarchical(num_groups,
+    num_nodes)`` and ``num_physical <= E * ranks per node``, global otherwise.
     previous: ``[L, num_physical]``, the map in use, or None; the result keeps experts in place where its
     relabelling can (see the module's doc); the balance is the same either way.
 
-    Guarantees (tested): every expert has at least one copy; every rank has ``num_physical / num_ranks`` slots and
-    holds an expert at most once; copies of an expert are on distinct ranks of one node (hierarchical) or distinct
-    ranks. Raises ``InputError`` naming the argument that is out of range.
+    Guarantees: every expert has at least one copy; every rank has ``num_physical / num_ranks`` slots and holds an
+    expert at most once; hierarchical: a group's experts and all copies of an expert are on one node. Balance
+    (checked on random problems, not proven): the heaviest rank carries at most the mean over the ranks (of its
+    node, hierarchical) plus the largest load of one copy; hierarchical, the heaviest node at most the mean node plus
+    the largest group. Raises ``InputError`` naming the argument that is out of range.
     """
     if not isinstance(load, torch.Tensor) or load.dim() != 2 or load.is_complex() or load.dtype == torch.bool:
         raise _fail("load", "a real [layers, experts] tensor", getattr(load, "shape", type(load).__name__))

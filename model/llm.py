@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from .sampling_params import SamplingParams
 from .scheduler import PREEMPTION_MODES
 from .sequence import Sequence
 from .speculative import SpeculativeConfig, SpeculativeStats
+from .streaming import RequestStream
 from .structured_output import Grammars
 from .tokenizer import Tokenizer
 
@@ -67,7 +69,9 @@ class LLM:
     limit (default: the model's).
     preemption_mode: ``swap`` (pages to host memory and back) or ``recompute``. enforce_eager: no CUDA graphs.
     async_scheduling: schedule and launch each step before the previous step's tokens are read back, so the host's
-    work overlaps the device's (see ``LLMEngine``).
+    work overlaps the device's (see ``LLMEngine``). enable_prefix_caching: a prompt reuses the cache pages of the
+    longest prefix an earlier request computed, in whole prefill chunks, and prefills only the rest (each output's
+    ``num_cached_tokens``; ``last_stats``' ``cached_prompt_tokens`` and ``prefilled_tokens``).
     device: torch device (default: the backend's device type). progress: progress bars for loading and for
     batches of at least 8 prompts (on rank 0 only under expert parallelism).
 
@@ -107,6 +111,7 @@ class LLM:
         preemption_mode: str = "swap",
         enforce_eager: bool = False,
         async_scheduling: bool = True,
+        enable_prefix_caching: bool = True,
         device: str | torch.device | None = None,
         progress: bool = True,
         ep: int | None = None,
@@ -206,6 +211,7 @@ class LLM:
                 preemption_mode=preemption_mode,
                 cuda_graphs=not enforce_eager,
                 async_scheduling=async_scheduling,
+                enable_prefix_caching=enable_prefix_caching,
                 speculative_config=self.speculative_config,
             )
             if self.eplb is not None:
@@ -290,28 +296,30 @@ class LLM:
         A call that raises, or is interrupted (``KeyboardInterrupt``), aborts every request it queued (and any
         queued directly on ``self.engine`` and not finished) and frees their cache pages first: the next call
         starts from a clean engine."""
-        single = isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
-        )
-        prompts = [prompts] if single else list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [
-            _sampling_params(p)
-            for p in (sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts))
-        ]
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        prompts, params = _requests(prompts, sampling_params)
         show = (self.progress if progress is None else progress) and len(prompts) >= PROGRESS_MIN_PROMPTS
         engine = self.engine
         start = time.perf_counter()
         gen0, prompt0 = engine.stats["generated_tokens"], engine.stats["prompt_tokens"]
+        prefilled0 = engine.stats["prefilled_tokens"]
         spec0 = dataclasses.replace(engine.spec_stats)
         with deepinfer.use(self.backend):
             try:
                 seqs = self._add_all(prompts, params)
+                # requests with stop strings: their text is followed step by step, and each ends at its stop string
+                streams = [
+                    RequestStream(s, self.tokenizer, s.params.stop, s.params.include_stop_str_in_output)
+                    for s in seqs
+                    if s.params.stop
+                ]
                 if show:
-                    self._run_with_progress(len(seqs), start, gen0)
+                    self._run_with_progress(len(seqs), start, gen0, streams)
+                elif streams:
+                    while engine.has_unfinished():
+                        engine.step()
+                        for stream in streams:
+                            stream.update(engine)
+                    engine.check_ranks_done()
                 else:
                     engine.run_until_done()
             except BaseException:  # Ctrl-C included: nothing of this call may stay queued or hold cache pages
@@ -322,14 +330,56 @@ class LLM:
             "requests": len(seqs),
             "prompt_tokens": engine.stats["prompt_tokens"] - prompt0,
             "generated_tokens": engine.stats["generated_tokens"] - gen0,
+            "prefilled_tokens": engine.stats["prefilled_tokens"] - prefilled0,
+            "cached_prompt_tokens": sum(s.num_cached_tokens for s in seqs),
             "seconds": elapsed,
         }
+        texts = {id(st.seq): st.text for st in streams}
         if self.speculative_config is not None:
             now = engine.spec_stats
             self.last_stats["speculative"] = SpeculativeStats(
                 now.drafted - spec0.drafted, now.accepted - spec0.accepted, now.verifications - spec0.verifications
             ).as_dict()
-        return [self._output(s) for s in seqs]
+        return [self._output(s, texts.get(id(s))) for s in seqs]
+
+    def stream(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Generates as ``generate`` does, yielding outputs as they grow: after each engine step, one
+        ``RequestOutput`` per request that gained tokens or text, holding all of them so far (``finished`` False),
+        and for each request once its final output (``finished`` True, the same as ``generate``'s). The text of an
+        unfinished output never ends in an incomplete character or in what may be the start of a stop string.
+        Closing the iterator early (``break``, an exception in the loop) aborts the requests still running and frees
+        their pages."""
+        prompts, params = _requests(prompts, sampling_params)
+        engine = self.engine
+        with deepinfer.use(self.backend):
+            seqs = self._add_all(prompts, params)
+        streams = [RequestStream(s, self.tokenizer, s.params.stop, s.params.include_stop_str_in_output) for s in seqs]
+        try:
+            while engine.has_unfinished() and any(not st.finished for st in streams):
+                with deepinfer.use(self.backend):
+                    engine.step()
+                    updated = [st for st in streams if st.update(engine) is not None]
+                for st in updated:
+                    out = self._output(st.seq, st.text)
+                    if not st.finished:
+                        done = st.sent_tokens
+                        out.outputs[0].token_ids = out.outputs[0].token_ids[:done]
+                        for name in ("logprobs", "top_logprobs"):
+                            values = getattr(out.outputs[0], name)
+                            if values is not None:
+                                setattr(out.outputs[0], name, values[:done])
+                        out.outputs[0].finish_reason, out.finished = None, False
+                    yield out
+        finally:
+            with deepinfer.use(self.backend):
+                for st in streams:
+                    engine.abort(st.seq)  # nothing for those already finished
+                if not engine.has_unfinished():
+                    engine.check_ranks_done()
 
     def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
         encoded = [self._to_ids(p) for p in prompts]  # every prompt and constraint checked before any is queued
@@ -350,7 +400,7 @@ class LLM:
             self._grammars = Grammars(file, self.config.vocab_size, self.config.eos_token_ids)
         return self._grammars.matcher(params.structured_outputs)
 
-    def _run_with_progress(self, total: int, start: float, gen0: int) -> None:
+    def _run_with_progress(self, total: int, start: float, gen0: int, streams: list[RequestStream]) -> None:
         engine = self.engine
         with Progress(
             TextColumn("generating"),
@@ -363,15 +413,22 @@ class LLM:
         ) as bar:
             task = bar.add_task("generate", total=total, rate="")
             while engine.has_unfinished():
-                done = engine.step()
+                ended = {id(seq) for seq in engine.step()}
+                for st in streams:  # requests ended at a stop string are not among those the step reports
+                    delta = st.update(engine)
+                    if delta is not None and delta.finished and id(st.seq) not in ended:
+                        ended.add(id(st.seq))
+                done = len(ended)
                 rate = (engine.stats["generated_tokens"] - gen0) / max(time.perf_counter() - start, 1e-9)
-                bar.update(task, advance=len(done), rate=f"{rate:.1f} tok/s")
+                bar.update(task, advance=done, rate=f"{rate:.1f} tok/s")
         engine.check_ranks_done()
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
+        """``seq``'s output; ``text``: its text when it was followed by a ``RequestStream`` (stop strings)."""
         p = seq.params
         ids = seq.generated_ids
-        text = self.tokenizer.decode(ids, p.skip_special_tokens) if self.tokenizer is not None else ""
+        if text is None:
+            text = self.tokenizer.decode(ids, p.skip_special_tokens) if self.tokenizer is not None else ""
         completion = CompletionOutput(
             index=0,
             text=text,
@@ -390,7 +447,25 @@ class LLM:
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs else None,
             metrics={"preemptions": seq.num_preemptions}
             | ({"drafted": seq.num_drafted, "accepted": seq.num_accepted} if self.speculative_config else {}),
+            num_cached_tokens=seq.num_cached_tokens,
         )
+
+
+def _requests(prompts: Any, sampling_params: Any) -> tuple[list, list[SamplingParams]]:
+    """The prompts of a ``generate`` call as a list, and one ``SamplingParams`` for each."""
+    single = isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+    )
+    prompts = [prompts] if single else list(prompts)
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    params = [
+        _sampling_params(p)
+        for p in (sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts))
+    ]
+    if len(params) != len(prompts):
+        raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    return prompts, params
 
 
 def _sampling_params(p: Any) -> SamplingParams:

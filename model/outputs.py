@@ -27,7 +27,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The result of one prompt. prompt_logprobs: per prompt token, its log-probability given the tokens before
-    it (``None`` for the first), when asked; prompt_top_logprobs likewise with the ``k`` most likely tokens."""
+    it (``None`` for the first), when asked; prompt_top_logprobs likewise with the ``k`` most likely tokens.
+    num_cached_tokens: prompt tokens found in the prefix cache (not prefilled)."""
 
     request_id: str
     prompt: str | None
@@ -37,3 +38,4 @@ class RequestOutput:
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     finished: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int = 0

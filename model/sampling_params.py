@@ -31,10 +31,13 @@ class SamplingParams:
     where a draw falls close to the boundary between two tokens, or two logits tie for greedy, a request can take
     another token in another batch and continue differently from there, as in vLLM.
     stop_token_ids: generation ends after any of these; the model's ``eos_token_id`` ends it too unless
-    ``ignore_eos``. logprobs: None for none; ``k >= 0`` returns the log-probability of each generated token
-    (and the ``k`` most likely tokens with theirs when ``k > 0``). prompt_logprobs: the same for the prompt
-    tokens (the first prompt token has none). Log-probabilities come from the model's raw logits (log_softmax
-    before temperature, filtering or a structured-output mask), as vLLM computes them by default.
+    ``ignore_eos``. stop: strings that end generation when they appear in the generated text, which then ends
+    before the string (``finish_reason`` ``stop``, ``stop_reason`` the string), or after it with
+    ``include_stop_str_in_output``; a single string is a list of one. logprobs: None for none; ``k >= 0`` returns
+    the log-probability of each generated token (and the ``k`` most likely tokens with theirs when ``k > 0``).
+    prompt_logprobs: the same for the prompt tokens (the first prompt token has none). Log-probabilities come from
+    the model's raw logits (log_softmax before temperature, filtering or a structured-output mask), as vLLM computes
+    them by default.
     structured_outputs: hold the generated text to a JSON schema, regex, grammar or choice
     (``StructuredOutputsParams``, ``structured_output.py``); an invalid one is a ``RequestError`` when the request
     is submitted.
@@ -46,6 +49,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: list[int] | None = None
+    stop: list[str] | str | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -93,6 +98,13 @@ class SamplingParams:
         ):
             raise bad(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(stop)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and (
+            not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop)
+        ):
+            raise bad(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop or [])
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -22,11 +22,15 @@ alone finishes with ``finish_reason="length"``.
 
 Under speculative decoding (``lookahead`` > 0) a decoding sequence also gets token budget and free pages for up to
 ``lookahead`` draft tokens (``Sequence.max_drafts``), verified in the same step (``speculative.py``).
+
+Prefix caching (``_reuse_prefix``, ``block_manager.py``): a request is admitted with the longest cached prefix of its
+prompt already in place, in whole chunks, and prefills only the rest.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +132,17 @@ class Scheduler:
         self.allocator.release(seq)
         seq.status = Status.FINISHED
 
+    def abort(self, seq: Sequence) -> None:
+        """Takes ``seq`` out of whichever queue holds it (or of the sequences set aside) and frees its pages and
+        its swapped-out copy; it is then ``FINISHED`` (the engine sets the reason)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.block_table:
+            self.allocator.release(seq)
+        seq.swapped, seq.swapped_pages = None, 0
+        seq.status = Status.FINISHED
+
     def set_aside(self, seq: Sequence) -> None:
         """Takes a running sequence out of the next batches; it keeps its pages until ``finish``."""
         self.running.remove(seq)
@@ -200,8 +215,12 @@ class Scheduler:
 
         while self.waiting and not self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            self._reuse_prefix(seq)
             end = self.chunk_end(seq)
-            if end - seq.num_computed > budget or not self.allocator.can_grow(seq, end):
+            if end - seq.num_computed > budget or not self.allocator.can_grow(seq, end) or self._waits_for_prefix(seq):
+                if seq.num_computed:  # not admitted: give the cached pages back until it is
+                    self.allocator.release(seq)
+                    seq.num_computed = 0
                 break
             self.waiting.pop(0)
             seq.status = Status.RUNNING
@@ -211,6 +230,39 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= end - seq.num_computed
         return batch
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Prefix caching: a request about to be admitted with nothing computed starts after the longest cached
+        prefix of its prompt (``BlockAllocator.match``), in whole chunks (a multiple of ``chunk_size`` and of the
+        page size): its remaining chunks are then exactly those a run without the cache computes, over the same
+        cache entries, so a hit gives the same bits as a miss. At least the last prompt token is computed (its
+        logits give the first token); a request that asks for prompt log-probabilities computes its whole prompt."""
+        if seq.num_computed or seq.block_table or seq.params.prompt_logprobs is not None:
+            return
+        align = math.lcm(self.chunk_size, self.allocator.block_size)
+        seq.num_computed = self.allocator.match(seq, seq.num_prompt_tokens - 1, align)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed
+
+    def _waits_for_prefix(self, seq: Sequence) -> bool:
+        """Prefix caching: whether the next whole chunk of ``seq``'s prompt is being prefilled by a running sequence
+        with the same tokens from the start (its pages not registered yet). ``seq`` then waits for them (and the
+        requests behind it with it) instead of computing the same prefix a second time: requests that arrive
+        together with a shared prefix prefill it once."""
+        alloc = self.allocator
+        if not alloc.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return False
+        align = math.lcm(self.chunk_size, alloc.block_size)
+        if seq.num_computed + align > seq.num_prompt_tokens - 1:
+            return False  # no further whole chunk to gain
+        i = seq.num_computed // alloc.block_size
+        (key,) = alloc.page_keys(seq, i + 1)[i:]
+        for owner in self.running:
+            if owner.num_computed >= owner.num_prompt_tokens or i < owner.num_registered_pages:
+                continue
+            if (i + 1) * alloc.block_size <= owner.num_prompt_tokens and alloc.page_keys(owner, i + 1)[i] == key:
+                return True
+        return False
 
     def _lookahead(self, seq: Sequence, budget: int) -> int:
         """Draft tokens a decoding ``seq`` may verify this step (speculative decoding): ``lookahead``, fewer where

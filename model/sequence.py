@@ -51,6 +51,11 @@ class Sequence:
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.matcher: Any = None  # the grammar matcher of a structured-output request (structured_output.py)
+        # prefix caching (block_manager.py): the keys of its full pages so far, how many of its pages are registered,
+        # and how many prompt tokens it found cached when it was first admitted (not prefilled)
+        self.page_keys: list[tuple] = []
+        self.num_registered_pages = 0
+        self.num_cached_tokens = 0
         # Speculative decoding (speculative.py): the drafts this step verifies; the MTP layer's draft of the token
         # after the last one, with its probability, and the MTP state behind it (on the device); counts.
         self.drafts: list[int] = []

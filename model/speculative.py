@@ -22,7 +22,9 @@ writing its own cache layer; on a sampling row it also drafts the token after th
 sequence holds its first draft and the MTP state that produced it; the next step chains the MTP layer from there
 for drafts ``2 .. k`` (the layer's output state and the previous draft in, one decode row per sequence) before the
 target verifies them. Chained rows write provisional MTP cache entries past the sequence's end; the verification
-step's MTP pass rewrites them, in row order, before any later row reads them.
+step's MTP pass rewrites them, in row order, before any later row reads them. A prefix-cache hit reuses the MTP
+layer's entries of the cached pages too; the entry at a page's last position was made with the token that followed it
+in the request that computed it, which can change how often drafts are accepted, never a token.
 
 Confidence scheduling (``confidence_threshold``): a sequence verifies its drafts up to the first one the MTP layer
 gives a probability below the threshold, at most ``num_speculative_tokens``; 0 (the default) is fixed-``k``

@@ -326,15 +326,15 @@ def test_rebalance_in_one_process_keeps_the_placement(ckpt):
 def test_load_counted_inside_cuda_graphs_matches_eager(deepinfer_backend, deepinfer_device, tmp_path):
     """On a backend that replays CUDA graphs (skipped elsewhere): the load counted by graph-replayed decode steps,
     padding rows excluded, equals that of eager steps, in batch-invariant mode where both route alike."""
-    from model_helpers import small_checkpoint
-
     import deepinfer
     from deepinfer import registry
+    from deepinfer.model.tiny import TINY_CONFIG, write_checkpoint
 
     spec = registry.get().lookup(deepinfer_backend)
     if "cuda_graphs" not in spec.capabilities or not torch.cuda.is_available() or deepinfer_device == "cpu":
         pytest.skip(f"{deepinfer_backend} does not run CUDA graphs here")
-    path = small_checkpoint(tmp_path, seed=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=16)
+    # the kernel shapes of test_model_cuda.py; written directly (model_helpers needs transformers for its oracles)
+    path = write_checkpoint(tmp_path, TINY_CONFIG | dict(q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=16), seed=1)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, 258, (n,), generator=g).tolist() for n in (5, 40, 17, 1, 29)]  # bucket 8: padding
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

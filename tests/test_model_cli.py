@@ -134,7 +134,7 @@ def test_help_lists_every_subcommand_and_describes_every_flag(capsys):
     assert status == 0 and "``" not in out
     parser = cli.build_parser()
     (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert set(subparsers.choices) == {"info", "conformance", "bench", "generate"}
+    assert set(subparsers.choices) == {"info", "conformance", "bench", "generate", "serve"}
     for name, sub in subparsers.choices.items():
         assert name in out
         assert sub.description and "``" not in sub.description, name

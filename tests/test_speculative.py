@@ -271,3 +271,22 @@ def test_cli_flag_runs_and_reports(capsys):
     assert "--speculative-config" in capsys.readouterr().err
     assert main(["generate", "--max-tokens", "2", "--speculative-config", '{"num_speculative_tokens": 0}']) == 2
     assert "num_speculative_tokens" in capsys.readouterr().out
+
+
+def test_prefix_cache_hits_keep_every_token(mtp_checkpoint, invariant):
+    """Requests sharing a long prefix reuse its cached pages (the MTP layer's included) under speculation, and take
+    the tokens they take with neither."""
+    rng = random.Random(3)
+    shared = random_prompts(258, [48], seed=9)[0]
+    prompts = [shared + p for p in random_prompts(258, [rng.randint(1, 12) for _ in range(6)], seed=4)]
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True) for i in range(6)
+    ]
+    kw = dict(block_size=8, prefill_chunk_size=16, progress=False)
+    plain = LLM(mtp_checkpoint, enable_prefix_caching=False, **kw)
+    want = [result(o) for o in plain.generate(prompts, params)]
+    llm = LLM(mtp_checkpoint, speculative_config={"num_speculative_tokens": 2}, **kw)
+    llm.generate(prompts[:1], params[:1])  # the prefix, cached
+    assert [result(o) for o in llm.generate(prompts, params)] == want
+    assert llm.last_stats["cached_prompt_tokens"] >= 6 * 48 - 16, llm.last_stats
+    assert llm.last_stats["speculative"]["drafted"] > 0

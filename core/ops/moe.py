@@ -252,7 +252,7 @@ def _default_placement(num_experts: int, world: int) -> ExpertPlacement:
     return ExpertPlacement.contiguous(num_experts, world)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)  # one placement per MoE layer under EPLB
 def _placement_problem(placement: ExpertPlacement) -> str | None:
     return placement.problem()
 

@@ -98,7 +98,7 @@ class Tables:
     global_ids: tuple[torch.Tensor, ...]  # per rank, [E_local] int32 global id of each local expert
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=256)  # one placement per MoE layer under EPLB (58 in DeepSeek-V3)
 def _tables(placement: ExpertPlacement, device: torch.device) -> Tables:
     holders = placement.expert_ranks
     copies = max(len(h) for h in holders)

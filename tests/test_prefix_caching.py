@@ -1,0 +1,209 @@
+"""Automatic prefix caching: the page allocator's keys, references and eviction, and the engine with caching on
+against the engine with caching off (the oracle): the same tokens and log-probabilities bit for bit in
+batch-invariant mode, with far fewer prompt tokens prefilled, through chunked prefill, preemption (swap and
+recomputation), prompt log-probabilities and DeepSeek-V3.2's sparse attention."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse)
+
+import deepinfer
+from deepinfer.model import LLM, SamplingParams
+from deepinfer.model.block_manager import BlockAllocator
+from deepinfer.model.sequence import Sequence
+
+VOCAB = 258  # the small checkpoints' byte-level vocabulary
+
+
+def seq(tokens: list[int], n: int = 0) -> Sequence:
+    return Sequence(str(n), n, tokens, SamplingParams(), seed=0)
+
+
+# --- the allocator ---
+
+
+def test_registered_pages_are_shared_by_reference_and_kept_after_their_owner_ends():
+    alloc = BlockAllocator(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    owner = seq(list(range(10, 24)))  # 14 tokens: 3 full pages and 2 tokens
+    alloc.grow(owner, 14)
+    alloc.register(owner, 14)
+    assert alloc.num_cached == 3 and alloc.num_free == 4
+    reader = seq([*range(10, 22), 99, 98])  # the same first 3 pages, then other tokens
+    assert alloc.match(reader, max_tokens=13, align=4) == 12
+    assert reader.block_table == owner.block_table[:3] and alloc.num_free == 4, "shared, not copied"
+    alloc.release(owner)
+    assert alloc.num_free == 5, "only the owner's unshared page comes back"
+    alloc.release(reader)
+    assert alloc.num_free == 8 and alloc.num_cached == 3, "free, but still registered"
+    again = seq(list(range(10, 30)))
+    assert alloc.match(again, max_tokens=19, align=4) == 12 and alloc.num_free == 5
+    pages = list(again.block_table)
+    alloc.release(again)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        alloc.free(pages[:1])
+
+
+def test_keys_chain_over_the_whole_prefix_and_matching_stops_at_the_first_miss():
+    alloc = BlockAllocator(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    alloc.grow(a, 9)
+    alloc.register(a, 9)
+    other_start = seq([0, 2, 3, 4, 5, 6, 7, 8, 9])  # its second page has a's tokens, after another first page
+    assert alloc.match(other_start, max_tokens=8, align=4) == 0 and other_start.block_table == []
+    assert alloc.match(seq([1, 2, 3, 4, 5, 6, 7, 0, 9]), max_tokens=8, align=4) == 4
+    assert alloc.match(seq([1, 2, 3, 4, 5, 6, 7, 8, 9]), max_tokens=8, align=8) == 8
+    assert alloc.match(seq([1, 2, 3, 4, 5, 6, 7, 8, 9]), max_tokens=7, align=4) == 4, "at most max_tokens"
+    assert alloc.match(seq([1, 2, 3, 4, 5, 6, 7, 8, 9]), max_tokens=8, align=12) == 0, "whole multiples of align"
+    off = BlockAllocator(num_blocks=8, block_size=4)
+    b = seq([1, 2, 3, 4, 5])
+    off.grow(b, 5)
+    off.register(b, 5)
+    assert off.num_cached == 0 and off.match(seq([1, 2, 3, 4, 5]), 4, 4) == 0
+
+
+def test_free_pages_are_reused_least_recently_freed_first_and_reuse_evicts():
+    alloc = BlockAllocator(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    old, new = seq([1, 2, 3, 4]), seq([5, 6, 7, 8])
+    for s in (old, new):
+        alloc.grow(s, 4)
+        alloc.register(s, 4)
+    alloc.release(old)
+    alloc.release(new)
+    taker = seq([9, 9])
+    alloc.grow(taker, 2)  # one page: the least recently freed, the older request's last page
+    assert alloc.num_cached == 3
+    assert alloc.match(seq([5, 6, 7, 8]), 4, 2) == 4, "the newer request's pages are whole"
+    assert alloc.match(seq([1, 2, 3, 4]), 4, 2) == 2, "the older one lost its last page, not its first"
+    alloc.reset()
+    assert alloc.num_cached == 0 and alloc.num_free == 4
+
+
+# --- the engine: caching on against caching off ---
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return small_checkpoint(tmp_path_factory.mktemp("small"), seed=int.from_bytes(os.urandom(2), "little"))
+
+
+@pytest.fixture(scope="module")
+def v32_ckpt(tmp_path_factory):
+    return small_checkpoint(
+        tmp_path_factory.mktemp("v32"),
+        seed=int.from_bytes(os.urandom(2), "little"),
+        architectures=["DeepseekV32ForCausalLM"],
+        model_type="deepseek_v32",
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=6,
+    )
+
+
+def pair(path, backend, device, **kw):
+    kw = {"block_size": 8, "prefill_chunk_size": 32, "progress": False, "dtype": "float32"} | kw
+    return (
+        LLM(path, backend, device=device, enable_prefix_caching=True, **kw),
+        LLM(path, backend, device=device, enable_prefix_caching=False, **kw),
+    )
+
+
+def shared_prefix_prompts(n: int, prefix: int, suffix: int, seed: int) -> list[list[int]]:
+    (shared,) = random_prompts(VOCAB, [prefix], seed)
+    return [shared + tail for tail in random_prompts(VOCAB, [suffix] * n, seed + 1)]
+
+
+def same_outputs(a, b) -> bool:
+    return all(
+        x.outputs[0].token_ids == y.outputs[0].token_ids
+        and x.outputs[0].logprobs == y.outputs[0].logprobs
+        and x.outputs[0].finish_reason == y.outputs[0].finish_reason
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_a_shared_prefix_across_64_requests_is_prefilled_once(ckpt, deepinfer_backend, deepinfer_device):
+    on, off = pair(ckpt, deepinfer_backend, deepinfer_device, max_num_batched_tokens=512)
+    prompts = shared_prefix_prompts(64, prefix=256, suffix=5, seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    with deepinfer.batch_invariant():
+        cached = on.generate(prompts, params)
+        stats = dict(on.last_stats)
+        plain = off.generate(prompts, params)
+        again = on.generate(prompts[:3], params)  # the pages outlive their requests
+    assert same_outputs(cached, plain)
+    assert off.last_stats["prefilled_tokens"] == 64 * 261
+    assert stats["prefilled_tokens"] == 261 + 63 * 5, "the 256-token prefix is computed once"
+    assert [o.num_cached_tokens for o in cached] == [0] + [256] * 63
+    assert stats["cached_prompt_tokens"] == 63 * 256
+    assert on.engine.allocator.num_free == on.engine.allocator.num_blocks
+    assert [o.num_cached_tokens for o in again] == [256] * 3 and same_outputs(again, plain[:3])
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_with_shared_pages_gives_the_uncached_outputs(ckpt, deepinfer_backend, deepinfer_device, mode):
+    """A cache of 24 pages of 8 tokens for 6 requests of 70-token prompts growing by 60: dozens of preemptions while
+    the first pages are shared."""
+    on, off = pair(ckpt, deepinfer_backend, deepinfer_device, num_blocks=24, preemption_mode=mode)
+    prompts = shared_prefix_prompts(6, prefix=64, suffix=6, seed=5)
+    params = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, logprobs=0)] * 3 + [
+        SamplingParams(max_tokens=60, temperature=1.0, seed=s, ignore_eos=True, logprobs=0) for s in range(3)
+    ]
+    with deepinfer.batch_invariant():
+        cached = on.generate(prompts, params)
+        plain = off.generate(prompts, params)
+    assert on.engine.num_preemptions > 0
+    assert same_outputs(cached, plain)
+    assert sum(o.num_cached_tokens for o in cached) > 0
+    assert on.engine.allocator.num_free == 24
+
+
+def test_prompt_logprobs_requests_compute_their_whole_prompt(ckpt, deepinfer_backend, deepinfer_device):
+    on, off = pair(ckpt, deepinfer_backend, deepinfer_device)
+    prompts = shared_prefix_prompts(2, prefix=96, suffix=4, seed=7)
+    with deepinfer.batch_invariant():
+        on.generate(prompts[0], SamplingParams(max_tokens=2, temperature=0))
+        params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2, logprobs=0)
+        cached = on.generate(prompts[1], params)[0]
+        plain = off.generate(prompts[1], params)[0]
+    assert cached.num_cached_tokens == 0
+    assert cached.prompt_logprobs == plain.prompt_logprobs and cached.prompt_top_logprobs == plain.prompt_top_logprobs
+    assert same_outputs([cached], [plain])
+
+
+def test_sparse_attention_models_reuse_their_index_cache_pages(v32_ckpt, deepinfer_backend, deepinfer_device):
+    on, off = pair(v32_ckpt, deepinfer_backend, deepinfer_device)
+    prompts = shared_prefix_prompts(4, prefix=70, suffix=9, seed=9)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    with deepinfer.batch_invariant():
+        cached = on.generate(prompts, params)
+        plain = off.generate(prompts, params)
+    assert same_outputs(cached, plain)
+    assert [o.num_cached_tokens for o in cached] == [0, 64, 64, 64]
+
+
+def test_a_planted_wrong_page_is_caught(ckpt, deepinfer_backend, deepinfer_device, monkeypatch):
+    """The comparison with caching off can fail: keys that leave out a page's last token hand a prompt that differs
+    from a cached one only there the other prompt's pages, and its tokens change."""
+    (first,) = random_prompts(VOCAB, [80], seed=11)
+    second = list(first)
+    second[31] = (first[31] + 1) % VOCAB  # the last token of the first chunk (pages of 8, chunks of 32)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    exact = BlockAllocator.page_keys
+
+    def blind_to_the_last_token(self, s, num_pages):
+        return [(k[0], k[1][:-1]) for k in exact(self, s, num_pages)]
+
+    results = {}
+    for name, keys in (("exact", exact), ("planted", blind_to_the_last_token)):
+        monkeypatch.setattr(BlockAllocator, "page_keys", keys)
+        on, off = pair(ckpt, deepinfer_backend, deepinfer_device)
+        with deepinfer.batch_invariant():
+            on.generate(first, params)
+            cached = on.generate(second, params)
+            plain = off.generate(second, params)
+        results[name] = (cached[0].num_cached_tokens, same_outputs(cached, plain))
+    assert results["exact"] == (0, True)
+    assert results["planted"][0] == 32 and not results["planted"][1]
