@@ -206,6 +206,8 @@ class LLMEngine:
                 device=device,
             ).view(layers, num_blocks, block_size, -1)
             model.use_index_format(self.index_format)
+        # a model that keeps its own caches has nothing in the pages to reuse
+        enable_prefix_caching = enable_prefix_caching and not owns_cache
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.speculative_config = spec
         self.spec_stats = SpeculativeStats()
