@@ -56,6 +56,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),
     "F8_E4M3": (torch.float8_e4m3fn, 1),
     "F8_E5M2": (torch.float8_e5m2, 1),
+    "F8_E8M0": (torch.float8_e8m0fnu, 1),  # ue8m0 block scales (DeepSeek-V4's FP4 experts)
     "I8": (torch.int8, 1),
     "U8": (torch.uint8, 1),
     "I16": (torch.int16, 2),

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
+import torch
+
 import deepinfer
 from deepinfer.index_cache import allocate_index_cache
 from deepinfer.validation import Check
@@ -59,7 +61,10 @@ def index_format_for(cfg, kv_format: str) -> str | None:
 
 def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0) -> int:
     """Bytes of one cache page (``block_size`` tokens) over all layers (and ``mtp_layers`` multi-token-prediction
-    layers): the latent cache's, plus the indexer keys' for sparse attention."""
+    layers): the latent cache's, plus the indexer keys' for sparse attention. A model that keeps its own caches
+    (``cfg.owns_cache``: DeepSeek-V4) says what to budget."""
+    if getattr(cfg, "owns_cache", False):
+        return cfg.cache_page_bytes(kv_format, block_size)
     layers = cfg.num_hidden_layers + mtp_layers
     probe = deepinfer.allocate_kv_cache(
         1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
@@ -154,7 +159,8 @@ class LLMEngine:
                 repr(max_model_len),
             )
         self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if kv_format == "fp8_ds_mla" and cfg.kv_lora_rank % 128:
+        owns_cache = getattr(cfg, "owns_cache", False)
+        if kv_format == "fp8_ds_mla" and not owns_cache and cfg.kv_lora_rank % 128:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
         page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers)
         if kv_cache_bytes is not None and (
@@ -165,7 +171,7 @@ class LLMEngine:
             )
         device = model.device
         self.sync = RankSync(model.ep.group, device) if model.ep.world_size > 1 else None
-        self.index_format = index_format_for(cfg, kv_format)
+        self.index_format = None if owns_cache else index_format_for(cfg, kv_format)
         max_blocks = math.ceil(self.max_model_len / block_size)
         if num_blocks is None:
             if kv_cache_bytes is None:
@@ -178,15 +184,18 @@ class LLMEngine:
             if self.sync is not None:  # free memory may differ per rank; the schedule must not
                 num_blocks = self.sync.min_int(num_blocks)
         layers = cfg.num_hidden_layers + mtp_layers  # the MTP layer's cache follows the model's layers
-        cache = deepinfer.allocate_kv_cache(
-            num_blocks * layers,
-            block_size,
-            kv_lora_rank=cfg.kv_lora_rank,
-            rope_dim=cfg.qk_rope_head_dim,
-            kv_format=kv_format,
-            device=device,
-        )
-        self.kv_cache = cache.view(layers, num_blocks, block_size, -1)
+        if owns_cache:  # pages are only the budget's unit; a placeholder keeps the runner's page bookkeeping
+            self.kv_cache = torch.zeros(1, num_blocks, block_size, 1, dtype=torch.uint8, device=device)
+        else:
+            cache = deepinfer.allocate_kv_cache(
+                num_blocks * layers,
+                block_size,
+                kv_lora_rank=cfg.kv_lora_rank,
+                rope_dim=cfg.qk_rope_head_dim,
+                kv_format=kv_format,
+                device=device,
+            )
+            self.kv_cache = cache.view(layers, num_blocks, block_size, -1)
         self.index_cache = None
         if self.index_format is not None:
             self.index_cache = allocate_index_cache(
@@ -197,6 +206,8 @@ class LLMEngine:
                 device=device,
             ).view(layers, num_blocks, block_size, -1)
             model.use_index_format(self.index_format)
+        # a model that keeps its own caches has nothing in the pages to reuse
+        enable_prefix_caching = enable_prefix_caching and not owns_cache
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.speculative_config = spec
         self.spec_stats = SpeculativeStats()
@@ -207,7 +218,7 @@ class LLMEngine:
         lookahead = spec.num_speculative_tokens if spec is not None else 0
         graphs = None
         backend = deepinfer.current_backend()
-        if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda":
+        if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda" and not owns_cache:
             rows = max_num_seqs * (1 + lookahead)  # a verification step runs 1 + drafts rows per sequence
             graphs = DecodeGraphs(
                 model, self.kv_cache, self.index_cache, max_batch=rows, max_blocks=max_blocks, drafter=drafter
@@ -351,6 +362,7 @@ class LLMEngine:
                 self._apply(launched, finished)
         for seq in finished:
             self._unfinished.pop(seq.arrival, None)
+            seq.model_state = None  # a model's own per-sequence caches (DeepSeek-V4), if any
         return finished
 
     def abort_all(self) -> list[Sequence]:
@@ -368,6 +380,7 @@ class LLMEngine:
                 seq.token_ids.pop()
             seq.block_table, seq.swapped, seq.swapped_pages = [], None, 0
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            seq.model_state = None
             aborted.append(seq)
         self._unfinished.clear()
         sched = self.scheduler

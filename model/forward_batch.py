@@ -21,6 +21,8 @@ class ForwardBatch:
         context_slots: ``[cu_seqlens_k[-1]]`` int64 cache slots of those keys, in order; prefill_block_table:
         ``[P, max_blocks]`` int32 pages of each chunk's sequence.
     moe_mode: ``ep_dispatch`` mode, ``normal`` or ``low_latency`` (no host synchronisation: CUDA graphs).
+    rows: ``(sequence, first position, count)`` of each run of consecutive rows of one sequence, in packing order,
+        for a model that keeps caches per sequence (DeepSeek-V4); None in CUDA-graph replays.
     """
 
     positions: torch.Tensor
@@ -33,6 +35,7 @@ class ForwardBatch:
     context_slots: torch.Tensor | None = None
     prefill_block_table: torch.Tensor | None = None
     moe_mode: str = "normal"
+    rows: list | None = None
     _made: dict = field(default_factory=dict, repr=False)  # tensors derived once per forward, shared by the layers
 
     @property

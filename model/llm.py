@@ -36,11 +36,13 @@ from deepinfer.selection import require
 from deepinfer.validation import Check
 
 from .checkpoint import Checkpoint
+from .config_v4 import V4Checkpoint, is_v4_checkpoint
 from .deepseek_v3 import DeepseekV3
+from .deepseek_v4 import DeepseekV4
 from .embedded import default_checkpoint
 from .engine import LLMEngine, cache_page_bytes
 from .eplb import ExpertLoadBalancer, nodes_of
-from .errors import RequestError
+from .errors import ParallelError, RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .parallel import expert_parallel
 from .sampling_params import SamplingParams
@@ -146,7 +148,7 @@ class LLM:
         self.progress = progress
         with deepinfer.use(self.backend) as spec:
             self.device = torch.device(device if device is not None else spec.device_type)
-            ckpt = Checkpoint.open(self.path)
+            ckpt = V4Checkpoint.open(self.path) if is_v4_checkpoint(self.path) else Checkpoint.open(self.path)
             self.config = ckpt.config
             positions = self.config.max_position_embeddings
             if max_model_len is not None and max_model_len > positions:
@@ -163,8 +165,10 @@ class LLM:
                     self.config.n_routed_experts,
                     ep_group,
                     num_redundant_experts=num_redundant_experts,
-                    num_groups=self.config.n_group or 1,
+                    num_groups=getattr(self.config, "n_group", 1) or 1,
                 )
+                if isinstance(ckpt, V4Checkpoint):
+                    _refuse_for_v4(self.ep.world_size, ep, self.speculative_config, enable_eplb)
                 mtp_layers = 1 if self.speculative_config is not None else 0
                 if mtp_layers and not self.config.num_nextn_predict_layers:
                     raise InputError(
@@ -220,13 +224,25 @@ class LLM:
         """The context length: prompt plus generated tokens of one sequence, at most."""
         return self.engine.max_model_len
 
-    def _load(self, ckpt: Checkpoint) -> DeepseekV3:
-        local = {f".experts.{e}." for e in self.ep.local}
-        mtp = self.speculative_config is not None
-        names = [*ckpt.layout, *(n for n in ckpt.mtp_layout if n in ckpt.tensors and mtp)]
-        total = ckpt.total_bytes(n for n in names if ".experts." not in n or any(e in n for e in local))
+    def _load(self, ckpt: Checkpoint | V4Checkpoint) -> DeepseekV3 | DeepseekV4:
+        if isinstance(ckpt, V4Checkpoint):
+            total = ckpt.total_bytes()
+
+            def build(on_progress=None):
+                return DeepseekV4.load(ckpt, dtype=self.dtype, device=self.device, on_progress=on_progress)
+        else:
+            local = {f".experts.{e}." for e in self.ep.local}
+            mtp = self.speculative_config is not None
+            names = [*ckpt.layout, *(n for n in ckpt.mtp_layout if n in ckpt.tensors and mtp)]
+            total = ckpt.total_bytes(n for n in names if ".experts." not in n or any(e in n for e in local))
+
+            def build(on_progress=None):
+                return DeepseekV3.load(
+                    ckpt, dtype=self.dtype, device=self.device, ep=self.ep, on_progress=on_progress, mtp=mtp
+                )
+
         if not self.progress:
-            model = DeepseekV3.load(ckpt, dtype=self.dtype, device=self.device, ep=self.ep, mtp=mtp)
+            model = build()
             ckpt.close()
             return model
         with Progress(
@@ -238,14 +254,7 @@ class LLM:
             transient=True,
         ) as bar:
             task = bar.add_task("load", total=total)
-            model = DeepseekV3.load(
-                ckpt,
-                dtype=self.dtype,
-                device=self.device,
-                ep=self.ep,
-                on_progress=lambda n: bar.advance(task, n),
-                mtp=mtp,
-            )
+            model = build(lambda n: bar.advance(task, n))
         ckpt.close()
         return model
 
@@ -502,3 +511,15 @@ def _check_arguments(**kw: Any) -> None:
         raise c.fail("kv_cache_gb", "a finite number > 0 or None", repr(gb))
     if kw["max_model_len"] is not None:
         c.positive_int("max_model_len", kw["max_model_len"], minimum=2)  # one prompt token and one generated
+
+
+def _refuse_for_v4(world_size: int, ep, speculative_config, enable_eplb: bool) -> None:
+    """What DeepSeek-V4 serving does not do yet, refused before its weights are read."""
+    if world_size > 1:
+        raise ParallelError("ep", "1 for deepseek_v4 (its experts are not sharded yet)", str(ep))
+    if speculative_config is not None:
+        raise InputError(
+            "LLM", "speculative_config", "None for deepseek_v4 (its MTP layers are not loaded)", "a config"
+        )
+    if enable_eplb:
+        raise InputError("LLM", "enable_eplb", "False for deepseek_v4 (its experts are not sharded)", "True")

@@ -169,6 +169,7 @@ class ModelRunner:
             fb.cu_seqlens_q = self._tensor(cu_q, torch.int32)
             fb.cu_seqlens_k = self._tensor(cu_k, torch.int32)
             fb.context_slots = torch.cat(ctx).to(self.device, non_blocking=True)
+        fb.rows = _runs(decode_rows) + [(ch.seq, ch.start, ch.end - ch.start) for ch in prefills]
         fb.positions = self._tensor(pos, torch.int32)
         fb.slot_mapping = self._tensor(slots, torch.int64)
         input_ids = self._tensor(ids, torch.int64)
@@ -347,6 +348,17 @@ class ModelRunner:
             self._tensor([p.top_k for p in params], torch.int32),
             self._tensor([step_seed(s.seed, s.num_generated + i) for s, i in _row_offsets(seqs)], torch.int64),
         )
+
+
+def _runs(rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int]]:
+    """``(seq, first position, count)`` of each run of consecutive positions of one sequence in ``rows``."""
+    out: list[tuple[Sequence, int, int]] = []
+    for seq, p in rows:
+        if out and out[-1][0] is seq and out[-1][1] + out[-1][2] == p:
+            out[-1] = (seq, out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((seq, p, 1))
+    return out
 
 
 def _row_offsets(seqs: list[Sequence]) -> list[tuple[Sequence, int]]:

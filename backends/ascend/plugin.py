@@ -17,6 +17,7 @@ from deepinfer import BackendSpec, OpImpl, hookimpl
 from . import (
     activation,
     attention,
+    compressed_attention,
     ep_mc2,
     gemm,
     hyper_connection,
@@ -155,6 +156,24 @@ def op_impls() -> list[OpImpl]:
         ),
         _composite("hc_head", hyper_connection.hc_head_torch, "streams", "fn", "base", "scale"),
         _composite("hc_post", hyper_connection.hc_post_torch, "block_out", "streams", "post", "comb"),
+        _composite("compress_kv", compressed_attention.compress_kv_torch, "kv", "gate", "position_bias"),
+        _composite(
+            "indexer_topk_entries",
+            compressed_attention.indexer_topk_entries_torch,
+            "q",
+            "weights",
+            "keys",
+            "key_start",
+            "key_count",
+        ),
+        _composite(
+            "sparse_attention_sinks",
+            compressed_attention.sparse_attention_sinks_torch,
+            "q",
+            "kv",
+            "indices",
+            "sinks",
+        ),
         OpImpl(
             "sample",
             NAME,

@@ -58,7 +58,18 @@ def _mla_decode_impls(attention) -> list[OpImpl]:
 def deepinfer_op_impls() -> list[OpImpl]:
     if not probe.triton_installed():
         return []  # the probe says why the backend is unavailable; there are no kernels to register
-    from . import activation, attention, gemm, hyper_connection, moe, norm, rope, sampling, sparse_attention
+    from . import (
+        activation,
+        attention,
+        compressed_attention,
+        gemm,
+        hyper_connection,
+        moe,
+        norm,
+        rope,
+        sampling,
+        sparse_attention,
+    )
 
     try:
         from . import gemm_gluon
@@ -91,6 +102,19 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("hc_post", "triton", hyper_connection.hc_post, hyper_connection.post_supports),
         _impl("hc_head", "triton", hyper_connection.hc_head, hyper_connection.head_supports),
         _impl("layer_norm", "triton", norm.layer_norm, norm.layer_norm_supports),
+        _impl("compress_kv", "triton", compressed_attention.compress_kv, compressed_attention.compress_supports),
+        _impl(
+            "indexer_topk_entries",
+            "triton",
+            compressed_attention.indexer_topk_entries,
+            compressed_attention.topk_supports,
+        ),
+        _impl(
+            "sparse_attention_sinks",
+            "triton",
+            compressed_attention.sparse_attention_sinks,
+            compressed_attention.attend_supports,
+        ),
         _impl("write_index_cache", "triton", sparse_attention.write_index_cache, sparse_attention.write_supports),
         _impl("indexer_topk", "triton", sparse_attention.indexer_topk, sparse_attention.topk_supports),
         _impl(

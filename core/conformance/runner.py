@@ -16,11 +16,33 @@ import torch
 from .. import dispatch, ops, registry
 from ..errors import FallbackWarning, InputError
 from ..selection import require, use
-from . import activation, attention, gemm, hyper_connection, moe, norm, rope, sampling, sparse_attention
+from . import (
+    activation,
+    attention,
+    compressed_attention,
+    gemm,
+    hyper_connection,
+    moe,
+    norm,
+    rope,
+    sampling,
+    sparse_attention,
+)
 from .cases import BadInput, Case, Gen, bitwise_equal, error, strided
 from .tolerances import tolerance
 
-FAMILIES = (attention, sparse_attention, gemm, moe, norm, rope, activation, sampling, hyper_connection)
+FAMILIES = (
+    attention,
+    sparse_attention,
+    gemm,
+    moe,
+    norm,
+    rope,
+    activation,
+    sampling,
+    hyper_connection,
+    compressed_attention,
+)
 SHAPE_GRIDS = ("small", "full")
 
 

@@ -11,6 +11,7 @@
 | ``activation`` | ``silu_and_mul`` |
 | ``sampling`` | ``sample``, ``apply_token_bitmask`` |
 | ``hyper_connection`` | ``hc_pre``, ``hc_post``, ``hc_head`` |
+| ``compressed_attention`` | ``compress_kv``, ``indexer_topk_entries``, ``sparse_attention_sinks`` |
 
 The reference implementation of each lives in the same-named file of ``deepinfer.reference``; a backend's in the
 same-named file of its package.
@@ -18,6 +19,7 @@ same-named file of its package.
 
 from .activation import silu_and_mul
 from .attention import attention_varlen, mla_decode, write_kv_cache
+from .compressed_attention import compress_kv, indexer_topk_entries, sparse_attention_sinks
 from .gemm import gemm, grouped_gemm, quantize_fp8
 from .hyper_connection import hc_head, hc_post, hc_pre
 from .moe import DispatchHandle, ExpertLayout, ExpertPlacement, ep_combine, ep_dispatch, moe_route, moe_route_hash
@@ -49,6 +51,9 @@ OP_NAMES = (
     "hc_pre",
     "hc_post",
     "hc_head",
+    "compress_kv",
+    "indexer_topk_entries",
+    "sparse_attention_sinks",
 )
 
 __all__ = [
@@ -58,6 +63,7 @@ __all__ = [
     "ExpertPlacement",
     "apply_token_bitmask",
     "attention_varlen",
+    "compress_kv",
     "ep_combine",
     "ep_dispatch",
     "gemm",
@@ -66,6 +72,7 @@ __all__ = [
     "hc_post",
     "hc_pre",
     "indexer_topk",
+    "indexer_topk_entries",
     "layer_norm",
     "mla_decode",
     "mla_softmax_scale",
@@ -77,6 +84,7 @@ __all__ = [
     "rope_cos_sin_cache",
     "sample",
     "silu_and_mul",
+    "sparse_attention_sinks",
     "sparse_mla",
     "write_index_cache",
     "write_kv_cache",

@@ -11,9 +11,31 @@ import torch
 
 from ..hookspecs import hookimpl
 from ..records import BackendSpec, OpImpl
-from . import activation, attention, gemm, hyper_connection, moe, norm, rope, sampling, sparse_attention
+from . import (
+    activation,
+    attention,
+    compressed_attention,
+    gemm,
+    hyper_connection,
+    moe,
+    norm,
+    rope,
+    sampling,
+    sparse_attention,
+)
 
-_MODULES = (attention, sparse_attention, gemm, moe, norm, rope, activation, sampling, hyper_connection)
+_MODULES = (
+    attention,
+    sparse_attention,
+    gemm,
+    moe,
+    norm,
+    rope,
+    activation,
+    sampling,
+    hyper_connection,
+    compressed_attention,
+)
 
 
 @hookimpl

@@ -20,7 +20,18 @@ def _collapse(streams, pre):
     return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
 
 
+def _per_row(fn, streams, *args, **kw):
+    """``fn`` on each token alone, results stacked: in batch-invariant mode a row's elementwise transcendentals
+    (sigmoid, exp) must not fall in another lane of a vectorised loop for another number of tokens."""
+    outs = [fn(streams[t : t + 1], *args, **kw) for t in range(streams.shape[0])]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+    return torch.cat(outs)
+
+
 def hc_pre(streams, fn, base, scale, *, sinkhorn_iters, eps, norm_eps):
+    if batch_invariant_enabled() and streams.shape[0] > 1:
+        return _per_row(hc_pre, streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps)
     tokens, n, _ = streams.shape
     m = _mixes(streams, fn, norm_eps)
     pre = torch.sigmoid(m[:, :n] * scale[0] + base[:n]) + eps
@@ -40,5 +51,7 @@ def hc_post(block_out, streams, post, comb):
 
 
 def hc_head(streams, fn, base, scale, *, eps, norm_eps):
+    if batch_invariant_enabled() and streams.shape[0] > 1:
+        return _per_row(hc_head, streams, fn, base, scale, eps=eps, norm_eps=norm_eps)
     pre = torch.sigmoid(_mixes(streams, fn, norm_eps) * scale[0] + base) + eps
     return _collapse(streams, pre)

@@ -1,0 +1,180 @@
+"""DeepSeek-V4's compressed attention: ``compress_kv``, ``indexer_topk_entries``, ``sparse_attention_sinks``.
+
+- ``compress_kv``: one program per (window, channel block): the softmax over the window's slots of gate plus bias in
+  fp32, the weights rounded to kv's dtype, the weighted sum in fp32.
+- ``indexer_topk_entries``: one program per query scores its range of keys block by block (each head's ``q . k`` a
+  row reduction, ``relu``, weighted, summed over heads in head order, fp32); ``torch.sort`` (stable, descending)
+  then keeps the best ``topk`` with ties to the lower row, and the kept rows are put in ascending order.
+- ``sparse_attention_sinks``: one program per (query, head) streams its listed rows in blocks with an online softmax
+  and folds the sink into the final denominator.
+
+Each row's arithmetic is the same whatever else is in the batch: batch-invariant. Written for correctness first:
+the attention reads the listed rows once per head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
+
+BLOCK_D = 128
+BLOCK_N = 16
+
+
+@triton.jit
+def _compress_kernel(kv_ptr, gate_ptr, bias_ptr, out_ptr, S, D, S_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+    pdl_wait()
+    w = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s = tl.arange(0, S_P2)
+    mask = (s[:, None] < S) & (d[None, :] < D)
+    at = w * S * D + s[:, None] * D + d[None, :]
+    g = tl.load(gate_ptr + at, mask=mask, other=float("-inf")).to(tl.float32)
+    g += tl.load(bias_ptr + s[:, None] * D + d[None, :], mask=mask, other=0.0)
+    g = tl.where(mask, g, -3.0e38)  # padding lanes: finite, so an all-padding column gives no NaN
+    e = tl.exp(g - tl.max(g, axis=0)[None, :])
+    weights = cast(e / tl.sum(e, axis=0)[None, :], kv_ptr.dtype.element_ty).to(tl.float32)
+    kv = tl.load(kv_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    out = tl.sum(tl.where(mask, weights * kv, 0.0), axis=0)
+    tl.store(out_ptr + w * D + d, cast(out, out_ptr.dtype.element_ty), mask=d < D)
+
+
+def compress_kv(kv, gate, position_bias):
+    windows, slots, dim = kv.shape
+    out = torch.empty(windows, dim, dtype=kv.dtype, device=kv.device)
+    if windows:
+        block_d = min(BLOCK_D, next_pow2(dim))
+        _compress_kernel[(windows, triton.cdiv(dim, block_d))](
+            kv.contiguous(),
+            gate.contiguous(),
+            position_bias.contiguous(),
+            out,
+            slots,
+            dim,
+            S_P2=next_pow2(slots),
+            BLOCK_D=block_d,
+            launch_pdl=PDL,
+        )
+    return out
+
+
+@triton.jit
+def _score_kernel(
+    q_ptr, w_ptr, k_ptr, start_ptr, count_ptr, out_ptr, H, D, WIDTH, D_P2: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """out[t, n] = sum_h w[t, h] relu(q[t, h] . keys[start[t] + n]) for n < count[t], -inf after."""
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    start = tl.load(start_ptr + t).to(tl.int64)
+    count = tl.load(count_ptr + t)
+    d = tl.arange(0, D_P2)
+    for n0 in range(0, WIDTH, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        seen = n < count
+        k = tl.load(k_ptr + (start + n)[:, None] * D + d[None, :], mask=seen[:, None] & (d[None, :] < D), other=0.0).to(
+            tl.float32
+        )
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for h in range(H):
+            q = tl.load(q_ptr + (t * H + h) * D + d, mask=d < D, other=0.0).to(tl.float32)
+            s = tl.sum(q[None, :] * k, axis=1)
+            acc += tl.load(w_ptr + t * H + h) * tl.maximum(s, 0.0)
+        tl.store(out_ptr + t * WIDTH + n, tl.where(seen, acc, float("-inf")), mask=n < WIDTH)
+
+
+def indexer_topk_entries(q, weights, keys, key_start, key_count, *, topk):
+    tokens, heads, dim = q.shape
+    out = torch.full((tokens, topk), -1, dtype=torch.int32, device=q.device)
+    width = int(key_count.max()) if tokens else 0
+    if width == 0:
+        return out
+    scores = torch.empty(tokens, width, dtype=torch.float32, device=q.device)
+    _score_kernel[(tokens,)](
+        q.contiguous(),
+        weights.contiguous(),
+        keys.contiguous(),
+        key_start.contiguous(),
+        key_count.contiguous(),
+        scores,
+        heads,
+        dim,
+        width,
+        D_P2=next_pow2(dim),
+        BLOCK_N=BLOCK_N,
+        launch_pdl=PDL,
+    )
+    k = min(topk, width)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]  # ties: the lower row first
+    keep = scores.gather(1, order) > float("-inf")
+    chosen = torch.where(keep, order, width).sort(dim=-1).values
+    out[:, :k] = torch.where(chosen < width, chosen + key_start.long()[:, None], -1).to(torch.int32)
+    return out
+
+
+@triton.jit
+def _attend_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, H, D, K, scale, D_P2: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, D_P2)
+    q = tl.load(q_ptr + (t * H + h) * D + d, mask=d < D, other=0.0).to(tl.float32)
+    m = tl.full((), -3.0e38, tl.float32)
+    denom = tl.zeros((), tl.float32)
+    acc = tl.zeros((D_P2,), tl.float32)
+    for n0 in range(0, K, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        row = tl.load(idx_ptr + t * K + n, mask=n < K, other=-1).to(tl.int64)
+        listed = row >= 0
+        v = tl.load(kv_ptr + row[:, None] * D + d[None, :], mask=listed[:, None] & (d[None, :] < D), other=0.0).to(
+            tl.float32
+        )
+        s = tl.where(listed, tl.sum(q[None, :] * v, axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        denom = denom * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m = m_new
+    sink = tl.load(sink_ptr + h)
+    top = tl.maximum(m, sink)
+    alpha = tl.exp(m - top)
+    out = acc * alpha / (denom * alpha + tl.exp(sink - top))
+    tl.store(out_ptr + (t * H + h) * D + d, cast(out, out_ptr.dtype.element_ty), mask=d < D)
+
+
+def sparse_attention_sinks(q, kv, indices, sinks, *, softmax_scale):
+    tokens, heads, dim = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if tokens and heads:
+        _attend_kernel[(tokens, heads)](
+            q.contiguous(),
+            kv.contiguous(),
+            indices.contiguous(),
+            sinks.contiguous(),
+            out,
+            heads,
+            dim,
+            indices.shape[1],
+            float(softmax_scale),
+            D_P2=next_pow2(dim),
+            BLOCK_N=BLOCK_N,
+            launch_pdl=PDL,
+        )
+    return out
+
+
+def compress_supports(kv, gate, position_bias) -> bool:
+    return on_device(kv, gate, position_bias) and kv.shape[1] <= 256
+
+
+def topk_supports(q, weights, keys, key_start, key_count, *, topk) -> bool:
+    return on_device(q, weights, keys, key_start, key_count) and q.shape[2] <= 1024
+
+
+def attend_supports(q, kv, indices, sinks, *, softmax_scale) -> bool:
+    return on_device(q, kv, indices, sinks) and q.shape[2] <= 1024

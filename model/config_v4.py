@@ -1,0 +1,589 @@
+"""DeepSeek-V4 checkpoints: ``V4Config`` from ``config.json``, the tensor layout it implies, and a checked reader.
+
+``config.json`` is read as transformers' ``DeepseekV4Config`` reads it: ``layer_types`` (or the legacy per-layer
+``compress_ratios`` 0 / 4 / 128, or the default schedule: two heavily compressed layers, then compressed sparse and
+heavily compressed alternating), ``compress_rates``, ``mlp_layer_types`` (or ``num_hash_layers``, default 3
+``hash_moe`` layers first), ``partial_rotary_factor`` (or ``qk_rope_head_dim``), and ``rope_parameters`` either
+nested by rope type (``main``, ``compress``) or flat (its YaRN keys then apply to the ``compress`` rope, whose base is
+``compress_rope_theta``; YaRN there never scales cos/sin: ``attention_factor`` 1).
+
+The weights are found under the names DeepSeek writes and transformers saves (``model.layers.{i}.attn.wq_a.weight``,
+``...ffn.experts.{e}.w1.weight``, ``head.weight``, ``model.hc_head.hc_fn``...); a leading ``model.`` is optional
+(DeepSeek's own files have none, and call the embedding ``embed.weight`` and the head's mHC ``hc_head_fn``).
+``V4Checkpoint.open`` reads every header and checks the whole checkpoint against the layout before a weight is read:
+a missing, unexpected or mis-shaped tensor is a ``CheckpointError`` naming the file and the tensor. The
+multi-token-prediction layers (``mtp.*``) are recognised and not loaded.
+
+Quantised checkpoints (``quantization_config``: ``quant_method: fp8``, ``fmt: e4m3``, ``weight_block_size: [128,
+128]``, ``scale_fmt`` ``ue8m0`` or none, ``expert_dtype`` ``fp4`` or ``fp8``), as transformers' fine-grained FP8
+integration writes them: a linear weight may be e4m3 with ``weight_scale_inv [ceil(N/128), ceil(K/128)]``; with
+``expert_dtype: fp4`` the routed experts' weights are int8 ``[N, K/2]``, two e2m1 values a byte (the low nibble
+first), with one scale per 32 values of a row, ``weight_scale_inv [N, K/32]``. Scales are fp32 or ``F8_E8M0``.
+Every quantised weight is dequantised once, at load, to the model's dtype (``read``): the model then runs as a
+bf16 one (the FP8 activation quantisation of DeepSeek's GEMMs and FP4 expert kernels are not used yet).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from .checkpoint import FLOAT_KINDS, INDEX_FILE, TensorInfo, find_files, read_header
+from .config import MAX_POSITIONS, MAX_ROUTED_EXPERTS, _finite
+from .errors import CheckpointError
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+MLP_TYPES = ("hash_moe", "moe")
+INT_KINDS = ("I32", "I64")
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """The fields of a DeepSeek-V4 ``config.json`` the model uses (transformers' names and defaults)."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    head_dim: int = 512
+    q_lora_rank: int = 1024
+    qk_rope_head_dim: int = 64
+    num_experts_per_tok: int = 6
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    compress_rope_scaling: dict[str, Any] | None = None
+    layer_types: tuple[str, ...] = ()
+    mlp_layer_types: tuple[str, ...] = ()
+    compress_rates: dict[str, int] = field(default_factory=lambda: {CSA: 4, HCA: 128})
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    num_nextn_predict_layers: int = 0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_ids: tuple[int, ...] = (1,)
+    model_type: str = "deepseek_v4"
+    quantization: dict[str, str] | None = None  # {"scale_fmt": ..., "expert_dtype": "fp8" | "fp4"} when quantised
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # The model keeps its caches per sequence (``deepseek_v4.V4State``), not in the engine's paged latent cache: the
+    # engine asks ``cache_page_bytes`` for its budget and keeps only a placeholder page table (``engine.py``).
+    owns_cache = True
+    sparse_attention = False  # no DeepSeek-V3.2 paged indexer-key cache either
+
+    def cache_bytes_per_token(self, elem_bytes: int = 2) -> float:
+        """Bytes the caches grow by per token of context: every compressed layer's entry (``head_dim``) and, for
+        compressed sparse attention, its indexer key (``index_head_dim``), once per ``m`` tokens. The window's keys
+        (``sliding_window - 1`` per layer) are a fixed cost per sequence (``cache_bytes_per_sequence``)."""
+        total = 0.0
+        for i, kind in enumerate(self.layer_types):
+            if kind != SLIDING:
+                total += (self.head_dim + (self.index_head_dim if kind == CSA else 0)) / self.compress_rate(i)
+        return total * elem_bytes
+
+    def cache_bytes_per_sequence(self, elem_bytes: int = 2) -> int:
+        """Fixed bytes per sequence: the window's keys of every layer, and each compressor's unfinished window."""
+        window = self.num_hidden_layers * (self.sliding_window - 1) * self.head_dim
+        buffers = 0
+        for i, kind in enumerate(self.layer_types):
+            if kind == CSA:  # two series of head_dim and of index_head_dim, kv and gate, up to 2m rows
+                buffers += 2 * 2 * self.compress_rate(i) * 2 * (self.head_dim + self.index_head_dim)
+            elif kind == HCA:
+                buffers += 2 * self.compress_rate(i) * self.head_dim
+        return (window + buffers) * elem_bytes
+
+    def cache_page_bytes(self, kv_format: str, block_size: int) -> int:
+        """The engine's budget for one page of ``block_size`` tokens (bf16 states)."""
+        if kv_format != "bf16":
+            raise CheckpointError(f"deepseek_v4 keeps its caches in the model's dtype: kv_format bf16, got {kv_format}")
+        return max(1, math.ceil(self.cache_bytes_per_token() * block_size))
+
+    def compress_rate(self, layer: int) -> int:
+        """``m`` of a compressed layer (0 for a sliding-window layer)."""
+        kind = self.layer_types[layer]
+        return 0 if kind == SLIDING else self.compress_rates[kind]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> V4Config:
+        """Parses a DeepSeek-V4 ``config.json`` dict; raises ``CheckpointError`` naming ``source`` and the field."""
+
+        def fail(what: str) -> CheckpointError:
+            return CheckpointError(f"{source}: {what}")
+
+        def get(name: str, kind: type, default: Any = None, *, required: bool = False):
+            if raw.get(name) is None:
+                if required:
+                    raise fail(f"field {name!r} is missing")
+                return default
+            value = raw[name]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if (kind is int and (isinstance(value, bool) or not isinstance(value, int))) or not isinstance(value, kind):
+                raise fail(f"field {name!r} must be {kind.__name__}, got {value!r}")
+            return value
+
+        if raw.get("model_type") != "deepseek_v4":
+            raise fail(f"model_type {raw.get('model_type')!r} is not deepseek_v4")
+        archs = raw.get("architectures") or []
+        if archs and "DeepseekV4ForCausalLM" not in archs:
+            raise fail(f"architectures {archs} do not include DeepseekV4ForCausalLM")
+        if get("hidden_act", str, "silu") != "silu":
+            raise fail(f"hidden_act {raw['hidden_act']!r} is not supported (silu)")
+        if get("num_key_value_heads", int, 1) != 1:
+            raise fail(f"num_key_value_heads must be 1 (shared key=value attention), got {raw['num_key_value_heads']}")
+        for flag in ("attention_bias", "mlp_bias"):
+            if raw.get(flag):
+                raise fail(f"{flag}=true is not supported by DeepSeek-V4")
+        quant = _v4_quantization(raw.get("quantization_config"), raw.get("expert_dtype"), fail)
+        scoring = get("scoring_func", str, "sqrtsoftplus")
+        if scoring not in ("sqrtsoftplus", "sigmoid", "softmax"):
+            raise fail(f"scoring_func {scoring!r} is not supported (sqrtsoftplus, sigmoid or softmax)")
+
+        n = get("num_hidden_layers", int, required=True)
+        if not 1 <= n <= 4096:
+            raise fail(f"field 'num_hidden_layers' must lie in [1, 4096], got {n}")
+        rates = dict(raw.get("compress_rates") or {CSA: 4, HCA: 128})
+        for key, legacy in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
+            if raw.get(legacy) is not None:
+                rates[key] = raw[legacy]
+        for key in (CSA, HCA):
+            v = rates.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise fail(f"compress_rates[{key!r}] must be an int >= 1, got {v!r}")
+        types = raw.get("layer_types")
+        if types is None and raw.get("compress_ratios") is not None:
+            ratios = raw["compress_ratios"]
+            if not isinstance(ratios, list) or any(r not in RATIO_TO_TYPE for r in ratios):
+                raise fail(f"compress_ratios must list 0, 4 or 128 per layer, got {ratios!r}")
+            types = [RATIO_TO_TYPE[r] for r in ratios]
+        if types is None:
+            types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        mlp = raw.get("mlp_layer_types")
+        if mlp is None:
+            hashed = get("num_hash_layers", int, 3)
+            mlp = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+        for name, got, allowed in (("layer_types", types, LAYER_TYPES), ("mlp_layer_types", mlp, MLP_TYPES)):
+            if not isinstance(got, list) or len(got) < n or any(t not in allowed for t in got[:n]):
+                raise fail(f"{name} must list one of {list(allowed)} for each of the {n} layers, got {got!r}")
+
+        head_dim = get("head_dim", int, 512)
+        rope_dim = raw.get("qk_rope_head_dim")
+        if rope_dim is None:
+            factor = get("partial_rotary_factor", float, 64 / 512)
+            rope_dim = int(head_dim * factor)
+        theta, c_theta, c_scaling = _v4_rope(raw, fail)
+        eos = raw.get("eos_token_id", 1)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_ids):
+            raise fail(f"field 'eos_token_id' must be an int >= 0, a list of them or null, got {eos!r}")
+        cfg = cls(
+            vocab_size=get("vocab_size", int, required=True),
+            hidden_size=get("hidden_size", int, required=True),
+            moe_intermediate_size=get("moe_intermediate_size", int, required=True),
+            num_hidden_layers=n,
+            num_attention_heads=get("num_attention_heads", int, required=True),
+            head_dim=head_dim,
+            q_lora_rank=get("q_lora_rank", int, 1024),
+            qk_rope_head_dim=rope_dim,
+            num_experts_per_tok=get("num_experts_per_tok", int, 6),
+            n_routed_experts=get("n_routed_experts", int, required=True),
+            n_shared_experts=get("n_shared_experts", int, 1),
+            scoring_func=scoring,
+            routed_scaling_factor=get("routed_scaling_factor", float, 1.5),
+            max_position_embeddings=get("max_position_embeddings", int, 1048576),
+            rope_theta=theta,
+            compress_rope_theta=c_theta,
+            compress_rope_scaling=c_scaling,
+            layer_types=tuple(types[:n]),
+            mlp_layer_types=tuple(mlp[:n]),
+            compress_rates={CSA: rates[CSA], HCA: rates[HCA]},
+            hc_mult=get("hc_mult", int, 4),
+            hc_sinkhorn_iters=get("hc_sinkhorn_iters", int, 20),
+            hc_eps=get("hc_eps", float, 1e-6),
+            swiglu_limit=get("swiglu_limit", float, 10.0),
+            sliding_window=get("sliding_window", int, 128),
+            o_groups=get("o_groups", int, 8),
+            o_lora_rank=get("o_lora_rank", int, 1024),
+            index_n_heads=get("index_n_heads", int, 64),
+            index_head_dim=get("index_head_dim", int, 128),
+            index_topk=get("index_topk", int, 512),
+            num_nextn_predict_layers=get("num_nextn_predict_layers", int, 0),
+            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+            tie_word_embeddings=bool(get("tie_word_embeddings", bool, False)),
+            bos_token_id=get("bos_token_id", int, None),
+            eos_token_ids=eos_ids,
+            quantization=quant,
+            extra=raw,
+        )
+        cfg._check(fail)
+        return cfg
+
+    def _check(self, fail) -> None:
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "moe_intermediate_size",
+            "num_attention_heads",
+            "head_dim",
+            "q_lora_rank",
+            "qk_rope_head_dim",
+            "num_experts_per_tok",
+            "n_routed_experts",
+            "max_position_embeddings",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "sliding_window",
+            "o_groups",
+            "o_lora_rank",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
+        for name in ("rms_norm_eps", "routed_scaling_factor", "swiglu_limit"):
+            _finite(fail, f"field {name!r}", getattr(self, name), positive=True)
+        _finite(fail, "field 'hc_eps'", self.hc_eps)
+        if self.hc_eps < 0:
+            raise fail(f"field 'hc_eps' must be >= 0, got {self.hc_eps}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise fail(f"field 'max_position_embeddings' must be at most {MAX_POSITIONS}")
+        if self.n_routed_experts > MAX_ROUTED_EXPERTS:
+            raise fail(f"field 'n_routed_experts' must be at most {MAX_ROUTED_EXPERTS}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise fail(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})"
+            )
+        if self.n_shared_experts != 1:
+            raise fail(f"n_shared_experts must be 1 (DeepSeek-V4's shared expert), got {self.n_shared_experts}")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > min(self.head_dim, self.index_head_dim):
+            raise fail(
+                f"the rope part ({self.qk_rope_head_dim}) must be even and fit head_dim ({self.head_dim}) and "
+                f"index_head_dim ({self.index_head_dim})"
+            )
+        if (self.num_attention_heads * self.head_dim) % self.o_groups:
+            raise fail(f"o_groups ({self.o_groups}) must divide num_attention_heads * head_dim")
+
+
+def _v4_quantization(qc: Any, expert_dtype: Any, fail) -> dict[str, str] | None:
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise fail(f"quantization_config must be an object, got {qc!r}")
+    if qc.get("quant_method") != "fp8":
+        raise fail(f"unsupported quantization quant_method={qc.get('quant_method')!r} (supported: fp8)")
+    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise fail("FP8 checkpoints must use fmt e4m3 and activation_scheme dynamic")
+    if list(qc.get("weight_block_size") or []) != [128, 128]:
+        raise fail(f"unsupported weight_block_size={qc.get('weight_block_size')!r} (supported: [128, 128])")
+    scale_fmt = qc.get("scale_fmt") or "fp32"
+    if scale_fmt not in ("fp32", "ue8m0"):
+        raise fail(f"unsupported scale_fmt={scale_fmt!r} (supported: ue8m0 or none)")
+    experts = qc.get("expert_dtype", expert_dtype) or "fp8"
+    if experts not in ("fp8", "fp4"):
+        raise fail(f"unsupported expert_dtype={experts!r} (supported: fp8, fp4)")
+    return {"scale_fmt": scale_fmt, "expert_dtype": experts}
+
+
+def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | None]:
+    """``(main theta, compress theta, compress YaRN parameters or None)``."""
+    rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rp, dict):
+        raise fail(f"rope_parameters must be an object, got {rp!r}")
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        main, compress = rp["main"], dict(rp["compress"])
+    else:
+        main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
+        compress = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+        compress["rope_theta"] = raw.get("compress_rope_theta", 160000.0)
+    if main.get("rope_type", main.get("type", "default")) != "default":
+        raise fail(f"the main rope must be of type default, got {main.get('rope_type')!r}")
+    theta, c_theta = main.get("rope_theta", 10000.0), compress.get("rope_theta", 160000.0)
+    _finite(fail, "rope_theta", theta, positive=True)
+    _finite(fail, "compress_rope_theta", c_theta, positive=True)
+    kind = compress.get("rope_type", compress.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), float(c_theta), None
+    if kind != "yarn":
+        raise fail(f"the compress rope type {kind!r} is not supported (default or yarn)")
+    yarn = {k: v for k, v in compress.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    yarn["rope_type"] = "yarn"
+    yarn["attention_factor"] = yarn.get("attention_factor") or 1.0  # V4 never scales cos / sin
+    original = yarn.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original <= 0:
+        raise fail("yarn rope scaling needs original_max_position_embeddings")
+    if yarn.get("factor") is None:
+        yarn["factor"] = raw.get("max_position_embeddings", original) / original
+    _finite(fail, "yarn rope scaling field 'factor'", yarn["factor"], positive=True)
+    for name in ("beta_fast", "beta_slow"):
+        if yarn.get(name) is not None:
+            _finite(fail, f"yarn rope scaling field {name!r}", yarn[name])
+    if yarn.get("truncate") is False:
+        raise fail("yarn with truncate=false is not supported")
+    return float(theta), float(c_theta), yarn
+
+
+def is_v4_checkpoint(path: str | Path) -> bool:
+    """Whether ``path/config.json`` declares ``model_type: deepseek_v4`` (False when it cannot be read: the other
+    loader then reports what is wrong)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("model_type") == "deepseek_v4"
+
+
+# --- layout --------------------------------------------------------------------------------------------------------
+
+FLOAT, INDEX, LINEAR, EXPERT = "float", "index", "linear", "expert"
+SCALE_SUFFIX = "_scale_inv"
+# Linears a quantised V4 checkpoint keeps in high precision (transformers' ``_keep_in_fp32_modules``): the
+# compressors' and the indexer's projections, the router, the head; any other linear may be FP8.
+HIGH_PRECISION = ("compressor.wkv.", "compressor.wgate.", "indexer.weights_proj.", "ffn.gate.", "head.")
+FP4_GROUP = 32
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def expected_layout(cfg: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the model (normalised names: no leading ``model.``), with its shape and kind (``float`` or
+    ``index``: the hash-routing table)."""
+    h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    d, nh, q, inter, e = cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank, cfg.moe_intermediate_size, None
+    out: dict[str, tuple[tuple[int, ...], str]] = {
+        "embed_tokens.weight": ((v, h), FLOAT),
+        "norm.weight": ((h,), FLOAT),
+        "hc_head.hc_fn": ((n, n * h), FLOAT),
+        "hc_head.hc_base": ((n,), FLOAT),
+        "hc_head.hc_scale": ((1,), FLOAT),
+    }
+    if not cfg.tie_word_embeddings:
+        out["head.weight"] = ((v, h), FLOAT)
+    mixes = (2 + n) * n
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        out[p + "attn_norm.weight"] = ((h,), FLOAT)
+        out[p + "ffn_norm.weight"] = ((h,), FLOAT)
+        for site in ("attn", "ffn"):
+            out[f"{p}hc_{site}_fn"] = ((mixes, n * h), FLOAT)
+            out[f"{p}hc_{site}_base"] = ((mixes,), FLOAT)
+            out[f"{p}hc_{site}_scale"] = ((3,), FLOAT)
+        a = p + "attn."
+        g, r = cfg.o_groups, cfg.o_lora_rank
+        out.update(
+            {
+                a + "attn_sink": ((nh,), FLOAT),
+                a + "wq_a.weight": ((q, h), LINEAR),
+                a + "q_norm.weight": ((q,), FLOAT),
+                a + "wq_b.weight": ((nh * d, q), LINEAR),
+                a + "wkv.weight": ((d, h), LINEAR),
+                a + "norm.weight": ((d,), FLOAT),
+                a + "wo_a.weight": ((g * r, nh * d // g), LINEAR),
+                a + "wo_b.weight": ((h, g * r), LINEAR),
+            }
+        )
+        kind = cfg.layer_types[i]
+        if kind != SLIDING:
+            m, coff = cfg.compress_rate(i), 2 if kind == CSA else 1
+            out.update(_compressor(a + "compressor.", m, coff * d, d, h))
+        if kind == CSA:
+            di, ni = cfg.index_head_dim, cfg.index_n_heads
+            out.update(_compressor(a + "indexer.compressor.", cfg.compress_rate(i), 2 * di, di, h))
+            out[a + "indexer.wq_b.weight"] = ((ni * di, q), LINEAR)
+            out[a + "indexer.weights_proj.weight"] = ((ni, h), FLOAT)
+        f = p + "ffn."
+        out[f + "gate.weight"] = ((cfg.n_routed_experts, h), FLOAT)
+        if cfg.mlp_layer_types[i] == "hash_moe":
+            out[f + "gate.tid2eid"] = ((v, cfg.num_experts_per_tok), INDEX)
+        else:
+            out[f + "gate.bias"] = ((cfg.n_routed_experts,), FLOAT)
+        for e in [*(f"experts.{j}." for j in range(cfg.n_routed_experts)), "shared_experts."]:
+            kind = LINEAR if e == "shared_experts." else EXPERT
+            out[f + e + "w1.weight"] = ((inter, h), kind)
+            out[f + e + "w3.weight"] = ((inter, h), kind)
+            out[f + e + "w2.weight"] = ((h, inter), kind)
+    return out
+
+
+def _compressor(p: str, m: int, width: int, dim: int, h: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {
+        p + "ape": ((m, width), FLOAT),
+        p + "wkv.weight": ((width, h), FLOAT),
+        p + "wgate.weight": ((width, h), FLOAT),
+        p + "norm.weight": ((dim,), FLOAT),
+    }
+
+
+ALIASES = {"embed.weight": "embed_tokens.weight", "hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base"}
+ALIASES["hc_head_scale"] = "hc_head.hc_scale"
+
+
+def _check_quantised(cfg: V4Config, tensors: dict, name: str, info: TensorInfo, shape: tuple, kind: str) -> None:
+    """An e4m3 weight with 128 x 128 block scales, or (routed experts of an ``expert_dtype: fp4`` checkpoint) an
+    int8 weight of two e2m1 values a byte with one scale per 32 values of a row."""
+    if cfg.quantization is None:
+        raise CheckpointError(f"{info.file}: tensor {name!r} is {info.dtype}; config.json has no quantization_config")
+    n, k = shape
+    fp4 = info.dtype == "I8"
+    if fp4 and (kind != EXPERT or cfg.quantization["expert_dtype"] != "fp4"):
+        raise CheckpointError(f"{info.file}: tensor {name!r} is int8 (FP4); only routed experts with expert_dtype fp4")
+    if not fp4 and any(p in name for p in HIGH_PRECISION):
+        raise CheckpointError(f"{info.file}: tensor {name!r} is FP8; DeepSeek-V4 keeps it in high precision")
+    want = (n, k // 2) if fp4 else shape
+    if info.shape != want or (fp4 and k % FP4_GROUP):
+        raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected {list(want)}")
+    scale = tensors.get(name + SCALE_SUFFIX)
+    want_scale = (n, k // FP4_GROUP) if fp4 else (math.ceil(n / 128), math.ceil(k / 128))
+    if scale is None:
+        raise CheckpointError(f"{info.file}: quantised tensor {name!r} has no {name + SCALE_SUFFIX!r}")
+    if scale.shape != want_scale or scale.dtype not in ("F32", "BF16", "F8_E8M0"):
+        raise CheckpointError(
+            f"{scale.file}: tensor {name + SCALE_SUFFIX!r} is {scale.dtype}{list(scale.shape)}, expected fp32 or "
+            f"ue8m0 {list(want_scale)}"
+        )
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of a quantised weight: e4m3 ``[N, K]`` times its 128 x 128 block scales, or int8 ``[N, K/2]`` of
+    two e2m1 values a byte (the low nibble is the even element) times one scale per 32 values of a row."""
+    s = scale.float()
+    if w.dtype == torch.int8:
+        lut = torch.tensor(E2M1, dtype=torch.float32, device=w.device)
+        u8 = w.view(torch.uint8)
+        values = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1).reshape(w.shape[0], -1)
+        return values * s.repeat_interleave(FP4_GROUP, dim=1)
+    n, k = w.shape
+    full = s.repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+    return w.float() * full
+
+
+def normalise(name: str) -> str:
+    """A tensor's name in ``expected_layout``'s terms: no leading ``model.``, DeepSeek's top-level aliases mapped."""
+    name = name.removeprefix("model.")
+    return ALIASES.get(name, name)
+
+
+@dataclass
+class V4Checkpoint:
+    """A checked DeepSeek-V4 checkpoint directory. ``names``: normalised name -> name in the files; ``mtp_keys``:
+    the multi-token-prediction tensors it holds (recognised, not loaded)."""
+
+    path: Path
+    config: V4Config
+    tensors: dict[str, TensorInfo]
+    names: dict[str, str]
+    mtp_keys: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path, config: V4Config | None = None) -> V4Checkpoint:
+        path = Path(path)
+        if config is None:
+            file = path / "config.json"
+            try:
+                raw = json.loads(file.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{file}: cannot be read as JSON: {e}") from e
+            config = V4Config.from_dict(raw, source=str(file))
+        tensors: dict[str, TensorInfo] = {}
+        for file in find_files(path):
+            for name, info in read_header(file).items():
+                if name in tensors:
+                    raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file} and {file}")
+                tensors[name] = info
+        index = path / INDEX_FILE
+        if index.is_file():
+            for name, file in json.loads(index.read_text())["weight_map"].items():
+                if name not in tensors or tensors[name].file.name != file:
+                    raise CheckpointError(f"{index}: maps tensor {name!r} to {file} but no such tensor is there")
+        want = expected_layout(config)
+        names: dict[str, str] = {}
+        mtp: list[str] = []
+        scales = {n for n in tensors if n.endswith(SCALE_SUFFIX)}
+        for name, info in sorted(tensors.items()):
+            key = normalise(name)
+            if key.startswith("mtp."):
+                mtp.append(name)
+                continue
+            if name in scales:
+                weight = name[: -len(SCALE_SUFFIX)]
+                if weight not in tensors or tensors[weight].dtype not in ("F8_E4M3", "I8"):
+                    raise CheckpointError(f"{info.file}: unexpected tensor {name!r} (no quantised weight {weight!r})")
+                continue
+            if key not in want:
+                raise CheckpointError(
+                    f"{info.file}: unexpected tensor {name!r} (not part of the {config.num_hidden_layers}-layer "
+                    "deepseek_v4 layout config.json describes)"
+                )
+            if key in names:
+                raise CheckpointError(f"{info.file}: tensor {name!r} duplicates {names[key]!r}")
+            shape, kind = want[key]
+            if info.dtype in ("F8_E4M3", "I8") and kind in (LINEAR, EXPERT):
+                _check_quantised(config, tensors, name, info, shape, kind)
+                names[key] = name
+                continue
+            if info.shape != shape:
+                raise CheckpointError(
+                    f"{info.file}: tensor {name!r} has shape {list(info.shape)}, config.json implies {list(shape)}"
+                )
+            kinds = INT_KINDS if kind == INDEX else FLOAT_KINDS
+            if info.dtype not in kinds:
+                raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}; expected one of {kinds}")
+            names[key] = name
+        missing = [k for k in want if k not in names]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}, which config.json implies")
+        return cls(path, config, tensors, names, mtp)
+
+    def read(self, key: str, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
+        """The tensor of normalised name ``key`` on ``device`` (in ``dtype``; None keeps the stored dtype)."""
+        name = self.names[key]
+        info = self.tensors[name]
+        handle = self._handles.get(info.file)
+        if handle is None:
+            try:
+                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+            except Exception as e:  # safetensors raises its own error type
+                raise CheckpointError(f"{info.file}: cannot be opened as safetensors: {e}") from e
+        try:
+            t = handle.get_tensor(name)
+            scale = handle.get_tensor(name + SCALE_SUFFIX) if info.dtype in ("F8_E4M3", "I8") else None
+        except Exception as e:
+            raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
+        self.bytes_read += t.numel() * t.element_size()
+        if scale is not None:
+            self.bytes_read += scale.numel() * scale.element_size()
+            t = dequantize(t.to(device), scale.to(device))
+        return t.to(device=device, dtype=dtype or t.dtype)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def total_bytes(self) -> int:
+        from .checkpoint import DTYPES
+
+        return sum(math.prod(i.shape) * DTYPES[i.dtype][1] for n, i in self.tensors.items() if n not in self.mtp_keys)

@@ -1,0 +1,467 @@
+"""The DeepSeek-V4 model on deepinfer ops, with per-sequence caches it owns.
+
+Forward (numerics of transformers' ``DeepseekV4ForCausalLM``): the token embedding copied into ``hc_mult`` residual
+streams; per layer, ``hc_pre`` collapses the streams into the block input, RMSNorm, the block, and ``hc_post`` forms
+the next streams, once for attention and once for the MoE; ``hc_head`` folds the streams, a final RMSNorm, the head.
+
+Attention of layer ``i`` over one key=value head of ``head_dim`` ``D`` (the key is the value):
+
+- ``q = rope(rmsnorm_unweighted(wq_b(rmsnorm(wq_a(x)))))`` per head, ``kv = rope(rmsnorm(wkv(x)))``; rope rotates
+  the last ``qk_rope_head_dim`` channels, interleaved, with the ``main`` table on sliding-window layers and the
+  ``compress`` table (YaRN, cos/sin unscaled) on compressed layers.
+- Every query at position ``p`` attends the window, the keys at positions ``p - sliding_window + 1 .. p``.
+- A compressed layer of rate ``m`` also attends compressed entries. Entry ``w`` pools the tokens of window
+  ``[w m, (w + 1) m)``: ``compress_kv`` over ``wkv`` / ``wgate`` projections plus a learned per-slot bias (``ape``),
+  then RMSNorm and rope at position ``w m``. It is visible to query ``p`` once its window has closed:
+  ``w < (p + 1) // m``. Heavily compressed attention (HCA) attends every visible entry. Compressed sparse attention
+  (CSA) projects ``2 D`` per token, two series: an entry pools the first series of the previous window and the
+  second of its own (``2m`` slots, overlapping windows); its lightning indexer (an own compressor at
+  ``index_head_dim``, queries from the query's low-rank projection) keeps the ``index_topk`` visible entries of
+  highest ``sum_h w_h relu(q_h . k)`` (``indexer_topk_entries``).
+- ``sparse_attention_sinks`` attends window and entries alike with a learned sink per head, softmax scale
+  ``D^-0.5``; the output's rope channels are rotated back by the query's position (the key was its value); the
+  grouped low-rank output projection maps ``o_groups`` groups of heads through ``wo_a`` (one block per group,
+  ``grouped_gemm``) and mixes them with ``wo_b``.
+
+MoE: ``hash_moe`` layers take their experts from the frozen ``tid2eid[token]`` table (``moe_route_hash``), the others
+route top-k by ``sqrtsoftplus`` scores plus a selection bias (``moe_route``); weights renormalised, times
+``routed_scaling_factor``; experts and the shared expert use SwiGLU clipped at ``swiglu_limit``.
+
+Caches (``V4State``, one per sequence, owned by the model): per layer the last ``sliding_window - 1`` keys; for a
+compressed layer the projections of its unfinished window, the previous window's first series (CSA), and the
+entries emitted so far (and, for CSA, the indexer's own buffers and keys). A forward takes any number of new tokens
+per sequence (a prompt, a chunk of one, one decode token); the result does not depend on how a prompt is split.
+The caches are contiguous per sequence, not paged (``model/README.md`` says what that leaves out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer import ops, prepare_weight
+
+from .config_v4 import CSA, HCA, SLIDING, V4Checkpoint, V4Config
+from .forward_batch import ForwardBatch
+from .mla import linear
+from .moe import ExpertParallel
+
+
+def _rope_tail(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """Interleaved rope on the last ``rope_dim`` channels of ``x [T, H, D]``."""
+    rotated = ops.rope(x[..., -rope_dim:], positions, table, True)
+    return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+
+
+def _rope_tail_back(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """``_rope_tail`` by the opposite angles: a pair ``(a, b)`` rotated back is the mirror ``(a, -b)`` rotated
+    forward, mirrored again (so no second table is needed)."""
+    sign = torch.ones(rope_dim, dtype=x.dtype, device=x.device)
+    sign[1::2] = -1
+    return torch.cat([x[..., :-rope_dim], ops.rope(x[..., -rope_dim:] * sign, positions, table, True) * sign], -1)
+
+
+@dataclass
+class CompressorState:
+    """A compressor's cache for one sequence: projections of the unfinished window, the previous window's first
+    series (overlapping compressors), and every entry emitted so far."""
+
+    buf_kv: torch.Tensor | None = None
+    buf_gate: torch.Tensor | None = None
+    prev_kv: torch.Tensor | None = None
+    prev_gate: torch.Tensor | None = None
+    entries: torch.Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return 0 if self.entries is None else self.entries.shape[0]
+
+    def nbytes(self) -> int:
+        ts = (self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate, self.entries)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+@dataclass
+class LayerState:
+    window: torch.Tensor | None = None  # [<= sliding_window - 1, D]: the last keys
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+
+@dataclass
+class V4State:
+    """One sequence's caches: ``length`` tokens seen so far, and each layer's ``LayerState``."""
+
+    layers: list[LayerState]
+    length: int = 0
+
+    def nbytes(self) -> int:
+        total = 0
+        for ls in self.layers:
+            if ls.window is not None:
+                total += ls.window.numel() * ls.window.element_size()
+            for c in (ls.compressor, ls.indexer):
+                total += c.nbytes() if c is not None else 0
+        return total
+
+
+@dataclass
+class V4Batch:
+    """One forward: sequence ``b`` contributes ``lens[b]`` consecutive tokens (packed in order) and ``states[b]``
+    its caches; ``positions [T]`` int32 of every token. Built by ``DeepseekV4.batch``."""
+
+    states: list[V4State]
+    lens: list[int]
+    positions: torch.Tensor
+    input_ids: torch.Tensor
+
+    @property
+    def offsets(self) -> list[int]:
+        out, o = [], 0
+        for n in self.lens:
+            out.append(o)
+            o += n
+        return out
+
+
+class Compressor:
+    """One compressor: ``wkv``, ``wgate`` (``[c D, hidden]``, ``c`` 2 when overlapping), ``ape [m, c D]`` fp32 and
+    ``norm [D]``; rope at each entry's first position from ``table``."""
+
+    def __init__(self, w: dict, m: int, dim: int, overlap: bool, table: torch.Tensor, rope_dim: int, eps: float):
+        self.wkv, self.wgate, self.norm = w["wkv.weight"], w["wgate.weight"], w["norm.weight"]
+        ape = w["ape"]
+        self.bias = torch.cat([ape[:, :dim], ape[:, dim:]], 0).contiguous() if overlap else ape
+        self.m, self.dim, self.overlap, self.table, self.rope_dim, self.eps = m, dim, overlap, table, rope_dim, eps
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return linear(x, self.wkv), linear(x, self.wgate)
+
+    def step(self, kv: torch.Tensor, gate: torch.Tensor, st: CompressorState) -> None:
+        """Appends the entries of every window the new rows ``kv, gate [n, c D]`` close to ``st.entries``."""
+        if st.buf_kv is not None:
+            kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
+        m, d = self.m, self.dim
+        usable = kv.shape[0] // m * m
+        st.buf_kv, st.buf_gate = kv[usable:].clone(), gate[usable:].clone()
+        if st.entries is None:
+            st.entries = kv.new_zeros(0, d)
+        if usable == 0:
+            return
+        w = usable // m
+        ck, cg = kv[:usable].view(w, m, -1), gate[:usable].view(w, m, -1)
+        if self.overlap:
+            first_kv = ck.new_zeros(w, m, d)
+            first_gate = cg.new_full((w, m, d), float("-inf"))
+            first_kv[1:], first_gate[1:] = ck[:-1, :, :d], cg[:-1, :, :d]
+            if st.prev_kv is not None:
+                first_kv[0], first_gate[0] = st.prev_kv, st.prev_gate
+            st.prev_kv, st.prev_gate = ck[-1, :, :d].clone(), cg[-1, :, :d].clone()
+            ck = torch.cat([first_kv, ck[..., d:]], dim=1)
+            cg = torch.cat([first_gate, cg[..., d:]], dim=1)
+        out = ops.rms_norm(ops.compress_kv(ck.contiguous(), cg.contiguous(), self.bias), self.norm, self.eps)[0]
+        first = st.count
+        pos = ((first + torch.arange(w, device=kv.device)) * m).to(torch.int32)
+        out = _rope_tail(out[:, None], pos, self.table, self.rope_dim)[:, 0]
+        st.entries = torch.cat([st.entries, out])
+
+
+class V4Attention:
+    """One layer's attention (module docstring). ``w``: the layer's weights below ``attn.``."""
+
+    def __init__(self, cfg: V4Config, layer: int, w: dict, tables: dict, dtype: torch.dtype):
+        self.cfg, self.layer, self.kind = cfg, layer, cfg.layer_types[layer]
+        self.w = w
+        self.heads, self.dim, self.rd = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
+        self.eps = cfg.rms_norm_eps
+        rope = "main" if self.kind == SLIDING else "compress"
+        self.table = tables[rope]
+        self.ones = torch.ones(self.dim, dtype=dtype, device=w["wkv.weight"].device)
+        self.m = cfg.compress_rate(layer)
+        self.compressor = self.indexer = None
+        if self.kind != SLIDING:
+            comp = {k.removeprefix("compressor."): v for k, v in w.items() if k.startswith("compressor.")}
+            self.compressor = Compressor(
+                comp, self.m, self.dim, self.kind == CSA, tables["compress"], self.rd, self.eps
+            )
+        if self.kind == CSA:
+            idx = {
+                k.removeprefix("indexer.compressor."): v for k, v in w.items() if k.startswith("indexer.compressor.")
+            }
+            di = cfg.index_head_dim
+            self.indexer = Compressor(idx, self.m, di, True, tables["compress"], self.rd, self.eps)
+            self.index_scale = (cfg.index_n_heads * di) ** -0.5
+
+    def new_state(self) -> LayerState:
+        return LayerState(
+            compressor=CompressorState() if self.compressor else None,
+            indexer=CompressorState() if self.indexer else None,
+        )
+
+    def forward(self, x: torch.Tensor, batch: V4Batch) -> torch.Tensor:
+        cfg, w, t, d, pos = self.cfg, self.w, x.shape[0], self.dim, batch.positions
+        q_res = ops.rms_norm(linear(x, w["wq_a.weight"]), w["q_norm.weight"], self.eps)[0]
+        q = ops.rms_norm(linear(q_res, w["wq_b.weight"]).view(t, self.heads, d), self.ones, self.eps)[0]
+        q = _rope_tail(q, pos, self.table, self.rd)
+        kv = ops.rms_norm(linear(x, w["wkv.weight"]), w["norm.weight"], self.eps)[0]
+        kv = _rope_tail(kv[:, None], pos, self.table, self.rd)[:, 0]
+        comp = self.compressor.project(x) if self.compressor else None
+        idx = self.indexer.project(x) if self.indexer else None
+
+        sw = cfg.sliding_window
+        pool: list[torch.Tensor] = []
+        base = 0
+        window_idx, entry_idx = [], []
+        key_pool, key_start, key_count, shift = [], [], [], []
+        key_base = 0
+        for st, n, o in zip(batch.states, batch.lens, batch.offsets):
+            ls = st.layers[self.layer]
+            rows = slice(o, o + n)
+            past = ls.window if ls.window is not None else kv.new_zeros(0, d)
+            keys = torch.cat([past, kv[rows]])
+            held = past.shape[0]
+            i = torch.arange(n, device=x.device)
+            j = (i + held)[:, None] - torch.arange(sw, device=x.device)[None, :]
+            window_idx.append(torch.where(j >= 0, j + base, -1))
+            pool.append(keys)
+            base += keys.shape[0]
+            ls.window = keys[max(0, keys.shape[0] - (sw - 1)) :].clone()
+            if self.compressor is None:
+                continue
+            self.compressor.step(comp[0][rows], comp[1][rows], ls.compressor)
+            entries = ls.compressor.entries
+            visible = (batch.positions[rows].long() + 1) // self.m  # entries whose window has closed
+            if self.indexer is None:
+                e = torch.arange(entries.shape[0], device=x.device)[None, :]
+                entry_idx.append(torch.where(e < visible[:, None], e + base, -1))
+            else:
+                self.indexer.step(idx[0][rows], idx[1][rows], ls.indexer)
+                key_pool.append(ls.indexer.entries)
+                key_start.append(torch.full((n,), key_base, dtype=torch.int32, device=x.device))
+                key_count.append(visible.to(torch.int32))
+                shift.append(torch.full((n,), base - key_base, dtype=torch.int64, device=x.device))
+                key_base += ls.indexer.entries.shape[0]
+            pool.append(entries)
+            base += entries.shape[0]
+
+        indices = [torch.cat(window_idx)]
+        if self.kind == HCA:
+            width = max(e.shape[1] for e in entry_idx)
+            indices.append(
+                torch.cat([torch.nn.functional.pad(e, (0, width - e.shape[1]), value=-1) for e in entry_idx])
+            )
+        elif self.kind == CSA:
+            qi = linear(q_res, w["indexer.wq_b.weight"]).view(t, cfg.index_n_heads, cfg.index_head_dim)
+            qi = _rope_tail(qi, pos, self.indexer.table, self.rd)
+            scores_w = ops.gemm(x.float(), w["indexer.weights_proj.weight"], out_dtype=torch.float32)
+            chosen = ops.indexer_topk_entries(
+                qi,
+                scores_w * self.index_scale,
+                torch.cat(key_pool),
+                torch.cat(key_start),
+                torch.cat(key_count),
+                topk=cfg.index_topk,
+            )
+            sh = torch.cat(shift)[:, None]
+            indices.append(torch.where(chosen >= 0, chosen.long() + sh, -1))
+        indices = torch.cat(indices, dim=1).to(torch.int32)
+        out = ops.sparse_attention_sinks(q, torch.cat(pool), indices, w["attn_sink"], softmax_scale=d**-0.5)
+        out = _rope_tail_back(out, pos, self.table, self.rd)
+        g = cfg.o_groups
+        grouped = out.reshape(t, g, -1).transpose(0, 1).contiguous()
+        per_group = torch.full((g,), t, dtype=torch.int32, device=x.device)
+        o = ops.grouped_gemm(grouped, w["wo_a"], masked_m=per_group, out_dtype=x.dtype)
+        return linear(o.transpose(0, 1).reshape(t, -1), w["wo_b.weight"])
+
+
+class V4MoE:
+    """Routed experts (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``), the fp32 router
+    (``gate.weight``, and ``gate.bias`` or the ``gate.tid2eid`` table) and the shared expert, SwiGLU clipped."""
+
+    def __init__(self, cfg: V4Config, layer: int, w: dict, ep: ExpertParallel):
+        self.cfg, self.ep = cfg, ep
+        self.hash = cfg.mlp_layer_types[layer] == "hash_moe"
+        self.gate, self.bias, self.tid2eid = w["gate.weight"], w.get("gate.bias"), w.get("gate.tid2eid")
+        self.w13, self.w2 = w["experts.gate_up_proj"], w["experts.down_proj"]
+        self.s13, self.s2 = w["shared_experts.gate_up_proj"], w["shared_experts.down_proj"]
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        cfg, limit = self.cfg, self.cfg.swiglu_limit
+        logits = ops.gemm(x.float(), self.gate, out_dtype=torch.float32)
+        if self.hash:
+            weights, ids = ops.moe_route_hash(
+                logits,
+                self.tid2eid[input_ids],
+                routed_scaling_factor=cfg.routed_scaling_factor,
+                scoring=cfg.scoring_func,
+            )
+        else:
+            weights, ids = ops.moe_route(
+                logits,
+                self.bias,
+                top_k=cfg.num_experts_per_tok,
+                routed_scaling_factor=cfg.routed_scaling_factor,
+                scoring=cfg.scoring_func,
+            )
+        recv, _, _, layout, handle = ops.ep_dispatch(
+            x, ids, weights, num_experts=cfg.n_routed_experts, group=self.ep.group, placement=self.ep.placement
+        )
+        groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m}
+        h = ops.grouped_gemm(recv, self.w13, out_dtype=x.dtype, **groups)
+        a = ops.silu_and_mul(h, masked_m=layout.masked_m, limit=limit)
+        out = ops.ep_combine(ops.grouped_gemm(a, self.w2, out_dtype=x.dtype, **groups), handle)
+        shared = linear(ops.silu_and_mul(linear(x, self.s13), limit=limit), self.s2)
+        return out + shared
+
+
+class DeepseekV4:
+    """The model. ``new_state()`` makes one sequence's caches; ``forward(input_ids, batch)`` runs the new tokens of
+    the batch's sequences (``batch(...)`` builds it) and returns the final normed hidden states ``[T, hidden]``,
+    advancing every state; ``compute_logits`` gives fp32 logits."""
+
+    def __init__(self, cfg: V4Config, weights: dict, *, dtype: torch.dtype, device: torch.device, ep: ExpertParallel):
+        self.cfg, self.dtype, self.device, self.ep = cfg, dtype, device, ep
+        self.mtp: list = []  # multi-token-prediction layers: recognised in checkpoints, not loaded
+        self.embed, self.norm = weights["embed_tokens.weight"], weights["norm.weight"]
+        self.lm_head = weights["embed_tokens.weight" if cfg.tie_word_embeddings else "head.weight"]
+        self.hc_head = tuple(weights[f"hc_head.hc_{k}"] for k in ("fn", "base", "scale"))
+        rd, pmax = cfg.qk_rope_head_dim, cfg.max_position_embeddings
+        main = ops.rope_cos_sin_cache(rd, pmax, cfg.rope_theta).to(device)
+        compress = ops.rope_cos_sin_cache(rd, pmax, cfg.compress_rope_theta, cfg.compress_rope_scaling).to(device)
+        tables = {"main": main, "compress": compress}
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"layers.{i}."
+            below = {k.removeprefix(p): v for k, v in weights.items() if k.startswith(p)}
+            attn = V4Attention(cfg, i, {k[5:]: v for k, v in below.items() if k.startswith("attn.")}, tables, dtype)
+            moe = V4MoE(cfg, i, {k[4:]: v for k, v in below.items() if k.startswith("ffn.")}, ep)
+            hc = {s: tuple(below[f"hc_{s}_{k}"] for k in ("fn", "base", "scale")) for s in ("attn", "ffn")}
+            self.layers.append((below["attn_norm.weight"], attn, below["ffn_norm.weight"], moe, hc))
+
+    @classmethod
+    def load(
+        cls,
+        ckpt: V4Checkpoint,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        on_progress: Callable[[int], None] | None = None,
+    ) -> DeepseekV4:
+        """Builds the model from a checked checkpoint: every weight read once, assembled, prepared once."""
+        device = torch.device(device)
+        cfg = ckpt.config
+        ep = ExpertParallel.single(cfg.n_routed_experts)
+        return cls(cfg, load_weights(ckpt, dtype, device, on_progress), dtype=dtype, device=device, ep=ep)
+
+    def new_state(self) -> V4State:
+        return V4State([attn.new_state() for _, attn, _, _, _ in self.layers])
+
+    def batch(self, states: list[V4State], input_ids: torch.Tensor, lens: list[int]) -> V4Batch:
+        """The batch of ``input_ids`` (packed, ``lens[b]`` new tokens of sequence ``b``), each sequence continuing
+        from its state's length."""
+        pos = [torch.arange(s.length, s.length + n, dtype=torch.int32) for s, n in zip(states, lens)]
+        positions = torch.cat(pos).to(self.device) if pos else torch.zeros(0, dtype=torch.int32, device=self.device)
+        return V4Batch(states, list(lens), positions, input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, batch: V4Batch | ForwardBatch, kv_caches=None, index_caches=None
+    ) -> torch.Tensor:
+        """``input_ids [T]`` -> final normed hidden states ``[T, hidden]``. ``batch``: a ``V4Batch``, or the engine's
+        ``ForwardBatch``, whose ``rows`` name the sequence of each run of rows: each sequence's state is kept on it
+        (``seq.model_state``), made afresh when its rows start at position 0 (a new request, or one recomputed
+        after preemption). The engine's paged caches (``kv_caches``, ``index_caches``) are not used."""
+        if isinstance(batch, ForwardBatch):
+            batch = self._from_engine(input_ids, batch)
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        n = cfg.hc_mult
+        streams = self.embed[input_ids][:, None, :].expand(-1, n, -1).contiguous()
+        hc_kw = {"sinkhorn_iters": cfg.hc_sinkhorn_iters, "eps": cfg.hc_eps, "norm_eps": eps}
+        for attn_norm, attn, ffn_norm, moe, hc in self.layers:
+            collapsed, post, comb = ops.hc_pre(streams, *hc["attn"], **hc_kw)
+            y = attn.forward(ops.rms_norm(collapsed, attn_norm, eps)[0], batch)
+            streams = ops.hc_post(y, streams, post, comb)
+            collapsed, post, comb = ops.hc_pre(streams, *hc["ffn"], **hc_kw)
+            y = moe.forward(ops.rms_norm(collapsed, ffn_norm, eps)[0], input_ids)
+            streams = ops.hc_post(y, streams, post, comb)
+        for st, n_new in zip(batch.states, batch.lens):
+            st.length += n_new
+        h = ops.hc_head(streams, *self.hc_head, eps=cfg.hc_eps, norm_eps=eps)
+        return ops.rms_norm(h, self.norm, eps)[0]
+
+    def _from_engine(self, input_ids: torch.Tensor, fb: ForwardBatch) -> V4Batch:
+        states, lens = [], []
+        for seq, start, n in fb.rows:
+            st = getattr(seq, "model_state", None)
+            if st is None or start == 0:
+                st = seq.model_state = self.new_state()
+            if st.length != start:
+                raise RuntimeError(
+                    f"request {seq.request_id}: its cache holds {st.length} tokens, the step starts at {start}"
+                )
+            states.append(st)
+            lens.append(n)
+        return V4Batch(states, lens, fb.positions, input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, vocab]`` of ``hidden [N, hidden]``."""
+        return ops.gemm(hidden, self.lm_head, out_dtype=torch.float32)
+
+
+def _fp32(key: str) -> bool:
+    """Weights used in fp32: mHC, sinks, compressor biases, norms, the router, the indexer's head weights."""
+    last = key.split(".")[-1]
+    return (
+        ".hc_" in key
+        or key.startswith("hc_head.")
+        or last in ("attn_sink", "ape")
+        or key.endswith(("norm.weight", "ffn.gate.weight", "ffn.gate.bias", "indexer.weights_proj.weight"))
+    )
+
+
+def load_weights(
+    ckpt: V4Checkpoint, dtype: torch.dtype, device: torch.device, on_progress: Callable[[int], None] | None = None
+) -> dict:
+    """Every weight by normalised name, read once, assembled (experts stacked gate-and-up, ``wo_a`` by group) and
+    passed through ``prepare_weight`` once."""
+    cfg = ckpt.config
+    out: dict = {}
+
+    def read(key: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
+        before = ckpt.bytes_read
+        t = ckpt.read(key, as_dtype or (torch.float32 if _fp32(key) else dtype), device)
+        if on_progress is not None:
+            on_progress(ckpt.bytes_read - before)
+        return t
+
+    def put(name: str, w) -> None:
+        out[name] = prepare_weight(name, w)
+
+    out["embed_tokens.weight"] = read("embed_tokens.weight")
+    if not cfg.tie_word_embeddings:
+        put("head.weight", read("head.weight"))
+    put("norm.weight", read("norm.weight"))
+    for k in ("fn", "base", "scale"):
+        put(f"hc_head.hc_{k}", read(f"hc_head.hc_{k}"))
+    experts = [f"experts.{e}." for e in range(cfg.n_routed_experts)]
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        for key in ckpt.names:
+            if not key.startswith(p) or ".experts." in key or ".shared_experts." in key:
+                continue
+            if key.endswith("wo_a.weight"):
+                w = read(key)
+                put(p + "attn.wo_a", w.view(cfg.o_groups, cfg.o_lora_rank, -1).contiguous())
+            elif key.endswith("gate.tid2eid"):
+                out[key] = read(key, torch.int64).to(torch.int32)  # indexed, never an op argument
+            else:
+                put(key, read(key))
+        f = p + "ffn."
+        w13 = torch.stack([torch.cat([read(f + e + "w1.weight"), read(f + e + "w3.weight")]) for e in experts])
+        put(f + "experts.gate_up_proj", w13)
+        put(f + "experts.down_proj", torch.stack([read(f + e + "w2.weight") for e in experts]))
+        s = f + "shared_experts."
+        put(s[:-1] + ".gate_up_proj", torch.cat([read(s + "w1.weight"), read(s + "w3.weight")]))
+        put(s[:-1] + ".down_proj", read(s + "w2.weight"))
+    return out
