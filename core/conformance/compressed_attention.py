@@ -138,8 +138,8 @@ def bad_inputs() -> list[BadInput]:
             "q": g.randn(3, 2, 8),
             "weights": g.randn(3, 2, dtype=torch.float32),
             "keys": g.randn(5, 8),
-            "key_start": torch.zeros(3, dtype=torch.int32),
-            "key_count": torch.full((3,), 2, dtype=torch.int32),
+            "key_start": torch.zeros(3, dtype=torch.int32, device=g.device),
+            "key_count": torch.full((3,), 2, dtype=torch.int32, device=g.device),
             "topk": 2,
         }
         return {**kw, **over}
@@ -148,7 +148,7 @@ def bad_inputs() -> list[BadInput]:
         kw = {
             "q": g.randn(3, 2, 8),
             "kv": g.randn(5, 8),
-            "indices": torch.zeros(3, 2, dtype=torch.int32),
+            "indices": torch.zeros(3, 2, dtype=torch.int32, device=g.device),
             "sinks": g.randn(2, dtype=torch.float32),
             "softmax_scale": 0.3,
         }
@@ -172,19 +172,19 @@ def bad_inputs() -> list[BadInput]:
             "indexer_topk_entries",
             "int64 key_start",
             "key_start",
-            lambda g: topk(g, key_start=torch.zeros(3, dtype=torch.int64)),
+            lambda g: topk(g, key_start=torch.zeros(3, dtype=torch.int64, device=g.device)),
         ),
         BadInput(
             "indexer_topk_entries",
             "a range past the keys",
             "key_count",
-            lambda g: topk(g, key_start=torch.tensor([0, 4, 0], dtype=torch.int32)),
+            lambda g: topk(g, key_start=torch.tensor([0, 4, 0], dtype=torch.int32, device=g.device)),
         ),
         BadInput(
             "indexer_topk_entries",
             "negative key_count",
             "key_count",
-            lambda g: topk(g, key_count=torch.tensor([1, -1, 0], dtype=torch.int32)),
+            lambda g: topk(g, key_count=torch.tensor([1, -1, 0], dtype=torch.int32, device=g.device)),
         ),
         BadInput("sparse_attention_sinks", "kv of another dim", "kv", lambda g: attn(g, kv=g.randn(5, 9))),
         BadInput("sparse_attention_sinks", "3-D kv", "kv", lambda g: attn(g, kv=g.randn(5, 1, 8))),
@@ -192,13 +192,13 @@ def bad_inputs() -> list[BadInput]:
             "sparse_attention_sinks",
             "indices past the pool",
             "indices",
-            lambda g: attn(g, indices=torch.full((3, 2), 5, dtype=torch.int32)),
+            lambda g: attn(g, indices=torch.full((3, 2), 5, dtype=torch.int32, device=g.device)),
         ),
         BadInput(
             "sparse_attention_sinks",
             "indices below -1",
             "indices",
-            lambda g: attn(g, indices=torch.full((3, 2), -2, dtype=torch.int32)),
+            lambda g: attn(g, indices=torch.full((3, 2), -2, dtype=torch.int32, device=g.device)),
         ),
         BadInput("sparse_attention_sinks", "a sink per head missing", "sinks", lambda g: attn(g, sinks=g.randn(1))),
         BadInput("sparse_attention_sinks", "bf16 sinks", "sinks", lambda g: attn(g, sinks=g.randn(2))),
