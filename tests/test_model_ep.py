@@ -213,7 +213,7 @@ def sc_divergent_sampling(rank: int, world: int, path) -> None:
             calls.append(1)
             if rank == world - 1 and len(calls) == 4:
                 for sampled in out.sampled.values():
-                    sampled.token = (sampled.token + 1) % llm.config.vocab_size
+                    sampled[0].token = (sampled[0].token + 1) % llm.config.vocab_size
             return out
 
         step.result = result
