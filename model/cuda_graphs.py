@@ -97,7 +97,7 @@ class DecodeGraphs:
 
     def _mtp_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.drafter
-        state = d.mtp.forward(self.mtp_in[:b], self.mtp_ids[:b], self.batch(b), *d._caches)
+        state = d.mtp.forward(self.mtp_in[:b], self.mtp_ids[:b], self.batch(b), *d.caches)
         return (state, *d.draft(state))
 
     def _capture_one(self, forward, b: int, pool):

@@ -34,7 +34,7 @@ from .greedy import greedy_tokens
 from .sampling_params import step_seed
 from .scheduler import PrefillChunk, ScheduledBatch
 from .sequence import PENDING, Sequence
-from .speculative import MTPDrafter
+from .speculative import MTPDrafter, decode_metadata
 from .structured_output import allowed_tokens
 
 
@@ -273,18 +273,16 @@ class ModelRunner:
         with the token after it (its sampled token where it samples), from the MTP graph of the decode graph just
         replayed when ``graphed``; keeps the sampler rows' MTP states in ``step.draft_states`` and returns their
         drafts and probabilities, on the device."""
-        after = [_token(seq, p + 1) if p + 1 < seq.num_tokens else 0 for seq, p in _decode_rows(batch)]
-        for ch in _chunks(batch):
-            if not ch.decode_rows:
-                after += [_token(ch.seq, p + 1) if p + 1 < ch.seq.num_tokens else 0 for p in range(ch.start, ch.end)]
+        rows = _decode_rows(batch)
+        rows += [(ch.seq, p) for ch in _chunks(batch) if not ch.decode_rows for p in range(ch.start, ch.end)]
+        after = [_token(seq, p + 1) if p + 1 < seq.num_tokens else 0 for seq, p in rows]
         after += [0] * (hidden.shape[0] - len(after))  # CUDA-graph padding
         next_ids = self._tensor([max(t, 0) for t in after], torch.int64)
         index = self._tensor(sample_rows, torch.int64)
         if sample_rows:  # each sampler row's sampled token
             next_ids.index_copy_(0, index, step.tokens)
         if graphed:  # the rows of the decode graph just replayed
-            state, tokens, probs = (t.index_select(0, index) for t in self.graphs.run_mtp(hidden, next_ids))
-            step.draft_states = state
+            step.draft_states, tokens, probs = (t.index_select(0, index) for t in self.graphs.run_mtp(hidden, next_ids))
         else:
             with deepinfer.value_checks(False):
                 step.draft_states, tokens, probs = self.drafter.run(hidden, next_ids, fb, index)
@@ -308,14 +306,10 @@ class ModelRunner:
     def _graph_logits(
         self, rows: list[tuple[Sequence, int]], previous: LaunchedStep | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        alloc = self.allocator
         return self.graphs.run(
             input_ids=[_token(s, p) for s, p in rows],
-            positions=[p for _, p in rows],
-            slot_mapping=[alloc.slot(s, p) for s, p in rows],
-            block_tables=[s.block_table for s, _ in rows],
-            seq_lens=[p + 1 for _, p in rows],
             pending=self._pending_tokens(rows, previous),
+            **decode_metadata(rows, self.allocator),
         )
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -148,15 +148,14 @@ class MTPDrafter:
     ``Sequence.draft_state``) come from the step that sampled its last token."""
 
     def __init__(self, mtp, kv_cache, index_cache, allocator, config: SpeculativeConfig, max_model_len: int):
-        self.mtp, self.kv_cache, self.index_cache = mtp, kv_cache, index_cache
+        self.mtp, self.caches = mtp, (kv_cache, index_cache)
         self.allocator, self.config, self.max_model_len = allocator, config, max_model_len
-        self._caches = (kv_cache, index_cache)
 
     def run(self, hidden, next_ids, batch, sample_rows):
         """The MTP pass over every row of a forward (``hidden [T, H]``: the main model's final states; ``next_ids
         [T]``: the token after each row) -> for the rows ``sample_rows``: the MTP states ``[S, H]``, their draft
         tokens ``[S]`` int64 and the drafts' probabilities ``[S]`` fp32, on the device."""
-        state = self.mtp.forward(hidden, next_ids, batch, *self._caches)
+        state = self.mtp.forward(hidden, next_ids, batch, *self.caches)
         state = state.index_select(0, sample_rows)
         return (state, *self.draft(state))
 
@@ -196,19 +195,13 @@ class MTPDrafter:
             ids = tensor([drafts[i][0][0] for i in rows], torch.int64)
         m = 1  # drafts each row in `rows` has
         while rows:
-            at = [(seqs[i], seqs[i].num_computed - 1 + m) for i in rows]
+            meta = decode_metadata([(seqs[i], seqs[i].num_computed - 1 + m) for i in rows], self.allocator)
             if graphs is not None and graphs.replays_mtp(len(rows)):
-                meta = dict(
-                    positions=[p for _, p in at],
-                    slot_mapping=[self.allocator.slot(s, p) for s, p in at],
-                    block_tables=[s.block_table for s, _ in at],
-                    seq_lens=[p + 1 for _, p in at],
-                )
                 state, tokens, probs = graphs.run_mtp(state, ids, meta)
                 tokens, probs = tokens.clone(), probs.clone()  # the graph's outputs, overwritten by its next replay
             else:
                 with deepinfer.value_checks(False):
-                    state = self.mtp.forward(state, ids, decode_batch(at, self.allocator, tensor), *self._caches)
+                    state = self.mtp.forward(state, ids, decode_batch(meta, tensor), *self.caches)
                     tokens, probs = self.draft(state)
             chained.append((rows, tokens, probs))
             m += 1
@@ -223,14 +216,25 @@ class MTPDrafter:
             seq.drafts = [t for t, _ in d[:n]]
 
 
-def decode_batch(rows: list, allocator, tensor) -> ForwardBatch:
-    """The ``ForwardBatch`` of decode rows ``(seq, position)``: each row's token at ``position`` attends to its
-    sequence's cache up to and including it."""
-    width = max(len(s.block_table) for s, _ in rows)
+def decode_metadata(rows: list, allocator) -> dict[str, list]:
+    """The host metadata of decode rows ``(seq, position)``, each attending to its sequence's cache up to and
+    including ``position``: ``positions``, ``slot_mapping``, ``block_tables`` and ``seq_lens``, as
+    ``DecodeGraphs.run`` takes them."""
+    return dict(
+        positions=[p for _, p in rows],
+        slot_mapping=[allocator.slot(s, p) for s, p in rows],
+        block_tables=[s.block_table for s, _ in rows],
+        seq_lens=[p + 1 for _, p in rows],
+    )
+
+
+def decode_batch(meta: dict[str, list], tensor) -> ForwardBatch:
+    """The eager ``ForwardBatch`` of ``decode_metadata``'s rows."""
+    width = max(len(t) for t in meta["block_tables"])
     return ForwardBatch(
-        positions=tensor([p for _, p in rows], torch.int32),
-        slot_mapping=tensor([allocator.slot(s, p) for s, p in rows], torch.int64),
-        num_decode=len(rows),
-        block_table=tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in rows], torch.int32),
-        seq_lens=tensor([p + 1 for _, p in rows], torch.int32),
+        positions=tensor(meta["positions"], torch.int32),
+        slot_mapping=tensor(meta["slot_mapping"], torch.int64),
+        num_decode=len(meta["positions"]),
+        block_table=tensor([t + [0] * (width - len(t)) for t in meta["block_tables"]], torch.int32),
+        seq_lens=tensor(meta["seq_lens"], torch.int32),
     )
