@@ -11,14 +11,21 @@ counts as free; free pages are handed out least recently freed first, and handin
 key (eviction). ``match`` finds the longest registered prefix of a prompt and takes a reference on each of its pages.
 Keys are exact (the tokens themselves are compared, not only a hash), and one allocator serves one engine, so one
 model and one cache format: a page's content is a function of its key.
+
+With a host tier (``host``, a ``HostPageCache``) an evicted page is copied to host memory under its key first, and
+``match`` continues a prompt's cached prefix with the keys held there, copying them back into fresh pages.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .host_cache import HostPageCache
 
 PageKey = tuple  # (key of the previous page or None, the page's tokens)
 
@@ -26,11 +33,20 @@ PageKey = tuple  # (key of the previous page or None, the page's tokens)
 class BlockAllocator:
     """Hands out and takes back cache pages; reused least-recently-freed first (FIFO without prefix caching)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        host: HostPageCache | None = None,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        if host is not None and not enable_prefix_caching:
+            raise ValueError("a host tier needs prefix caching")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.host = host
         self.reset()
 
     @property
@@ -71,6 +87,8 @@ class BlockAllocator:
             key = self._key_of.pop(b, None)
             if key is not None:
                 del self._page_of[key]
+                if self.host is not None:
+                    self.host.save(key, b)
             self._refs[b] = 1
             blocks.append(b)
         return blocks
@@ -122,20 +140,46 @@ class BlockAllocator:
         each; returns the number of tokens they hold (0 with prefix caching off)."""
         if not self.enable_prefix_caching or seq.block_table:
             return 0
+        keys = self.page_keys(seq, max_tokens // self.block_size)
         pages = []
-        for key in self.page_keys(seq, max_tokens // self.block_size):
+        for key in keys:
             page = self._page_of.get(key)
             if page is None:
                 break
             pages.append(page)
-        pages = pages[: len(pages) * self.block_size // align * align // self.block_size]
+        in_host = 0
+        if self.host is not None:
+            while len(pages) + in_host < len(keys) and keys[len(pages) + in_host] in self.host:
+                in_host += 1
+        per_align = align // self.block_size
+        whole = (len(pages) + in_host) // per_align * per_align
+        pages = pages[:whole]
         for b in pages:
             if b in self._free:
                 del self._free[b]
             self._refs[b] = self._refs.get(b, 0) + 1
+        wanted = keys[len(pages) : whole]
+        if wanted:  # device pages for the host tier's part, while free ones last
+            pages += self._load(wanted[: min(len(wanted), self.num_free) // per_align * per_align], per_align)
         seq.block_table = pages
         seq.num_registered_pages = len(pages)
         return len(pages) * self.block_size
+
+    def _load(self, keys: list[PageKey], per_align: int) -> list[int]:
+        """Fresh pages holding the host tier's copies of ``keys`` (registered under them, one reference each), a
+        multiple of ``per_align`` of them: the copies are issued on the device's stream before any later step."""
+        self.host.touch(keys)  # the evictions that free these pages copy others out: these keys are dropped last
+        fresh = self.allocate(len(keys))
+        held = 0
+        while held < len(keys) and keys[held] in self.host:  # all, unless the host tier is smaller than the load
+            held += 1
+        held = held // per_align * per_align
+        self.free(fresh[held:])
+        for key, page in zip(keys[:held], fresh):
+            self.host.load(key, page)
+            self._page_of[key] = page
+            self._key_of[page] = key
+        return fresh[:held]
 
     def register(self, seq: Sequence, num_tokens: int) -> None:
         """Registers ``seq``'s full pages among its first ``num_tokens`` tokens (tokens whose cache entries are

@@ -41,6 +41,7 @@ from .block_manager import BlockAllocator
 from .cuda_graphs import CAPABILITY, DecodeGraphs
 from .deepseek_v3 import DeepseekV3
 from .errors import RequestError
+from .host_cache import HostPageCache
 from .model_runner import LaunchedStep, ModelRunner
 from .parallel import RankSync, fingerprint
 from .sampling_params import SamplingParams
@@ -97,10 +98,13 @@ class LLMEngine:
     enable_prefix_caching: a request reuses the cache pages of the longest prefix of its prompt that an earlier
     request computed, in whole chunks, and prefills only the rest (``block_manager.py``,
     ``Scheduler._reuse_prefix``); each sequence's ``num_cached_tokens`` says how many prompt tokens it found,
-    ``stats`` counts the prompt tokens prefilled and found. cuda_graphs: capture decode graphs when the backend
-    declares ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now; they are replayed only
-    in that mode. async_scheduling: schedule and launch each step before reading back the previous one's tokens
-    (above); ``step`` then returns what finished in the previous step. The attribute can be changed between steps.
+    ``stats`` counts the prompt tokens prefilled and found. host_cache_bytes: with prefix caching, pages evicted
+    from the device cache are kept in that much host memory (pinned on a GPU) and copied back when a prompt
+    continues a cached prefix with them (``host_cache.py``; ``host_cache_stats``). cuda_graphs: capture decode
+    graphs when the backend declares ``cuda_graphs``, in the batch-invariant mode or the default mode that is on
+    now; they are replayed only in that mode. async_scheduling: schedule and launch each step before reading back
+    the previous one's tokens (above); ``step`` then returns what finished in the previous step. The attribute can
+    be changed between steps.
 
     A bad argument (a size that is not a positive int, ``kv_cache_bytes`` below one cache page, ``max_model_len``
     outside ``[2, max_position_embeddings]``) is an ``InputError`` naming it, before anything is allocated.
@@ -127,6 +131,7 @@ class LLMEngine:
         async_scheduling: bool = True,
         enable_prefix_caching: bool = True,
         speculative_config: SpeculativeConfig | dict | None = None,
+        host_cache_bytes: int = 0,
     ):
         cfg = model.cfg
         self.model, self.cfg = model, cfg
@@ -148,6 +153,8 @@ class LLMEngine:
             c.positive_int(name, value)
         if num_blocks is not None:
             c.positive_int("num_blocks", num_blocks)
+        if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
+            raise c.fail("host_cache_bytes", "an int >= 0", repr(host_cache_bytes))
         if max_model_len is not None and (
             isinstance(max_model_len, bool)
             or not isinstance(max_model_len, int)
@@ -208,7 +215,19 @@ class LLMEngine:
             model.use_index_format(self.index_format)
         # a model that keeps its own caches has nothing in the pages to reuse
         enable_prefix_caching = enable_prefix_caching and not owns_cache
-        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        host = None
+        if host_cache_bytes:
+            paged = [self.kv_cache] if self.index_cache is None else [self.kv_cache, self.index_cache]
+            host_pages = host_cache_bytes // HostPageCache.page_bytes(paged)
+            if not enable_prefix_caching or host_pages < 1:
+                raise c.fail(
+                    "host_cache_bytes",
+                    f"0, or with prefix caching on at least one page of host memory ({HostPageCache.page_bytes(paged)}"
+                    " bytes)",
+                    f"{host_cache_bytes!r}" + ("" if enable_prefix_caching else " with prefix caching off"),
+                )
+            host = HostPageCache(paged, host_pages)
+        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, host=host)
         self.speculative_config = spec
         self.spec_stats = SpeculativeStats()
         drafter = None
@@ -282,6 +301,20 @@ class LLMEngine:
             "steps": 0,
             "prefilled_tokens": 0,
             "cached_prompt_tokens": 0,
+        }
+
+    @property
+    def host_cache_stats(self) -> dict[str, int] | None:
+        """The host tier's pages copied out (evicted from the device) and back (prefix hits) so far, its capacity in
+        pages and the pages it holds; None without one."""
+        host = self.allocator.host
+        if host is None:
+            return None
+        return {
+            "saved_pages": host.saved,
+            "loaded_pages": host.loaded,
+            "capacity_pages": host.capacity,
+            "held_pages": len(host),
         }
 
     def _recapture_graphs(self) -> None:

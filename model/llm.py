@@ -71,7 +71,9 @@ class LLM:
     async_scheduling: schedule and launch each step before the previous step's tokens are read back, so the host's
     work overlaps the device's (see ``LLMEngine``). enable_prefix_caching: a prompt reuses the cache pages of the
     longest prefix an earlier request computed, in whole prefill chunks, and prefills only the rest (each output's
-    ``num_cached_tokens``; ``last_stats``' ``cached_prompt_tokens`` and ``prefilled_tokens``).
+    ``num_cached_tokens``; ``last_stats``' ``cached_prompt_tokens`` and ``prefilled_tokens``). host_cache_gb: a
+    second tier of the prefix cache in host memory: pages evicted from the device are kept there and copied back on
+    a hit (``last_stats``' ``host_cache``: pages copied out and back).
     device: torch device (default: the backend's device type). progress: progress bars for loading and for
     batches of at least 8 prompts (on rank 0 only under expert parallelism).
 
@@ -112,6 +114,7 @@ class LLM:
         enforce_eager: bool = False,
         async_scheduling: bool = True,
         enable_prefix_caching: bool = True,
+        host_cache_gb: float = 0,
         device: str | torch.device | None = None,
         progress: bool = True,
         ep: int | None = None,
@@ -134,6 +137,7 @@ class LLM:
             prefill_chunk_size=prefill_chunk_size,
             max_model_len=max_model_len,
             preemption_mode=preemption_mode,
+            host_cache_gb=host_cache_gb,
         )
         _check_eplb(enable_eplb, eplb_window_size, eplb_step_interval)
         if model is None:
@@ -213,6 +217,7 @@ class LLM:
                 async_scheduling=async_scheduling,
                 enable_prefix_caching=enable_prefix_caching,
                 speculative_config=self.speculative_config,
+                host_cache_bytes=int(host_cache_gb * (1 << 30)),
             )
             if self.eplb is not None:
                 self.eplb.reset()
@@ -334,6 +339,8 @@ class LLM:
             "cached_prompt_tokens": sum(s.num_cached_tokens for s in seqs),
             "seconds": elapsed,
         }
+        if engine.host_cache_stats is not None:
+            self.last_stats["host_cache"] = engine.host_cache_stats
         texts = {id(st.seq): st.text for st in streams}
         if self.speculative_config is not None:
             now = engine.spec_stats
@@ -509,6 +516,9 @@ def _check_arguments(**kw: Any) -> None:
     gb = kw["kv_cache_gb"]
     if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf):
         raise c.fail("kv_cache_gb", "a finite number > 0 or None", repr(gb))
+    host = kw["host_cache_gb"]
+    if isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 <= host < math.inf:
+        raise c.fail("host_cache_gb", "a finite number >= 0", repr(host))
     if kw["max_model_len"] is not None:
         c.positive_int("max_model_len", kw["max_model_len"], minimum=2)  # one prompt token and one generated
 

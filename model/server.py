@@ -758,6 +758,7 @@ def serve(args: argparse.Namespace, console) -> int:
         enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config,
         enable_prefix_caching=args.enable_prefix_caching,
+        host_cache_gb=args.host_cache_gb,
         progress=True,
     )
     if llm.device.type == "cpu" and llm.config.hidden_size <= 1024:
