@@ -46,7 +46,7 @@ from deepinfer import ops, prepare_weight
 from .config_v4 import CSA, HCA, SLIDING, V4Checkpoint, V4Config
 from .forward_batch import ForwardBatch
 from .mla import linear
-from .moe import ExpertParallel
+from .moe import ExpertParallel, all_gather_rows
 
 
 def _rope_tail(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -288,6 +288,18 @@ class V4MoE:
         self.s13, self.s2 = w["shared_experts.gate_up_proj"], w["shared_experts.down_proj"]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` of tokens ``input_ids [T]`` -> ``[T, H]``. Over several ranks (``ep``) a collective: every
+        rank calls it with the same rows, routes its share of them (``ExpertParallel.token_share``) through the
+        experts of all ranks, and gets the whole batch's output, as DeepSeek-V3's ``MoE`` does."""
+        ep = self.ep
+        if ep.world_size == 1:
+            return self._forward(x, input_ids)
+        start, end, share = ep.token_share(x.shape[0])
+        if share == 0:
+            return torch.empty_like(x)
+        return all_gather_rows(self._forward(x[start:end], input_ids[start:end]), share, x.shape[0], ep.group)
+
+    def _forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg, limit = self.cfg, self.cfg.swiglu_limit
         logits = ops.gemm(x.float(), self.gate, out_dtype=torch.float32)
         if self.hash:
@@ -348,12 +360,14 @@ class DeepseekV4:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         on_progress: Callable[[int], None] | None = None,
+        ep: ExpertParallel | None = None,
     ) -> DeepseekV4:
-        """Builds the model from a checked checkpoint: every weight read once, assembled, prepared once."""
+        """Builds the model from a checked checkpoint: every weight read once, assembled, prepared once; of the
+        routed experts only ``ep``'s local ones (default: one process holding all)."""
         device = torch.device(device)
         cfg = ckpt.config
-        ep = ExpertParallel.single(cfg.n_routed_experts)
-        return cls(cfg, load_weights(ckpt, dtype, device, on_progress), dtype=dtype, device=device, ep=ep)
+        ep = ep or ExpertParallel.single(cfg.n_routed_experts)
+        return cls(cfg, load_weights(ckpt, dtype, device, on_progress, ep), dtype=dtype, device=device, ep=ep)
 
     def new_state(self) -> V4State:
         return V4State([attn.new_state() for _, attn, _, _, _ in self.layers])
@@ -421,11 +435,17 @@ def _fp32(key: str) -> bool:
 
 
 def load_weights(
-    ckpt: V4Checkpoint, dtype: torch.dtype, device: torch.device, on_progress: Callable[[int], None] | None = None
+    ckpt: V4Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_progress: Callable[[int], None] | None = None,
+    ep: ExpertParallel | None = None,
 ) -> dict:
-    """Every weight by normalised name, read once, assembled (experts stacked gate-and-up, ``wo_a`` by group) and
-    passed through ``prepare_weight`` once."""
+    """Every weight by normalised name, read once, assembled (experts stacked gate-and-up in ``ep.local``'s order,
+    ``wo_a`` by group) and passed through ``prepare_weight`` once; routed experts other than ``ep``'s local ones
+    are not read."""
     cfg = ckpt.config
+    ep = ep or ExpertParallel.single(cfg.n_routed_experts)
     out: dict = {}
 
     def read(key: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -444,7 +464,7 @@ def load_weights(
     put("norm.weight", read("norm.weight"))
     for k in ("fn", "base", "scale"):
         put(f"hc_head.hc_{k}", read(f"hc_head.hc_{k}"))
-    experts = [f"experts.{e}." for e in range(cfg.n_routed_experts)]
+    experts = [f"experts.{e}." for e in ep.local]
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         for key in ckpt.names:

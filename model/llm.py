@@ -42,7 +42,7 @@ from .deepseek_v4 import DeepseekV4
 from .embedded import default_checkpoint
 from .engine import LLMEngine, cache_page_bytes
 from .eplb import ExpertLoadBalancer, nodes_of
-from .errors import ParallelError, RequestError
+from .errors import RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .parallel import expert_parallel
 from .sampling_params import SamplingParams
@@ -172,7 +172,7 @@ class LLM:
                     num_groups=getattr(self.config, "n_group", 1) or 1,
                 )
                 if isinstance(ckpt, V4Checkpoint):
-                    _refuse_for_v4(self.ep.world_size, ep, self.speculative_config, enable_eplb)
+                    _refuse_for_v4(self.speculative_config, enable_eplb)
                 mtp_layers = 1 if self.speculative_config is not None else 0
                 if mtp_layers and not self.config.num_nextn_predict_layers:
                     raise InputError(
@@ -234,7 +234,7 @@ class LLM:
             total = ckpt.total_bytes()
 
             def build(on_progress=None):
-                return DeepseekV4.load(ckpt, dtype=self.dtype, device=self.device, on_progress=on_progress)
+                return DeepseekV4.load(ckpt, dtype=self.dtype, device=self.device, on_progress=on_progress, ep=self.ep)
         else:
             local = {f".experts.{e}." for e in self.ep.local}
             mtp = self.speculative_config is not None
@@ -523,13 +523,13 @@ def _check_arguments(**kw: Any) -> None:
         c.positive_int("max_model_len", kw["max_model_len"], minimum=2)  # one prompt token and one generated
 
 
-def _refuse_for_v4(world_size: int, ep, speculative_config, enable_eplb: bool) -> None:
+def _refuse_for_v4(speculative_config, enable_eplb: bool) -> None:
     """What DeepSeek-V4 serving does not do yet, refused before its weights are read."""
-    if world_size > 1:
-        raise ParallelError("ep", "1 for deepseek_v4 (its experts are not sharded yet)", str(ep))
     if speculative_config is not None:
         raise InputError(
             "LLM", "speculative_config", "None for deepseek_v4 (its MTP layers are not loaded)", "a config"
         )
     if enable_eplb:
-        raise InputError("LLM", "enable_eplb", "False for deepseek_v4 (its experts are not sharded)", "True")
+        raise InputError(
+            "LLM", "enable_eplb", "False for deepseek_v4 (its experts are not re-placed at run time yet)", "True"
+        )
