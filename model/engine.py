@@ -348,6 +348,11 @@ class LLMEngine:
     ) -> Sequence:
         """Queues a request; checks the prompt fits the model and the cache. ``matcher``: the grammar matcher that
         constrains its tokens (structured output), fed every token it samples."""
+        if params.n != 1:
+            raise RequestError(
+                f"the engine runs one completion per request, got n={params.n}: add one request for each of "
+                "params.children() (LLM.generate and the server do)"
+            )
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("a prompt needs at least one token")

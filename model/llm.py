@@ -310,7 +310,8 @@ class LLM:
         spec0 = dataclasses.replace(engine.spec_stats)
         with deepinfer.use(self.backend):
             try:
-                seqs = self._add_all(prompts, params)
+                groups = self._add_all(prompts, params)
+                seqs = [s for group in groups for s in group]
                 # requests with stop strings: their text is followed step by step, and each ends at its stop string
                 streams = [
                     RequestStream(s, self.tokenizer, s.params.stop, s.params.include_stop_str_in_output)
@@ -332,7 +333,7 @@ class LLM:
                 raise
         elapsed = time.perf_counter() - start
         self.last_stats = {
-            "requests": len(seqs),
+            "requests": len(groups),
             "prompt_tokens": engine.stats["prompt_tokens"] - prompt0,
             "generated_tokens": engine.stats["generated_tokens"] - gen0,
             "prefilled_tokens": engine.stats["prefilled_tokens"] - prefilled0,
@@ -347,7 +348,7 @@ class LLM:
             self.last_stats["speculative"] = SpeculativeStats(
                 now.drafted - spec0.drafted, now.accepted - spec0.accepted, now.verifications - spec0.verifications
             ).as_dict()
-        return [self._output(s, texts.get(id(s))) for s in seqs]
+        return [self._output(group, [texts.get(id(s)) for s in group]) for group in groups]
 
     def stream(
         self,
@@ -359,11 +360,14 @@ class LLM:
         and for each request once its final output (``finished`` True, the same as ``generate``'s). The text of an
         unfinished output never ends in an incomplete character or in what may be the start of a stop string.
         Closing the iterator early (``break``, an exception in the loop) aborts the requests still running and frees
-        their pages."""
+        their pages. With ``n > 1`` each output yielded holds the one completion that changed (its ``index`` says
+        which), and each completion ends with its own final output."""
         prompts, params = _requests(prompts, sampling_params)
         engine = self.engine
         with deepinfer.use(self.backend):
-            seqs = self._add_all(prompts, params)
+            groups = self._add_all(prompts, params)
+        index = {id(s): i for group in groups for i, s in enumerate(group)}
+        seqs = [s for group in groups for s in group]
         streams = [RequestStream(s, self.tokenizer, s.params.stop, s.params.include_stop_str_in_output) for s in seqs]
         try:
             while engine.has_unfinished() and any(not st.finished for st in streams):
@@ -371,7 +375,8 @@ class LLM:
                     engine.step()
                     updated = [st for st in streams if st.update(engine) is not None]
                 for st in updated:
-                    out = self._output(st.seq, st.text)
+                    out = self._output([st.seq], [st.text])
+                    out.outputs[0].index = index[id(st.seq)]
                     if not st.finished:
                         done = st.sent_tokens
                         out.outputs[0].token_ids = out.outputs[0].token_ids[:done]
@@ -388,12 +393,14 @@ class LLM:
                 if not engine.has_unfinished():
                     engine.check_ranks_done()
 
-    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
+    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[list[Sequence]]:
+        """Queues every prompt's ``n`` completions; returns them by prompt."""
         encoded = [self._to_ids(p) for p in prompts]  # every prompt and constraint checked before any is queued
-        matchers = [self._matcher(sp) for sp in params]
+        children = [sp.children() for sp in params]
+        matchers = [[self._matcher(c) for c in group] for group in children]
         return [
-            self.engine.add_request(ids, sp, prompt=text, matcher=m)
-            for (ids, text), sp, m in zip(encoded, params, matchers)
+            [self.engine.add_request(ids, c, prompt=text, matcher=m) for c, m in zip(group, ms)]
+            for (ids, text), group, ms in zip(encoded, children, matchers)
         ]
 
     def _matcher(self, params: SamplingParams):
@@ -430,30 +437,39 @@ class LLM:
                 bar.update(task, advance=done, rate=f"{rate:.1f} tok/s")
         engine.check_ranks_done()
 
-    def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
-        """``seq``'s output; ``text``: its text when it was followed by a ``RequestStream`` (stop strings)."""
-        p = seq.params
-        ids = seq.generated_ids
-        if text is None:
-            text = self.tokenizer.decode(ids, p.skip_special_tokens) if self.tokenizer is not None else ""
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=ids,
-            logprobs=list(seq.logprobs) if p.logprobs is not None else None,
-            top_logprobs=list(seq.top_logprobs) if p.logprobs else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+    def _output(self, seqs: list[Sequence], texts: list[str | None]) -> RequestOutput:
+        """The output of one prompt's completions ``seqs`` (prompt-level fields from the first); ``texts``: each
+        one's text where a ``RequestStream`` followed it (stop strings), else None."""
+        completions = []
+        for i, (seq, text) in enumerate(zip(seqs, texts)):
+            p, ids = seq.params, seq.generated_ids
+            if text is None:
+                text = self.tokenizer.decode(ids, p.skip_special_tokens) if self.tokenizer is not None else ""
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=ids,
+                    logprobs=list(seq.logprobs) if p.logprobs is not None else None,
+                    top_logprobs=list(seq.top_logprobs) if p.logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        seq, p = seqs[0], seqs[0].params
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[completion],
+            outputs=completions,
             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs else None,
-            metrics={"preemptions": seq.num_preemptions}
-            | ({"drafted": seq.num_drafted, "accepted": seq.num_accepted} if self.speculative_config else {}),
+            metrics={"preemptions": sum(s.num_preemptions for s in seqs)}
+            | (
+                {"drafted": sum(s.num_drafted for s in seqs), "accepted": sum(s.num_accepted for s in seqs)}
+                if self.speculative_config
+                else {}
+            ),
             num_cached_tokens=seq.num_cached_tokens,
         )
 
