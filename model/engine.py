@@ -59,12 +59,12 @@ def index_format_for(cfg, kv_format: str) -> str | None:
     return "fp8_ds_index" if kv_format == "fp8_ds_mla" and cfg.index_head_dim % 128 == 0 else "bf16"
 
 
-def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0) -> int:
+def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0, elem_bytes: int = 2) -> int:
     """Bytes of one cache page (``block_size`` tokens) over all layers (and ``mtp_layers`` multi-token-prediction
-    layers): the latent cache's, plus the indexer keys' for sparse attention. A model that keeps its own caches
-    (``cfg.owns_cache``: DeepSeek-V4) says what to budget."""
+    layers): the latent cache's, plus the indexer keys' for sparse attention. A model that lays out its own pages
+    (``cfg.owns_cache``: DeepSeek-V4, in its dtype of ``elem_bytes``) says how large they are."""
     if getattr(cfg, "owns_cache", False):
-        return cfg.cache_page_bytes(kv_format, block_size)
+        return cfg.cache_page_bytes(kv_format, block_size, elem_bytes)
     layers = cfg.num_hidden_layers + mtp_layers
     probe = deepinfer.allocate_kv_cache(
         1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
@@ -162,7 +162,9 @@ class LLMEngine:
         owns_cache = getattr(cfg, "owns_cache", False)
         if kv_format == "fp8_ds_mla" and not owns_cache and cfg.kv_lora_rank % 128:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
-        page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers)
+        page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers, model.dtype.itemsize)
+        # DeepSeek-V4: each sequence also holds state pages (its windows), first in its block table
+        seq_pages = model.cache_layout(block_size).state_pages if owns_cache else 0
         if kv_cache_bytes is not None and (
             isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < page_bytes
         ):
@@ -172,7 +174,7 @@ class LLMEngine:
         device = model.device
         self.sync = RankSync(model.ep.group, device) if model.ep.world_size > 1 else None
         self.index_format = None if owns_cache else index_format_for(cfg, kv_format)
-        max_blocks = math.ceil(self.max_model_len / block_size)
+        max_blocks = seq_pages + math.ceil(self.max_model_len / block_size)
         if num_blocks is None:
             if kv_cache_bytes is None:
                 free_memory = deepinfer.current_backend().free_memory
@@ -184,8 +186,9 @@ class LLMEngine:
             if self.sync is not None:  # free memory may differ per rank; the schedule must not
                 num_blocks = self.sync.min_int(num_blocks)
         layers = cfg.num_hidden_layers + mtp_layers  # the MTP layer's cache follows the model's layers
-        if owns_cache:  # pages are only the budget's unit; a placeholder keeps the runner's page bookkeeping
-            self.kv_cache = torch.zeros(1, num_blocks, block_size, 1, dtype=torch.uint8, device=device)
+        if owns_cache:  # pages of bytes the model lays out itself (swapped as any pages are)
+            self.kv_cache = torch.zeros(1, num_blocks, page_bytes, dtype=torch.uint8, device=device)
+            model.use_block_size(block_size)
         else:
             cache = deepinfer.allocate_kv_cache(
                 num_blocks * layers,
@@ -206,9 +209,11 @@ class LLMEngine:
                 device=device,
             ).view(layers, num_blocks, block_size, -1)
             model.use_index_format(self.index_format)
-        # a model that keeps its own caches has nothing in the pages to reuse
+        # a sequence's state pages (DeepSeek-V4) depend on its whole prefix: no page of it can be shared
         enable_prefix_caching = enable_prefix_caching and not owns_cache
-        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.allocator = BlockAllocator(
+            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, seq_pages=seq_pages
+        )
         self.speculative_config = spec
         self.spec_stats = SpeculativeStats()
         drafter = None
@@ -327,7 +332,8 @@ class LLMEngine:
             raise RequestError(f"the prompt has {n} tokens; the model's context is {self.max_model_len}")
         if self.allocator.blocks_for(n + 1) > self.allocator.num_blocks:
             raise RequestError(
-                f"the prompt has {n} tokens; the cache holds {self.allocator.num_blocks * self.allocator.block_size}"
+                f"the prompt has {n} tokens; the cache holds "
+                f"{(self.allocator.num_blocks - self.allocator.seq_pages) * self.allocator.block_size}"
             )
         arrival = next(self._ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -362,7 +368,6 @@ class LLMEngine:
                 self._apply(launched, finished)
         for seq in finished:
             self._unfinished.pop(seq.arrival, None)
-            seq.model_state = None  # a model's own per-sequence caches (DeepSeek-V4), if any
         return finished
 
     def abort_all(self) -> list[Sequence]:
@@ -380,7 +385,6 @@ class LLMEngine:
                 seq.token_ids.pop()
             seq.block_table, seq.swapped, seq.swapped_pages = [], None, 0
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
-            seq.model_state = None
             aborted.append(seq)
         self._unfinished.clear()
         sched = self.scheduler

@@ -378,17 +378,26 @@ def test_llm_serves_v4_as_transformers_computes_it(checkpoints, deepinfer_backen
             assert int(row.argmax()) == t or float(row.max() - row[t]) < TOL
 
 
+def state_pages(path, dtype: str = "float32", block_size: int = 4) -> int:
+    """The state pages each sequence of the checkpoint at ``path`` holds (its windows, ``V4CacheLayout``)."""
+    elem_bytes = getattr(torch, dtype).itemsize
+    return V4Checkpoint.open(path).config.cache_layout(block_size, elem_bytes).state_pages
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_resumes_v4_requests(mode, checkpoints, deepinfer_backend, deepinfer_device):
-    """A cache of 16 pages of 4 tokens preempts requests; they resume (their own caches kept on swap, rebuilt from
-    the prompt on recomputation) with the tokens of a run that never preempts."""
+    """A cache of two sequences' state pages and 12 token pages of 4 tokens preempts requests; they resume (their
+    pages swapped out and back, or rebuilt from the prompt on recomputation) with the tokens of a run that never
+    preempts."""
     from deepinfer.model import SamplingParams
 
     path, _ = checkpoints("yarn")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     ps = prompts(8)
     roomy = serve(path, deepinfer_backend, deepinfer_device)
-    tight = serve(path, deepinfer_backend, deepinfer_device, num_blocks=16, preemption_mode=mode)
+    tight = serve(
+        path, deepinfer_backend, deepinfer_device, num_blocks=2 * state_pages(path) + 12, preemption_mode=mode
+    )
     want, got = roomy.generate(ps, params), tight.generate(ps, params)
     assert tight.engine.num_preemptions > 0
     for w, g in zip(want, got):
@@ -486,7 +495,8 @@ def test_batch_invariance_alone_in_batches_and_under_preemption(
         for i, out in zip(chosen, llm.generate([ps[i] for i in chosen], [params[i] for i in chosen])):
             assert result(out) == everything[i], f"request {i} differs in a batch of {size}"
     for mode in ("swap", "recompute"):
-        tight = serve(path, deepinfer_backend, deepinfer_device, dtype=dtype, num_blocks=20, preemption_mode=mode)
+        pages = 2 * state_pages(path, dtype) + 16
+        tight = serve(path, deepinfer_backend, deepinfer_device, dtype=dtype, num_blocks=pages, preemption_mode=mode)
         assert [result(o) for o in tight.generate(ps, params)] == everything, mode
         assert tight.engine.num_preemptions > 0
 
@@ -612,7 +622,17 @@ def test_cache_budget_per_token_follows_the_layer_types():
     csa, hca = cfg.layer_types.count(CSA), cfg.layer_types.count(HCA)
     assert (csa, hca) == (20, 23)
     assert cfg.cache_bytes_per_token() == csa * (512 + 128) / 4 * 2 + hca * 512 / 128 * 2 == 6584
-    assert cfg.cache_page_bytes("bf16", 64) == 6584 * 64
+    # pages of 128 tokens hold 32 CSA entries and one HCA entry a layer, no slot unused
+    assert cfg.cache_page_bytes("bf16", 128) == 6584 * 128
+    assert cfg.cache_layout(128, 2).bytes_per_token == 6584
+    # pages of 64 tokens: 16 CSA entries, and one HCA slot a page that every other page leaves unused
+    assert cfg.cache_page_bytes("bf16", 64) == (csa * 16 * (512 + 128) + hca * 1 * 512) * 2
+    # per sequence: 127 window keys a layer, the unfinished windows (HCA 127 rows of kv and gate; CSA 3 rows of kv
+    # and gate of two series, the previous window's first series of 4 rows, the same for the indexer)
+    csa_state = (2 * 3 * 2 * 512 + 2 * 4 * 512) + (2 * 3 * 2 * 128 + 2 * 4 * 128)
+    assert cfg.cache_bytes_per_sequence() == (43 * 127 * 512 + hca * 2 * 127 * 512 + csa * csa_state) * 2
+    layout = cfg.cache_layout(128, 2)
+    assert layout.state_pages == math.ceil(cfg.cache_bytes_per_sequence() / layout.page_bytes)
     with pytest.raises(CheckpointError, match="kv_format bf16"):
         cfg.cache_page_bytes("fp8_ds_mla", 64)
 
