@@ -179,7 +179,8 @@ def prompt_errors(model, oracle, ps, chunk: int | None = None) -> float:
         idx = torch.tensor(p[1:], dtype=torch.long)[:, None]
         errs = [(ours[:-1].gather(1, idx) - ref[:-1].gather(1, idx)).abs().flatten()]
         errs.append((ours[-1] - ref[-1]).abs())  # the whole next-token distribution
-        worst = max(worst, torch.cat(errs).max().item())
+        err = torch.cat(errs).max().item()
+        worst = max(worst, err if math.isfinite(err) else math.inf)  # (max() would pass a NaN over)
     return worst
 
 
