@@ -454,6 +454,14 @@ class V4CacheLayout:
         """Pages (state and token pages) a sequence of ``num_tokens`` tokens holds."""
         return self.state_pages + -(-num_tokens // self.block_size)
 
+    def describe(self) -> str:
+        """One line: bytes per token of context and per sequence (what ``model/README.md`` reports)."""
+        return (
+            f"pages of {self.block_size} tokens, {self.page_bytes} bytes: {self.bytes_per_token:g} bytes per token "
+            f"of context; {self.state_pages} state pages ({self.bytes_per_sequence} bytes, of which "
+            f"{self.state_elems * self.elem_bytes} used) per sequence"
+        )
+
 
 def is_v4_checkpoint(path: str | Path) -> bool:
     """Whether ``path/config.json`` declares ``model_type: deepseek_v4`` (False when it cannot be read: the other

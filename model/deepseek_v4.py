@@ -27,11 +27,17 @@ MoE: ``hash_moe`` layers take their experts from the frozen ``tid2eid[token]`` t
 route top-k by ``sqrtsoftplus`` scores plus a selection bias (``moe_route``); weights renormalised, times
 ``routed_scaling_factor``; experts and the shared expert use SwiGLU clipped at ``swiglu_limit``.
 
-Caches (``V4State``, one per sequence, owned by the model): per layer the last ``sliding_window - 1`` keys; for a
-compressed layer the projections of its unfinished window, the previous window's first series (CSA), and the
-entries emitted so far (and, for CSA, the indexer's own buffers and keys). A forward takes any number of new tokens
-per sequence (a prompt, a chunk of one, one decode token); the result does not depend on how a prompt is split.
-The caches are contiguous per sequence, not paged (``model/README.md`` says what that leaves out).
+Caches, in pages (``config_v4.V4CacheLayout`` has the layout): a sequence's block table starts with its state
+pages (per layer the last ``sliding_window - 1`` keys as a ring; for a compressed layer the projections of its
+unfinished window and, CSA, the previous window's first series, the indexer's alike), then one token page per
+``block_size`` tokens holding the compressed entries (and CSA indexer keys) whose windows start in it. ``V4State``
+is one sequence's view of them: the engine's pages and the sequence's block table (``ForwardBatch.rows``), or pages
+of its own (``DeepseekV4.new_state``). Every layer reads what it attends from the pages after writing what the step
+adds: the window's past keys, every entry so far and, CSA, every indexer key, gathered into the pool
+``sparse_attention_sinks`` and ``indexer_topk_entries`` take. A forward takes any number of new tokens per sequence
+(a prompt, a chunk of one, one decode token); the result does not depend on how a prompt is split, nor on where the
+pages are. Nothing in the pages is read beyond what the sequence's length says is written, so a recomputed sequence
+needs no clearing and a swapped one resumes from its pages copied back.
 """
 
 from __future__ import annotations

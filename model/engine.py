@@ -2,9 +2,10 @@
 
 It owns the paged latent cache (``deepinfer.allocate_kv_cache``, ``block_size`` tokens per page, ``bf16`` or
 ``fp8_ds_mla``; for DeepSeek-V3.2 also the indexer-key cache on the same pages, ``fp8_ds_index`` beside an FP8
-latent cache, else ``bf16``, counted in the same memory budget), the page allocator, the scheduler and the model
-runner, and applies each step's results: appends sampled tokens, records log-probabilities, stops a sequence on a
-stop token, ``max_tokens`` or the context limit, and frees its pages.
+latent cache, else ``bf16``, counted in the same memory budget; for DeepSeek-V4 pages of bytes the model lays out,
+each sequence's state pages first in its block table), the page allocator, the scheduler and the model runner, and
+applies each step's results: appends sampled tokens, records log-probabilities, stops a sequence on a stop token,
+``max_tokens`` or the context limit, and frees its pages.
 
 Asynchronous scheduling (on by default): a step's tokens are read back only after the next step has been scheduled
 and queued behind it, so the host's work (scheduling, packing inputs, launching) overlaps the device's. The next
