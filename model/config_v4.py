@@ -41,6 +41,7 @@ from .errors import CheckpointError
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+V4_KV_FORMATS = ("bf16", "fp8_ds_mla")  # the compressed entries' and indexer keys' records (``V4CacheLayout``)
 MLP_TYPES = ("hash_moe", "moe")
 INT_KINDS = ("I32", "I64")
 
@@ -93,9 +94,10 @@ class V4Config:
     owns_cache = True
     sparse_attention = False  # no DeepSeek-V3.2 paged indexer-key cache either
 
-    def cache_layout(self, block_size: int, elem_bytes: int = 2) -> V4CacheLayout:
-        """The paged cache's layout for pages of ``block_size`` tokens in a dtype of ``elem_bytes`` bytes."""
-        return V4CacheLayout.build(self, block_size, elem_bytes)
+    def cache_layout(self, block_size: int, elem_bytes: int = 2, kv_format: str = "bf16") -> V4CacheLayout:
+        """The paged cache's layout for pages of ``block_size`` tokens in a dtype of ``elem_bytes`` bytes, with
+        ``kv_format`` records for the compressed entries and indexer keys."""
+        return V4CacheLayout.build(self, block_size, elem_bytes, kv_format)
 
     def cache_bytes_per_token(self, elem_bytes: int = 2) -> float:
         """Bytes the caches grow by per token of context, ideally (with no slot of a page left unused): every
@@ -116,9 +118,7 @@ class V4Config:
 
     def cache_page_bytes(self, kv_format: str, block_size: int, elem_bytes: int = 2) -> int:
         """The engine's budget for one page of ``block_size`` tokens (``V4CacheLayout.page_bytes``)."""
-        if kv_format != "bf16":
-            raise CheckpointError(f"deepseek_v4 keeps its caches in the model's dtype: kv_format bf16, got {kv_format}")
-        return self.cache_layout(block_size, elem_bytes).page_bytes
+        return self.cache_layout(block_size, elem_bytes, kv_format).page_bytes
 
     def compress_rate(self, layer: int) -> int:
         """``m`` of a compressed layer (0 for a sliding-window layer)."""
@@ -348,25 +348,31 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
 
 @dataclass(frozen=True)
 class V4CacheLayout:
-    """Where a DeepSeek-V4 sequence's caches live in the engine's pages (all in the model's dtype).
+    """Where a DeepSeek-V4 sequence's caches live in the engine's pages.
 
-    Every page has ``page_elems`` elements. A sequence's block table starts with ``state_pages`` **state pages**,
-    then one **token page** per ``block_size`` tokens of context (token ``t`` in the page ``state_pages + t //
+    Every page has ``page_bytes`` bytes. A sequence's block table starts with ``state_pages`` **state pages**, then
+    one **token page** per ``block_size`` tokens of context (token ``t`` in the page ``state_pages + t //
     block_size``).
 
     - Token pages hold the compressed entries: entry ``w`` of a layer of rate ``m`` (the pooling of tokens ``[w m,
       (w + 1) m)``) lives in the token page of its first token, ``p = w m // block_size``, at slot ``w -
-      ceil(p block_size / m)`` of that layer's region, which has ``entries_per_page = ceil(block_size / m)`` rows of
-      ``head_dim`` from element ``entry_offset`` of the page; a compressed sparse layer's indexer key ``w`` has the
-      same slot in a region of ``index_head_dim`` rows from ``index_offset``. With ``block_size`` a multiple of
-      every rate no slot is unused.
-    - State pages hold one flat vector of ``state_elems`` elements, ``page_elems`` a page in order: per layer
-      (``state_offset[layer]``, element offsets in the vector) ``window``, the last ``sliding_window - 1`` keys as a
-      ring (the key of position ``q`` in row ``q % (sliding_window - 1)``), and for a compressed layer its
-      compressor's unfinished window ``buf_kv``, ``buf_gate`` (``m - 1`` rows of the projection width; the first
-      ``length % m`` hold the rows seen so far) and, overlapping (CSA), ``prev_kv``, ``prev_gate`` (``m`` rows of
-      ``head_dim``: the last closed window's first series, valid once a window has closed); a CSA layer's indexer
-      has the same four as ``ibuf_kv``, ``ibuf_gate``, ``iprev_kv``, ``iprev_gate`` at ``index_head_dim``.
+      ceil(p block_size / m)`` of that layer's region, which has ``entries_per_page = ceil(block_size / m)`` records
+      of ``entry_bytes`` from byte ``entry_offset`` of the page; a compressed sparse layer's indexer key ``w`` has
+      the same slot in a region of ``index_bytes`` records from ``index_offset``. With ``block_size`` a multiple of
+      every rate no slot is unused. Records (``kv_format``): ``bf16``, the values in the model's dtype;
+      ``fp8_ds_mla``, DeepSeek's FP8 record: an entry's first ``head_dim - rope_dim`` channels in e4m3 with one
+      power-of-two fp32 scale per ``entry_group`` channels (``quantize_fp8`` with ``ue8m0`` scales), then the scales,
+      then the ``rope_dim`` rope channels in the model's dtype; an indexer key all in e4m3 with one scale per
+      ``index_group`` channels, then the scales. The groups are 64 and 128 channels, or the whole part when it is
+      not a multiple of those.
+    - State pages hold one flat vector of ``state_elems`` elements in the model's dtype, ``page_bytes / elem_bytes``
+      a page in order: per layer (``state_offset[layer]``, element offsets in the vector) ``window``, the last
+      ``sliding_window - 1`` keys as a ring (the key of position ``q`` in row ``q % (sliding_window - 1)``), and for a
+      compressed layer its compressor's unfinished window ``buf_kv``, ``buf_gate`` (``m - 1`` rows of the projection
+      width; the first ``length % m`` hold the rows seen so far) and, overlapping (CSA), ``prev_kv``, ``prev_gate``
+      (``m`` rows of ``head_dim``: the last closed window's first series, valid once a window has closed); a CSA
+      layer's indexer has the same four as ``ibuf_kv``, ``ibuf_gate``, ``iprev_kv``, ``iprev_gate`` at
+      ``index_head_dim``.
 
     Every value is a function of the sequence's tokens and its length: nothing is valid beyond what the length
     says, so a recomputed sequence starts from fresh pages, and swapping pages out and in keeps the state.
@@ -374,21 +380,39 @@ class V4CacheLayout:
 
     block_size: int
     elem_bytes: int
+    kv_format: str
     entry_width: int  # head_dim
     index_width: int  # index_head_dim
-    page_elems: int
+    rope_dim: int
+    entry_group: int  # FP8 scale groups (0 in bf16)
+    index_group: int
+    entry_bytes: int
+    index_bytes: int
+    page_bytes: int
     state_pages: int
     state_elems: int
     entries_per_page: tuple[int, ...]
-    entry_offset: tuple[int, ...]  # -1 for a sliding-window layer
-    index_offset: tuple[int, ...]  # -1 unless compressed sparse
+    entry_offset: tuple[int, ...]  # bytes; -1 for a sliding-window layer
+    index_offset: tuple[int, ...]  # bytes; -1 unless compressed sparse
     state_offset: tuple[dict[str, int], ...]
 
     @classmethod
-    def build(cls, cfg: V4Config, block_size: int, elem_bytes: int) -> V4CacheLayout:
+    def build(cls, cfg: V4Config, block_size: int, elem_bytes: int, kv_format: str = "bf16") -> V4CacheLayout:
         if block_size < 1 or elem_bytes < 1:
             raise ValueError(f"need block_size >= 1 and elem_bytes >= 1, got {block_size}, {elem_bytes}")
-        d, di, ring = cfg.head_dim, cfg.index_head_dim, max(cfg.sliding_window - 1, 0)
+        if kv_format not in V4_KV_FORMATS:
+            raise CheckpointError(f"deepseek_v4 caches: kv_format one of {V4_KV_FORMATS}, got {kv_format!r}")
+        d, di, rd = cfg.head_dim, cfg.index_head_dim, cfg.qk_rope_head_dim
+        ring = max(cfg.sliding_window - 1, 0)
+        nope = d - rd
+        if kv_format == "fp8_ds_mla":
+            eg = 64 if nope % 64 == 0 else nope
+            ig = 128 if di % 128 == 0 else di
+            entry_bytes = nope + 4 * (nope // eg) + rd * elem_bytes
+            index_bytes = di + 4 * (di // ig)
+        else:
+            eg = ig = 0
+            entry_bytes, index_bytes = d * elem_bytes, di * elem_bytes
         per_page, entry_off, index_off, state_off = [], [], [], []
         page = state = 0
         for i, kind in enumerate(cfg.layer_types):
@@ -404,7 +428,7 @@ class V4CacheLayout:
             cap = -(-block_size // m)
             per_page.append(cap)
             entry_off.append(page)
-            page += cap * d
+            page += cap * entry_bytes
             overlap = kind == CSA
             series = [("", d)] + ([("i", di)] if overlap else [])
             for prefix, width in series:
@@ -416,19 +440,26 @@ class V4CacheLayout:
                     state += rows * cols
             if overlap:
                 index_off.append(page)
-                page += cap * di
+                page += cap * index_bytes
             else:
                 index_off.append(-1)
             state_off.append(offsets)
-        page = max(page, d)  # a model of window layers only still pages its state
-        page += -page % max(1, 16 // elem_bytes)  # pages of whole 16-byte units
+        page = max(page, d * elem_bytes)  # a model of window layers only still pages its state
+        page += -page % 16  # pages of whole 16-byte units
+        per_state_page = page // elem_bytes
         return cls(
             block_size=block_size,
             elem_bytes=elem_bytes,
+            kv_format=kv_format,
             entry_width=d,
             index_width=di,
-            page_elems=page,
-            state_pages=-(-state // page),
+            rope_dim=rd,
+            entry_group=eg,
+            index_group=ig,
+            entry_bytes=entry_bytes,
+            index_bytes=index_bytes,
+            page_bytes=page,
+            state_pages=-(-state // per_state_page),
             state_elems=state,
             entries_per_page=tuple(per_page),
             entry_offset=tuple(entry_off),
@@ -437,8 +468,9 @@ class V4CacheLayout:
         )
 
     @property
-    def page_bytes(self) -> int:
-        return self.page_elems * self.elem_bytes
+    def page_elems(self) -> int:
+        """Elements of the model's dtype in a page (a state page's share of the state vector)."""
+        return self.page_bytes // self.elem_bytes
 
     @property
     def bytes_per_token(self) -> float:
@@ -457,8 +489,8 @@ class V4CacheLayout:
     def describe(self) -> str:
         """One line: bytes per token of context and per sequence (what ``model/README.md`` reports)."""
         return (
-            f"pages of {self.block_size} tokens, {self.page_bytes} bytes: {self.bytes_per_token:g} bytes per token "
-            f"of context; {self.state_pages} state pages ({self.bytes_per_sequence} bytes, of which "
+            f"{self.kv_format} pages of {self.block_size} tokens, {self.page_bytes} bytes: {self.bytes_per_token:g} "
+            f"bytes per token of context; {self.state_pages} state pages ({self.bytes_per_sequence} bytes, of which "
             f"{self.state_elems * self.elem_bytes} used) per sequence"
         )
 

@@ -32,12 +32,13 @@ pages (per layer the last ``sliding_window - 1`` keys as a ring; for a compresse
 unfinished window and, CSA, the previous window's first series, the indexer's alike), then one token page per
 ``block_size`` tokens holding the compressed entries (and CSA indexer keys) whose windows start in it. ``V4State``
 is one sequence's view of them: the engine's pages and the sequence's block table (``ForwardBatch.rows``), or pages
-of its own (``DeepseekV4.new_state``). Every layer reads what it attends from the pages after writing what the step
-adds: the window's past keys, every entry so far and, CSA, every indexer key, gathered into the pool
-``sparse_attention_sinks`` and ``indexer_topk_entries`` take. A forward takes any number of new tokens per sequence
-(a prompt, a chunk of one, one decode token); the result does not depend on how a prompt is split, nor on where the
-pages are. Nothing in the pages is read beyond what the sequence's length says is written, so a recomputed sequence
-needs no clearing and a swapped one resumes from its pages copied back.
+of its own (``DeepseekV4.new_state``). Entries and indexer keys are stored as ``kv_format`` records (the model's
+dtype, or DeepSeek's FP8 records, ``fp8_ds_mla``, read back dequantised). Every layer reads what it attends from
+the pages after writing what the step adds: the window's past keys, every entry so far and, CSA, every indexer key,
+gathered into the pool ``sparse_attention_sinks`` and ``indexer_topk_entries`` take. A forward takes any number of
+new tokens per sequence (a prompt, a chunk of one, one decode token); the result does not depend on how a prompt is
+split, nor on where the pages are. Nothing in the pages is read beyond what the sequence's length says is written,
+so a recomputed sequence needs no clearing and a swapped one resumes from its pages copied back.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer import ops, prepare_weight
+from deepinfer.qtensor import QTensor
 
 from .config_v4 import CSA, HCA, SLIDING, V4CacheLayout, V4Checkpoint, V4Config
 from .forward_batch import ForwardBatch
@@ -84,8 +86,8 @@ class V4State:
 
     def _bind(self, pages: torch.Tensor) -> None:
         self.pages = pages
-        flat = pages.reshape(-1).view(self.dtype)
-        self.flat = flat
+        self.bytes = pages.reshape(-1)
+        self.flat = self.bytes.view(self.dtype)
         self._table: torch.Tensor | None = None
 
     @classmethod
@@ -124,13 +126,14 @@ class V4State:
     def write_state(self, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         self.flat[self._state_index(offset, rows, values.shape[1])] = values
 
-    # Compressed entries and indexer keys, in the token pages.
-    def _region(self, offset: int, width: int, cap: int) -> torch.Tensor:
-        """``[num_blocks, cap, width]``: a layer's region of every page."""
-        e = self.layout.page_elems
-        return self.flat.as_strided(
-            (self.flat.shape[0] // e, cap, width), (e, width, 1), self.flat.storage_offset() + offset
-        )
+    # Compressed entries and indexer keys, records in the token pages.
+    def _records(self, layer: int, index: bool) -> torch.Tensor:
+        """``[num_blocks, entries_per_page, record bytes]``: a layer's entry (or indexer key) region of every page."""
+        lay = self.layout
+        off = lay.index_offset[layer] if index else lay.entry_offset[layer]
+        rec = lay.index_bytes if index else lay.entry_bytes
+        shape = (self.bytes.shape[0] // lay.page_bytes, lay.entries_per_page[layer], rec)
+        return self.bytes.as_strided(shape, (lay.page_bytes, rec, 1), self.bytes.storage_offset() + off)
 
     def _entry_slots(self, m: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, slot) of entries ``first .. first + count - 1`` of a layer of rate ``m``."""
@@ -140,18 +143,40 @@ class V4State:
         return self.table()[k + p], w - (p * bs + m - 1) // m
 
     def read_entries(self, layer: int, m: int, count: int, index: bool = False) -> torch.Tensor:
-        """Entries (or indexer keys) ``0 .. count - 1`` of ``layer`` ``[count, width]``."""
-        lay = self.layout
-        off = lay.index_offset[layer] if index else lay.entry_offset[layer]
-        width = lay.index_width if index else lay.entry_width
-        region = self._region(off, width, lay.entries_per_page[layer])
-        return region[self._entry_slots(m, 0, count)]
+        """Entries (or indexer keys) ``0 .. count - 1`` of ``layer``, ``[count, width]`` in the model's dtype."""
+        return self._decode(self._records(layer, index)[self._entry_slots(m, 0, count)], index)
 
     def write_entries(self, layer: int, m: int, first: int, values: torch.Tensor, index: bool = False) -> None:
+        """Stores ``values [n, width]`` as entries (or indexer keys) ``first .. first + n - 1`` of ``layer``."""
+        self._records(layer, index)[self._entry_slots(m, first, values.shape[0])] = self._encode(values, index)
+
+    def _encode(self, values: torch.Tensor, index: bool) -> torch.Tensor:
+        """Records ``[n, record bytes]`` of ``values [n, width]`` (``V4CacheLayout`` says the format)."""
         lay = self.layout
-        off = lay.index_offset[layer] if index else lay.entry_offset[layer]
-        region = self._region(off, values.shape[1], lay.entries_per_page[layer])
-        region[self._entry_slots(m, first, values.shape[0])] = values
+        if lay.kv_format == "bf16":
+            return values.contiguous().view(torch.uint8)
+        fp8 = values if index else values[:, : lay.entry_width - lay.rope_dim]
+        q = ops.quantize_fp8(
+            fp8.contiguous(), block=lay.index_group if index else lay.entry_group, scale_format="ue8m0"
+        )
+        parts = [q.data.view(torch.uint8), q.scale.contiguous().view(torch.uint8)]
+        if not index:
+            parts.append(values[:, fp8.shape[1] :].contiguous().view(torch.uint8))
+        return torch.cat(parts, dim=1)
+
+    def _decode(self, records: torch.Tensor, index: bool) -> torch.Tensor:
+        lay = self.layout
+        if lay.kv_format == "bf16":
+            return records.view(self.dtype)
+        width = lay.index_width if index else lay.entry_width - lay.rope_dim
+        group = lay.index_group if index else lay.entry_group
+        end = width + 4 * (width // group)
+        data = records[:, :width].contiguous().view(torch.float8_e4m3fn)
+        scale = records[:, width:end].contiguous().view(torch.float32)
+        values = QTensor(data, scale, (1, group), "ue8m0").dequantize(self.dtype)
+        if index:
+            return values
+        return torch.cat([values, records[:, end:].contiguous().view(self.dtype)], dim=1)
 
 
 @dataclass
@@ -387,7 +412,10 @@ class DeepseekV4:
     def __init__(self, cfg: V4Config, weights: dict, *, dtype: torch.dtype, device: torch.device, ep: ExpertParallel):
         self.cfg, self.dtype, self.device, self.ep = cfg, dtype, device, ep
         self.mtp: list = []  # multi-token-prediction layers: recognised in checkpoints, not loaded
-        self.block_size = 64  # pages of ``new_state`` (an engine sets its own: ``use_block_size``)
+        self.block_size, self.kv_format = (
+            64,
+            "bf16",
+        )  # the pages of ``new_state`` (an engine sets its own: ``use_pages``)
         self.embed, self.norm = weights["embed_tokens.weight"], weights["norm.weight"]
         self.lm_head = weights["embed_tokens.weight" if cfg.tie_word_embeddings else "head.weight"]
         self.hc_head = tuple(weights[f"hc_head.hc_{k}"] for k in ("fn", "base", "scale"))
@@ -419,14 +447,15 @@ class DeepseekV4:
         ep = ExpertParallel.single(cfg.n_routed_experts)
         return cls(cfg, load_weights(ckpt, dtype, device, on_progress), dtype=dtype, device=device, ep=ep)
 
-    def cache_layout(self, block_size: int | None = None) -> V4CacheLayout:
-        """The layout of the paged caches in the model's dtype, for pages of ``block_size`` tokens (by default the
-        engine's, ``use_block_size``)."""
-        return self.cfg.cache_layout(block_size or self.block_size, self.dtype.itemsize)
+    def cache_layout(self, block_size: int | None = None, kv_format: str | None = None) -> V4CacheLayout:
+        """The layout of the paged caches in the model's dtype, for pages of ``block_size`` tokens with
+        ``kv_format`` records (by default the engine's, ``use_pages``)."""
+        return self.cfg.cache_layout(block_size or self.block_size, self.dtype.itemsize, kv_format or self.kv_format)
 
-    def use_block_size(self, block_size: int) -> None:
-        """The engine's page size: the layout ``forward`` reads the engine's pages with."""
-        self.block_size = block_size
+    def use_pages(self, block_size: int, kv_format: str = "bf16") -> None:
+        """The engine's page size and record format: the layout ``forward`` reads the engine's pages with."""
+        self.cfg.cache_layout(block_size, self.dtype.itemsize, kv_format)  # refuses a format it cannot lay out
+        self.block_size, self.kv_format = block_size, kv_format
 
     def new_state(self) -> V4State:
         """A sequence's caches outside an engine, on pages of its own that grow as it goes."""

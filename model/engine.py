@@ -165,13 +165,20 @@ class LLMEngine:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
         page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers, model.dtype.itemsize)
         # DeepSeek-V4: each sequence also holds state pages (its windows), first in its block table
-        seq_pages = model.cache_layout(block_size).state_pages if owns_cache else 0
+        seq_pages = model.cache_layout(block_size, kv_format).state_pages if owns_cache else 0
+        least = "one cache page" if not seq_pages else f"one sequence's {seq_pages} state pages and one cache page"
         if kv_cache_bytes is not None and (
-            isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < page_bytes
+            isinstance(kv_cache_bytes, bool)
+            or not isinstance(kv_cache_bytes, int)
+            or kv_cache_bytes < (seq_pages + 1) * page_bytes
         ):
             raise c.fail(
-                "kv_cache_bytes", f"an int of at least one cache page ({page_bytes}) or None", repr(kv_cache_bytes)
+                "kv_cache_bytes",
+                f"an int of at least {least} ({(seq_pages + 1) * page_bytes}) or None",
+                repr(kv_cache_bytes),
             )
+        if num_blocks is not None and num_blocks <= seq_pages:
+            raise c.fail("num_blocks", f"at least {least} ({seq_pages + 1})", repr(num_blocks))
         device = model.device
         self.sync = RankSync(model.ep.group, device) if model.ep.world_size > 1 else None
         self.index_format = None if owns_cache else index_format_for(cfg, kv_format)
@@ -189,7 +196,7 @@ class LLMEngine:
         layers = cfg.num_hidden_layers + mtp_layers  # the MTP layer's cache follows the model's layers
         if owns_cache:  # pages of bytes the model lays out itself (swapped as any pages are)
             self.kv_cache = torch.zeros(1, num_blocks, page_bytes, dtype=torch.uint8, device=device)
-            model.use_block_size(block_size)
+            model.use_pages(block_size, kv_format)
         else:
             cache = deepinfer.allocate_kv_cache(
                 num_blocks * layers,

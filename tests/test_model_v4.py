@@ -379,10 +379,10 @@ def test_llm_serves_v4_as_transformers_computes_it(checkpoints, deepinfer_backen
             assert int(row.argmax()) == t or float(row.max() - row[t]) < TOL
 
 
-def state_pages(path, dtype: str = "float32", block_size: int = 4) -> int:
+def state_pages(path, dtype: str = "float32", block_size: int = 4, kv_format: str = "bf16") -> int:
     """The state pages each sequence of the checkpoint at ``path`` holds (its windows, ``V4CacheLayout``)."""
     elem_bytes = getattr(torch, dtype).itemsize
-    return V4Checkpoint.open(path).config.cache_layout(block_size, elem_bytes).state_pages
+    return V4Checkpoint.open(path).config.cache_layout(block_size, elem_bytes, kv_format).state_pages
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -410,8 +410,8 @@ def test_v4_refusals_at_serving(checkpoints, deepinfer_backend):
     from deepinfer.errors import InputError
 
     path, _ = checkpoints("yarn")
-    with pytest.raises(CheckpointError, match="kv_format bf16"):
-        serve(path, deepinfer_backend, None, kv_format="fp8_ds_mla")
+    with pytest.raises(InputError, match="kv_format"):
+        serve(path, deepinfer_backend, None, kv_format="fp8_e5m2")
     with pytest.raises(InputError, match="max_model_len"):
         serve(path, deepinfer_backend, None, max_model_len=10**6)
     with pytest.raises(InputError, match="speculative_config"):
@@ -634,8 +634,16 @@ def test_cache_budget_per_token_follows_the_layer_types():
     assert cfg.cache_bytes_per_sequence() == (43 * 127 * 512 + hca * 2 * 127 * 512 + csa * csa_state) * 2
     layout = cfg.cache_layout(128, 2)
     assert layout.state_pages == math.ceil(cfg.cache_bytes_per_sequence() / layout.page_bytes)
-    with pytest.raises(CheckpointError, match="kv_format bf16"):
-        cfg.cache_page_bytes("fp8_ds_mla", 64)
+    # FP8 records: an entry is 448 e4m3 values, 7 fp32 scales and 64 bf16 rope channels; an indexer key 128 e4m3
+    # values and one scale
+    entry, key = 448 + 7 * 4 + 64 * 2, 128 + 4
+    fp8 = cfg.cache_layout(128, 2, "fp8_ds_mla")
+    assert (fp8.entry_bytes, fp8.index_bytes) == (entry, key) == (604, 132)
+    held = csa * 32 * (entry + key) + hca * entry
+    assert fp8.page_bytes == -(-held // 16) * 16 == cfg.cache_page_bytes("fp8_ds_mla", 128)  # whole 16-byte units
+    assert fp8.bytes_per_token == fp8.page_bytes / 128
+    with pytest.raises(CheckpointError, match="kv_format one of"):
+        cfg.cache_page_bytes("fp8_e5m2", 64)
 
 
 def test_stop_tokens_and_asynchronous_scheduling(checkpoints, deepinfer_backend, deepinfer_device):
