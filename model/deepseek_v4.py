@@ -34,8 +34,9 @@ unfinished window and, CSA, the previous window's first series, the indexer's al
 is one sequence's view of them: the engine's pages and the sequence's block table (``ForwardBatch.rows``), or pages
 of its own (``DeepseekV4.new_state``). Entries and indexer keys are stored as ``kv_format`` records (the model's
 dtype, or DeepSeek's FP8 records, ``fp8_ds_mla``, read back dequantised). Every layer reads what it attends from
-the pages after writing what the step adds: the window's past keys, every entry so far and, CSA, every indexer key,
-gathered into the pool ``sparse_attention_sinks`` and ``indexer_topk_entries`` take. A forward takes any number of
+the pages after writing what the step adds: the window's past keys, every entry so far (CSA: every indexer key,
+then the entries the indexer chooses), gathered into the pools ``indexer_topk_entries`` and
+``sparse_attention_sinks`` take. A forward takes any number of
 new tokens per sequence (a prompt, a chunk of one, one decode token); the result does not depend on how a prompt is
 split, nor on where the pages are. Nothing in the pages is read beyond what the sequence's length says is written,
 so a recomputed sequence needs no clearing and a swapped one resumes from its pages copied back.
@@ -135,20 +136,24 @@ class V4State:
         shape = (self.bytes.shape[0] // lay.page_bytes, lay.entries_per_page[layer], rec)
         return self.bytes.as_strided(shape, (lay.page_bytes, rec, 1), self.bytes.storage_offset() + off)
 
-    def _entry_slots(self, m: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, slot) of entries ``first .. first + count - 1`` of a layer of rate ``m``."""
+    def _entry_slots(self, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) of entries ``w`` (int64) of a layer of rate ``m``."""
         bs, k = self.layout.block_size, self.layout.state_pages
-        w = torch.arange(first, first + count, device=self.flat.device)
         p = w * m // bs
         return self.table()[k + p], w - (p * bs + m - 1) // m
 
-    def read_entries(self, layer: int, m: int, count: int, index: bool = False) -> torch.Tensor:
-        """Entries (or indexer keys) ``0 .. count - 1`` of ``layer``, ``[count, width]`` in the model's dtype."""
-        return self._decode(self._records(layer, index)[self._entry_slots(m, 0, count)], index)
+    def read_entries(
+        self, layer: int, m: int, count: int, index: bool = False, which: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Entries (or indexer keys) ``0 .. count - 1`` of ``layer`` (or only those numbered ``which``), ``[n,
+        width]`` in the model's dtype."""
+        w = torch.arange(count, device=self.flat.device) if which is None else which
+        return self._decode(self._records(layer, index)[self._entry_slots(m, w)], index)
 
     def write_entries(self, layer: int, m: int, first: int, values: torch.Tensor, index: bool = False) -> None:
         """Stores ``values [n, width]`` as entries (or indexer keys) ``first .. first + n - 1`` of ``layer``."""
-        self._records(layer, index)[self._entry_slots(m, first, values.shape[0])] = self._encode(values, index)
+        w = torch.arange(first, first + values.shape[0], device=self.flat.device)
+        self._records(layer, index)[self._entry_slots(m, w)] = self._encode(values, index)
 
     def _encode(self, values: torch.Tensor, index: bool) -> torch.Tensor:
         """Records ``[n, record bytes]`` of ``values [n, width]`` (``V4CacheLayout`` says the format)."""
@@ -295,7 +300,7 @@ class V4Attention:
         pool: list[torch.Tensor] = []
         base = 0
         window_idx, entry_idx = [], []
-        key_pool, key_start, key_count, shift = [], [], [], []
+        key_pool, key_start, key_count, owners = [], [], [], []
         key_base = 0
         for st, n, o in zip(batch.states, batch.lens, batch.offsets):
             rows = slice(o, o + n)
@@ -317,22 +322,21 @@ class V4Attention:
             new = self.compressor.step(comp[0][rows], comp[1][rows], st, layer)
             if new.shape[0]:
                 st.write_entries(layer, self.m, start // self.m, new)
-            entries = st.read_entries(layer, self.m, count)
             visible = (batch.positions[rows].long() + 1) // self.m  # entries whose window has closed
             if self.indexer is None:
                 e = torch.arange(count, device=x.device)[None, :]
                 entry_idx.append(torch.where(e < visible[:, None], e + base, -1))
-            else:
+                pool.append(st.read_entries(layer, self.m, count))
+                base += count
+            else:  # only the entries the indexer chooses are read (below)
                 new = self.indexer.step(idx[0][rows], idx[1][rows], st, layer)
                 if new.shape[0]:
                     st.write_entries(layer, self.m, start // self.m, new, index=True)
                 key_pool.append(st.read_entries(layer, self.m, count, index=True))
                 key_start.append(torch.full((n,), key_base, dtype=torch.int32, device=x.device))
                 key_count.append(visible.to(torch.int32))
-                shift.append(torch.full((n,), base - key_base, dtype=torch.int64, device=x.device))
+                owners.append((st, key_base, count))
                 key_base += count
-            pool.append(entries)
-            base += count
 
         indices = [torch.cat(window_idx)]
         if self.kind == HCA:
@@ -352,8 +356,7 @@ class V4Attention:
                 torch.cat(key_count),
                 topk=cfg.index_topk,
             )
-            sh = torch.cat(shift)[:, None]
-            indices.append(torch.where(chosen >= 0, chosen.long() + sh, -1))
+            indices.append(self._chosen_entries(chosen, owners, pool, base))
         indices = torch.cat(indices, dim=1).to(torch.int32)
         out = ops.sparse_attention_sinks(q, torch.cat(pool), indices, w["attn_sink"], softmax_scale=d**-0.5)
         out = _rope_tail_back(out, pos, self.table, self.rd)
@@ -362,6 +365,20 @@ class V4Attention:
         per_group = torch.full((g,), t, dtype=torch.int32, device=x.device)
         o = ops.grouped_gemm(grouped, w["wo_a"], masked_m=per_group, out_dtype=x.dtype)
         return linear(o.transpose(0, 1).reshape(t, -1), w["wo_b.weight"])
+
+    def _chosen_entries(self, chosen: torch.Tensor, owners: list, pool: list[torch.Tensor], base: int) -> torch.Tensor:
+        """Reads the entries ``chosen`` names (rows of the batch's indexer keys; ``owners``: each sequence's state,
+        first row and count there) into ``pool`` from row ``base`` on, each once; returns ``chosen`` as pool rows
+        (-1 kept)."""
+        valid = chosen >= 0
+        rows, where = torch.unique(chosen[valid].long(), return_inverse=True)  # ascending: sequence by sequence
+        for st, first, count in owners:
+            mine = rows[(rows >= first) & (rows < first + count)]
+            if mine.numel():
+                pool.append(st.read_entries(self.layer, self.m, count, which=mine - first))
+        out = torch.full_like(chosen, -1, dtype=torch.int64)
+        out[valid] = where + base
+        return out
 
 
 class V4MoE:
