@@ -361,10 +361,10 @@ class V4CacheLayout:
       the same slot in a region of ``index_bytes`` records from ``index_offset``. With ``block_size`` a multiple of
       every rate no slot is unused. Records (``kv_format``): ``bf16``, the values in the model's dtype;
       ``fp8_ds_mla``, DeepSeek's FP8 record: an entry's first ``head_dim - rope_dim`` channels in e4m3 with one
-      power-of-two fp32 scale per ``entry_group`` channels (``quantize_fp8`` with ``ue8m0`` scales), then the scales,
-      then the ``rope_dim`` rope channels in the model's dtype; an indexer key all in e4m3 with one scale per
-      ``index_group`` channels, then the scales. The groups are 64 and 128 channels, or the whole part when it is
-      not a multiple of those.
+      power-of-two scale per ``entry_group`` channels (``quantize_fp8`` with ``ue8m0`` scales), then the scales, one
+      ue8m0 byte each, then the ``rope_dim`` rope channels in the model's dtype; an indexer key all in e4m3 with one
+      scale per ``index_group`` channels, then the scales. The groups are 64 and 128 channels, or the whole part
+      when it is not a multiple of those.
     - State pages hold one flat vector of ``state_elems`` elements in the model's dtype, ``page_bytes / elem_bytes``
       a page in order: per layer (``state_offset[layer]``, element offsets in the vector) ``window``, the last
       ``sliding_window - 1`` keys as a ring (the key of position ``q`` in row ``q % (sliding_window - 1)``), and for a
@@ -408,8 +408,8 @@ class V4CacheLayout:
         if kv_format == "fp8_ds_mla":
             eg = 64 if nope % 64 == 0 else nope
             ig = 128 if di % 128 == 0 else di
-            entry_bytes = nope + 4 * (nope // eg) + rd * elem_bytes
-            index_bytes = di + 4 * (di // ig)
+            entry_bytes = nope + nope // eg + rd * elem_bytes
+            index_bytes = di + di // ig
         else:
             eg = ig = 0
             entry_bytes, index_bytes = d * elem_bytes, di * elem_bytes

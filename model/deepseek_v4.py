@@ -164,7 +164,7 @@ class V4State:
         q = ops.quantize_fp8(
             fp8.contiguous(), block=lay.index_group if index else lay.entry_group, scale_format="ue8m0"
         )
-        parts = [q.data.view(torch.uint8), q.scale.contiguous().view(torch.uint8)]
+        parts = [q.data.view(torch.uint8), q.scale.to(torch.float8_e8m0fnu).view(torch.uint8)]  # powers of two
         if not index:
             parts.append(values[:, fp8.shape[1] :].contiguous().view(torch.uint8))
         return torch.cat(parts, dim=1)
@@ -175,13 +175,14 @@ class V4State:
             return records.view(self.dtype)
         width = lay.index_width if index else lay.entry_width - lay.rope_dim
         group = lay.index_group if index else lay.entry_group
-        end = width + 4 * (width // group)
+        end = width + width // group
         data = records[:, :width].contiguous().view(torch.float8_e4m3fn)
-        scale = records[:, width:end].contiguous().view(torch.float32)
+        scale = records[:, width:end].contiguous().view(torch.float8_e8m0fnu).float()
         values = QTensor(data, scale, (1, group), "ue8m0").dequantize(self.dtype)
         if index:
             return values
-        return torch.cat([values, records[:, end:].contiguous().view(self.dtype)], dim=1)
+        rope = records[:, end:].reshape(-1).clone()  # (storage of its own: the slice may sit off the dtype's alignment)
+        return torch.cat([values, rope.view(self.dtype).view(records.shape[0], self.layout.rope_dim)], dim=1)
 
 
 @dataclass

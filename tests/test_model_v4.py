@@ -634,11 +634,11 @@ def test_cache_budget_per_token_follows_the_layer_types():
     assert cfg.cache_bytes_per_sequence() == (43 * 127 * 512 + hca * 2 * 127 * 512 + csa * csa_state) * 2
     layout = cfg.cache_layout(128, 2)
     assert layout.state_pages == math.ceil(cfg.cache_bytes_per_sequence() / layout.page_bytes)
-    # FP8 records: an entry is 448 e4m3 values, 7 fp32 scales and 64 bf16 rope channels; an indexer key 128 e4m3
-    # values and one scale
-    entry, key = 448 + 7 * 4 + 64 * 2, 128 + 4
+    # FP8 records: an entry is 448 e4m3 values, 7 one-byte ue8m0 scales and 64 bf16 rope channels; an indexer key 128
+    # e4m3 values and one scale
+    entry, key = 448 + 7 + 64 * 2, 128 + 1
     fp8 = cfg.cache_layout(128, 2, "fp8_ds_mla")
-    assert (fp8.entry_bytes, fp8.index_bytes) == (entry, key) == (604, 132)
+    assert (fp8.entry_bytes, fp8.index_bytes) == (entry, key) == (583, 129)
     held = csa * 32 * (entry + key) + hca * entry
     assert fp8.page_bytes == -(-held // 16) * 16 == cfg.cache_page_bytes("fp8_ds_mla", 128)  # whole 16-byte units
     assert fp8.bytes_per_token == fp8.page_bytes / 128
