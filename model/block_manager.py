@@ -1,7 +1,9 @@
 """``BlockAllocator``: the pages of the paged latent cache, with automatic prefix caching.
 
 The cache is ``num_blocks`` pages of ``block_size`` token slots; a sequence owns the pages in its block table, and
-token ``i`` of the sequence lives in slot ``block_table[i // block_size] * block_size + i % block_size``.
+token ``i`` of the sequence lives in slot ``block_table[i // block_size] * block_size + i % block_size``. A model
+that also keeps a fixed state per sequence in pages (DeepSeek-V4, ``seq_pages``) has those pages first in the table:
+token ``i`` is then in page ``block_table[seq_pages + i // block_size]``.
 
 Prefix caching (``enable_prefix_caching``, on by default). A full page of prompt tokens, once computed, is
 registered under the key of its tokens chained to the key of the page before it (so a key identifies the whole
@@ -38,13 +40,18 @@ class BlockAllocator:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = False,
+        seq_pages: int = 0,
         host: HostPageCache | None = None,
     ):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        if num_blocks < 1 or block_size < 1 or seq_pages < 0:
+            raise ValueError(
+                f"need num_blocks >= 1, block_size >= 1 and seq_pages >= 0, got {num_blocks}, {block_size}, {seq_pages}"
+            )
+        if seq_pages and enable_prefix_caching:
+            raise ValueError("prefix caching shares token pages; a sequence's own state pages cannot be shared")
         if host is not None and not enable_prefix_caching:
             raise ValueError("a host tier needs prefix caching")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.seq_pages = num_blocks, block_size, seq_pages
         self.enable_prefix_caching = enable_prefix_caching
         self.host = host
         self.reset()
@@ -60,8 +67,8 @@ class BlockAllocator:
         return len(self._page_of)
 
     def blocks_for(self, num_tokens: int) -> int:
-        """Pages that ``num_tokens`` slots need."""
-        return math.ceil(num_tokens / self.block_size)
+        """Pages that a sequence of ``num_tokens`` tokens holds (its state pages included)."""
+        return self.seq_pages + math.ceil(num_tokens / self.block_size)
 
     def missing(self, seq: Sequence, num_tokens: int) -> int:
         """Pages ``seq`` still needs to hold ``num_tokens`` tokens."""
@@ -121,7 +128,8 @@ class BlockAllocator:
         seq.num_registered_pages = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        page = seq.block_table[self.seq_pages + position // self.block_size]
+        return page * self.block_size + position % self.block_size
 
     # --- prefix caching ---
 

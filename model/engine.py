@@ -2,9 +2,10 @@
 
 It owns the paged latent cache (``deepinfer.allocate_kv_cache``, ``block_size`` tokens per page, ``bf16`` or
 ``fp8_ds_mla``; for DeepSeek-V3.2 also the indexer-key cache on the same pages, ``fp8_ds_index`` beside an FP8
-latent cache, else ``bf16``, counted in the same memory budget), the page allocator, the scheduler and the model
-runner, and applies each step's results: appends sampled tokens, records log-probabilities, stops a sequence on a
-stop token, ``max_tokens`` or the context limit, and frees its pages.
+latent cache, else ``bf16``, counted in the same memory budget; for DeepSeek-V4 pages of bytes the model lays out,
+each sequence's state pages first in its block table), the page allocator, the scheduler and the model runner, and
+applies each step's results: appends sampled tokens, records log-probabilities, stops a sequence on a stop token,
+``max_tokens`` or the context limit, and frees its pages.
 
 Asynchronous scheduling (on by default): a step's tokens are read back only after the next step has been scheduled
 and queued behind it, so the host's work (scheduling, packing inputs, launching) overlaps the device's. The next
@@ -60,12 +61,12 @@ def index_format_for(cfg, kv_format: str) -> str | None:
     return "fp8_ds_index" if kv_format == "fp8_ds_mla" and cfg.index_head_dim % 128 == 0 else "bf16"
 
 
-def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0) -> int:
+def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0, elem_bytes: int = 2) -> int:
     """Bytes of one cache page (``block_size`` tokens) over all layers (and ``mtp_layers`` multi-token-prediction
-    layers): the latent cache's, plus the indexer keys' for sparse attention. A model that keeps its own caches
-    (``cfg.owns_cache``: DeepSeek-V4) says what to budget."""
+    layers): the latent cache's, plus the indexer keys' for sparse attention. A model that lays out its own pages
+    (``cfg.owns_cache``: DeepSeek-V4, in its dtype of ``elem_bytes``) says how large they are."""
     if getattr(cfg, "owns_cache", False):
-        return cfg.cache_page_bytes(kv_format, block_size)
+        return cfg.cache_page_bytes(kv_format, block_size, elem_bytes)
     layers = cfg.num_hidden_layers + mtp_layers
     probe = deepinfer.allocate_kv_cache(
         1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
@@ -169,17 +170,26 @@ class LLMEngine:
         owns_cache = getattr(cfg, "owns_cache", False)
         if kv_format == "fp8_ds_mla" and not owns_cache and cfg.kv_lora_rank % 128:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
-        page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers)
+        page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers, model.dtype.itemsize)
+        # DeepSeek-V4: each sequence also holds state pages (its windows), first in its block table
+        seq_pages = model.cache_layout(block_size, kv_format).state_pages if owns_cache else 0
+        least = "one cache page" if not seq_pages else f"one sequence's {seq_pages} state pages and one cache page"
         if kv_cache_bytes is not None and (
-            isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < page_bytes
+            isinstance(kv_cache_bytes, bool)
+            or not isinstance(kv_cache_bytes, int)
+            or kv_cache_bytes < (seq_pages + 1) * page_bytes
         ):
             raise c.fail(
-                "kv_cache_bytes", f"an int of at least one cache page ({page_bytes}) or None", repr(kv_cache_bytes)
+                "kv_cache_bytes",
+                f"an int of at least {least} ({(seq_pages + 1) * page_bytes}) or None",
+                repr(kv_cache_bytes),
             )
+        if num_blocks is not None and num_blocks <= seq_pages:
+            raise c.fail("num_blocks", f"at least {least} ({seq_pages + 1})", repr(num_blocks))
         device = model.device
         self.sync = RankSync(model.ep.group, device) if model.ep.world_size > 1 else None
         self.index_format = None if owns_cache else index_format_for(cfg, kv_format)
-        max_blocks = math.ceil(self.max_model_len / block_size)
+        max_blocks = seq_pages + math.ceil(self.max_model_len / block_size)
         if num_blocks is None:
             if kv_cache_bytes is None:
                 free_memory = deepinfer.current_backend().free_memory
@@ -191,8 +201,9 @@ class LLMEngine:
             if self.sync is not None:  # free memory may differ per rank; the schedule must not
                 num_blocks = self.sync.min_int(num_blocks)
         layers = cfg.num_hidden_layers + mtp_layers  # the MTP layer's cache follows the model's layers
-        if owns_cache:  # pages are only the budget's unit; a placeholder keeps the runner's page bookkeeping
-            self.kv_cache = torch.zeros(1, num_blocks, block_size, 1, dtype=torch.uint8, device=device)
+        if owns_cache:  # pages of bytes the model lays out itself (swapped as any pages are)
+            self.kv_cache = torch.zeros(1, num_blocks, page_bytes, dtype=torch.uint8, device=device)
+            model.use_pages(block_size, kv_format)
         else:
             cache = deepinfer.allocate_kv_cache(
                 num_blocks * layers,
@@ -213,7 +224,7 @@ class LLMEngine:
                 device=device,
             ).view(layers, num_blocks, block_size, -1)
             model.use_index_format(self.index_format)
-        # a model that keeps its own caches has nothing in the pages to reuse
+        # a sequence's state pages (DeepSeek-V4) depend on its whole prefix: no page of it can be shared
         enable_prefix_caching = enable_prefix_caching and not owns_cache
         host = None
         if host_cache_bytes:
@@ -227,7 +238,9 @@ class LLMEngine:
                     f"{host_cache_bytes!r}" + ("" if enable_prefix_caching else " with prefix caching off"),
                 )
             host = HostPageCache(paged, host_pages)
-        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, host=host)
+        self.allocator = BlockAllocator(
+            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, seq_pages=seq_pages, host=host
+        )
         self.speculative_config = spec
         self.spec_stats = SpeculativeStats()
         drafter = None
@@ -365,7 +378,8 @@ class LLMEngine:
             raise RequestError(f"the prompt has {n} tokens; the model's context is {self.max_model_len}")
         if self.allocator.blocks_for(n + 1) > self.allocator.num_blocks:
             raise RequestError(
-                f"the prompt has {n} tokens; the cache holds {self.allocator.num_blocks * self.allocator.block_size}"
+                f"the prompt has {n} tokens; the cache holds "
+                f"{(self.allocator.num_blocks - self.allocator.seq_pages) * self.allocator.block_size}"
             )
         arrival = next(self._ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -400,7 +414,6 @@ class LLMEngine:
                 self._apply(launched, finished)
         for seq in finished:
             self._unfinished.pop(seq.arrival, None)
-            seq.model_state = None  # a model's own per-sequence caches (DeepSeek-V4), if any
         return finished
 
     def abort_all(self) -> list[Sequence]:
@@ -418,7 +431,6 @@ class LLMEngine:
                 seq.token_ids.pop()
             seq.block_table, seq.swapped, seq.swapped_pages = [], None, 0
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
-            seq.model_state = None
             aborted.append(seq)
         self._unfinished.clear()
         sched = self.scheduler
