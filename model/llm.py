@@ -181,10 +181,15 @@ class LLM:
                         "a checkpoint with MTP layers (num_nextn_predict_layers >= 1) for method 'mtp'",
                         f"num_nextn_predict_layers 0 in {self.path / 'config.json'}",
                     )
-                page_bytes = cache_page_bytes(self.config, kv_format, block_size, mtp_layers)
-                if kv_cache_gb is not None and kv_cache_gb * (1 << 30) < page_bytes:
+                elem = self.dtype.itemsize
+                page_bytes = cache_page_bytes(self.config, kv_format, block_size, mtp_layers, elem)
+                least, pages = "one cache page", 1
+                if isinstance(ckpt, V4Checkpoint):  # a sequence's state pages come with its first token page
+                    state = self.config.cache_layout(block_size, elem, kv_format).state_pages
+                    least, pages = f"one sequence's {state} state pages and one cache page", state + 1
+                if kv_cache_gb is not None and kv_cache_gb * (1 << 30) < pages * page_bytes:
                     raise InputError(
-                        "LLM", "kv_cache_gb", f"at least one cache page ({page_bytes} bytes)", repr(kv_cache_gb)
+                        "LLM", "kv_cache_gb", f"at least {least} ({pages * page_bytes} bytes)", repr(kv_cache_gb)
                     )
             except BaseException:
                 ckpt.close()

@@ -418,6 +418,12 @@ def test_v4_refusals_at_serving(checkpoints, deepinfer_backend):
         serve(path, deepinfer_backend, None, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(InputError, match="enable_eplb"):
         serve(path, deepinfer_backend, None, enable_eplb=True)
+    raw = json.loads((Path(path) / "config.json").read_text())
+    layout = V4Config.from_dict(raw).cache_layout(4, 4)  # serve's pages: 4 tokens, fp32
+    fits = (layout.state_pages + 1) * layout.page_bytes
+    with pytest.raises(InputError, match=r"kv_cache_gb.*state pages and one cache page"):
+        serve(path, deepinfer_backend, None, kv_cache_gb=(fits - 1) / (1 << 30))
+    serve(path, deepinfer_backend, None, kv_cache_gb=fits / (1 << 30))  # one sequence's pages: accepted
 
 
 def test_cli_generates_from_a_v4_checkpoint(checkpoints, tmp_path, capsys):
