@@ -192,6 +192,12 @@ class ServerMetrics:
         self.running = Gauge("deepinfer_num_requests_running", "Requests in the running batch", m, registry=r)
         self.waiting = Gauge("deepinfer_num_requests_waiting", "Requests waiting or swapped out", m, registry=r)
         self.cache_usage = Gauge("deepinfer_kv_cache_usage_perc", "Share of cache pages in use (0 to 1)", m, registry=r)
+        self.host_pages = Gauge(
+            "deepinfer_host_cache_pages",
+            "The host tier's pages (--host-cache-gb): held now, and copied out and back since the start",
+            [*m, "kind"],
+            registry=r,
+        )
         self._queries = self._hits = 0
 
     def _hit_rate(self) -> float:
@@ -219,6 +225,10 @@ class ServerMetrics:
         self.waiting.labels(name).set(engine.num_waiting)
         alloc = engine.engine.allocator
         self.cache_usage.labels(name).set(1 - alloc.num_free / alloc.num_blocks)
+        host = engine.engine.host_cache_stats
+        if host is not None:
+            for kind in ("held", "saved", "loaded"):
+                self.host_pages.labels(name, kind).set(host[f"{kind}_pages"])
         return generate_latest(self.registry)
 
 

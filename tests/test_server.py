@@ -458,6 +458,31 @@ def test_usage_and_metrics_report_prefix_cache_hits(client, served, offline):
     assert 0 < metric(url, "deepinfer_prefix_cache_hit_rate") <= 1
 
 
+def test_a_host_tier_serves_an_evicted_prefix(deepinfer_backend_name, offline):
+    """A server with 8 device pages of 16 tokens and a host tier: a prompt's prefix, evicted by the two
+    100-token prompts after it, is copied back for the next prompt that shares it (``usage`` counts it cached,
+    ``/metrics`` the pages copied back), and the text is the offline output's."""
+    llm = LLM(None, deepinfer_backend_name, progress=False, **(llm_kwargs() | {"num_blocks": 8}), host_cache_gb=0.01)
+    base = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(description=__doc__)\n"
+    fillers = []
+    for line in ("class Parser:\n    def parse(self, text):\n", "for i in range(10):\n    print(i)\n"):
+        text = line
+        while len(offline.tokenizer.encode(text + line)) <= 100:
+            text += line
+        fillers.append(text)
+    with running_server(llm, chat_template=TEMPLATE) as (state, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client.completions.create(model="tiny-py", prompt=base * 2, max_tokens=2, temperature=0)
+        for text in fillers:
+            client.completions.create(model="tiny-py", prompt=text, max_tokens=2, temperature=0)
+        again = client.completions.create(model="tiny-py", prompt=base * 2 + "    args", max_tokens=4, temperature=0)
+        wait_idle(state)
+        loaded = metric(url, "deepinfer_host_cache_pages", kind="loaded")
+    ids = offline.tokenizer.encode(base * 2 + "    args")
+    assert again.usage.prompt_tokens_details.cached_tokens >= CHUNK and loaded >= CHUNK // BLOCK
+    assert again.choices[0].text == offline_out(offline, ids, max_tokens=4, temperature=0).outputs[0].text
+
+
 def test_metrics_count_requests_tokens_and_latencies(client, served):
     url = served[1]
     before = {
