@@ -155,9 +155,12 @@ class BlockAllocator:
             if page is None:
                 break
             pages.append(page)
-        in_host = 0
+        in_host = 0  # the keys after those that only the host tier holds (one also on the device ends the run)
         if self.host is not None:
-            while len(pages) + in_host < len(keys) and keys[len(pages) + in_host] in self.host:
+            while len(pages) + in_host < len(keys):
+                key = keys[len(pages) + in_host]
+                if key not in self.host or key in self._page_of:
+                    break
                 in_host += 1
         per_align = align // self.block_size
         whole = (len(pages) + in_host) // per_align * per_align

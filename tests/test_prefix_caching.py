@@ -319,3 +319,33 @@ def test_host_cache_arguments_are_checked(ckpt):
         LLM(ckpt, "reference", host_cache_gb=0.01, enable_prefix_caching=False, progress=False)
     with pytest.raises(InputError, match="at least one page"):
         LLM(ckpt, "reference", host_cache_gb=1e-9, progress=False)
+
+
+def test_a_key_on_both_tiers_ends_the_host_run():
+    """A prefix whose second page is only in the host tier while its third is on the device and in the host tier:
+    the second is loaded, the run stops at the third (a key is never registered to two pages), and every page is
+    evicted cleanly afterwards."""
+    alloc, _, host = host_tier(num_blocks=6, capacity=8)
+    prompt = list(range(1, 13))  # 3 pages
+    owner = seq(prompt)
+    alloc.grow(owner, 12)
+    alloc.register(owner, 12)
+    alloc.release(owner)
+    filler = seq([7] * 24)
+    alloc.grow(filler, 24)  # all three copied out
+    alloc.release(filler)
+    back = seq(prompt)
+    assert alloc.match(back, 12, 4) == 12 and host.loaded == 3  # all three back on the device
+    second = back.block_table[1]
+    alloc.release(back)
+    alloc._free.move_to_end(second, last=False)  # the next page handed out: only the second is evicted
+    taker = seq([8] * 4)
+    alloc.grow(taker, 4)
+    assert alloc.num_cached == 2 and len(host) == 3
+    again = seq(prompt)
+    assert alloc.match(again, 12, 4) == 8, "the first page from the device, the second from the host tier"
+    assert host.loaded == 4 and len(set(alloc._page_of.values())) == len(alloc._page_of) == 3
+    alloc.release(again)
+    alloc.release(taker)
+    alloc.grow(seq([9] * 24), 24)  # every page handed out: each registered one evicted exactly once
+    assert alloc.num_cached == 0
