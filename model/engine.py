@@ -235,7 +235,9 @@ class LLMEngine:
                     "host_cache_bytes",
                     f"0, or with prefix caching on at least one page of host memory ({HostPageCache.page_bytes(paged)}"
                     " bytes)",
-                    f"{host_cache_bytes!r}" + ("" if enable_prefix_caching else " with prefix caching off"),
+                    f"{host_cache_bytes!r}"
+                    + ("" if enable_prefix_caching else " with prefix caching off")
+                    + (" (a model that keeps per-sequence state pages has none)" if owns_cache else ""),
                 )
             host = HostPageCache(paged, host_pages)
         self.allocator = BlockAllocator(
