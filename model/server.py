@@ -357,6 +357,20 @@ class OpenAIServer:
         except EngineDeadError as e:
             raise APIError(str(e), 503) from e
 
+    async def run_choices(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams], rid: str):
+        """The streams of every choice: each prompt's ``n`` completions in order (choice ``p n + c``: completion
+        ``c`` of prompt ``p``, request ``{rid}-{choice}``); if one cannot start, those started are closed."""
+        streams = []
+        try:
+            for (ids, text), sp in zip(prompts, params, strict=True):
+                for child in sp.children():
+                    streams.append(await self.run(ids, child, f"{rid}-{len(streams)}", text))
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
+        return streams
+
     def token_text(self, token: int) -> str:
         tok = self.llm.tokenizer
         return tok.decode([token], skip_special_tokens=False) if tok is not None else str(token)
@@ -552,15 +566,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
             for ids, _ in encoded
         ]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = []  # choice p n + c: completion c of prompt p
-        try:
-            for (ids, text), sp in zip(encoded, params):
-                for child in sp.children():
-                    streams.append(await server.run(ids, child, f"{rid}-{len(streams)}", text))
-        except BaseException:
-            for s in streams:
-                await s.aclose()
-            raise
+        streams = await server.run_choices(encoded, params, rid)
         deltas = _merge(streams)
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
@@ -652,14 +658,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
             raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
         params = server.sampling_params(body, max_tokens, top if body.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = []  # one a choice
-        try:
-            for child in params.children():
-                streams.append(await server.run(ids, child, f"{rid}-{len(streams)}", text))
-        except BaseException:
-            for s in streams:
-                await s.aclose()
-            raise
+        streams = await server.run_choices([(ids, text)], [params], rid)
         deltas = _merge(streams)
         created = int(time.time())
         base = {"id": rid, "created": created, "model": server.model_name}

@@ -117,17 +117,23 @@ def v4_checkpoint(path, seed: int, **cfg):
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoint_maker(tmp_path_factory, prefix: str, first_seed: int):
+    """``get(name)``: the checkpoint of ``CONFIGS[name]`` (written once, seeds from ``first_seed`` on) and its
+    oracle."""
     made = {}
 
     def get(name: str):
         if name not in made:
-            path = tmp_path_factory.mktemp(f"v4-{name}")
-            made[name] = (path, v4_checkpoint(path, seed=len(made) + 3, **CONFIGS[name]))
+            path = tmp_path_factory.mktemp(f"{prefix}-{name}")
+            made[name] = (path, v4_checkpoint(path, seed=len(made) + first_seed, **CONFIGS[name]))
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return checkpoint_maker(tmp_path_factory, "v4", 3)
 
 
 def prompts(seed: int) -> list[list[int]]:

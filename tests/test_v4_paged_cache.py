@@ -23,15 +23,7 @@ from deepinfer.selection import use
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            path = tmp_path_factory.mktemp(f"v4p-{name}")
-            made[name] = (path, v4.v4_checkpoint(path, seed=len(made) + 21, **v4.CONFIGS[name]))
-        return made[name]
-
-    return get
+    return v4.checkpoint_maker(tmp_path_factory, "v4p", 21)
 
 
 @pytest.fixture
@@ -264,7 +256,7 @@ def test_a_cache_without_room_for_one_sequence_is_refused(checkpoints, deepinfer
         v4.serve(path, deepinfer_backend, None, num_blocks=pages)
     assert f"{pages} state pages" in e.value.expected
     page_bytes = v4.V4Checkpoint.open(path).config.cache_page_bytes("bf16", 4, 4)
-    with pytest.raises(InputError, match="kv_cache_bytes"):
+    with pytest.raises(InputError, match="kv_cache_gb"):
         v4.serve(path, deepinfer_backend, None, kv_cache_gb=pages * page_bytes / (1 << 30))
     llm = v4.serve(path, deepinfer_backend, None, num_blocks=pages + 1)  # one page of tokens: short requests run
     from deepinfer.model import SamplingParams
