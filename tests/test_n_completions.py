@@ -58,3 +58,17 @@ def test_bad_n_is_refused_and_the_engine_takes_one_completion_a_request(llm):
             SamplingParams(n=n)
     with pytest.raises(RequestError, match="one completion per request"):
         llm.engine.add_request([5, 6, 7], SamplingParams(n=2))
+
+
+def test_each_completion_has_its_own_grammar_matcher(llm):
+    """Sampled completions of a constrained request each follow the constraint on their own (one matcher each: a
+    shared one would be fed every completion's tokens and refuse or end them early)."""
+    from deepinfer.model.structured_output import StructuredOutputsParams
+
+    choices = ["return a + b", "return sorted(a + b)", "yield from a"]
+    params = SamplingParams(
+        n=4, max_tokens=16, temperature=1.0, seed=3, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    (out,) = llm.generate(PROMPTS[0], params)
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.outputs), [c.text for c in out.outputs]
