@@ -16,12 +16,21 @@ model and one cache format: a page's content is a function of its key.
 
 With a host tier (``host``, a ``HostPageCache``) an evicted page is copied to host memory under its key first, and
 ``match`` continues a prompt's cached prefix with the keys held there, copying them back into fresh pages.
+
+With state pages (``seq_pages``: DeepSeek-V4's windows and unfinished compressor windows, which depend on the whole
+prefix) a prefix is reusable only at a point where its state was kept: when a sequence's computed prompt reaches a
+multiple of ``reuse_tokens`` (the page size and every compression rate divide it, so every entry of the pages
+before it is written), its token pages are registered and a copy of its state pages is kept as a **snapshot**
+under the key of its last page (``copy_pages`` copies pages on the device, in order with the steps). ``match`` then
+gives a prompt the token pages of its longest prefix that ends at a snapshot, and fresh state pages holding a copy
+of it. Snapshot pages are free pages like registered ones: handing one out forgets the whole snapshot.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .sequence import Sequence
@@ -30,6 +39,7 @@ if TYPE_CHECKING:
     from .host_cache import HostPageCache
 
 PageKey = tuple  # (key of the previous page or None, the page's tokens)
+SNAPSHOT = "state"  # marks a snapshot's pages in the page -> key map (a page key starts with None or a key)
 
 
 class BlockAllocator:
@@ -42,18 +52,24 @@ class BlockAllocator:
         enable_prefix_caching: bool = False,
         seq_pages: int = 0,
         host: HostPageCache | None = None,
+        reuse_tokens: int | None = None,
+        copy_pages: Callable[[list[int], list[int]], None] | None = None,
     ):
         if num_blocks < 1 or block_size < 1 or seq_pages < 0:
             raise ValueError(
                 f"need num_blocks >= 1, block_size >= 1 and seq_pages >= 0, got {num_blocks}, {block_size}, {seq_pages}"
             )
-        if seq_pages and enable_prefix_caching:
-            raise ValueError("prefix caching shares token pages; a sequence's own state pages cannot be shared")
-        if host is not None and not enable_prefix_caching:
-            raise ValueError("a host tier needs prefix caching")
+        if seq_pages and enable_prefix_caching and copy_pages is None:
+            raise ValueError("prefix caching with state pages needs copy_pages (for their snapshots)")
+        if host is not None and (not enable_prefix_caching or seq_pages):
+            raise ValueError("a host tier needs prefix caching and no state pages")
         self.num_blocks, self.block_size, self.seq_pages = num_blocks, block_size, seq_pages
+        self.reuse_tokens = reuse_tokens or block_size  # a reused prefix is a multiple of it
+        if self.reuse_tokens % block_size:
+            raise ValueError(f"reuse_tokens {self.reuse_tokens} is not a multiple of block_size {block_size}")
         self.enable_prefix_caching = enable_prefix_caching
         self.host = host
+        self.copy_pages = copy_pages
         self.reset()
 
     @property
@@ -92,7 +108,10 @@ class BlockAllocator:
         for _ in range(n):
             b, _ = self._free.popitem(last=False)
             key = self._key_of.pop(b, None)
-            if key is not None:
+            if key is not None and key[0] == SNAPSHOT:
+                for page in self._snapshot_of.pop(key[1]):  # one page gone: the whole snapshot is
+                    self._key_of.pop(page, None)
+            elif key is not None:
                 del self._page_of[key]
                 if self.host is not None:
                     self.host.save(key, b)
@@ -119,7 +138,8 @@ class BlockAllocator:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
         self._refs: dict[int, int] = {}
         self._page_of: dict[PageKey, int] = {}
-        self._key_of: dict[int, PageKey] = {}
+        self._key_of: dict[int, PageKey] = {}  # a snapshot's pages: (SNAPSHOT, the key it is kept under)
+        self._snapshot_of: dict[PageKey, list[int]] = {}
 
     def release(self, seq: Sequence) -> None:
         """Takes back every page of ``seq``."""
@@ -148,6 +168,8 @@ class BlockAllocator:
         each; returns the number of tokens they hold (0 with prefix caching off)."""
         if not self.enable_prefix_caching or seq.block_table:
             return 0
+        if self.seq_pages:
+            return self._match_snapshot(seq, max_tokens, align)
         keys = self.page_keys(seq, max_tokens // self.block_size)
         pages = []
         for key in keys:
@@ -192,18 +214,59 @@ class BlockAllocator:
             self._key_of[page] = key
         return fresh[:held]
 
+    def _match_snapshot(self, seq: Sequence, max_tokens: int, align: int) -> int:
+        """``match`` with state pages: the longest registered prefix, in whole ``align``s, that ends at a
+        snapshot; ``seq`` gets fresh state pages holding a copy of it, then the prefix's token pages."""
+        keys = self.page_keys(seq, max_tokens // self.block_size)
+        found = 0
+        while found < len(keys) and keys[found] in self._page_of:
+            found += 1
+        per_align = align // self.block_size
+        n = found // per_align * per_align
+        while n and keys[n - 1] not in self._snapshot_of:
+            n -= per_align
+        if not n:
+            return 0
+        pages = [self._page_of[key] for key in keys[:n]]
+        snapshot = self._snapshot_of[keys[n - 1]]
+        for b in pages + snapshot:  # held: the state pages' allocation below must not hand these out
+            if b in self._free:
+                del self._free[b]
+            self._refs[b] = self._refs.get(b, 0) + 1
+        if self.num_free < self.seq_pages:
+            self.free(pages + snapshot)
+            return 0
+        state = self.allocate(self.seq_pages)
+        self.copy_pages(snapshot, state)
+        self.free(snapshot)
+        seq.block_table = state + pages
+        seq.num_registered_pages = n
+        return n * self.block_size
+
     def register(self, seq: Sequence, num_tokens: int) -> None:
         """Registers ``seq``'s full pages among its first ``num_tokens`` tokens (tokens whose cache entries are
         computed, or queued to be before any later step reads them). A key already registered to another page
-        keeps that page."""
+        keeps that page. With state pages, only at a multiple of ``reuse_tokens``, where its state pages are also
+        kept as a snapshot (their contents then, queued after the step that computes them)."""
         if not self.enable_prefix_caching:
             return
-        full = min(num_tokens // self.block_size, len(seq.block_table))
+        k = self.seq_pages
+        if k and num_tokens % self.reuse_tokens:
+            return
+        full = min(num_tokens // self.block_size, len(seq.block_table) - k)
         if full <= seq.num_registered_pages:
             return
-        for i, key in enumerate(self.page_keys(seq, full)[seq.num_registered_pages :], seq.num_registered_pages):
-            page = seq.block_table[i]
+        keys = self.page_keys(seq, full)
+        for i, key in enumerate(keys[seq.num_registered_pages :], seq.num_registered_pages):
+            page = seq.block_table[k + i]
             if key not in self._page_of and page not in self._key_of:
                 self._page_of[key] = page
                 self._key_of[page] = key
         seq.num_registered_pages = full
+        if k and keys[-1] not in self._snapshot_of and self.num_free >= k:
+            snapshot = self.allocate(k)
+            self.copy_pages(seq.block_table[:k], snapshot)
+            self.free(snapshot)
+            self._snapshot_of[keys[-1]] = snapshot
+            for page in snapshot:
+                self._key_of[page] = (SNAPSHOT, keys[-1])

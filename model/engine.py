@@ -224,24 +224,31 @@ class LLMEngine:
                 device=device,
             ).view(layers, num_blocks, block_size, -1)
             model.use_index_format(self.index_format)
-        # a sequence's state pages (DeepSeek-V4) depend on its whole prefix: no page of it can be shared
-        enable_prefix_caching = enable_prefix_caching and not owns_cache
+        # a sequence's state pages (DeepSeek-V4) depend on its whole prefix: a prefix is reused where its state was
+        # kept, at multiples of the page size and of every compression rate (block_manager.py)
+        reuse_tokens = math.lcm(block_size, *cfg.compress_rates.values()) if owns_cache else block_size
         host = None
         if host_cache_bytes:
             paged = [self.kv_cache] if self.index_cache is None else [self.kv_cache, self.index_cache]
             host_pages = host_cache_bytes // HostPageCache.page_bytes(paged)
-            if not enable_prefix_caching or host_pages < 1:
+            if not enable_prefix_caching or owns_cache or host_pages < 1:
                 raise c.fail(
                     "host_cache_bytes",
                     f"0, or with prefix caching on at least one page of host memory ({HostPageCache.page_bytes(paged)}"
                     " bytes)",
                     f"{host_cache_bytes!r}"
                     + ("" if enable_prefix_caching else " with prefix caching off")
-                    + (" (a model that keeps per-sequence state pages has none)" if owns_cache else ""),
+                    + (" (not yet for a model that keeps per-sequence state pages)" if owns_cache else ""),
                 )
             host = HostPageCache(paged, host_pages)
         self.allocator = BlockAllocator(
-            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, seq_pages=seq_pages, host=host
+            num_blocks,
+            block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            seq_pages=seq_pages,
+            host=host,
+            reuse_tokens=reuse_tokens,
+            copy_pages=self._copy_pages,
         )
         self.speculative_config = spec
         self.spec_stats = SpeculativeStats()
@@ -317,6 +324,11 @@ class LLMEngine:
             "prefilled_tokens": 0,
             "cached_prompt_tokens": 0,
         }
+
+    def _copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copies cache pages ``src`` onto ``dst`` in every layer, on the device's stream."""
+        device = self.kv_cache.device
+        self.kv_cache[:, torch.tensor(dst, device=device)] = self.kv_cache[:, torch.tensor(src, device=device)]
 
     @property
     def host_cache_stats(self) -> dict[str, int] | None:

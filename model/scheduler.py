@@ -239,7 +239,7 @@ class Scheduler:
         logits give the first token); a request that asks for prompt log-probabilities computes its whole prompt."""
         if seq.num_computed or seq.block_table or seq.params.prompt_logprobs is not None:
             return
-        align = math.lcm(self.chunk_size, self.allocator.block_size)
+        align = math.lcm(self.chunk_size, self.allocator.reuse_tokens)
         seq.num_computed = self.allocator.match(seq, seq.num_prompt_tokens - 1, align)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed
@@ -252,7 +252,7 @@ class Scheduler:
         alloc = self.allocator
         if not alloc.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return False
-        align = math.lcm(self.chunk_size, alloc.block_size)
+        align = math.lcm(self.chunk_size, alloc.reuse_tokens)
         if seq.num_computed + align > seq.num_prompt_tokens - 1:
             return False  # no further whole chunk to gain
         i = seq.num_computed // alloc.block_size

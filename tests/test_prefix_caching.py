@@ -349,3 +349,29 @@ def test_a_key_on_both_tiers_ends_the_host_run():
     alloc.release(taker)
     alloc.grow(seq([9] * 24), 24)  # every page handed out: each registered one evicted exactly once
     assert alloc.num_cached == 0
+
+
+def test_state_pages_are_reused_from_snapshots_and_a_snapshot_goes_whole():
+    """With 2 state pages a sequence and reuse in steps of 8 tokens: token pages are registered and its state pages
+    copied to a snapshot only at multiples of 8; a match gets the prefix's token pages and fresh state pages filled
+    from the snapshot; handing out one snapshot page forgets the whole snapshot."""
+    copies = []
+    alloc = BlockAllocator(
+        12, 4, enable_prefix_caching=True, seq_pages=2, reuse_tokens=8, copy_pages=lambda s, d: copies.append((s, d))
+    )
+    owner = seq(list(range(1, 14)))  # 13 tokens: 2 state pages and 4 token pages
+    alloc.grow(owner, 13)
+    alloc.register(owner, 12)  # not a multiple of 8: nothing kept
+    assert alloc.num_cached == 0 and copies == []
+    alloc.register(owner, 8)
+    assert alloc.num_cached == 2 and copies[0][0] == owner.block_table[:2]
+    snapshot, token_pages = copies[0][1], owner.block_table[2:4]
+    alloc.release(owner)
+    again = seq(list(range(1, 14)))
+    assert alloc.match(again, 12, 8) == 8
+    assert copies[1] == (snapshot, again.block_table[:2]) and again.block_table[2:] == token_pages
+    alloc.release(again)
+    alloc._free.move_to_end(snapshot[1], last=False)  # the next page handed out is one of the snapshot's
+    alloc.allocate(1)
+    assert alloc.match(seq(list(range(1, 14))), 12, 8) == 0, "the token pages remain, their state does not"
+    assert alloc.num_cached == 2

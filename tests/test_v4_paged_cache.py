@@ -1,5 +1,5 @@
 """DeepSeek-V4's caches in the engine's pages (``V4CacheLayout``): against transformers' fp32 oracle, bitwise under
-batching and preemption, and counted in the engine's budget.
+batching, preemption and prefix caching (from state snapshots), and counted in the engine's budget.
 
 The pages a sequence holds are scattered (a shuffled pool shared by all sequences) and every byte of the pool starts
 as NaN, so a value read from anywhere but where it was written (a wrong page, slot, ring row or state offset) spoils
@@ -263,3 +263,47 @@ def test_a_cache_without_room_for_one_sequence_is_refused(checkpoints, deepinfer
 
     (out,) = llm.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_prefix_caching_reuses_a_shared_prefix_from_its_state_snapshot(checkpoints, deepinfer_backend):
+    """Requests sharing a 48-token prefix: with prefix caching the later ones start from the first one's token
+    pages and a copy of its state pages kept at a multiple of every compression rate, and give bitwise the tokens
+    and log-probabilities of caching off; a state snapshot that is never copied (planted) fails the comparison."""
+    from deepinfer.model import SamplingParams
+    from deepinfer.model.block_manager import BlockAllocator
+
+    path, oracle = checkpoints("plain")  # rates 3 and 6, pages of 4 tokens, chunks of 8: reuse in steps of 24
+    g = torch.Generator().manual_seed(31)
+    shared = torch.randint(2, oracle.config.vocab_size, (48,), generator=g).tolist()
+    prompts = [shared + torch.randint(2, oracle.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+
+    def run(**kw):
+        llm = v4.serve(path, deepinfer_backend, None, max_num_seqs=1, **kw)
+        with deepinfer_invariant():
+            outs = llm.generate(prompts, params)
+        return llm, [_result(o) for o in outs], [o.num_cached_tokens for o in outs]
+
+    on, cached, hits = run()
+    _, plain, off_hits = run(enable_prefix_caching=False)
+    assert hits == [0, 48, 48] and off_hits == [0, 0, 0]
+    assert cached == plain
+    assert on.last_stats["prefilled_tokens"] == sum(map(len, prompts)) - 2 * 48
+    real = BlockAllocator.__init__
+
+    def no_snapshot_copies(self, *a, **kw):
+        real(self, *a, **kw)
+        self.copy_pages = lambda src, dst: None
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(BlockAllocator, "__init__", no_snapshot_copies)
+        _, planted, planted_hits = run()
+    assert planted_hits == [0, 48, 48] and planted != plain
+
+
+@contextmanager
+def deepinfer_invariant():
+    import deepinfer
+
+    with deepinfer.batch_invariant():
+        yield
