@@ -40,6 +40,7 @@ from ._triton import (
     num_sms,
     on_device,
     pdl_wait,
+    placed,
     pow2_ceil,
     tma_ready,
     to_e4m3,
@@ -842,12 +843,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
     return out
 
 
-def varlen_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal) -> bool:
-    return (
-        on_device(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        and q.stride(2) == k.stride(2) == v.stride(2) == 1
-        and max(q.shape[2], v.shape[2]) <= 256
-    )
+def varlen_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal) -> bool | Decline:
+    answer = placed(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if not answer:
+        return answer
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1:
+            return Decline(f"{name}'s last dimension is not contiguous")
+    if max(q.shape[2], v.shape[2]) > 256:
+        return Decline(f"head dims {q.shape[2]} (q) and {v.shape[2]} (v): more than 256")
+    return True
 
 
 # --- write_kv_cache -----------------------------------------------------------------------------------------------
@@ -915,10 +920,14 @@ def write_kv_cache(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format):
     )
 
 
-def write_supports(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format) -> bool:
-    pow2 = kv_lora_rank == next_pow2(kv_lora_rank)
-    return (
-        on_device(latent, kv_cache, slot_mapping)
-        and latent.stride(1) == 1
-        and (pow2 and (kv_format == "bf16" or kv_lora_rank % FP8_GROUP == 0))
-    )
+def write_supports(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format) -> bool | Decline:
+    answer = placed(latent=latent, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    if not answer:
+        return answer
+    if latent.stride(1) != 1:
+        return Decline("latent's last dimension is not contiguous")
+    if kv_lora_rank != next_pow2(kv_lora_rank):
+        return Decline(f"kv_lora_rank {kv_lora_rank} is not a power of two")
+    if kv_format != "bf16" and kv_lora_rank % FP8_GROUP:
+        return Decline(f"kv_lora_rank {kv_lora_rank} is not a multiple of {FP8_GROUP} for {kv_format}")
+    return True

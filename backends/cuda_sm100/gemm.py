@@ -35,7 +35,7 @@ from deepinfer import Decline, QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 from deepinfer.qtensor import quantize_blocks
 
-from ._triton import INTERPRET, PDL, cast, dot, num_sms, on_device, pdl_wait, pow2_ceil, tma_ready, to_e4m3
+from ._triton import INTERPRET, PDL, cast, dot, num_sms, on_device, pdl_wait, placed, pow2_ceil, tma_ready, to_e4m3
 
 FP8_BLOCK = 128
 
@@ -88,8 +88,11 @@ def quantize_fp8(x, *, block, scale_format):
     return QTensor(q.view(x.shape), s.view(*x.shape[:-1], k // block), (1, block), scale_format)
 
 
-def quantize_supports(x, *, block, scale_format) -> bool:
-    return on_device(x) and block == triton.next_power_of_2(block) and block >= 16
+def quantize_supports(x, *, block, scale_format) -> bool | Decline:
+    answer = placed(x=x)
+    if answer and (block != triton.next_power_of_2(block) or block < 16):
+        return Decline(f"block {block} is not a power of two >= 16")
+    return answer
 
 
 # --- dense GEMM ---------------------------------------------------------------------------------------------------
@@ -549,8 +552,10 @@ def cublas_fp8_supports(a, w, *, out_dtype, bias) -> bool | Decline:
         return Decline(f"{a_data.shape[0]} rows < {CUBLAS_FP8_MIN_M}")
     if w.shape[1] % (4 * FP8_BLOCK):  # cuBLAS wants a multiple of 4 scale blocks along K
         return Decline(f"K = {w.shape[1]} is not a multiple of {4 * FP8_BLOCK}")
-    if bias is not None or out_dtype != torch.bfloat16:
-        return Decline("a bias or a result other than bf16")
+    if bias is not None:
+        return Decline("a bias is given")
+    if out_dtype != torch.bfloat16:
+        return Decline(f"out_dtype is {out_dtype}, expected torch.bfloat16")
     if a_data.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
         return Decline(f"a is {a_data.dtype}, not bf16 or e4m3")
     if not on_device(a_data, w.data):
@@ -659,21 +664,21 @@ def gemm_cublas(a, w, *, out_dtype, bias):
 def fp8_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     a_data = a.data if isinstance(a, QTensor) else a
     if not isinstance(w, QTensor):
-        return Decline("w is not FP8")
-    if not on_device(a_data, w.data, bias):
-        return Decline("operands are not on the backend's device")
+        return Decline("w is dense, not an FP8 QTensor")
+    if not (answer := placed(a=a, w=w, bias=bias)):
+        return answer
     if a_data.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
-        return Decline(f"a is {a_data.dtype}")
+        return Decline(f"a is {a_data.dtype}, expected a float or float8_e4m3fn")
     return True
 
 
 def triton_dense_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     if isinstance(w, QTensor) or isinstance(a, QTensor):
-        return Decline("an FP8 operand")
-    if not on_device(a, w, bias):
-        return Decline("operands are not on the backend's device")
+        return Decline("a or w is an FP8 QTensor")
+    if not (answer := placed(a=a, w=w, bias=bias)):
+        return answer
     if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return Decline(f"a is {a.dtype}")
+        return Decline(f"a is {a.dtype}, expected bfloat16, float16 or float32")
     return True
 
 
@@ -681,9 +686,9 @@ def cublas_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     if INTERPRET:
         return Decline("cuBLAS does not run in the Triton interpreter")
     if isinstance(w, QTensor) or isinstance(a, QTensor):
-        return Decline("an FP8 operand")
-    if not on_device(a, w, bias):
-        return Decline("operands are not on the GPU")
+        return Decline("a or w is an FP8 QTensor")
+    if not (answer := placed(a=a, w=w, bias=bias)):
+        return answer
     return True
 
 
@@ -697,8 +702,10 @@ def cublas_invariant_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     answer = cublas_supports(a, w, out_dtype=out_dtype, bias=bias)
     if not answer:
         return answer
-    if bias is not None or a.dtype not in (torch.bfloat16, torch.float16):
-        return Decline("a bias, or operands other than bf16 / fp16")
+    if bias is not None:
+        return Decline("a bias is given")
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return Decline(f"a is {a.dtype}, expected bfloat16 or float16")
     if a.shape[0] < CUBLAS_DENSE_INVARIANT_MIN_M:
         return Decline(f"{a.shape[0]} rows < {CUBLAS_DENSE_INVARIANT_MIN_M}")
     m = a.shape[0]
@@ -961,8 +968,8 @@ def _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts: int
     return out
 
 
-def grouped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool:
+def grouped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
     a_data = a.data if isinstance(a, QTensor) else a
-    w_data = w.data if isinstance(w, QTensor) else w
-    dense_ok = isinstance(w, QTensor) or a_data.dtype in (torch.bfloat16, torch.float16)
-    return dense_ok and on_device(a_data, w_data, expert_offsets, masked_m)
+    if not isinstance(w, QTensor) and a_data.dtype not in (torch.bfloat16, torch.float16):
+        return Decline(f"a is {a_data.dtype} against a dense w, expected bfloat16 or float16")
+    return placed(a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m)

@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer import QTensor
+from deepinfer import Decline, QTensor
 from deepinfer.ops import DispatchHandle, ExpertLayout
 from deepinfer.reference import ep
 
-from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
+from ._triton import PDL, cast, next_pow2, pdl_wait, placed
 
 
 @triton.jit
@@ -140,8 +140,17 @@ def moe_route(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_s
     return weights, ids
 
 
-def route_supports(logits, bias, *, top_k, n_group, topk_group, renormalize, routed_scaling_factor, scoring):
-    return on_device(logits, bias) and logits.shape[1] <= 1024 and top_k <= 32
+def route_supports(
+    logits, bias, *, top_k, n_group, topk_group, renormalize, routed_scaling_factor, scoring
+) -> bool | Decline:
+    answer = placed(logits=logits, bias=bias)
+    if not answer:
+        return answer
+    if logits.shape[1] > 1024:
+        return Decline(f"logits has {logits.shape[1]} experts > 1024")
+    if top_k > 32:
+        return Decline(f"top_k {top_k} > 32")
+    return True
 
 
 # --- dispatch / combine (one process) -----------------------------------------------------------------------------
@@ -375,19 +384,26 @@ def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placemen
     return _dispatch_normal(x, ids, weights, num_experts)
 
 
-def dispatch_supports(x, ids, weights, *, num_experts, group, mode, capacity, placement=None) -> bool:
+def dispatch_supports(x, ids, weights, *, num_experts, group, mode, capacity, placement=None) -> bool | Decline:
     """One process with experts in their natural order; or a group of 2 to ``PACK_MAX_WORLD`` ranks with rows a
     whole number of int32 words, in low-latency mode, or in normal mode with at most ``PACK_MAX_KEYS`` / world
     experts per rank. Other placements, modes and groups go to the core."""
-    x_data = x.data if isinstance(x, QTensor) else x
-    if not on_device(x_data, ids, weights):
-        return False
+    answer = placed(x=x, ids=ids, weights=weights)
+    if not answer:
+        return answer
     if group is None:
-        return placement is None or tuple(placement.local_experts) == (tuple(range(num_experts)),)
+        if placement is None or tuple(placement.local_experts) == (tuple(range(num_experts)),):
+            return True
+        return Decline("one process with a placement other than the experts in their natural order")
     world = ep.group_rank_size(group)[1]
-    if not 1 < world <= PACK_MAX_WORLD or ep.Payload.of(x).word.itemsize < 4:
-        return False
-    return mode == "low_latency" or world * max(len(e) for e in placement.local_experts) <= PACK_MAX_KEYS
+    if not 1 < world <= PACK_MAX_WORLD:
+        return Decline(f"group of {world} ranks, expected 2 to {PACK_MAX_WORLD}")
+    if ep.Payload.of(x).word.itemsize < 4:
+        return Decline("x's rows are not a whole number of int32 words")
+    keys = world * max(len(e) for e in placement.local_experts)
+    if mode != "low_latency" and keys > PACK_MAX_KEYS:
+        return Decline(f"normal mode over {world} ranks x experts per rank = {keys} > {PACK_MAX_KEYS}")
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -776,9 +792,11 @@ def ep_combine(y, handle):
     return out
 
 
-def combine_supports(y, handle) -> bool:
+def combine_supports(y, handle) -> bool | Decline:
     """The one-process handle of this backend's dispatch, or a handle of the core's multi-rank dispatch."""
-    return isinstance(handle, (GpuHandle, ep.NormalHandle, ep.LowLatencyHandle)) and on_device(y)
+    if not isinstance(handle, (GpuHandle, ep.NormalHandle, ep.LowLatencyHandle)):
+        return Decline(f"handle is a {type(handle).__name__}, not one of this backend's or the core's dispatch")
+    return placed(y=y)
 
 
 # --- moe_route_hash -----------------------------------------------------------------------------------------------
@@ -854,5 +872,12 @@ def moe_route_hash(logits, expert_ids, *, renormalize, routed_scaling_factor, sc
     return weights, ids
 
 
-def route_hash_supports(logits, expert_ids, *, renormalize, routed_scaling_factor, scoring) -> bool:
-    return on_device(logits, expert_ids) and logits.stride(1) == 1 and expert_ids.shape[1] <= 256
+def route_hash_supports(logits, expert_ids, *, renormalize, routed_scaling_factor, scoring) -> bool | Decline:
+    answer = placed(logits=logits, expert_ids=expert_ids)
+    if not answer:
+        return answer
+    if logits.stride(1) != 1:
+        return Decline("logits' rows are not contiguous")
+    if expert_ids.shape[1] > 256:
+        return Decline(f"expert_ids has {expert_ids.shape[1]} experts per token > 256")
+    return True
