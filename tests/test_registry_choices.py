@@ -397,3 +397,88 @@ def test_cuda_sm100_supports_name_the_argument_and_the_condition(monkeypatch):
         "kv has 300 slots per window > 256",
     )
     assert norm.supports(x, torch.ones(8, device=here), 1e-6, None) is True
+
+
+# --- cuda_sm100: gemm's and grouped_gemm's Triton kernels ------------------------------------------------------------
+
+
+@pytest.fixture
+def triton_only(monkeypatch):
+    """cuda_sm100's ``supports`` with the kernels' device taken to be the CPU and cuBLAS and Gluon declining (as under
+    the interpreter): the Triton kernels' choice alone, for an H200's 132 SMs."""
+    gemm = pytest.importorskip("deepinfer_cuda_sm100.gemm")
+    if not registry.get().impls_for("cuda_sm100", "grouped_gemm"):
+        pytest.skip("cuda_sm100 registers no kernels here")
+    from deepinfer_cuda_sm100 import _triton
+
+    monkeypatch.setattr(_triton, "device_type", lambda: "cpu")
+    monkeypatch.setattr(gemm, "INTERPRET", True)
+    monkeypatch.setattr(gemm, "num_sms", lambda *_: SMS)
+    try:
+        from deepinfer_cuda_sm100 import gemm_gluon
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(gemm_gluon, "INTERPRET", True)
+    return gemm
+
+
+def _taken(op: str, kwargs: dict, invariant: bool) -> str:
+    with deepinfer.batch_invariant(invariant):
+        choices = dispatch.explain(op, kwargs, "cuda_sm100")
+    return next(c for c in choices if c.status == "taken").impl.provider
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_fp8_gemm_takes_the_triton_kernel_it_took_before(triton_only, invariant):
+    """The old branching inside ``gemm_fp8``: the swapped kernel up to 16 rows, the tiled one above; ``-unsplit``
+    in batch-invariant mode. The tile ``gemm_fp8`` launches without ``swap`` agrees."""
+    from deepinfer.qtensor import quantize_blocks, quantize_rows
+
+    gemm = triton_only
+    for n, k in [(7168, 2048), (2112, 7168), (384, 640)]:
+        w = quantize_blocks(torch.randn(n, k))
+        for m in (0, 1, 5, 16, 17, 64, 200):
+            for a in (quantize_rows(torch.randn(m, k), 128, "fp32"), torch.randn(m, k, dtype=torch.bfloat16)):
+                kwargs = dict(a=a, w=w, out_dtype=torch.bfloat16, bias=None)
+                want = ("triton-fp8-swapped" if m <= 16 else "triton-fp8") + ("-unsplit" if invariant else "")
+                taken = _taken("gemm", kwargs, invariant)
+                assert taken == want, (m, n, k, taken)
+                if m:
+                    assert gemm._tile(m, n, k, True, invariant).swap == ("swapped" in taken)
+    kwargs = dict(a=torch.randn(17, 640), w=w, out_dtype=torch.bfloat16, bias=None)
+    choices = dispatch.explain("gemm", kwargs, "cuda_sm100")
+    reasons = {c.impl.provider: c.reason for c in choices}
+    assert reasons["triton-fp8-swapped"] == "a has 17 rows > 16"
+
+
+GROUPED_CASES = [(fp8, masked, rows) for fp8 in (False, True) for masked in (False, True) for rows in (1, 63, 64, 200)]
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_grouped_gemm_takes_the_kernel_it_took_before(triton_only, invariant):
+    """The old branching inside ``grouped_gemm``: FP8 in the masked layout swapped; outside batch-invariant mode the
+    dense masked layout at up to 63 rows per expert by the decode tile; else the 64 x 128 tiles."""
+    from deepinfer.qtensor import quantize_blocks
+
+    gemm = triton_only
+    experts, n, k = 3, 256, 256
+    for fp8, masked, rows in GROUPED_CASES:
+        w = torch.randn(experts, n, k, dtype=torch.bfloat16)
+        w = quantize_blocks(w.float()) if fp8 else w
+        if masked:
+            a = torch.randn(experts, rows, k, dtype=torch.bfloat16)
+            layout = dict(expert_offsets=None, masked_m=torch.tensor([rows, 0, rows // 2], dtype=torch.int32))
+        else:
+            a = torch.randn(experts * rows, k, dtype=torch.bfloat16)
+            layout = dict(expert_offsets=torch.arange(0, experts + 1, dtype=torch.int32) * rows, masked_m=None)
+        kwargs = dict(a=a, w=w, **layout, out_dtype=torch.bfloat16)
+        if fp8 and masked:
+            want = "triton-masked-swapped"
+        elif masked and rows <= 63 and not invariant:
+            want = "triton-decode"
+        else:
+            want = "triton"
+        taken = _taken("grouped_gemm", kwargs, invariant)
+        assert taken == want, (fp8, masked, rows, taken)
+        assert gemm.grouped_kernel(a, w, masked_m=layout["masked_m"], invariant=invariant) == taken

@@ -347,7 +347,7 @@ def _fills_gpu(m: int, n: int, block_m: int, block_n: int) -> bool:
     return triton.cdiv(m, block_m) * triton.cdiv(n, block_n) >= FILL_WAVES * num_sms()
 
 
-def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
+def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool, swap: bool | None = None) -> Tile:
     """The launch shape (measured on the H200 over the DeepSeek-V3 projections: ``benchmarks/gemm_tiles.py``;
     benchmarks/NOTES.md, gemm, has the swapped and block-parts launches). Up to ``SWAP_MAX_M`` rows, FP8 products
     swap their operands. Otherwise batch-invariant mode keeps 64-row tiles, whose bits do not depend on the tile
@@ -355,11 +355,12 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool) -> Tile:
     fill the GPU; batch-invariant mode never sums partial products over K, but spreads a few rows' K blocks over
     programs where the unsplit swapped tiles would leave most SMs idle, then adds their products in K order
     (``block_parts``). bf16 / fp16 products (the batch-invariant ones) take 64 x 128 tiles, or 64 x 256 where N
-    alone gives two waves of those."""
+    alone gives two waves of those. ``swap``: whether FP8 operands swap (None: up to ``SWAP_MAX_M`` rows, the choice
+    the registry's ``triton-fp8-swapped`` implementations make)."""
     if not fp8:
         wide = _fills_gpu(1, n, 1, 256)  # N alone, whatever M: lm_head takes 256 columns (NOTES.md, gemm)
         return Tile(64, 256, 8, 4) if wide else _deep(Tile(64, 128, 4, 3), k)
-    if m <= SWAP_MAX_M:
+    if swap if swap is not None else m <= SWAP_MAX_M:
         programs = triton.cdiv(m, SWAPPED_TILE.block_m) * triton.cdiv(n, SWAPPED_TILE.block_n)
         split = k >= SPLIT_K_MIN_K and programs < FILL_WAVES * num_sms()
         if invariant:
@@ -490,13 +491,17 @@ def _as_fp8(a, w: QTensor) -> QTensor:
     return a if isinstance(a, QTensor) else quantize_fp8(a, block=FP8_BLOCK, scale_format=w.scale_format)
 
 
-def gemm_fp8(a, w, *, out_dtype, bias, invariant: bool = False):
-    """A bf16 or FP8 activation against an FP8 block-scaled weight (bf16 ``a`` is quantised first)."""
+def gemm_fp8(a, w, *, out_dtype, bias, invariant: bool = False, swap: bool | None = None):
+    """A bf16 or FP8 activation against an FP8 block-scaled weight (bf16 ``a`` is quantised first). ``swap``: by
+    ``_gemm_swapped_kernel`` (True) or ``_gemm_kernel`` (False); None: ``_tile``'s choice by the row count."""
     qa = _as_fp8(a, w)
-    out = torch.empty(qa.shape[0], w.shape[0], dtype=out_dtype, device=qa.data.device)
+    m, (n, k) = qa.shape[0], w.shape
+    out = torch.empty(m, n, dtype=out_dtype, device=qa.data.device)
+    tile = None if swap is None or m == 0 or n == 0 else _tile(m, n, k, True, invariant, swap)
     return _launch_gemm(
-        qa.data.contiguous(), w.data.contiguous(), out, qa.scale.contiguous(), w.scale.contiguous(), bias, invariant
-    )
+        qa.data.contiguous(), w.data.contiguous(), out, qa.scale.contiguous(), w.scale.contiguous(), bias, invariant,
+        tile,
+    )  # fmt: skip
 
 
 CUBLAS_FP8_MIN_M = 256  # below, the Triton kernel (split over K where the GPU would idle) is faster
@@ -670,6 +675,15 @@ def fp8_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     if a_data.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
         return Decline(f"a is {a_data.dtype}, expected a float or float8_e4m3fn")
     return True
+
+
+def fp8_swapped_supports(a, w, *, out_dtype, bias) -> bool | Decline:
+    """``fp8_supports`` at up to ``SWAP_MAX_M`` rows: the swapped kernel's (weight rows as the tensor cores' M)."""
+    answer = fp8_supports(a, w, out_dtype=out_dtype, bias=bias)
+    m = (a.data if isinstance(a, QTensor) else a).shape[0]
+    if answer and m > SWAP_MAX_M:
+        return Decline(f"a has {m} rows > {SWAP_MAX_M}")
+    return answer
 
 
 def triton_dense_supports(a, w, *, out_dtype, bias) -> bool | Decline:
@@ -872,7 +886,29 @@ MASKED_SWAPPED_TILE = Tile(16, 64, 4, 5, swap=True)
 MASKED_PROGRAMS_PER_SM = 4
 
 
-def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
+# The kernels ``grouped_gemm`` chooses between, in the order tried (each a registered implementation: ``plugin.py``):
+# FP8 in the masked layout swaps its operands; outside batch-invariant mode the dense masked layout of decode takes
+# ``GROUPED_DECODE_TILE`` below ``DECODE_TILE_MAX_M`` rows per expert; ``_grouped_gemm_kernel`` with
+# ``GROUPED_TILE`` serves every supported call.
+GROUPED_KERNELS = ("triton-masked-swapped", "triton-decode", "triton")
+
+
+def grouped_kernel(a, w, *, masked_m, invariant: bool) -> str:
+    """The first of ``GROUPED_KERNELS`` that serves a supported call in the given mode."""
+    masked = masked_m is not None
+    if isinstance(w, QTensor) and masked:
+        return "triton-masked-swapped"
+    a_data = a.data if isinstance(a, QTensor) else a
+    if masked and a_data.shape[1] <= DECODE_TILE_MAX_M and not invariant:
+        return "triton-decode"
+    return "triton"
+
+
+def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, kernel: str | None = None):
+    """``ops.grouped_gemm`` by ``kernel`` (one of ``GROUPED_KERNELS``; None: ``grouped_kernel``'s choice in the
+    current mode)."""
+    if kernel is None:
+        kernel = grouped_kernel(a, w, masked_m=masked_m, invariant=batch_invariant_enabled())
     fp8 = isinstance(w, QTensor)
     if fp8:
         a = _as_fp8(a, w)
@@ -891,10 +927,9 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
     dummy = out  # stands in for the pointer arguments a launch does not read
     a_scale = a.scale.reshape(rows, -1).contiguous() if fp8 else dummy
     b_scale = w.scale.contiguous() if fp8 else dummy
-    if fp8 and masked:
+    if kernel == "triton-masked-swapped":
         return _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts, n, a_data.shape[1])
-    decode = masked and a_data.shape[1] <= DECODE_TILE_MAX_M and not batch_invariant_enabled()
-    tile = GROUPED_DECODE_TILE if decode else _deep(GROUPED_TILE, k)
+    tile = GROUPED_DECODE_TILE if kernel == "triton-decode" else _deep(GROUPED_TILE, k)
     block_m, block_n = tile.block_m, tile.block_n
     block_k = FP8_BLOCK if fp8 else tile.block_k
     assert not fp8 or FP8_BLOCK % block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
@@ -973,3 +1008,23 @@ def grouped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Dec
     if not isinstance(w, QTensor) and a_data.dtype not in (torch.bfloat16, torch.float16):
         return Decline(f"a is {a_data.dtype} against a dense w, expected bfloat16 or float16")
     return placed(a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m)
+
+
+def grouped_masked_swapped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+    """``grouped_supports`` for an FP8 weight in the masked layout."""
+    if not isinstance(w, QTensor):
+        return Decline("w is dense, not an FP8 QTensor")
+    if masked_m is None:
+        return Decline("the contiguous layout (expert_offsets), not the masked one")
+    return grouped_supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
+
+
+def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+    """``grouped_supports`` for a dense weight in the masked layout at up to ``DECODE_TILE_MAX_M`` rows per expert."""
+    if isinstance(w, QTensor):
+        return Decline("w is an FP8 QTensor")
+    if masked_m is None:
+        return Decline("the contiguous layout (expert_offsets), not the masked one")
+    if a.shape[1] > DECODE_TILE_MAX_M:
+        return Decline(f"a has {a.shape[1]} rows per expert > {DECODE_TILE_MAX_M}")
+    return grouped_supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)

@@ -343,12 +343,14 @@ def _fp8_operands(a, w, out_dtype, bias) -> bool | Decline:
         return Decline(f"a is not a 2-D bf16 or (1, {FP8_BLOCK})-scaled e4m3 matrix")
     if w.shape[1] % FP8_BLOCK or w.shape[0] % 8:
         return Decline(f"w is {list(w.shape)}: K not a multiple of {FP8_BLOCK} or N of 8")
-    if bias is not None or out_dtype != bf16:
-        return Decline("a bias or a result other than bf16")
+    if bias is not None:
+        return Decline("a bias is given")
+    if out_dtype != bf16:
+        return Decline(f"out_dtype is {out_dtype}, expected torch.bfloat16")
     if not on_device(a_data, w.data) or not hopper(a_data.device.index or 0):
-        return Decline("operands are not on an SM90 (Hopper) GPU")
+        return Decline("a and w are not on an SM90 (Hopper) GPU")
     if not tma_ready(a_data, w.data):
-        return Decline("operands cannot be read by TMA copies")
+        return Decline("a or w cannot be read by TMA copies (rows not 16-byte aligned)")
     return True
 
 
