@@ -64,12 +64,12 @@ def shape_row(m: int, n: int, k: int, peak: float, variants=VARIANTS, rounds: in
     from gemm_tiles import SETS, fp8_ceiling, inputs, rel_err
 
     from deepinfer.bench import time_graph_ms
-    from deepinfer_cuda_sm100 import gemm
+    from deepinfer_cuda_sm100 import gemm, gemm_cublas
 
     a, w = inputs(m, n, k, seed=m + n + k)
     want = a[0].dequantize() @ w[0].dequantize().t()
     unsplit = gemm.gemm_fp8(a[0], w[0], out_dtype=torch.bfloat16, bias=None, invariant=True).view(torch.int16)
-    sides = {"cublas": lambda i: gemm.gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None)} | {
+    sides = {"cublas": lambda i: gemm_cublas.gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None)} | {
         name: lambda i, v=v: launch(a[i], w[i], v) if isinstance(v, dict) else v(a[i], w[i])
         for name, v in variants.items()
         if k <= MAX_RESIDENT_K or not isinstance(v, dict) or not v["RESIDENT"]

@@ -409,10 +409,10 @@ def triton_only(monkeypatch):
     gemm = pytest.importorskip("deepinfer_cuda_sm100.gemm")
     if not registry.get().impls_for("cuda_sm100", "grouped_gemm"):
         pytest.skip("cuda_sm100 registers no kernels here")
-    from deepinfer_cuda_sm100 import _triton
+    from deepinfer_cuda_sm100 import _triton, gemm_cublas
 
     monkeypatch.setattr(_triton, "device_type", lambda: "cpu")
-    monkeypatch.setattr(gemm, "INTERPRET", True)
+    monkeypatch.setattr(gemm_cublas, "INTERPRET", True)
     monkeypatch.setattr(gemm, "num_sms", lambda *_: SMS)
     try:
         from deepinfer_cuda_sm100 import gemm_gluon

@@ -59,7 +59,8 @@ from deepinfer.dispatch import batch_invariant_enabled
 
 from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, launch_dependents, plain_rows, tma_descriptor, wait_previous
 from ._triton import INTERPRET, PDL, hopper, num_sms, on_device, tma_ready
-from .gemm import FP8_BLOCK, _as_fp8, cublas_fp8_supports, gemm_fp8_cublas
+from .gemm import FP8_BLOCK, _as_fp8
+from .gemm_cublas import cublas_fp8_supports, gemm_fp8_cublas
 
 BK = gl.constexpr(128)  # K blocks of 128: one activation scale and one weight scale each
 BN = gl.constexpr(128)  # tile columns: one weight scale block
