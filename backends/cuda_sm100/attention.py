@@ -50,12 +50,23 @@ SPLIT_TOKENS = 2048
 # longer span is taken, in programs per multiprocessor. benchmarks/NOTES.md, mla_decode, has the measurements
 # (2026-12-01 — the fp8_ds_mla cache in the Gluon kernel; spans landed).
 MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, GRID_FILL = 4096, 64, 0.5
-# Heads per program (each program reads its span of the cache once for all of them), tokens per step, warps, stages.
-# Measured on the H200 at B=64, ctx=4096 (benchmarks/tile_variants.py, NOTES.md): 64 heads with 8 warps beat 32 heads
-# (bf16 cache 0.53 against 0.55 ms, fp8_ds_mla 0.61 against 1.27 ms); a whole 64-token page per step beat 32 tokens
-# (bf16 0.355 against 0.455 ms, fp8_ds_mla 0.406 against 0.536 ms); TMA copies beat pointer loads (bf16 0.314 against
-# 0.339 ms, fp8_ds_mla 0.417 against 0.446 ms).
-MLA_TILE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+@dataclass(frozen=True)
+class MlaTile:
+    """The Triton split kernel's launch tile. Measured on the H200 at B=64, ctx=4096 (benchmarks/tile_variants.py,
+    NOTES.md): 64 heads with 8 warps beat 32 heads (bf16 cache 0.53 against 0.55 ms, fp8_ds_mla 0.61 against
+    1.27 ms); a whole 64-token page per step beat 32 tokens (bf16 0.355 against 0.455 ms, fp8_ds_mla 0.406 against
+    0.536 ms)."""
+
+    block_h: int = 64  # heads per program: each program reads its span of the cache once for all of them
+    block_n: int = 64  # context tokens per step (and per TMA copy of a block)
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+MLA_TILE = MlaTile()
+# TMA copies beat pointer loads (bf16 0.314 against 0.339 ms, fp8_ds_mla 0.417 against 0.446 ms).
 MLA_TMA = True  # whole blocks by TMA copies where the cache allows it (see ``_mla_tma``)
 MLA_GLUON = True  # the warp-specialized Gluon kernels where they apply (see ``mla_kernel_declines``)
 # The Gluon kernel gives each of two programs one latent half of P x V (``mla_gluon``'s ``HALVES``, the same bits)
@@ -132,7 +143,7 @@ def mla_grid(q, kv_cache, block_table, kv_lora_rank: int, kv_format: str, invari
     """The geometry ``mla_decode`` launches with (a call with rows and pages)."""
     batch, s_q, heads, d_qk = q.shape
     page = kv_cache.shape[1]
-    block_h = min(MLA_TILE["BLOCK_H"], max(16, next_pow2(heads)))
+    block_h = min(MLA_TILE.block_h, max(16, next_pow2(heads)))
     head_blocks = cdiv(heads, block_h)
     context = block_table.shape[1] * page
     sms = num_sms(q.device.index or 0)
@@ -142,7 +153,7 @@ def mla_grid(q, kv_cache, block_table, kv_lora_rank: int, kv_format: str, invari
     records = kv_cache.view(-1, kv_cache.shape[2])  # one row per cached token
     rope_records = records.view(torch.bfloat16) if fp8 else records
     rope_at = _rope_at(kv_lora_rank, fp8)
-    tma = _mla_tma(records, rope_records, kv_lora_rank // 2, d_qk - kv_lora_rank, rope_at, MLA_TILE["BLOCK_N"], page)
+    tma = _mla_tma(records, rope_records, kv_lora_rank // 2, d_qk - kv_lora_rank, rope_at, MLA_TILE.block_n, page)
     return MlaGrid(block_h, head_blocks, split, n_splits, sms, tma, batch * s_q * head_blocks * n_splits)
 
 
@@ -208,8 +219,7 @@ def mla_decode(
     if block_table.shape[1] == 0:  # no pages: no query sees a position, and a grid of no KV span launches nothing
         return out.zero_(), lse.fill_(float("-inf"))
     page = kv_cache.shape[1]
-    tile = dict(MLA_TILE)
-    del tile["BLOCK_H"]
+    tile = MLA_TILE
     grid = mla_grid(q, kv_cache, block_table, kv_lora_rank, kv_format, invariant)
     split, n_splits, tma = grid.split, grid.n_splits, grid.tma
     if kernel is None:
@@ -240,8 +250,8 @@ def mla_decode(
     else:
         _mla_split_kernel[(batch * s_q, grid.head_blocks, n_splits)](
             q,
-            TensorDescriptor.from_tensor(records, [tile["BLOCK_N"], half]) if tma else flat,
-            TensorDescriptor.from_tensor(rope_records, [tile["BLOCK_N"], rope_dim]) if tma else flat,
+            TensorDescriptor.from_tensor(records, [tile.block_n, half]) if tma else flat,
+            TensorDescriptor.from_tensor(rope_records, [tile.block_n, rope_dim]) if tma else flat,
             flat,
             flat.view(torch.float32) if fp8 else flat,
             flat.view(torch.bfloat16) if fp8 else flat,
@@ -269,7 +279,9 @@ def mla_decode(
             BLOCK_H=grid.block_h,
             FP32_DOT=INTERPRET,
             DIRECT=n_splits == 1,
-            **tile,
+            BLOCK_N=tile.block_n,
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
             launch_pdl=PDL,
         )
     if n_splits > 1:
@@ -360,10 +372,20 @@ def mla_kernel_supports(kernel: str, invariant: bool):
 
 # --- attention_varlen (prefill) -----------------------------------------------------------------------------------
 
-# Measured on the H200 at 4 x 4096 tokens, H=128, D 192/128 causal (benchmarks/tile_variants.py): 128 x 64 with 8
-# warps and 3 stages 6.49 ms, 128 x 128 with 2 stages 6.94 ms, 64 x 64 with 4 warps 10.0 ms. The interpreter takes
-# 64-row tiles (its dot materialises the whole product).
-VARLEN_TILE = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+
+@dataclass(frozen=True)
+class VarlenTile:
+    """``attention_varlen``'s launch tile. Measured on the H200 at 4 x 4096 tokens, H=128, D 192/128 causal
+    (benchmarks/tile_variants.py): 128 x 64 with 8 warps and 3 stages 6.49 ms, 128 x 128 with 2 stages 6.94 ms,
+    64 x 64 with 4 warps 10.0 ms."""
+
+    block_m: int = 128  # query rows per program (at most 64 in the interpreter, whose dot materialises the product)
+    block_n: int = 64  # keys per step
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+VARLEN_TILE = VarlenTile()
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal):
@@ -375,8 +397,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
         return out.zero_()
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # read at cu_ptr + b
     max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one sync per prefill
-    tile = dict(VARLEN_TILE)
-    block_m = min(tile.pop("BLOCK_M"), 64) if INTERPRET else tile.pop("BLOCK_M")
+    tile = VARLEN_TILE
+    block_m = min(tile.block_m, 64) if INTERPRET else tile.block_m
     main = next_pow2(d_qk) // 2 if next_pow2(d_qk) != d_qk else d_qk
     tail = next_pow2(d_qk - main) if main != d_qk else 0
     if 0 < tail < 16:  # a dot needs K >= 16: pad the whole head dim instead (e.g. 40 -> 64)
@@ -406,7 +428,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
         CAUSAL=causal,
         BLOCK_M=block_m,
         FP32_DOT=INTERPRET,
-        **tile,
+        BLOCK_N=tile.block_n,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
         launch_pdl=PDL,
     )
     return out
