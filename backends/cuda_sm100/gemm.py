@@ -10,8 +10,8 @@ its 128-deep products, each accumulated from zero and scaled; so do the swapped 
 block-scaled FP8 product gives exactly those bits from 64 rows on (benchmarks/NOTES.md, gemm: 2026-12-01 —
 batch-invariant FP8 gemm without a split over K), so
 batch-invariant mode may take it, row count by row count, once it has been seen to
-(``cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16 product
-(``cublas_invariant_supports``).
+(``gemm_cublas.cublas_fp8_invariant_supports``). The same holds for bf16 products and cuBLAS's bf16 product
+(``gemm_cublas.cublas_invariant_supports``).
 
 fp32 products (the router's logits) run as three tf32 tensor-core products (tf32x3: each operand's tf32 high part
 times the other's, plus both high-low cross terms; close to fp32) with one fixed tile, and split K into spans whose

@@ -16,13 +16,13 @@ In both, one program per SM walks its tiles:
   waited for, then ``acc + part * (a_scale * b_scale)``;
 - each consumer stores its 64 x 128 bf16 result by TMA from its own shared buffer.
 
-The arithmetic of every element is the unsplit ``tl`` kernel's (``gemm._gemm_kernel``): the K-ordered sum of 128-deep
-products, each from zero and scaled; the bits are the same (``benchmarks/gluon_gemm_ws.py`` checks each launch,
-conformance checks rows alone against the batch), so batch-invariant mode takes it too.
+The arithmetic of every element is the unsplit ``tl`` kernel's (``gemm_triton._gemm_kernel``): the K-ordered sum of
+128-deep products, each from zero and scaled; the bits are the same (``benchmarks/gluon_gemm_ws.py`` checks each
+launch, conformance checks rows alone against the batch), so batch-invariant mode takes it too.
 
 ``fp8_gemm_few_rows`` serves up to 192 rows with the operands swapped (the weight's rows as wgmma's M, as
-``gemm._gemm_swapped_kernel`` does): one program per 64 weight rows and 16, 32 or 64 rows of A, a warp copying the K
-blocks by TMA eight stages ahead, one warpgroup multiplying two K blocks at a time (both products in flight, then
+``gemm_triton._gemm_swapped_kernel`` does): one program per 64 weight rows and 16, 32 or 64 rows of A, a warp copying
+the K blocks by TMA eight stages ahead, one warpgroup multiplying two K blocks at a time (both products in flight, then
 each scaled and added in K order), every block's scale factor computed first into shared memory. Without a split over
 K it gives the unsplit bits in both modes; it serves where its grid fits the SMs once and fills enough of them
 (``few_rows_supports``; benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` up to 192 rows). Up to 8
@@ -570,7 +570,7 @@ def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, parts_ptr, count_pt
     each group stores its blocks' products to ``parts_ptr`` (fp32, [tiles, K_BLOCKS, R, 64]) and counts in at
     ``count_ptr`` (int32 per tile, a multiple of ``ARRIVALS`` between launches); then each chains its share of the
     tile's weight rows over every K block from them, ``PULL`` blocks loaded at once. Every program of the grid must
-    be resident at once (each waits for its tile's other groups). The bits of ``gemm._gemm_swapped_kernel``
+    be resident at once (each waits for its tile's other groups). The bits of ``gemm_triton._gemm_swapped_kernel``
     unsplit, whatever ``K_GROUPS``. ``PDL``: launched early, it waits for the previous kernel first."""
     launch_dependents(PDL)
     wait_previous(PDL)
@@ -774,8 +774,8 @@ def gemm_fp8_cublas_waves(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
 
 
 def cublas_waves_supports(a, w, *, out_dtype, bias) -> bool | Decline:
-    """Where cuBLAS would serve (``gemm.cublas_fp8_supports`` and not ``supports``), with the out form of the op behind
-    ``scaled_mm``, the few-row kernel's operands, and rows that ``cublas_whole_waves`` splits."""
+    """Where cuBLAS would serve (``gemm_cublas.cublas_fp8_supports`` and not ``supports``), with the out form of the op
+    behind ``scaled_mm``, the few-row kernel's operands, and rows that ``cublas_whole_waves`` splits."""
     answer = cublas_fp8_supports(a, w, out_dtype=out_dtype, bias=bias)
     answer = _fp8_operands(a, w, out_dtype, bias) if answer else answer
     if not answer:
