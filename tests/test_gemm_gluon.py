@@ -90,7 +90,8 @@ def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_
         "count_ptr": "*i32",
     } | dict.fromkeys(("M", "N", "stride_cm"), "i32")
     k_blocks = k // 128
-    constants = gemm_gluon.FEW_ROWS_SCHEDULE | {"K_BLOCKS": k_blocks, "FACTORS": triton.next_power_of_2(k_blocks)}
+    constants = gemm_gluon.FEW_ROWS_SCHEDULE.constexprs() | {"K_BLOCKS": k_blocks}
+    constants |= {"FACTORS": triton.next_power_of_2(k_blocks)}
     constants |= {"PDL": gemm_gluon.PDL, "K_GROUPS": groups, "PULL": gemm_gluon.few_rows_pull(k_blocks, groups, a_rows)}
     in_flight = constants["IN_FLIGHT"]
     kernel = compile_sm90(

@@ -286,10 +286,25 @@ def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, trace_ptr, K_BLOCK
     )  # fmt: skip
 
 
-# Registers per consumer thread and per producer thread: 3 x 128 x 152 + 32 x 56 of an SM's 64K. Shared memory:
-# 208 KB streamed (4 stages), 224 KB resident at K = 512 (5 stages).
-STREAMED = {"RESIDENT": False, "GROUP_M": 8, "STAGES": 4, "CONSUMER_REGS": 152, "PRODUCER_REGS": 56}
-RESIDENT = STREAMED | {"RESIDENT": True, "GROUP_M": 0, "STAGES": 5}
+@dataclasses.dataclass(frozen=True)
+class WsSchedule:
+    """``fp8_gemm_ws``'s schedule (its compile-time constants). Registers per consumer thread and per producer thread:
+    3 x 128 x 152 + 32 x 56 of an SM's 64K. Shared memory: 208 KB streamed (4 stages), 224 KB resident at K = 512
+    (5 stages)."""
+
+    resident: bool = False  # a row block's whole A stays in shared memory while the program walks a run of tiles
+    group_m: int = 8  # row blocks walked together down the column blocks (0: each program a contiguous run of tiles)
+    stages: int = 4  # K blocks in the shared-memory ring
+    consumer_regs: int = 152  # registers per thread of the three consumer warpgroups
+    producer_regs: int = 56  # registers per thread of the producer warp
+
+    def constexprs(self) -> dict[str, int | bool]:
+        """The kernel's constants: ``RESIDENT``, ``GROUP_M``, ``STAGES``, ``CONSUMER_REGS``, ``PRODUCER_REGS``."""
+        return {k.upper(): v for k, v in dataclasses.asdict(self).items()}
+
+
+STREAMED = WsSchedule()
+RESIDENT = WsSchedule(resident=True, group_m=0, stages=5)
 MIN_M, MAX_K, MAX_RESIDENT_K = 384, 1024, 512  # where it was measured faster than cuBLAS (streamed, 256 rows: 1.02x)
 
 
@@ -302,7 +317,9 @@ def _descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
     )
 
 
-def launch(a: QTensor, w: QTensor, schedule: dict | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
+def launch(
+    a: QTensor, w: QTensor, schedule: WsSchedule | None = None, trace: torch.Tensor | None = None
+) -> torch.Tensor:
     """``a`` [M, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N]. The
     schedule: ``RESIDENT`` A up to ``MAX_RESIDENT_K``, else ``STREAMED``. ``trace`` (a benchmark's instrument, int64 on
     the GPU): the first program's consumers write the SM's cycle counter into it as they go, for its first
@@ -319,7 +336,7 @@ def launch(a: QTensor, w: QTensor, schedule: dict | None = None, trace: torch.Te
     fp8_gemm_ws[(programs,)](
         *_descriptors(a.data.contiguous(), w.data.contiguous(), out), a.scale.contiguous(), w.scale.contiguous(),
         m, n, out if trace is None else trace,  # (untraced, the pointer is not used)
-        K_BLOCKS=k_blocks, **schedule, TRACE_TILES=trace_tiles, num_warps=4,
+        K_BLOCKS=k_blocks, **schedule.constexprs(), TRACE_TILES=trace_tiles, num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the unsplit kernel (Triton 3.10 turns fusion off)
     )  # fmt: skip
     return out
@@ -595,10 +612,22 @@ def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, parts_ptr, count_pt
     )  # fmt: skip
 
 
-# 8 stages of 16 KB at 64 rows of A: 128 KB, beside K / 2 bytes of factors (64 KB at MAX_FEW_K); one program per SM.
-# Two K blocks' products in flight (``IN_FLIGHT``). Measured against 12 stages and 1 or 4 products in flight
-# (benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` up to 192 rows).
-FEW_ROWS_SCHEDULE = {"STAGES": 8, "PRODUCER_REGS": 40, "IN_FLIGHT": 2}
+@dataclasses.dataclass(frozen=True)
+class FewRowsSchedule:
+    """``fp8_gemm_few_rows``'s schedule (its compile-time constants): 8 stages of 16 KB at 64 rows of A, 128 KB,
+    beside K / 2 bytes of factors (64 KB at ``MAX_FEW_K``); one program per SM. Measured against 12 stages and 1 or 4
+    products in flight (benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` up to 192 rows)."""
+
+    stages: int = 8  # K blocks in the shared-memory ring the copying warp fills ahead
+    producer_regs: int = 40  # registers per thread of the copying warp
+    in_flight: int = 2  # K blocks' products issued before the first is waited for
+
+    def constexprs(self) -> dict[str, int]:
+        """The kernel's constants: ``STAGES``, ``PRODUCER_REGS``, ``IN_FLIGHT``."""
+        return {k.upper(): v for k, v in dataclasses.asdict(self).items()}
+
+
+FEW_ROWS_SCHEDULE = FewRowsSchedule()
 FEW_A_ROWS = (16, 32, 64)  # rows of A per program: 16 up to 16 rows, else the fewer of 32 and 64 whose grid fits
 MAX_FEW_K, FEW_MAX_M = 32768, 192
 # Where it serves: while its grid fits the SMs at once and gives more than this share of them a program; with fewer
@@ -655,7 +684,7 @@ def _counters(device: torch.device) -> torch.Tensor | None:
 def launch_few_rows(
     a: QTensor,
     w: QTensor,
-    schedule: dict | None = None,
+    schedule: FewRowsSchedule | None = None,
     a_rows: int | None = None,
     groups: int | None = None,
     out: torch.Tensor | None = None,
@@ -692,7 +721,7 @@ def launch_few_rows(
         tma_descriptor(w.data.contiguous(), [W_ROWS.value, FP8_BLOCK], gl.float8e4nv),
         out, a.scale.contiguous(), w.scale.contiguous(), parts, counts, m, n,
         out.stride(0), K_BLOCKS=k_blocks, FACTORS=triton.next_power_of_2(k_blocks), K_GROUPS=k_groups,
-        PULL=few_rows_pull(k_blocks, k_groups, a_rows), **(schedule or FEW_ROWS_SCHEDULE), num_warps=4,
+        PULL=few_rows_pull(k_blocks, k_groups, a_rows), **(schedule or FEW_ROWS_SCHEDULE).constexprs(), num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the Triton kernels
         PDL=PDL, launch_pdl=PDL,
     )  # fmt: skip
