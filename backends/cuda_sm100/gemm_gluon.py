@@ -31,10 +31,8 @@ multiplies a quarter of the K blocks and stores the products, then chains a quar
 all of them in K order (the same bits; benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` in K
 groups).
 
-``gemm_fp8_cublas_waves`` (default mode only): where cuBLAS's 128 x 128 tiles make one to three whole waves and a few
-tiles more, cuBLAS takes the rows of the whole waves, writing into the output in place, and the few-row kernel the
-rest, instead of cuBLAS running a last wave of a few tiles at most of a whole wave's time (``cublas_whole_waves``;
-(2112, 7168) at 1024-3072 rows: benchmarks/HISTORY.md, 2026-12-04 — cuBLAS in whole waves).
+The few-row kernel also serves ``gemm_cublas.gemm_fp8_cublas_waves``: cuBLAS over the rows of whole waves of tiles,
+this kernel over the rest.
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ from deepinfer.dispatch import batch_invariant_enabled
 from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, launch_dependents, plain_rows, tma_descriptor, wait_previous
 from ._triton import INTERPRET, PDL, hopper, num_sms, on_device, tma_ready
 from .gemm import FP8_BLOCK, _as_fp8
-from .gemm_cublas import cublas_fp8_supports, gemm_fp8_cublas
 
 BK = gl.constexpr(128)  # K blocks of 128: one activation scale and one weight scale each
 BN = gl.constexpr(128)  # tile columns: one weight scale block
@@ -758,64 +755,3 @@ def few_rows_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     if FEW_MIN_SHARE * sms < programs // groups:
         return True
     return Decline(f"{programs // groups} output tiles <= {FEW_MIN_SHARE:g} x {sms} SMs")
-
-
-# --- cuBLAS in whole waves, the rest of the rows by the few-row kernel ---------------------------------------------
-
-CUBLAS_TILE = 128  # cuBLAS's tile of the block-scaled FP8 product on the H200 (nvjet_sm90_qqtst_128x128)
-# The most whole waves the split takes: (2112, 7168) at 1024 / 2048 / 3072 rows (1-3 waves and a few tiles) took
-# 0.82 / 0.87 / 0.89x cuBLAS's time split, but at 4096 rows (4 waves and 16 tiles) 1.05x: there cuBLAS ran another
-# kernel (2 x 4 clusters, not 4 x 2), whose last partial wave cost 5 us instead of 20-23 (benchmarks/HISTORY.md,
-# 2026-12-04 — cuBLAS in whole waves).
-CUBLAS_SPLIT_MAX_WAVES = 3
-
-
-def cublas_whole_waves(m: int, n: int, k: int, sms: int) -> int:
-    """The rows of an [m, n] FP8 product over K = ``k`` whose ``CUBLAS_TILE``-square tiles make 1 to
-    ``CUBLAS_SPLIT_MAX_WAVES`` whole waves of ``sms``, where the rest of the rows (at most ``FEW_MAX_M``) fits the
-    few-row kernel's rule in the default mode; else 0. cuBLAS gives a partial last wave of a few tiles most of a whole
-    wave's time: (2112, 7168) at 1024 rows is 1.03 waves of 132 SMs, and took 0.0469 ms against 0.0264 for 896 rows
-    (one wave); the few-row kernel took the other 128 rows in 0.0112 ms."""
-    grid_n = triton.cdiv(n, CUBLAS_TILE)
-    waves = triton.cdiv(m, CUBLAS_TILE) * grid_n // sms
-    first = waves * sms // grid_n * CUBLAS_TILE
-    rest = m - first
-    if not 0 < waves <= CUBLAS_SPLIT_MAX_WAVES or not 0 < rest <= FEW_MAX_M or k > MAX_FEW_K:
-        return 0
-    _, groups, programs = few_rows_grid(rest, n, k, sms)
-    return first if FEW_MIN_SHARE * sms < programs // groups and programs <= sms else 0
-
-
-def gemm_fp8_cublas_waves(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
-    """``gemm`` by cuBLAS over ``cublas_whole_waves`` rows, written in place, then the few-row kernel over the rest
-    (a bf16 ``a`` is quantised first)."""
-    qa = _as_fp8(a, w)
-    m, k = qa.shape
-    n = w.shape[0]
-    first = cublas_whole_waves(m, n, k, num_sms(qa.data.device.index or 0))
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=qa.data.device)
-    head, rest = (
-        dataclasses.replace(qa, data=qa.data[rows], scale=qa.scale[rows]) for rows in (slice(first), slice(first, m))
-    )
-    gemm_fp8_cublas(head, w, out_dtype=torch.bfloat16, bias=None, out=out[:first])
-    launch_few_rows(rest, w, out=out[first:])
-    return out
-
-
-def cublas_waves_supports(a, w, *, out_dtype, bias) -> bool | Decline:
-    """Where cuBLAS would serve (``gemm_cublas.cublas_fp8_supports`` and not ``supports``), with the out form of the op
-    behind ``scaled_mm``, the few-row kernel's operands, and rows that ``cublas_whole_waves`` splits."""
-    answer = cublas_fp8_supports(a, w, out_dtype=out_dtype, bias=bias)
-    answer = _fp8_operands(a, w, out_dtype, bias) if answer else answer
-    if not answer:
-        return answer
-    if supports(a, w, out_dtype=out_dtype, bias=bias):
-        return Decline("gluon-fp8-ws serves these rows")
-    if not hasattr(torch, "_scaled_mm_v2"):
-        return Decline("this torch has no _scaled_mm_v2 (the out form of scaled_mm)")
-    m = (a.data if isinstance(a, QTensor) else a).shape[0]
-    if cublas_whole_waves(m, *w.shape, num_sms(w.data.device.index or 0)) == 0:
-        return Decline(
-            f"{m} rows do not split into 1 to {CUBLAS_SPLIT_MAX_WAVES} whole cuBLAS waves and a few-row rest"
-        )
-    return True

@@ -174,8 +174,8 @@ def deepinfer_op_impls() -> list[OpImpl]:
             _impl(
                 "gemm",
                 "cublas-fp8-waves",
-                gemm_gluon.gemm_fp8_cublas_waves,
-                gemm_gluon.cublas_waves_supports,
+                gemm_cublas.gemm_fp8_cublas_waves,
+                gemm_cublas.cublas_waves_supports,
                 invariant=False,
                 priority=4,
             )
