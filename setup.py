@@ -93,6 +93,7 @@ setup(
         # tests/plugins is made visible to the tests by tests/conftest.py, not installed.
         "test": [
             "pytest>=7",
+            "pytest-xdist>=3",  # the suite on two processes (the README's test command)
             "hypothesis>=6",
             "transformers>=5.24",
             "ruff",

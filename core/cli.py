@@ -448,6 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute every prompt in full (default: reuse the cache pages of the longest prefix computed before)",
     )
     gen.add_argument(
+        "--host-cache-gb",
+        type=_finite("a finite number >= 0", lambda v: v >= 0),
+        default=0.0,
+        help="host memory for cache pages evicted from the device, copied back on a prefix hit (default 0: none)",
+    )
+    gen.add_argument(
         "--num-redundant-experts",
         type=_int_at_least(0),
         default=0,
@@ -524,6 +530,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="enable_prefix_caching",
         action="store_false",
         help="compute every prompt in full (default: reuse the cache pages of the longest prefix computed before)",
+    )
+    srv.add_argument(
+        "--host-cache-gb",
+        type=_finite("a finite number >= 0", lambda v: v >= 0),
+        default=0.0,
+        help="host memory for cache pages evicted from the device, copied back on a prefix hit (default 0: none)",
     )
     srv.set_defaults(fn=cmd_serve)
     return parser

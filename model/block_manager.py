@@ -1,7 +1,9 @@
 """``BlockAllocator``: the pages of the paged latent cache, with automatic prefix caching.
 
 The cache is ``num_blocks`` pages of ``block_size`` token slots; a sequence owns the pages in its block table, and
-token ``i`` of the sequence lives in slot ``block_table[i // block_size] * block_size + i % block_size``.
+token ``i`` of the sequence lives in slot ``block_table[i // block_size] * block_size + i % block_size``. A model
+that also keeps a fixed state per sequence in pages (DeepSeek-V4, ``seq_pages``) has those pages first in the table:
+token ``i`` is then in page ``block_table[seq_pages + i // block_size]``.
 
 Prefix caching (``enable_prefix_caching``, on by default). A full page of prompt tokens, once computed, is
 registered under the key of its tokens chained to the key of the page before it (so a key identifies the whole
@@ -11,14 +13,21 @@ counts as free; free pages are handed out least recently freed first, and handin
 key (eviction). ``match`` finds the longest registered prefix of a prompt and takes a reference on each of its pages.
 Keys are exact (the tokens themselves are compared, not only a hash), and one allocator serves one engine, so one
 model and one cache format: a page's content is a function of its key.
+
+With a host tier (``host``, a ``HostPageCache``) an evicted page is copied to host memory under its key first, and
+``match`` continues a prompt's cached prefix with the keys held there, copying them back into fresh pages.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .host_cache import HostPageCache
 
 PageKey = tuple  # (key of the previous page or None, the page's tokens)
 
@@ -26,11 +35,25 @@ PageKey = tuple  # (key of the previous page or None, the page's tokens)
 class BlockAllocator:
     """Hands out and takes back cache pages; reused least-recently-freed first (FIFO without prefix caching)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        seq_pages: int = 0,
+        host: HostPageCache | None = None,
+    ):
+        if num_blocks < 1 or block_size < 1 or seq_pages < 0:
+            raise ValueError(
+                f"need num_blocks >= 1, block_size >= 1 and seq_pages >= 0, got {num_blocks}, {block_size}, {seq_pages}"
+            )
+        if seq_pages and enable_prefix_caching:
+            raise ValueError("prefix caching shares token pages; a sequence's own state pages cannot be shared")
+        if host is not None and not enable_prefix_caching:
+            raise ValueError("a host tier needs prefix caching")
+        self.num_blocks, self.block_size, self.seq_pages = num_blocks, block_size, seq_pages
         self.enable_prefix_caching = enable_prefix_caching
+        self.host = host
         self.reset()
 
     @property
@@ -44,8 +67,8 @@ class BlockAllocator:
         return len(self._page_of)
 
     def blocks_for(self, num_tokens: int) -> int:
-        """Pages that ``num_tokens`` slots need."""
-        return math.ceil(num_tokens / self.block_size)
+        """Pages that a sequence of ``num_tokens`` tokens holds (its state pages included)."""
+        return self.seq_pages + math.ceil(num_tokens / self.block_size)
 
     def missing(self, seq: Sequence, num_tokens: int) -> int:
         """Pages ``seq`` still needs to hold ``num_tokens`` tokens."""
@@ -71,6 +94,8 @@ class BlockAllocator:
             key = self._key_of.pop(b, None)
             if key is not None:
                 del self._page_of[key]
+                if self.host is not None:
+                    self.host.save(key, b)
             self._refs[b] = 1
             blocks.append(b)
         return blocks
@@ -103,7 +128,8 @@ class BlockAllocator:
         seq.num_registered_pages = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        page = seq.block_table[self.seq_pages + position // self.block_size]
+        return page * self.block_size + position % self.block_size
 
     # --- prefix caching ---
 
@@ -122,20 +148,49 @@ class BlockAllocator:
         each; returns the number of tokens they hold (0 with prefix caching off)."""
         if not self.enable_prefix_caching or seq.block_table:
             return 0
+        keys = self.page_keys(seq, max_tokens // self.block_size)
         pages = []
-        for key in self.page_keys(seq, max_tokens // self.block_size):
+        for key in keys:
             page = self._page_of.get(key)
             if page is None:
                 break
             pages.append(page)
-        pages = pages[: len(pages) * self.block_size // align * align // self.block_size]
+        in_host = 0  # the keys after those that only the host tier holds (one also on the device ends the run)
+        if self.host is not None:
+            while len(pages) + in_host < len(keys):
+                key = keys[len(pages) + in_host]
+                if key not in self.host or key in self._page_of:
+                    break
+                in_host += 1
+        per_align = align // self.block_size
+        whole = (len(pages) + in_host) // per_align * per_align
+        pages = pages[:whole]
         for b in pages:
             if b in self._free:
                 del self._free[b]
             self._refs[b] = self._refs.get(b, 0) + 1
+        wanted = keys[len(pages) : whole]
+        if wanted:  # device pages for the host tier's part, while free ones last
+            pages += self._load(wanted[: min(len(wanted), self.num_free) // per_align * per_align], per_align)
         seq.block_table = pages
         seq.num_registered_pages = len(pages)
         return len(pages) * self.block_size
+
+    def _load(self, keys: list[PageKey], per_align: int) -> list[int]:
+        """Fresh pages holding the host tier's copies of ``keys`` (registered under them, one reference each), a
+        multiple of ``per_align`` of them: the copies are issued on the device's stream before any later step."""
+        self.host.touch(keys)  # the evictions that free these pages copy others out: these keys are dropped last
+        fresh = self.allocate(len(keys))
+        held = 0
+        while held < len(keys) and keys[held] in self.host:  # all, unless the host tier is smaller than the load
+            held += 1
+        held = held // per_align * per_align
+        self.free(fresh[held:])
+        for key, page in zip(keys[:held], fresh):
+            self.host.load(key, page)
+            self._page_of[key] = page
+            self._key_of[page] = key
+        return fresh[:held]
 
     def register(self, seq: Sequence, num_tokens: int) -> None:
         """Registers ``seq``'s full pages among its first ``num_tokens`` tokens (tokens whose cache entries are

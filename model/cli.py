@@ -103,6 +103,7 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         max_num_seqs=args.max_num_seqs,
         max_model_len=getattr(args, "max_model_len", None),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+        host_cache_gb=getattr(args, "host_cache_gb", 0.0),
         device=None if launch is None else launch.device,
         progress=launch is None or launch.rank == 0,
         ep=None if launch is None else launch.world_size,
@@ -156,6 +157,12 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         console.print(
             f"[dim]prefix cache: {s['cached_prompt_tokens']} of {s['prompt_tokens']} prompt tokens found "
             f"({s['cached_prompt_tokens'] / max(s['prompt_tokens'], 1):.0%}), {s['prefilled_tokens']} prefilled"
+        )
+    if "host_cache" in s:
+        h = s["host_cache"]
+        console.print(
+            f"[dim]host cache: {h['held_pages']} of {h['capacity_pages']} pages held; {h['saved_pages']} copied out, "
+            f"{h['loaded_pages']} copied back (totals of this process)"
         )
     if "speculative" in s:
         d = s["speculative"]

@@ -41,6 +41,7 @@ from .errors import CheckpointError
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+V4_KV_FORMATS = ("bf16", "fp8_ds_mla")  # the compressed entries' and indexer keys' records (``V4CacheLayout``)
 MLP_TYPES = ("hash_moe", "moe")
 INT_KINDS = ("I32", "I64")
 
@@ -88,15 +89,22 @@ class V4Config:
     quantization: dict[str, str] | None = None  # {"scale_fmt": ..., "expert_dtype": "fp8" | "fp4"} when quantised
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    # The model keeps its caches per sequence (``deepseek_v4.V4State``), not in the engine's paged latent cache: the
-    # engine asks ``cache_page_bytes`` for its budget and keeps only a placeholder page table (``engine.py``).
+    # The engine allocates the cache pages and hands them to the model, which lays them out itself
+    # (``V4CacheLayout``): the engine asks ``cache_layout`` for the page size and the pages each sequence holds.
     owns_cache = True
     sparse_attention = False  # no DeepSeek-V3.2 paged indexer-key cache either
 
+    def cache_layout(self, block_size: int, elem_bytes: int = 2, kv_format: str = "bf16") -> V4CacheLayout:
+        """The paged cache's layout for pages of ``block_size`` tokens in a dtype of ``elem_bytes`` bytes, with
+        ``kv_format`` records for the compressed entries and indexer keys."""
+        return V4CacheLayout.build(self, block_size, elem_bytes, kv_format)
+
     def cache_bytes_per_token(self, elem_bytes: int = 2) -> float:
-        """Bytes the caches grow by per token of context: every compressed layer's entry (``head_dim``) and, for
-        compressed sparse attention, its indexer key (``index_head_dim``), once per ``m`` tokens. The window's keys
-        (``sliding_window - 1`` per layer) are a fixed cost per sequence (``cache_bytes_per_sequence``)."""
+        """Bytes the caches grow by per token of context, ideally (with no slot of a page left unused): every
+        compressed layer's entry (``head_dim``) and, for compressed sparse attention, its indexer key
+        (``index_head_dim``), once per ``m`` tokens. ``V4CacheLayout.bytes_per_token`` gives what the pages of a
+        given size hold; the window's keys and the unfinished windows are a fixed cost per sequence
+        (``cache_bytes_per_sequence``)."""
         total = 0.0
         for i, kind in enumerate(self.layer_types):
             if kind != SLIDING:
@@ -104,21 +112,13 @@ class V4Config:
         return total * elem_bytes
 
     def cache_bytes_per_sequence(self, elem_bytes: int = 2) -> int:
-        """Fixed bytes per sequence: the window's keys of every layer, and each compressor's unfinished window."""
-        window = self.num_hidden_layers * (self.sliding_window - 1) * self.head_dim
-        buffers = 0
-        for i, kind in enumerate(self.layer_types):
-            if kind == CSA:  # two series of head_dim and of index_head_dim, kv and gate, up to 2m rows
-                buffers += 2 * 2 * self.compress_rate(i) * 2 * (self.head_dim + self.index_head_dim)
-            elif kind == HCA:
-                buffers += 2 * self.compress_rate(i) * self.head_dim
-        return (window + buffers) * elem_bytes
+        """Fixed bytes per sequence (before rounding to whole pages): every layer's last ``sliding_window - 1`` keys,
+        and each compressor's unfinished window (and, overlapping, the previous window's first series)."""
+        return V4CacheLayout.build(self, 1, elem_bytes).state_elems * elem_bytes
 
-    def cache_page_bytes(self, kv_format: str, block_size: int) -> int:
-        """The engine's budget for one page of ``block_size`` tokens (bf16 states)."""
-        if kv_format != "bf16":
-            raise CheckpointError(f"deepseek_v4 keeps its caches in the model's dtype: kv_format bf16, got {kv_format}")
-        return max(1, math.ceil(self.cache_bytes_per_token() * block_size))
+    def cache_page_bytes(self, kv_format: str, block_size: int, elem_bytes: int = 2) -> int:
+        """The engine's budget for one page of ``block_size`` tokens (``V4CacheLayout.page_bytes``)."""
+        return self.cache_layout(block_size, elem_bytes, kv_format).page_bytes
 
     def compress_rate(self, layer: int) -> int:
         """``m`` of a compressed layer (0 for a sliding-window layer)."""
@@ -344,6 +344,155 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
     if yarn.get("truncate") is False:
         raise fail("yarn with truncate=false is not supported")
     return float(theta), float(c_theta), yarn
+
+
+@dataclass(frozen=True)
+class V4CacheLayout:
+    """Where a DeepSeek-V4 sequence's caches live in the engine's pages.
+
+    Every page has ``page_bytes`` bytes. A sequence's block table starts with ``state_pages`` **state pages**, then
+    one **token page** per ``block_size`` tokens of context (token ``t`` in the page ``state_pages + t //
+    block_size``).
+
+    - Token pages hold the compressed entries: entry ``w`` of a layer of rate ``m`` (the pooling of tokens ``[w m,
+      (w + 1) m)``) lives in the token page of its first token, ``p = w m // block_size``, at slot ``w -
+      ceil(p block_size / m)`` of that layer's region, which has ``entries_per_page = ceil(block_size / m)`` records
+      of ``entry_bytes`` from byte ``entry_offset`` of the page; a compressed sparse layer's indexer key ``w`` has
+      the same slot in a region of ``index_bytes`` records from ``index_offset``. With ``block_size`` a multiple of
+      every rate no slot is unused. Records (``kv_format``): ``bf16``, the values in the model's dtype;
+      ``fp8_ds_mla``, DeepSeek's FP8 record: an entry's first ``head_dim - rope_dim`` channels in e4m3 with one
+      power-of-two scale per ``entry_group`` channels (``quantize_fp8`` with ``ue8m0`` scales), then the scales, one
+      ue8m0 byte each, then the ``rope_dim`` rope channels in the model's dtype; an indexer key all in e4m3 with one
+      scale per ``index_group`` channels, then the scales. The groups are 64 and 128 channels, or the whole part
+      when it is not a multiple of those.
+    - State pages hold one flat vector of ``state_elems`` elements in the model's dtype, ``page_bytes / elem_bytes``
+      a page in order: per layer (``state_offset[layer]``, element offsets in the vector) ``window``, the last
+      ``sliding_window - 1`` keys as a ring (the key of position ``q`` in row ``q % (sliding_window - 1)``), and for a
+      compressed layer its compressor's unfinished window ``buf_kv``, ``buf_gate`` (``m - 1`` rows of the projection
+      width; the first ``length % m`` hold the rows seen so far) and, overlapping (CSA), ``prev_kv``, ``prev_gate``
+      (``m`` rows of ``head_dim``: the last closed window's first series, valid once a window has closed); a CSA
+      layer's indexer has the same four as ``ibuf_kv``, ``ibuf_gate``, ``iprev_kv``, ``iprev_gate`` at
+      ``index_head_dim``.
+
+    Every value is a function of the sequence's tokens and its length: nothing is valid beyond what the length
+    says, so a recomputed sequence starts from fresh pages, and swapping pages out and in keeps the state.
+    """
+
+    block_size: int
+    elem_bytes: int
+    kv_format: str
+    entry_width: int  # head_dim
+    index_width: int  # index_head_dim
+    rope_dim: int
+    entry_group: int  # FP8 scale groups (0 in bf16)
+    index_group: int
+    entry_bytes: int
+    index_bytes: int
+    page_bytes: int
+    state_pages: int
+    state_elems: int
+    entries_per_page: tuple[int, ...]
+    entry_offset: tuple[int, ...]  # bytes; -1 for a sliding-window layer
+    index_offset: tuple[int, ...]  # bytes; -1 unless compressed sparse
+    state_offset: tuple[dict[str, int], ...]
+
+    @classmethod
+    def build(cls, cfg: V4Config, block_size: int, elem_bytes: int, kv_format: str = "bf16") -> V4CacheLayout:
+        if block_size < 1 or elem_bytes < 1:
+            raise ValueError(f"need block_size >= 1 and elem_bytes >= 1, got {block_size}, {elem_bytes}")
+        if kv_format not in V4_KV_FORMATS:
+            raise CheckpointError(f"deepseek_v4 caches: kv_format one of {V4_KV_FORMATS}, got {kv_format!r}")
+        d, di, rd = cfg.head_dim, cfg.index_head_dim, cfg.qk_rope_head_dim
+        ring = max(cfg.sliding_window - 1, 0)
+        nope = d - rd
+        if kv_format == "fp8_ds_mla":
+            eg = 64 if nope % 64 == 0 else nope
+            ig = 128 if di % 128 == 0 else di
+            entry_bytes = nope + nope // eg + rd * elem_bytes
+            index_bytes = di + di // ig
+        else:
+            eg = ig = 0
+            entry_bytes, index_bytes = d * elem_bytes, di * elem_bytes
+        per_page, entry_off, index_off, state_off = [], [], [], []
+        page = state = 0
+        for i, kind in enumerate(cfg.layer_types):
+            offsets = {"window": state}
+            state += ring * d
+            if kind == SLIDING:
+                per_page.append(0)
+                entry_off.append(-1)
+                index_off.append(-1)
+                state_off.append(offsets)
+                continue
+            m = cfg.compress_rate(i)
+            cap = -(-block_size // m)
+            per_page.append(cap)
+            entry_off.append(page)
+            page += cap * entry_bytes
+            overlap = kind == CSA
+            series = [("", d)] + ([("i", di)] if overlap else [])
+            for prefix, width in series:
+                proj = (2 if overlap else 1) * width
+                for name, rows, cols in (("buf_kv", m - 1, proj), ("buf_gate", m - 1, proj)) + (
+                    (("prev_kv", m, width), ("prev_gate", m, width)) if overlap else ()
+                ):
+                    offsets[prefix + name] = state
+                    state += rows * cols
+            if overlap:
+                index_off.append(page)
+                page += cap * index_bytes
+            else:
+                index_off.append(-1)
+            state_off.append(offsets)
+        page = max(page, d * elem_bytes)  # a model of window layers only still pages its state
+        page += -page % 16  # pages of whole 16-byte units
+        per_state_page = page // elem_bytes
+        return cls(
+            block_size=block_size,
+            elem_bytes=elem_bytes,
+            kv_format=kv_format,
+            entry_width=d,
+            index_width=di,
+            rope_dim=rd,
+            entry_group=eg,
+            index_group=ig,
+            entry_bytes=entry_bytes,
+            index_bytes=index_bytes,
+            page_bytes=page,
+            state_pages=-(-state // per_state_page),
+            state_elems=state,
+            entries_per_page=tuple(per_page),
+            entry_offset=tuple(entry_off),
+            index_offset=tuple(index_off),
+            state_offset=tuple(state_off),
+        )
+
+    @property
+    def page_elems(self) -> int:
+        """Elements of the model's dtype in a page (a state page's share of the state vector)."""
+        return self.page_bytes // self.elem_bytes
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes of token pages per token of context."""
+        return self.page_bytes / self.block_size
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """Bytes of state pages each sequence holds."""
+        return self.state_pages * self.page_bytes
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages (state and token pages) a sequence of ``num_tokens`` tokens holds."""
+        return self.state_pages + -(-num_tokens // self.block_size)
+
+    def describe(self) -> str:
+        """One line: bytes per token of context and per sequence (what ``model/README.md`` reports)."""
+        return (
+            f"{self.kv_format} pages of {self.block_size} tokens, {self.page_bytes} bytes: {self.bytes_per_token:g} "
+            f"bytes per token of context; {self.state_pages} state pages ({self.bytes_per_sequence} bytes, of which "
+            f"{self.state_elems * self.elem_bytes} used) per sequence"
+        )
 
 
 def is_v4_checkpoint(path: str | Path) -> bool:

@@ -27,11 +27,19 @@ MoE: ``hash_moe`` layers take their experts from the frozen ``tid2eid[token]`` t
 route top-k by ``sqrtsoftplus`` scores plus a selection bias (``moe_route``); weights renormalised, times
 ``routed_scaling_factor``; experts and the shared expert use SwiGLU clipped at ``swiglu_limit``.
 
-Caches (``V4State``, one per sequence, owned by the model): per layer the last ``sliding_window - 1`` keys; for a
-compressed layer the projections of its unfinished window, the previous window's first series (CSA), and the
-entries emitted so far (and, for CSA, the indexer's own buffers and keys). A forward takes any number of new tokens
-per sequence (a prompt, a chunk of one, one decode token); the result does not depend on how a prompt is split.
-The caches are contiguous per sequence, not paged (``model/README.md`` says what that leaves out).
+Caches, in pages (``config_v4.V4CacheLayout`` has the layout): a sequence's block table starts with its state
+pages (per layer the last ``sliding_window - 1`` keys as a ring; for a compressed layer the projections of its
+unfinished window and, CSA, the previous window's first series, the indexer's alike), then one token page per
+``block_size`` tokens holding the compressed entries (and CSA indexer keys) whose windows start in it. ``V4State``
+is one sequence's view of them: the engine's pages and the sequence's block table (``ForwardBatch.rows``), or pages
+of its own (``DeepseekV4.new_state``). Entries and indexer keys are stored as ``kv_format`` records (the model's
+dtype, or DeepSeek's FP8 records, ``fp8_ds_mla``, read back dequantised). Every layer reads what it attends from
+the pages after writing what the step adds: the window's past keys, every entry so far (CSA: every indexer key,
+then the entries the indexer chooses), gathered into the pools ``indexer_topk_entries`` and
+``sparse_attention_sinks`` take. A forward takes any number of
+new tokens per sequence (a prompt, a chunk of one, one decode token); the result does not depend on how a prompt is
+split, nor on where the pages are. Nothing in the pages is read beyond what the sequence's length says is written,
+so a recomputed sequence needs no clearing and a swapped one resumes from its pages copied back.
 """
 
 from __future__ import annotations
@@ -42,11 +50,12 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer import ops, prepare_weight
+from deepinfer.qtensor import QTensor
 
-from .config_v4 import CSA, HCA, SLIDING, V4Checkpoint, V4Config
+from .config_v4 import CSA, HCA, SLIDING, V4CacheLayout, V4Checkpoint, V4Config
 from .forward_batch import ForwardBatch
 from .mla import linear
-from .moe import ExpertParallel
+from .moe import ExpertParallel, all_gather_rows
 
 
 def _rope_tail(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -63,48 +72,117 @@ def _rope_tail_back(x: torch.Tensor, positions: torch.Tensor, table: torch.Tenso
     return torch.cat([x[..., :-rope_dim], ops.rope(x[..., -rope_dim:] * sign, positions, table, True) * sign], -1)
 
 
-@dataclass
-class CompressorState:
-    """A compressor's cache for one sequence: projections of the unfinished window, the previous window's first
-    series (overlapping compressors), and every entry emitted so far."""
-
-    buf_kv: torch.Tensor | None = None
-    buf_gate: torch.Tensor | None = None
-    prev_kv: torch.Tensor | None = None
-    prev_gate: torch.Tensor | None = None
-    entries: torch.Tensor | None = None
-
-    @property
-    def count(self) -> int:
-        return 0 if self.entries is None else self.entries.shape[0]
-
-    def nbytes(self) -> int:
-        ts = (self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate, self.entries)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
-@dataclass
-class LayerState:
-    window: torch.Tensor | None = None  # [<= sliding_window - 1, D]: the last keys
-    compressor: CompressorState | None = None
-    indexer: CompressorState | None = None
-
-
-@dataclass
 class V4State:
-    """One sequence's caches: ``length`` tokens seen so far, and each layer's ``LayerState``."""
+    """One sequence's caches in paged storage (``V4CacheLayout``): ``pages`` ``[num_blocks, page_bytes]`` uint8
+    (the engine's cache, or pages of its own), the sequence's ``block_table`` (state pages, then token pages) and
+    ``length``, the tokens whose caches are in place. ``DeepseekV4.new_state()`` makes one that grows pages of its
+    own as it goes (``ensure``); the engine's come from ``ForwardBatch.rows``."""
 
-    layers: list[LayerState]
-    length: int = 0
+    def __init__(
+        self, layout: V4CacheLayout, pages: torch.Tensor, block_table: list[int], length: int, dtype: torch.dtype
+    ):
+        self.layout, self.block_table, self.length, self.dtype = layout, block_table, length, dtype
+        self.own = False
+        self._bind(pages)
 
-    def nbytes(self) -> int:
-        total = 0
-        for ls in self.layers:
-            if ls.window is not None:
-                total += ls.window.numel() * ls.window.element_size()
-            for c in (ls.compressor, ls.indexer):
-                total += c.nbytes() if c is not None else 0
-        return total
+    def _bind(self, pages: torch.Tensor) -> None:
+        self.pages = pages
+        self.bytes = pages.reshape(-1)
+        self.flat = self.bytes.view(self.dtype)
+        self._table: torch.Tensor | None = None
+
+    @classmethod
+    def private(cls, layout: V4CacheLayout, dtype: torch.dtype, device: torch.device) -> V4State:
+        st = cls(layout, torch.zeros(0, layout.page_bytes, dtype=torch.uint8, device=device), [], 0, dtype)
+        st.own = True
+        return st
+
+    def ensure(self, num_tokens: int) -> None:
+        """Pages for ``num_tokens`` tokens: grows a state's own pages; checks the engine's."""
+        need = self.layout.pages_for(num_tokens)
+        if self.own and need > len(self.block_table):
+            more = need - self.pages.shape[0]
+            self._bind(torch.cat([self.pages, self.pages.new_zeros(more, self.pages.shape[1])]))
+            self.block_table = list(range(need))
+        if len(self.block_table) < need:
+            raise RuntimeError(
+                f"{num_tokens} tokens need {need} cache pages, the sequence holds {len(self.block_table)}"
+            )
+
+    def table(self) -> torch.Tensor:
+        if self._table is None:
+            self._table = torch.tensor(self.block_table, dtype=torch.int64).to(self.flat.device)
+        return self._table
+
+    # The state vector (the window ring, the unfinished windows), element by element over the state pages.
+    def _state_index(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
+        e = self.layout.page_elems
+        flat = offset + rows.to(self.flat.device)[:, None] * width + torch.arange(width, device=self.flat.device)
+        return self.table()[flat // e] * e + flat % e
+
+    def read_state(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """Rows ``rows`` of the ``[*, width]`` matrix at element ``offset`` of the state vector."""
+        return self.flat[self._state_index(offset, rows, width)]
+
+    def write_state(self, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.flat[self._state_index(offset, rows, values.shape[1])] = values
+
+    # Compressed entries and indexer keys, records in the token pages.
+    def _records(self, layer: int, index: bool) -> torch.Tensor:
+        """``[num_blocks, entries_per_page, record bytes]``: a layer's entry (or indexer key) region of every page."""
+        lay = self.layout
+        off = lay.index_offset[layer] if index else lay.entry_offset[layer]
+        rec = lay.index_bytes if index else lay.entry_bytes
+        shape = (self.bytes.shape[0] // lay.page_bytes, lay.entries_per_page[layer], rec)
+        return self.bytes.as_strided(shape, (lay.page_bytes, rec, 1), self.bytes.storage_offset() + off)
+
+    def _entry_slots(self, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) of entries ``w`` (int64) of a layer of rate ``m``."""
+        bs, k = self.layout.block_size, self.layout.state_pages
+        p = w * m // bs
+        return self.table()[k + p], w - (p * bs + m - 1) // m
+
+    def read_entries(
+        self, layer: int, m: int, count: int, index: bool = False, which: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Entries (or indexer keys) ``0 .. count - 1`` of ``layer`` (or only those numbered ``which``), ``[n,
+        width]`` in the model's dtype."""
+        w = torch.arange(count, device=self.flat.device) if which is None else which
+        return self._decode(self._records(layer, index)[self._entry_slots(m, w)], index)
+
+    def write_entries(self, layer: int, m: int, first: int, values: torch.Tensor, index: bool = False) -> None:
+        """Stores ``values [n, width]`` as entries (or indexer keys) ``first .. first + n - 1`` of ``layer``."""
+        w = torch.arange(first, first + values.shape[0], device=self.flat.device)
+        self._records(layer, index)[self._entry_slots(m, w)] = self._encode(values, index)
+
+    def _encode(self, values: torch.Tensor, index: bool) -> torch.Tensor:
+        """Records ``[n, record bytes]`` of ``values [n, width]`` (``V4CacheLayout`` says the format)."""
+        lay = self.layout
+        if lay.kv_format == "bf16":
+            return values.contiguous().view(torch.uint8)
+        fp8 = values if index else values[:, : lay.entry_width - lay.rope_dim]
+        q = ops.quantize_fp8(
+            fp8.contiguous(), block=lay.index_group if index else lay.entry_group, scale_format="ue8m0"
+        )
+        parts = [q.data.view(torch.uint8), q.scale.to(torch.float8_e8m0fnu).view(torch.uint8)]  # powers of two
+        if not index:
+            parts.append(values[:, fp8.shape[1] :].contiguous().view(torch.uint8))
+        return torch.cat(parts, dim=1)
+
+    def _decode(self, records: torch.Tensor, index: bool) -> torch.Tensor:
+        lay = self.layout
+        if lay.kv_format == "bf16":
+            return records.view(self.dtype)
+        width = lay.index_width if index else lay.entry_width - lay.rope_dim
+        group = lay.index_group if index else lay.entry_group
+        end = width + width // group
+        data = records[:, :width].contiguous().view(torch.float8_e4m3fn)
+        scale = records[:, width:end].contiguous().view(torch.float8_e8m0fnu).float()
+        values = QTensor(data, scale, (1, group), "ue8m0").dequantize(self.dtype)
+        if index:
+            return values
+        rope = records[:, end:].reshape(-1).clone()  # (storage of its own: the slice may sit off the dtype's alignment)
+        return torch.cat([values, rope.view(self.dtype).view(records.shape[0], self.layout.rope_dim)], dim=1)
 
 
 @dataclass
@@ -128,44 +206,57 @@ class V4Batch:
 
 class Compressor:
     """One compressor: ``wkv``, ``wgate`` (``[c D, hidden]``, ``c`` 2 when overlapping), ``ape [m, c D]`` fp32 and
-    ``norm [D]``; rope at each entry's first position from ``table``."""
+    ``norm [D]``; rope at each entry's first position from ``table``. Its unfinished window and previous window are
+    kept in the state under ``prefix`` (``V4CacheLayout``)."""
 
-    def __init__(self, w: dict, m: int, dim: int, overlap: bool, table: torch.Tensor, rope_dim: int, eps: float):
+    def __init__(
+        self, w: dict, m: int, dim: int, overlap: bool, table: torch.Tensor, rope_dim: int, eps: float, prefix: str
+    ):
         self.wkv, self.wgate, self.norm = w["wkv.weight"], w["wgate.weight"], w["norm.weight"]
         ape = w["ape"]
         self.bias = torch.cat([ape[:, :dim], ape[:, dim:]], 0).contiguous() if overlap else ape
         self.m, self.dim, self.overlap, self.table, self.rope_dim, self.eps = m, dim, overlap, table, rope_dim, eps
+        self.prefix = prefix
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return linear(x, self.wkv), linear(x, self.wgate)
 
-    def step(self, kv: torch.Tensor, gate: torch.Tensor, st: CompressorState) -> None:
-        """Appends the entries of every window the new rows ``kv, gate [n, c D]`` close to ``st.entries``."""
-        if st.buf_kv is not None:
-            kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
-        m, d = self.m, self.dim
+    def step(self, kv: torch.Tensor, gate: torch.Tensor, st: V4State, layer: int) -> torch.Tensor:
+        """Takes the new rows ``kv, gate [n, c D]`` of a sequence at ``st.length``: returns the entries of the
+        windows they close ``[w, D]`` (in order, from entry ``st.length // m``) and keeps the unfinished window (and
+        the last closed window's first series) in the state."""
+        m, d, start = self.m, self.dim, st.length
+        offs = st.layout.state_offset[layer]
+        p = self.prefix
+        held = start % m
+        if held:
+            rows = torch.arange(held)
+            kv = torch.cat([st.read_state(offs[p + "buf_kv"], rows, kv.shape[1]), kv])
+            gate = torch.cat([st.read_state(offs[p + "buf_gate"], rows, gate.shape[1]), gate])
         usable = kv.shape[0] // m * m
-        st.buf_kv, st.buf_gate = kv[usable:].clone(), gate[usable:].clone()
-        if st.entries is None:
-            st.entries = kv.new_zeros(0, d)
+        if kv.shape[0] > usable:
+            rows = torch.arange(kv.shape[0] - usable)
+            st.write_state(offs[p + "buf_kv"], rows, kv[usable:])
+            st.write_state(offs[p + "buf_gate"], rows, gate[usable:])
         if usable == 0:
-            return
+            return kv.new_zeros(0, d)
         w = usable // m
         ck, cg = kv[:usable].view(w, m, -1), gate[:usable].view(w, m, -1)
         if self.overlap:
             first_kv = ck.new_zeros(w, m, d)
             first_gate = cg.new_full((w, m, d), float("-inf"))
             first_kv[1:], first_gate[1:] = ck[:-1, :, :d], cg[:-1, :, :d]
-            if st.prev_kv is not None:
-                first_kv[0], first_gate[0] = st.prev_kv, st.prev_gate
-            st.prev_kv, st.prev_gate = ck[-1, :, :d].clone(), cg[-1, :, :d].clone()
+            rows = torch.arange(m)
+            if start // m:  # a window closed before: its first series
+                first_kv[0] = st.read_state(offs[p + "prev_kv"], rows, d)
+                first_gate[0] = st.read_state(offs[p + "prev_gate"], rows, d)
+            st.write_state(offs[p + "prev_kv"], rows, ck[-1, :, :d])
+            st.write_state(offs[p + "prev_gate"], rows, cg[-1, :, :d])
             ck = torch.cat([first_kv, ck[..., d:]], dim=1)
             cg = torch.cat([first_gate, cg[..., d:]], dim=1)
         out = ops.rms_norm(ops.compress_kv(ck.contiguous(), cg.contiguous(), self.bias), self.norm, self.eps)[0]
-        first = st.count
-        pos = ((first + torch.arange(w, device=kv.device)) * m).to(torch.int32)
-        out = _rope_tail(out[:, None], pos, self.table, self.rope_dim)[:, 0]
-        st.entries = torch.cat([st.entries, out])
+        pos = ((start // m + torch.arange(w, device=kv.device)) * m).to(torch.int32)
+        return _rope_tail(out[:, None], pos, self.table, self.rope_dim)[:, 0]
 
 
 class V4Attention:
@@ -184,21 +275,15 @@ class V4Attention:
         if self.kind != SLIDING:
             comp = {k.removeprefix("compressor."): v for k, v in w.items() if k.startswith("compressor.")}
             self.compressor = Compressor(
-                comp, self.m, self.dim, self.kind == CSA, tables["compress"], self.rd, self.eps
+                comp, self.m, self.dim, self.kind == CSA, tables["compress"], self.rd, self.eps, ""
             )
         if self.kind == CSA:
             idx = {
                 k.removeprefix("indexer.compressor."): v for k, v in w.items() if k.startswith("indexer.compressor.")
             }
             di = cfg.index_head_dim
-            self.indexer = Compressor(idx, self.m, di, True, tables["compress"], self.rd, self.eps)
+            self.indexer = Compressor(idx, self.m, di, True, tables["compress"], self.rd, self.eps, "i")
             self.index_scale = (cfg.index_n_heads * di) ** -0.5
-
-    def new_state(self) -> LayerState:
-        return LayerState(
-            compressor=CompressorState() if self.compressor else None,
-            indexer=CompressorState() if self.indexer else None,
-        )
 
     def forward(self, x: torch.Tensor, batch: V4Batch) -> torch.Tensor:
         cfg, w, t, d, pos = self.cfg, self.w, x.shape[0], self.dim, batch.positions
@@ -211,40 +296,48 @@ class V4Attention:
         idx = self.indexer.project(x) if self.indexer else None
 
         sw = cfg.sliding_window
+        ring = sw - 1
+        layer = self.layer
         pool: list[torch.Tensor] = []
         base = 0
         window_idx, entry_idx = [], []
-        key_pool, key_start, key_count, shift = [], [], [], []
+        key_pool, key_start, key_count, owners = [], [], [], []
         key_base = 0
         for st, n, o in zip(batch.states, batch.lens, batch.offsets):
-            ls = st.layers[self.layer]
             rows = slice(o, o + n)
-            past = ls.window if ls.window is not None else kv.new_zeros(0, d)
+            start, wo = st.length, st.layout.state_offset[layer]["window"]
+            held = min(start, ring)
+            past = st.read_state(wo, torch.arange(start - held, start) % ring, d) if held else kv.new_zeros(0, d)
             keys = torch.cat([past, kv[rows]])
-            held = past.shape[0]
             i = torch.arange(n, device=x.device)
             j = (i + held)[:, None] - torch.arange(sw, device=x.device)[None, :]
             window_idx.append(torch.where(j >= 0, j + base, -1))
             pool.append(keys)
             base += keys.shape[0]
-            ls.window = keys[max(0, keys.shape[0] - (sw - 1)) :].clone()
+            keep = min(n, ring)  # the new keys the next steps' windows still need
+            if keep:
+                st.write_state(wo, torch.arange(start + n - keep, start + n) % ring, kv[o + n - keep : o + n])
             if self.compressor is None:
                 continue
-            self.compressor.step(comp[0][rows], comp[1][rows], ls.compressor)
-            entries = ls.compressor.entries
+            count = (start + n) // self.m
+            new = self.compressor.step(comp[0][rows], comp[1][rows], st, layer)
+            if new.shape[0]:
+                st.write_entries(layer, self.m, start // self.m, new)
             visible = (batch.positions[rows].long() + 1) // self.m  # entries whose window has closed
             if self.indexer is None:
-                e = torch.arange(entries.shape[0], device=x.device)[None, :]
+                e = torch.arange(count, device=x.device)[None, :]
                 entry_idx.append(torch.where(e < visible[:, None], e + base, -1))
-            else:
-                self.indexer.step(idx[0][rows], idx[1][rows], ls.indexer)
-                key_pool.append(ls.indexer.entries)
+                pool.append(st.read_entries(layer, self.m, count))
+                base += count
+            else:  # only the entries the indexer chooses are read (below)
+                new = self.indexer.step(idx[0][rows], idx[1][rows], st, layer)
+                if new.shape[0]:
+                    st.write_entries(layer, self.m, start // self.m, new, index=True)
+                key_pool.append(st.read_entries(layer, self.m, count, index=True))
                 key_start.append(torch.full((n,), key_base, dtype=torch.int32, device=x.device))
                 key_count.append(visible.to(torch.int32))
-                shift.append(torch.full((n,), base - key_base, dtype=torch.int64, device=x.device))
-                key_base += ls.indexer.entries.shape[0]
-            pool.append(entries)
-            base += entries.shape[0]
+                owners.append((st, key_base, count))
+                key_base += count
 
         indices = [torch.cat(window_idx)]
         if self.kind == HCA:
@@ -264,8 +357,7 @@ class V4Attention:
                 torch.cat(key_count),
                 topk=cfg.index_topk,
             )
-            sh = torch.cat(shift)[:, None]
-            indices.append(torch.where(chosen >= 0, chosen.long() + sh, -1))
+            indices.append(self._chosen_entries(chosen, owners, pool, base))
         indices = torch.cat(indices, dim=1).to(torch.int32)
         out = ops.sparse_attention_sinks(q, torch.cat(pool), indices, w["attn_sink"], softmax_scale=d**-0.5)
         out = _rope_tail_back(out, pos, self.table, self.rd)
@@ -274,6 +366,20 @@ class V4Attention:
         per_group = torch.full((g,), t, dtype=torch.int32, device=x.device)
         o = ops.grouped_gemm(grouped, w["wo_a"], masked_m=per_group, out_dtype=x.dtype)
         return linear(o.transpose(0, 1).reshape(t, -1), w["wo_b.weight"])
+
+    def _chosen_entries(self, chosen: torch.Tensor, owners: list, pool: list[torch.Tensor], base: int) -> torch.Tensor:
+        """Reads the entries ``chosen`` names (rows of the batch's indexer keys; ``owners``: each sequence's state,
+        first row and count there) into ``pool`` from row ``base`` on, each once; returns ``chosen`` as pool rows
+        (-1 kept)."""
+        valid = chosen >= 0
+        rows, where = torch.unique(chosen[valid].long(), return_inverse=True)  # ascending: sequence by sequence
+        for st, first, count in owners:
+            mine = rows[(rows >= first) & (rows < first + count)]
+            if mine.numel():
+                pool.append(st.read_entries(self.layer, self.m, count, which=mine - first))
+        out = torch.full_like(chosen, -1, dtype=torch.int64)
+        out[valid] = where + base
+        return out
 
 
 class V4MoE:
@@ -288,6 +394,18 @@ class V4MoE:
         self.s13, self.s2 = w["shared_experts.gate_up_proj"], w["shared_experts.down_proj"]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` of tokens ``input_ids [T]`` -> ``[T, H]``. Over several ranks (``ep``) a collective: every
+        rank calls it with the same rows, routes its share of them (``ExpertParallel.token_share``) through the
+        experts of all ranks, and gets the whole batch's output, as DeepSeek-V3's ``MoE`` does."""
+        ep = self.ep
+        if ep.world_size == 1:
+            return self._forward(x, input_ids)
+        start, end, share = ep.token_share(x.shape[0])
+        if share == 0:
+            return torch.empty_like(x)
+        return all_gather_rows(self._forward(x[start:end], input_ids[start:end]), share, x.shape[0], ep.group)
+
+    def _forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg, limit = self.cfg, self.cfg.swiglu_limit
         logits = ops.gemm(x.float(), self.gate, out_dtype=torch.float32)
         if self.hash:
@@ -324,6 +442,10 @@ class DeepseekV4:
     def __init__(self, cfg: V4Config, weights: dict, *, dtype: torch.dtype, device: torch.device, ep: ExpertParallel):
         self.cfg, self.dtype, self.device, self.ep = cfg, dtype, device, ep
         self.mtp: list = []  # multi-token-prediction layers: recognised in checkpoints, not loaded
+        self.block_size, self.kv_format = (
+            64,
+            "bf16",
+        )  # the pages of ``new_state`` (an engine sets its own: ``use_pages``)
         self.embed, self.norm = weights["embed_tokens.weight"], weights["norm.weight"]
         self.lm_head = weights["embed_tokens.weight" if cfg.tie_word_embeddings else "head.weight"]
         self.hc_head = tuple(weights[f"hc_head.hc_{k}"] for k in ("fn", "base", "scale"))
@@ -348,19 +470,34 @@ class DeepseekV4:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         on_progress: Callable[[int], None] | None = None,
+        ep: ExpertParallel | None = None,
     ) -> DeepseekV4:
-        """Builds the model from a checked checkpoint: every weight read once, assembled, prepared once."""
+        """Builds the model from a checked checkpoint: every weight read once, assembled, prepared once; of the
+        routed experts only ``ep``'s local ones (default: one process holding all)."""
         device = torch.device(device)
         cfg = ckpt.config
-        ep = ExpertParallel.single(cfg.n_routed_experts)
-        return cls(cfg, load_weights(ckpt, dtype, device, on_progress), dtype=dtype, device=device, ep=ep)
+        ep = ep or ExpertParallel.single(cfg.n_routed_experts)
+        return cls(cfg, load_weights(ckpt, dtype, device, on_progress, ep), dtype=dtype, device=device, ep=ep)
+
+    def cache_layout(self, block_size: int | None = None, kv_format: str | None = None) -> V4CacheLayout:
+        """The layout of the paged caches in the model's dtype, for pages of ``block_size`` tokens with
+        ``kv_format`` records (by default the engine's, ``use_pages``)."""
+        return self.cfg.cache_layout(block_size or self.block_size, self.dtype.itemsize, kv_format or self.kv_format)
+
+    def use_pages(self, block_size: int, kv_format: str = "bf16") -> None:
+        """The engine's page size and record format: the layout ``forward`` reads the engine's pages with."""
+        self.cfg.cache_layout(block_size, self.dtype.itemsize, kv_format)  # refuses a format it cannot lay out
+        self.block_size, self.kv_format = block_size, kv_format
 
     def new_state(self) -> V4State:
-        return V4State([attn.new_state() for _, attn, _, _, _ in self.layers])
+        """A sequence's caches outside an engine, on pages of its own that grow as it goes."""
+        return V4State.private(self.cache_layout(), self.dtype, self.device)
 
     def batch(self, states: list[V4State], input_ids: torch.Tensor, lens: list[int]) -> V4Batch:
         """The batch of ``input_ids`` (packed, ``lens[b]`` new tokens of sequence ``b``), each sequence continuing
         from its state's length."""
+        for s, n in zip(states, lens):
+            s.ensure(s.length + n)
         pos = [torch.arange(s.length, s.length + n, dtype=torch.int32) for s, n in zip(states, lens)]
         positions = torch.cat(pos).to(self.device) if pos else torch.zeros(0, dtype=torch.int32, device=self.device)
         return V4Batch(states, list(lens), positions, input_ids)
@@ -368,12 +505,12 @@ class DeepseekV4:
     def forward(
         self, input_ids: torch.Tensor, batch: V4Batch | ForwardBatch, kv_caches=None, index_caches=None
     ) -> torch.Tensor:
-        """``input_ids [T]`` -> final normed hidden states ``[T, hidden]``. ``batch``: a ``V4Batch``, or the engine's
-        ``ForwardBatch``, whose ``rows`` name the sequence of each run of rows: each sequence's state is kept on it
-        (``seq.model_state``), made afresh when its rows start at position 0 (a new request, or one recomputed
-        after preemption). The engine's paged caches (``kv_caches``, ``index_caches``) are not used."""
+        """``input_ids [T]`` -> final normed hidden states ``[T, hidden]``, the caches advanced. ``batch``: a
+        ``V4Batch``, or the engine's ``ForwardBatch``, whose ``rows`` name the sequence of each run of rows: its
+        caches are in the engine's pages (``kv_caches[0]``, ``[num_blocks, page_bytes]`` bytes, laid out by
+        ``cache_layout()``) that its block table names. ``index_caches`` is not used."""
         if isinstance(batch, ForwardBatch):
-            batch = self._from_engine(input_ids, batch)
+            batch = self._from_engine(input_ids, batch, kv_caches[0])
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         n = cfg.hc_mult
         streams = self.embed[input_ids][:, None, :].expand(-1, n, -1).contiguous()
@@ -390,16 +527,17 @@ class DeepseekV4:
         h = ops.hc_head(streams, *self.hc_head, eps=cfg.hc_eps, norm_eps=eps)
         return ops.rms_norm(h, self.norm, eps)[0]
 
-    def _from_engine(self, input_ids: torch.Tensor, fb: ForwardBatch) -> V4Batch:
+    def _from_engine(self, input_ids: torch.Tensor, fb: ForwardBatch, pages: torch.Tensor) -> V4Batch:
+        """Each run of rows continues its sequence from its first position: a run from position 0 (a new request,
+        or one recomputed after preemption) starts from nothing, whatever its pages held before."""
+        layout = self.cache_layout()
+        pages = pages.reshape(pages.shape[0], -1)
+        if pages.shape[1] != layout.page_bytes:
+            raise RuntimeError(f"the engine's pages have {pages.shape[1]} bytes, the layout {layout.page_bytes}")
         states, lens = [], []
         for seq, start, n in fb.rows:
-            st = getattr(seq, "model_state", None)
-            if st is None or start == 0:
-                st = seq.model_state = self.new_state()
-            if st.length != start:
-                raise RuntimeError(
-                    f"request {seq.request_id}: its cache holds {st.length} tokens, the step starts at {start}"
-                )
+            st = V4State(layout, pages, seq.block_table, start, self.dtype)
+            st.ensure(start + n)
             states.append(st)
             lens.append(n)
         return V4Batch(states, lens, fb.positions, input_ids)
@@ -421,11 +559,17 @@ def _fp32(key: str) -> bool:
 
 
 def load_weights(
-    ckpt: V4Checkpoint, dtype: torch.dtype, device: torch.device, on_progress: Callable[[int], None] | None = None
+    ckpt: V4Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_progress: Callable[[int], None] | None = None,
+    ep: ExpertParallel | None = None,
 ) -> dict:
-    """Every weight by normalised name, read once, assembled (experts stacked gate-and-up, ``wo_a`` by group) and
-    passed through ``prepare_weight`` once."""
+    """Every weight by normalised name, read once, assembled (experts stacked gate-and-up in ``ep.local``'s order,
+    ``wo_a`` by group) and passed through ``prepare_weight`` once; routed experts other than ``ep``'s local ones
+    are not read."""
     cfg = ckpt.config
+    ep = ep or ExpertParallel.single(cfg.n_routed_experts)
     out: dict = {}
 
     def read(key: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -444,7 +588,7 @@ def load_weights(
     put("norm.weight", read("norm.weight"))
     for k in ("fn", "base", "scale"):
         put(f"hc_head.hc_{k}", read(f"hc_head.hc_{k}"))
-    experts = [f"experts.{e}." for e in range(cfg.n_routed_experts)]
+    experts = [f"experts.{e}." for e in ep.local]
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         for key in ckpt.names:

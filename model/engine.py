@@ -2,9 +2,10 @@
 
 It owns the paged latent cache (``deepinfer.allocate_kv_cache``, ``block_size`` tokens per page, ``bf16`` or
 ``fp8_ds_mla``; for DeepSeek-V3.2 also the indexer-key cache on the same pages, ``fp8_ds_index`` beside an FP8
-latent cache, else ``bf16``, counted in the same memory budget), the page allocator, the scheduler and the model
-runner, and applies each step's results: appends sampled tokens, records log-probabilities, stops a sequence on a
-stop token, ``max_tokens`` or the context limit, and frees its pages.
+latent cache, else ``bf16``, counted in the same memory budget; for DeepSeek-V4 pages of bytes the model lays out,
+each sequence's state pages first in its block table), the page allocator, the scheduler and the model runner, and
+applies each step's results: appends sampled tokens, records log-probabilities, stops a sequence on a stop token,
+``max_tokens`` or the context limit, and frees its pages.
 
 Asynchronous scheduling (on by default): a step's tokens are read back only after the next step has been scheduled
 and queued behind it, so the host's work (scheduling, packing inputs, launching) overlaps the device's. The next
@@ -41,6 +42,7 @@ from .block_manager import BlockAllocator
 from .cuda_graphs import CAPABILITY, DecodeGraphs
 from .deepseek_v3 import DeepseekV3
 from .errors import RequestError
+from .host_cache import HostPageCache
 from .model_runner import LaunchedStep, ModelRunner
 from .parallel import RankSync, fingerprint
 from .sampling_params import SamplingParams
@@ -59,12 +61,12 @@ def index_format_for(cfg, kv_format: str) -> str | None:
     return "fp8_ds_index" if kv_format == "fp8_ds_mla" and cfg.index_head_dim % 128 == 0 else "bf16"
 
 
-def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0) -> int:
+def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0, elem_bytes: int = 2) -> int:
     """Bytes of one cache page (``block_size`` tokens) over all layers (and ``mtp_layers`` multi-token-prediction
-    layers): the latent cache's, plus the indexer keys' for sparse attention. A model that keeps its own caches
-    (``cfg.owns_cache``: DeepSeek-V4) says what to budget."""
+    layers): the latent cache's, plus the indexer keys' for sparse attention. A model that lays out its own pages
+    (``cfg.owns_cache``: DeepSeek-V4, in its dtype of ``elem_bytes``) says how large they are."""
     if getattr(cfg, "owns_cache", False):
-        return cfg.cache_page_bytes(kv_format, block_size)
+        return cfg.cache_page_bytes(kv_format, block_size, elem_bytes)
     layers = cfg.num_hidden_layers + mtp_layers
     probe = deepinfer.allocate_kv_cache(
         1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
@@ -97,10 +99,13 @@ class LLMEngine:
     enable_prefix_caching: a request reuses the cache pages of the longest prefix of its prompt that an earlier
     request computed, in whole chunks, and prefills only the rest (``block_manager.py``,
     ``Scheduler._reuse_prefix``); each sequence's ``num_cached_tokens`` says how many prompt tokens it found,
-    ``stats`` counts the prompt tokens prefilled and found. cuda_graphs: capture decode graphs when the backend
-    declares ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now; they are replayed only
-    in that mode. async_scheduling: schedule and launch each step before reading back the previous one's tokens
-    (above); ``step`` then returns what finished in the previous step. The attribute can be changed between steps.
+    ``stats`` counts the prompt tokens prefilled and found. host_cache_bytes: with prefix caching, pages evicted
+    from the device cache are kept in that much host memory (pinned on a GPU) and copied back when a prompt
+    continues a cached prefix with them (``host_cache.py``; ``host_cache_stats``). cuda_graphs: capture decode
+    graphs when the backend declares ``cuda_graphs``, in the batch-invariant mode or the default mode that is on
+    now; they are replayed only in that mode. async_scheduling: schedule and launch each step before reading back
+    the previous one's tokens (above); ``step`` then returns what finished in the previous step. The attribute can
+    be changed between steps.
 
     A bad argument (a size that is not a positive int, ``kv_cache_bytes`` below one cache page, ``max_model_len``
     outside ``[2, max_position_embeddings]``) is an ``InputError`` naming it, before anything is allocated.
@@ -127,6 +132,7 @@ class LLMEngine:
         async_scheduling: bool = True,
         enable_prefix_caching: bool = True,
         speculative_config: SpeculativeConfig | dict | None = None,
+        host_cache_bytes: int = 0,
     ):
         cfg = model.cfg
         self.model, self.cfg = model, cfg
@@ -148,6 +154,8 @@ class LLMEngine:
             c.positive_int(name, value)
         if num_blocks is not None:
             c.positive_int("num_blocks", num_blocks)
+        if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
+            raise c.fail("host_cache_bytes", "an int >= 0", repr(host_cache_bytes))
         if max_model_len is not None and (
             isinstance(max_model_len, bool)
             or not isinstance(max_model_len, int)
@@ -162,17 +170,26 @@ class LLMEngine:
         owns_cache = getattr(cfg, "owns_cache", False)
         if kv_format == "fp8_ds_mla" and not owns_cache and cfg.kv_lora_rank % 128:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
-        page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers)
+        page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers, model.dtype.itemsize)
+        # DeepSeek-V4: each sequence also holds state pages (its windows), first in its block table
+        seq_pages = model.cache_layout(block_size, kv_format).state_pages if owns_cache else 0
+        least = "one cache page" if not seq_pages else f"one sequence's {seq_pages} state pages and one cache page"
         if kv_cache_bytes is not None and (
-            isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < page_bytes
+            isinstance(kv_cache_bytes, bool)
+            or not isinstance(kv_cache_bytes, int)
+            or kv_cache_bytes < (seq_pages + 1) * page_bytes
         ):
             raise c.fail(
-                "kv_cache_bytes", f"an int of at least one cache page ({page_bytes}) or None", repr(kv_cache_bytes)
+                "kv_cache_bytes",
+                f"an int of at least {least} ({(seq_pages + 1) * page_bytes}) or None",
+                repr(kv_cache_bytes),
             )
+        if num_blocks is not None and num_blocks <= seq_pages:
+            raise c.fail("num_blocks", f"at least {least} ({seq_pages + 1})", repr(num_blocks))
         device = model.device
         self.sync = RankSync(model.ep.group, device) if model.ep.world_size > 1 else None
         self.index_format = None if owns_cache else index_format_for(cfg, kv_format)
-        max_blocks = math.ceil(self.max_model_len / block_size)
+        max_blocks = seq_pages + math.ceil(self.max_model_len / block_size)
         if num_blocks is None:
             if kv_cache_bytes is None:
                 free_memory = deepinfer.current_backend().free_memory
@@ -184,8 +201,9 @@ class LLMEngine:
             if self.sync is not None:  # free memory may differ per rank; the schedule must not
                 num_blocks = self.sync.min_int(num_blocks)
         layers = cfg.num_hidden_layers + mtp_layers  # the MTP layer's cache follows the model's layers
-        if owns_cache:  # pages are only the budget's unit; a placeholder keeps the runner's page bookkeeping
-            self.kv_cache = torch.zeros(1, num_blocks, block_size, 1, dtype=torch.uint8, device=device)
+        if owns_cache:  # pages of bytes the model lays out itself (swapped as any pages are)
+            self.kv_cache = torch.zeros(1, num_blocks, page_bytes, dtype=torch.uint8, device=device)
+            model.use_pages(block_size, kv_format)
         else:
             cache = deepinfer.allocate_kv_cache(
                 num_blocks * layers,
@@ -206,9 +224,25 @@ class LLMEngine:
                 device=device,
             ).view(layers, num_blocks, block_size, -1)
             model.use_index_format(self.index_format)
-        # a model that keeps its own caches has nothing in the pages to reuse
+        # a sequence's state pages (DeepSeek-V4) depend on its whole prefix: no page of it can be shared
         enable_prefix_caching = enable_prefix_caching and not owns_cache
-        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        host = None
+        if host_cache_bytes:
+            paged = [self.kv_cache] if self.index_cache is None else [self.kv_cache, self.index_cache]
+            host_pages = host_cache_bytes // HostPageCache.page_bytes(paged)
+            if not enable_prefix_caching or host_pages < 1:
+                raise c.fail(
+                    "host_cache_bytes",
+                    f"0, or with prefix caching on at least one page of host memory ({HostPageCache.page_bytes(paged)}"
+                    " bytes)",
+                    f"{host_cache_bytes!r}"
+                    + ("" if enable_prefix_caching else " with prefix caching off")
+                    + (" (a model that keeps per-sequence state pages has none)" if owns_cache else ""),
+                )
+            host = HostPageCache(paged, host_pages)
+        self.allocator = BlockAllocator(
+            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, seq_pages=seq_pages, host=host
+        )
         self.speculative_config = spec
         self.spec_stats = SpeculativeStats()
         drafter = None
@@ -284,6 +318,20 @@ class LLMEngine:
             "cached_prompt_tokens": 0,
         }
 
+    @property
+    def host_cache_stats(self) -> dict[str, int] | None:
+        """The host tier's pages copied out (evicted from the device) and back (prefix hits) so far, its capacity in
+        pages and the pages it holds; None without one."""
+        host = self.allocator.host
+        if host is None:
+            return None
+        return {
+            "saved_pages": host.saved,
+            "loaded_pages": host.loaded,
+            "capacity_pages": host.capacity,
+            "held_pages": len(host),
+        }
+
     def _recapture_graphs(self) -> None:
         graphs = self.runner.graphs
         if graphs is None:
@@ -315,6 +363,11 @@ class LLMEngine:
     ) -> Sequence:
         """Queues a request; checks the prompt fits the model and the cache. ``matcher``: the grammar matcher that
         constrains its tokens (structured output), fed every token it samples."""
+        if params.n != 1:
+            raise RequestError(
+                f"the engine runs one completion per request, got n={params.n}: add one request for each of "
+                "params.children() (LLM.generate and the server do)"
+            )
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("a prompt needs at least one token")
@@ -327,7 +380,8 @@ class LLMEngine:
             raise RequestError(f"the prompt has {n} tokens; the model's context is {self.max_model_len}")
         if self.allocator.blocks_for(n + 1) > self.allocator.num_blocks:
             raise RequestError(
-                f"the prompt has {n} tokens; the cache holds {self.allocator.num_blocks * self.allocator.block_size}"
+                f"the prompt has {n} tokens; the cache holds "
+                f"{(self.allocator.num_blocks - self.allocator.seq_pages) * self.allocator.block_size}"
             )
         arrival = next(self._ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -362,7 +416,6 @@ class LLMEngine:
                 self._apply(launched, finished)
         for seq in finished:
             self._unfinished.pop(seq.arrival, None)
-            seq.model_state = None  # a model's own per-sequence caches (DeepSeek-V4), if any
         return finished
 
     def abort_all(self) -> list[Sequence]:
@@ -380,7 +433,6 @@ class LLMEngine:
                 seq.token_ids.pop()
             seq.block_table, seq.swapped, seq.swapped_pages = [], None, 0
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
-            seq.model_state = None
             aborted.append(seq)
         self._unfinished.clear()
         sched = self.scheduler

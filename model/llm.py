@@ -42,7 +42,7 @@ from .deepseek_v4 import DeepseekV4
 from .embedded import default_checkpoint
 from .engine import LLMEngine, cache_page_bytes
 from .eplb import ExpertLoadBalancer, nodes_of
-from .errors import ParallelError, RequestError
+from .errors import RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .parallel import expert_parallel
 from .sampling_params import SamplingParams
@@ -71,7 +71,9 @@ class LLM:
     async_scheduling: schedule and launch each step before the previous step's tokens are read back, so the host's
     work overlaps the device's (see ``LLMEngine``). enable_prefix_caching: a prompt reuses the cache pages of the
     longest prefix an earlier request computed, in whole prefill chunks, and prefills only the rest (each output's
-    ``num_cached_tokens``; ``last_stats``' ``cached_prompt_tokens`` and ``prefilled_tokens``).
+    ``num_cached_tokens``; ``last_stats``' ``cached_prompt_tokens`` and ``prefilled_tokens``). host_cache_gb: a
+    second tier of the prefix cache in host memory: pages evicted from the device are kept there and copied back on
+    a hit (``last_stats``' ``host_cache``: pages copied out and back).
     device: torch device (default: the backend's device type). progress: progress bars for loading and for
     batches of at least 8 prompts (on rank 0 only under expert parallelism).
 
@@ -112,6 +114,7 @@ class LLM:
         enforce_eager: bool = False,
         async_scheduling: bool = True,
         enable_prefix_caching: bool = True,
+        host_cache_gb: float = 0,
         device: str | torch.device | None = None,
         progress: bool = True,
         ep: int | None = None,
@@ -134,6 +137,7 @@ class LLM:
             prefill_chunk_size=prefill_chunk_size,
             max_model_len=max_model_len,
             preemption_mode=preemption_mode,
+            host_cache_gb=host_cache_gb,
         )
         _check_eplb(enable_eplb, eplb_window_size, eplb_step_interval)
         if model is None:
@@ -168,7 +172,7 @@ class LLM:
                     num_groups=getattr(self.config, "n_group", 1) or 1,
                 )
                 if isinstance(ckpt, V4Checkpoint):
-                    _refuse_for_v4(self.ep.world_size, ep, self.speculative_config, enable_eplb)
+                    _refuse_for_v4(self.speculative_config, enable_eplb)
                 mtp_layers = 1 if self.speculative_config is not None else 0
                 if mtp_layers and not self.config.num_nextn_predict_layers:
                     raise InputError(
@@ -177,10 +181,15 @@ class LLM:
                         "a checkpoint with MTP layers (num_nextn_predict_layers >= 1) for method 'mtp'",
                         f"num_nextn_predict_layers 0 in {self.path / 'config.json'}",
                     )
-                page_bytes = cache_page_bytes(self.config, kv_format, block_size, mtp_layers)
-                if kv_cache_gb is not None and kv_cache_gb * (1 << 30) < page_bytes:
+                elem = self.dtype.itemsize
+                page_bytes = cache_page_bytes(self.config, kv_format, block_size, mtp_layers, elem)
+                least, pages = "one cache page", 1
+                if isinstance(ckpt, V4Checkpoint):  # a sequence's state pages come with its first token page
+                    state = self.config.cache_layout(block_size, elem, kv_format).state_pages
+                    least, pages = f"one sequence's {state} state pages and one cache page", state + 1
+                if kv_cache_gb is not None and kv_cache_gb * (1 << 30) < pages * page_bytes:
                     raise InputError(
-                        "LLM", "kv_cache_gb", f"at least one cache page ({page_bytes} bytes)", repr(kv_cache_gb)
+                        "LLM", "kv_cache_gb", f"at least {least} ({pages * page_bytes} bytes)", repr(kv_cache_gb)
                     )
             except BaseException:
                 ckpt.close()
@@ -213,6 +222,7 @@ class LLM:
                 async_scheduling=async_scheduling,
                 enable_prefix_caching=enable_prefix_caching,
                 speculative_config=self.speculative_config,
+                host_cache_bytes=int(host_cache_gb * (1 << 30)),
             )
             if self.eplb is not None:
                 self.eplb.reset()
@@ -229,7 +239,7 @@ class LLM:
             total = ckpt.total_bytes()
 
             def build(on_progress=None):
-                return DeepseekV4.load(ckpt, dtype=self.dtype, device=self.device, on_progress=on_progress)
+                return DeepseekV4.load(ckpt, dtype=self.dtype, device=self.device, on_progress=on_progress, ep=self.ep)
         else:
             local = {f".experts.{e}." for e in self.ep.local}
             mtp = self.speculative_config is not None
@@ -305,7 +315,8 @@ class LLM:
         spec0 = dataclasses.replace(engine.spec_stats)
         with deepinfer.use(self.backend):
             try:
-                seqs = self._add_all(prompts, params)
+                groups = self._add_all(prompts, params)
+                seqs = [s for group in groups for s in group]
                 # requests with stop strings: their text is followed step by step, and each ends at its stop string
                 streams = [
                     RequestStream(s, self.tokenizer, s.params.stop, s.params.include_stop_str_in_output)
@@ -327,20 +338,22 @@ class LLM:
                 raise
         elapsed = time.perf_counter() - start
         self.last_stats = {
-            "requests": len(seqs),
+            "requests": len(groups),
             "prompt_tokens": engine.stats["prompt_tokens"] - prompt0,
             "generated_tokens": engine.stats["generated_tokens"] - gen0,
             "prefilled_tokens": engine.stats["prefilled_tokens"] - prefilled0,
             "cached_prompt_tokens": sum(s.num_cached_tokens for s in seqs),
             "seconds": elapsed,
         }
+        if engine.host_cache_stats is not None:
+            self.last_stats["host_cache"] = engine.host_cache_stats
         texts = {id(st.seq): st.text for st in streams}
         if self.speculative_config is not None:
             now = engine.spec_stats
             self.last_stats["speculative"] = SpeculativeStats(
                 now.drafted - spec0.drafted, now.accepted - spec0.accepted, now.verifications - spec0.verifications
             ).as_dict()
-        return [self._output(s, texts.get(id(s))) for s in seqs]
+        return [self._output(group, [texts.get(id(s)) for s in group]) for group in groups]
 
     def stream(
         self,
@@ -352,11 +365,14 @@ class LLM:
         and for each request once its final output (``finished`` True, the same as ``generate``'s). The text of an
         unfinished output never ends in an incomplete character or in what may be the start of a stop string.
         Closing the iterator early (``break``, an exception in the loop) aborts the requests still running and frees
-        their pages."""
+        their pages. With ``n > 1`` each output yielded holds the one completion that changed (its ``index`` says
+        which), and each completion ends with its own final output."""
         prompts, params = _requests(prompts, sampling_params)
         engine = self.engine
         with deepinfer.use(self.backend):
-            seqs = self._add_all(prompts, params)
+            groups = self._add_all(prompts, params)
+        index = {id(s): i for group in groups for i, s in enumerate(group)}
+        seqs = [s for group in groups for s in group]
         streams = [RequestStream(s, self.tokenizer, s.params.stop, s.params.include_stop_str_in_output) for s in seqs]
         try:
             while engine.has_unfinished() and any(not st.finished for st in streams):
@@ -364,7 +380,8 @@ class LLM:
                     engine.step()
                     updated = [st for st in streams if st.update(engine) is not None]
                 for st in updated:
-                    out = self._output(st.seq, st.text)
+                    out = self._output([st.seq], [st.text])
+                    out.outputs[0].index = index[id(st.seq)]
                     if not st.finished:
                         done = st.sent_tokens
                         out.outputs[0].token_ids = out.outputs[0].token_ids[:done]
@@ -381,12 +398,14 @@ class LLM:
                 if not engine.has_unfinished():
                     engine.check_ranks_done()
 
-    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
+    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[list[Sequence]]:
+        """Queues every prompt's ``n`` completions; returns them by prompt."""
         encoded = [self._to_ids(p) for p in prompts]  # every prompt and constraint checked before any is queued
-        matchers = [self._matcher(sp) for sp in params]
+        children = [sp.children() for sp in params]
+        matchers = [[self._matcher(c) for c in group] for group in children]
         return [
-            self.engine.add_request(ids, sp, prompt=text, matcher=m)
-            for (ids, text), sp, m in zip(encoded, params, matchers)
+            [self.engine.add_request(ids, c, prompt=text, matcher=m) for c, m in zip(group, ms)]
+            for (ids, text), group, ms in zip(encoded, children, matchers)
         ]
 
     def _matcher(self, params: SamplingParams):
@@ -423,30 +442,39 @@ class LLM:
                 bar.update(task, advance=done, rate=f"{rate:.1f} tok/s")
         engine.check_ranks_done()
 
-    def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
-        """``seq``'s output; ``text``: its text when it was followed by a ``RequestStream`` (stop strings)."""
-        p = seq.params
-        ids = seq.generated_ids
-        if text is None:
-            text = self.tokenizer.decode(ids, p.skip_special_tokens) if self.tokenizer is not None else ""
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=ids,
-            logprobs=list(seq.logprobs) if p.logprobs is not None else None,
-            top_logprobs=list(seq.top_logprobs) if p.logprobs else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+    def _output(self, seqs: list[Sequence], texts: list[str | None]) -> RequestOutput:
+        """The output of one prompt's completions ``seqs`` (prompt-level fields from the first); ``texts``: each
+        one's text where a ``RequestStream`` followed it (stop strings), else None."""
+        completions = []
+        for i, (seq, text) in enumerate(zip(seqs, texts)):
+            p, ids = seq.params, seq.generated_ids
+            if text is None:
+                text = self.tokenizer.decode(ids, p.skip_special_tokens) if self.tokenizer is not None else ""
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=ids,
+                    logprobs=list(seq.logprobs) if p.logprobs is not None else None,
+                    top_logprobs=list(seq.top_logprobs) if p.logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        seq, p = seqs[0], seqs[0].params
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[completion],
+            outputs=completions,
             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs else None,
-            metrics={"preemptions": seq.num_preemptions}
-            | ({"drafted": seq.num_drafted, "accepted": seq.num_accepted} if self.speculative_config else {}),
+            metrics={"preemptions": sum(s.num_preemptions for s in seqs)}
+            | (
+                {"drafted": sum(s.num_drafted for s in seqs), "accepted": sum(s.num_accepted for s in seqs)}
+                if self.speculative_config
+                else {}
+            ),
             num_cached_tokens=seq.num_cached_tokens,
         )
 
@@ -509,17 +537,20 @@ def _check_arguments(**kw: Any) -> None:
     gb = kw["kv_cache_gb"]
     if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf):
         raise c.fail("kv_cache_gb", "a finite number > 0 or None", repr(gb))
+    host = kw["host_cache_gb"]
+    if isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 <= host < math.inf:
+        raise c.fail("host_cache_gb", "a finite number >= 0", repr(host))
     if kw["max_model_len"] is not None:
         c.positive_int("max_model_len", kw["max_model_len"], minimum=2)  # one prompt token and one generated
 
 
-def _refuse_for_v4(world_size: int, ep, speculative_config, enable_eplb: bool) -> None:
+def _refuse_for_v4(speculative_config, enable_eplb: bool) -> None:
     """What DeepSeek-V4 serving does not do yet, refused before its weights are read."""
-    if world_size > 1:
-        raise ParallelError("ep", "1 for deepseek_v4 (its experts are not sharded yet)", str(ep))
     if speculative_config is not None:
         raise InputError(
             "LLM", "speculative_config", "None for deepseek_v4 (its MTP layers are not loaded)", "a config"
         )
     if enable_eplb:
-        raise InputError("LLM", "enable_eplb", "False for deepseek_v4 (its experts are not sharded)", "True")
+        raise InputError(
+            "LLM", "enable_eplb", "False for deepseek_v4 (its experts are not re-placed at run time yet)", "True"
+        )

@@ -161,7 +161,7 @@ class ModelRunner:
                 pos.extend(range(ch.start, ch.end))
                 table = torch.tensor(seq.block_table, dtype=torch.int64)
                 p = torch.arange(ch.end)
-                seq_slots = table[p // bs] * bs + p % bs
+                seq_slots = table[alloc.seq_pages + p // bs] * bs + p % bs
                 slots.extend(seq_slots[ch.start :].tolist())
                 ctx.append(seq_slots)
                 cu_q.append(cu_q[-1] + ch.end - ch.start)

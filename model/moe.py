@@ -101,7 +101,7 @@ class MoE:
             return torch.empty_like(x)
         capacity = share if batch.moe_mode == "low_latency" else None
         out = self._forward(x[start:end], batch.moe_mode, capacity, self._counted(batch, start, end))
-        return _all_gather_rows(out, share, x.shape[0], ep.group)
+        return all_gather_rows(out, share, x.shape[0], ep.group)
 
     def _counted(self, batch: ForwardBatch, start: int, end: int) -> torch.Tensor | None:
         """``[end - start]`` int64: 1 for each of the rows that count towards the expert load, 0 for padding rows of
@@ -160,7 +160,7 @@ class MoE:
         return out
 
 
-def _all_gather_rows(y: torch.Tensor, share: int, num_tokens: int, group: Any) -> torch.Tensor:
+def all_gather_rows(y: torch.Tensor, share: int, num_tokens: int, group: Any) -> torch.Tensor:
     """Every rank's ``y`` (at most ``share`` rows, padded to ``share``) stacked in rank order: ``[num_tokens, H]``.
     Rows travel as bytes, so the collective needs no support for y's dtype."""
     import torch.distributed as dist

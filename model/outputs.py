@@ -26,9 +26,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The result of one prompt. prompt_logprobs: per prompt token, its log-probability given the tokens before
-    it (``None`` for the first), when asked; prompt_top_logprobs likewise with the ``k`` most likely tokens.
-    num_cached_tokens: prompt tokens found in the prefix cache (not prefilled)."""
+    """The result of one prompt. outputs: its ``SamplingParams.n`` completions, by ``index``. prompt_logprobs: per
+    prompt token, its log-probability given the tokens before it (``None`` for the first), when asked;
+    prompt_top_logprobs likewise with the ``k`` most likely tokens. num_cached_tokens: prompt tokens found in the
+    prefix cache (not prefilled), by the first completion. metrics: preemptions (and speculative decoding's drafted
+    and accepted tokens), summed over the completions."""
 
     request_id: str
     prompt: str | None

@@ -13,6 +13,8 @@ MASK63 = (1 << 63) - 1
 # Temperatures below this decode greedily, as in vLLM: fp32 logits divided by 1e-38 or less overflow, and at 1e-5 a
 # token whose logit is 1e-3 below the highest is already e^-100 times less likely (only near-ties could differ).
 SAMPLING_EPS = 1e-5
+MAX_N = 128  # completions of one prompt
+CHILD_SALT = 0x5DEECE66D  # sets the completions' seed mixes apart from the tokens'
 
 
 @dataclass
@@ -41,6 +43,10 @@ class SamplingParams:
     structured_outputs: hold the generated text to a JSON schema, regex, grammar or choice
     (``StructuredOutputsParams``, ``structured_output.py``); an invalid one is a ``RequestError`` when the request
     is submitted.
+    n: completions of the prompt to return (``LLM`` and the server run one sequence each, sharing the prompt's
+    cache pages through prefix caching; ``children`` gives their parameters). The first uses ``seed``, completion
+    ``i`` a seed mixed from ``seed`` and ``i`` (``sample_seed``): with a seed, each of the ``n`` is the one a request
+    with that seed gives.
     """
 
     max_tokens: int = 16
@@ -56,6 +62,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    n: int = 1
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
@@ -70,6 +77,8 @@ class SamplingParams:
         def bad(what: str) -> RequestError:
             return RequestError(f"SamplingParams: {what}")
 
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
@@ -109,6 +118,19 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad(f"structured_outputs must be StructuredOutputsParams or None, got {self.structured_outputs!r}")
+
+    def children(self) -> list[SamplingParams]:
+        """The parameters of each of the ``n`` completions (``n`` 1 each, seeds by ``sample_seed``)."""
+        return [
+            dataclasses.replace(self, n=1, seed=None if self.seed is None else sample_seed(self.seed, i))
+            for i in range(self.n)
+        ]
+
+
+def sample_seed(seed: int, i: int) -> int:
+    """The seed of completion ``i`` of a request seeded ``seed``: the seed itself for the first, a SplitMix64 mix
+    of it and ``i`` (apart from the tokens' mixes) for the others."""
+    return seed if i == 0 else step_seed(seed ^ CHILD_SALT, i)
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -192,6 +192,12 @@ class ServerMetrics:
         self.running = Gauge("deepinfer_num_requests_running", "Requests in the running batch", m, registry=r)
         self.waiting = Gauge("deepinfer_num_requests_waiting", "Requests waiting or swapped out", m, registry=r)
         self.cache_usage = Gauge("deepinfer_kv_cache_usage_perc", "Share of cache pages in use (0 to 1)", m, registry=r)
+        self.host_pages = Gauge(
+            "deepinfer_host_cache_pages",
+            "The host tier's pages (--host-cache-gb): held now, and copied out and back since the start",
+            [*m, "kind"],
+            registry=r,
+        )
         self._queries = self._hits = 0
 
     def _hit_rate(self) -> float:
@@ -219,6 +225,10 @@ class ServerMetrics:
         self.waiting.labels(name).set(engine.num_waiting)
         alloc = engine.engine.allocator
         self.cache_usage.labels(name).set(1 - alloc.num_free / alloc.num_blocks)
+        host = engine.engine.host_cache_stats
+        if host is not None:
+            for kind in ("held", "saved", "loaded"):
+                self.host_pages.labels(name, kind).set(host[f"{kind}_pages"])
         return generate_latest(self.registry)
 
 
@@ -249,7 +259,6 @@ class OpenAIServer:
     def sampling_params(self, body: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters of a request; ``APIError`` for a field that is invalid or not implemented."""
         refused = {
-            "n": body.n != 1,
             "presence_penalty": bool(body.presence_penalty),
             "frequency_penalty": bool(body.frequency_penalty),
             "repetition_penalty": body.repetition_penalty not in (None, 1.0),
@@ -279,6 +288,7 @@ class OpenAIServer:
                 logprobs=logprobs,
                 skip_special_tokens=body.skip_special_tokens,
                 structured_outputs=self.structured(body),
+                n=body.n,
             )
         except RequestError as e:
             raise APIError(str(e), 400) from e
@@ -347,19 +357,36 @@ class OpenAIServer:
         except EngineDeadError as e:
             raise APIError(str(e), 503) from e
 
+    async def run_choices(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams], rid: str):
+        """The streams of every choice: each prompt's ``n`` completions in order (choice ``p n + c``: completion
+        ``c`` of prompt ``p``, request ``{rid}-{choice}``); if one cannot start, those started are closed."""
+        streams = []
+        try:
+            for (ids, text), sp in zip(prompts, params, strict=True):
+                for child in sp.children():
+                    streams.append(await self.run(ids, child, f"{rid}-{len(streams)}", text))
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
+        return streams
+
     def token_text(self, token: int) -> str:
         tok = self.llm.tokenizer
         return tok.decode([token], skip_special_tokens=False) if tok is not None else str(token)
 
 
-def _usage(finals: list[StreamDelta]) -> dict:
-    prompt = sum(f.num_prompt_tokens for f in finals)
-    completion = sum(f.num_generated for f in finals)
+def _usage(finals: dict[int, StreamDelta], n: int) -> dict:
+    """Token counts of the final deltas by choice index (``n`` choices a prompt, in prompt order): each prompt's
+    tokens counted once, with the cached ones of its first choice."""
+    firsts = [f for i, f in finals.items() if i % n == 0]
+    prompt = sum(f.num_prompt_tokens for f in firsts)
+    completion = sum(f.num_generated for f in finals.values())
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)},
+        "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in firsts)},
     }
 
 
@@ -539,14 +566,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
             for ids, _ in encoded
         ]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = []
-        try:
-            for i, ((ids, text), sp) in enumerate(zip(encoded, params)):
-                streams.append(await server.run(ids, sp, f"{rid}-{i}", text))
-        except BaseException:
-            for s in streams:
-                await s.aclose()
-            raise
+        streams = await server.run_choices(encoded, params, rid)
         deltas = _merge(streams)
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
@@ -563,7 +583,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
         if not body.stream:
             acc = await _collect(request, deltas, len(streams))
-            finals = [a["final"] for a in acc]
+            finals = {i: a["final"] for i, a in enumerate(acc)}
             choices = []
             for i, a in enumerate(acc):
                 choices.append(
@@ -575,12 +595,12 @@ def build_app(server: OpenAIServer) -> FastAPI:
                         "stop_reason": finals[i].stop_reason,
                     }
                 )
-            return {**base, "choices": choices, "usage": _usage(finals)}
+            return {**base, "choices": choices, "usage": _usage(finals, body.n)}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         async def events():
-            finals: list[StreamDelta] = []
+            finals: dict[int, StreamDelta] = {}
             offsets = [0] * len(streams)
             try:
                 async for i, d in deltas:
@@ -596,10 +616,10 @@ def build_app(server: OpenAIServer) -> FastAPI:
                         "stop_reason": d.stop_reason if d.finished else None,
                     }
                     if d.finished:
-                        finals.append(d)
+                        finals[i] = d
                     yield _sse({**base, "choices": [choice], "usage": None})
                 if include_usage:
-                    yield _sse({**base, "choices": [], "usage": _usage(finals)})
+                    yield _sse({**base, "choices": [], "usage": _usage(finals, body.n)})
             except APIError as e:
                 yield _sse(error_body(e.message, e.kind, e.status))
             except Exception as e:  # the stream has started: report in it
@@ -638,7 +658,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
             raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
         params = server.sampling_params(body, max_tokens, top if body.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        deltas = _merge([await server.run(ids, params, rid, text)])
+        streams = await server.run_choices([(ids, text)], [params], rid)
+        deltas = _merge(streams)
         created = int(time.time())
         base = {"id": rid, "created": created, "model": server.model_name}
 
@@ -661,35 +682,39 @@ def build_app(server: OpenAIServer) -> FastAPI:
             return {"content": content}
 
         if not body.stream:
-            a = (await _collect(request, deltas, 1))[0]
-            final = a["final"]
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(a["text"])},
-                "logprobs": logprobs_of(a["ids"], a["logprobs"], a["top"]) if body.logprobs else None,
-                "finish_reason": final.finish_reason,
-                "stop_reason": final.stop_reason,
-            }
-            return {**base, "object": "chat.completion", "choices": [choice], "usage": _usage([final])}
+            acc = await _collect(request, deltas, len(streams))
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(a["text"])},
+                    "logprobs": logprobs_of(a["ids"], a["logprobs"], a["top"]) if body.logprobs else None,
+                    "finish_reason": a["final"].finish_reason,
+                    "stop_reason": a["final"].stop_reason,
+                }
+                for i, a in enumerate(acc)
+            ]
+            usage = _usage({i: a["final"] for i, a in enumerate(acc)}, body.n)
+            return {**base, "object": "chat.completion", "choices": choices, "usage": usage}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunk = {**base, "object": "chat.completion.chunk"}
 
         async def events():
-            finals: list[StreamDelta] = []
+            finals: dict[int, StreamDelta] = {}
             try:
-                first = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield _sse({**chunk, "choices": [first], "usage": None})
-                async for _, d in deltas:
+                for i in range(len(streams)):
+                    first = {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield _sse({**chunk, "choices": [first], "usage": None})
+                async for i, d in deltas:
                     if d.finished:
-                        finals.append(d)
+                        finals[i] = d
                     choice = {
-                        "index": 0,
+                        "index": i,
                         "delta": {"content": d.text} if d.text or not d.finished else {},
                         "logprobs": logprobs_of(d.token_ids, d.logprobs or [], d.top_logprobs or [])
                         if body.logprobs
@@ -699,7 +724,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
                     }
                     yield _sse({**chunk, "choices": [choice], "usage": None})
                 if include_usage:
-                    yield _sse({**chunk, "choices": [], "usage": _usage(finals)})
+                    yield _sse({**chunk, "choices": [], "usage": _usage(finals, body.n)})
             except APIError as e:
                 yield _sse(error_body(e.message, e.kind, e.status))
             except Exception as e:  # the stream has started: report in it
@@ -758,6 +783,7 @@ def serve(args: argparse.Namespace, console) -> int:
         enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config,
         enable_prefix_caching=args.enable_prefix_caching,
+        host_cache_gb=args.host_cache_gb,
         progress=True,
     )
     if llm.device.type == "cpu" and llm.config.hidden_size <= 1024:

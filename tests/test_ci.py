@@ -37,7 +37,9 @@ def test_ci_runs_exactly_the_readme_install_and_test_commands():
     quick = readme_quick_start()
     install = [c for c in quick if c.startswith("pip install")]
     test = [c for c in quick if "pytest" in c]
-    assert install == ["pip install torch==2.13.0", 'pip install -e ".[test]"'] and test == ["python -m pytest -q"]
+    assert install == ["pip install torch==2.13.0", 'pip install -e ".[test]"'] and test == [
+        "python -m pytest -q -n 2 --dist loadfile"
+    ]
     assert ci_commands() == [*install, *test]
     tests_section = (ROOT / "README.md").read_text().split("\n## Tests", 1)[1]
     assert test[0] in _commands("\n".join(re.findall(r"```bash\n(.*?)```", tests_section, flags=re.S)))

@@ -16,8 +16,16 @@ the formats' definitions.
 
 Bounds: every prompt and generated log-probability within 1e-2 nats (5e-2 with FP8 caches), and the same greedy
 tokens, except at a step where the oracle's two best tokens are closer than that (a numerical tie either may break;
-allowed once). Planted bugs (the indexer ignored, so attention is dense; a top-k of half the size) must fail the
-same comparison.
+allowed once).
+
+The indexer's selection is discrete over rounded keys: an fp32 key within a few ulps of a bf16 rounding midpoint
+rounds one way in the oracle and the other in ours (their fp32 activations differ in the last bits), which moves
+that token's score by about 2^-8 of itself; where it sits at a query's top-k boundary with a closer runner-up, that
+query attends a different token, and every later position of its prompt differs too. The oracle's key rounding is
+therefore only defined up to such flips: a prompt is also compared with the oracle whose keys are scaled by
+``1 +- KEY_NUDGE`` before rounding (which flips exactly the values that close to a midpoint), and it is judged
+against the closest of the three. Planted bugs (the indexer ignored, so attention is dense; a top-k of half the
+size) must fail the same comparison.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ FP8_TOL = 5e-2  # as the V3 cross-check's fp8_ds_mla bound [measured: at most 7.
 TOPK = 8
 LENGTHS = [1, 19, 40, 63]
 STEPS = 12
+KEY_NUDGE = 1e-6  # relative; fp32 activations of ours and the oracle's differ by less [seed 55328 needs -1e-6]
 V32 = dict(index_n_heads=16, index_head_dim=32, index_topk=TOPK, first_k_dense_replace=1)
 
 
@@ -71,8 +80,12 @@ class IndexedPrecisionCache(LatentPrecisionCache):
     inference code rotates them before quantising) with the queries rotated alike, so the oracle's key becomes
     ``fp8(k H) H / dim``, which gives the query ``q`` the score ``(q H) . fp8(k H) / dim``."""
 
+    def __init__(self, *args, key_nudge: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.key_nudge = key_nudge
+
     def update_indexer(self, indexer_key_states, layer_idx):
-        k = indexer_key_states
+        k = indexer_key_states * (1 + self.key_nudge)
         if self.kv_format == "fp8_ds_mla":
             h = sylvester(k.shape[-1])
             k = round_fp8_ds_mla(k @ h) @ h / k.shape[-1]
@@ -81,8 +94,10 @@ class IndexedPrecisionCache(LatentPrecisionCache):
         return super().update_indexer(k, layer_idx)
 
 
-def oracle_logprobs(model, prompt: list[int], generated: list[int], kv_format: str = "bf16") -> torch.Tensor:
-    cache = IndexedPrecisionCache(config=model.config, kv_format=kv_format)
+def oracle_logprobs(
+    model, prompt: list[int], generated: list[int], kv_format: str = "bf16", key_nudge: float = 0.0
+) -> torch.Tensor:
+    cache = IndexedPrecisionCache(config=model.config, kv_format=kv_format, key_nudge=key_nudge)
     with torch.no_grad():
         logits = [model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0]]
         for t in generated[:-1]:
@@ -155,14 +170,30 @@ def errors(oracle, prompts, outs, kv_format: str = "bf16", tol: float = TOL, fp8
     errs, mismatches = [], 0
     for p, o in zip(prompts, outs):
         gen = o.outputs[0].token_ids
-        with fp8_activations(oracle, ue8m0=True, kv_b=False) if fp8 else contextlib.nullcontext():
-            lp = oracle_logprobs(oracle, p, gen, kv_format)
-        full = p + gen
-        errs += [abs(lp[j - 1, full[j]].item() - o.prompt_logprobs[j]) for j in range(1, len(p))]
-        for j, t in enumerate(gen):
-            row = lp[len(p) - 1 + j]
-            errs.append(abs(row[t].item() - o.outputs[0].logprobs[j]))
-            mismatches += int(row.argmax()) != t and float(row.max() - row[t]) > tol
+        best = None
+        for nudge in (0.0, KEY_NUDGE, -KEY_NUDGE):  # the oracle's key rounding, up to flips (the docstring says why)
+            with fp8_activations(oracle, ue8m0=True, kv_b=False) if fp8 else contextlib.nullcontext():
+                lp = oracle_logprobs(oracle, p, gen, kv_format, nudge)
+            e, m = prompt_errors(lp, p, o, tol)
+            if best is None or max(e, default=0) < max(best[0], default=0):
+                best = e, m
+            if max(best[0], default=0) <= tol:
+                break
+        errs += best[0]
+        mismatches += best[1]
+    return errs, mismatches
+
+
+def prompt_errors(lp: torch.Tensor, prompt: list[int], out, tol: float) -> tuple[list[float], int]:
+    """One request's |ours - oracle| log-probabilities and its greedy steps off by more than a tie."""
+    gen = out.outputs[0].token_ids
+    full = prompt + gen
+    errs = [abs(lp[j - 1, full[j]].item() - out.prompt_logprobs[j]) for j in range(1, len(prompt))]
+    mismatches = 0
+    for j, t in enumerate(gen):
+        row = lp[len(prompt) - 1 + j]
+        errs.append(abs(row[t].item() - out.outputs[0].logprobs[j]))
+        mismatches += int(row.argmax()) != t and float(row.max() - row[t]) > tol
     return errs, mismatches
 
 

@@ -117,17 +117,23 @@ def v4_checkpoint(path, seed: int, **cfg):
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoint_maker(tmp_path_factory, prefix: str, first_seed: int):
+    """``get(name)``: the checkpoint of ``CONFIGS[name]`` (written once, seeds from ``first_seed`` on) and its
+    oracle."""
     made = {}
 
     def get(name: str):
         if name not in made:
-            path = tmp_path_factory.mktemp(f"v4-{name}")
-            made[name] = (path, v4_checkpoint(path, seed=len(made) + 3, **CONFIGS[name]))
+            path = tmp_path_factory.mktemp(f"{prefix}-{name}")
+            made[name] = (path, v4_checkpoint(path, seed=len(made) + first_seed, **CONFIGS[name]))
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return checkpoint_maker(tmp_path_factory, "v4", 3)
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -179,7 +185,8 @@ def prompt_errors(model, oracle, ps, chunk: int | None = None) -> float:
         idx = torch.tensor(p[1:], dtype=torch.long)[:, None]
         errs = [(ours[:-1].gather(1, idx) - ref[:-1].gather(1, idx)).abs().flatten()]
         errs.append((ours[-1] - ref[-1]).abs())  # the whole next-token distribution
-        worst = max(worst, torch.cat(errs).max().item())
+        err = torch.cat(errs).max().item()
+        worst = max(worst, err if math.isfinite(err) else math.inf)  # (max() would pass a NaN over)
     return worst
 
 
@@ -378,17 +385,26 @@ def test_llm_serves_v4_as_transformers_computes_it(checkpoints, deepinfer_backen
             assert int(row.argmax()) == t or float(row.max() - row[t]) < TOL
 
 
+def state_pages(path, dtype: str = "float32", block_size: int = 4, kv_format: str = "bf16") -> int:
+    """The state pages each sequence of the checkpoint at ``path`` holds (its windows, ``V4CacheLayout``)."""
+    elem_bytes = getattr(torch, dtype).itemsize
+    return V4Checkpoint.open(path).config.cache_layout(block_size, elem_bytes, kv_format).state_pages
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_resumes_v4_requests(mode, checkpoints, deepinfer_backend, deepinfer_device):
-    """A cache of 16 pages of 4 tokens preempts requests; they resume (their own caches kept on swap, rebuilt from
-    the prompt on recomputation) with the tokens of a run that never preempts."""
+    """A cache of two sequences' state pages and 12 token pages of 4 tokens preempts requests; they resume (their
+    pages swapped out and back, or rebuilt from the prompt on recomputation) with the tokens of a run that never
+    preempts."""
     from deepinfer.model import SamplingParams
 
     path, _ = checkpoints("yarn")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     ps = prompts(8)
     roomy = serve(path, deepinfer_backend, deepinfer_device)
-    tight = serve(path, deepinfer_backend, deepinfer_device, num_blocks=16, preemption_mode=mode)
+    tight = serve(
+        path, deepinfer_backend, deepinfer_device, num_blocks=2 * state_pages(path) + 12, preemption_mode=mode
+    )
     want, got = roomy.generate(ps, params), tight.generate(ps, params)
     assert tight.engine.num_preemptions > 0
     for w, g in zip(want, got):
@@ -400,14 +416,20 @@ def test_v4_refusals_at_serving(checkpoints, deepinfer_backend):
     from deepinfer.errors import InputError
 
     path, _ = checkpoints("yarn")
-    with pytest.raises(CheckpointError, match="kv_format bf16"):
-        serve(path, deepinfer_backend, None, kv_format="fp8_ds_mla")
+    with pytest.raises(InputError, match="kv_format"):
+        serve(path, deepinfer_backend, None, kv_format="fp8_e5m2")
     with pytest.raises(InputError, match="max_model_len"):
         serve(path, deepinfer_backend, None, max_model_len=10**6)
     with pytest.raises(InputError, match="speculative_config"):
         serve(path, deepinfer_backend, None, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(InputError, match="enable_eplb"):
         serve(path, deepinfer_backend, None, enable_eplb=True)
+    raw = json.loads((Path(path) / "config.json").read_text())
+    layout = V4Config.from_dict(raw).cache_layout(4, 4)  # serve's pages: 4 tokens, fp32
+    fits = (layout.state_pages + 1) * layout.page_bytes
+    with pytest.raises(InputError, match=r"kv_cache_gb.*state pages and one cache page"):
+        serve(path, deepinfer_backend, None, kv_cache_gb=(fits - 1) / (1 << 30))
+    serve(path, deepinfer_backend, None, kv_cache_gb=fits / (1 << 30))  # one sequence's pages: accepted
 
 
 def test_cli_generates_from_a_v4_checkpoint(checkpoints, tmp_path, capsys):
@@ -486,7 +508,8 @@ def test_batch_invariance_alone_in_batches_and_under_preemption(
         for i, out in zip(chosen, llm.generate([ps[i] for i in chosen], [params[i] for i in chosen])):
             assert result(out) == everything[i], f"request {i} differs in a batch of {size}"
     for mode in ("swap", "recompute"):
-        tight = serve(path, deepinfer_backend, deepinfer_device, dtype=dtype, num_blocks=20, preemption_mode=mode)
+        pages = 2 * state_pages(path, dtype) + 16
+        tight = serve(path, deepinfer_backend, deepinfer_device, dtype=dtype, num_blocks=pages, preemption_mode=mode)
         assert [result(o) for o in tight.generate(ps, params)] == everything, mode
         assert tight.engine.num_preemptions > 0
 
@@ -612,9 +635,27 @@ def test_cache_budget_per_token_follows_the_layer_types():
     csa, hca = cfg.layer_types.count(CSA), cfg.layer_types.count(HCA)
     assert (csa, hca) == (20, 23)
     assert cfg.cache_bytes_per_token() == csa * (512 + 128) / 4 * 2 + hca * 512 / 128 * 2 == 6584
-    assert cfg.cache_page_bytes("bf16", 64) == 6584 * 64
-    with pytest.raises(CheckpointError, match="kv_format bf16"):
-        cfg.cache_page_bytes("fp8_ds_mla", 64)
+    # pages of 128 tokens hold 32 CSA entries and one HCA entry a layer, no slot unused
+    assert cfg.cache_page_bytes("bf16", 128) == 6584 * 128
+    assert cfg.cache_layout(128, 2).bytes_per_token == 6584
+    # pages of 64 tokens: 16 CSA entries, and one HCA slot a page that every other page leaves unused
+    assert cfg.cache_page_bytes("bf16", 64) == (csa * 16 * (512 + 128) + hca * 1 * 512) * 2
+    # per sequence: 127 window keys a layer, the unfinished windows (HCA 127 rows of kv and gate; CSA 3 rows of kv
+    # and gate of two series, the previous window's first series of 4 rows, the same for the indexer)
+    csa_state = (2 * 3 * 2 * 512 + 2 * 4 * 512) + (2 * 3 * 2 * 128 + 2 * 4 * 128)
+    assert cfg.cache_bytes_per_sequence() == (43 * 127 * 512 + hca * 2 * 127 * 512 + csa * csa_state) * 2
+    layout = cfg.cache_layout(128, 2)
+    assert layout.state_pages == math.ceil(cfg.cache_bytes_per_sequence() / layout.page_bytes)
+    # FP8 records: an entry is 448 e4m3 values, 7 one-byte ue8m0 scales and 64 bf16 rope channels; an indexer key 128
+    # e4m3 values and one scale
+    entry, key = 448 + 7 + 64 * 2, 128 + 1
+    fp8 = cfg.cache_layout(128, 2, "fp8_ds_mla")
+    assert (fp8.entry_bytes, fp8.index_bytes) == (entry, key) == (583, 129)
+    held = csa * 32 * (entry + key) + hca * entry
+    assert fp8.page_bytes == -(-held // 16) * 16 == cfg.cache_page_bytes("fp8_ds_mla", 128)  # whole 16-byte units
+    assert fp8.bytes_per_token == fp8.page_bytes / 128
+    with pytest.raises(CheckpointError, match="kv_format one of"):
+        cfg.cache_page_bytes("fp8_e5m2", 64)
 
 
 def test_stop_tokens_and_asynchronous_scheduling(checkpoints, deepinfer_backend, deepinfer_device):

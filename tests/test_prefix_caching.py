@@ -102,10 +102,10 @@ def v32_ckpt(tmp_path_factory):
     )
 
 
-def pair(path, backend, device, **kw):
+def pair(path, backend, device, host_cache_gb: float = 0, **kw):
     kw = {"block_size": 8, "prefill_chunk_size": 32, "progress": False, "dtype": "float32"} | kw
     return (
-        LLM(path, backend, device=device, enable_prefix_caching=True, **kw),
+        LLM(path, backend, device=device, enable_prefix_caching=True, host_cache_gb=host_cache_gb, **kw),
         LLM(path, backend, device=device, enable_prefix_caching=False, **kw),
     )
 
@@ -207,3 +207,145 @@ def test_a_planted_wrong_page_is_caught(ckpt, deepinfer_backend, deepinfer_devic
         results[name] = (cached[0].num_cached_tokens, same_outputs(cached, plain))
     assert results["exact"] == (0, True)
     assert results["planted"][0] == 32 and not results["planted"][1]
+
+
+# --- the host tier ---
+
+
+def host_tier(num_blocks: int, capacity: int, block_size: int = 4):
+    """An allocator over one fake paged cache ([2 layers, num_blocks, block_size, 3]) whose every value names its
+    page, with a host tier of ``capacity`` pages."""
+    import torch
+
+    from deepinfer.model.host_cache import HostPageCache
+
+    cache = torch.arange(num_blocks, dtype=torch.float32)[None, :, None, None].expand(2, -1, block_size, 3).clone()
+    host = HostPageCache([cache], capacity)
+    return BlockAllocator(num_blocks, block_size, enable_prefix_caching=True, host=host), cache, host
+
+
+def test_evicted_pages_go_to_the_host_tier_and_come_back_on_a_hit():
+    alloc, cache, host = host_tier(num_blocks=4, capacity=8)
+    owner = seq(list(range(1, 13)))  # 3 full pages
+    alloc.grow(owner, 12)
+    alloc.register(owner, 12)
+    contents = {i: float(b) for i, b in enumerate(owner.block_table)}  # what each prefix page holds
+    alloc.release(owner)
+    filler = seq([7] * 16)
+    alloc.grow(filler, 16)  # every page handed out again: the three registered ones copied out first
+    cache[:, filler.block_table] = -1.0  # and overwritten
+    assert len(host) == 3 and host.saved == 3 and alloc.num_cached == 0
+    alloc.release(filler)
+    again = seq([*range(1, 13), 99])
+    assert alloc.match(again, max_tokens=12, align=4) == 12
+    assert host.loaded == 3 and alloc.num_cached == 3
+    for i, page in enumerate(again.block_table):  # each fresh page holds its key's contents
+        assert (cache[:, page] == contents[i]).all()
+    assert alloc.match(seq(list(range(1, 13))), 12, 4) == 12 and host.loaded == 3, "now on the device"
+
+
+def test_the_host_tier_drops_least_recently_used_keys_and_loads_whole_aligned_runs():
+    alloc, _, host = host_tier(num_blocks=4, capacity=2)
+    owner = seq(list(range(1, 13)))
+    alloc.grow(owner, 12)
+    alloc.register(owner, 12)
+    alloc.release(owner)
+    alloc.grow(seq([7] * 16), 16)  # three pages copied out into two slots: the first one (freed last) dropped
+    assert len(host) == 2 and host.saved == 3
+    assert alloc.match(seq(list(range(1, 13))), 12, 4) == 0, "the chain's first page is gone"
+    assert alloc.num_free == 0 and host.loaded == 0
+    alloc.reset()
+    other = seq([5] * 4 + [6] * 4)  # two pages, copied out, then matched in runs of 8 tokens with no free page
+    alloc.grow(other, 8)
+    alloc.register(other, 8)
+    alloc.release(other)
+    alloc.grow(seq([8] * 16), 16)
+    assert alloc.match(seq([5] * 4 + [6] * 4 + [1]), 8, 8) == 0 and host.loaded == 0, "no page free to load into"
+
+
+@pytest.mark.parametrize("model", ["v3", "v32"])
+def test_a_prefix_evicted_to_host_memory_is_found_again(ckpt, v32_ckpt, deepinfer_backend, deepinfer_device, model):
+    """16 device pages of 8 tokens: three 120-token requests after the first evict its 64-token prefix; the next
+    request with that prefix finds it in the host tier (in two whole chunks), not with the device cache alone, and its
+    outputs are bitwise those of caching off."""
+    path = ckpt if model == "v3" else v32_ckpt
+    kw = {"num_blocks": 16, "max_num_seqs": 1}
+    on, off = pair(path, deepinfer_backend, deepinfer_device, host_cache_gb=0.01, **kw)
+    device_only = LLM(path, deepinfer_backend, device=deepinfer_device, block_size=8, prefill_chunk_size=32,
+                      progress=False, dtype="float32", **kw)  # fmt: skip
+    first, second = shared_prefix_prompts(2, prefix=64, suffix=5, seed=13)
+    fillers = random_prompts(VOCAB, [120] * 3, seed=14)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    with deepinfer.batch_invariant():
+        for llm in (on, device_only):
+            llm.generate(first, params)
+            llm.generate(fillers, params)
+        cached = on.generate(second, params)
+        uncached = device_only.generate(second, params)
+        plain = off.generate(second, params)
+    assert uncached[0].num_cached_tokens == 0, "the device cache alone has lost the prefix"
+    assert cached[0].num_cached_tokens == 64 and on.last_stats["host_cache"]["loaded_pages"] == 8
+    assert same_outputs(cached, plain) and same_outputs(uncached, plain)
+
+
+def test_a_planted_wrong_host_page_is_caught(ckpt, deepinfer_backend, deepinfer_device, monkeypatch):
+    """The comparison can fail: a host tier that copies back another key's page changes the tokens."""
+    from deepinfer.model.host_cache import HostPageCache
+
+    exact = HostPageCache.load
+
+    def neighbour(self, key, page):
+        slots = list(self._slot_of)
+        exact(self, slots[(slots.index(key) + 1) % len(slots)], page)
+
+    monkeypatch.setattr(HostPageCache, "load", neighbour)
+    on, off = pair(ckpt, deepinfer_backend, deepinfer_device, host_cache_gb=0.01, num_blocks=16, max_num_seqs=1)
+    first, second = shared_prefix_prompts(2, prefix=64, suffix=5, seed=13)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    with deepinfer.batch_invariant():
+        on.generate(first, params)
+        on.generate(random_prompts(VOCAB, [120] * 3, seed=14), params)
+        cached = on.generate(second, params)
+        plain = off.generate(second, params)
+    assert cached[0].num_cached_tokens == 64 and not same_outputs(cached, plain)
+
+
+def test_host_cache_arguments_are_checked(ckpt):
+    from deepinfer import InputError
+
+    with pytest.raises(InputError, match="host_cache_gb"):
+        LLM(ckpt, "reference", host_cache_gb=-1, progress=False)
+    with pytest.raises(InputError, match=r"host_cache_bytes.*prefix caching off"):
+        LLM(ckpt, "reference", host_cache_gb=0.01, enable_prefix_caching=False, progress=False)
+    with pytest.raises(InputError, match="at least one page"):
+        LLM(ckpt, "reference", host_cache_gb=1e-9, progress=False)
+
+
+def test_a_key_on_both_tiers_ends_the_host_run():
+    """A prefix whose second page is only in the host tier while its third is on the device and in the host tier:
+    the second is loaded, the run stops at the third (a key is never registered to two pages), and every page is
+    evicted cleanly afterwards."""
+    alloc, _, host = host_tier(num_blocks=6, capacity=8)
+    prompt = list(range(1, 13))  # 3 pages
+    owner = seq(prompt)
+    alloc.grow(owner, 12)
+    alloc.register(owner, 12)
+    alloc.release(owner)
+    filler = seq([7] * 24)
+    alloc.grow(filler, 24)  # all three copied out
+    alloc.release(filler)
+    back = seq(prompt)
+    assert alloc.match(back, 12, 4) == 12 and host.loaded == 3  # all three back on the device
+    second = back.block_table[1]
+    alloc.release(back)
+    alloc._free.move_to_end(second, last=False)  # the next page handed out: only the second is evicted
+    taker = seq([8] * 4)
+    alloc.grow(taker, 4)
+    assert alloc.num_cached == 2 and len(host) == 3
+    again = seq(prompt)
+    assert alloc.match(again, 12, 4) == 8, "the first page from the device, the second from the host tier"
+    assert host.loaded == 4 and len(set(alloc._page_of.values())) == len(alloc._page_of) == 3
+    alloc.release(again)
+    alloc.release(taker)
+    alloc.grow(seq([9] * 24), 24)  # every page handed out: each registered one evicted exactly once
+    assert alloc.num_cached == 0

@@ -169,6 +169,27 @@ def test_a_batch_of_prompts_and_token_id_prompts(client, offline):
     assert by_ids.choices[0].text == offline_out(offline, ids, max_tokens=8, temperature=0).outputs[0].text
 
 
+def test_n_choices_per_prompt(client, offline):
+    """``n`` completions of each prompt, choice ``p n + c`` completion ``c`` of prompt ``p`` (greedy here, so each
+    is the offline output: the seeds are checked offline, tests/test_n_completions.py); each prompt's tokens count
+    once in ``usage``; streaming tags every piece with its choice."""
+    got = client.completions.create(model="tiny-py", prompt=PROMPTS[:2], n=2, max_tokens=8, temperature=0)
+    want = [offline_out(offline, p, max_tokens=8, temperature=0) for p in PROMPTS[:2]]
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [w.outputs[0].text for w in want for _ in range(2)]
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert got.usage.completion_tokens == 2 * sum(len(w.outputs[0].token_ids) for w in want)
+    chat = client.chat.completions.create(
+        model="tiny-py", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=6, temperature=0, stream=True
+    )
+    pieces: dict[int, str] = {}
+    for chunk in chat:
+        for c in chunk.choices:
+            pieces[c.index] = pieces.get(c.index, "") + (c.delta.content or "")
+    ids = offline.tokenizer.encode("<｜begin▁of▁sentence｜># user: hi\n# assistant:", add_special_tokens=False)
+    assert pieces == dict.fromkeys(range(3), offline_out(offline, ids, max_tokens=6, temperature=0).outputs[0].text)
+
+
 def test_chat_renders_the_template_and_generates_from_it(client, offline):
     messages = [{"role": "system", "content": "Write Python."}, {"role": "user", "content": "a sort function"}]
     got = client.chat.completions.create(model="tiny-py", messages=messages, max_tokens=12, temperature=0)
@@ -334,7 +355,8 @@ BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 0}, 400),
     ({"prompt": "x", "temperature": -1}, 400),
     ({"prompt": "x", "top_p": 2}, 400),
-    ({"prompt": "x", "n": 2}, 400),
+    ({"prompt": "x", "n": 0}, 400),
+    ({"prompt": "x", "n": 1000}, 400),
     ({"prompt": "x", "logprobs": 50}, 400),
     ({"prompt": "x", "presence_penalty": 0.5}, 400),
     ({"prompt": "x", "stop": 3}, 400),
@@ -434,6 +456,31 @@ def test_usage_and_metrics_report_prefix_cache_hits(client, served, offline):
     assert hits == first.usage.prompt_tokens_details.cached_tokens + expected
     assert queries == first.usage.prompt_tokens + second.usage.prompt_tokens
     assert 0 < metric(url, "deepinfer_prefix_cache_hit_rate") <= 1
+
+
+def test_a_host_tier_serves_an_evicted_prefix(deepinfer_backend_name, offline):
+    """A server with 8 device pages of 16 tokens and a host tier: a prompt's prefix, evicted by the two
+    100-token prompts after it, is copied back for the next prompt that shares it (``usage`` counts it cached,
+    ``/metrics`` the pages copied back), and the text is the offline output's."""
+    llm = LLM(None, deepinfer_backend_name, progress=False, **(llm_kwargs() | {"num_blocks": 8}), host_cache_gb=0.01)
+    base = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(description=__doc__)\n"
+    fillers = []
+    for line in ("class Parser:\n    def parse(self, text):\n", "for i in range(10):\n    print(i)\n"):
+        text = line
+        while len(offline.tokenizer.encode(text + line)) <= 100:
+            text += line
+        fillers.append(text)
+    with running_server(llm, chat_template=TEMPLATE) as (state, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client.completions.create(model="tiny-py", prompt=base * 2, max_tokens=2, temperature=0)
+        for text in fillers:
+            client.completions.create(model="tiny-py", prompt=text, max_tokens=2, temperature=0)
+        again = client.completions.create(model="tiny-py", prompt=base * 2 + "    args", max_tokens=4, temperature=0)
+        wait_idle(state)
+        loaded = metric(url, "deepinfer_host_cache_pages", kind="loaded")
+    ids = offline.tokenizer.encode(base * 2 + "    args")
+    assert again.usage.prompt_tokens_details.cached_tokens >= CHUNK and loaded >= CHUNK // BLOCK
+    assert again.choices[0].text == offline_out(offline, ids, max_tokens=4, temperature=0).outputs[0].text
 
 
 def test_metrics_count_requests_tokens_and_latencies(client, served):

@@ -152,6 +152,14 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("indexer_topk", "triton", sparse_attention.indexer_topk, sparse_attention.topk_supports),
         _impl(
             "sparse_mla",
+            "gluon-split",
+            sparse_attention.sparse_mla_gluon_kernel,
+            sparse_attention.sparse_gluon_supports,
+            invariant=False,
+            priority=2,
+        ),
+        _impl(
+            "sparse_mla",
             "triton",
             sparse_attention.sparse_mla,
             sparse_attention.sparse_supports,

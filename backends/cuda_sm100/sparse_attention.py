@@ -25,14 +25,22 @@ small, merged by ``mla_decode``'s merge kernel.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer import Decline
 from deepinfer.index_cache import FP8_GROUP
 
 from ._triton import INTERPRET, PDL, cast, dot, next_pow2, num_sms, on_device, pdl_wait, pow2_ceil, to_e4m3
 from .attention import _dequantize, _mla_merge_kernel, _rope_at
+
+try:
+    from . import sparse_mla_gluon
+except ImportError:  # a Triton without Gluon's Hopper language: the Triton kernel serves every call
+    sparse_mla_gluon = None
 
 _INTERPRET = tl.constexpr(INTERPRET)
 
@@ -398,6 +406,9 @@ SPARSE_TILE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 # Default mode: a row's index list is split into spans (merged by lse) while the grid would give fewer than
 # SPARSE_GRID_FILL programs per multiprocessor, down to spans of SPARSE_MIN_SPLIT entries.
 SPARSE_GRID_FILL, SPARSE_MIN_SPLIT = 1.0, 256
+# The warp-specialized Gluon kernel (``sparse_mla_gluon``) is compiled in CI but has not yet run on a GPU: it is
+# chosen only where this is on (``DEEPINFER_SPARSE_MLA_GLUON=1``), until its conformance passes there.
+SPARSE_MLA_GLUON = os.environ.get("DEEPINFER_SPARSE_MLA_GLUON", "0") == "1"
 LIST_CHUNK = 1024  # index entries read at a time to find where a row's list ends
 
 
@@ -545,6 +556,50 @@ def _sparse_split(programs: int, topk: int, kv_lora_rank: int, sms: int) -> int:
     return split
 
 
+def _partials(out, lse, tokens: int, heads: int, n_splits: int, kv_lora_rank: int):
+    """Where the kernels write: the op's out and lse themselves for one span, else fp32 partial rows to merge."""
+    if n_splits == 1:
+        return out.view(-1, kv_lora_rank), lse.view(-1)
+    part_out = torch.empty(tokens * heads * n_splits, kv_lora_rank, dtype=torch.float32, device=out.device)
+    return part_out, torch.empty(tokens * heads * n_splits, dtype=torch.float32, device=out.device)
+
+
+def _merge(part_out, part_lse, out, lse, n_splits: int, kv_lora_rank: int) -> None:
+    if n_splits > 1:
+        _mla_merge_kernel[(out.shape[0] * out.shape[1],)](
+            part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits), CHUNK=8, launch_pdl=PDL
+        )
+
+
+def sparse_mla_gluon_kernel(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format):
+    """``sparse_mla`` by ``sparse_mla_gluon``'s warp-specialized kernel (spans as the Triton kernel's default mode)."""
+    tokens, heads, _ = q.shape
+    out = torch.empty(tokens, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    if tokens == 0:
+        return out, lse
+    topk = indices.shape[1]
+    head_blocks = triton.cdiv(heads, 64)
+    split = _sparse_split(tokens * head_blocks, topk, kv_lora_rank, num_sms(q.device.index or 0))
+    n_splits = triton.cdiv(topk, split)
+    part_out, part_lse = _partials(out, lse, tokens, heads, n_splits, kv_lora_rank)
+    fp8 = kv_format == "fp8_ds_mla"
+    sparse_mla_gluon.launch(q, kv_cache, indices, part_out, part_lse, softmax_scale, fp8, split, n_splits)
+    _merge(part_out, part_lse, out, lse, n_splits, kv_lora_rank)
+    return out, lse
+
+
+def sparse_gluon_supports(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format) -> bool | Decline:
+    if not SPARSE_MLA_GLUON:
+        return Decline("SPARSE_MLA_GLUON is off: the Gluon kernel has not yet passed conformance on a GPU")
+    if sparse_mla_gluon is None:
+        return Decline("this Triton has no Gluon Hopper language")
+    if not on_device(q, kv_cache, indices):
+        return Decline("tensors are not on the GPU")
+    why = sparse_mla_gluon.declines(q, kv_cache, indices, kv_lora_rank, kv_format)
+    return Decline(why) if why else True
+
+
 def sparse_mla(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format, invariant=False):
     tokens, heads, d_qk = q.shape
     rope_dim = d_qk - kv_lora_rank
@@ -560,11 +615,7 @@ def sparse_mla(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format, 
     if not invariant:
         split = _sparse_split(tokens * head_blocks, topk, kv_lora_rank, num_sms(q.device.index or 0))
     n_splits = triton.cdiv(topk, split)
-    if n_splits == 1:  # the kernel writes the op's output
-        part_out, part_lse = out.view(-1, kv_lora_rank), lse.view(-1)
-    else:
-        part_out = torch.empty(tokens * heads * n_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(tokens * heads * n_splits, dtype=torch.float32, device=q.device)
+    part_out, part_lse = _partials(out, lse, tokens, heads, n_splits, kv_lora_rank)
     fp8 = kv_format == "fp8_ds_mla"
     flat = kv_cache.view(-1)
     _sparse_mla_kernel[(tokens, head_blocks, n_splits)](
@@ -596,10 +647,7 @@ def sparse_mla(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format, 
         **tile,
         launch_pdl=PDL,
     )
-    if n_splits > 1:
-        _mla_merge_kernel[(tokens * heads,)](
-            part_out, part_lse, out, lse, n_splits, L=kv_lora_rank, BLOCK_S=next_pow2(n_splits), CHUNK=8, launch_pdl=PDL
-        )
+    _merge(part_out, part_lse, out, lse, n_splits, kv_lora_rank)
     return out, lse
 
 

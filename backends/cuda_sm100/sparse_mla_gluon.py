@@ -1,0 +1,310 @@
+"""``sparse_mla``'s kernel for Hopper (SM90) in Gluon: ``mla_gluon``'s warp-specialized split kernel fed rows gathered
+by index instead of consecutive pages. A bf16 or fp8_ds_mla cache, latent 512, rope 64, at least 64 heads.
+
+One program per (query token, 64 heads, span of its index list). Three warpgroups, as ``mla_gluon``'s fp8_ds_mla
+kernel divides the work:
+
+- the first computes S = Q K^T of a 64-entry block, its softmax (entries listed as -1 masked, a block with none
+  listed yet contributing nothing), hands P and the row factor to the second, and multiplies P by the left latent half;
+- the second multiplies each P by the right latent half;
+- the third fills the two stages: for each entry of the block it reads the cache slot from the list and loads that
+  record by pointer (Hopper has no TMA gather), a few rows at a time, dequantising an fp8_ds_mla latent to bf16, with
+  zeros for entries listed as -1 (the cache may hold NaN there, which P x V must not see). Its loads run two chunks
+  ahead of its stores, so that their latency overlaps the stores and the wait for a free stage.
+
+A span ends where its list does: ``indexer_topk`` pads each list with -1 at the end, and the blocks past the last
+listed entry are never loaded. Spans of the list split over programs where the grid would leave SMs idle; the
+partial outputs merge as ``mla_decode``'s do. Measured on the GPU beside the Triton kernel: benchmarks/NOTES.md,
+sparse attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ._gluon import BARRIER
+from .mla_gluon import (
+    BLOCK_H,
+    BLOCK_N,
+    LH,
+    LOG2E,
+    O_LAYOUT,
+    ROPE_AT,
+    S_LAYOUT,
+    L,
+    R,
+    _dequantize_half,
+    _empty_span,
+    _part_rows,
+    _query_to_smem,
+    _right,
+    _scores,
+    _store_columns,
+    on_hopper,
+)
+
+# Rows gathered per step of the filling warpgroup (fp8_ds_mla / bf16 records), and registers per thread of the second
+# and third warpgroups (the first gets the rest of 512: its [64, 256] fp32 accumulator and S take most of it).
+FP8_CHUNK, BF16_CHUNK = 8, 8
+RIGHT_REGS, FILL_REGS = 160, 120
+LIST_CHUNK = gl.constexpr(1024)  # list entries read at a time to find where a span's list ends
+
+
+@gluon.jit
+def _listed_end(idx_row, start, stop):
+    """One past the last entry of ``[start, stop)`` of the list that names a slot (``start`` if none does)."""
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+    end = start
+    for i0 in range(start, stop, LIST_CHUNK):
+        i = i0 + gl.arange(0, LIST_CHUNK, layout=layout)
+        listed = gl.load(idx_row + i, mask=i < stop, other=-1) >= 0
+        end = gl.maximum(end, gl.max(gl.where(listed, i + 1, 0), axis=0))
+    return end
+
+
+@gluon.jit
+def _gather_chunk(cache_ptr, idx_row, n0, end, WIDTH: gl.constexpr, CHUNK: gl.constexpr, FP8: gl.constexpr):
+    """The records listed at entries ``n0 + [0, CHUNK)`` (before ``end``), as stored: the two latent halves (e4m3 bytes
+    or bf16), with an fp8_ds_mla record's four 128-column scales, and the rope part; zeros where an entry is -1 or at
+    or past ``end``."""
+    if FP8:
+        lat: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
+    else:
+        lat: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    pos = n0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, lat))
+    slot = gl.load(idx_row + pos, mask=pos < end, other=-1)
+    valid = slot >= 0
+    record = cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH  # bytes (fp8_ds_mla) or bf16 elements
+    at = gl.expand_dims(record, 1) + gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, lat)), 0)
+    c0 = gl.load(at, mask=gl.expand_dims(valid, 1), other=0)
+    c1 = gl.load(at + LH, mask=gl.expand_dims(valid, 1), other=0)
+    if FP8:
+        scales = (record + L).to(gl.pointer_type(gl.float32), bitcast=True)
+        s0 = gl.load(scales, mask=valid, other=0.0)
+        s1 = gl.load(scales + 1, mask=valid, other=0.0)
+        s2 = gl.load(scales + 2, mask=valid, other=0.0)
+        s3 = gl.load(scales + 3, mask=valid, other=0.0)
+    else:
+        s0 = gl.zeros([CHUNK], gl.float32, gl.SliceLayout(1, lat))
+        s1 = s0
+        s2 = s0
+        s3 = s0
+    rpos = n0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, rows))
+    rslot = gl.load(idx_row + rpos, mask=rpos < end, other=-1)
+    rvalid = rslot >= 0
+    if FP8:  # the rope part is bf16, ROPE_AT bf16 units into the record
+        rope_row = (cache_ptr + gl.where(rvalid, rslot, 0).to(gl.int64) * WIDTH).to(
+            gl.pointer_type(gl.bfloat16), bitcast=True
+        ) + ROPE_AT
+    else:
+        rope_row = cache_ptr + gl.where(rvalid, rslot, 0).to(gl.int64) * WIDTH + L
+    rope_at = gl.expand_dims(rope_row, 1) + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, rows)), 0)
+    rope = gl.load(rope_at, mask=gl.expand_dims(rvalid, 1), other=0.0)
+    return c0, c1, s0, s1, s2, s3, rope
+
+
+@gluon.jit
+def _store_gathered(chunk, c0_s, c1_s, kr_s, stage, r, FP8: gl.constexpr):
+    """A chunk from ``_gather_chunk`` into rows ``r + [0, CHUNK)`` of ``stage``, an fp8_ds_mla latent dequantised."""
+    c0, c1, s0, s1, s2, s3, rope = chunk
+    n: gl.constexpr = c0.shape[0]
+    if FP8:
+        c0_s.index(stage).slice(r, n).store(_dequantize_half(c0, s0, s1))
+        c1_s.index(stage).slice(r, n).store(_dequantize_half(c1, s2, s3))
+    else:
+        c0_s.index(stage).slice(r, n).store(c0)
+        c1_s.index(stage).slice(r, n).store(c1)
+    kr_s.index(stage).slice(r, n).store(rope)
+
+
+@gluon.jit
+def _fill(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH: gl.constexpr,
+          CHUNK: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+    """The third warpgroup: each block of the span into its stage once both other warpgroups are done with the
+    stage's previous block; loads run two chunks ahead of the stores (the next block's first chunks are in flight
+    while it waits for a free stage)."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    now = _gather_chunk(cache_ptr, idx_row, start, end, WIDTH, CHUNK, FP8)
+    ahead = _gather_chunk(cache_ptr, idx_row, start + CHUNK, end, WIDTH, CHUNK, FP8)
+    for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
+        for stage in gl.static_range(2):
+            i = i2 + stage
+            if i < n_blocks:
+                n0 = start + i * BLOCK_N
+                mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
+                for r in gl.static_range(0, BLOCK_N, CHUNK):
+                    nxt = _gather_chunk(cache_ptr, idx_row, n0 + r + 2 * CHUNK, end, WIDTH, CHUNK, FP8)
+                    _store_gathered(now, c0_s, c1_s, kr_s, stage, r, FP8)
+                    now = ahead
+                    ahead = nxt
+                fence_async_shared()
+                mbarrier.arrive(right_ready.index(stage), count=1)
+                mbarrier.arrive(left_ready.index(stage), count=1)
+
+
+@gluon.jit
+def _scores_softmax_left(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready,
+                         p_free, idx_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H,
+                         n_splits):  # fmt: skip
+    """The first warpgroup, as ``mla_gluon._scores_softmax_left`` with an fp8_ds_mla cache, but with the list's -1
+    entries masked and a running max that may still be -inf (nothing listed so far: P is zero, not NaN). At the end,
+    1 / l (0 where nothing was listed) for the second warpgroup, then this half of the output and the lse."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    o = gl.zeros([BLOCK_H, LH], gl.float32, O_LAYOUT)
+    s = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, 0, True)
+    listed = gl.load(idx_row + start + tokens, mask=start + tokens < end, other=-1) >= 0
+    s = warpgroup_mma_wait(0, deps=[s])
+    for i in range(n_blocks):
+        stage = i % 2
+        s = gl.where(gl.expand_dims(listed, 0), s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        mbarrier.wait(p_free, (i & 1) ^ 1)  # the second warpgroup is done with P_{i-1}
+        p_s.store(p.to(gl.bfloat16))
+        a_s.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+        pv = warpgroup_mma(p_s, c0_s.index(stage), o * alpha_o, is_async=True)
+        nxt = i + 1
+        if nxt < n_blocks:
+            s_next = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, nxt, True)
+            at = start + nxt * BLOCK_N + tokens
+            listed = gl.load(idx_row + at, mask=at < end, other=-1) >= 0
+            o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
+        else:
+            o = warpgroup_mma_wait(0, deps=[pv])
+        mbarrier.arrive(kv_free.index(stage), count=1)
+    inv_l = gl.where(l_i > 0.0, 1.0 / l_i, 0.0)
+    mbarrier.wait(p_free, (n_blocks & 1) ^ 1)
+    a_s.store(inv_l)
+    mbarrier.arrive(p_ready, count=1)
+
+    part, hmask = _part_rows(row, pid_h, split, H, n_splits, O_LAYOUT)
+    _store_columns(part_out_ptr, o, gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, O_LAYOUT)), 1), part,
+                   hmask, 0)  # fmt: skip
+    lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) / LOG2E, float("-inf"))  # natural log
+    gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, O_LAYOUT)), mask=hmask)
+
+
+@gluon.jit
+def _sparse_split_kernel(
+    q_ptr,
+    cache_ptr,
+    idx_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    H,
+    topk,
+    stride_qt,
+    stride_qh,
+    stride_it,
+    n_splits,
+    WIDTH: gl.constexpr,
+    SPLIT: gl.constexpr,
+    FP8: gl.constexpr,
+    CHUNK: gl.constexpr,
+    RIGHT_REGS: gl.constexpr,
+    FILL_REGS: gl.constexpr,
+    DIRECT: gl.constexpr,
+):
+    """Heads ``64 program_id(1) + [0, 64)`` of query token ``program_id(0)`` over list entries ``SPLIT program_id(2) +
+    [0, SPLIT)``: out [64, 512] and lse (natural log) at rows ``(t H + head) n_splits + split`` of ``part_out`` /
+    ``part_lse`` (``DIRECT``: one span, the op's out and lse themselves, zeros and -inf where nothing is listed).
+    ``cache_ptr``: the records, bf16 elements or (``FP8``) fp8_ds_mla bytes, ``WIDTH`` of them a slot. Launched with 4
+    warps, to which the second and third warpgroups add 4 each."""
+    t = gl.program_id(0)
+    pid_h = gl.program_id(1)
+    split = gl.program_id(2)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    start = split * SPLIT
+    end = _listed_end(idx_row, start, gl.minimum(start + SPLIT, topk))
+    if start >= end:
+        _empty_span(part_out_ptr, part_lse_ptr, t, pid_h, split, H, n_splits, DIRECT)
+        return
+
+    q0_s, q1_s, qr_s = _query_to_smem(q_ptr, t, 0, pid_h, H, stride_qt, 0, stride_qh)
+    half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LH], gl.bfloat16)
+    rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
+    c0_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    c1_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, LH], half_layout)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], rope_layout)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], kr_s.layout)
+    a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    right_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    left_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(right_ready.index(i), count=1)
+        mbarrier.init(left_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=2)  # both consuming warpgroups release it
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    fence_async_shared()
+    BARRIER()  # the query's stores are visible to the tensor cores
+    qk_scale = scale * LOG2E  # exp2 domain
+    gl.warp_specialize(
+        [
+            (_scores_softmax_left,
+             (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
+              idx_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, t, pid_h, split, H, n_splits)),
+            (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, None, None,
+                      idx_row, part_out_ptr, start, end, t, pid_h, 1, split, H, n_splits, 64, True, False)),
+            (_fill, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH, CHUNK,
+                     FP8)),
+        ],
+        [4, 4],
+        [RIGHT_REGS, FILL_REGS],
+    )  # fmt: skip
+
+
+def declines(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, kv_lora_rank: int, kv_format: str):
+    """Why this kernel cannot serve the call, or None where it can: an SM90 GPU, bf16 queries with unit stride in
+    their last dim, latent 512 and rope 64, at least 64 heads, a bf16 or fp8_ds_mla cache, and a list with unit
+    stride."""
+    if not on_hopper(q):
+        return "q is not on an SM90 (Hopper) GPU"
+    if kv_format not in ("bf16", "fp8_ds_mla"):
+        return f"kv_format {kv_format!r} is not bf16 or fp8_ds_mla"
+    if q.dtype != torch.bfloat16 or q.stride(2) != 1:
+        return f"q is {q.dtype} with stride {q.stride(2)} in its last dim, expected bf16 with stride 1"
+    if kv_lora_rank != L.value or q.shape[2] != L.value + R.value:
+        return f"latent {kv_lora_rank} and rope {q.shape[2] - kv_lora_rank}, expected {L.value} and {R.value}"
+    if q.shape[1] < BLOCK_H.value:
+        return f"{q.shape[1]} heads < {BLOCK_H.value}"
+    if indices.stride(1) != 1:
+        return f"indices' stride {indices.stride(1)} in its last dim, expected 1"
+    return None
+
+
+def launch(q, kv_cache, indices, part_out, part_lse, softmax_scale, fp8: bool, split: int, n_splits: int) -> None:
+    """Fills ``part_out`` / ``part_lse`` as ``_sparse_split_kernel``'s contract says (the op's out and lse where
+    ``n_splits`` is 1)."""
+    tokens, heads, _ = q.shape
+    records = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2])
+    _sparse_split_kernel[(tokens, -(-heads // BLOCK_H.value), n_splits)](
+        q, records, indices, part_out, part_lse, softmax_scale, heads, indices.shape[1],
+        q.stride(0), q.stride(1), indices.stride(0), n_splits,
+        WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK if fp8 else BF16_CHUNK,
+        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1,
+        num_warps=4, enable_fp_fusion=True,
+    )  # fmt: skip

@@ -1,0 +1,265 @@
+"""DeepSeek-V4's caches in the engine's pages (``V4CacheLayout``): against transformers' fp32 oracle, bitwise under
+batching and preemption, and counted in the engine's budget.
+
+The pages a sequence holds are scattered (a shuffled pool shared by all sequences) and every byte of the pool starts
+as NaN, so a value read from anywhere but where it was written (a wrong page, slot, ring row or state offset) spoils
+the log-probabilities. Page sizes that are not multiples of the compression rates (3 tokens against rates 4 / 8, 5
+against 3 / 6) put entries at every slot of a page, in pages whose slots are not all used.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+
+import pytest
+import test_model_v4 as v4
+import torch
+from model_helpers import one_thread  # noqa: F401 (autouse fixture)
+
+from deepinfer.model.deepseek_v4 import V4State
+from deepinfer.selection import use
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return v4.checkpoint_maker(tmp_path_factory, "v4p", 21)
+
+
+@pytest.fixture
+def load(deepinfer_backend, deepinfer_device):
+    def make(path):
+        with use(deepinfer_backend):
+            import deepinfer
+
+            device = deepinfer_device or deepinfer.current_backend().device_type
+            return v4.DeepseekV4.load(v4.V4Checkpoint.open(path), dtype=torch.float32, device=device)
+
+    with use(deepinfer_backend):
+        yield make
+
+
+def paged_states(model, block_size: int, lengths: list[int], seed: int) -> list[V4State]:
+    """States for sequences of ``lengths`` tokens on one pool of NaN-filled pages, each holding a shuffled share."""
+    model.use_pages(block_size)
+    layout = model.cache_layout()
+    need = [layout.pages_for(n) for n in lengths]
+    total = sum(need) + 3
+    pages = torch.full((total, layout.page_bytes), 0xFF, dtype=torch.uint8, device=model.device)  # all NaN
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+    states, used = [], 0
+    for n in need:
+        states.append(V4State(layout, pages, order[used : used + n], 0, model.dtype))
+        used += n
+    return states
+
+
+@pytest.mark.parametrize(
+    "name, block_size, chunk", [("yarn", 3, None), ("yarn", 5, 4), ("plain", 5, 1), ("plain", 64, 11)]
+)
+def test_paged_prompt_logprobs_match_transformers(name, block_size, chunk, checkpoints, load):
+    path, oracle = checkpoints(name)
+    model = load(path)
+    ps = v4.prompts(31)
+    states = iter(paged_states(model, block_size, [len(p) for p in ps], seed=block_size))
+    model.new_state = lambda: next(states)  # the cross-check's sequences on the shared pages
+    assert v4.prompt_errors(model, oracle, ps, chunk) < v4.TOL
+
+
+def test_paged_greedy_decode_matches_transformers(checkpoints, load):
+    """Several sequences decode together on scattered pages of 3 tokens; every step against the oracle."""
+    path, oracle = checkpoints("yarn")
+    model, ps, steps = load(path), v4.prompts(32)[1:], 12
+    states = paged_states(model, 3, [len(p) + steps for p in ps], seed=5)
+    lp = v4.run(model, states, ps)
+    ends = torch.tensor([len(p) for p in ps]).cumsum(0) - 1
+    ours = [[int(lp[e].argmax())] for e in ends]
+    rows = [[lp[e]] for e in ends]
+    for _ in range(steps - 1):
+        lp = v4.run(model, states, [[o[-1]] for o in ours])
+        for b in range(len(ps)):
+            ours[b].append(int(lp[b].argmax()))
+            rows[b].append(lp[b])
+    for p, gen, got in zip(ps, ours, rows):
+        ref = v4.oracle_logprobs(oracle, p + gen)[len(p) - 1 :][:steps]
+        assert (torch.stack(got) - ref).abs().max().item() < v4.TOL
+        for j, t in enumerate(gen):
+            assert int(ref[j].argmax()) == t or float(ref[j].max() - ref[j][t]) < v4.TOL
+
+
+def _requests(n: int, seed: int):
+    from deepinfer.model import SamplingParams
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randint(2, 160, (rng.randint(1, 40),), generator=g).tolist() for _ in range(n)]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(4, 14),
+            temperature=0.0 if i % 2 else 1.0,
+            top_k=rng.choice([0, 5]),
+            seed=rng.randint(0, 1 << 40),
+            ignore_eos=True,
+            logprobs=1,
+        )
+        for i in range(n)
+    ]
+    return ps, params
+
+
+def _result(out):
+    return out.outputs[0].token_ids, out.outputs[0].logprobs, out.outputs[0].top_logprobs
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_stress_each_request_bitwise_its_run_alone(
+    mode, kv_format, checkpoints, monkeypatch, deepinfer_backend, deepinfer_device
+):
+    """Batch-invariant mode, pages of 3 tokens, room for about two sequences: 14 requests preempt each other again
+    and again (their pages handed to others in between), and each one's tokens and log-probabilities are bitwise
+    those it gets alone on a roomy cache (with either record format)."""
+    import deepinfer
+    from deepinfer import registry
+
+    if "batch_invariant" not in registry.get().lookup(deepinfer_backend).capabilities:
+        pytest.skip(f"{deepinfer_backend} does not declare batch_invariant")
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    assert deepinfer.batch_invariant_enabled()
+    path, _ = checkpoints("yarn")
+    ps, params = _requests(14, seed=41)
+    kw = dict(block_size=3, max_num_seqs=8, kv_format=kv_format)
+    roomy = v4.serve(path, deepinfer_backend, deepinfer_device, **kw)
+    alone = [_result(roomy.generate([p], [q])[0]) for p, q in zip(ps, params)]
+    assert len({tuple(a[0]) for a in alone}) > 8, "the requests are meant to differ"
+    batched = [_result(o) for o in roomy.generate(ps, params)]
+    assert batched == alone
+    pages = 2 * v4.state_pages(path, block_size=3, kv_format=kv_format) + 12
+    tight = v4.serve(path, deepinfer_backend, deepinfer_device, num_blocks=pages, preemption_mode=mode, **kw)
+    assert [_result(o) for o in tight.generate(ps, params)] == alone
+    assert tight.engine.num_preemptions >= 5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_budget_counts_v4_pages(dtype, checkpoints, deepinfer_backend, deepinfer_device):
+    """``kv_cache_gb`` of exactly N sequences' pages (state and token pages, in the model's dtype) runs N of them at
+    once and never N + 1, and every request still completes."""
+    from deepinfer.model import SamplingParams
+
+    path, _ = checkpoints("yarn")
+    n, bs = 3, 4
+    layout = v4.V4Checkpoint.open(path).config.cache_layout(bs, getattr(torch, dtype).itemsize)
+    per_seq = layout.pages_for(9)  # a prompt of 7 tokens (one chunk), 3 generated: 9 tokens computed
+    llm = v4.serve(
+        path,
+        deepinfer_backend,
+        deepinfer_device,
+        dtype=dtype,
+        block_size=bs,
+        max_num_seqs=16,
+        kv_cache_gb=n * per_seq * layout.page_bytes / (1 << 30),
+    )
+    engine = llm.engine
+    assert engine.allocator.num_blocks == n * per_seq
+    assert engine.allocator.seq_pages == layout.state_pages
+    g = torch.Generator().manual_seed(3)
+    seqs = [
+        engine.add_request(
+            torch.randint(2, 160, (7,), generator=g).tolist(),
+            SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        )
+        for _ in range(2 * n)
+    ]
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == n
+    assert engine.num_preemptions == 0
+    assert all(len(s.generated_ids) == 3 for s in seqs)
+
+
+# --- FP8 records (kv_format fp8_ds_mla) ------------------------------------------------------------------------------
+
+
+def fake_fp8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` through e4m3 with one power-of-two scale per ``group`` channels (``max(amax, 1e-4) / 448`` rounded up),
+    back in its dtype."""
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group).float()
+    scale = torch.exp2(torch.ceil(torch.log2(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448)))
+    q = (g / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(x.shape).to(x.dtype)
+
+
+@contextmanager
+def fp8_oracle(oracle, path):
+    """The oracle with DeepSeek's FP8 records: every compressed entry's non-rope channels and every indexer key
+    through ``fake_fp8`` (64 and 128 channels a scale, or the whole part where it is not a multiple)."""
+    cfg = v4.V4Checkpoint.open(path).config
+    nope, di = cfg.head_dim - cfg.qk_rope_head_dim, cfg.index_head_dim
+    eg, ig = (64 if nope % 64 == 0 else nope), (128 if di % 128 == 0 else di)
+
+    def entries(module, args, out):  # the compressor's RMSNorm: rope comes after, on the last channels only
+        return torch.cat([fake_fp8(out[..., :nope], eg), out[..., nope:]], dim=-1)
+
+    def keys(module, args):
+        q, k, hidden = args
+        return q, fake_fp8(k, ig), hidden
+
+    handles = []
+    for module in oracle.modules():
+        kind = type(module).__name__
+        if kind in ("DeepseekV4HCACompressor", "DeepseekV4CSACompressor"):
+            handles.append(module.kv_norm.register_forward_hook(entries))
+        elif kind == "DeepseekV4IndexerScorer":
+            handles.append(module.register_forward_pre_hook(keys))
+    assert len(handles) == 2 * cfg.layer_types.count(v4.CSA) + cfg.layer_types.count(v4.HCA)
+    try:
+        yield oracle
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_fp8_records_serve_as_the_oracle_with_fp8_entries(checkpoints, deepinfer_backend, deepinfer_device):
+    """``kv_format="fp8_ds_mla"``: prompt and generated log-probabilities within 1e-3 nats of the oracle whose
+    compressed entries and indexer keys go through FP8 as the records store them, and far from the plain oracle
+    (the records are in effect)."""
+    from deepinfer.model import SamplingParams
+
+    path, oracle = checkpoints("yarn")
+    ps = v4.prompts(34)
+    llm = v4.serve(path, deepinfer_backend, deepinfer_device, kv_format="fp8_ds_mla", block_size=5)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    outs = llm.generate(ps, params)
+    plain, quantised = [], []
+    for p, out in zip(ps, outs):
+        full = p + out.outputs[0].token_ids
+        got = [out.prompt_logprobs[j] for j in range(1, len(p))] + list(out.outputs[0].logprobs)
+        for errs in (plain, quantised):
+            if errs is quantised:
+                with fp8_oracle(oracle, path):
+                    ref = v4.oracle_logprobs(oracle, full)
+            else:
+                ref = v4.oracle_logprobs(oracle, full)
+            errs += [abs(ref[j - 1, full[j]].item() - lp) for j, lp in zip(range(1, len(full)), got)]
+    assert max(quantised) < v4.TOL
+    assert max(plain) > 10 * v4.TOL
+
+
+def test_a_cache_without_room_for_one_sequence_is_refused(checkpoints, deepinfer_backend):
+    from deepinfer.errors import InputError
+
+    path, _ = checkpoints("yarn")
+    pages = v4.state_pages(path)
+    with pytest.raises(InputError, match="num_blocks") as e:
+        v4.serve(path, deepinfer_backend, None, num_blocks=pages)
+    assert f"{pages} state pages" in e.value.expected
+    page_bytes = v4.V4Checkpoint.open(path).config.cache_page_bytes("bf16", 4, 4)
+    with pytest.raises(InputError, match="kv_cache_gb"):
+        v4.serve(path, deepinfer_backend, None, kv_cache_gb=pages * page_bytes / (1 << 30))
+    llm = v4.serve(path, deepinfer_backend, None, num_blocks=pages + 1)  # one page of tokens: short requests run
+    from deepinfer.model import SamplingParams
+
+    (out,) = llm.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 2
