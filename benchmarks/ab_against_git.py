@@ -47,16 +47,29 @@ PROJECTIONS = [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 
 
 
 def module_at(rev: str, name: str):
-    """The backend module ``name`` as committed at ``rev``, importing the working tree's package for its helpers."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:backends/cuda_sm100/{name}.py"], capture_output=True, text=True, check=True
-    ).stdout
+    """The backend module ``name`` as committed at ``rev``, with its Triton kernels (``<name>_triton.py``, where the
+    revision has that file) as committed there too, importing the working tree's package for the other helpers."""
+    kernels = f"{name}_triton"
+    rewrite = {"from . import": "from deepinfer_cuda_sm100 import"}
+    if _source_at(rev, kernels) is not None:
+        sys.modules[f"{kernels}_at_rev"] = _load_at(rev, kernels, {"from .": "from deepinfer_cuda_sm100."})
+        rewrite[f"from .{kernels} import"] = f"from {kernels}_at_rev import"
+    return _load_at(rev, name, rewrite | {"from .": "from deepinfer_cuda_sm100."})
+
+
+def _source_at(rev: str, name: str) -> str | None:
+    done = subprocess.run(["git", "show", f"{rev}:backends/cuda_sm100/{name}.py"], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def _load_at(rev: str, name: str, rewrite: dict[str, str]):
+    source = _source_at(rev, name)
+    if source is None:
+        raise SystemExit(f"backends/cuda_sm100/{name}.py does not exist at {rev}")
+    for old, new in rewrite.items():  # in order: the specific imports before the general one
+        source = source.replace(old, new)
     path = Path(tempfile.mkdtemp()) / f"{name}_at_rev.py"  # Triton reads a kernel's source from its file
-    path.write_text(
-        source.replace("from . import", "from deepinfer_cuda_sm100 import").replace(
-            "from .", "from deepinfer_cuda_sm100."
-        )
-    )
+    path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"{name}_at_rev", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -25,7 +25,7 @@ from deepinfer.conformance.gemm import V3_PROJECTIONS
 from deepinfer.dispatch import batch_invariant, last_resolution
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 from deepinfer_cuda_sm100 import gemm
-from deepinfer_cuda_sm100.gemm import gemm_fp8_cublas
+from deepinfer_cuda_sm100.gemm_cublas import gemm_fp8_cublas
 
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 4096)
 SETS = 4

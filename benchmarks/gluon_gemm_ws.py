@@ -27,14 +27,15 @@ import json
 import re
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import triton
 
-from deepinfer_cuda_sm100.gemm_gluon import MAX_K, MAX_RESIDENT_K, RESIDENT, STREAMED, launch
+from deepinfer_cuda_sm100.gemm_gluon import MAX_K, MAX_RESIDENT_K, RESIDENT, STREAMED, WsSchedule, launch
 
-VARIANTS = {"streamed 4st": STREAMED, "resident 4st": RESIDENT | {"STAGES": 4}, "resident 5st": RESIDENT}
+VARIANTS = {"streamed 4st": STREAMED, "resident 4st": replace(RESIDENT, stages=4), "resident 5st": RESIDENT}
 
 
 def compile_for_sm90(name: str) -> None:
@@ -64,15 +65,15 @@ def shape_row(m: int, n: int, k: int, peak: float, variants=VARIANTS, rounds: in
     from gemm_tiles import SETS, fp8_ceiling, inputs, rel_err
 
     from deepinfer.bench import time_graph_ms
-    from deepinfer_cuda_sm100 import gemm
+    from deepinfer_cuda_sm100 import gemm, gemm_cublas
 
     a, w = inputs(m, n, k, seed=m + n + k)
     want = a[0].dequantize() @ w[0].dequantize().t()
     unsplit = gemm.gemm_fp8(a[0], w[0], out_dtype=torch.bfloat16, bias=None, invariant=True).view(torch.int16)
-    sides = {"cublas": lambda i: gemm.gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None)} | {
-        name: lambda i, v=v: launch(a[i], w[i], v) if isinstance(v, dict) else v(a[i], w[i])
+    sides = {"cublas": lambda i: gemm_cublas.gemm_fp8_cublas(a[i], w[i], out_dtype=torch.bfloat16, bias=None)} | {
+        name: lambda i, v=v: launch(a[i], w[i], v) if isinstance(v, WsSchedule) else v(a[i], w[i])
         for name, v in variants.items()
-        if k <= MAX_RESIDENT_K or not isinstance(v, dict) or not v["RESIDENT"]
+        if k <= MAX_RESIDENT_K or not isinstance(v, WsSchedule) or not v.resident
     }
     row = {"M": m, "N": n, "K": k}
     for name, fn in list(sides.items()):

@@ -50,7 +50,7 @@ def gemm_ws(a, w, out_dtype):
 
 
 def gemm_cublas(a, w, out_dtype):
-    from deepinfer_cuda_sm100.gemm import gemm_fp8_cublas
+    from deepinfer_cuda_sm100.gemm_cublas import gemm_fp8_cublas
 
     return gemm_fp8_cublas(a, w, out_dtype=out_dtype, bias=None)
 

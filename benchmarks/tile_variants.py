@@ -78,7 +78,7 @@ def varlen_variants(length: int, variants=VARLEN_VARIANTS) -> None:
             f"{label} peer SDPA {name} | {ms:.3f} ms | {flops / ms / 1e9:.0f} TFLOP/s | rel err {err:.1e}", flush=True
         )
     for block_m, block_n, warps, stages in variants:
-        attention.VARLEN_TILE.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        attention.VARLEN_TILE = attention.VarlenTile(block_m, block_n, warps, stages)
         tile = f"BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages}"
         try:
             out = ops.attention_varlen(**inputs[0]).float()
@@ -114,7 +114,7 @@ def main() -> int:
         nbytes = batch * ctx * width
         flops = 2 * batch * ctx * 128 * (576 + 512)  # QK over 576 columns, PV over 512, for 128 heads
         for block_h, block_n, warps, stages, split, tma in variants:
-            attention.MLA_TILE.update(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            attention.MLA_TILE = attention.MlaTile(block_h, block_n, warps, stages)
             attention.MLA_TMA = tma
             attention.MAX_SPLIT_TOKENS = split  # the span at B=64 (the grid already fills the GPU)
             try:

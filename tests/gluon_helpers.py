@@ -52,7 +52,7 @@ def wgmma_serialized(report: str) -> bool:
     return "wgmma.mma_async instructions are serialized" in report
 
 
-def compile_gemm_sm90(schedule: dict, trace_tiles: int = 0):
+def compile_gemm_sm90(schedule, trace_tiles: int = 0):
     """``gemm_gluon``'s kernel for K = 512 in ``schedule``, compiled as ``gemm_gluon.launch`` compiles it (with a
     trace of ``trace_tiles`` tiles, as ``launch(..., trace=...)``)."""
     from deepinfer_cuda_sm100 import gemm_gluon
@@ -67,5 +67,5 @@ def compile_gemm_sm90(schedule: dict, trace_tiles: int = 0):
         "trace_ptr": "*i64" if trace_tiles else "*bf16",  # untraced: the output's pointer, unused
     } | dict.fromkeys(("M", "N"), "i32")
     options = {"num_warps": 4, "enable_fp_fusion": True}
-    constants = schedule | {"K_BLOCKS": 4, "TRACE_TILES": trace_tiles}
+    constants = schedule.constexprs() | {"K_BLOCKS": 4, "TRACE_TILES": trace_tiles}
     return compile_sm90(gemm_gluon.fp8_gemm_ws, signature, constants, options)

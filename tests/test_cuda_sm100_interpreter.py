@@ -289,7 +289,7 @@ def test_unsplit_tile_widens_where_that_makes_one_wave(monkeypatch):
 CUBLAS_PROBE = """
 import torch
 from deepinfer.qtensor import quantize_blocks, quantize_rows
-from deepinfer_cuda_sm100 import gemm
+from deepinfer_cuda_sm100 import gemm, gemm_cublas
 
 g = torch.Generator().manual_seed(5)
 w = quantize_blocks(torch.randn(256, 512, generator=g) * 0.05)
@@ -300,17 +300,17 @@ def off_by_one_bit(a, w, out_dtype, bias):
     out.view(torch.int16)[-1, -1] ^= 1
     return out
 
-gemm.cublas_fp8_supports = lambda a, w, **kw: True  # stands in for a GPU with cuBLAS
+gemm_cublas.cublas_fp8_supports = lambda a, w, **kw: True  # stands in for a GPU with cuBLAS
 capturing = [False]
 torch.cuda.is_current_stream_capturing = lambda: capturing[0]
-ask = lambda m: bool(gemm.cublas_fp8_invariant_supports(
+ask = lambda m: bool(gemm_cublas.cublas_fp8_invariant_supports(
     quantize_rows(torch.randn(m, 512, generator=g), 128, "fp32"), w, out_dtype=torch.bfloat16, bias=None))
-gemm.gemm_fp8_cublas = lambda a, w, *, out_dtype, bias: unsplit(a, w, out_dtype, bias)  # same bits
+gemm_cublas.gemm_fp8_cublas = lambda a, w, *, out_dtype, bias: unsplit(a, w, out_dtype, bias)  # same bits
 first = ask(256)
-gemm.gemm_fp8_cublas = off_by_one_bit  # asked again only at a new row count
+gemm_cublas.gemm_fp8_cublas = off_by_one_bit  # asked again only at a new row count
 print(first, ask(256), ask(320))
 capturing[0] = True
-print(ask(384), (384, 256, 512, 0) in gemm._cublas_answers)
+print(ask(384), (384, 256, 512, 0) in gemm_cublas._cublas_answers)
 """
 
 
@@ -326,7 +326,7 @@ def test_cublas_serves_batch_invariant_mode_only_where_it_gave_the_unsplit_bits(
 
 CUBLAS_DENSE_PROBE = """
 import torch
-from deepinfer_cuda_sm100 import gemm
+from deepinfer_cuda_sm100 import gemm, gemm_cublas
 
 g = torch.Generator().manual_seed(5)
 w = (torch.randn(96, 256, generator=g) * 0.06).bfloat16()
@@ -337,17 +337,17 @@ def off_by_one_bit(a, w, *, out_dtype, bias):
     out.view(torch.int32)[-1, -1] ^= 1
     return out
 
-gemm.cublas_supports = lambda a, w, **kw: True  # stands in for a GPU with cuBLAS
+gemm_cublas.cublas_supports = lambda a, w, **kw: True  # stands in for a GPU with cuBLAS
 capturing = [False]
 torch.cuda.is_current_stream_capturing = lambda: capturing[0]
-ask = lambda m, bias=None: bool(gemm.cublas_invariant_supports(
+ask = lambda m, bias=None: bool(gemm_cublas.cublas_invariant_supports(
     torch.randn(m, 256, generator=g).bfloat16(), w, out_dtype=torch.float32, bias=bias))
-gemm.gemm_cublas = triton_bits  # same bits
+gemm_cublas.gemm_cublas = triton_bits  # same bits
 first, fewer, biased = ask(256), ask(255), ask(512, bias=torch.zeros(96, dtype=torch.bfloat16))
-gemm.gemm_cublas = off_by_one_bit  # asked again only at a new row count
+gemm_cublas.gemm_cublas = off_by_one_bit  # asked again only at a new row count
 print(first, fewer, biased, ask(256), ask(320))
 capturing[0] = True
-print(ask(384), any(384 in key for key in gemm._cublas_answers))
+print(ask(384), any(384 in key for key in gemm_cublas._cublas_answers))
 """
 
 

@@ -90,7 +90,8 @@ def test_few_rows_kernel_compiles_for_sm90_into_one_product_per_k_block_without_
         "count_ptr": "*i32",
     } | dict.fromkeys(("M", "N", "stride_cm"), "i32")
     k_blocks = k // 128
-    constants = gemm_gluon.FEW_ROWS_SCHEDULE | {"K_BLOCKS": k_blocks, "FACTORS": triton.next_power_of_2(k_blocks)}
+    constants = gemm_gluon.FEW_ROWS_SCHEDULE.constexprs() | {"K_BLOCKS": k_blocks}
+    constants |= {"FACTORS": triton.next_power_of_2(k_blocks)}
     constants |= {"PDL": gemm_gluon.PDL, "K_GROUPS": groups, "PULL": gemm_gluon.few_rows_pull(k_blocks, groups, a_rows)}
     in_flight = constants["IN_FLIGHT"]
     kernel = compile_sm90(
@@ -178,18 +179,20 @@ def test_cublas_takes_the_rows_of_whole_waves_and_the_few_row_kernel_the_rest(on
     from 4 waves on (4096 rows), nor where the rest's grid would be as sparse as the few-row rule declines, the waves
     are whole (2976 rows is 2.99 waves: the rest would be 1024 rows), below one wave, where the rest's grid would not
     fit the SMs ((7168, 2048), (24576, 1536)), or where the short-K kernel serves."""
-    monkeypatch.setattr(gemm_gluon, "num_sms", lambda *_: 132)
-    monkeypatch.setattr(gemm_gluon, "cublas_fp8_supports", lambda a, w, **kw: True)  # stands in for cuBLAS
-    waves = lambda m, n, k: gemm_gluon.cublas_whole_waves(m, n, k, 132)
+    from deepinfer_cuda_sm100 import gemm_cublas
+
+    monkeypatch.setattr(gemm_cublas, "num_sms", lambda *_: 132)
+    monkeypatch.setattr(gemm_cublas, "cublas_fp8_supports", lambda a, w, **kw: True)  # stands in for cuBLAS
+    waves = lambda m, n, k: gemm_cublas.cublas_whole_waves(m, n, k, 132)
     assert [waves(m, 2112, 7168) for m in (1024, 2048, 3072, 4096)] == [896, 1920, 2944, 0]
     assert waves(3026, 2112, 7168) == 2944  # a rest of 82 rows: 99 programs
     assert waves(2976, 2112, 7168) == 0  # a rest of 32 rows: 33 programs, where the default mode splits K instead
     assert waves(2944, 2112, 7168) == waves(256, 2112, 7168) == 0
     assert waves(2048, 7168, 2048) == waves(2048, 24576, 1536) == waves(2048, 7168, 16384) == 0
     bf16 = torch.bfloat16
-    takes = lambda m, n, k: bool(gemm_gluon.cublas_waves_supports(*_operands(m, n, k), out_dtype=bf16, bias=None))
+    takes = lambda m, n, k: bool(gemm_cublas.cublas_waves_supports(*_operands(m, n, k), out_dtype=bf16, bias=None))
     assert takes(2048, 2112, 7168) and not takes(2944, 2112, 7168) and not takes(2048, 7168, 2048)
     assert waves(2048, 2112, 512) == 1920 and not takes(2048, 2112, 512)  # the short-K kernel's
     a, w = _operands(2048, 2112, 7168)
-    assert gemm_gluon.cublas_waves_supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)
-    assert not gemm_gluon.cublas_waves_supports(a, w, out_dtype=torch.float32, bias=None)
+    assert gemm_cublas.cublas_waves_supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)
+    assert not gemm_cublas.cublas_waves_supports(a, w, out_dtype=torch.float32, bias=None)

@@ -305,3 +305,180 @@ def test_gemm_kernels_say_why_they_decline(monkeypatch):
     assert got["gluon-fp8-few"] == ("taken", "")
     got = explain(65)  # 7168 / 64 weight-row tiles x 2 row tiles of A
     assert got["gluon-fp8-few"] == ("declined", f"224 programs > {SMS} SMs")
+
+
+# --- every backend's declines say why ------------------------------------------------------------------------------
+
+DECLINES = """
+import json, sys
+from deepinfer.conformance.choices import case_choices
+rows = []
+for c in case_choices(sys.argv[1], "small", "cpu"):
+    assert not c.error, (c.op, c.case, c.error)
+    rows += [[c.op, c.case, provider, why] for provider, why in c.declined]
+    rows += [[c.op, c.case, c.taken, ""]] if "fallback" in c.taken else []
+json.dump(rows, sys.stdout)
+"""
+ASCEND_DOUBLE = os.path.join(os.path.dirname(__file__), "ascend", "double")
+
+
+def _declines(backend: str, **env: str) -> list[list[str]]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    done = subprocess.run(
+        [sys.executable, "-c", DECLINES, backend], capture_output=True, text=True, env={**environ, **env}, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the Triton interpreter is installed on Linux")
+def test_cuda_sm100_declines_say_why_over_the_small_grid():
+    rows = _declines("cuda_sm100", TRITON_INTERPRET="1")
+    assert rows, "the Gluon kernels decline on the CPU: there must be rows"
+    assert not [r for r in rows if "fallback" in r[2]]  # every small case runs a kernel of the backend
+    assert not [r for r in rows if r[3] in ("", "no reason given")], [r for r in rows if not r[3]][:5]
+
+
+@pytest.mark.parametrize("soc", ["", "Ascend910B3"])
+def test_ascend_declines_say_why_over_the_small_grid(soc):
+    """The emulated 950 and A2: each fused operator that declines says which argument or capability it lacks."""
+    env = {"PYTHONPATH": os.pathsep.join([ASCEND_DOUBLE, os.environ.get("PYTHONPATH", "")])}
+    if soc:
+        env["DEEPINFER_TORCH_NPU_DOUBLE_SOC"] = soc
+    rows = _declines("ascend", **env)
+    declined = [r for r in rows if "fallback" not in r[2]]
+    assert declined and not [r for r in declined if r[3] in ("", "no reason given")]
+    reasons = {(op, why) for op, _, _, why in declined}
+    assert ("gemm", "w is dense, not an FP8 QTensor") in reasons
+    assert ("quantize_fp8", "scale_format 'ue8m0', expected 'fp32'") in reasons or soc
+    if soc:  # the A2 has no FP8: the FP8 cases of the fused operators decline by the capability, then fall back
+        assert ("gemm", "this chip (Ascend910B3) lacks the fp8_block_gemm capability") in reasons
+        fallbacks = {op for op, _, taken, _ in rows if "fallback" in taken}
+        assert fallbacks and fallbacks <= {"silu_and_mul", "write_index_cache", "write_kv_cache"}, fallbacks
+        for op, case, taken, _ in rows:
+            if "fallback" in taken:
+                assert any(r[0] == op and r[1] == case and r[3] for r in declined), (op, case)
+
+
+def test_cuda_sm100_supports_name_the_argument_and_the_condition(monkeypatch):
+    """Direct ``supports`` calls with inputs each outside one condition, the kernels' device taken to be the CPU (as
+    under the interpreter): a tensor elsewhere declines by its name."""
+    try:
+        from deepinfer_cuda_sm100 import _triton, compressed_attention, moe, norm, rope
+    except ImportError:
+        pytest.skip("cuda_sm100's kernels need Triton")
+    monkeypatch.setattr(_triton, "device_type", lambda: "cpu")
+    here = "cpu"
+    x = torch.randn(3, 8, device=here)
+    assert verdict(norm.supports(x, torch.ones(8, device="meta"), 1e-6, None)) == (
+        False,
+        f"w is on meta, expected {here}",
+    )
+    assert verdict(norm.supports(torch.randn(2, 70000, device=here), torch.ones(70000, device=here), 1e-6, None)) == (
+        False,
+        "x's rows of 70000 > 65536 elements",
+    )
+    q = torch.randn(2, 4, 12, device=here)  # rotary half 6
+    pos = torch.arange(2, device=here)
+    assert verdict(rope.supports(q, pos, torch.randn(4, 12, device=here), False)) == (
+        False,
+        "x's rotary half 6 is not a power of two",
+    )
+    assert verdict(rope.supports(q[:, :, ::2], pos, torch.randn(4, 6, device=here), False))[1] == (
+        "x's last dimension is not contiguous"
+    )
+    logits = torch.randn(2, 2048, device=here)
+    got = moe.route_supports(logits, None, top_k=8, n_group=1, topk_group=1, renormalize=True,
+                             routed_scaling_factor=1.0, scoring="sigmoid")  # fmt: skip
+    assert verdict(got) == (False, "logits has 2048 experts > 1024")
+    kv = torch.randn(2, 300, 8, device=here)
+    assert verdict(compressed_attention.compress_supports(kv, kv, torch.randn(300, 8, device=here))) == (
+        False,
+        "kv has 300 slots per window > 256",
+    )
+    assert norm.supports(x, torch.ones(8, device=here), 1e-6, None) is True
+
+
+# --- cuda_sm100: gemm's and grouped_gemm's Triton kernels ------------------------------------------------------------
+
+
+@pytest.fixture
+def triton_only(monkeypatch):
+    """cuda_sm100's ``supports`` with the kernels' device taken to be the CPU and cuBLAS and Gluon declining (as under
+    the interpreter): the Triton kernels' choice alone, for an H200's 132 SMs."""
+    gemm = pytest.importorskip("deepinfer_cuda_sm100.gemm")
+    if not registry.get().impls_for("cuda_sm100", "grouped_gemm"):
+        pytest.skip("cuda_sm100 registers no kernels here")
+    from deepinfer_cuda_sm100 import _triton, gemm_cublas
+
+    monkeypatch.setattr(_triton, "device_type", lambda: "cpu")
+    monkeypatch.setattr(gemm_cublas, "INTERPRET", True)
+    monkeypatch.setattr(gemm, "num_sms", lambda *_: SMS)
+    try:
+        from deepinfer_cuda_sm100 import gemm_gluon
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(gemm_gluon, "INTERPRET", True)
+    return gemm
+
+
+def _taken(op: str, kwargs: dict, invariant: bool) -> str:
+    with deepinfer.batch_invariant(invariant):
+        choices = dispatch.explain(op, kwargs, "cuda_sm100")
+    return next(c for c in choices if c.status == "taken").impl.provider
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_fp8_gemm_takes_the_triton_kernel_it_took_before(triton_only, invariant):
+    """The old branching inside ``gemm_fp8``: the swapped kernel up to 16 rows, the tiled one above; ``-unsplit``
+    in batch-invariant mode. The tile ``gemm_fp8`` launches without ``swap`` agrees."""
+    from deepinfer.qtensor import quantize_blocks, quantize_rows
+
+    gemm = triton_only
+    for n, k in [(7168, 2048), (2112, 7168), (384, 640)]:
+        w = quantize_blocks(torch.randn(n, k))
+        for m in (0, 1, 5, 16, 17, 64, 200):
+            for a in (quantize_rows(torch.randn(m, k), 128, "fp32"), torch.randn(m, k, dtype=torch.bfloat16)):
+                kwargs = dict(a=a, w=w, out_dtype=torch.bfloat16, bias=None)
+                want = ("triton-fp8-swapped" if m <= 16 else "triton-fp8") + ("-unsplit" if invariant else "")
+                taken = _taken("gemm", kwargs, invariant)
+                assert taken == want, (m, n, k, taken)
+                if m:
+                    assert gemm._tile(m, n, k, True, invariant).swap == ("swapped" in taken)
+    kwargs = dict(a=torch.randn(17, 640), w=w, out_dtype=torch.bfloat16, bias=None)
+    choices = dispatch.explain("gemm", kwargs, "cuda_sm100")
+    reasons = {c.impl.provider: c.reason for c in choices}
+    assert reasons["triton-fp8-swapped"] == "a has 17 rows > 16"
+
+
+GROUPED_CASES = [(fp8, masked, rows) for fp8 in (False, True) for masked in (False, True) for rows in (1, 63, 64, 200)]
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_grouped_gemm_takes_the_kernel_it_took_before(triton_only, invariant):
+    """The old branching inside ``grouped_gemm``: FP8 in the masked layout swapped; outside batch-invariant mode the
+    dense masked layout at up to 63 rows per expert by the decode tile; else the 64 x 128 tiles."""
+    from deepinfer.qtensor import quantize_blocks
+
+    gemm = triton_only
+    experts, n, k = 3, 256, 256
+    for fp8, masked, rows in GROUPED_CASES:
+        w = torch.randn(experts, n, k, dtype=torch.bfloat16)
+        w = quantize_blocks(w.float()) if fp8 else w
+        if masked:
+            a = torch.randn(experts, rows, k, dtype=torch.bfloat16)
+            layout = dict(expert_offsets=None, masked_m=torch.tensor([rows, 0, rows // 2], dtype=torch.int32))
+        else:
+            a = torch.randn(experts * rows, k, dtype=torch.bfloat16)
+            layout = dict(expert_offsets=torch.arange(0, experts + 1, dtype=torch.int32) * rows, masked_m=None)
+        kwargs = dict(a=a, w=w, **layout, out_dtype=torch.bfloat16)
+        if fp8 and masked:
+            want = "triton-masked-swapped"
+        elif masked and rows <= 63 and not invariant:
+            want = "triton-decode"
+        else:
+            want = "triton"
+        taken = _taken("grouped_gemm", kwargs, invariant)
+        assert taken == want, (fp8, masked, rows, taken)
+        assert gemm.grouped_kernel(a, w, masked_m=layout["masked_m"], invariant=invariant) == taken

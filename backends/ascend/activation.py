@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer import QTensor
+from deepinfer import Decline, QTensor
 
 from . import probe
 from .gemm import quantize_rows_torch
@@ -38,5 +38,8 @@ def silu_and_mul_swiglu(x, *, quantize, scale_format, masked_m, limit) -> torch.
     return npu.npu_swiglu(x.contiguous(), dim=-1)
 
 
-def silu_and_mul_swiglu_supports(x, *, quantize, scale_format, masked_m, limit) -> bool:
-    return probe.on_device(x) and (not quantize or probe.has("fp8_e4m3"))
+def silu_and_mul_swiglu_supports(x, *, quantize, scale_format, masked_m, limit) -> bool | Decline:
+    answer = probe.placed(x=x)
+    if answer and quantize:
+        return probe.capable("fp8_e4m3")
+    return answer

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from deepinfer import Decline
 from deepinfer.kv_cache import FP8_GROUP, fp8_ds_mla_offsets, pack_fp8_ds_mla
 
 from . import probe
@@ -141,23 +142,32 @@ def mla_decode_fia(
     return out, lse
 
 
-def mla_decode_fia_supports(q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format) -> bool:
+def mla_decode_fia_supports(
+    q, kv_cache, block_table, seq_lens, *, softmax_scale, kv_lora_rank, kv_format
+) -> bool | Decline:
     """The MLA mode's documented envelope: query D 512 + rope 64, N in 1..128 (powers of two), bf16, page size a
     multiple of 16 up to 1024; fp8_ds_mla needs the kv_fp8_ds_mla capability (e4m3 on the device)."""
     block_size = kv_cache.shape[1]
     pages = block_table.numel()
-    return (
-        probe.on_device(q, kv_cache, block_table, seq_lens)
-        and q.dtype == torch.bfloat16
-        and kv_lora_rank == MLA_NOPE
-        and q.shape[3] == MLA_NOPE + MLA_ROPE
-        and q.shape[2] in MLA_HEADS
-        and q.shape[1] <= MASK_SIZE
-        and block_size % 16 == 0  # the MLA section's rule, not the general 128..512 one (README assumption 2)
-        and 0 < block_size <= 1024
-        and pages * block_size * MLA_NOPE <= INT32_LIMIT  # docs: key's element count must fit int32
-        and (kv_format == "bf16" or probe.has("kv_fp8_ds_mla"))
-    )
+    answer = probe.placed(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
+    if not answer:
+        return answer
+    if q.dtype != torch.bfloat16:
+        return Decline(f"q is {q.dtype}, expected torch.bfloat16")
+    if kv_lora_rank != MLA_NOPE or q.shape[3] != MLA_NOPE + MLA_ROPE:
+        return Decline(f"kv_lora_rank {kv_lora_rank} and q's width {q.shape[3]}, expected {MLA_NOPE} and 576")
+    if q.shape[2] not in MLA_HEADS:
+        return Decline(f"q has {q.shape[2]} heads, expected one of {MLA_HEADS}")
+    if q.shape[1] > MASK_SIZE:
+        return Decline(f"q has {q.shape[1]} queries per row > {MASK_SIZE}")
+    # the MLA section's rule, not the general 128..512 one (README assumption 2)
+    if block_size % 16 or not 0 < block_size <= 1024:
+        return Decline(f"kv_cache's pages of {block_size} tokens, expected a multiple of 16 up to 1024")
+    if pages * block_size * MLA_NOPE > INT32_LIMIT:  # docs: key's element count must fit int32
+        return Decline("block_table reaches more latent elements than int32 counts")
+    if kv_format != "bf16":
+        return probe.capable("kv_fp8_ds_mla")
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -199,16 +209,22 @@ def attention_varlen_fia(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, 
     return torch.where(sees[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def attention_varlen_fia_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal) -> bool:
+def attention_varlen_fia_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal) -> bool | Decline:
     heads, kv_heads = q.shape[1], k.shape[1]
-    return (
-        probe.on_device(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and _varlen_dims_ok(q.shape[2], v.shape[2], heads == kv_heads)
-        and heads // kv_heads <= 64
-        and 0 < cu_seqlens_q.shape[0] - 1 <= 4096
-        and k.shape[0] > 0
-    )
+    answer = probe.placed(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if not answer:
+        return answer
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return Decline(f"q is {q.dtype}, expected bfloat16 or float16")
+    if not _varlen_dims_ok(q.shape[2], v.shape[2], heads == kv_heads):
+        return Decline(f"head dims {q.shape[2]} (q, k) and {v.shape[2]} (v) are not a documented pair")
+    if heads // kv_heads > 64:
+        return Decline(f"{heads // kv_heads} query heads per kv head > 64")
+    if not 0 < cu_seqlens_q.shape[0] - 1 <= 4096:
+        return Decline(f"cu_seqlens_q holds {cu_seqlens_q.shape[0] - 1} sequences, expected 1 to 4096")
+    if k.shape[0] == 0:
+        return Decline("k has no tokens")
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -237,8 +253,11 @@ def write_kv_cache_scatter(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_f
     scatter_rows(kv_cache, slot_mapping, latent, pack)
 
 
-def write_kv_cache_scatter_supports(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format) -> bool:
-    return probe.on_device(latent, kv_cache, slot_mapping) and (kv_format == "bf16" or probe.has("kv_fp8_ds_mla"))
+def write_kv_cache_scatter_supports(latent, kv_cache, slot_mapping, *, kv_lora_rank, kv_format) -> bool | Decline:
+    answer = probe.placed(latent=latent, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    if answer and kv_format != "bf16":
+        return probe.capable("kv_fp8_ds_mla")
+    return answer
 
 
 # ---------------------------------------------------------------------------------------------------------------

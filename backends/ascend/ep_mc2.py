@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer import QTensor
+from deepinfer import Decline, QTensor
 from deepinfer.ops import ExpertLayout
 from deepinfer.ops.moe import ExpertPlacement
 from deepinfer.reference import ep as ep_ref
@@ -293,32 +293,35 @@ def _group_world(group) -> int:
     return dist.get_world_size(group)
 
 
-def ep_dispatch_mc2_supports(x, ids, weights, *, num_experts, group, mode, capacity, placement) -> bool:
+def ep_dispatch_mc2_supports(x, ids, weights, *, num_experts, group, mode, capacity, placement) -> bool | Decline:
     """MC2 runs for a group of 2 to 384 ranks on a chip with the ``ep_mc2`` capability, the contiguous placement
     with E a multiple of the world size and E <= 512, 0 < k <= 16, rows of at most 8192 columns on the wire and an
     HCCL buffer the docs' formula accepts. Only arguments the same on every rank are read."""
     world = _group_world(group)
     if not WORLD_RANGE[0] <= world <= WORLD_RANGE[1]:
-        return False
+        return Decline(f"group of {world} ranks, expected {WORLD_RANGE[0]} to {WORLD_RANGE[1]}")
     import torch.distributed as dist
 
     k = ids.shape[1]
     bs = max_bs()
-    if not (
-        probe.on_device(x, ids, weights)
-        and probe.has("ep_mc2")
-        and dist.get_backend(group) == probe.collective_backend()
-        and num_experts <= EXPERT_LIMIT
-        and num_experts % world == 0
-        and 0 < k <= min(K_LIMIT, num_experts)
-        and bs > 0
-        and placement == ExpertPlacement.contiguous(num_experts, world)
-    ):
-        return False
+    if not (answer := probe.placed(x=x, ids=ids, weights=weights)) or not (answer := probe.capable("ep_mc2")):
+        return answer
+    if dist.get_backend(group) != probe.collective_backend():
+        return Decline(f"group's backend is {dist.get_backend(group)}, expected {probe.collective_backend()}")
+    if num_experts > EXPERT_LIMIT or num_experts % world:
+        return Decline(f"num_experts {num_experts}: more than {EXPERT_LIMIT} or not a multiple of {world} ranks")
+    if not 0 < k <= min(K_LIMIT, num_experts):
+        return Decline(f"ids has {k} experts per token, expected 1 to {min(K_LIMIT, num_experts)}")
+    if bs <= 0:
+        return Decline(f"{MAX_BS_ENV} gives no rows per rank")
+    if placement != ExpertPlacement.contiguous(num_experts, world):
+        return Decline("placement is not the contiguous one")
     wire = _Wire.of(x, k)
-    return wire.columns <= H_MAX_DISPATCH and buffer_bytes() >= buffer_bytes_needed(
-        num_experts // world, bs, world, wire.columns, k
-    )
+    if wire.columns > H_MAX_DISPATCH:
+        return Decline(f"x's rows take {wire.columns} columns on the wire > {H_MAX_DISPATCH}")
+    if buffer_bytes() < buffer_bytes_needed(num_experts // world, bs, world, wire.columns, k):
+        return Decline(f"the HCCL buffer ({BUFFER_ENV}) is smaller than the dispatch needs")
+    return True
 
 
 def ep_dispatch_mc2(x, ids, weights, *, num_experts, group, mode, capacity, placement) -> tuple:
@@ -587,21 +590,23 @@ def _finish_low_latency(x, ids, wire, received, plan, group, name, me, world, nu
 # ep_combine
 
 
-def ep_combine_mc2_supports(y, handle) -> bool:
+def ep_combine_mc2_supports(y, handle) -> bool | Decline:
     """The handle came from the MC2 dispatch and ``combine_v2`` takes these rows: bf16/fp16, hidden size <= 7168
     (smaller ones are zero-padded to 1024), an HCCL buffer the docs' formula accepts."""
     if not isinstance(handle, (Mc2NormalHandle, Mc2LowLatencyHandle)) or handle.mc2 is None:
-        return False
+        return Decline("handle did not come from the MC2 dispatch")
     st = handle.mc2
     columns = max(y.shape[-1], H_MIN)
     k = st.dest.shape[1] if st.dest.dim() == 2 else 1
-    return (
-        probe.on_device(y)
-        and y.dtype in (torch.bfloat16, torch.float16)
-        and y.shape[-1] <= H_MAX_COMBINE
-        and buffer_bytes()
-        >= buffer_bytes_needed(st.num_experts // st.world, st.global_bs // st.world, st.world, columns, k)
-    )
+    if not (answer := probe.placed(y=y)):
+        return answer
+    if y.dtype not in (torch.bfloat16, torch.float16):
+        return Decline(f"y is {y.dtype}, expected bfloat16 or float16")
+    if y.shape[-1] > H_MAX_COMBINE:
+        return Decline(f"y's rows of {y.shape[-1]} > {H_MAX_COMBINE}")
+    if buffer_bytes() < buffer_bytes_needed(st.num_experts // st.world, st.global_bs // st.world, st.world, columns, k):
+        return Decline(f"the HCCL buffer ({BUFFER_ENV}) is smaller than the combine needs")
+    return True
 
 
 def ep_combine_mc2(y, handle) -> torch.Tensor:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deepinfer import QTensor
+from deepinfer import Decline, QTensor
 from deepinfer.qtensor import round_scale_ue8m0
 
 from . import probe
@@ -99,14 +99,16 @@ def quantize_fp8_block_quant(x, *, block, scale_format) -> QTensor:
     return QTensor(data, scale, (1, BLOCK), scale_format)
 
 
-def quantize_fp8_block_quant_supports(x, *, block, scale_format) -> bool:
-    return (
-        probe.on_device(x)
-        and probe.has("fp8_e4m3")
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and block == BLOCK
-        and scale_format == "fp32"
-    )
+def quantize_fp8_block_quant_supports(x, *, block, scale_format) -> bool | Decline:
+    if not (answer := probe.placed(x=x)) or not (answer := probe.capable("fp8_e4m3")):
+        return answer
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return Decline(f"x is {x.dtype}, expected bfloat16 or float16")
+    if block != BLOCK:
+        return Decline(f"block {block}, expected {BLOCK}")
+    if scale_format != "fp32":
+        return Decline(f"scale_format {scale_format!r}, expected 'fp32'")
+    return True
 
 
 def quantize_fp8_torch(x, *, block, scale_format) -> QTensor:
@@ -163,14 +165,16 @@ def gemm_quant_matmul(a, w, *, out_dtype, bias) -> torch.Tensor:
     return out if bias is None else (out + bias.float()).to(out_dtype)
 
 
-def gemm_quant_matmul_supports(a, w, *, out_dtype, bias) -> bool:
-    return (
-        isinstance(w, QTensor)
-        and probe.on_device(a, w, bias)
-        and probe.has("fp8_block_gemm")
-        and (not mx_recipe() or probe.has("mxfp8"))
-        and w.shape[1] <= 65535
-    )
+def gemm_quant_matmul_supports(a, w, *, out_dtype, bias) -> bool | Decline:
+    if not isinstance(w, QTensor):
+        return Decline("w is dense, not an FP8 QTensor")
+    if not (answer := probe.placed(a=a, w=w, bias=bias)) or not (answer := probe.capable("fp8_block_gemm")):
+        return answer
+    if mx_recipe() and not (answer := probe.capable("mxfp8")):
+        return answer
+    if w.shape[1] > 65535:
+        return Decline(f"w's K of {w.shape[1]} > 65535")
+    return True
 
 
 def gemm_torch(a, w, *, out_dtype, bias) -> torch.Tensor:
@@ -241,11 +245,19 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tens
     return out if masked_m is None else out.view(experts, -1, n)
 
 
-def grouped_gemm_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool:
-    ok = probe.on_device(a, w, expert_offsets, masked_m) and w.shape[0] <= 1024 and w.shape[2] < 65536
+def grouped_gemm_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+    if not (answer := probe.placed(a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m)):
+        return answer
+    if w.shape[0] > 1024:
+        return Decline(f"w holds {w.shape[0]} experts > 1024")
+    if w.shape[2] >= 65536:
+        return Decline(f"w's K of {w.shape[2]} >= 65536")
     if isinstance(w, QTensor):
-        return ok and probe.has("fp8_block_gemm") and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
-    return ok
+        if not (answer := probe.capable("fp8_block_gemm")):
+            return answer
+        if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return Decline(f"out_dtype is {out_dtype}, expected bfloat16, float16 or float32")
+    return True
 
 
 def grouped_gemm_torch(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer import Decline
+
 from . import probe
 
 
@@ -41,12 +43,18 @@ def hc_head_rms_norm(streams, fn, base, scale, *, eps, norm_eps):
     return _collapse(streams, torch.sigmoid(_mixes(streams, fn, norm_eps) * scale[0] + base) + eps)
 
 
-def hc_pre_rms_norm_supports(streams, fn, base, scale, *, sinkhorn_iters, eps, norm_eps) -> bool:
-    return probe.on_device(streams, fn, base, scale) and streams.shape[0] > 0
+def _has_tokens(answer: bool | Decline, streams) -> bool | Decline:
+    if answer and streams.shape[0] == 0:
+        return Decline("streams has no tokens")
+    return answer
 
 
-def hc_head_rms_norm_supports(streams, fn, base, scale, *, eps, norm_eps) -> bool:
-    return probe.on_device(streams, fn, base, scale) and streams.shape[0] > 0
+def hc_pre_rms_norm_supports(streams, fn, base, scale, *, sinkhorn_iters, eps, norm_eps) -> bool | Decline:
+    return _has_tokens(probe.placed(streams=streams, fn=fn, base=base, scale=scale), streams)
+
+
+def hc_head_rms_norm_supports(streams, fn, base, scale, *, eps, norm_eps) -> bool | Decline:
+    return _has_tokens(probe.placed(streams=streams, fn=fn, base=base, scale=scale), streams)
 
 
 def hc_post_torch(block_out, streams, post, comb):

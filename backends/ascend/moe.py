@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer import QTensor
+from deepinfer import Decline, QTensor
 from deepinfer.ops import ExpertLayout
 from deepinfer.reference.moe import LocalHandle
 
@@ -79,13 +79,17 @@ def moe_route_gating_supports(
 ) -> bool:
     experts = logits.shape[1]
     per_group = experts // n_group
-    return (
-        probe.on_device(logits, bias)
-        and experts <= 2048
-        and (n_group == 1 or (per_group > 2 and -(-per_group // 32) * 32 * n_group <= 2048))
-        and (renormalize or scoring == "softmax")
-        and scoring != "sqrtsoftplus"  # norm_type is documented for softmax (0) and sigmoid (1) only
-    )
+    if not (answer := probe.placed(logits=logits, bias=bias)):
+        return answer
+    if experts > 2048:
+        return Decline(f"logits has {experts} experts > 2048")
+    if n_group != 1 and not (per_group > 2 and -(-per_group // 32) * 32 * n_group <= 2048):
+        return Decline(f"n_group {n_group}: groups of {per_group} experts, expected > 2 and <= 2048 padded to 32")
+    if scoring == "sqrtsoftplus":  # norm_type is documented for softmax (0) and sigmoid (1) only
+        return Decline("scoring 'sqrtsoftplus' has no norm_type")
+    if not renormalize and scoring != "softmax":
+        return Decline(f"renormalize=False with scoring {scoring!r}: only softmax scores go unrenormalized")
+    return True
 
 
 def _scores(logits, scoring) -> torch.Tensor:
@@ -283,14 +287,19 @@ def _empty_dispatch(x, ids, weights, num_experts, mode, capacity):
     return recv_x, recv_ids, recv_w, layout, handle
 
 
-def ep_dispatch_init_routing_supports(x, ids, weights, *, num_experts, group, mode, capacity, placement) -> bool:
+def ep_dispatch_init_routing_supports(
+    x, ids, weights, *, num_experts, group, mode, capacity, placement
+) -> bool | Decline:
     dtype = x.data.dtype if isinstance(x, QTensor) else x.dtype
-    return (
-        _group_size(group) == 1
-        and probe.on_device(x, ids, weights)
-        and num_experts <= 10240
-        and dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-    )
+    if _group_size(group) != 1:
+        return Decline(f"group of {_group_size(group)} ranks: one process only")
+    if not (answer := probe.placed(x=x, ids=ids, weights=weights)):
+        return answer
+    if num_experts > 10240:
+        return Decline(f"num_experts {num_experts} > 10240")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
+        return Decline(f"x is {dtype}, expected a float or float8_e4m3fn")
+    return True
 
 
 def ep_combine_finalize(y, handle) -> torch.Tensor:
@@ -314,5 +323,7 @@ def ep_combine_finalize(y, handle) -> torch.Tensor:
     return torch.where(handle.lost[:, None], torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
 
 
-def ep_combine_finalize_supports(y, handle) -> bool:
-    return isinstance(handle, AscendHandle) and probe.on_device(y)
+def ep_combine_finalize_supports(y, handle) -> bool | Decline:
+    if not isinstance(handle, AscendHandle):
+        return Decline(f"handle is a {type(handle).__name__}, not this backend's one-process dispatch's")
+    return probe.placed(y=y)

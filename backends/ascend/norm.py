@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer import Decline
+
 from . import probe
 
 
@@ -24,8 +26,16 @@ def rms_norm_fused(x, w, eps, residual) -> tuple[torch.Tensor, torch.Tensor]:
     return y, h
 
 
-def rms_norm_fused_supports(x, w, eps, residual) -> bool:
-    return probe.on_device(x, w, residual) and w.dtype == x.dtype and x.numel() > 0 and x.dim() <= 8
+def rms_norm_fused_supports(x, w, eps, residual) -> bool | Decline:
+    if not (answer := probe.placed(x=x, w=w, residual=residual)):
+        return answer
+    if w.dtype != x.dtype:
+        return Decline(f"w is {w.dtype}, x {x.dtype}: expected one dtype")
+    if x.numel() == 0:
+        return Decline("x is empty")
+    if x.dim() > 8:
+        return Decline(f"x has {x.dim()} dimensions > 8")
+    return True
 
 
 def rms_norm_torch(x, w, eps, residual) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,8 @@ import warnings
 import weakref
 from types import ModuleType
 
+from deepinfer import Decline
+
 EMULATED = "torch_npu test double (emulated, not hardware)"
 SOC_ENV = "DEEPINFER_ASCEND_SOC"
 
@@ -108,11 +110,29 @@ def on_device(*tensors) -> bool:
     return all(t.device.type == want for t in tensors if t is not None)
 
 
+def placed(**tensors) -> bool | Decline:
+    """True where every tensor argument given (None skipped, a QTensor by its data) is on the backend's device;
+    else a ``Decline`` naming the first that is not, for a ``supports`` to return."""
+    want = device_type()
+    for name, t in tensors.items():
+        if t is not None and t.device.type != want:
+            return Decline(f"{name} is on {t.device.type}, expected {want}")
+    return True
+
+
+def capable(*needed: str) -> bool | Decline:
+    """True where the chip at hand has every capability named; else a ``Decline`` naming the first it lacks."""
+    for capability in needed:
+        if not has(capability):
+            return Decline(f"this chip ({soc_name()}) lacks the {capability} capability")
+    return True
+
+
 def supports_on_device(*names: str):
     """A ``supports`` predicate for plain-torch implementations: the named arguments are on the backend's device."""
 
-    def supports(**kwargs) -> bool:
-        return on_device(*(kwargs[n] for n in names))
+    def supports(**kwargs) -> bool | Decline:
+        return placed(**{n: kwargs[n] for n in names})
 
     return supports
 

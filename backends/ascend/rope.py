@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer import Decline
+
 from . import probe
 
 
@@ -30,5 +32,11 @@ def rope_rotary_mul(x, positions, cos_sin_cache, interleaved) -> torch.Tensor:
     return npu.npu_rotary_mul(x.contiguous(), r1, r2, rotary_mode="interleave" if interleaved else "half")
 
 
-def rope_rotary_mul_supports(x, positions, cos_sin_cache, interleaved) -> bool:
-    return probe.on_device(x, positions, cos_sin_cache) and x.shape[2] < 896 and x.shape[1] < 1000
+def rope_rotary_mul_supports(x, positions, cos_sin_cache, interleaved) -> bool | Decline:
+    if not (answer := probe.placed(x=x, positions=positions, cos_sin_cache=cos_sin_cache)):
+        return answer
+    if x.shape[2] >= 896:
+        return Decline(f"x's head dim {x.shape[2]} >= 896")
+    if x.shape[1] >= 1000:
+        return Decline(f"x has {x.shape[1]} heads >= 1000")
+    return True

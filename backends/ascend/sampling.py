@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer import Decline
+
 from . import probe
 
 MASK32 = 0xFFFFFFFF
@@ -57,8 +59,8 @@ def sample_torch(logits, temperature, top_p, top_k, seeds) -> torch.Tensor:
     return torch.where(greedy, torch.argmax(raw, dim=-1), drawn).to(torch.int32)
 
 
-def sample_torch_supports(logits, temperature, top_p, top_k, seeds) -> bool:
-    return probe.on_device(logits, temperature, top_p, top_k, seeds)
+def sample_torch_supports(logits, temperature, top_p, top_k, seeds) -> bool | Decline:
+    return probe.placed(logits=logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds)
 
 
 def apply_token_bitmask_torch(logits, bitmask) -> torch.Tensor:

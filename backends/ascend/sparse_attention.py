@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from deepinfer import Decline
 from deepinfer.index_cache import pack_fp8_ds_index, unpack_fp8_ds_index
 from deepinfer.reference import sparse_attention as reference
 
@@ -148,26 +149,36 @@ def indexer_topk_lightning(q, weights, index_cache, block_table, cu_seqlens_q, s
     return positions_to_slots(positions[:, 0], seq, visible, block_table, block_size)
 
 
-def indexer_topk_lightning_supports(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *, topk) -> bool:
+def indexer_topk_lightning_supports(
+    q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *, topk
+) -> bool | Decline:
     """The documented envelope: bf16 q (the key takes q's dtype), head dim 128, query heads up to 64 (the 950: 8,
     16, 24, 32 or 64), page size a multiple of 16 up to 1024, sparse_count in [1, 2048] or 3072..8192 by 1024;
     fp8_ds_index keys are dequantised on the device, which needs e4m3 there."""
     heads, block_size = q.shape[1], index_cache.shape[1]
+    tensors = dict(q=q, weights=weights, index_cache=index_cache, block_table=block_table)
+    if not (answer := probe.placed(**tensors, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)):
+        return answer
+    if not (answer := probe.capable("dsa")):
+        return answer
+    if q.dtype != torch.bfloat16:
+        return Decline(f"q is {q.dtype}, expected torch.bfloat16")
+    if q.shape[2] != LI_HEAD_DIM:
+        return Decline(f"q's head dim {q.shape[2]}, expected {LI_HEAD_DIM}")
     if probe.has("dsa_indexer_any_heads"):
-        heads_ok = 1 <= heads <= LI_MAX_HEADS
-    else:
-        heads_ok = heads in LI_950_HEADS
-    return (
-        probe.on_device(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens)
-        and probe.has("dsa")
-        and q.dtype == torch.bfloat16
-        and q.shape[2] == LI_HEAD_DIM
-        and heads_ok
-        and topk in LI_SPARSE_COUNTS
-        and _block_size_ok(block_size)
-        and (index_cache.dtype == torch.bfloat16 or probe.has("fp8_e4m3"))
-        and index_cache.shape[0] * block_size <= INT32_LIMIT
-    )
+        if not 1 <= heads <= LI_MAX_HEADS:
+            return Decline(f"q has {heads} heads, expected 1 to {LI_MAX_HEADS}")
+    elif heads not in LI_950_HEADS:
+        return Decline(f"q has {heads} heads, expected one of {sorted(LI_950_HEADS)}")
+    if topk not in LI_SPARSE_COUNTS:
+        return Decline(f"topk {topk}: expected 1 to 2048, or 3072 to 8192 by 1024")
+    if not _block_size_ok(block_size):
+        return Decline(f"index_cache's pages of {block_size} tokens, expected a multiple of 16 up to 1024")
+    if index_cache.dtype != torch.bfloat16 and not (answer := probe.capable("fp8_e4m3")):
+        return answer
+    if index_cache.shape[0] * block_size > INT32_LIMIT:
+        return Decline("index_cache holds more tokens than int32 counts")
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,21 +245,28 @@ def sparse_mla_sfa(
     return out, torch.where(sees[:, None], lse, no_lse)
 
 
-def sparse_mla_sfa_supports(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format) -> bool:
+def sparse_mla_sfa_supports(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format) -> bool | Decline:
     """The documented envelope: bf16 q, nope 512 + rope 64, query heads 1..128 on the 950, powers of two up to 128
     on A2/A3; fp8_ds_mla is dequantised on the device, which needs e4m3 there."""
     heads = q.shape[1]
-    heads_ok = 1 <= heads <= SFA_MAX_HEADS if probe.has("dsa_sfa_any_heads") else heads in MLA_HEADS
-    return (
-        probe.on_device(q, kv_cache, indices)
-        and probe.has("dsa")
-        and q.dtype == torch.bfloat16
-        and kv_lora_rank == MLA_NOPE
-        and q.shape[2] == MLA_NOPE + MLA_ROPE
-        and heads_ok
-        and (kv_format == "bf16" or probe.has("kv_fp8_ds_mla"))
-        and kv_cache.shape[0] * kv_cache.shape[1] <= INT32_LIMIT
-    )
+    if not (answer := probe.placed(q=q, kv_cache=kv_cache, indices=indices)):
+        return answer
+    if not (answer := probe.capable("dsa")):
+        return answer
+    if q.dtype != torch.bfloat16:
+        return Decline(f"q is {q.dtype}, expected torch.bfloat16")
+    if kv_lora_rank != MLA_NOPE or q.shape[2] != MLA_NOPE + MLA_ROPE:
+        return Decline(f"kv_lora_rank {kv_lora_rank} and q's width {q.shape[2]}, expected {MLA_NOPE} and 576")
+    if probe.has("dsa_sfa_any_heads"):
+        if not 1 <= heads <= SFA_MAX_HEADS:
+            return Decline(f"q has {heads} heads, expected 1 to {SFA_MAX_HEADS}")
+    elif heads not in MLA_HEADS:
+        return Decline(f"q has {heads} heads, expected one of {MLA_HEADS}")
+    if kv_format != "bf16" and not (answer := probe.capable("kv_fp8_ds_mla")):
+        return answer
+    if kv_cache.shape[0] * kv_cache.shape[1] > INT32_LIMIT:
+        return Decline("kv_cache holds more tokens than int32 counts")
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -260,10 +278,11 @@ def write_index_cache_scatter(k, index_cache, slot_mapping) -> None:
     scatter_rows(index_cache, slot_mapping, k, None if index_cache.dtype == torch.bfloat16 else pack_fp8_ds_index)
 
 
-def write_index_cache_scatter_supports(k, index_cache, slot_mapping) -> bool:
-    return probe.on_device(k, index_cache, slot_mapping) and (
-        index_cache.dtype == torch.bfloat16 or probe.has("fp8_e4m3")
-    )
+def write_index_cache_scatter_supports(k, index_cache, slot_mapping) -> bool | Decline:
+    answer = probe.placed(k=k, index_cache=index_cache, slot_mapping=slot_mapping)
+    if answer and index_cache.dtype != torch.bfloat16:
+        return probe.capable("fp8_e4m3")
+    return answer
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import Decline, QTensor
+
 from .probe import interpreting
 
 # The Triton interpreter has no bf16 arithmetic, so kernels take an fp32 path for dot products there (see ``dot``);
@@ -33,6 +35,17 @@ def device_type() -> str:
 def on_device(*tensors: torch.Tensor | None) -> bool:
     want = device_type()
     return all(t is None or t.device.type == want for t in tensors)
+
+
+def placed(**tensors: torch.Tensor | QTensor | None) -> bool | Decline:
+    """True where every tensor argument given (None skipped, a QTensor by its data) is where this backend's kernels
+    take it (``device_type``); else a ``Decline`` naming the first that is not, for a ``supports`` to return."""
+    want = device_type()
+    for name, t in tensors.items():
+        t = t.data if isinstance(t, QTensor) else t
+        if t is not None and t.device.type != want:
+            return Decline(f"{name} is on {t.device.type}, expected {want}")
+    return True
 
 
 @functools.cache

@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer import QTensor
+from deepinfer import Decline, QTensor
 
-from ._triton import INTERPRET, PDL, cast, next_pow2, on_device, pdl_wait, pow2_ceil, to_e4m3
+from ._triton import INTERPRET, PDL, cast, next_pow2, pdl_wait, placed, pow2_ceil, to_e4m3
 
 BLOCK = 128  # one FP8 scale group
 GROUPS = 8  # scale groups per program
@@ -94,5 +94,5 @@ def silu_and_mul(x, *, quantize, scale_format, masked_m, limit):
     return y.view(*lead, inter)
 
 
-def supports(x, *, quantize, scale_format, masked_m, limit) -> bool:
-    return on_device(x, masked_m)
+def supports(x, *, quantize, scale_format, masked_m, limit) -> bool | Decline:
+    return placed(x=x, masked_m=masked_m)

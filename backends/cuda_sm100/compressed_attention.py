@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
+from deepinfer import Decline
+
+from ._triton import PDL, cast, next_pow2, pdl_wait, placed
 
 BLOCK_D = 128
 BLOCK_N = 16
@@ -168,13 +170,22 @@ def sparse_attention_sinks(q, kv, indices, sinks, *, softmax_scale):
     return out
 
 
-def compress_supports(kv, gate, position_bias) -> bool:
-    return on_device(kv, gate, position_bias) and kv.shape[1] <= 256
+def compress_supports(kv, gate, position_bias) -> bool | Decline:
+    answer = placed(kv=kv, gate=gate, position_bias=position_bias)
+    if answer and kv.shape[1] > 256:
+        return Decline(f"kv has {kv.shape[1]} slots per window > 256")
+    return answer
 
 
-def topk_supports(q, weights, keys, key_start, key_count, *, topk) -> bool:
-    return on_device(q, weights, keys, key_start, key_count) and q.shape[2] <= 1024
+def topk_supports(q, weights, keys, key_start, key_count, *, topk) -> bool | Decline:
+    answer = placed(q=q, weights=weights, keys=keys, key_start=key_start, key_count=key_count)
+    if answer and q.shape[2] > 1024:
+        return Decline(f"q's head dim {q.shape[2]} > 1024")
+    return answer
 
 
-def attend_supports(q, kv, indices, sinks, *, softmax_scale) -> bool:
-    return on_device(q, kv, indices, sinks) and q.shape[2] <= 1024
+def attend_supports(q, kv, indices, sinks, *, softmax_scale) -> bool | Decline:
+    answer = placed(q=q, kv=kv, indices=indices, sinks=sinks)
+    if answer and q.shape[2] > 1024:
+        return Decline(f"q's head dim {q.shape[2]} > 1024")
+    return answer

@@ -16,13 +16,13 @@ In both, one program per SM walks its tiles:
   waited for, then ``acc + part * (a_scale * b_scale)``;
 - each consumer stores its 64 x 128 bf16 result by TMA from its own shared buffer.
 
-The arithmetic of every element is the unsplit ``tl`` kernel's (``gemm._gemm_kernel``): the K-ordered sum of 128-deep
-products, each from zero and scaled; the bits are the same (``benchmarks/gluon_gemm_ws.py`` checks each launch,
-conformance checks rows alone against the batch), so batch-invariant mode takes it too.
+The arithmetic of every element is the unsplit ``tl`` kernel's (``gemm_triton._gemm_kernel``): the K-ordered sum of
+128-deep products, each from zero and scaled; the bits are the same (``benchmarks/gluon_gemm_ws.py`` checks each
+launch, conformance checks rows alone against the batch), so batch-invariant mode takes it too.
 
 ``fp8_gemm_few_rows`` serves up to 192 rows with the operands swapped (the weight's rows as wgmma's M, as
-``gemm._gemm_swapped_kernel`` does): one program per 64 weight rows and 16, 32 or 64 rows of A, a warp copying the K
-blocks by TMA eight stages ahead, one warpgroup multiplying two K blocks at a time (both products in flight, then
+``gemm_triton._gemm_swapped_kernel`` does): one program per 64 weight rows and 16, 32 or 64 rows of A, a warp copying
+the K blocks by TMA eight stages ahead, one warpgroup multiplying two K blocks at a time (both products in flight, then
 each scaled and added in K order), every block's scale factor computed first into shared memory. Without a split over
 K it gives the unsplit bits in both modes; it serves where its grid fits the SMs once and fills enough of them
 (``few_rows_supports``; benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` up to 192 rows). Up to 8
@@ -31,10 +31,8 @@ multiplies a quarter of the K blocks and stores the products, then chains a quar
 all of them in K order (the same bits; benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` in K
 groups).
 
-``gemm_fp8_cublas_waves`` (default mode only): where cuBLAS's 128 x 128 tiles make one to three whole waves and a few
-tiles more, cuBLAS takes the rows of the whole waves, writing into the output in place, and the few-row kernel the
-rest, instead of cuBLAS running a last wave of a few tiles at most of a whole wave's time (``cublas_whole_waves``;
-(2112, 7168) at 1024-3072 rows: benchmarks/HISTORY.md, 2026-12-04 — cuBLAS in whole waves).
+The few-row kernel also serves ``gemm_cublas.gemm_fp8_cublas_waves``: cuBLAS over the rows of whole waves of tiles,
+this kernel over the rest.
 """
 
 from __future__ import annotations
@@ -59,7 +57,7 @@ from deepinfer.dispatch import batch_invariant_enabled
 
 from ._gluon import BARRIER, TMA_LOAD, TMA_STORE, launch_dependents, plain_rows, tma_descriptor, wait_previous
 from ._triton import INTERPRET, PDL, hopper, num_sms, on_device, tma_ready
-from .gemm import FP8_BLOCK, _as_fp8, cublas_fp8_supports, gemm_fp8_cublas
+from .gemm import FP8_BLOCK, _as_fp8
 
 BK = gl.constexpr(128)  # K blocks of 128: one activation scale and one weight scale each
 BN = gl.constexpr(128)  # tile columns: one weight scale block
@@ -285,10 +283,25 @@ def fp8_gemm_ws(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, trace_ptr, K_BLOCK
     )  # fmt: skip
 
 
-# Registers per consumer thread and per producer thread: 3 x 128 x 152 + 32 x 56 of an SM's 64K. Shared memory:
-# 208 KB streamed (4 stages), 224 KB resident at K = 512 (5 stages).
-STREAMED = {"RESIDENT": False, "GROUP_M": 8, "STAGES": 4, "CONSUMER_REGS": 152, "PRODUCER_REGS": 56}
-RESIDENT = STREAMED | {"RESIDENT": True, "GROUP_M": 0, "STAGES": 5}
+@dataclasses.dataclass(frozen=True)
+class WsSchedule:
+    """``fp8_gemm_ws``'s schedule (its compile-time constants). Registers per consumer thread and per producer thread:
+    3 x 128 x 152 + 32 x 56 of an SM's 64K. Shared memory: 208 KB streamed (4 stages), 224 KB resident at K = 512
+    (5 stages)."""
+
+    resident: bool = False  # a row block's whole A stays in shared memory while the program walks a run of tiles
+    group_m: int = 8  # row blocks walked together down the column blocks (0: each program a contiguous run of tiles)
+    stages: int = 4  # K blocks in the shared-memory ring
+    consumer_regs: int = 152  # registers per thread of the three consumer warpgroups
+    producer_regs: int = 56  # registers per thread of the producer warp
+
+    def constexprs(self) -> dict[str, int | bool]:
+        """The kernel's constants: ``RESIDENT``, ``GROUP_M``, ``STAGES``, ``CONSUMER_REGS``, ``PRODUCER_REGS``."""
+        return {k.upper(): v for k, v in dataclasses.asdict(self).items()}
+
+
+STREAMED = WsSchedule()
+RESIDENT = WsSchedule(resident=True, group_m=0, stages=5)
 MIN_M, MAX_K, MAX_RESIDENT_K = 384, 1024, 512  # where it was measured faster than cuBLAS (streamed, 256 rows: 1.02x)
 
 
@@ -301,7 +314,9 @@ def _descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
     )
 
 
-def launch(a: QTensor, w: QTensor, schedule: dict | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
+def launch(
+    a: QTensor, w: QTensor, schedule: WsSchedule | None = None, trace: torch.Tensor | None = None
+) -> torch.Tensor:
     """``a`` [M, K] FP8 with (1, 128) scales, ``w`` [N, K] FP8 with (128, 128) scales; a new bf16 [M, N]. The
     schedule: ``RESIDENT`` A up to ``MAX_RESIDENT_K``, else ``STREAMED``. ``trace`` (a benchmark's instrument, int64 on
     the GPU): the first program's consumers write the SM's cycle counter into it as they go, for its first
@@ -318,7 +333,7 @@ def launch(a: QTensor, w: QTensor, schedule: dict | None = None, trace: torch.Te
     fp8_gemm_ws[(programs,)](
         *_descriptors(a.data.contiguous(), w.data.contiguous(), out), a.scale.contiguous(), w.scale.contiguous(),
         m, n, out if trace is None else trace,  # (untraced, the pointer is not used)
-        K_BLOCKS=k_blocks, **schedule, TRACE_TILES=trace_tiles, num_warps=4,
+        K_BLOCKS=k_blocks, **schedule.constexprs(), TRACE_TILES=trace_tiles, num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the unsplit kernel (Triton 3.10 turns fusion off)
     )  # fmt: skip
     return out
@@ -343,12 +358,14 @@ def _fp8_operands(a, w, out_dtype, bias) -> bool | Decline:
         return Decline(f"a is not a 2-D bf16 or (1, {FP8_BLOCK})-scaled e4m3 matrix")
     if w.shape[1] % FP8_BLOCK or w.shape[0] % 8:
         return Decline(f"w is {list(w.shape)}: K not a multiple of {FP8_BLOCK} or N of 8")
-    if bias is not None or out_dtype != bf16:
-        return Decline("a bias or a result other than bf16")
+    if bias is not None:
+        return Decline("a bias is given")
+    if out_dtype != bf16:
+        return Decline(f"out_dtype is {out_dtype}, expected torch.bfloat16")
     if not on_device(a_data, w.data) or not hopper(a_data.device.index or 0):
-        return Decline("operands are not on an SM90 (Hopper) GPU")
+        return Decline("a and w are not on an SM90 (Hopper) GPU")
     if not tma_ready(a_data, w.data):
-        return Decline("operands cannot be read by TMA copies")
+        return Decline("a or w cannot be read by TMA copies (rows not 16-byte aligned)")
     return True
 
 
@@ -567,7 +584,7 @@ def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, parts_ptr, count_pt
     each group stores its blocks' products to ``parts_ptr`` (fp32, [tiles, K_BLOCKS, R, 64]) and counts in at
     ``count_ptr`` (int32 per tile, a multiple of ``ARRIVALS`` between launches); then each chains its share of the
     tile's weight rows over every K block from them, ``PULL`` blocks loaded at once. Every program of the grid must
-    be resident at once (each waits for its tile's other groups). The bits of ``gemm._gemm_swapped_kernel``
+    be resident at once (each waits for its tile's other groups). The bits of ``gemm_triton._gemm_swapped_kernel``
     unsplit, whatever ``K_GROUPS``. ``PDL``: launched early, it waits for the previous kernel first."""
     launch_dependents(PDL)
     wait_previous(PDL)
@@ -592,10 +609,22 @@ def fp8_gemm_few_rows(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, parts_ptr, count_pt
     )  # fmt: skip
 
 
-# 8 stages of 16 KB at 64 rows of A: 128 KB, beside K / 2 bytes of factors (64 KB at MAX_FEW_K); one program per SM.
-# Two K blocks' products in flight (``IN_FLIGHT``). Measured against 12 stages and 1 or 4 products in flight
-# (benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` up to 192 rows).
-FEW_ROWS_SCHEDULE = {"STAGES": 8, "PRODUCER_REGS": 40, "IN_FLIGHT": 2}
+@dataclasses.dataclass(frozen=True)
+class FewRowsSchedule:
+    """``fp8_gemm_few_rows``'s schedule (its compile-time constants): 8 stages of 16 KB at 64 rows of A, 128 KB,
+    beside K / 2 bytes of factors (64 KB at ``MAX_FEW_K``); one program per SM. Measured against 12 stages and 1 or 4
+    products in flight (benchmarks/HISTORY.md, 2026-12-04 — the few-row Gluon FP8 ``gemm`` up to 192 rows)."""
+
+    stages: int = 8  # K blocks in the shared-memory ring the copying warp fills ahead
+    producer_regs: int = 40  # registers per thread of the copying warp
+    in_flight: int = 2  # K blocks' products issued before the first is waited for
+
+    def constexprs(self) -> dict[str, int]:
+        """The kernel's constants: ``STAGES``, ``PRODUCER_REGS``, ``IN_FLIGHT``."""
+        return {k.upper(): v for k, v in dataclasses.asdict(self).items()}
+
+
+FEW_ROWS_SCHEDULE = FewRowsSchedule()
 FEW_A_ROWS = (16, 32, 64)  # rows of A per program: 16 up to 16 rows, else the fewer of 32 and 64 whose grid fits
 MAX_FEW_K, FEW_MAX_M = 32768, 192
 # Where it serves: while its grid fits the SMs at once and gives more than this share of them a program; with fewer
@@ -652,7 +681,7 @@ def _counters(device: torch.device) -> torch.Tensor | None:
 def launch_few_rows(
     a: QTensor,
     w: QTensor,
-    schedule: dict | None = None,
+    schedule: FewRowsSchedule | None = None,
     a_rows: int | None = None,
     groups: int | None = None,
     out: torch.Tensor | None = None,
@@ -689,7 +718,7 @@ def launch_few_rows(
         tma_descriptor(w.data.contiguous(), [W_ROWS.value, FP8_BLOCK], gl.float8e4nv),
         out, a.scale.contiguous(), w.scale.contiguous(), parts, counts, m, n,
         out.stride(0), K_BLOCKS=k_blocks, FACTORS=triton.next_power_of_2(k_blocks), K_GROUPS=k_groups,
-        PULL=few_rows_pull(k_blocks, k_groups, a_rows), **(schedule or FEW_ROWS_SCHEDULE), num_warps=4,
+        PULL=few_rows_pull(k_blocks, k_groups, a_rows), **(schedule or FEW_ROWS_SCHEDULE).constexprs(), num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the Triton kernels
         PDL=PDL, launch_pdl=PDL,
     )  # fmt: skip
@@ -726,64 +755,3 @@ def few_rows_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     if FEW_MIN_SHARE * sms < programs // groups:
         return True
     return Decline(f"{programs // groups} output tiles <= {FEW_MIN_SHARE:g} x {sms} SMs")
-
-
-# --- cuBLAS in whole waves, the rest of the rows by the few-row kernel ---------------------------------------------
-
-CUBLAS_TILE = 128  # cuBLAS's tile of the block-scaled FP8 product on the H200 (nvjet_sm90_qqtst_128x128)
-# The most whole waves the split takes: (2112, 7168) at 1024 / 2048 / 3072 rows (1-3 waves and a few tiles) took
-# 0.82 / 0.87 / 0.89x cuBLAS's time split, but at 4096 rows (4 waves and 16 tiles) 1.05x: there cuBLAS ran another
-# kernel (2 x 4 clusters, not 4 x 2), whose last partial wave cost 5 us instead of 20-23 (benchmarks/HISTORY.md,
-# 2026-12-04 — cuBLAS in whole waves).
-CUBLAS_SPLIT_MAX_WAVES = 3
-
-
-def cublas_whole_waves(m: int, n: int, k: int, sms: int) -> int:
-    """The rows of an [m, n] FP8 product over K = ``k`` whose ``CUBLAS_TILE``-square tiles make 1 to
-    ``CUBLAS_SPLIT_MAX_WAVES`` whole waves of ``sms``, where the rest of the rows (at most ``FEW_MAX_M``) fits the
-    few-row kernel's rule in the default mode; else 0. cuBLAS gives a partial last wave of a few tiles most of a whole
-    wave's time: (2112, 7168) at 1024 rows is 1.03 waves of 132 SMs, and took 0.0469 ms against 0.0264 for 896 rows
-    (one wave); the few-row kernel took the other 128 rows in 0.0112 ms."""
-    grid_n = triton.cdiv(n, CUBLAS_TILE)
-    waves = triton.cdiv(m, CUBLAS_TILE) * grid_n // sms
-    first = waves * sms // grid_n * CUBLAS_TILE
-    rest = m - first
-    if not 0 < waves <= CUBLAS_SPLIT_MAX_WAVES or not 0 < rest <= FEW_MAX_M or k > MAX_FEW_K:
-        return 0
-    _, groups, programs = few_rows_grid(rest, n, k, sms)
-    return first if FEW_MIN_SHARE * sms < programs // groups and programs <= sms else 0
-
-
-def gemm_fp8_cublas_waves(a, w: QTensor, *, out_dtype, bias) -> torch.Tensor:
-    """``gemm`` by cuBLAS over ``cublas_whole_waves`` rows, written in place, then the few-row kernel over the rest
-    (a bf16 ``a`` is quantised first)."""
-    qa = _as_fp8(a, w)
-    m, k = qa.shape
-    n = w.shape[0]
-    first = cublas_whole_waves(m, n, k, num_sms(qa.data.device.index or 0))
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=qa.data.device)
-    head, rest = (
-        dataclasses.replace(qa, data=qa.data[rows], scale=qa.scale[rows]) for rows in (slice(first), slice(first, m))
-    )
-    gemm_fp8_cublas(head, w, out_dtype=torch.bfloat16, bias=None, out=out[:first])
-    launch_few_rows(rest, w, out=out[first:])
-    return out
-
-
-def cublas_waves_supports(a, w, *, out_dtype, bias) -> bool | Decline:
-    """Where cuBLAS would serve (``gemm.cublas_fp8_supports`` and not ``supports``), with the out form of the op behind
-    ``scaled_mm``, the few-row kernel's operands, and rows that ``cublas_whole_waves`` splits."""
-    answer = cublas_fp8_supports(a, w, out_dtype=out_dtype, bias=bias)
-    answer = _fp8_operands(a, w, out_dtype, bias) if answer else answer
-    if not answer:
-        return answer
-    if supports(a, w, out_dtype=out_dtype, bias=bias):
-        return Decline("gluon-fp8-ws serves these rows")
-    if not hasattr(torch, "_scaled_mm_v2"):
-        return Decline("this torch has no _scaled_mm_v2 (the out form of scaled_mm)")
-    m = (a.data if isinstance(a, QTensor) else a).shape[0]
-    if cublas_whole_waves(m, *w.shape, num_sms(w.data.device.index or 0)) == 0:
-        return Decline(
-            f"{m} rows do not split into 1 to {CUBLAS_SPLIT_MAX_WAVES} whole cuBLAS waves and a few-row rest"
-        )
-    return True

@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
+from deepinfer import Decline
+
+from ._triton import PDL, cast, next_pow2, pdl_wait, placed
 
 BLOCK_K = 512
 BLOCK_D = 256
@@ -176,13 +178,19 @@ def hc_post(block_out, streams, post, comb):
     return y
 
 
-def pre_supports(streams, fn, base, scale, *, sinkhorn_iters, eps, norm_eps) -> bool:
-    return on_device(streams, fn, base, scale) and streams.shape[1] <= 16
+def _streams_fit(answer: bool | Decline, streams) -> bool | Decline:
+    if answer and streams.shape[1] > 16:
+        return Decline(f"streams holds {streams.shape[1]} streams > 16")
+    return answer
 
 
-def head_supports(streams, fn, base, scale, *, eps, norm_eps) -> bool:
-    return on_device(streams, fn, base, scale) and streams.shape[1] <= 16
+def pre_supports(streams, fn, base, scale, *, sinkhorn_iters, eps, norm_eps) -> bool | Decline:
+    return _streams_fit(placed(streams=streams, fn=fn, base=base, scale=scale), streams)
 
 
-def post_supports(block_out, streams, post, comb) -> bool:
-    return on_device(block_out, streams, post, comb) and streams.shape[1] <= 16
+def head_supports(streams, fn, base, scale, *, eps, norm_eps) -> bool | Decline:
+    return _streams_fit(placed(streams=streams, fn=fn, base=base, scale=scale), streams)
+
+
+def post_supports(block_out, streams, post, comb) -> bool | Decline:
+    return _streams_fit(placed(block_out=block_out, streams=streams, post=post, comb=comb), streams)

@@ -7,7 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
+from deepinfer import Decline
+
+from ._triton import PDL, cast, next_pow2, pdl_wait, placed
 
 
 @triton.jit
@@ -50,8 +52,14 @@ def rms_norm(x, w, eps, residual):
     return y.view(x.shape), (h.view(x.shape) if residual is not None else x)
 
 
-def supports(x, w, eps, residual) -> bool:
-    return on_device(x, w, residual) and x.shape[-1] <= 65536
+def _width_fits(answer: bool | Decline, x) -> bool | Decline:
+    if answer and x.shape[-1] > 65536:
+        return Decline(f"x's rows of {x.shape[-1]} > 65536 elements")
+    return answer
+
+
+def supports(x, w, eps, residual) -> bool | Decline:
+    return _width_fits(placed(x=x, w=w, residual=residual), x)
 
 
 @triton.jit
@@ -89,5 +97,5 @@ def layer_norm(x, w, b, eps):
     return y.view(x.shape)
 
 
-def layer_norm_supports(x, w, b, eps) -> bool:
-    return on_device(x, w, b) and x.shape[-1] <= 65536
+def layer_norm_supports(x, w, b, eps) -> bool | Decline:
+    return _width_fits(placed(x=x, w=w, b=b), x)

@@ -54,6 +54,44 @@ def _mla_decode_impls(attention) -> list[OpImpl]:
     return impls
 
 
+def _gemm_impls(gemm, gemm_cublas) -> list[OpImpl]:
+    """cuBLAS and the Triton kernels, in the order tried: FP8 weights by cuBLAS from ``CUBLAS_FP8_MIN_M`` rows, else
+    by the swapped Triton kernel up to ``SWAP_MAX_M`` rows, else by the tiled one; dense ones by cuBLAS, else Triton.
+    The ``-unsplit`` ones are the batch-invariant variants (no split over K; cuBLAS only where it gave their bits).
+    The Gluon kernels of ``gemm_gluon`` come before all of them."""
+    fp8, fp8_unsplit = partial(gemm.gemm_fp8, invariant=False), partial(gemm.gemm_fp8, invariant=True)
+    return [
+        _impl("gemm", "cublas-fp8", gemm_cublas.gemm_fp8_cublas, gemm_cublas.cublas_fp8_supports, invariant=False,
+              priority=3),
+        _impl("gemm", "cublas-fp8-unsplit", gemm_cublas.gemm_fp8_cublas, gemm_cublas.cublas_fp8_invariant_supports,
+              priority=3),
+        _impl("gemm", "triton-fp8-swapped", partial(fp8, swap=True), gemm.fp8_swapped_supports, invariant=False,
+              priority=2),
+        _impl("gemm", "triton-fp8-swapped-unsplit", partial(fp8_unsplit, swap=True), gemm.fp8_swapped_supports,
+              priority=2),
+        _impl("gemm", "triton-fp8", partial(fp8, swap=False), gemm.fp8_supports, invariant=False, priority=1),
+        _impl("gemm", "triton-fp8-unsplit", partial(fp8_unsplit, swap=False), gemm.fp8_supports, priority=1),
+        _impl("gemm", "cublas", gemm_cublas.gemm_cublas, gemm_cublas.cublas_supports, invariant=False, priority=1),
+        _impl("gemm", "cublas-unsplit", gemm_cublas.gemm_cublas, gemm_cublas.cublas_invariant_supports, priority=1),
+        _impl("gemm", "triton", gemm.gemm_triton, gemm.triton_dense_supports),
+    ]  # fmt: skip
+
+
+def _grouped_gemm_impls(gemm) -> list[OpImpl]:
+    """One implementation per kernel ``gemm.grouped_gemm`` chooses between, in ``GROUPED_KERNELS``' order; the
+    decode tile is not batch-invariant."""
+    supports = {
+        "triton-masked-swapped": gemm.grouped_masked_swapped_supports,
+        "triton-decode": gemm.grouped_decode_supports,
+        "triton": gemm.grouped_supports,
+    }
+    return [
+        _impl("grouped_gemm", kernel, partial(gemm.grouped_gemm, kernel=kernel), supports[kernel],
+              invariant=kernel != "triton-decode", priority=-i)
+        for i, kernel in enumerate(gemm.GROUPED_KERNELS)
+    ]  # fmt: skip
+
+
 @hookimpl
 def deepinfer_op_impls() -> list[OpImpl]:
     if not probe.triton_installed():
@@ -63,6 +101,7 @@ def deepinfer_op_impls() -> list[OpImpl]:
         attention,
         compressed_attention,
         gemm,
+        gemm_cublas,
         hyper_connection,
         moe,
         norm,
@@ -81,14 +120,8 @@ def deepinfer_op_impls() -> list[OpImpl]:
         _impl("attention_varlen", "triton", attention.attention_varlen, attention.varlen_supports),
         _impl("write_kv_cache", "triton", attention.write_kv_cache, attention.write_supports),
         _impl("quantize_fp8", "triton", gemm.quantize_fp8, gemm.quantize_supports),
-        _impl("gemm", "cublas-fp8", gemm.gemm_fp8_cublas, gemm.cublas_fp8_supports, invariant=False, priority=3),
-        _impl("gemm", "triton-fp8", gemm.gemm_fp8, gemm.fp8_supports, invariant=False, priority=2),
-        _impl("gemm", "cublas-fp8-unsplit", gemm.gemm_fp8_cublas, gemm.cublas_fp8_invariant_supports, priority=2),
-        _impl("gemm", "triton-fp8-unsplit", partial(gemm.gemm_fp8, invariant=True), gemm.fp8_supports, priority=1),
-        _impl("gemm", "cublas", gemm.gemm_cublas, gemm.cublas_supports, invariant=False, priority=1),
-        _impl("gemm", "cublas-unsplit", gemm.gemm_cublas, gemm.cublas_invariant_supports, priority=1),
-        _impl("gemm", "triton", gemm.gemm_triton, gemm.triton_dense_supports),
-        _impl("grouped_gemm", "triton", gemm.grouped_gemm, gemm.grouped_supports),
+        *_gemm_impls(gemm, gemm_cublas),
+        *_grouped_gemm_impls(gemm),
         _impl("moe_route", "triton", moe.moe_route, moe.route_supports),
         _impl("moe_route_hash", "triton", moe.moe_route_hash, moe.route_hash_supports),
         _impl("ep_dispatch", "triton", moe.ep_dispatch, moe.dispatch_supports),
@@ -149,8 +182,8 @@ def deepinfer_op_impls() -> list[OpImpl]:
             _impl(
                 "gemm",
                 "cublas-fp8-waves",
-                gemm_gluon.gemm_fp8_cublas_waves,
-                gemm_gluon.cublas_waves_supports,
+                gemm_cublas.gemm_fp8_cublas_waves,
+                gemm_cublas.cublas_waves_supports,
                 invariant=False,
                 priority=4,
             )

@@ -6,7 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import PDL, cast, next_pow2, on_device, pdl_wait
+from deepinfer import Decline
+
+from ._triton import PDL, cast, next_pow2, pdl_wait, placed
 
 
 @triton.jit
@@ -66,6 +68,13 @@ def rope(x, positions, cos_sin_cache, interleaved):
     return out
 
 
-def supports(x, positions, cos_sin_cache, interleaved) -> bool:
+def supports(x, positions, cos_sin_cache, interleaved) -> bool | Decline:
     half = x.shape[2] // 2
-    return on_device(x, positions, cos_sin_cache) and x.stride(2) == 1 and half == next_pow2(half)
+    answer = placed(x=x, positions=positions, cos_sin_cache=cos_sin_cache)
+    if not answer:
+        return answer
+    if x.stride(2) != 1:
+        return Decline("x's last dimension is not contiguous")
+    if half != next_pow2(half):
+        return Decline(f"x's rotary half {half} is not a power of two")
+    return True

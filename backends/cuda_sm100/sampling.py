@@ -9,7 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import PDL, next_pow2, on_device, pdl_wait
+from deepinfer import Decline
+
+from ._triton import PDL, next_pow2, pdl_wait, placed
 
 
 @triton.jit
@@ -74,8 +76,8 @@ def sample(logits, temperature, top_p, top_k, seeds):
     return torch.where(temperature == 0, logits.argmax(dim=-1).to(torch.int32), drawn)
 
 
-def supports(logits, temperature, top_p, top_k, seeds) -> bool:
-    return on_device(logits, temperature, top_p, top_k, seeds)
+def supports(logits, temperature, top_p, top_k, seeds) -> bool | Decline:
+    return placed(logits=logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds)
 
 
 @triton.jit
@@ -106,5 +108,5 @@ def apply_token_bitmask(logits, bitmask):
     return out
 
 
-def apply_token_bitmask_supports(logits, bitmask) -> bool:
-    return on_device(logits, bitmask)
+def apply_token_bitmask_supports(logits, bitmask) -> bool | Decline:
+    return placed(logits=logits, bitmask=bitmask)
