@@ -50,7 +50,7 @@ def test_sparse_kernel_waits_for_its_first_gpu_run_before_it_is_chosen(monkeypat
     import torch
 
     monkeypatch.setattr(sparse_mla_gluon, "on_hopper", lambda t: True)
-    monkeypatch.setattr(sparse_attention, "on_device", lambda *ts: True)
+    monkeypatch.setattr(sparse_attention, "placed", lambda **ts: True)
     q = torch.empty(4, 128, 576, dtype=torch.bfloat16)
     cache = torch.empty(8, 64, 656, dtype=torch.uint8)
     idx = torch.empty(4, 2048, dtype=torch.int32)

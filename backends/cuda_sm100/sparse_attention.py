@@ -34,7 +34,7 @@ import triton.language as tl
 from deepinfer import Decline
 from deepinfer.index_cache import FP8_GROUP
 
-from ._triton import INTERPRET, PDL, cast, dot, next_pow2, num_sms, on_device, pdl_wait, pow2_ceil, to_e4m3
+from ._triton import INTERPRET, PDL, cast, dot, next_pow2, num_sms, pdl_wait, placed, pow2_ceil, to_e4m3
 from .attention import _dequantize, _mla_merge_kernel, _rope_at
 
 try:
@@ -107,8 +107,15 @@ def write_index_cache(k, index_cache, slot_mapping):
     )
 
 
-def write_supports(k, index_cache, slot_mapping) -> bool:
-    return on_device(k, index_cache, slot_mapping) and k.stride(1) == 1 and k.shape[1] <= 8192
+def write_supports(k, index_cache, slot_mapping) -> bool | Decline:
+    where = placed(k=k, index_cache=index_cache, slot_mapping=slot_mapping)
+    if where is not True:
+        return where
+    if k.stride(1) != 1:
+        return Decline(f"k's stride {k.stride(1)} in its last dim, expected 1")
+    if k.shape[1] > 8192:
+        return Decline(f"k has {k.shape[1]} values a key, at most 8192")
+    return True
 
 
 # --- indexer_topk -----------------------------------------------------------------------------------------------
@@ -382,20 +389,26 @@ def indexer_topk(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *
     return out
 
 
-def topk_supports(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *, topk) -> bool:
+def topk_supports(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *, topk) -> bool | Decline:
     """A power-of-two head_dim of at most 256 and at most 128 heads (one program holds a query's [H, D]); at most
     ``TOPK_MAX`` positions kept per row (one program sorts them)."""
+    where = placed(
+        q=q, weights=weights, index_cache=index_cache, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+    )  # fmt: skip
+    if where is not True:
+        return where
+    for name, t in (("q", q), ("weights", weights), ("block_table", block_table)):
+        if t.stride(-1) != 1:
+            return Decline(f"{name}'s stride {t.stride(-1)} in its last dim, expected 1")
     head_dim = q.shape[2]
-    return (
-        on_device(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens)
-        and q.stride(2) == 1
-        and weights.stride(1) == 1
-        and block_table.stride(1) == 1
-        and head_dim == next_pow2(head_dim)
-        and head_dim <= 256
-        and q.shape[1] <= 128
-        and min(topk, block_table.shape[1] * index_cache.shape[1]) <= TOPK_MAX
-    )
+    if head_dim != next_pow2(head_dim) or head_dim > 256:
+        return Decline(f"head_dim {head_dim} is not a power of two <= 256")
+    if q.shape[1] > 128:
+        return Decline(f"{q.shape[1]} indexer heads, at most 128")
+    if min(topk, block_table.shape[1] * index_cache.shape[1]) > TOPK_MAX:
+        return Decline(f"topk {topk} positions kept a row, at most {TOPK_MAX}")
+    return True
 
 
 # --- sparse_mla -------------------------------------------------------------------------------------------------
@@ -594,8 +607,9 @@ def sparse_gluon_supports(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, 
         return Decline("SPARSE_MLA_GLUON is off: the Gluon kernel has not yet passed conformance on a GPU")
     if sparse_mla_gluon is None:
         return Decline("this Triton has no Gluon Hopper language")
-    if not on_device(q, kv_cache, indices):
-        return Decline("tensors are not on the GPU")
+    where = placed(q=q, kv_cache=kv_cache, indices=indices)
+    if where is not True:
+        return where
     why = sparse_mla_gluon.declines(q, kv_cache, indices, kv_lora_rank, kv_format)
     return Decline(why) if why else True
 
@@ -656,11 +670,13 @@ def sparse_supports(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_for
     powers of two and masked). Unlike ``mla_decode``, fp8_ds_mla records of any width are taken: the slots come from
     a load (``indices``), of which Triton assumes no divisibility, so a row offset ``slot * WIDTH`` is credited with
     WIDTH's own alignment only (4 bytes for the 260-byte records of kv_lora_rank 128)."""
-    return (
-        on_device(q, kv_cache, indices)
-        and q.dtype == torch.bfloat16
-        and q.stride(2) == 1
-        and indices.stride(1) == 1
-        and kv_lora_rank <= 1024
-        and q.shape[2] - kv_lora_rank <= 256
-    )
+    where = placed(q=q, kv_cache=kv_cache, indices=indices)
+    if where is not True:
+        return where
+    if q.dtype != torch.bfloat16:
+        return Decline(f"q is {q.dtype}, expected torch.bfloat16")
+    if q.stride(2) != 1 or indices.stride(1) != 1:
+        return Decline("q's or indices' last dim is not contiguous")
+    if kv_lora_rank > 1024 or q.shape[2] - kv_lora_rank > 256:
+        return Decline(f"latent {kv_lora_rank} and rope {q.shape[2] - kv_lora_rank}, at most 1024 and 256")
+    return True
