@@ -41,10 +41,6 @@ class HostPageCache:
         """Host bytes one page of ``caches`` takes."""
         return sum(c[:, 0].numel() * c.element_size() for c in caches)
 
-    @property
-    def nbytes(self) -> int:
-        return self.capacity * self.page_bytes(self.caches)
-
     def __contains__(self, key: PageKey) -> bool:
         return key in self._slot_of
 
@@ -78,7 +74,3 @@ class HostPageCache:
         for host, cache in zip(self.host, self.caches):
             cache[:, page].copy_(host[slot], non_blocking=True)
         self.loaded += 1
-
-    def clear(self) -> None:
-        self._slot_of.clear()
-        self._free = list(range(self.capacity - 1, -1, -1))
