@@ -45,9 +45,12 @@ def spec_config(text: str) -> dict | None:
     return config | ({"disable_by_batch_size": int(cap)} if cap else {})
 
 
+EMBEDDED = "model/checkpoints/tiny-py/bf16"  # recorded for the default, the embedded model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(default_checkpoint()))
+    ap.add_argument("--model", help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--backend")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--specs", default="sync,1,2,3,3@0.5,3/32")
@@ -62,7 +65,7 @@ def main() -> None:
     rows = []
     llms = {
         c: LLM(
-            args.model,
+            args.model or default_checkpoint(),
             args.backend,
             max_num_seqs=max(batches),
             progress=False,
@@ -112,7 +115,8 @@ def main() -> None:
             )
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"model": args.model, "max_tokens": args.max_tokens, "rows": rows}, f, indent=1)
+                    model = args.model or EMBEDDED
+                    json.dump({"model": model, "max_tokens": args.max_tokens, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
