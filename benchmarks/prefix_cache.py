@@ -9,7 +9,9 @@ first token with a cache hit against a miss, and a shared prefix across many req
    ``--repeats``): a miss is a prompt of ``--prefix`` random tokens plus ``--suffix`` more that the engine has never
    seen; a hit is the same prompt again (every whole prefill chunk before its last token is found). The hit's first
    tokens and log-probabilities are checked against the miss's, bit for bit.
-3. ``--requests`` prompts sharing the ``--prefix`` tokens (each with its own ``--suffix``), submitted together with
+3. The same from the host tier (``host_cache_gb``): a prompt whose pages were pushed out of a small device cache
+   into host memory comes again; checked bit for bit against its miss.
+4. ``--requests`` prompts sharing the ``--prefix`` tokens (each with its own ``--suffix``), submitted together with
    caching on and then off (a second engine): prompt tokens prefilled (``last_stats``), wall time, and whether the
    outputs are the same.
 
@@ -58,6 +60,41 @@ def same(a, b) -> bool:
     )
 
 
+def host_tier_hits(path, backend, common, args, vocab, gen, one) -> dict:
+    """Time to first token when the prefix comes back from the host tier: a device cache of room for two prompts and
+    a host tier of ``--host-cache-gb``; each prompt (a miss) is followed by two others that push its pages out
+    to host memory, then comes again (a hit on the host tier, checked bit for bit against its miss)."""
+    context = args.prefix + args.suffix + 16
+    pages = context // 64 + 1
+    kw = dict(common, num_blocks=2 * pages + 2)
+    llm = LLM(path, backend, enable_prefix_caching=True, host_cache_gb=args.host_cache_gb, **kw)
+    host = llm.engine.allocator.host
+    page_bytes = host.page_bytes(host.caches)
+    assert host.capacity >= (args.repeats + 2) * pages, "--host-cache-gb holds too few pages for the run"
+    fill = lambda: timed(llm, random_tokens(args.prefix + args.suffix, vocab, gen), one)
+    fill(), fill()
+    misses, hits, bitwise, loaded = [], [], True, 0
+    for _ in range(args.repeats):
+        prompt = random_tokens(args.prefix + args.suffix, vocab, gen)
+        t_miss, miss = timed(llm, prompt, one)
+        fill(), fill()
+        before = llm.last_stats["host_cache"]["loaded_pages"]
+        t_hit, hit = timed(llm, prompt, one)
+        loaded = llm.last_stats["host_cache"]["loaded_pages"] - before
+        assert miss[0].num_cached_tokens == 0 and hit[0].num_cached_tokens > 0 and loaded > 0
+        misses.append(t_miss)
+        hits.append(t_hit)
+        bitwise &= same(miss, hit)
+    return {
+        "ttft_miss_ms": 1e3 * statistics.median(misses),
+        "ttft_host_hit_ms": 1e3 * statistics.median(hits),
+        "pages_loaded_per_hit": loaded,
+        "bytes_loaded_per_hit": loaded * page_bytes,
+        "hit_cached_tokens": hit[0].num_cached_tokens,
+        "host_hit_equals_miss_bitwise": bitwise,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", help="write the results here")
@@ -69,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk size (default 1024)")
     p.add_argument("--repeats", type=int, default=5, help="timed hits and misses (median; default 5)")
     p.add_argument("--checkpoint", help="use (or write, if missing) the checkpoint here instead of a temp dir")
+    p.add_argument("--host-cache-gb", type=float, default=1.0, help="the host tier's size (default 1)")
+    p.add_argument("--no-host-tier", action="store_true", help="skip the host tier's time to first token")
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU: a dry run of the script")
     args = p.parse_args(argv)
 
@@ -126,6 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         f"TTFT, {args.prefix}+{args.suffix} tokens alone: miss {result['ttft_miss_ms']:.1f} ms, hit "
         f"{result['ttft_hit_ms']:.1f} ms ({result['hit_cached_tokens']} tokens found), same bits: {bitwise}"
     )
+
+    if not args.no_host_tier:
+        del on
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result["host_tier"] = host_tier_hits(path, backend, common, args, vocab, gen, one)
+        log(json.dumps(result["host_tier"]))
+        on = LLM(path, backend, enable_prefix_caching=True, **common)
+        timed(on, random_tokens(args.prefix + args.suffix, vocab, gen), one)
 
     shared = random_tokens(args.prefix, vocab, gen)
     prompts = [shared + random_tokens(args.suffix, vocab, gen) for _ in range(args.requests)]

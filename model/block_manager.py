@@ -117,6 +117,8 @@ class BlockAllocator:
                     self.host.save(key, b)
             self._refs[b] = 1
             blocks.append(b)
+        if self.host is not None:
+            self.host.fence()
         return blocks
 
     def free(self, blocks: list[int]) -> None:
@@ -129,6 +131,8 @@ class BlockAllocator:
             if refs == 1:
                 del self._refs[b]
                 self._free[b] = None
+                if self.host is not None:
+                    self.host.freed((b,))
             else:
                 self._refs[b] = refs - 1
 
@@ -140,6 +144,8 @@ class BlockAllocator:
         self._page_of: dict[PageKey, int] = {}
         self._key_of: dict[int, PageKey] = {}  # a snapshot's pages: (SNAPSHOT, the key it is kept under)
         self._snapshot_of: dict[PageKey, list[int]] = {}
+        if self.host is not None:
+            self.host.freed(range(self.num_blocks))
 
     def release(self, seq: Sequence) -> None:
         """Takes back every page of ``seq``."""
@@ -200,7 +206,7 @@ class BlockAllocator:
 
     def _load(self, keys: list[PageKey], per_align: int) -> list[int]:
         """Fresh pages holding the host tier's copies of ``keys`` (registered under them, one reference each), a
-        multiple of ``per_align`` of them: the copies are issued on the device's stream before any later step."""
+        multiple of ``per_align`` of them: every later step reads them after their copies (``HostPageCache.fence``)."""
         self.host.touch(keys)  # the evictions that free these pages copy others out: these keys are dropped last
         fresh = self.allocate(len(keys))
         held = 0
@@ -212,6 +218,7 @@ class BlockAllocator:
             self.host.load(key, page)
             self._page_of[key] = page
             self._key_of[page] = key
+        self.host.fence()
         return fresh[:held]
 
     def _match_snapshot(self, seq: Sequence, max_tokens: int, align: int) -> int:

@@ -100,8 +100,9 @@ class LLMEngine:
     request computed, in whole chunks, and prefills only the rest (``block_manager.py``,
     ``Scheduler._reuse_prefix``); each sequence's ``num_cached_tokens`` says how many prompt tokens it found,
     ``stats`` counts the prompt tokens prefilled and found. host_cache_bytes: with prefix caching, pages evicted
-    from the device cache are kept in that much host memory (pinned on a GPU) and copied back when a prompt
-    continues a cached prefix with them (``host_cache.py``; ``host_cache_stats``). cuda_graphs: capture decode
+    from the device cache are kept in that much host memory (pinned on an accelerator) and copied back when a prompt
+    continues a cached prefix with them, on a stream that overlaps the step in flight (``host_cache.py``;
+    ``host_cache_stats``). cuda_graphs: capture decode
     graphs when the backend declares ``cuda_graphs``, in the batch-invariant mode or the default mode that is on
     now; they are replayed only in that mode. async_scheduling: schedule and launch each step before reading back
     the previous one's tokens (above); ``step`` then returns what finished in the previous step. The attribute can
@@ -508,6 +509,8 @@ class LLMEngine:
         if not batch:
             return None
         step = self.runner.launch(batch, previous.step if previous is not None else None)
+        if self.allocator.host is not None:
+            self.allocator.host.launched()
         self.stats["steps"] += 1
         for seq in batch.decodes:
             seq.num_computed += 1

@@ -263,6 +263,62 @@ def test_the_host_tier_drops_least_recently_used_keys_and_loads_whole_aligned_ru
     assert alloc.match(seq([5] * 4 + [6] * 4 + [1]), 8, 8) == 0 and host.loaded == 0, "no page free to load into"
 
 
+class RecordingStream:
+    """Stands for an accelerator stream: records what is asked of it in ``log``."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+    def __enter__(self):
+        self.log.append(f"copy on {self.name}")
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def test_host_copies_run_beside_the_steps_and_wait_only_where_a_running_step_may_touch_their_page(monkeypatch):
+    """The orders ``host_cache.py`` states, on streams that record what they are asked: a copy of a page freed long
+    ago does not wait for the steps, one of a page freed since the step before the one in flight does, and the
+    step's stream waits for every copy before anything queued after them."""
+    import torch
+
+    log: list[str] = []
+    step_stream, copy_stream = RecordingStream("steps", log), RecordingStream("copies", log)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: step_stream)
+    alloc, cache, host = host_tier(num_blocks=4, capacity=8)
+    host.stream = copy_stream
+    owner = seq(list(range(1, 9)))  # 2 full pages
+    alloc.grow(owner, 8)
+    alloc.register(owner, 8)
+    contents = [float(b) for b in owner.block_table]
+    alloc.release(owner)
+    host.launched(), host.launched()  # two steps later, nothing that can still run touches those pages
+    filler = seq([7] * 16)
+    alloc.grow(filler, 16)  # every page handed out: the two registered ones copied out
+    assert log == ["copy on copies", "copy on copies", "steps waits for copies"]
+    cache[:, filler.block_table] = -1.0
+    log.clear()
+    alloc.release(filler)  # freed while the last step launched may still run
+    again = seq([*range(1, 9), 99])
+    assert alloc.match(again, max_tokens=8, align=4) == 8 and host.loaded == 2
+    assert log == ["copies waits for steps", "copy on copies"] * 2 + ["steps waits for copies"]
+    assert [float(cache[0, p, 0, 0]) for p in again.block_table] == contents
+    alloc.release(again)
+    other = seq(list(range(30, 38)))
+    alloc.grow(other, 8)
+    alloc.register(other, 8)
+    host.launched()
+    alloc.release(other)
+    host.launched()  # freed before the step in flight was launched, after the one before it: may still be touched
+    log.clear()
+    alloc.grow(seq([8] * 16), 16)
+    assert log.count("copies waits for steps") == 2 and log[-1] == "steps waits for copies"
+    assert log.count("copy on copies") == 2
+
+
 @pytest.mark.parametrize("model", ["v3", "v32"])
 def test_a_prefix_evicted_to_host_memory_is_found_again(ckpt, v32_ckpt, deepinfer_backend, deepinfer_device, model):
     """16 device pages of 8 tokens: three 120-token requests after the first evict its 64-token prefix; the next
