@@ -457,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-redundant-experts",
         type=_int_at_least(0),
         default=0,
-        help="extra expert copies placed by EPLB over the --ep ranks (experts + copies a multiple of --ep; default 0)",
+        help="extra expert copies placed by EPLB over the --ep ranks (needs --enable-eplb; experts + copies a "
+        "multiple of --ep; default 0)",
     )
     gen.add_argument(
         "--enable-eplb",
@@ -466,6 +467,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--eplb-step-interval", type=_int_at_least(1), default=3000, help="steps between rebalances (default 3000)"
+    )
+    gen.add_argument(
+        "--eplb-window-size",
+        type=_int_at_least(1),
+        default=1000,
+        help="steps whose expert load a rebalance uses (default 1000)",
+    )
+    gen.add_argument(
+        "--eplb-rebalance-layers-per-chunk",
+        type=_int_at_least(1),
+        default=1,
+        help="MoE layers whose experts move per step while a rebalance is applied (default 1)",
     )
     gen.set_defaults(fn=cmd_generate)
 

@@ -111,6 +111,8 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         num_redundant_experts=getattr(args, "num_redundant_experts", 0),
         enable_eplb=getattr(args, "enable_eplb", False),
         eplb_step_interval=getattr(args, "eplb_step_interval", 3000),
+        eplb_window_size=getattr(args, "eplb_window_size", 1000),
+        eplb_rebalance_layers_per_chunk=getattr(args, "eplb_rebalance_layers_per_chunk", 1),
     )
     if llm.device.type == "cpu" and llm.config.hidden_size <= SMALL_HIDDEN:
         torch.set_num_threads(1)  # small matrices gain nothing from more threads and lose much when cores are busy

@@ -345,17 +345,6 @@ class LLMEngine:
             "held_pages": len(host),
         }
 
-    def _recapture_graphs(self) -> None:
-        graphs = self.runner.graphs
-        if graphs is None:
-            return
-        captured = graphs.capture()
-        if self.sync is not None:
-            captured = self.sync.min_int(int(captured)) == 1
-        if not captured:
-            self.runner.graphs = None
-        self.eplb.current.zero_()  # the capture's warm-up forwards counted
-
     def drop_cuda_graphs(self) -> None:
         """Frees the captured decode graphs; decode runs eagerly from then on. Under expert parallelism over NCCL
         the graphs hold captured collectives, and destroying the process group waits for them: drop them (or the
@@ -420,8 +409,8 @@ class LLMEngine:
             if inflight is not None:
                 self._apply(inflight, finished)
             launched = self._launch(finished)
-        if launched is not None and self.eplb is not None and self.eplb.end_step():
-            self._recapture_graphs()  # the graphs hold the dispatch tables of the placement they were captured with
+        if launched is not None and self.eplb is not None:
+            self.eplb.end_step()  # moves a few layers' experts at most; their tables change in place, graphs stay
         if launched is not None:
             if self.async_scheduling:
                 self._inflight = launched

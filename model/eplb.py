@@ -38,14 +38,15 @@ from __future__ import annotations
 import heapq
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from deepinfer import QTensor
 from deepinfer.errors import InputError
-from deepinfer.ops.moe import ExpertPlacement
+from deepinfer.ops.moe import ExpertPlacement, load_placement_tables
 
 from .moe import ExpertParallel, MoE
 
@@ -323,18 +324,57 @@ def nodes_of(world: int, env: dict | None = None) -> int:
 # Measurement and rebalancing in the model
 
 
+class _TableSlot:
+    """The identity of one MoE layer's persistent dispatch tables (``ExpertPlacement.table_slot``)."""
+
+    __slots__ = ("__weakref__", "layer")
+
+    def __init__(self, layer: int):
+        self.layer = layer
+
+    def __repr__(self) -> str:
+        return f"moe layer {self.layer}"
+
+
 class ExpertLoadBalancer:
     """Measures the load of every MoE layer of ``model`` (its main layers; multi-token-prediction layers keep their
-    load-time placement) and re-places their experts every ``step_interval`` steps.
+    load-time placement) and re-places their experts every ``step_interval`` steps, spread over several steps.
 
     window_size: steps whose load is kept (a ring on the device). step_interval: steps between rebalances (None:
-    measure only). num_nodes: nodes the ranks span (``rebalance_experts``). Attaching sets ``MoE.load`` on each
-    layer; the engine calls ``end_step`` after each step it launches. Over several ranks ``expert_load``,
-    ``rebalance`` and a rebalancing ``end_step`` are collectives over the expert-parallel group: every rank calls
-    them at the same point (the engine's steps are).
+    measure only). num_nodes: nodes the ranks span (``rebalance_experts``). layers_per_step: MoE layers whose experts
+    move per step while a rebalance is applied (None: all in one step). Attaching sets ``MoE.load`` on each layer and
+    gives each layer's placement a ``table_slot`` of its own, so that its dispatch tables are rewritten in place
+    when it changes: CUDA graphs captured before read the new placement, and never need capturing again. The engine
+    calls ``end_step`` after each step it launches. Over several ranks ``expert_load``, ``rebalance`` and
+    ``end_step`` are collectives over the expert-parallel group: every rank calls them at the same point (the
+    engine's steps are).
+
+    A rebalance over several ranks, from the step that reaches the interval:
+
+    1. that step starts the sum of the ranks' windows (an all-reduce issued without waiting; on a device, a copy
+       into pinned host memory behind it, with an event) and hands the placement (``rebalance_experts``, host work
+       of up to a second for a large model) to a worker thread, which waits for the event;
+    2. each later step asks every rank whether its thread is done (``RankSync.min_int`` over the host group: the
+       host never waits for the device or the thread); at the first step where all are, rank 0's plan is
+       broadcast over the host group (every rank computes the same plan from the same summed load; the broadcast
+       makes that so whatever the floats) and the layers whose placement changes are queued;
+    3. that step and the next ones each move the weights of at most ``layers_per_step`` queued layers
+       (``move_experts``) and switch those layers to their new placement at once, loading their tables in place.
+
+    Every decision is taken at the same step on every rank, so the ranks switch each layer at the same step, and a
+    layer's weights and its dispatch tables change together, between two steps. A step reaching the interval while
+    a rebalance is under way starts none.
     """
 
-    def __init__(self, model: Any, *, window_size: int, step_interval: int | None, num_nodes: int = 1):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        window_size: int,
+        step_interval: int | None,
+        num_nodes: int = 1,
+        layers_per_step: int | None = 1,
+    ):
         self.model = model
         self.layers: list[MoE] = [ffn for *_, ffn in model.layers if isinstance(ffn, MoE)]
         ep: ExpertParallel = model.ep
@@ -343,13 +383,25 @@ class ExpertLoadBalancer:
         self.num_physical = len(phy2log_of(ep.placement))
         self.num_groups, self.num_nodes = model.cfg.n_group or 1, num_nodes
         self.window_size, self.step_interval = window_size, step_interval
+        self.layers_per_step = layers_per_step
         shape = (len(self.layers), self.num_experts)
         self.current = torch.zeros(shape, dtype=torch.int64, device=model.device)  # the step being counted
         self.window = torch.zeros((window_size, *shape), dtype=torch.int64, device=model.device)
+        self._slots = [_TableSlot(i) for i in range(len(self.layers))]
         for i, ffn in enumerate(self.layers):
             ffn.load = self.current[i]
+            if self.world > 1:
+                ffn.ep = ExpertParallel(replace(ffn.ep.placement, table_slot=self._slots[i]), ffn.ep.rank, ffn.ep.group)
+        self.sync = None
+        if self.world > 1:
+            from .parallel import RankSync
+
+            self.sync = RankSync(self.group, model.device)
+        self._executor: ThreadPoolExecutor | None = None
+        self._plan: Future | None = None  # the placement being computed off the step loop
+        self._queue: list[tuple[int, ExpertPlacement]] = []  # (layer, new placement) still to apply
         self.steps = 0
-        self.rebalances = 0
+        self.rebalances = 0  # rebalances completed (over several ranks: every layer switched)
         self.moved = 0  # expert copies this rank received from other ranks, over every rebalance
 
     @property
@@ -357,22 +409,35 @@ class ExpertLoadBalancer:
         """The placement of each MoE layer now."""
         return [ffn.ep.placement for ffn in self.layers]
 
+    @property
+    def in_progress(self) -> bool:
+        """Whether a rebalance has started and not every layer has switched yet."""
+        return self._plan is not None or bool(self._queue)
+
     def reset(self) -> None:
         """Forgets every count (after CUDA-graph capture, whose warm-up forwards count too)."""
         self.current.zero_()
         self.window.zero_()
         self.steps = 0
 
-    def end_step(self) -> bool:
-        """Moves the step's counts into the window (device work only) and rebalances when ``step_interval`` steps
-        have passed since the last one. Returns whether a placement changed (CUDA graphs must then be recaptured:
-        they hold the dispatch tables of the old one)."""
+    def end_step(self) -> None:
+        """Moves the step's counts into the window (device work only) and advances the rebalance: starts one when
+        ``step_interval`` steps have passed since the last start, polls the placement being computed, or applies
+        the next layers (see the class's doc)."""
         self.window[self.steps % self.window_size].copy_(self.current)
         self.current.zero_()
         self.steps += 1
-        if self.step_interval and self.steps % self.step_interval == 0:
-            return self.rebalance()
-        return False
+        if self._queue:
+            self._apply(self.layers_per_step)
+        elif self._plan is not None:
+            if self.sync.min_int(int(self._plan.done())) == 1:
+                self._queue_plan()
+                self._apply(self.layers_per_step)
+        elif self.step_interval and self.steps % self.step_interval == 0:
+            if self.world == 1:
+                self.rebalances += 1  # one process holding every expert once has nothing to move
+            else:
+                self._start()
 
     def expert_load(self) -> torch.Tensor:
         """``[moe layers, E]`` int64 on the host: tokens routed to each logical expert over the window, summed over
@@ -384,29 +449,80 @@ class ExpertLoadBalancer:
             dist.all_reduce(load, group=self.group)
         return load.cpu()
 
-    def rebalance(self) -> bool:
-        """Re-places every layer's experts from the load over the window and moves the weights that change rank.
-        Returns whether any placement changed. One process holding every expert once has nothing to move."""
-        load = self.expert_load()
-        self.rebalances += 1
-        if self.world == 1:
-            return False
-        previous = torch.tensor([phy2log_of(p) for p in self.placements], dtype=torch.int64)
-        plan = rebalance_experts(
+    def _previous(self) -> torch.Tensor:
+        return torch.tensor([phy2log_of(p) for p in self.placements], dtype=torch.int64)
+
+    def _plan_of(self, load: torch.Tensor, event: Any, previous: torch.Tensor) -> Rebalanced:
+        if event is not None:
+            event.synchronize()
+        return rebalance_experts(
             load, self.num_physical, self.num_groups, self.num_nodes, self.world, previous=previous
         )
-        phy2log = plan.phy2log.to(self.model.device)
+
+    def _start(self) -> None:
+        """Step 1 of a rebalance: the windows' sum started, its placement handed to the worker thread."""
         import torch.distributed as dist
 
-        dist.broadcast(phy2log, dist.get_global_rank(self.group, 0), group=self.group)  # one plan, whatever the floats
-        changed = False
-        for ffn, row in zip(self.layers, phy2log.cpu()):
+        load = self.window.sum(0)
+        work = dist.all_reduce(load, group=self.group, async_op=True)
+        event = None
+        if load.device.type == "cpu":
+            work.wait()  # a host collective of a few KB
+            host = load
+        else:
+            work.wait()  # orders the device's stream after the reduction; the host does not wait
+            host = torch.empty(load.shape, dtype=load.dtype, pin_memory=True)
+            host.copy_(load, non_blocking=True)
+            event = torch.Event(device=load.device)
+            event.record()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb")
+        self._plan = self._executor.submit(self._plan_of, host, event, self._previous())
+
+    def _queue_plan(self, plan: Rebalanced | None = None) -> None:
+        """Step 2: the plan (the thread's, waiting for it if not done; or ``plan``) made rank 0's, and the layers
+        whose placement changes queued."""
+        import torch.distributed as dist
+
+        if plan is None:
+            plan, self._plan = self._plan.result(), None
+        phy2log = plan.phy2log.to(self.sync.device)
+        dist.broadcast(phy2log, self.sync.src, group=self.sync.group)  # one plan, whatever the floats
+        for i, (ffn, row) in enumerate(zip(self.layers, phy2log.cpu())):
             new = placement_of(row, self.world, self.num_experts)
-            if new == ffn.ep.placement:
-                continue
+            if new != ffn.ep.placement:
+                self._queue.append((i, replace(new, table_slot=self._slots[i])))
+        if not self._queue:
+            self.rebalances += 1
+
+    def _apply(self, count: int | None) -> None:
+        """Step 3: moves the weights of the next ``count`` queued layers (None: all) and switches them."""
+        todo = self._queue if count is None else self._queue[:count]
+        self._queue = self._queue[len(todo) :]
+        for i, new in todo:
+            ffn = self.layers[i]
             self.moved += move_experts(ffn, ffn.ep.placement, new, self.rank, self.group)
             ffn.ep = ExpertParallel(new, self.rank, self.group)
-            changed = True
+            load_placement_tables(new, self.model.device)
+        if todo and not self._queue:
+            self.rebalances += 1
+
+    def rebalance(self) -> bool:
+        """Re-places every layer's experts now, from the load over the window, and moves the weights that change
+        rank, all before returning (a rebalance under way is completed first). Returns whether any placement
+        changed. CUDA graphs need nothing: the layers' dispatch tables are rewritten in place. One process holding
+        every expert once has nothing to move. A collective: every rank calls it at the same point."""
+        if self.world == 1:
+            self.rebalances += 1
+            return False
+        if self._plan is not None:
+            self._queue_plan()
+        changed = bool(self._queue)
+        self._apply(None)  # the rebalance under way
+        load = self.expert_load()
+        self._queue_plan(self._plan_of(load, None, self._previous()))
+        changed = changed or bool(self._queue)
+        self._apply(None)
         return changed
 
     def balancedness(self) -> list[float]:

@@ -79,8 +79,9 @@ class LLM:
 
     ep: expert parallelism over this many ranks (None or 1: this process holds every expert). Above 1,
     ``torch.distributed`` must be initialised and ``ep_group`` (default: the default group) must have exactly ``ep``
-    ranks, and ``ep`` must divide the model's routed experts (``ParallelError`` naming ``ep`` otherwise, before any
-    weight is read). This rank then loads only its contiguous block of experts; the rest of the model is replicated.
+    ranks, and ``ep`` must divide the model's routed experts plus ``num_redundant_experts`` (``ParallelError`` naming
+    the argument otherwise, before any weight is read). This rank then loads only the experts its placement gives
+    it (without redundant experts, its contiguous block); the rest of the model is replicated.
     Every rank must construct the LLM with the same arguments and make the same ``generate`` calls with the same
     prompts; all ranks then return the same outputs, the same as one process gives. Ranks that diverge anyway raise
     ``RankDivergenceError``; a rank that dies or hangs surfaces as the process group's error after its timeout.
@@ -88,12 +89,15 @@ class LLM:
     CUDA graphs hold captured collectives, which the destruction would wait for.
 
     Expert load balancing (vLLM's names; ``eplb.py``): num_redundant_experts: extra copies of experts (with
-    ``ep`` above 1; ``E + num_redundant_experts`` must be a multiple of ``ep``), placed by ``rebalance_experts`` on
-    a uniform load at start; a hot expert's tokens are spread over its copies. enable_eplb: measure the tokens per
-    expert of every MoE layer over the last ``eplb_window_size`` steps (``expert_load()``) and, every
-    ``eplb_step_interval`` steps (None: never), re-place the experts from that load, moving weights between ranks in
-    place between two steps. Outputs do not depend on the placement beyond fp32 reassociation in ``ep_combine``
-    (none in batch-invariant mode).
+    ``ep`` above 1 and ``enable_eplb``; ``E + num_redundant_experts`` must be a multiple of ``ep``), placed by
+    ``rebalance_experts`` on a uniform load at start; a hot expert's tokens are spread over its copies. enable_eplb:
+    measure the tokens per expert of every MoE layer over the last ``eplb_window_size`` steps (``expert_load()``)
+    and, every ``eplb_step_interval`` steps (None: never), re-place the experts from that load while serving: the
+    new placement is computed off the step loop, then the weights of at most
+    ``eplb_rebalance_layers_per_chunk`` MoE layers (SGLang's name; None: all at once) move between ranks in place
+    per step, each layer switching to its new placement as its weights arrive, on every rank at the same step
+    (``rebalance_experts()`` re-places at once). Outputs do not depend on the placement beyond fp32 reassociation
+    in ``ep_combine`` (none in batch-invariant mode).
     """
 
     def __init__(
@@ -124,6 +128,7 @@ class LLM:
         num_redundant_experts: int = 0,
         eplb_window_size: int = 1000,
         eplb_step_interval: int | None = 3000,
+        eplb_rebalance_layers_per_chunk: int | None = 1,
     ):
         self.speculative_config = SpeculativeConfig.from_value(speculative_config)
         _check_arguments(
@@ -139,7 +144,9 @@ class LLM:
             preemption_mode=preemption_mode,
             host_cache_gb=host_cache_gb,
         )
-        _check_eplb(enable_eplb, eplb_window_size, eplb_step_interval)
+        _check_eplb(
+            enable_eplb, eplb_window_size, eplb_step_interval, eplb_rebalance_layers_per_chunk, num_redundant_experts
+        )
         if model is None:
             model = default_checkpoint()
         self.path = Path(model)
@@ -172,7 +179,7 @@ class LLM:
                     num_groups=getattr(self.config, "n_group", 1) or 1,
                 )
                 if isinstance(ckpt, V4Checkpoint):
-                    _refuse_for_v4(self.speculative_config, enable_eplb)
+                    _refuse_for_v4(self.speculative_config, enable_eplb, num_redundant_experts)
                 mtp_layers = 1 if self.speculative_config is not None else 0
                 if mtp_layers and not self.config.num_nextn_predict_layers:
                     raise InputError(
@@ -206,6 +213,7 @@ class LLM:
                     window_size=eplb_window_size,
                     step_interval=eplb_step_interval,
                     num_nodes=nodes_of(self.ep.world_size),
+                    layers_per_step=eplb_rebalance_layers_per_chunk,
                 )
             self.engine = LLMEngine(
                 self.model,
@@ -275,6 +283,15 @@ class LLM:
         if self.eplb is None:
             raise RequestError("expert load is measured only with LLM(..., enable_eplb=True)")
         return self.eplb.expert_load()
+
+    def rebalance_experts(self) -> bool:
+        """Re-places every MoE layer's experts now from the load over the last ``eplb_window_size`` steps (a
+        rebalance under way is completed first) and moves the weights that change rank; returns whether a placement
+        changed. Needs ``enable_eplb=True``; a collective under ``ep``: every rank calls it between the same two
+        ``generate`` calls. The CUDA graphs stay valid (each layer's dispatch tables are rewritten in place)."""
+        if self.eplb is None:
+            raise RequestError("experts are re-placed only with LLM(..., enable_eplb=True)")
+        return self.eplb.rebalance()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -506,13 +523,18 @@ def _sampling_params(p: Any) -> SamplingParams:
     )
 
 
-def _check_eplb(enable: Any, window: Any, interval: Any) -> None:
+def _check_eplb(enable: Any, window: Any, interval: Any, layers_per_chunk: Any, redundant: Any) -> None:
     c = Check("LLM")
     if not isinstance(enable, bool):
         raise c.fail("enable_eplb", "a bool", repr(enable))
     c.positive_int("eplb_window_size", window)
     if interval is not None:
         c.positive_int("eplb_step_interval", interval)
+    if layers_per_chunk is not None:
+        c.positive_int("eplb_rebalance_layers_per_chunk", layers_per_chunk)
+    if not enable and redundant != 0 and isinstance(redundant, int) and not isinstance(redundant, bool):
+        # redundant copies are placed, and kept up to date, by the load balancer
+        raise c.fail("num_redundant_experts", "0 without enable_eplb=True", repr(redundant))
 
 
 def _check_arguments(**kw: Any) -> None:
@@ -544,11 +566,18 @@ def _check_arguments(**kw: Any) -> None:
         c.positive_int("max_model_len", kw["max_model_len"], minimum=2)  # one prompt token and one generated
 
 
-def _refuse_for_v4(speculative_config, enable_eplb: bool) -> None:
+def _refuse_for_v4(speculative_config, enable_eplb: bool, num_redundant_experts: int = 0) -> None:
     """What DeepSeek-V4 serving does not do yet, refused before its weights are read."""
     if speculative_config is not None:
         raise InputError(
             "LLM", "speculative_config", "None for deepseek_v4 (its MTP layers are not loaded)", "a config"
+        )
+    if num_redundant_experts:
+        raise InputError(
+            "LLM",
+            "num_redundant_experts",
+            "0 for deepseek_v4 (its experts are not re-placed at run time yet)",
+            repr(num_redundant_experts),
         )
     if enable_eplb:
         raise InputError(

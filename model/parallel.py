@@ -112,8 +112,9 @@ def expert_parallel(
 ) -> ExpertParallel:
     """This process's ``ExpertParallel`` for ``ep`` ranks (``check_ep``): for ``ep`` None or 1 one process holding
     every expert; otherwise, over ``group`` (default: the default process group, which must be initialised) and
-    this process's rank in it, the contiguous placement, or with ``num_redundant_experts`` (or several nodes) the
-    placement ``eplb.initial_placement`` gives for the router's ``num_groups`` groups."""
+    this process's rank in it: without ``num_redundant_experts`` the contiguous placement (however many nodes the
+    ranks span), with them the placement ``eplb.initial_placement`` gives for the router's ``num_groups`` groups and
+    the nodes of the launch."""
     import torch.distributed as dist
 
     ready = dist.is_available() and dist.is_initialized()

@@ -5,6 +5,7 @@ The multi-rank parts (weight moves, rebalancing while generating) are in ``test_
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -306,14 +307,19 @@ def test_eplb_arguments(ckpt):
         (dict(enable_eplb=1), "enable_eplb"),
         (dict(eplb_window_size=0), "eplb_window_size"),
         (dict(eplb_step_interval=0), "eplb_step_interval"),
+        (dict(enable_eplb=True, eplb_rebalance_layers_per_chunk=0), "eplb_rebalance_layers_per_chunk"),
+        (dict(num_redundant_experts=2), "num_redundant_experts"),  # redundant copies need the balancer
     ]
     for kw, arg in bad:
         with pytest.raises(InputError) as err:
             LLM(ckpt, "reference", progress=False, **kw)
         assert err.value.arg == arg
+    assert "enable_eplb" in err.value.expected
     with pytest.raises(ParallelError) as err:
-        LLM(ckpt, "reference", progress=False, num_redundant_experts=2)
+        LLM(ckpt, "reference", progress=False, enable_eplb=True, num_redundant_experts=2)
     assert err.value.arg == "num_redundant_experts"
+    with pytest.raises(RequestError, match="enable_eplb=True"):
+        llm.rebalance_experts()
 
 
 def test_rebalance_in_one_process_keeps_the_placement(ckpt):
@@ -321,6 +327,120 @@ def test_rebalance_in_one_process_keeps_the_placement(ckpt):
     before = llm.eplb.placements
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=5, ignore_eos=True))
     assert llm.eplb.rebalances >= 2 and llm.eplb.placements == before
+    assert llm.rebalance_experts() is False and llm.eplb.placements == before
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Persistent dispatch tables (ExpertPlacement.table_slot)
+
+
+class Slot:
+    """A table slot: any object that takes weak references."""
+
+
+def assert_tables_of(tab, placement: ExpertPlacement) -> None:
+    """``tab`` holds ``placement``'s tables, checked against the placement's definition (``route``)."""
+    experts, world = placement.num_experts, placement.world_size
+    for e in range(experts):
+        holders = placement.expert_ranks[e]
+        assert int(tab.holders[e]) == len(holders)
+        for src, token in itertools.product(range(world), range(2 * world)):
+            copy = (src + token) % len(holders)
+            rank, local = placement.route(e, src, token)
+            assert (int(tab.rank[e, copy]), int(tab.local[e, copy])) == (rank, local)
+    assert [t.tolist() for t in tab.global_ids] == [list(r) for r in placement.local_experts]
+
+
+def test_placements_of_one_slot_share_tables_rewritten_in_place():
+    from deepinfer.ops.moe import load_placement_tables
+    from deepinfer.reference.ep import placement_tables
+
+    g = torch.Generator().manual_seed(5)
+    experts, world, per = 8, 4, 3
+    slot = Slot()
+
+    def random_placement() -> ExpertPlacement:
+        ranks = [torch.randperm(experts, generator=g)[:per].tolist() for _ in range(world)]
+        missing = sorted(set(range(experts)) - {e for r in ranks for e in r})
+        for r, e in enumerate(missing):  # every expert held: replace an expert held elsewhere too
+            victim = next(i for i, x in enumerate(ranks[r % world]) if sum(x in q for q in ranks) > 1)
+            ranks[r % world][victim] = e
+        return ExpertPlacement(experts, tuple(tuple(r) for r in ranks), table_slot=slot)
+
+    first = random_placement()
+    assert first.problem() is None
+    captured = placement_tables(first, torch.device("cpu"))
+    assert_tables_of(captured, first)
+    ptrs = [t.data_ptr() for t in (captured.holders, captured.rank, captured.local, *captured.global_ids)]
+    for _ in range(5):
+        new = random_placement()
+        assert new.problem() is None
+        load_placement_tables(new, "cpu")
+        assert_tables_of(captured, new)  # what a graph captured over the first placement reads now
+        assert [t.data_ptr() for t in (captured.holders, captured.rank, captured.local, *captured.global_ids)] == ptrs
+        assert placement_tables(new, torch.device("cpu")) is captured
+    other = ExpertPlacement(experts, first.local_experts, table_slot=Slot())  # another slot: tables of its own
+    assert placement_tables(other, torch.device("cpu")) is not captured
+    assert new == ExpertPlacement(experts, new.local_experts) and repr(new) == repr(replace(new, table_slot=None))
+    wider = ExpertPlacement(experts, tuple((*r, e) for r, e in zip(first.local_experts, (7, 6, 5, 4))), table_slot=slot)
+    if wider.problem() is None:
+        with pytest.raises(InputError) as err:
+            load_placement_tables(wider, "cpu")
+        assert err.value.arg == "placement"
+    with pytest.raises(InputError) as err:
+        load_placement_tables(ExpertPlacement(experts, first.local_experts, table_slot=3), "cpu")
+    assert err.value.arg == "placement" and "weak references" in err.value.expected
+
+
+def test_dispatch_through_a_slot_follows_the_placement_loaded_last(deepinfer_backend, deepinfer_device):
+    """One process, low-latency mode (which reads the tables): dispatching under a slot gives what the placement
+    without a slot gives, after the slot was loaded with another placement; on a device with CUDA graphs, a graph
+    captured over the first placement replays the one loaded last."""
+    import deepinfer
+
+    with deepinfer.use(deepinfer_backend) as spec:
+        _dispatch_through_a_slot(torch.device(deepinfer_device or spec.device_type))
+
+
+def _dispatch_through_a_slot(dev: torch.device) -> None:
+    g = torch.Generator().manual_seed(6)
+    experts, tokens, k, hidden = 8, 5, 2, 16
+    x = torch.randn(tokens, hidden, generator=g).to(dev)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).to(torch.int32).to(dev)
+    weights = torch.rand(tokens, k, generator=g).to(dev)
+    slot = Slot()
+    orders = [tuple(torch.randperm(experts, generator=g).tolist()) for _ in range(3)]
+
+    def dispatch(placement):
+        recv, recv_ids, recv_w, layout, _ = ops.ep_dispatch(
+            x, ids, weights, num_experts=experts, group=None, mode="low_latency", capacity=tokens, placement=placement
+        )
+        return recv, recv_ids, recv_w, layout.masked_m
+
+    def same(a, b):  # the rows each local expert received (past masked_m, rows hold anything)
+        if not torch.equal(a[3], b[3]):
+            return False
+        return all(torch.equal(p[e, :m], q[e, :m]) for e, m in enumerate(a[3].tolist()) for p, q in zip(a[:3], b[:3]))
+
+    for order in orders:
+        want = dispatch(ExpertPlacement(experts, (order,)))
+        assert same(dispatch(ExpertPlacement(experts, (order,), table_slot=slot)), want)
+    if dev.type != "cuda":
+        return
+    from deepinfer.ops.moe import load_placement_tables
+
+    first, last = (ExpertPlacement(experts, (o,), table_slot=Slot()) for o in (orders[0], orders[0]))
+    last = replace(last, local_experts=(orders[1],), table_slot=first.table_slot)
+    dispatch(first)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dispatch(first)
+    load_placement_tables(last, dev)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same(out, dispatch(ExpertPlacement(experts, (orders[1],))))
+    assert not same(out, dispatch(ExpertPlacement(experts, (orders[0],)))), "the two orders must differ"
 
 
 def test_load_counted_inside_cuda_graphs_matches_eager(deepinfer_backend, deepinfer_device, tmp_path):

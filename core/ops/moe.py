@@ -40,10 +40,20 @@ class ExpertPlacement:
     needs nothing but the pair's own coordinates, so every rank computes the same destination without exchanging
     anything. The default placement is ``contiguous``. Validation happens in ``ep_dispatch`` (``InputError`` about
     ``placement``); ``problem()`` says what is wrong with a placement, if anything.
+
+    table_slot: None, or an object naming persistent dispatch tables by its identity (any object that supports weak
+    references; the tables live as long as it; not part of the placement's equality, hash or repr). The
+    core's dispatch turns a placement into device tables; placements with the same ``table_slot`` (on one device)
+    share one set of table buffers of a fixed shape, rewritten in place when a placement different from the one
+    they hold is dispatched or passed to ``load_placement_tables``. A CUDA graph captured with one placement of a
+    slot thus replays with the latest one loaded into that slot: give each MoE layer whose placement changes at run
+    time a slot of its own, and load its new placement when it switches. Placements of one slot must keep the same
+    ``num_experts``, world size and experts per rank (``InputError`` about ``placement`` otherwise).
     """
 
     num_experts: int
     local_experts: tuple[tuple[int, ...], ...]
+    table_slot: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "local_experts", tuple(tuple(rank) for rank in self.local_experts))
@@ -270,6 +280,20 @@ def _check_placement(c: Check, placement, num_experts: int, world: int) -> None:
         raise c.fail("placement", f"a placement of num_experts = {num_experts}", f"{placement.num_experts} experts")
     if placement.world_size != world:
         raise c.fail("placement", f"one entry per rank of the group ({world})", f"{placement.world_size} ranks")
+
+
+def load_placement_tables(placement: ExpertPlacement, device: torch.device | str) -> None:
+    """Makes the core's dispatch tables of ``placement`` on ``device`` current now, without dispatching: for a
+    placement with a ``table_slot``, rewrites that slot's buffers in place (ordered on the device's current stream
+    after the work already queued), so that CUDA graphs captured over the slot replay with ``placement`` from then
+    on. Validates the placement (``InputError`` about ``placement``)."""
+    c = Check("load_placement_tables")
+    if not isinstance(placement, ExpertPlacement):
+        raise c.fail("placement", "an ExpertPlacement", type(placement).__name__)
+    _check_placement(c, placement, placement.num_experts, placement.world_size)
+    from ..reference.ep import placement_tables
+
+    placement_tables(placement, torch.device(device))
 
 
 # Per process group, the argument sets of ``ep_dispatch`` whose agreement across its ranks has been checked.

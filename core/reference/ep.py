@@ -40,6 +40,7 @@ low_latency mode
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -98,10 +99,72 @@ class Tables:
     global_ids: tuple[torch.Tensor, ...]  # per rank, [E_local] int32 global id of each local expert
 
 
-@functools.lru_cache(maxsize=256)  # one placement per MoE layer under EPLB (58 in DeepSeek-V3)
 def _tables(placement: ExpertPlacement, device: torch.device) -> Tables:
+    """The dispatch tables of ``placement``: persistent per ``table_slot`` (``placement_tables``), else cached by
+    value."""
+    if placement.table_slot is None:
+        return _value_tables(placement, device)
+    return placement_tables(placement, device)
+
+
+# Per table_slot (weakly: the buffers live as long as the slot's key), per device: the placement whose tables the
+# slot's buffers hold, and the buffers.
+_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def placement_tables(placement: ExpertPlacement, device: torch.device) -> Tables:
+    """The tables of ``placement`` (see ``ExpertPlacement.table_slot``). With a slot, the slot's buffers: made on
+    first use with a copies dimension of the world size (the most copies any placement of the slot can have; the
+    columns past an expert's copies are never read), and rewritten in place with ``copy_`` when ``placement``
+    differs from the one they hold, so that their addresses (captured by CUDA graphs) stay valid."""
+    if placement.table_slot is None:
+        return _value_tables(placement, device)
+    try:
+        slot = _SLOTS.setdefault(placement.table_slot, {})
+    except TypeError:
+        from ..errors import InputError
+
+        raise InputError(
+            "ep_dispatch", "placement", "a table_slot that supports weak references", repr(placement.table_slot)
+        ) from None
+    held = slot.get(device)
+    if held is not None and held[0] == placement:
+        return held[1]
+    fresh = _build_tables(placement, device, copies=placement.world_size)
+    if held is None:
+        slot[device] = (placement, fresh)
+        return fresh
+    tab = held[1]
+    if (
+        tab.width != fresh.width
+        or tab.rank.shape != fresh.rank.shape
+        or [t.shape for t in tab.global_ids] != [t.shape for t in fresh.global_ids]
+    ):
+        from ..errors import InputError
+
+        raise InputError(
+            "ep_dispatch",
+            "placement",
+            f"a placement of table_slot {placement.table_slot!r} with the experts per rank of the one it replaces "
+            f"({[len(e) for e in held[0].local_experts]})",
+            str([len(e) for e in placement.local_experts]),
+        )
+    for old, new in zip(
+        (tab.holders, tab.rank, tab.local, *tab.global_ids), (fresh.holders, fresh.rank, fresh.local, *fresh.global_ids)
+    ):
+        old.copy_(new)
+    slot[device] = (placement, tab)
+    return tab
+
+
+@functools.lru_cache(maxsize=256)
+def _value_tables(placement: ExpertPlacement, device: torch.device) -> Tables:
+    return _build_tables(placement, device)
+
+
+def _build_tables(placement: ExpertPlacement, device: torch.device, copies: int | None = None) -> Tables:
     holders = placement.expert_ranks
-    copies = max(len(h) for h in holders)
+    copies = max(len(h) for h in holders) if copies is None else copies
     rank = [list(h) + [h[0]] * (copies - len(h)) for h in holders]
     local = [[placement.local_experts[r].index(e) for r in row] for e, row in enumerate(rank)]
 
