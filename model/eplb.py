@@ -22,10 +22,14 @@ has to move.
 **Measurement and rebalancing** (``ExpertLoadBalancer``): each MoE layer counts, on the device, the (token, expert)
 pairs of the tokens it routes (``MoE.load``, one ``index_add_`` per layer: no host synchronisation, captured into
 CUDA graphs like the rest of the step; padding rows of a graph batch are not counted). After each step the counts
-move into a ring of ``window_size`` steps, on the device. Every ``step_interval`` steps the ranks sum their windows
-(one all-reduce), compute the new placement (rank 0's, broadcast), and move expert weights between ranks in place
-(``torch.distributed`` point-to-point over the expert-parallel group, staged so that no weight is overwritten before
-it is sent); the next step dispatches by the new placement.
+move into a ring of ``window_size`` steps, on the device. Every ``step_interval`` steps a rebalance starts and is
+spread over the following steps so that none pauses for the whole of it: the ranks' windows are summed (an
+all-reduce issued without waiting), the new placement is computed on a worker thread, and once every rank's thread
+is done (agreed over the host group) the layers whose placement changes move their expert weights between ranks in
+place (``torch.distributed`` point-to-point over the expert-parallel group, staged so that no weight is overwritten
+before it is sent), a few layers per step, each switching to its new placement as its weights arrive, at the same
+step on every rank. Each layer's dispatch tables live in buffers of its own (``ExpertPlacement.table_slot``),
+rewritten in place on a switch, so CUDA graphs captured before read the new placement.
 
 Tokens of an expert held by several ranks are spread over its copies by ``ExpertPlacement``'s replica rule: pair
 ``(source rank s, token t)`` goes to holder ``(s + t) % copies``, deterministic and the same on every rank. Every
