@@ -112,6 +112,8 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
         (["generate", "--max-model-len", "1"], "--max-model-len"),
         (["generate", "--max-model-len", "100000"], "--max-model-len"),  # above the model's positions
         (["generate", "--dtype", "float16"], "--dtype"),
+        (["generate", "--eplb-window-size", "0"], "--eplb-window-size"),
+        (["generate", "--eplb-rebalance-layers-per-chunk", "0"], "--eplb-rebalance-layers-per-chunk"),
         (["conformance", "--backend", "reference", "--ops", "gemm,bogus"], "--ops"),
         (["conformance"], "--backend"),
         (["bench", "--quick", "--ops", "bogus"], "--ops"),
@@ -127,6 +129,21 @@ def test_every_bad_flag_is_a_one_line_error(argv, flag, tiny, capsys):
     (line,) = [ln for ln in out.splitlines() if ln.strip()]
     assert line.startswith("error: ") and flag in line, line
     assert any(word in line for word in ("expected", "invalid", "required")), line  # the last two: argparse's
+
+
+def test_generate_passes_the_eplb_flags_to_the_llm(tiny, capsys, monkeypatch):
+    got = {}
+
+    def fake_llm(*args, **kw):
+        got.update(kw)
+        raise InputError("LLM", "model", "a stand-in", "stopped")
+
+    monkeypatch.setattr(model_cli, "LLM", fake_llm)
+    argv = ["generate", "--model", str(tiny), "--enable-eplb", "--eplb-window-size", "7"]
+    status, _ = run_cli([*argv, "--eplb-step-interval", "11", "--eplb-rebalance-layers-per-chunk", "3"], capsys)
+    assert status != 0
+    assert (got["enable_eplb"], got["eplb_window_size"], got["eplb_step_interval"]) == (True, 7, 11)
+    assert got["eplb_rebalance_layers_per_chunk"] == 3 and got["num_redundant_experts"] == 0
 
 
 def test_help_lists_every_subcommand_and_describes_every_flag(capsys):
