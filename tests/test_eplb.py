@@ -351,12 +351,12 @@ def assert_tables_of(tab, placement: ExpertPlacement) -> None:
     assert [t.tolist() for t in tab.global_ids] == [list(r) for r in placement.local_experts]
 
 
-def test_placements_of_one_slot_share_tables_rewritten_in_place():
+@pytest.mark.parametrize("experts, world, per", [(8, 4, 3), (10, 6, 2)])  # up to 4 copies of 4 ranks; 3 of 6
+def test_placements_of_one_slot_share_tables_rewritten_in_place(experts, world, per):
     from deepinfer.ops.moe import load_placement_tables
     from deepinfer.reference.ep import placement_tables
 
     g = torch.Generator().manual_seed(5)
-    experts, world, per = 8, 4, 3
     slot = Slot()
 
     def random_placement() -> ExpertPlacement:
@@ -382,11 +382,12 @@ def test_placements_of_one_slot_share_tables_rewritten_in_place():
     other = ExpertPlacement(experts, first.local_experts, table_slot=Slot())  # another slot: tables of its own
     assert placement_tables(other, torch.device("cpu")) is not captured
     assert new == ExpertPlacement(experts, new.local_experts) and repr(new) == repr(replace(new, table_slot=None))
-    wider = ExpertPlacement(experts, tuple((*r, e) for r, e in zip(first.local_experts, (7, 6, 5, 4))), table_slot=slot)
-    if wider.problem() is None:
-        with pytest.raises(InputError) as err:
-            load_placement_tables(wider, "cpu")
-        assert err.value.arg == "placement"
+    grown = tuple((*r, next(e for e in range(experts) if e not in r)) for r in first.local_experts)
+    wider = ExpertPlacement(experts, grown, table_slot=slot)  # one more expert per rank: not this slot's shape
+    assert wider.problem() is None
+    with pytest.raises(InputError) as err:
+        load_placement_tables(wider, "cpu")
+    assert err.value.arg == "placement"
     with pytest.raises(InputError) as err:
         load_placement_tables(ExpertPlacement(experts, first.local_experts, table_slot=3), "cpu")
     assert err.value.arg == "placement" and "weak references" in err.value.expected

@@ -114,8 +114,9 @@ _SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def placement_tables(placement: ExpertPlacement, device: torch.device) -> Tables:
     """The tables of ``placement`` (see ``ExpertPlacement.table_slot``). With a slot, the slot's buffers: made on
-    first use with a copies dimension of the world size (the most copies any placement of the slot can have; the
-    columns past an expert's copies are never read), and rewritten in place with ``copy_`` when ``placement``
+    first use with a copies dimension of the most copies any placement of the slot can give an expert (one per rank,
+    and every expert holds a slot: ``min(world, slots - experts + 1)``; the columns past an expert's copies are never
+    read), and rewritten in place with ``copy_`` when ``placement``
     differs from the one they hold, so that their addresses (captured by CUDA graphs) stay valid."""
     if placement.table_slot is None:
         return _value_tables(placement, device)
@@ -130,7 +131,8 @@ def placement_tables(placement: ExpertPlacement, device: torch.device) -> Tables
     held = slot.get(device)
     if held is not None and held[0] == placement:
         return held[1]
-    fresh = _build_tables(placement, device, copies=placement.world_size)
+    slots = sum(len(e) for e in placement.local_experts)
+    fresh = _build_tables(placement, device, copies=min(placement.world_size, slots - placement.num_experts + 1))
     if held is None:
         slot[device] = (placement, fresh)
         return fresh
