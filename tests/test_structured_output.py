@@ -13,6 +13,8 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -375,3 +377,20 @@ def test_the_engine_loop_never_compiles_a_constraint(deepinfer_backend, deepinfe
     assert all(t.name.startswith("deepinfer-grammar") for t in threads), {t.name for t in threads}
     for text, reason in outs[1:]:
         assert reason in ("stop", "length") and text.startswith('{"p'), text
+
+
+def test_a_constrained_step_does_not_import_llguidance_s_torch_module(deepinfer_backend, deepinfer_device):
+    """``llguidance.torch`` compiles its kernel with ``torch.compile`` on import (seconds, on the first constrained
+    step): the masks are filled without it. A fresh process, so no earlier test's imports count."""
+    code = (
+        "import sys\n"
+        "from deepinfer.model import LLM, SamplingParams\n"
+        f"llm = LLM(None, {deepinfer_backend!r}, device={deepinfer_device!r}, progress=False)\n"
+        "out = llm.generate('n = ', SamplingParams(max_tokens=8, structured_outputs={'regex': '[0-9]{3}'}))[0]\n"
+        "assert out.outputs[0].finish_reason == 'stop', out\n"
+        "print(sorted(m for m in sys.modules if m.startswith('llguidance')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    loaded = done.stdout.strip().splitlines()[-1]
+    assert "'llguidance'" in loaded and "llguidance.torch" not in loaded, loaded
