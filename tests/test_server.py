@@ -504,6 +504,32 @@ def test_structured_outputs_with_n_choices(client, offline):
     assert all(c.text in options and c.finish_reason == "stop" for c in got.choices), got.choices
 
 
+def test_structured_outputs_grammar_error_ends_the_choice_with_error(client, served, monkeypatch):
+    """A planted sampler (the grammar's mask inverted, so the constrained request samples a token its grammar
+    refuses): the choice ends with ``finish_reason`` ``error`` and the grammar's message in ``stop_reason``, counted
+    under ``error`` in the metrics, not as a cancellation (``abort``); the server goes on serving."""
+    from deepinfer.model import model_runner
+
+    url = served[1]
+    errors0 = metric(url, "deepinfer_requests_total", finish_reason="error")
+    aborts0 = metric(url, "deepinfer_requests_total", finish_reason="abort")
+    real = model_runner.allowed_tokens
+    monkeypatch.setattr(model_runner, "allowed_tokens", lambda *a, **k: ~real(*a, **k))
+    got = client.completions.create(
+        model="tiny-py", prompt="n = ", max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}
+    )
+    monkeypatch.undo()
+    choice = got.choices[0]
+    assert choice.finish_reason == "error", choice
+    assert choice.model_extra["stop_reason"].startswith("structured output: "), choice.model_extra
+    assert metric(url, "deepinfer_requests_total", finish_reason="error") == errors0 + 1
+    assert metric(url, "deepinfer_requests_total", finish_reason="abort") == aborts0
+    ok = client.completions.create(
+        model="tiny-py", prompt="n = ", max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}
+    )
+    assert ok.choices[0].finish_reason == "stop" and re.fullmatch("[0-9]{3}", ok.choices[0].text)
+
+
 def test_usage_and_metrics_report_prefix_cache_hits(client, served, offline):
     url = served[1]
     hits0, queries0 = (
