@@ -75,19 +75,23 @@ def timed(fn, sync) -> float:
     return time.perf_counter() - start
 
 
-def step_ms(llm: LLM, prompts: list[str], params: list[SamplingParams], runs: int, sync) -> dict:
-    """Median over ``runs`` of the wall time of a ``generate`` divided by the engine steps it took."""
-    llm.generate(prompts, params)  # warm-up
-    times, steps = [], []
+def step_ms(llm: LLM, prompts: list[str], configs: dict[str, list[SamplingParams]], runs: int, sync) -> dict:
+    """Per configuration, the median over ``runs`` of the wall time of a ``generate`` divided by the engine steps it
+    took; the configurations take turns, run by run, so a machine's changing load falls on all of them alike."""
+    for params in configs.values():
+        llm.generate(prompts, params)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    steps: dict[str, list[int]] = {name: [] for name in configs}
     for _ in range(runs):
-        steps0 = llm.engine.stats["steps"]
-        start = time.perf_counter()
-        llm.generate(prompts, params)
-        sync()
-        n = llm.engine.stats["steps"] - steps0
-        times.append((time.perf_counter() - start) / n)
-        steps.append(n)
-    return {"step_ms": 1e3 * statistics.median(times), "steps": steps}
+        for name, params in configs.items():
+            steps0 = llm.engine.stats["steps"]
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            sync()
+            n = llm.engine.stats["steps"] - steps0
+            times[name].append((time.perf_counter() - start) / n)
+            steps[name].append(n)
+    return {name: {"step_ms": 1e3 * statistics.median(times[name]), "steps": steps[name]} for name in configs}
 
 
 def main() -> None:
@@ -152,7 +156,7 @@ def main() -> None:
     free = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i, ignore_eos=True) for i in range(args.batch)]
     endless = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=0, structured_outputs=ENDLESS)
     configs = {"free": free, "json": params, "mixed": [endless, *free[1:]]}
-    report["steps"] = {name: step_ms(llm, prompts, ps, args.runs, sync) for name, ps in configs.items()}
+    report["steps"] = step_ms(llm, prompts, configs, args.runs, sync)
     print(json.dumps(report, indent=1))
     c, s = report["compile"]["large_json"], report["steps"]
     print(
