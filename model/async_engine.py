@@ -2,7 +2,9 @@
 
 Requests arrive from any number of coroutines (a server's handlers) while the engine runs: each ``submit`` queues an
 ``add`` for the engine thread, which adds it between two steps, so a new request joins the running batch at the next
-step. After every step the thread computes each request's ``StreamDelta`` (``streaming.py``: new tokens and text, stop
+step. A structured-output constraint is compiled before that, on a small pool of threads of its own (llguidance
+releases the GIL while it compiles), so a large JSON schema never stalls the steps of the requests already running.
+After every step the thread computes each request's ``StreamDelta`` (``streaming.py``: new tokens and text, stop
 strings applied) and hands it to the request's coroutine through its event loop. A request whose consumer goes away
 (the stream is closed or cancelled, as when an HTTP client disconnects) is aborted between two steps: its cache pages
 are free for the next step.
@@ -14,6 +16,7 @@ engine (``LLMEngine.abort_all``) and keeps serving: one bad step never stops the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -34,6 +37,7 @@ from .streaming import RequestStream, StreamDelta
 log = logging.getLogger("deepinfer.serve")
 
 IDLE_WAIT_S = 0.5  # the idle thread wakes this often to notice a shutdown
+COMPILE_THREADS = 2  # threads compiling structured-output constraints
 
 
 class EngineDeadError(RuntimeError):
@@ -48,6 +52,7 @@ class _Request:
     prompt: str | None
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    matcher: Any = None  # its structured-output matcher, compiled before it is queued
     arrival_s: float = field(default_factory=time.monotonic)
     seq: Sequence | None = None
     stream: RequestStream | None = None
@@ -90,6 +95,7 @@ class AsyncEngine:
         self._live: dict[int, _Request] = {}  # by id(): requests added to the engine and not yet finished
         self._stopping = threading.Event()
         self.error: BaseException | None = None  # the last step's failure, if any
+        self._compiler = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="deepinfer-grammar")
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._thread.start()
 
@@ -109,11 +115,16 @@ class AsyncEngine:
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
     ) -> AsyncIterator[StreamDelta]:
         """Queues a request and waits until the engine has taken it; returns the iterator of its deltas (the last
-        one has ``finished``). A request the engine refuses raises its ``RequestError`` here. Closing the iterator
-        before its end (or cancelling the task reading it) aborts the request."""
+        one has ``finished``). A request the engine refuses raises its ``RequestError`` here (a structured-output
+        constraint is compiled first, off the engine thread). Closing the iterator before its end (or cancelling the
+        task reading it) aborts the request."""
         if not self.is_alive():
             raise EngineDeadError("the engine loop has stopped")
-        req = _Request(prompt_ids, params, request_id, prompt, asyncio.get_running_loop(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        matcher = None
+        if params.structured_outputs is not None:
+            matcher = await loop.run_in_executor(self._compiler, self.llm._matcher, params)
+        req = _Request(prompt_ids, params, request_id, prompt, loop, asyncio.Queue(), matcher)
         self._commands.put(("add", req))
         try:
             first = await req.out.get()
@@ -146,6 +157,7 @@ class AsyncEngine:
         """Stops the thread after its current step; requests still running end with ``EngineDeadError``."""
         self._stopping.set()
         self._commands.put(("wake", None))
+        self._compiler.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout)
 
     # --- the engine thread ---
@@ -184,9 +196,8 @@ class AsyncEngine:
         if req.cancelled:
             return
         try:
-            matcher = self.llm._matcher(req.params)
             req.seq = self.engine.add_request(
-                req.prompt_ids, req.params, request_id=req.request_id, prompt=req.prompt, matcher=matcher
+                req.prompt_ids, req.params, request_id=req.request_id, prompt=req.prompt, matcher=req.matcher
             )
         except RequestError as e:
             req.send(e)

@@ -49,6 +49,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PENDING, Sequence, Status
 from .speculative import MTPDrafter, SpeculativeConfig, SpeculativeStats, accepted_drafts
+from .structured_output import matcher_error
 
 DEFAULT_CACHE_BYTES = 1 << 30
 
@@ -596,7 +597,8 @@ class LLMEngine:
                 seq.top_logprobs.append(sampled.top)
         params = seq.params
         if seq.matcher is not None and not seq.matcher.consume_token(sampled.token):
-            seq.finish_reason = "abort"  # the grammar allowed no token (its matcher is in error): nothing to sample
+            # the grammar refused the token (its matcher is in error, e.g. past a parser limit): nothing can follow
+            seq.finish_reason, seq.stop_reason = "error", f"structured output: {matcher_error(seq.matcher)}"
         elif sampled.token in params.stop_token_ids or (not params.ignore_eos and sampled.token in self.eos_ids):
             seq.finish_reason, seq.stop_reason = "stop", sampled.token
         elif self._ends_by_length(seq, index + 1):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,6 +206,7 @@ class LLM:
                 self.progress = False
             self.tokenizer = Tokenizer.from_dir(self.path, self.config.bos_token_id)
             self._grammars: Grammars | None = None  # built on the first structured-output request
+            self._grammars_lock = threading.Lock()  # a server compiles constraints on threads of its own
             self.model = self._load(ckpt)
             self.eplb: ExpertLoadBalancer | None = None
             if enable_eplb:  # before the engine: CUDA graphs capture the counting
@@ -426,14 +428,15 @@ class LLM:
         ]
 
     def _matcher(self, params: SamplingParams):
-        """The grammar matcher of a structured-output request (None without a constraint)."""
+        """The grammar matcher of a structured-output request (None without a constraint). Thread-safe."""
         if params.structured_outputs is None:
             return None
-        if self._grammars is None:
-            file = self.path / "tokenizer.json"
-            if not file.is_file():
-                raise RequestError(f"structured output needs the checkpoint's tokenizer ({file} not found)")
-            self._grammars = Grammars(file, self.config.vocab_size, self.config.eos_token_ids)
+        with self._grammars_lock:
+            if self._grammars is None:
+                file = self.path / "tokenizer.json"
+                if not file.is_file():
+                    raise RequestError(f"structured output needs the checkpoint's tokenizer ({file} not found)")
+                self._grammars = Grammars(file, self.config.vocab_size, self.config.eos_token_ids)
         return self._grammars.matcher(params.structured_outputs)
 
     def _run_with_progress(self, total: int, start: float, gen0: int, streams: list[RequestStream]) -> None:

@@ -324,7 +324,8 @@ class ModelRunner:
                     matchers.append((seq.matcher, seq.drafts))
         if not rows:
             return logits
-        mask = allowed_tokens(matchers, logits.shape[1]).to(self.device, non_blocking=True)
+        pin = self.device.type != "cpu"
+        mask = allowed_tokens(matchers, logits.shape[1], pin=pin).to(self.device, non_blocking=pin)
         index = self._tensor(rows, torch.int64)
         return logits.index_copy(0, index, ops.apply_token_bitmask(logits.index_select(0, index), mask))
 

@@ -11,8 +11,10 @@ class CompletionOutput:
 
     token_ids: the generated tokens (a stop token included). text: their decoding ("" without a tokenizer).
     logprobs: the log-probability of each generated token (when asked); top_logprobs: per token, the ``k`` most
-    likely tokens and theirs (when ``k > 0`` was asked). finish_reason: ``stop`` (a stop or end-of-sequence token)
-    or ``length`` (``max_tokens`` or the model's context); stop_reason: the stop token, if any.
+    likely tokens and theirs (when ``k > 0`` was asked). finish_reason: ``stop`` (a stop or end-of-sequence token),
+    ``length`` (``max_tokens`` or the model's context), ``abort`` (the request was cancelled) or ``error`` (its
+    structured-output grammar refused the last token, which ends it); stop_reason: the stop token (or stop string),
+    or with ``error`` a one-line message naming the grammar error.
     """
 
     index: int
@@ -21,7 +23,7 @@ class CompletionOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass

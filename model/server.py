@@ -12,9 +12,11 @@ Request fields are OpenAI's, with vLLM's extra fields where a vLLM user would se
 ``stream_options.include_usage``, ``n`` (1 only), and ``top_k``, ``stop_token_ids``, ``ignore_eos``,
 ``skip_special_tokens``, ``include_stop_str_in_output``; structured output by ``response_format`` (``json_object``
 or ``json_schema``), ``structured_outputs`` (``{"json"|"regex"|"grammar"|"choice": ...}``) or
-``guided_json``/``guided_regex``/``guided_grammar``/``guided_choice``. A field the engine does not implement with a
-value other than its neutral one (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
-``logit_bias``, ``min_tokens``, ``best_of``, ``suffix``, ``echo``, ``tools``) is refused rather than ignored.
+``guided_json``/``guided_regex``/``guided_grammar``/``guided_choice`` (compiled off the engine loop; a choice whose
+grammar refuses its sampled token ends with ``finish_reason`` ``error``, the grammar's message in ``stop_reason``).
+A field the engine does not implement with a value other than its neutral one (``presence_penalty``,
+``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``min_tokens``, ``best_of``, ``suffix``, ``echo``,
+``tools``) is refused rather than ignored.
 ``usage`` reports prompt, completion and cached prompt tokens (``prompt_tokens_details.cached_tokens``).
 
 Every bad request gets an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status

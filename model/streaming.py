@@ -22,7 +22,8 @@ from .tokenizer import Tokenizer
 class StreamDelta:
     """What a request added since the previous delta. ``token_ids`` and ``logprobs``/``top_logprobs`` (when asked)
     are the new tokens; ``text`` the new text. ``finished``: the request is over; then ``finish_reason`` (``stop``,
-    ``length`` or ``abort``) and ``stop_reason`` (a stop token id, a stop string, or None) are set, and
+    ``length``, ``abort`` or ``error``, as ``CompletionOutput``'s) and ``stop_reason`` (a stop token id, a stop string,
+    the grammar error's message, or None) are set, and
     ``num_prompt_tokens``, ``num_generated`` and ``num_cached_tokens`` give its usage."""
 
     text: str = ""

@@ -2,10 +2,12 @@
 choices, through the llguidance grammar engine (the names are vLLM's).
 
 ``StructuredOutputsParams`` names the constraint; ``Grammars`` compiles it against a checkpoint's tokenizer (once per
-distinct constraint) into one matcher per request. Each step the engine asks every constrained request's matcher for
-its allowed tokens (a ``[ceil(V / 32)]`` int32 bitmask), applies it with ``deepinfer.ops.apply_token_bitmask``
+distinct constraint, kept for the most recent 256) and hands each request a copy of the compiled matcher. Each
+step the engine asks every constrained request's matcher for its allowed tokens (a ``[ceil(V / 32)]`` int32
+bitmask, written by llguidance straight into a host tensor), applies it with ``deepinfer.ops.apply_token_bitmask``
 before sampling, and feeds the sampled token back; a request whose grammar is complete can only end (its
-end-of-sequence token). A step with constrained requests is not launched before the previous step's tokens are
+end-of-sequence token); one whose matcher refuses the sampled token (it is in error) ends with finish reason
+``error``. A step with constrained requests is not launched before the previous step's tokens are
 known, since its masks depend on them.
 """
 
@@ -73,7 +75,8 @@ class StructuredOutputsParams:
 
 
 class Grammars:
-    """The grammar engine bound to one checkpoint's tokenizer (``tokenizer.json``) and vocabulary."""
+    """The grammar engine bound to one checkpoint's tokenizer (``tokenizer.json``) and vocabulary. Safe to call from
+    several threads (compilation releases the GIL, so a server compiles on threads of its own while it steps)."""
 
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids: tuple[int, ...]):
         try:
@@ -86,42 +89,54 @@ class Grammars:
         )
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 (one instance per LLM; the cache is meant to live with it)
-    def _grammar(self, fmt: str, text: str) -> str:
+    def _pristine(self, fmt: str, text: str) -> Any:
+        """The compiled matcher of one constraint, never fed a token: requests get copies of it."""
+        return self._compile(fmt, text)
+
+    def _compile(self, fmt: str, text: str) -> Any:
         try:
             grammar = self._ll.grammar_from(fmt, text)
         except ValueError as e:
             raise RequestError(f"structured output: invalid {fmt}: {' '.join(str(e).split())}") from e
-        error = self._ll.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:  # the engine's message spans lines (a caret under the fault): one line here
-            raise RequestError(f"structured output: invalid {fmt}: {' '.join(error.split())}")
-        return grammar
-
-    def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A fresh matcher for one request; ``RequestError`` for a constraint the engine cannot compile."""
-        m = self._ll.LLMatcher(self.tokenizer, self._grammar(*params.key()))
-        if m.is_error():
-            raise RequestError(f"structured output: {m.get_error()}")
+        # log_level 0: a matcher's errors reach the request's stop_reason, not stderr
+        m = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():  # the engine's message spans lines (a caret under the fault): one line here
+            raise RequestError(f"structured output: invalid {fmt}: {' '.join(m.get_error().split())}")
         return m
 
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """A fresh matcher for one request (a copy of the constraint's compiled one, compiled on its first use and
+        kept for the 256 most recent constraints); ``RequestError`` for a constraint the engine cannot compile."""
+        return self._pristine(*params.key()).deep_copy()
 
-def allowed_tokens(matchers: list[tuple[Any, list[int]]], vocab_size: int) -> torch.Tensor:
+
+def matcher_error(matcher: Any) -> str:
+    """The first line of a matcher's error (llguidance adds its parser state on the lines after)."""
+    lines = matcher.get_error().strip().splitlines()
+    return lines[0] if lines else "the grammar refused the token"
+
+
+def allowed_tokens(matchers: list[tuple[Any, list[int]]], vocab_size: int, pin: bool = False) -> torch.Tensor:
     """int32 on the host, ``ceil(vocab_size / 32)`` words a row, in the layout ``deepinfer.ops.apply_token_bitmask``
     takes: per ``(matcher, drafts)``, ``1 + len(drafts)`` rows, row ``i`` the tokens the matcher allows after
     ``drafts[:i]`` (speculative decoding verifies a row per draft). Past a draft the grammar refuses, rows repeat
-    the last mask (no later draft can be accepted there). Each matcher is left as it was (drafts rolled back)."""
-    from llguidance.torch import fill_next_token_bitmask
-
-    mask = torch.zeros(sum(1 + len(d) for _, d in matchers), (vocab_size + 31) // 32, dtype=torch.int32)
+    the last mask (no later draft can be accepted there). Each matcher is left as it was (drafts rolled back).
+    ``pin``: in page-locked memory, for an asynchronous copy to an accelerator (torch's host allocator reuses the
+    block once the copies that read it are done)."""
+    words = (vocab_size + 31) // 32
+    mask = torch.empty(sum(1 + len(d) for _, d in matchers), words, dtype=torch.int32, pin_memory=pin)
+    row_bytes = 4 * words
+    base = mask.data_ptr()
     row = 0
     for m, drafts in matchers:
-        fill_next_token_bitmask(m, mask, row)
+        m.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)  # every word of the row written
         consumed = 0
         for i, token in enumerate(drafts, 1):
             if m.is_stopped() or m.try_consume_tokens([token]) != 1:
                 mask[row + i : row + 1 + len(drafts)] = mask[row + i - 1]
                 break
             consumed += 1
-            fill_next_token_bitmask(m, mask, row + i)
+            m.unsafe_compute_mask_ptr(base + (row + i) * row_bytes, row_bytes)
         if consumed:
             m.rollback(consumed)
         row += 1 + len(drafts)

@@ -411,7 +411,12 @@ def test_the_client_sees_errors_as_exceptions_and_the_server_keeps_serving(clien
     assert [m.id for m in client.models.list().data] == ["tiny-py"]
 
 
-def test_structured_outputs(client):
+CHAT_JSON = "<｜begin▁of▁sentence｜># user: json\n# assistant:"  # the template's rendering of one "json" message
+SIZE_REGEX = r"(0|[1-9][0-9]{0,3})\.[0-9]{2} (KB|MB)"
+
+
+def test_structured_outputs(client, offline):
+    """Each way of asking for a constraint; the oracle is the offline API under the same constraint (greedy)."""
     choice = client.completions.create(
         model="tiny-py", prompt="answer = ", max_tokens=8, extra_body={"guided_choice": ["yes", "no", "maybe"]}
     )
@@ -420,7 +425,13 @@ def test_structured_outputs(client):
         model="tiny-py", prompt="n = ", max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}
     )
     assert re.fullmatch("[0-9]{3}", digits.choices[0].text)
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    # small enough that any output ends within max_tokens: {"a":D} with one digit, no free whitespace
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
     js = client.chat.completions.create(
         model="tiny-py",
         messages=[{"role": "user", "content": "json"}],
@@ -428,10 +439,95 @@ def test_structured_outputs(client):
         temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
     )
-    if js.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(js.choices[0].message.content)["a"], int)
-    else:  # the small model may not close the object in 24 tokens; what it wrote is a prefix of one
-        assert js.choices[0].message.content.startswith('{"a":')
+    assert js.choices[0].finish_reason == "stop", js.choices[0]
+    value = json.loads(js.choices[0].message.content)
+    assert set(value) == {"a"} and isinstance(value["a"], int) and 0 <= value["a"] <= 9, value
+    ids = offline.tokenizer.encode(CHAT_JSON, add_special_tokens=False)
+    want = offline_out(offline, ids, max_tokens=24, temperature=0, structured_outputs={"json": schema})
+    assert js.choices[0].message.content == want.outputs[0].text
+
+
+def test_structured_outputs_json_object(client, offline):
+    """``response_format`` ``json_object``: any JSON object (the offline API with the schema ``{"type": "object"}``
+    is the oracle); the embedded model closes it within ``max_tokens`` here, and it parses to an object."""
+    got = client.chat.completions.create(
+        model="tiny-py",
+        messages=[{"role": "user", "content": "json"}],
+        max_tokens=48,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    ids = offline.tokenizer.encode(CHAT_JSON, add_special_tokens=False)
+    want = offline_out(offline, ids, max_tokens=48, temperature=0, structured_outputs={"json": {"type": "object"}})
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.choices[0].finish_reason == want.outputs[0].finish_reason == "stop"
+    assert isinstance(json.loads(got.choices[0].message.content), dict)
+
+
+def test_structured_outputs_streamed(client, offline):
+    """A constrained, sampled (seeded) request streamed: its pieces add up to the offline output, which matches."""
+    so = {"regex": SIZE_REGEX}
+    chunks = list(
+        client.completions.create(
+            model="tiny-py",
+            prompt=PROMPTS[1],
+            max_tokens=32,
+            temperature=1.0,
+            seed=11,
+            stream=True,
+            extra_body={"structured_outputs": so},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    want = offline_out(offline, PROMPTS[1], max_tokens=32, temperature=1.0, seed=11, structured_outputs=so)
+    assert text == want.outputs[0].text and re.fullmatch(SIZE_REGEX, text), text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_structured_outputs_with_n_choices(client, offline):
+    """``n=2`` under one constraint: each choice is its own seeded completion (the offline ``n=2`` outputs), each
+    held to the constraint."""
+    options = ["alpha", "beta", "gamma", "delta"]
+    got = client.completions.create(
+        model="tiny-py",
+        prompt=PROMPTS[4],
+        n=2,
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        extra_body={"guided_choice": options},
+    )
+    want = offline_out(
+        offline, PROMPTS[4], n=2, max_tokens=8, temperature=1.0, seed=5, structured_outputs={"choice": options}
+    )
+    assert [c.text for c in got.choices] == [o.text for o in want.outputs]
+    assert all(c.text in options and c.finish_reason == "stop" for c in got.choices), got.choices
+
+
+def test_structured_outputs_grammar_error_ends_the_choice_with_error(client, served, monkeypatch):
+    """A planted sampler (the grammar's mask inverted, so the constrained request samples a token its grammar
+    refuses): the choice ends with ``finish_reason`` ``error`` and the grammar's message in ``stop_reason``, counted
+    under ``error`` in the metrics, not as a cancellation (``abort``); the server goes on serving."""
+    from deepinfer.model import model_runner
+
+    url = served[1]
+    errors0 = metric(url, "deepinfer_requests_total", finish_reason="error")
+    aborts0 = metric(url, "deepinfer_requests_total", finish_reason="abort")
+    real = model_runner.allowed_tokens
+    monkeypatch.setattr(model_runner, "allowed_tokens", lambda *a, **k: ~real(*a, **k))
+    got = client.completions.create(
+        model="tiny-py", prompt="n = ", max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}
+    )
+    monkeypatch.undo()
+    choice = got.choices[0]
+    assert choice.finish_reason == "error", choice
+    assert choice.model_extra["stop_reason"].startswith("structured output: "), choice.model_extra
+    assert metric(url, "deepinfer_requests_total", finish_reason="error") == errors0 + 1
+    assert metric(url, "deepinfer_requests_total", finish_reason="abort") == aborts0
+    ok = client.completions.create(
+        model="tiny-py", prompt="n = ", max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}
+    )
+    assert ok.choices[0].finish_reason == "stop" and re.fullmatch("[0-9]{3}", ok.choices[0].text)
 
 
 def test_usage_and_metrics_report_prefix_cache_hits(client, served, offline):
