@@ -10,7 +10,7 @@ from .dispatch import batch_invariant, batch_invariant_enabled, prepare_weight
 from .errors import BackendError, DeepInferError, FallbackWarning, InputError, NotSupportedError, PluginError
 from .hookspecs import hookimpl
 from .kv_cache import allocate_kv_cache
-from .qtensor import QTensor
+from .qtensor import FP4Tensor, QTensor
 from .records import BackendSpec, Decline, OpImpl
 from .selection import available_backends, current_backend, use
 from .validation import value_checks
@@ -22,6 +22,7 @@ __all__ = [
     "BackendSpec",
     "Decline",
     "DeepInferError",
+    "FP4Tensor",
     "FallbackWarning",
     "InputError",
     "NotSupportedError",

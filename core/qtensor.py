@@ -1,4 +1,5 @@
-"""``QTensor``: an FP8 e4m3 tensor with block scales, and the DeepSeek-V3 quantisation recipe."""
+"""``QTensor``: an FP8 e4m3 tensor with block scales, and the DeepSeek-V3 quantisation recipe; ``FP4Tensor``: packed
+e2m1 values with one ue8m0 scale per 32 values of a row (DeepSeek-V4's FP4 routed experts)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_FLOOR = 1e-4  # amax below this quantises as if it were this (DeepSeek-V3 recipe)
 SCALE_FORMATS = ("fp32", "ue8m0")
+FP4_GROUP = 32  # values of a row per ue8m0 scale
+FP4_DATA_DTYPE = torch.int8  # two e2m1 codes a byte, the low nibble the even element
+UE8M0_DTYPE = torch.float8_e8m0fnu  # a scale's byte is the exponent of a power of two, biased by 127 (255: NaN)
+# The values of the 16 e2m1 codes (sign bit 3, exponent bits 2..1, mantissa bit 0).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 @dataclass
@@ -56,6 +62,52 @@ class QTensor:
         if self.block[0] != 1:
             raise TypeError("only (1, k)-blocked QTensors can be indexed by row")
         return QTensor(self.data[rows], self.scale[rows], self.block, self.scale_format)
+
+
+@dataclass
+class FP4Tensor:
+    """FP4 weights as DeepSeek-V4 stores its routed experts: ``value = e2m1(code) * 2^(scale byte - 127)``.
+
+    data: ``[..., N, K / 2]`` int8, two e2m1 codes a byte; the low nibble is element ``2j`` of the row, the high
+        nibble element ``2j + 1``.
+    scale: ``[..., N, K / 32]`` ``torch.float8_e8m0fnu`` (ue8m0): one power of two per 32 values of a row.
+    prepared: backend-owned physical form of this weight (set by a backend's ``prepare_weight``), or None.
+
+    ``shape`` is the logical ``[..., N, K]``. Every value is exactly representable in bf16 and fp32.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    prepared: Any = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.data.shape[:-1], 2 * self.data.shape[-1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The represented values (reference math: e2m1 table lookup times the scale, in fp32)."""
+        lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=self.data.device)
+        u8 = self.data.view(torch.uint8).long()
+        values = torch.stack([lut[u8 & 0xF], lut[u8 >> 4]], dim=-1).flatten(-2)
+        return (values * self.scale.float().repeat_interleave(FP4_GROUP, dim=-1)).to(dtype)
+
+
+def fp4_from_fp32_scales(data: torch.Tensor, scale: torch.Tensor) -> FP4Tensor | None:
+    """An ``FP4Tensor`` of packed ``data`` and its scales given as fp32 (or bf16) values: None unless every scale is
+    a positive normal power of two (which ue8m0 holds exactly)."""
+    s = scale.float()
+    bits = s.view(torch.int32)
+    exponent = bits >> 23
+    if not bool(((bits & 0x807FFFFF) == 0).all() and ((exponent > 0) & (exponent < 255)).all()):
+        return None
+    return FP4Tensor(data, exponent.to(torch.uint8).view(UE8M0_DTYPE))
 
 
 def scale_shape(shape: torch.Size | tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:

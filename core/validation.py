@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .errors import InputError
-from .qtensor import FP8_DTYPE, SCALE_FORMATS, QTensor, scale_shape
+from .qtensor import FP4_DATA_DTYPE, FP4_GROUP, FP8_DTYPE, SCALE_FORMATS, UE8M0_DTYPE, FP4Tensor, QTensor, scale_shape
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -102,6 +102,20 @@ class Check:
             raise self.fail(f"{arg}.block", f"{tuple(block)}", repr(q.block))
         self.tensor(f"{arg}.scale", q.scale, dtypes=(torch.float32,), shape=scale_shape(q.data.shape, block))
         self.choice(f"{arg}.scale_format", q.scale_format, SCALE_FORMATS)
+        self.same_device(**{f"{arg}.data": q.data, f"{arg}.scale": q.scale})
+        return q
+
+    def fp4tensor(self, arg: str, q, *, ndim: int) -> FP4Tensor:
+        """An ``FP4Tensor`` of the given rank: int8 data ``[..., N, K/2]`` with ``K % 32 == 0``, ue8m0 scales
+        ``[..., N, K/32]`` on the data's device."""
+        if not isinstance(q, FP4Tensor):
+            raise self.fail(arg, "an FP4Tensor", type(q).__name__)
+        self.tensor(f"{arg}.data", q.data, dtypes=(FP4_DATA_DTYPE,), ndim=ndim)
+        k = q.shape[-1]
+        if k % FP4_GROUP:
+            raise self.fail(arg, f"K (twice data's last dim) a multiple of {FP4_GROUP}", f"K = {k}")
+        want = (*q.data.shape[:-1], k // FP4_GROUP)
+        self.tensor(f"{arg}.scale", q.scale, dtypes=(UE8M0_DTYPE,), shape=want)
         self.same_device(**{f"{arg}.data": q.data, f"{arg}.scale": q.scale})
         return q
 

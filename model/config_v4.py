@@ -19,8 +19,9 @@ Quantised checkpoints (``quantization_config``: ``quant_method: fp8``, ``fmt: e4
 integration writes them: a linear weight may be e4m3 with ``weight_scale_inv [ceil(N/128), ceil(K/128)]``; with
 ``expert_dtype: fp4`` the routed experts' weights are int8 ``[N, K/2]``, two e2m1 values a byte (the low nibble
 first), with one scale per 32 values of a row, ``weight_scale_inv [N, K/32]``. Scales are fp32 or ``F8_E8M0``.
-Every quantised weight is dequantised once, at load, to the model's dtype (``read``): the model then runs as a
-bf16 one (the FP8 activation quantisation of DeepSeek's GEMMs and FP4 expert kernels are not used yet).
+Quantised weights are dequantised once, at load, to the model's dtype (``read``), except FP4 routed experts where
+the backend has a grouped GEMM for them: those stay packed (``read_fp4``, a ``deepinfer.FP4Tensor``) and the MoE
+calls ``ops.grouped_gemm`` on them (the FP8 activation quantisation of DeepSeek's GEMMs is not used yet).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from deepinfer.qtensor import UE8M0_DTYPE, FP4Tensor, fp4_from_fp32_scales
 
 from .checkpoint import FLOAT_KINDS, INDEX_FILE, TensorInfo, find_files, read_header
 from .config import MAX_POSITIONS, MAX_ROUTED_EXPERTS, _finite
@@ -712,12 +715,7 @@ class V4Checkpoint:
         """The tensor of normalised name ``key`` on ``device`` (in ``dtype``; None keeps the stored dtype)."""
         name = self.names[key]
         info = self.tensors[name]
-        handle = self._handles.get(info.file)
-        if handle is None:
-            try:
-                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-            except Exception as e:  # safetensors raises its own error type
-                raise CheckpointError(f"{info.file}: cannot be opened as safetensors: {e}") from e
+        handle = self._handle(info)
         try:
             t = handle.get_tensor(name)
             scale = handle.get_tensor(name + SCALE_SUFFIX) if info.dtype in ("F8_E4M3", "I8") else None
@@ -728,6 +726,34 @@ class V4Checkpoint:
             self.bytes_read += scale.numel() * scale.element_size()
             t = dequantize(t.to(device), scale.to(device))
         return t.to(device=device, dtype=dtype or t.dtype)
+
+    def _handle(self, info: TensorInfo) -> Any:
+        handle = self._handles.get(info.file)
+        if handle is None:
+            try:
+                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+            except Exception as e:  # safetensors raises its own error type
+                raise CheckpointError(f"{info.file}: cannot be opened as safetensors: {e}") from e
+        return handle
+
+    def read_fp4(self, key: str, device: torch.device | str) -> FP4Tensor | None:
+        """The FP4 weight of normalised name ``key`` kept packed on ``device``: None where it is not an int8 FP4
+        weight, or where its scales are not powers of two (fp32 or bf16 scales that ue8m0 cannot hold; ``read``
+        then dequantises it)."""
+        name = self.names[key]
+        info = self.tensors[name]
+        if info.dtype != "I8":
+            return None
+        handle = self._handle(info)
+        try:
+            data, scale = handle.get_tensor(name), handle.get_tensor(name + SCALE_SUFFIX)
+        except Exception as e:
+            raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
+        weight = FP4Tensor(data, scale) if scale.dtype == UE8M0_DTYPE else fp4_from_fp32_scales(data, scale)
+        if weight is None:
+            return None
+        self.bytes_read += data.numel() + scale.numel() * scale.element_size()
+        return FP4Tensor(weight.data.to(device), weight.scale.to(device))
 
     def close(self) -> None:
         self._handles.clear()

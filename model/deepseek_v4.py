@@ -50,7 +50,8 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer import ops, prepare_weight
-from deepinfer.qtensor import QTensor
+from deepinfer.dispatch import explain
+from deepinfer.qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, QTensor
 
 from .config_v4 import CSA, HCA, SLIDING, V4CacheLayout, V4Checkpoint, V4Config
 from .forward_batch import ForwardBatch
@@ -383,8 +384,9 @@ class V4Attention:
 
 
 class V4MoE:
-    """Routed experts (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``), the fp32 router
-    (``gate.weight``, and ``gate.bias`` or the ``gate.tid2eid`` table) and the shared expert, SwiGLU clipped."""
+    """Routed experts (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``: dense, or packed
+    ``FP4Tensor`` stacks that ``ops.grouped_gemm`` takes as they are), the fp32 router (``gate.weight``, and
+    ``gate.bias`` or the ``gate.tid2eid`` table) and the shared expert, SwiGLU clipped."""
 
     def __init__(self, cfg: V4Config, layer: int, w: dict, ep: ExpertParallel):
         self.cfg, self.ep = cfg, ep
@@ -558,6 +560,34 @@ def _fp32(key: str) -> bool:
     )
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def fp4_experts_served(cfg: V4Config, experts: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the selected backend runs ``grouped_gemm`` of ``experts`` FP4 expert weights against activations of
+    ``dtype``, in both expert layouts, with an implementation of its own (not the fallback to the reference; the
+    reference backend always does). Asks only the implementations' ``supports``, with weights one row high."""
+    if cfg.quantization is None or cfg.quantization.get("expert_dtype") != "fp4" or experts == 0:
+        return False
+    width = {cfg.hidden_size, cfg.moe_intermediate_size}
+    for k in width:
+        w = FP4Tensor(
+            torch.zeros(experts, 1, k // 2, dtype=torch.int8, device=device),
+            torch.full((experts, 1, k // FP4_GROUP), 127, dtype=torch.uint8, device=device).view(UE8M0_DTYPE),
+        )
+        offsets = torch.ones(experts + 1, dtype=torch.int32, device=device)
+        offsets[0] = 0
+        masked = torch.zeros(experts, dtype=torch.int32, device=device)
+        masked[0] = 1
+        for layout in ({"expert_offsets": offsets, "masked_m": None}, {"expert_offsets": None, "masked_m": masked}):
+            a = torch.zeros(*([1] if layout["masked_m"] is None else [experts, 1]), k, dtype=dtype, device=device)
+            choices = explain("grouped_gemm", {"a": a, "w": w, **layout, "out_dtype": dtype})
+            if any(c.status == "fallback" for c in choices):
+                return False
+    return True
+
+
 def load_weights(
     ckpt: V4Checkpoint,
     dtype: torch.dtype,
@@ -567,10 +597,34 @@ def load_weights(
 ) -> dict:
     """Every weight by normalised name, read once, assembled (experts stacked gate-and-up in ``ep.local``'s order,
     ``wo_a`` by group) and passed through ``prepare_weight`` once; routed experts other than ``ep``'s local ones
-    are not read."""
+    are not read. FP4 routed experts stay packed (``FP4Tensor`` stacks) where the selected backend has a grouped GEMM
+    of its own for them (``fp4_experts_served``); otherwise they are dequantised to ``dtype``."""
     cfg = ckpt.config
     ep = ep or ExpertParallel.single(cfg.n_routed_experts)
     out: dict = {}
+    packed = fp4_experts_served(cfg, len(ep.local), dtype, device)
+
+    def read_fp4(key: str) -> FP4Tensor | None:
+        before = ckpt.bytes_read
+        w = ckpt.read_fp4(key, device)
+        if on_progress is not None:
+            on_progress(ckpt.bytes_read - before)
+        return w
+
+    def fp4_stacks(f: str) -> tuple[FP4Tensor, FP4Tensor] | None:
+        """``[E, 2I, H]`` and ``[E, H, I]`` packed stacks of the local experts, or None where any of their weights
+        is not FP4 with power-of-two scales."""
+        w13, w2 = [], []
+        for e in experts:
+            w1, w3, down = (read_fp4(f + e + name) for name in ("w1.weight", "w3.weight", "w2.weight"))
+            if w1 is None or w3 is None or down is None:
+                return None
+            w13.append((torch.cat([w1.data, w3.data]), torch.cat([_bytes(w1.scale), _bytes(w3.scale)])))
+            w2.append((down.data, _bytes(down.scale)))
+        return tuple(  # type: ignore[return-value]
+            FP4Tensor(torch.stack([d for d, _ in ws]), torch.stack([s for _, s in ws]).view(UE8M0_DTYPE))
+            for ws in (w13, w2)
+        )
 
     def read(key: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
         before = ckpt.bytes_read
@@ -602,9 +656,14 @@ def load_weights(
             else:
                 put(key, read(key))
         f = p + "ffn."
-        w13 = torch.stack([torch.cat([read(f + e + "w1.weight"), read(f + e + "w3.weight")]) for e in experts])
-        put(f + "experts.gate_up_proj", w13)
-        put(f + "experts.down_proj", torch.stack([read(f + e + "w2.weight") for e in experts]))
+        stacks = fp4_stacks(f) if packed else None
+        if stacks is not None:
+            put(f + "experts.gate_up_proj", stacks[0])
+            put(f + "experts.down_proj", stacks[1])
+        else:
+            w13 = torch.stack([torch.cat([read(f + e + "w1.weight"), read(f + e + "w3.weight")]) for e in experts])
+            put(f + "experts.gate_up_proj", w13)
+            put(f + "experts.down_proj", torch.stack([read(f + e + "w2.weight") for e in experts]))
         s = f + "shared_experts."
         put(s[:-1] + ".gate_up_proj", torch.cat([read(s + "w1.weight"), read(s + "w3.weight")]))
         put(s[:-1] + ".down_proj", read(s + "w2.weight"))

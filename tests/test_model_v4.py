@@ -32,7 +32,7 @@ from model_helpers import one_thread  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from deepinfer import ops
+from deepinfer import FP4Tensor, ops
 from deepinfer.model import deepseek_v4
 from deepinfer.model.config_v4 import V4Checkpoint, V4Config
 from deepinfer.model.deepseek_v4 import DeepseekV4
@@ -595,7 +595,37 @@ def test_fp8_and_fp4_expert_checkpoints_load_as_transformers_dequantises_them(ch
                 experts.gate_up_proj[e].copy_(torch.cat([values[p + "w1.weight"], values[p + "w3.weight"]]))
                 experts.down_proj[e].copy_(values[p + "w2.weight"])
     assert not torch.equal(ref.model.layers[1].mlp.experts.down_proj, oracle.model.layers[1].mlp.experts.down_proj)
-    assert prompt_errors(load(tmp_path), ref, prompts(10)) < TOL
+    model = load(tmp_path)
+    # The routed experts stay packed and run through ops.grouped_gemm's FP4 path (every in-tree backend has one).
+    moe = model.layers[1][3]
+    assert isinstance(moe.w13, FP4Tensor) and isinstance(moe.w2, FP4Tensor)
+    assert moe.w13.shape == (moe.w2.shape[0], 2 * moe.w2.shape[2], moe.w2.shape[1])
+    assert prompt_errors(model, ref, prompts(10)) < TOL
+
+
+def test_fp4_experts_with_fp32_scales_that_are_not_powers_of_two_are_dequantised_at_load(checkpoints, tmp_path, load):
+    """fp32 scales ue8m0 cannot hold keep the load-time dequantisation: dense expert stacks holding the values
+    transformers decodes."""
+    path, _ = checkpoints("plain")
+    tensors = load_file(path / "model.safetensors")
+    out = dict(tensors)
+    for name, w in tensors.items():
+        if ".ffn.experts." in name:
+            data, scale = _fp4_rows(w.float())
+            out[name], out[name + "_scale_inv"] = data, scale.float() * 0.75
+    save_file(out, tmp_path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128], expert_dtype="fp4")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = load(tmp_path)
+    moe = model.layers[1][3]
+    assert isinstance(moe.w13, torch.Tensor) and moe.w13.dtype == torch.float32
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    decode = Fp8Dequantize(None)._dequantize_one
+    p = "model.layers.1.ffn.experts.0."
+    want = torch.cat([decode(out[p + k], out[p + k + "_scale_inv"], torch.float32) for k in ("w1.weight", "w3.weight")])
+    assert torch.equal(moe.w13[0], want)
 
 
 @pytest.mark.parametrize("damage", ["no scale", "fp8 router", "fp4 shared expert", "scale grid", "no config"])

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from reference_helpers import U32, g_fixture, on_reference_fixture, randn  # noqa: F401 (fixtures)
 
-from deepinfer import InputError, QTensor, ops
+from deepinfer import FP4Tensor, InputError, QTensor, ops
 from deepinfer.reference import attention as reference_attention
 
 FP8 = torch.float8_e4m3fn
@@ -453,6 +453,40 @@ def test_grouped_gemm_masked_equals_per_expert_linear(g, kind, scale_format):
         expected = F.linear(av[e, :cnt], wv[e])
         err = (out[e, :cnt].double() - expected).abs()
         assert bool((err <= dot_bound(av[e, :cnt].abs(), wv[e].abs(), k)).all()), f"expert {e}"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_grouped_gemm_fp4_equals_transformers_dequantisation(g, layout):
+    """FP4 expert weights (every byte value, ue8m0 scales from 2^-20 to 2^3) decoded by transformers' fine-grained FP8
+    integration (its FP4 path: two e2m1 values a byte, low nibble first, one scale per 32 values), then a per-expert
+    F.linear in fp64; the reference's fp32 result is within the dot-product bound of that."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    decode = Fp8Dequantize(None)._dequantize_one
+    experts, n, k = 3, 40, 96
+    data = randint(g, -128, 128, experts, n, k // 2, dtype=torch.int8)
+    data.view(-1)[:256] = torch.arange(-128, 128, dtype=torch.int8)
+    scale = randint(g, 107, 131, experts, n, k // 32, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    w = FP4Tensor(data, scale)
+    wv = torch.stack([decode(data[e], scale[e], torch.float32) for e in range(experts)]).double()
+    assert wv.shape == (experts, n, k) and bool(wv.isfinite().all())
+    assert torch.equal(w.dequantize().double(), wv)
+    counts = [4, 0, 3]
+    if layout == "contiguous":
+        a = randn(g, sum(counts), k)
+        offsets = torch.tensor([0, 4, 4, 7], dtype=torch.int32)
+        out = ops.grouped_gemm(a, w, expert_offsets=offsets, out_dtype=torch.float32)
+        rows = [a[0:4], a[4:4], a[4:7]]
+        got = [out[0:4], out[4:4], out[4:7]]
+    else:
+        a = randn(g, experts, 4, k)
+        out = ops.grouped_gemm(a, w, masked_m=torch.tensor(counts, dtype=torch.int32), out_dtype=torch.float32)
+        rows = [a[e, : counts[e]] for e in range(experts)]
+        got = [out[e, : counts[e]] for e in range(experts)]
+    for e in range(experts):
+        expected = F.linear(rows[e].double(), wv[e])
+        err = (got[e].double() - expected).abs()
+        assert bool((err <= dot_bound(rows[e].abs(), wv[e].abs().float(), k)).all()), f"expert {e}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

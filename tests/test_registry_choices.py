@@ -452,6 +452,43 @@ def test_fp8_gemm_takes_the_triton_kernel_it_took_before(triton_only, invariant)
     assert reasons["triton-fp8-swapped"] == "a has 17 rows > 16"
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_fp4_grouped_gemm_takes_triton_fp4_and_the_native_place_says_why_not(triton_only, invariant, monkeypatch):
+    """FP4 weights: ``triton-fp4`` in both layouts and both modes for bf16 and fp32 activations; ``tcgen05-fp4``
+    declines, naming the missing capability on SM90 and the missing kernel where the device has ``fp4``; the dense
+    and FP8 kernels decline an FP4 weight; an fp16 activation falls back to the reference."""
+    from deepinfer.conformance.cases import Gen
+    from deepinfer.conformance.gemm import fp4_weight
+
+    gemm = triton_only
+    w = fp4_weight(Gen(0, "cpu"), 3, 64, 128)
+    layouts = [
+        dict(a=(4, 128), expert_offsets=torch.tensor([0, 1, 1, 4], dtype=torch.int32), masked_m=None),
+        dict(a=(3, 2, 128), expert_offsets=None, masked_m=torch.tensor([2, 0, 1], dtype=torch.int32)),
+    ]
+    for layout in layouts:
+        for dtype in (torch.bfloat16, torch.float32):
+            kwargs = dict(layout, a=torch.randn(*layout["a"], dtype=dtype), w=w, out_dtype=torch.bfloat16)
+            assert _taken("grouped_gemm", kwargs, invariant) == "triton-fp4"
+        with deepinfer.batch_invariant(invariant):
+            kwargs["a"] = kwargs["a"].half()
+            choices = {c.impl.provider: c for c in dispatch.explain("grouped_gemm", kwargs, "cuda_sm100")}
+        assert choices["triton-fp4"].reason == "a is torch.float16, expected bfloat16 or float32"
+        assert all(c.status in ("declined", "skipped", "fallback") for c in choices.values())
+        for kernel in gemm.GROUPED_KERNELS:
+            if choices[kernel].status == "declined":
+                assert "FP4Tensor" in choices[kernel].reason or "FP8 QTensor" in choices[kernel].reason, kernel
+    reasons = {c.impl.provider: c.reason for c in dispatch.explain("grouped_gemm", kwargs, "cuda_sm100")}
+    assert reasons["tcgen05-fp4"].startswith("no fp4 capability")
+    gemm._capabilities.cache_clear()
+    monkeypatch.setattr(gemm.probe, "capabilities", lambda: frozenset({"fp4", "tcgen05"}))
+    try:
+        reasons = {c.impl.provider: c.reason for c in dispatch.explain("grouped_gemm", kwargs, "cuda_sm100")}
+        assert reasons["tcgen05-fp4"].startswith("no native block-scaled FP4 (tcgen05) kernel yet")
+    finally:
+        gemm._capabilities.cache_clear()
+
+
 GROUPED_CASES = [(fp8, masked, rows) for fp8 in (False, True) for masked in (False, True) for rows in (1, 63, 64, 200)]
 
 

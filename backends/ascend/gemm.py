@@ -17,6 +17,10 @@ Fused operators (torch_npu; the Ascend 950 modes from the aclnnQuantMatmulV5 / a
   mode with ``per_token_scale [M, K/128]`` and ``scale [E, K/128, ceil(N/128)]`` (transposed view). The masked
   layout is run as E groups of ``max_m`` rows each (rows past ``masked_m`` are computed and left unspecified),
   so it needs no host synchronisation.
+- ``grouped_gemm`` with FP4 expert weights (``FP4Tensor``: e2m1 pairs a byte, one ue8m0 scale per 32 values of a
+  row): the documented ``npu_grouped_matmul`` takes no such weight (its int4 weights are antiquantised integers with
+  a scale and an offset per group, not e2m1 codes), so the weight is decoded in plain torch to the activation's dtype
+  on every call (exact in bf16 and fp32), then runs the dense ``npu_grouped_matmul`` above (README assumption 31).
 - bf16 ``gemm`` is ``torch.nn.functional.linear`` on the NPU (aclnn MatMul): plain torch.
 """
 
@@ -27,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deepinfer import Decline, QTensor
+from deepinfer import Decline, FP4Tensor, QTensor
 from deepinfer.qtensor import round_scale_ue8m0
 
 from . import probe
@@ -246,6 +250,8 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tens
 
 
 def grouped_gemm_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+    if isinstance(w, FP4Tensor):
+        return Decline("w is an FP4Tensor")
     if not (answer := probe.placed(a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m)):
         return answer
     if w.shape[0] > 1024:
@@ -260,13 +266,35 @@ def grouped_gemm_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> b
     return True
 
 
+def grouped_gemm_fp4_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tensor:
+    """``grouped_gemm`` of an ``FP4Tensor`` weight: decoded to ``a``'s dtype in plain torch (exact), then the dense
+    ``npu_grouped_matmul`` of ``grouped_gemm_gmm``."""
+    dense = w.dequantize(a.dtype)
+    return grouped_gemm_gmm(a, dense, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
+
+
+def grouped_gemm_fp4_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+    """An ``FP4Tensor`` weight against a bf16 or fp32 activation (an fp16 copy could not hold every value)."""
+    if not isinstance(w, FP4Tensor):
+        return Decline("w is not an FP4Tensor")
+    if a.dtype not in (torch.bfloat16, torch.float32):
+        return Decline(f"a is {a.dtype}, expected bfloat16 or float32")
+    if not (answer := probe.placed(a=a, w=w.data, expert_offsets=expert_offsets, masked_m=masked_m)):
+        return answer
+    if w.shape[0] > 1024:
+        return Decline(f"w holds {w.shape[0]} experts > 1024")
+    if w.shape[2] >= 65536:
+        return Decline(f"w's K of {w.shape[2]} >= 65536")
+    return True
+
+
 def grouped_gemm_torch(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tensor:
-    """One matmul per expert in fp32 (FP8 operands dequantised)."""
+    """One matmul per expert in fp32 (FP8 and FP4 operands dequantised)."""
     experts, n, _ = w.shape
     if isinstance(w, QTensor) and not isinstance(a, QTensor):
         a = quantize_rows_torch(a, BLOCK, w.scale_format)
     af = a.dequantize() if isinstance(a, QTensor) else a.float()
-    wf = w.dequantize() if isinstance(w, QTensor) else w.float()
+    wf = w.dequantize() if isinstance(w, (QTensor, FP4Tensor)) else w.float()
     if masked_m is not None:
         return torch.einsum("emk,enk->emn", af, wf).to(out_dtype)
     out = torch.zeros(af.shape[0], n, device=af.device)

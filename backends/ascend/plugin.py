@@ -103,6 +103,12 @@ def op_impls() -> list[OpImpl]:
         _fused("gemm", "torch_npu.npu_quant_matmul", gemm.gemm_quant_matmul, gemm.gemm_quant_matmul_supports),
         _composite("gemm", gemm.gemm_torch, "a", "w", "bias"),
         _fused("grouped_gemm", "torch_npu.npu_grouped_matmul", gemm.grouped_gemm_gmm, gemm.grouped_gemm_gmm_supports),
+        _fused(
+            "grouped_gemm",
+            "fp4-decode+torch_npu.npu_grouped_matmul",
+            gemm.grouped_gemm_fp4_gmm,
+            gemm.grouped_gemm_fp4_gmm_supports,
+        ),
         _composite("grouped_gemm", gemm.grouped_gemm_torch, "a", "w"),
         _fused("moe_route", "torch_npu.npu_moe_gating_top_k", moe.moe_route_gating, moe.moe_route_gating_supports),
         _composite("moe_route", moe.moe_route_torch, "logits", "bias"),

@@ -25,20 +25,23 @@ registers each kernel choice as an implementation of its own.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from deepinfer import Decline, QTensor
+from deepinfer import Decline, FP4Tensor, QTensor
 from deepinfer.dispatch import batch_invariant_enabled
 
+from . import probe
 from ._triton import INTERPRET, PDL, num_sms, placed, tma_ready
 from .gemm_triton import (
     _chain_blocks_kernel,
     _gemm_kernel,
     _gemm_swapped_kernel,
+    _grouped_gemm_fp4_kernel,
     _grouped_gemm_kernel,
     _grouped_masked_swapped_kernel,
     _quantize_kernel,
@@ -455,6 +458,8 @@ def _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts: int
 
 
 def grouped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+    if isinstance(w, FP4Tensor):
+        return Decline("w is an FP4Tensor")
     a_data = a.data if isinstance(a, QTensor) else a
     if not isinstance(w, QTensor) and a_data.dtype not in (torch.bfloat16, torch.float16):
         return Decline(f"a is {a_data.dtype} against a dense w, expected bfloat16 or float16")
@@ -464,7 +469,7 @@ def grouped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Dec
 def grouped_masked_swapped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
     """``grouped_supports`` for an FP8 weight in the masked layout."""
     if not isinstance(w, QTensor):
-        return Decline("w is dense, not an FP8 QTensor")
+        return Decline("w is not an FP8 QTensor")
     if masked_m is None:
         return Decline("the contiguous layout (expert_offsets), not the masked one")
     return grouped_supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
@@ -472,10 +477,95 @@ def grouped_masked_swapped_supports(a, w, *, expert_offsets, masked_m, out_dtype
 
 def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
     """``grouped_supports`` for a dense weight in the masked layout at up to ``DECODE_TILE_MAX_M`` rows per expert."""
-    if isinstance(w, QTensor):
-        return Decline("w is an FP8 QTensor")
+    if isinstance(w, (QTensor, FP4Tensor)):
+        return Decline(f"w is an {'FP8 QTensor' if isinstance(w, QTensor) else 'FP4Tensor'}")
     if masked_m is None:
         return Decline("the contiguous layout (expert_offsets), not the masked one")
     if a.shape[1] > DECODE_TILE_MAX_M:
         return Decline(f"a has {a.shape[1]} rows per expert > {DECODE_TILE_MAX_M}")
     return grouped_supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
+
+
+# --- grouped GEMM with FP4 weights --------------------------------------------------------------------------------
+
+
+# SM90 has no tensor-core instruction that takes e2m1: ``_grouped_gemm_fp4_kernel`` decodes the packed codes and
+# their ue8m0 scales inside the kernel to the activation's dtype (exact) ahead of each ``tl.dot``. One tile for every
+# row count and both layouts, no split over K: batch-invariant. Not tuned yet.
+FP4_TILE = Tile(64, 128, 4, 3, block_k=64)
+
+
+def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype):
+    """``ops.grouped_gemm`` of a bf16 or fp32 activation against an ``FP4Tensor`` weight, by
+    ``_grouped_gemm_fp4_kernel``."""
+    experts, n, k = w.shape
+    masked = masked_m is not None
+    rows = a.shape[0] * a.shape[1] if masked else a.shape[0]
+    out = torch.empty(*a.shape[:-1], n, dtype=out_dtype, device=a.device)
+    if rows == 0 or n == 0:
+        return out
+    tile = FP4_TILE
+    a2 = a.reshape(rows, k).contiguous()
+    packed = w.data.contiguous().view(torch.uint8).view(experts * n, k // 2)
+    scales = w.scale.contiguous().view(torch.uint8).view(experts * n, k // 32)
+    dummy = out  # stands in for the pointer argument a layout does not read
+    if masked:
+        grid_m = experts * triton.cdiv(a.shape[1], tile.block_m)
+    else:  # at most one partial tile per expert
+        grid_m = triton.cdiv(rows, tile.block_m) + experts
+    _grouped_gemm_fp4_kernel[(grid_m * triton.cdiv(n, tile.block_n),)](
+        a2,
+        packed,
+        scales,
+        out.view(rows, n),
+        expert_offsets.contiguous() if not masked else dummy,
+        masked_m.contiguous() if masked else dummy,
+        experts,
+        n,
+        k,
+        a.shape[1] if masked else 0,
+        grid_m,
+        a2.stride(0),
+        n,
+        MASKED=masked,
+        FP32_DOT=INTERPRET,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        BLOCK_E=triton.next_power_of_2(experts),
+        GROUP_M=GROUPED_GROUP_M,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        launch_pdl=PDL,
+    )
+    return out
+
+
+def grouped_fp4_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+    """An ``FP4Tensor`` weight against a bf16 or fp32 activation (fp16 could not hold every weight value exactly)."""
+    if not isinstance(w, FP4Tensor):
+        return Decline("w is not an FP4Tensor")
+    if a.dtype not in (torch.bfloat16, torch.float32):
+        return Decline(f"a is {a.dtype}, expected bfloat16 or float32")
+    return placed(a=a, w=w.data, expert_offsets=expert_offsets, masked_m=masked_m)
+
+
+def grouped_fp4_native(a, w, *, expert_offsets, masked_m, out_dtype):
+    """The native FP4 path: not written (``grouped_fp4_native_supports`` declines every call)."""
+    raise NotImplementedError("no native FP4 grouped GEMM kernel")
+
+
+def grouped_fp4_native_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> Decline:
+    """Where the device has the ``fp4`` capability (compute capability 10.x: tcgen05's block-scaled MMA takes e2m1
+    operands with ue8m0 scales per 32 values, the ``FP4Tensor`` layout), an FP4 weight would run natively; that
+    kernel is not written, so this declines with the reason and ``triton-fp4`` serves the call."""
+    if not isinstance(w, FP4Tensor):
+        return Decline("w is not an FP4Tensor")
+    if "fp4" not in _capabilities():
+        return Decline("no fp4 capability (block-scaled FP4 MMA needs compute capability 10.x)")
+    return Decline("no native block-scaled FP4 (tcgen05) kernel yet: triton-fp4 dequantises in the kernel")
+
+
+@functools.cache
+def _capabilities() -> frozenset[str]:
+    return probe.capabilities()

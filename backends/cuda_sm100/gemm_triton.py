@@ -238,6 +238,33 @@ def _chain_blocks_kernel(
     tl.store(out_ptr + m * stride_om + n, cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _expert_rows(pid_m, offsets_ptr, masked_ptr, E, max_m, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_E: tl.constexpr):  # fmt: skip
+    """(expert, first row, end of the expert's rows) of M tile ``pid_m`` of a grouped layout; the tile has no rows
+    where first row >= end. Contiguous: M tile t is the t-th over all experts (each program counts the experts' tiles
+    from ``offsets``), at most one partial tile per expert. Masked: M tile e * tiles_per_expert + t."""
+    if MASKED:
+        tiles = tl.cdiv(max_m, BLOCK_M)
+        e = pid_m // tiles
+        rows_in_expert = tl.load(masked_ptr + e)
+        first = (pid_m % tiles) * BLOCK_M
+        row0 = e.to(tl.int64) * max_m + first
+        row_end = e.to(tl.int64) * max_m + rows_in_expert
+    else:
+        experts = tl.arange(0, BLOCK_E)
+        starts = tl.load(offsets_ptr + experts, mask=experts < E, other=0)
+        stops = tl.load(offsets_ptr + 1 + experts, mask=experts < E, other=0)
+        tiles = tl.cdiv(stops - starts, BLOCK_M)  # M tiles of each expert (0 past E)
+        ends = tl.where(experts < E, tl.cumsum(tiles, axis=0), 2147483647)
+        e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+        tile_start = tl.sum(tl.where(experts < e, tiles, 0), axis=0)
+        last = tl.minimum(e, E - 1)  # a tile past every expert's (e == E) reads in bounds and has no rows
+        row0 = (tl.load(offsets_ptr + last) + (pid_m - tile_start) * BLOCK_M).to(tl.int64)
+        row_end = tl.where(e < E, tl.load(offsets_ptr + last + 1).to(tl.int64), row0)
+    return e, row0, row_end
+
+
 @triton.jit(do_not_specialize=["max_m", "GRID_M"])
 def _grouped_gemm_kernel(
     a_src,
@@ -265,33 +292,14 @@ def _grouped_gemm_kernel(
     BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Contiguous: M tile t is the t-th over all experts (each program counts the experts' tiles from ``offsets``).
-    Masked: M tile e * tiles_per_expert + t. Rows never cross experts. Programs walk ``GROUP_M`` M tiles (one
+    """M tiles as ``_expert_rows`` numbers them; rows never cross experts. Programs walk ``GROUP_M`` M tiles (one
     expert's rows, mostly) down every column tile before the next ones, so those rows stay in L2 while the expert's
     weight streams past once (``tile_coords`` over ``GRID_M`` M tiles)."""
     pdl_wait()
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if MASKED:
-        tiles = tl.cdiv(max_m, BLOCK_M)
-        e = pid_m // tiles
-        rows_in_expert = tl.load(masked_ptr + e)
-        first = (pid_m % tiles) * BLOCK_M
-        if first >= rows_in_expert:
-            return
-        row0 = e.to(tl.int64) * max_m + first
-        row_end = e.to(tl.int64) * max_m + rows_in_expert
-    else:
-        experts = tl.arange(0, BLOCK_E)
-        starts = tl.load(offsets_ptr + experts, mask=experts < E, other=0)
-        stops = tl.load(offsets_ptr + 1 + experts, mask=experts < E, other=0)
-        tiles = tl.cdiv(stops - starts, BLOCK_M)  # M tiles of each expert (0 past E)
-        ends = tl.where(experts < E, tl.cumsum(tiles, axis=0), 2147483647)
-        e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-        if e >= E:
-            return
-        tile_start = tl.sum(tl.where(experts < e, tiles, 0), axis=0)
-        row0 = (tl.load(offsets_ptr + e) + (pid_m - tile_start) * BLOCK_M).to(tl.int64)
-        row_end = tl.load(offsets_ptr + e + 1).to(tl.int64)
+    e, row0, row_end = _expert_rows(pid_m, offsets_ptr, masked_ptr, E, max_m, MASKED, BLOCK_M, BLOCK_E)
+    if row0 >= row_end:
+        return
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -370,3 +378,76 @@ def _grouped_masked_swapped_kernel(
             cast(acc, c_ptr.dtype.element_ty),
             mask=mask_n[:, None] & mask_m[None, :],
         )
+
+
+@triton.jit
+def _e2m1_times_ue8m0(code, scale_byte):
+    """fp32 ``e2m1(code) * 2^(scale_byte - 127)`` of int32 e2m1 codes (sign bit 3, exponent bits 2..1, mantissa bit
+    0) and ue8m0 scale bytes, built from bits: exponent e > 0 is ``(1 + m / 2) 2^(e - 1)``, fp32 bits
+    ``(e + 126) << 23 | m << 22``; e = 0 is the subnormal ``m / 2``. Scale byte 0 is 2^-127 (an fp32 subnormal),
+    255 is NaN."""
+    exponent = (code >> 1) & 3
+    mantissa = code & 1
+    bits = tl.where(exponent > 0, ((exponent + 126) << 23) | (mantissa << 22), mantissa * (126 << 23))
+    magnitude = bits.to(tl.float32, bitcast=True)
+    value = tl.where((code & 8) != 0, -magnitude, magnitude)
+    scale = tl.where(scale_byte == 0, 0x400000, scale_byte << 23).to(tl.float32, bitcast=True)
+    return value * tl.where(scale_byte == 255, float("nan"), scale)
+
+
+@triton.jit(do_not_specialize=["max_m", "GRID_M"])
+def _grouped_gemm_fp4_kernel(
+    a_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    offsets_ptr,
+    masked_ptr,
+    E,
+    N,
+    K,
+    max_m,
+    GRID_M,
+    stride_am,
+    stride_cm,
+    MASKED: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """A float activation against FP4 expert weights: B is the packed bytes ``[E * N, K / 2]`` (low nibble the even
+    element) and their ue8m0 scale bytes ``[E * N, K / 32]``. Each K step loads a ``[BLOCK_K, BLOCK_N]`` tile of
+    codes (each byte read for both of its elements) and of scales (one per 32 rows of the tile), decodes them to the
+    weight's exact values in A's dtype (exact in bf16 and fp32) and accumulates ``A @ W^T`` in fp32: the SM90 path,
+    where no tensor-core instruction takes e2m1. M tiles as ``_expert_rows`` numbers them."""
+    pdl_wait()
+    pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e, row0, row_end = _expert_rows(pid_m, offsets_ptr, masked_ptr, E, max_m, MASKED, BLOCK_M, BLOCK_E)
+    if row0 >= row_end:
+        return
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_m, mask_n = offs_m < row_end, offs_n < N
+    w_rows = e.to(tl.int64) * N + offs_n  # expert e's rows of B and of its scales
+    half_k, groups = K // 2, K // 32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(
+            a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        mask_w = mask_k[:, None] & mask_n[None, :]
+        packed = tl.load(b_ptr + w_rows[None, :] * half_k + (offs_k // 2)[:, None], mask=mask_w, other=0)
+        code = (packed.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 0xF
+        scale = tl.load(bs_ptr + w_rows[None, :] * groups + (offs_k // 32)[:, None], mask=mask_w, other=127)
+        w = _e2m1_times_ue8m0(code, scale.to(tl.int32)).to(a.dtype)
+        acc = dot(a, w, acc, FP32_DOT)
+    tl.store(
+        c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
+        cast(acc, c_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )

@@ -78,14 +78,20 @@ def _gemm_impls(gemm, gemm_cublas) -> list[OpImpl]:
 
 
 def _grouped_gemm_impls(gemm) -> list[OpImpl]:
-    """One implementation per kernel ``gemm.grouped_gemm`` chooses between, in ``GROUPED_KERNELS``' order; the
-    decode tile is not batch-invariant."""
+    """FP4 weights first (``tcgen05-fp4``, the native path where the device has the ``fp4`` capability: declines
+    every call until that kernel is written; ``triton-fp4``, dequantising inside the kernel), then one implementation
+    per kernel ``gemm.grouped_gemm`` chooses between, in ``GROUPED_KERNELS``' order; the decode tile is not
+    batch-invariant."""
     supports = {
         "triton-masked-swapped": gemm.grouped_masked_swapped_supports,
         "triton-decode": gemm.grouped_decode_supports,
         "triton": gemm.grouped_supports,
     }
-    return [
+    fp4 = [
+        _impl("grouped_gemm", "tcgen05-fp4", gemm.grouped_fp4_native, gemm.grouped_fp4_native_supports, priority=2),
+        _impl("grouped_gemm", "triton-fp4", gemm.grouped_gemm_fp4, gemm.grouped_fp4_supports, priority=1),
+    ]
+    return fp4 + [
         _impl("grouped_gemm", kernel, partial(gemm.grouped_gemm, kernel=kernel), supports[kernel],
               invariant=kernel != "triton-decode", priority=-i)
         for i, kernel in enumerate(gemm.GROUPED_KERNELS)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..ops.moe import DispatchHandle
-from ..qtensor import QTensor
+from ..qtensor import FP4Tensor, QTensor
 
 
 class Gen:
@@ -148,7 +148,8 @@ def bitwise_equal(a: Any, b: Any) -> bool:
 
 
 def strided(t: Any, *, inner: bool = True) -> Any:
-    """A non-contiguous view holding the values of ``t`` (a tensor or ``QTensor``; anything else is returned as is).
+    """A non-contiguous view holding the values of ``t`` (a tensor, ``QTensor`` or ``FP4Tensor``; anything else is
+    returned as is).
 
     inner: every other element along the last dim of a tensor twice as wide, so that no stride is what a contiguous
     tensor of that shape would have. Else (a layout that kernels needing unit-stride rows still take) the first half
@@ -157,6 +158,8 @@ def strided(t: Any, *, inner: bool = True) -> Any:
     (slots, offsets and lengths in range) but wrong."""
     if isinstance(t, QTensor):
         return QTensor(strided(t.data, inner=inner), strided(t.scale, inner=inner), t.block, t.scale_format)
+    if isinstance(t, FP4Tensor):
+        return FP4Tensor(strided(t.data, inner=inner), strided(t.scale, inner=inner))
     if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.numel() < 2:
         return t  # nothing that reads it can go wrong
     n = t.shape[-1]

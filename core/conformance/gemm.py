@@ -1,14 +1,28 @@
-"""Conformance cases for ``quantize_fp8``, ``gemm``, ``grouped_gemm``."""
+"""Conformance cases for ``quantize_fp8``, ``gemm``, ``grouped_gemm`` (FP4 expert weights included)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..qtensor import QTensor, quantize_blocks, quantize_rows
+from ..qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, QTensor, quantize_blocks, quantize_rows
 from .cases import BadInput, Case, Gen, error, rows_of, run_masked, take_masked_rows, take_rows
 
 # DeepSeek-V3 projections (N, K): q_a+kv_a fused, q_b, kv_b, o, shared/dense down, kv_a alone.
 V3_PROJECTIONS = [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]
+# DeepSeek-V4-Flash's routed experts (N, K): gate and up fused (2 x moe_intermediate 2048 by hidden 4096), down.
+V4_FLASH_EXPERTS = [(4096, 4096), (4096, 2048)]
+
+
+def fp4_weight(g: Gen, *shape: int) -> FP4Tensor:
+    """A random ``FP4Tensor`` of logical shape ``[..., N, K]`` drawn on the device: every byte (so every pair of
+    e2m1 codes, both zeros and both signs included) equally likely, and per 32 values a power of two within a factor
+    of 4 of ``1 / (2.5 sqrt(K))``, so that products stay near unit size."""
+    dev = torch.Generator(device=g.device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g.cpu)))
+    *lead, n, k = shape
+    data = torch.randint(-128, 128, (*lead, n, k // 2), generator=dev, device=g.device, dtype=torch.int8)
+    base = 127 - round(torch.log2(torch.tensor(2.5 * k**0.5)).item())
+    exponents = torch.randint(base - 2, base + 2, (*lead, n, k // FP4_GROUP), generator=dev, device=g.device)
+    return FP4Tensor(data, exponents.to(torch.uint8).view(UE8M0_DTYPE))
 
 
 def _weight(g: Gen, *shape: int, fp8: bool, ue8m0: bool = False, dtype=torch.bfloat16):
@@ -132,6 +146,37 @@ def _grouped_case(experts: int, n: int, k: int, most: int, variant: str, layout:
     )
 
 
+def _fp4_grouped_case(experts: int, n: int, k: int, most: int, layout: str, dtype=torch.bfloat16) -> Case:
+    """An ``FP4Tensor`` weight against a float activation of ``dtype`` (fp32: an fp32 result)."""
+    fp32 = dtype == torch.float32
+
+    def make(g: Gen):
+        w = fp4_weight(g, experts, n, k)
+        out = {"out_dtype": torch.float32} if fp32 else {}
+        if layout == "contiguous":
+            counts = _contiguous_counts(g, experts, most)
+            offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=g.device)
+            return {"a": g.randn(sum(counts), k, dtype=dtype), "w": w, "expert_offsets": offsets, **out}
+        masked = g.ints(0, most + 1, experts)
+        masked[0], masked[-1] = 0, most
+        masked_m = torch.tensor(masked, dtype=torch.int32, device=g.device)
+        return {"a": g.randn(experts, most, k, dtype=dtype), "w": w, "masked_m": masked_m, **out}
+
+    name = f"{layout} E={experts} N={n} K={k} rows<={most} fp4 a={str(dtype).removeprefix('torch.')}"
+    tol = "fp4-fp32" if fp32 else "fp4"
+    if layout == "contiguous":
+        return Case("grouped_gemm", name, tol, make, sub_batch=_sub_contiguous, batch=lambda kw: kw["a"].shape[0])
+    return Case(
+        "grouped_gemm",
+        name,
+        tol,
+        make,
+        run=run_masked,
+        sub_batch=lambda kw, rows: take_masked_rows(kw, "a", rows),
+        batch=lambda kw: kw["a"].shape[1],
+    )
+
+
 def cases(shapes: str) -> list[Case]:
     out: list[Case] = []
     if shapes == "small":
@@ -159,6 +204,11 @@ def cases(shapes: str) -> list[Case]:
             out += [_grouped_case(4, 96, 256, 9, v, lay) for v in ("bf16", "fp8w", "fp8")]
         out.append(_grouped_case(3, 200, 128, 17, "fp8", "contiguous"))
         out += [_grouped_case(3, 96, 256, 0, "bf16", lay) for lay in ("contiguous", "masked")]  # no rows at all
+        for lay in ("contiguous", "masked"):
+            out.append(_fp4_grouped_case(4, 96, 256, 9, lay))
+            out.append(_fp4_grouped_case(3, 200, 96, 17, lay, dtype=torch.float32))  # K not a multiple of 64
+            out.append(_fp4_grouped_case(3, 64, 128, 0, lay))  # no rows at all
+        out.append(_fp4_grouped_case(2, 130, 2048, 70, "contiguous"))  # long K, partial row and column tiles
         return out
     out += [_quantize_case(m, 7168, f) for m in (1, 4096) for f in ("fp32", "ue8m0")]
     out.append(_quantize_case(64, 2048, "fp32", experts=32))
@@ -170,6 +220,7 @@ def cases(shapes: str) -> list[Case]:
     for lay in ("contiguous", "masked"):
         for n, k in [(4096, 7168), (7168, 2048)]:
             out += [_grouped_case(32, n, k, 256, v, lay) for v in ("bf16", "fp8")]
+        out += [_fp4_grouped_case(32, n, k, 256, lay) for n, k in V4_FLASH_EXPERTS]
     return out
 
 
@@ -180,6 +231,15 @@ def bad_inputs() -> list[BadInput]:
 
     def fp8_w(g: Gen, n=64, k=256):
         return quantize_blocks(g.randn(n, k, dtype=torch.float32), (128, 128))
+
+    def fp4_kw(g: Gen, **over):
+        """A valid FP4 call (2 experts, N = 32, K = 64, contiguous) with ``over`` replacing arguments."""
+        offsets = torch.tensor([0, 2, 4], dtype=torch.int32, device=g.device)
+        return {"a": g.randn(4, 64), "w": fp4_weight(g, 2, 32, 64), "expert_offsets": offsets, **over}
+
+    def fp4_parts(g: Gen, data=None, scale=None) -> FP4Tensor:
+        w = fp4_weight(g, 2, 32, 64)
+        return FP4Tensor(w.data if data is None else data, w.scale if scale is None else scale)
 
     return [
         BadInput("quantize_fp8", "K not a multiple of the block", "x", lambda g: {"x": g.randn(4, 200)}),
@@ -268,6 +328,45 @@ def bad_inputs() -> list[BadInput]:
                 "w": g.randn(2, 32, 128),
                 "masked_m": torch.tensor([1, 5], dtype=torch.int32, device=g.device),
             },
+        ),
+        BadInput("grouped_gemm", "FP4: odd K in the activation", "a", lambda g: fp4_kw(g, a=g.randn(4, 63))),
+        BadInput(
+            "grouped_gemm",
+            "FP4: K not a multiple of 32",
+            "w",
+            lambda g: fp4_kw(
+                g, a=g.randn(4, 48), w=fp4_parts(g, data=g.randint(-128, 128, 2, 32, 24, dtype=torch.int8))
+            ),
+        ),
+        BadInput(
+            "grouped_gemm",
+            "FP4: scales of one group per 16 values",
+            "w.scale",
+            lambda g: fp4_kw(g, w=fp4_parts(g, scale=fp4_weight(g, 2, 32, 128).scale)),
+        ),
+        BadInput(
+            "grouped_gemm",
+            "FP4: fp32 scales",
+            "w.scale",
+            lambda g: fp4_kw(g, w=fp4_parts(g, scale=torch.ones(2, 32, 2, device=g.device))),
+        ),
+        BadInput(
+            "grouped_gemm",
+            "FP4: uint8 data",
+            "w.data",
+            lambda g: fp4_kw(g, w=fp4_parts(g, data=torch.zeros(2, 32, 32, dtype=torch.uint8, device=g.device))),
+        ),
+        BadInput(
+            "grouped_gemm",
+            "FP4: an FP8 activation",
+            "a",
+            lambda g: fp4_kw(g, a=quantize_rows(g.randn(4, 128), 128, "fp32"), w=fp4_weight(g, 2, 32, 128)),
+        ),
+        BadInput(
+            "grouped_gemm",
+            "FP4: 2-D weight",
+            "w.data",
+            lambda g: fp4_kw(g, w=fp4_weight(g, 32, 64)),
         ),
         BadInput(
             "grouped_gemm",

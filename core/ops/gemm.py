@@ -3,7 +3,8 @@
 Conventions: "NT" products (``out = a @ w.T``, weights ``[N, K]``), fp32 accumulation, bf16 output by default.
 FP8 operands are ``QTensor``s with the DeepSeek-V3 recipe: activations ``block=(1, 128)``, weights
 ``block=(128, 128)``; a bf16 activation against an FP8 weight is quantised inside the op (backends may fuse it),
-with the weight's ``scale_format``.
+with the weight's ``scale_format``. ``grouped_gemm`` also takes FP4 expert weights (``FP4Tensor``: packed e2m1 with one
+ue8m0 scale per 32 values of a row, DeepSeek-V4's routed experts) against a float activation.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import call
-from ..qtensor import SCALE_FORMATS, QTensor
+from ..qtensor import SCALE_FORMATS, FP4Tensor, QTensor
 from ..validation import FLOAT_DTYPES, Check, value_checks_enabled
 
 FP8_BLOCK = 128
@@ -92,7 +93,7 @@ def gemm(
 
 def grouped_gemm(
     a: torch.Tensor | QTensor,
-    w: torch.Tensor | QTensor,
+    w: torch.Tensor | QTensor | FP4Tensor,
     *,
     expert_offsets: torch.Tensor | None = None,
     masked_m: torch.Tensor | None = None,
@@ -108,20 +109,30 @@ def grouped_gemm(
       (CUDA-graph safe on backends that support it).
 
     ``w`` is ``[E, N, K]``: float with the dtype of ``a``, or an FP8 ``QTensor`` with ``(128, 128)`` scales
-    ``[E, ceil(N/128), K/128]``. ``a`` may be an FP8 ``QTensor`` ``(1, 128)`` when ``w`` is FP8, or float (then
-    quantised inside, as in ``gemm``).
+    ``[E, ceil(N/128), K/128]``, or an ``FP4Tensor`` (data ``[E, N, K/2]`` int8, scales ``[E, N, K/32]`` ue8m0,
+    ``K % 32 == 0``). ``a`` may be an FP8 ``QTensor`` ``(1, 128)`` when ``w`` is FP8, or float (then quantised
+    inside, as in ``gemm``). Against an ``FP4Tensor``, ``a`` is a float tensor (bf16, fp16 or fp32) used as given:
+    the result is ``a`` times the weight's exact values (``FP4Tensor.dequantize``), accumulated in fp32.
     """
     c = Check("grouped_gemm")
     if (expert_offsets is None) == (masked_m is None):
         raise c.fail("expert_offsets/masked_m", "exactly one of them", "both" if masked_m is not None else "neither")
-    if isinstance(w, QTensor):
-        c.qtensor("w", w, block=WEIGHT_BLOCK, ndim=3)
-        _check_fp8_k(c, "w", w.shape[2])
-    else:
-        c.tensor("w", w, dtypes=FLOAT_DTYPES, ndim=3)
-    num_experts = w.shape[0]
     ndim = 2 if expert_offsets is not None else 3
-    _check_activation(c, a, w, ndim=ndim)
+    if isinstance(w, FP4Tensor):
+        c.fp4tensor("w", w, ndim=3)
+        if isinstance(a, QTensor):
+            raise c.fail("a", "a float tensor against an FP4Tensor weight", "an FP8 QTensor")
+        c.tensor("a", a, dtypes=FLOAT_DTYPES, ndim=ndim)
+        if a.shape[-1] != w.shape[-1]:
+            raise c.fail("a", f"K = {w.shape[-1]} in the last dim (the K of 'w')", f"shape {list(a.shape)}")
+    else:
+        if isinstance(w, QTensor):
+            c.qtensor("w", w, block=WEIGHT_BLOCK, ndim=3)
+            _check_fp8_k(c, "w", w.shape[2])
+        else:
+            c.tensor("w", w, dtypes=FLOAT_DTYPES, ndim=3)
+        _check_activation(c, a, w, ndim=ndim)
+    num_experts = w.shape[0]
     c.choice("out_dtype", out_dtype, FLOAT_DTYPES)
     a_data = a.data if isinstance(a, QTensor) else a
     if expert_offsets is not None:
@@ -136,5 +147,5 @@ def grouped_gemm(
         c.same_device(a=a_data, masked_m=masked_m)
         if value_checks_enabled(masked_m):
             c.values_in_range("masked_m", masked_m, 0, a.shape[1], what="row counts")
-    c.same_device(a=a_data, w=w.data if isinstance(w, QTensor) else w)
+    c.same_device(a=a_data, w=w.data if isinstance(w, (QTensor, FP4Tensor)) else w)
     return call("grouped_gemm", a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)

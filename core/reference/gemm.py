@@ -1,10 +1,11 @@
-"""Reference ``quantize_fp8``, ``gemm``, ``grouped_gemm``: dequantise to fp32, multiply in fp32."""
+"""Reference ``quantize_fp8``, ``gemm``, ``grouped_gemm``: dequantise to fp32 (FP8 and FP4 weights alike), multiply
+in fp32."""
 
 from __future__ import annotations
 
 import torch
 
-from ..qtensor import QTensor, quantize_rows
+from ..qtensor import FP4Tensor, QTensor, quantize_rows
 from ._math import matmul_nt
 
 
@@ -16,7 +17,7 @@ def _as_fp32(a, w) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(w, QTensor) and not isinstance(a, QTensor):
         a = quantize_rows(a, 128, w.scale_format)
     af = a.dequantize() if isinstance(a, QTensor) else a.float()
-    wf = w.dequantize() if isinstance(w, QTensor) else w.float()
+    wf = w.dequantize() if isinstance(w, (QTensor, FP4Tensor)) else w.float()
     return af, wf
 
 
