@@ -133,6 +133,11 @@ def _grouped_case(experts: int, n: int, k: int, most: int, variant: str, layout:
 
     name = f"{layout} E={experts} N={n} K={k} rows<={most} {variant}"
     tol = "fp8" if variant.startswith("fp8") else variant
+    return _layout_case(layout, name, tol, make)
+
+
+def _layout_case(layout: str, name: str, tol: str, make) -> Case:
+    """A ``grouped_gemm`` case of ``layout`` (``contiguous`` or ``masked``), its sub-batches taken by rows."""
     if layout == "contiguous":
         return Case("grouped_gemm", name, tol, make, sub_batch=_sub_contiguous, batch=lambda kw: kw["a"].shape[0])
     return Case(
@@ -164,17 +169,7 @@ def _fp4_grouped_case(experts: int, n: int, k: int, most: int, layout: str, dtyp
 
     name = f"{layout} E={experts} N={n} K={k} rows<={most} fp4 a={str(dtype).removeprefix('torch.')}"
     tol = "fp4-fp32" if fp32 else "fp4"
-    if layout == "contiguous":
-        return Case("grouped_gemm", name, tol, make, sub_batch=_sub_contiguous, batch=lambda kw: kw["a"].shape[0])
-    return Case(
-        "grouped_gemm",
-        name,
-        tol,
-        make,
-        run=run_masked,
-        sub_batch=lambda kw, rows: take_masked_rows(kw, "a", rows),
-        batch=lambda kw: kw["a"].shape[1],
-    )
+    return _layout_case(layout, name, tol, make)
 
 
 def cases(shapes: str) -> list[Case]:
