@@ -516,7 +516,6 @@ SCALE_SUFFIX = "_scale_inv"
 # compressors' and the indexer's projections, the router, the head; any other linear may be FP8.
 HIGH_PRECISION = ("compressor.wkv.", "compressor.wgate.", "indexer.weights_proj.", "ffn.gate.", "head.")
 FP4_GROUP = 32
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def expected_layout(cfg: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -620,12 +619,9 @@ def _check_quantised(cfg: V4Config, tensors: dict, name: str, info: TensorInfo, 
 def dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 values of a quantised weight: e4m3 ``[N, K]`` times its 128 x 128 block scales, or int8 ``[N, K/2]`` of
     two e2m1 values a byte (the low nibble is the even element) times one scale per 32 values of a row."""
-    s = scale.float()
     if w.dtype == torch.int8:
-        lut = torch.tensor(E2M1, dtype=torch.float32, device=w.device)
-        u8 = w.view(torch.uint8)
-        values = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1).reshape(w.shape[0], -1)
-        return values * s.repeat_interleave(FP4_GROUP, dim=1)
+        return FP4Tensor(w, scale).dequantize()  # (its scale may be fp32 here: the decoding is the same)
+    s = scale.float()
     n, k = w.shape
     full = s.repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
     return w.float() * full
