@@ -367,10 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="generate with a DeepSeek-V3-family checkpoint (default: the embedded one)",
         description="Generate completions with a DeepSeek-V3-family checkpoint (a Hugging Face layout directory; "
-        "default: a small embedded one with random weights, written on first use, no download). Prints each "
+        "default: the small model the package ships, trained on Python source; no download). Prints each "
         "completion with its finish reason, then a tokens/s summary.",
     )
-    gen.add_argument("--model", help="checkpoint directory (default: the small embedded one, created on first use)")
+    gen.add_argument("--model", help="checkpoint directory (default: the small embedded model the package ships)")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--batch", help="a file of prompts, one per line (a line holding a JSON list of ints: token ids)")
     gen.add_argument(
