@@ -40,6 +40,7 @@ per-rank partial sums (fp32 reassociation; none in batch-invariant mode).
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +54,8 @@ from deepinfer.errors import InputError
 from deepinfer.ops.moe import ExpertPlacement, load_placement_tables
 
 from .moe import ExpertParallel, MoE
+
+log = logging.getLogger("deepinfer.eplb")
 
 # ----------------------------------------------------------------------------------------------------------------
 # The placement algorithm
@@ -367,7 +370,8 @@ class ExpertLoadBalancer:
 
     Every decision is taken at the same step on every rank, so the ranks switch each layer at the same step, and a
     layer's weights and its dispatch tables change together, between two steps. A step reaching the interval while
-    a rebalance is under way starts none.
+    a rebalance is under way starts none. When computing the placement fails on any rank, every rank drops that
+    rebalance at the same step (``failed`` counts them), logs a warning and keeps serving on its placement.
     """
 
     def __init__(
@@ -407,6 +411,7 @@ class ExpertLoadBalancer:
         self.steps = 0
         self.rebalances = 0  # rebalances completed (over several ranks: every layer switched)
         self.moved = 0  # expert copies this rank received from other ranks, over every rebalance
+        self.failed = 0  # rebalances dropped because computing the placement failed on some rank
 
     @property
     def placements(self) -> list[ExpertPlacement]:
@@ -434,9 +439,12 @@ class ExpertLoadBalancer:
         if self._queue:
             self._apply(self.layers_per_step)
         elif self._plan is not None:
-            if self.sync.min_int(int(self._plan.done())) == 1:
+            agreed = self.sync.min_int(self._plan_status())
+            if agreed == 1:
                 self._queue_plan()
                 self._apply(self.layers_per_step)
+            elif agreed < 0:
+                self._drop_plan()
         elif self.step_interval and self.steps % self.step_interval == 0:
             if self.world == 1:
                 self.rebalances += 1  # one process holding every expert once has nothing to move
@@ -483,6 +491,23 @@ class ExpertLoadBalancer:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb")
         self._plan = self._executor.submit(self._plan_of, host, event, self._previous())
 
+    def _plan_status(self) -> int:
+        """This rank's placement: 0 still being computed, 1 ready, -1 failed (the smallest over the ranks wins)."""
+        if not self._plan.done():
+            return 0
+        return -1 if self._plan.exception() is not None else 1
+
+    def _drop_plan(self) -> None:
+        """Some rank failed to compute the placement: every rank drops this rebalance at the same step and keeps
+        serving on the placement it has (the failing rank logs why)."""
+        error = self._plan.exception() if self._plan.done() else None
+        if error is not None:
+            log.warning("expert rebalance dropped: computing the placement failed: %r", error, exc_info=error)
+        else:
+            log.warning("expert rebalance dropped: computing the placement failed on another rank")
+        self._plan = None
+        self.failed += 1
+
     def _queue_plan(self, plan: Rebalanced | None = None) -> None:
         """Step 2: the plan (the thread's, waiting for it if not done; or ``plan``) made rank 0's, and the layers
         whose placement changes queued."""
@@ -520,7 +545,11 @@ class ExpertLoadBalancer:
             self.rebalances += 1
             return False
         if self._plan is not None:
-            self._queue_plan()
+            self._plan.exception()  # waits for it
+            if self.sync.min_int(self._plan_status()) == 1:
+                self._queue_plan()
+            else:
+                self._drop_plan()
         changed = bool(self._queue)
         self._apply(None)  # the rebalance under way
         load = self.expert_load()

@@ -191,6 +191,33 @@ def sc_generate(rank: int, world: int, path) -> dict:
     return out
 
 
+def sc_failed_plan(rank: int, world: int, path) -> dict:
+    """Computing the placement fails on the last rank only: every rank must drop those rebalances at the same
+    steps and keep serving (no rank waits for a plan the failing rank never sends)."""
+    from deepinfer.model import eplb as eplb_module
+
+    plain = run(build(path, world), False)
+    llm = build(path, world, enable_eplb=True, num_redundant_experts=world, eplb_step_interval=INTERVAL)
+    initial = llm.eplb.placements
+    patches = Patches()
+    if rank == world - 1:
+
+        def broken(*args, **kw):
+            raise RuntimeError("planted failure")
+
+        patches.setattr(eplb_module, "rebalance_experts", broken)
+    try:
+        out = run(llm, False)
+    finally:
+        patches.undo()
+    return {
+        "same_tokens": out["tokens"] == plain["tokens"],
+        "failed": llm.eplb.failed,
+        "rebalances": llm.eplb.rebalances,
+        "unchanged": llm.eplb.placements == initial,
+    }
+
+
 def _stack(n: int, rows: int, cols: int, fp8: bool, experts: list[int]):
     """Stacked weights of ``experts``, each derived from its own id alone."""
     parts = [torch.randn(rows, cols, generator=torch.Generator().manual_seed(1000 + e)) for e in experts]
@@ -242,7 +269,7 @@ def sc_moves(rank: int, world: int) -> list[int]:
     return received
 
 
-SCENARIOS = {"generate": sc_generate, "moves": sc_moves}
+SCENARIOS = {"generate": sc_generate, "moves": sc_moves, "failed_plan": sc_failed_plan}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -324,6 +351,12 @@ def test_a_rebalance_is_spread_over_steps_and_ranks_switch_together(ranks, world
                 if now[i] != prev[i]
             ]
             assert {step for step, _ in changes} == set(moves), (changes, moves)
+
+
+def test_a_placement_that_fails_on_one_rank_drops_the_rebalance_on_every_rank(ranks):
+    got = ranks(2, "failed_plan")
+    assert all(out["failed"] >= 1 and out["failed"] == got[0]["failed"] for out in got), got
+    assert all(out["rebalances"] == 0 and out["unchanged"] and out["same_tokens"] for out in got), got
 
 
 @pytest.mark.parametrize("world", [2, 4])
