@@ -17,9 +17,13 @@
 #                benchmarks/bench_speculative.py at batch 1, 16 and 64 ($OUT/speculative.json)
 #   structured   benchmarks/bench_structured_output.py at batch 64: compile, mask fill and apply against a step
 #                ($OUT/structured_output.json)
-#   prefix-cache [ARGS]  time to first token with a prefix-cache hit against a miss (4096 + 64 tokens), and one
-#                4096-token prefix shared by 64 requests, caching on and off (benchmarks/prefix_cache.py ARGS;
-#                $OUT/prefix_cache.json)
+#   prefix-cache [ARGS]  time to first token with a prefix-cache hit against a miss (4096 + 64 tokens), the same
+#                from the host tier, and one 4096-token prefix shared by 64 requests, caching on and off
+#                (benchmarks/prefix_cache.py ARGS; $OUT/prefix_cache.json)
+#   serving-check  on cuda_sm100: the prefix-cache and host-tier tests (copies on their own stream), the EPLB tests of
+#                dispatch tables rewritten under captured CUDA graphs, and the structured-output tests
+#   fp4-check    grouped_gemm's conformance at small and full shapes (the FP4 expert kernel among them, reports under
+#                $OUT), then the DeepSeek-V4 FP4-expert cross-check on cuda_sm100
 #   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
@@ -65,6 +69,20 @@ case ${1:-} in
       --tb=short 2>&1 | tail -15
     timeout 330 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --batches 1,16,64 \
       --json "$OUT/speculative.json" 2>&1 | tail -30 ;;
+  serving-check)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_caching.py --deepinfer-backend cuda_sm100 \
+      --tb=short 2>&1 | tail -8
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_eplb.py -k "graph or slot" --deepinfer-backend \
+      cuda_sm100 --deepinfer-device cuda --tb=short 2>&1 | tail -6
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_structured_output.py --deepinfer-backend \
+      cuda_sm100 --deepinfer-device cuda --tb=short 2>&1 | tail -10 ;;
+  fp4-check)
+    timeout 120 deepinfer conformance --backend cuda_sm100 --ops grouped_gemm \
+      --report "$OUT/conformance_grouped_gemm_small.json" 2>&1 | tail -3
+    timeout 240 deepinfer conformance --backend cuda_sm100 --ops grouped_gemm --shapes full \
+      --report "$OUT/conformance_grouped_gemm_full.json" 2>&1 | tail -3
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_model_v4.py -k fp4 --deepinfer-backend cuda_sm100 \
+      --tb=short 2>&1 | tail -8 ;;
   structured)
     timeout 300 python3 benchmarks/bench_structured_output.py --backend cuda_sm100 --batch 64 \
       --json "$OUT/structured_output.json" 2>&1 | tail -5 ;;
