@@ -103,11 +103,10 @@ class LLMEngine:
     ``stats`` counts the prompt tokens prefilled and found. host_cache_bytes: with prefix caching, pages evicted
     from the device cache are kept in that much host memory (pinned on an accelerator) and copied back when a prompt
     continues a cached prefix with them, on a stream that overlaps the step in flight (``host_cache.py``;
-    ``host_cache_stats``). cuda_graphs: capture decode
-    graphs when the backend declares ``cuda_graphs``, in the batch-invariant mode or the default mode that is on
-    now; they are replayed only in that mode. async_scheduling: schedule and launch each step before reading back
-    the previous one's tokens (above); ``step`` then returns what finished in the previous step. The attribute can
-    be changed between steps.
+    ``host_cache_stats``). cuda_graphs: capture decode graphs when the backend declares ``cuda_graphs``, in the
+    batch-invariant mode or the default mode that is on now; they are replayed only in that mode.
+    async_scheduling: schedule and launch each step before reading back the previous one's tokens (above); ``step``
+    then returns what finished in the previous step. The attribute can be changed between steps.
 
     A bad argument (a size that is not a positive int, ``kv_cache_bytes`` below one cache page, ``max_model_len``
     outside ``[2, max_position_embeddings]``) is an ``InputError`` naming it, before anything is allocated.
