@@ -483,3 +483,14 @@ def test_load_counted_inside_cuda_graphs_matches_eager(deepinfer_backend, deepin
             out[eager] = (tokens, llm.expert_load())
     assert out[True][0] == out[False][0]
     assert int(out[True][1].sum()) > 0 and torch.equal(out[True][1], out[False][1])
+
+
+def test_slot_tables_name_an_accelerator_by_its_index(monkeypatch):
+    """``cuda`` and ``cuda:0`` are one device: a slot's buffers are found under either name (the engine loads tables
+    on ``model.device``, which may carry no index, while dispatch looks them up on the inputs' indexed device)."""
+    from deepinfer.reference import ep
+
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    assert ep._indexed(torch.device("cuda")) == torch.device("cuda", 0)
+    assert ep._indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert ep._indexed(torch.device("cpu")) == torch.device("cpu")

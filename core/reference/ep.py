@@ -120,6 +120,7 @@ def placement_tables(placement: ExpertPlacement, device: torch.device) -> Tables
     differs from the one they hold, so that their addresses (captured by CUDA graphs) stay valid."""
     if placement.table_slot is None:
         return _value_tables(placement, device)
+    device = _indexed(device)  # "cuda" and "cuda:0" must find the same buffers
     try:
         slot = _SLOTS.setdefault(placement.table_slot, {})
     except TypeError:
@@ -157,6 +158,14 @@ def placement_tables(placement: ExpertPlacement, device: torch.device) -> Tables
         old.copy_(new)
     slot[device] = (placement, tab)
     return tab
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: an accelerator named without one is the current one."""
+    device = torch.device(device)
+    if device.type == "cpu" or device.index is not None:
+        return device
+    return torch.device(device.type, torch.accelerator.current_device_index())
 
 
 @functools.lru_cache(maxsize=256)
