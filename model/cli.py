@@ -88,10 +88,14 @@ def generate(args: argparse.Namespace, console: Console) -> int:
         timeout_s=getattr(args, "dist_timeout", 600.0),
     )
     try:
-        return _generate(args, console, prompts, params, launch)
-    finally:
+        code = _generate(args, console, prompts, params, launch)
+    except BaseException:
         if launch is not None:
             launch.close()
+        raise
+    if launch is not None:
+        launch.close(barrier=True)
+    return code
 
 
 def _generate(args, console: Console, prompts: list, params: SamplingParams, launch) -> int:

@@ -152,12 +152,16 @@ class Launch:
     device: torch.device
     owns_group: bool
 
-    def close(self) -> None:
+    def close(self, barrier: bool = False) -> None:
         """Destroys the default process group if this launch created it. Over NCCL, drop every LLM of the group
-        (or its CUDA graphs: ``LLMEngine.drop_cuda_graphs``) first: destruction waits for captured collectives."""
+        (or its CUDA graphs: ``LLMEngine.drop_cuda_graphs``) first: destruction waits for captured collectives.
+        ``barrier``: every rank reaches this point first (after a run that ended well on every rank), so no rank
+        tears its connections down while another still finishes its last collective over them."""
         import torch.distributed as dist
 
         if self.owns_group and dist.is_initialized():
+            if barrier:
+                dist.barrier()
             dist.destroy_process_group()
             self.owns_group = False
 
