@@ -252,12 +252,8 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tens
 def grouped_gemm_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
     if isinstance(w, FP4Tensor):
         return Decline("w is an FP4Tensor")
-    if not (answer := probe.placed(a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m)):
+    if not (answer := _gmm_fits(a, w, w, expert_offsets, masked_m)):
         return answer
-    if w.shape[0] > 1024:
-        return Decline(f"w holds {w.shape[0]} experts > 1024")
-    if w.shape[2] >= 65536:
-        return Decline(f"w's K of {w.shape[2]} >= 65536")
     if isinstance(w, QTensor):
         if not (answer := probe.capable("fp8_block_gemm")):
             return answer
@@ -279,7 +275,12 @@ def grouped_gemm_fp4_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype) 
         return Decline("w is not an FP4Tensor")
     if a.dtype not in (torch.bfloat16, torch.float32):
         return Decline(f"a is {a.dtype}, expected bfloat16 or float32")
-    if not (answer := probe.placed(a=a, w=w.data, expert_offsets=expert_offsets, masked_m=masked_m)):
+    return _gmm_fits(a, w, w.data, expert_offsets, masked_m)
+
+
+def _gmm_fits(a, w, w_data, expert_offsets, masked_m) -> bool | Decline:
+    """Whether ``npu_grouped_matmul`` takes the operands' placement and ``w``'s expert count and K."""
+    if not (answer := probe.placed(a=a, w=w_data, expert_offsets=expert_offsets, masked_m=masked_m)):
         return answer
     if w.shape[0] > 1024:
         return Decline(f"w holds {w.shape[0]} experts > 1024")
