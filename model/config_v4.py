@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from deepinfer.qtensor import UE8M0_DTYPE, FP4Tensor, fp4_from_fp32_scales
+from deepinfer.qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, fp4_from_fp32_scales
 
 from .checkpoint import FLOAT_KINDS, INDEX_FILE, TensorInfo, find_files, read_header
 from .config import MAX_POSITIONS, MAX_ROUTED_EXPERTS, _finite
@@ -515,7 +515,6 @@ SCALE_SUFFIX = "_scale_inv"
 # Linears a quantised V4 checkpoint keeps in high precision (transformers' ``_keep_in_fp32_modules``): the
 # compressors' and the indexer's projections, the router, the head; any other linear may be FP8.
 HIGH_PRECISION = ("compressor.wkv.", "compressor.wgate.", "indexer.weights_proj.", "ffn.gate.", "head.")
-FP4_GROUP = 32
 
 
 def expected_layout(cfg: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
