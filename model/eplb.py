@@ -476,13 +476,11 @@ class ExpertLoadBalancer:
         import torch.distributed as dist
 
         load = self.window.sum(0)
-        work = dist.all_reduce(load, group=self.group, async_op=True)
-        event = None
-        if load.device.type == "cpu":
-            work.wait()  # a host collective of a few KB
-            host = load
-        else:
-            work.wait()  # orders the device's stream after the reduction; the host does not wait
+        # on a device the reduction is queued on its stream and the host does not wait; on the CPU it is a host
+        # collective of a few KB
+        dist.all_reduce(load, group=self.group)
+        host, event = load, None
+        if load.device.type != "cpu":
             host = torch.empty(load.shape, dtype=load.dtype, pin_memory=True)
             host.copy_(load, non_blocking=True)
             event = torch.Event(device=load.device)
