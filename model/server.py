@@ -9,9 +9,9 @@ pages freed.
 Request fields are OpenAI's, with vLLM's extra fields where a vLLM user would send them: ``max_tokens`` (chat also
 ``max_completion_tokens``; default 16 for completions, the rest of the context for chat), ``temperature``,
 ``top_p``, ``seed``, ``stop`` (strings), ``logprobs`` (completions: an int; chat: a bool with ``top_logprobs``),
-``stream_options.include_usage``, ``n`` (1 only), and ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-``skip_special_tokens``, ``include_stop_str_in_output``; structured output by ``response_format`` (``json_object``
-or ``json_schema``), ``structured_outputs`` (``{"json"|"regex"|"grammar"|"choice": ...}``) or
+``stream_options.include_usage``, ``n`` (up to 128 completions a prompt), and ``top_k``, ``stop_token_ids``,
+``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output``; structured output by ``response_format``
+(``json_object`` or ``json_schema``), ``structured_outputs`` (``{"json"|"regex"|"grammar"|"choice": ...}``) or
 ``guided_json``/``guided_regex``/``guided_grammar``/``guided_choice`` (compiled off the engine loop; a choice whose
 grammar refuses its sampled token ends with ``finish_reason`` ``error``, the grammar's message in ``stop_reason``).
 A field the engine does not implement with a value other than its neutral one (``presence_penalty``,
