@@ -166,15 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['ttft_hit_ms']:.1f} ms ({result['hit_cached_tokens']} tokens found), same bits: {bitwise}"
     )
 
-    if not args.no_host_tier:
-        del on
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        result["host_tier"] = host_tier_hits(path, backend, common, args, vocab, gen, one)
-        log(json.dumps(result["host_tier"]))
-        on = LLM(path, backend, enable_prefix_caching=True, **common)
-        timed(on, random_tokens(args.prefix + args.suffix, vocab, gen), one)
-
     shared = random_tokens(args.prefix, vocab, gen)
     prompts = [shared + random_tokens(args.suffix, vocab, gen) for _ in range(args.requests)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
@@ -183,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     del on
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    if not args.no_host_tier:  # between the two engines of the shared-prefix run: one model in memory at a time
+        result["host_tier"] = host_tier_hits(path, backend, common, args, vocab, gen, one)
+        log(json.dumps(result["host_tier"]))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     log("loading (caching off)")
     off = LLM(path, backend, enable_prefix_caching=False, **common)
     timed(off, random_tokens(args.prefix + args.suffix, vocab, gen), one)
