@@ -27,7 +27,7 @@ import torch
 import deepinfer
 
 from .deepseek_v3 import DeepseekV3
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, shift_decode_rows
 from .greedy import greedy_tokens
 from .speculative import MTPDrafter
 
@@ -53,9 +53,10 @@ class DecodeGraphs:
         *,
         max_batch: int,
         max_blocks: int,
+        block_size: int,
         drafter: MTPDrafter | None = None,
     ):
-        self.model, self.drafter = model, drafter
+        self.model, self.drafter, self.block_size = model, drafter, block_size
         self.kv_caches = list(kv_cache.unbind(0))
         self.index_caches = list(index_cache.unbind(0)) if index_cache is not None else None
         self.sizes = buckets(max_batch)
@@ -149,14 +150,18 @@ class DecodeGraphs:
         block_tables: list[list[int]],
         seq_lens: list[int],
         pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+        shift: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the smallest bucket that holds ``n = len(input_ids)`` rows; returns their logits ``[n, V]`` and
         greedy tokens ``[n]``, views of the graph's outputs until its next replay. ``pending``: ``(rows, tokens)``,
-        input ids already on the device, written over ``input_ids[rows]``."""
+        input ids already on the device, written over ``input_ids[rows]``; ``shift [n]``: positions each row moves
+        on, known on the device only (``shift_decode_rows``)."""
         n = len(input_ids)
         b = self._load(input_ids, positions, slot_mapping, block_tables, seq_lens)
         if pending is not None:
             self.wide.index_copy_(0, *pending)
+        if shift is not None:
+            shift_decode_rows(self.batch(b), shift, self.block_size)
         self.graphs[b].replay()
         self.last = b
         return self.logits[b][:n], self.greedy[b][:n]
@@ -184,14 +189,21 @@ class DecodeGraphs:
         return b
 
     def run_mtp(
-        self, hidden: torch.Tensor, next_ids: torch.Tensor, rows: dict | None = None
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        rows: dict | None = None,
+        shift: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The MTP pass from a graph: over the rows of the last replay (``rows`` None: ``hidden`` and ``next_ids``
         have that bucket's rows, padding included), or over ``n = len(next_ids)`` new decode rows whose metadata
-        ``rows`` gives (``run``'s keywords but ``input_ids``). Returns the states, drafts and their probabilities of
-        the ``n`` rows, views of the graph's outputs until its next replay."""
+        ``rows`` gives (``run``'s keywords but ``input_ids``), moved on by ``shift`` as in ``run``. Returns the
+        states, drafts and their probabilities of the ``n`` rows, views of the graph's outputs until its next
+        replay."""
         n = next_ids.shape[0]
         b = self.last if rows is None else self._load([0] * n, **rows)
+        if rows is not None and shift is not None:
+            shift_decode_rows(self.batch(b), shift, self.block_size)
         self.mtp_in[:n].copy_(hidden)
         self.mtp_ids[:n].copy_(next_ids)
         self.mtp_ids[n:b].zero_()

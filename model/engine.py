@@ -10,11 +10,14 @@ applies each step's results: appends sampled tokens, records log-probabilities, 
 Asynchronous scheduling (on by default): a step's tokens are read back only after the next step has been scheduled
 and queued behind it, so the host's work (scheduling, packing inputs, launching) overlaps the device's. The next
 step takes the tokens still being sampled (``PENDING``) from the device. A sequence whose pending token is its last
-by length sits that step out. The engine schedules ahead only when no running sequence has to be preempted for it;
-otherwise it reads the tokens first. What the early schedule cannot know is a sampled stop token: that sequence
-takes one more step, whose token is dropped, and its pages and seat are freed a step later. Batches can therefore
-differ from a synchronous run's. In batch-invariant mode the outputs do not; in the default mode a row's rounding
-depends on its batch, as it does between any two schedules.
+by length sits that step out. Under speculative decoding the step in flight may accept drafts: the next step takes
+where each sequence stands from the device too (``speculative.py``), and a sequence that would end by length if
+it accepted them all sits out the step and rejoins when it did not. The engine schedules ahead only when no running
+sequence has to be preempted for it, and no structured-output request or confidence scheduling needs the tokens
+on the host; otherwise it reads the tokens first. What the early schedule cannot know is a sampled stop token:
+that sequence takes one more step, whose token is dropped, and its pages and seat are freed a step later. Batches
+can therefore differ from a synchronous run's. In batch-invariant mode the outputs do not; in the default mode a
+row's rounding depends on its batch, as it does between any two schedules.
 
 With the experts sharded over the ranks of a process group (``model.ep``, see ``parallel.py``) every rank runs the
 same engine on the same requests: the engine agrees with the other ranks on the cache size, the CUDA graphs and the
@@ -43,12 +46,12 @@ from .cuda_graphs import CAPABILITY, DecodeGraphs
 from .deepseek_v3 import DeepseekV3
 from .errors import RequestError
 from .host_cache import HostPageCache
-from .model_runner import LaunchedStep, ModelRunner
+from .model_runner import LaunchedStep, ModelRunner, StepResult
 from .parallel import RankSync, fingerprint
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PENDING, Sequence, Status
-from .speculative import MTPDrafter, SpeculativeConfig, SpeculativeStats, accepted_drafts
+from .speculative import MTPDrafter, SpeculativeConfig, SpeculativeStats
 from .structured_output import matcher_error
 
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -82,12 +85,13 @@ def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0, 
 
 @dataclass
 class _Launched:
-    """A launched step: its batch, what the device computes for it, and where each sampled token goes
-    (``id(seq) -> index`` of its ``PENDING`` entry in ``token_ids``)."""
+    """A launched step: its batch, what the device computes for it, where each sampled token goes (``id(seq) ->
+    index`` of its ``PENDING`` entry in ``token_ids``) and how many drafts each sequence verifies."""
 
     batch: ScheduledBatch
     step: LaunchedStep
     index: dict[int, int]
+    drafts: dict[int, int]
 
 
 class LLMEngine:
@@ -263,7 +267,13 @@ class LLMEngine:
         if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda" and not owns_cache:
             rows = max_num_seqs * (1 + lookahead)  # a verification step runs 1 + drafts rows per sequence
             graphs = DecodeGraphs(
-                model, self.kv_cache, self.index_cache, max_batch=rows, max_blocks=max_blocks, drafter=drafter
+                model,
+                self.kv_cache,
+                self.index_cache,
+                max_batch=rows,
+                max_blocks=max_blocks,
+                block_size=block_size,
+                drafter=drafter,
             )
         self.runner = ModelRunner(
             model, self.kv_cache, self.allocator, graphs=graphs, index_cache=self.index_cache, drafter=drafter
@@ -315,13 +325,16 @@ class LLMEngine:
         self._sampled: list = []  # tokens read back and finishes since the last check across ranks (next launch)
         self.async_scheduling = async_scheduling
         self._inflight: _Launched | None = None  # launched, results not yet applied
+        self._aside: list[Sequence] = []  # running sequences left out of the step launched ahead
         self.eplb: Any = None  # an eplb.ExpertLoadBalancer, told after each launched step (LLM(enable_eplb=True))
         # prefilled_tokens: prompt tokens computed (a prompt found in the prefix cache is not); cached_prompt_tokens:
-        # prompt tokens found there when their requests were admitted
+        # prompt tokens found there when their requests were admitted; steps_ahead: steps launched before the results
+        # of the one before were read (asynchronous scheduling)
         self.stats = {
             "prompt_tokens": 0,
             "generated_tokens": 0,
             "steps": 0,
+            "steps_ahead": 0,
             "prefilled_tokens": 0,
             "cached_prompt_tokens": 0,
         }
@@ -404,7 +417,12 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         if inflight is not None and self._ready_to_run_ahead(inflight):
             launched = self._launch(finished, inflight)  # scheduled while `inflight` runs, over its pending tokens
-            self._apply(inflight, finished)
+            self.stats["steps_ahead"] += launched is not None
+            self._apply(inflight, finished, launched)
+            for seq in self._aside:  # under speculative decoding: set aside, and did not end after all
+                if seq.status is Status.RUNNING:
+                    self.scheduler.resume(seq)
+            self._aside = []
         else:
             if inflight is not None:
                 self._apply(inflight, finished)
@@ -426,7 +444,7 @@ class LLMEngine:
         after ``run_until_done``, whatever step was interrupted: ``LLM.generate`` calls it when it is interrupted
         (Ctrl-C) or fails, so that the next call starts clean. A step still running on the device finishes there,
         in order before any later step, and its results are dropped."""
-        self._inflight = None
+        self._inflight, self._aside = None, []
         aborted = []
         for seq in self._unfinished.values():
             if seq.status is Status.FINISHED:
@@ -467,18 +485,26 @@ class LLMEngine:
     def _ready_to_run_ahead(self, inflight: _Launched) -> bool:
         """Whether the next batch can be scheduled before ``inflight``'s tokens are read: with asynchronous
         scheduling, when no running sequence has to be preempted and some running sequence does not end with its
-        pending token. Those that do (by length) are then set aside."""
-        if not self.async_scheduling or not self.scheduler.next_step_fits() or self.runner.drafter is not None:
-            return False  # (speculative decoding: where each sequence stands depends on what the step accepts)
-        if any(s.matcher is not None for s in self.scheduler.running):  # their masks need the pending tokens
+        pending token. Those that may (by length; under speculative decoding, if it accepts every draft) are then
+        set aside."""
+        if not self.async_scheduling or not self.scheduler.next_step_fits():
+            return False
+        running = self.scheduler.running
+        if any(s.matcher is not None for s in running):  # their masks need the pending tokens
+            return False
+        drafter = self.runner.drafter
+        if drafter is not None and drafter.reads_drafts(running):  # confidence scheduling reads the drafts back
             return False
         ending = [
-            s for s in inflight.step.samplers if s.status is Status.RUNNING and self._ends_by_length(s, s.num_tokens)
+            s
+            for s in dict.fromkeys(inflight.step.samplers)  # (a sequence with drafts samples several rows)
+            if s.status is Status.RUNNING and self._ends_by_length(s, s.num_tokens + s.drafts_in_flight)
         ]
         if len(ending) == len(self.scheduler.running):
             return False
         for seq in ending:
             self.scheduler.set_aside(seq)
+        self._aside = ending
         return True
 
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
@@ -491,13 +517,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         truncated, self.scheduler.truncated = self.scheduler.truncated, []
         finished.extend(truncated)
-        if self.runner.drafter is not None and batch.decodes:
-            self.runner.drafter.propose(batch.decodes, self.runner._tensor, self.runner.graphs)
+        before = previous.step if previous is not None else None
+        drafts = self.runner.propose(batch, before) if batch else None
         if self.sync is not None:
             self._check_step(batch, truncated)
         if not batch:
             return None
-        step = self.runner.launch(batch, previous.step if previous is not None else None)
+        step = self.runner.launch(batch, before, drafts)
         if self.allocator.host is not None:
             self.allocator.host.launched()
         self.stats["steps"] += 1
@@ -512,16 +538,20 @@ class LLMEngine:
                 self.stats["prefilled_tokens"] += chunk.end - chunk.start
             # prefix caching: its full prompt pages are registered once queued (later steps read them after)
             self.allocator.register(seq, min(chunk.end, seq.num_prompt_tokens))
-        index = {}
+        index, drafts = {}, {}
         for seq in step.samplers:
             if id(seq) not in index:  # (a sequence with drafts samples several rows)
                 index[id(seq)] = seq.num_tokens
                 seq.token_ids.append(PENDING)
-        return _Launched(batch, step, index)
+        for seq in batch.decodes:
+            drafts[id(seq)] = len(seq.drafts)
+            seq.drafts_in_flight += len(seq.drafts)
+        return _Launched(batch, step, index, drafts)
 
-    def _apply(self, launched: _Launched, finished: list[Sequence]) -> None:
+    def _apply(self, launched: _Launched, finished: list[Sequence], ahead: _Launched | None = None) -> None:
         """Waits for ``launched`` and records its results; sequences that end go to ``finished``. Sequences that
-        ended while it ran (it was launched ahead) are skipped."""
+        ended while it ran (it was launched ahead) are skipped. ``ahead``: the step launched after it, whose pending
+        tokens move on by the drafts this one accepted."""
         result = launched.step.result()
         batch = launched.batch
         for seq in [*batch.decodes, *(c.seq for c in batch.prefills)]:
@@ -534,7 +564,7 @@ class LLMEngine:
                         seq.prompt_top_logprobs.append(top)
             sampled = result.sampled.get(id(seq))
             if sampled is not None:
-                done = self._take(seq, sampled, result.drafts.get(id(seq)), launched)
+                done = self._take(seq, sampled, result, launched, ahead)
                 if self.sync is not None:
                     self._sampled.append((seq.arrival, [s.token for s in sampled], seq.finish_reason))
                 if done:
@@ -561,25 +591,31 @@ class LLMEngine:
         sampled, self._sampled = self._sampled, []
         self.sync.check(f"step {self.stats['steps']}", {"scheduled batch": schedule, "sampled tokens": sampled})
 
-    def _take(self, seq: Sequence, sampled: list, drafts: list | None, launched: _Launched) -> bool:
+    def _take(
+        self, seq: Sequence, sampled: list, result: StepResult, launched: _Launched, ahead: _Launched | None
+    ) -> bool:
         """Records what a step sampled for ``seq``: its token, or under speculative decoding the target's tokens up
         to the first rejected draft (``speculative.py``), and the MTP layer's next draft; returns whether the
         sequence is finished."""
-        a = accepted_drafts(seq.drafts, [s.token for s in sampled])
-        if seq.drafts:
-            self.spec_stats.drafted += len(seq.drafts)
+        n = launched.drafts.get(id(seq), 0)
+        a = result.accepted.get(id(seq), 0)
+        seq.drafts_in_flight -= n
+        if n:
+            self.spec_stats.drafted += n
             self.spec_stats.accepted += a
             self.spec_stats.verifications += 1
-            seq.num_drafted += len(seq.drafts)
+            seq.num_drafted += n
             seq.num_accepted += a
-        seq.drafts = []
         index = launched.index[id(seq)]
+        if a:  # the accepted drafts' tokens go before the pending token of the step launched after this one
+            seq.token_ids[index + 1 : index + 1] = [PENDING] * a
+            if ahead is not None and id(seq) in ahead.index:
+                ahead.index[id(seq)] += a
         for i in range(a + 1):
-            if i:
-                seq.token_ids.append(PENDING)
             if self._append(seq, sampled[i], index + i):
                 return True
         seq.num_computed += a  # the accepted drafts' rows hold their cache entries
+        drafts = result.drafts.get(id(seq))
         if drafts is not None:
             row, token, prob = drafts[a]
             seq.next_draft, seq.draft_state = (token, prob), launched.step.draft_states[row]

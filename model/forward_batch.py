@@ -54,3 +54,17 @@ class ForwardBatch:
         if "decode_cu" not in self._made:
             self._made["decode_cu"] = torch.arange(self.num_decode + 1, dtype=torch.int32, device=self.positions.device)
         return self._made["decode_cu"]
+
+
+def shift_decode_rows(fb: ForwardBatch, shift: torch.Tensor, block_size: int, seq_pages: int = 0) -> None:
+    """Moves the first ``len(shift)`` decode rows of ``fb`` on by ``shift [n]`` positions, in place, on the device:
+    their positions, sequence lengths and cache slots (from the block table: page ``seq_pages + position //
+    block_size``). Speculative decoding ahead of the host: a sequence stands as many positions further as the step
+    still running accepts drafts."""
+    n = shift.shape[0]
+    positions = fb.positions[:n]
+    positions += shift.to(positions.dtype)
+    fb.seq_lens[:n] += shift.to(fb.seq_lens.dtype)
+    p = positions.long()
+    pages = fb.block_table[:n].gather(1, (seq_pages + p // block_size)[:, None])[:, 0].long()
+    fb.slot_mapping[:n] = pages * block_size + p % block_size

@@ -29,12 +29,12 @@ from deepinfer import ops
 from .block_manager import BlockAllocator
 from .cuda_graphs import DecodeGraphs
 from .deepseek_v3 import DeepseekV3
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, shift_decode_rows
 from .greedy import greedy_tokens
-from .sampling_params import step_seed
+from .sampling_params import step_seed, step_seeds
 from .scheduler import PrefillChunk, ScheduledBatch
 from .sequence import PENDING, Sequence
-from .speculative import MTPDrafter, decode_metadata
+from .speculative import MTPDrafter, accepted_counts, decode_metadata
 from .structured_output import allowed_tokens
 
 
@@ -55,6 +55,7 @@ class StepResult:
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     prompt: dict[int, list[tuple[int, float, dict[int, float] | None]]] = field(default_factory=dict)
     drafts: dict[int, list[tuple[int, int, float]]] = field(default_factory=dict)
+    accepted: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,6 +68,9 @@ class LaunchedStep:
     _want: list[int] = field(default_factory=list)  # sampler indices that asked for log-probabilities
     _prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
     draft_states: torch.Tensor | None = None  # speculative decoding: the MTP state of every sampler row
+    draft_tokens: torch.Tensor | None = None  # ... its draft of the token after that row's token
+    accepted: torch.Tensor | None = None  # ... per sampler row, the drafts its sequence accepts (accepted_counts)
+    first_row: dict[int, int] = field(default_factory=dict)  # id(seq) -> its first sampler row
     _host: dict[str, torch.Tensor] = field(default_factory=dict)  # device -> host copies in flight
     _ready: torch.Event | None = None  # recorded after those copies
 
@@ -85,10 +89,47 @@ class LaunchedStep:
                 drafts = zip(range(len(tokens)), host["draft_tokens"].tolist(), host["draft_probs"].tolist())
                 for seq, draft in zip(self.samplers, drafts):
                     out.drafts.setdefault(id(seq), []).append(draft)
+            if "accepted" in host:
+                accepted = host["accepted"].tolist()
+                out.accepted = {key: accepted[row] for key, row in self.first_row.items()}
         ks = [seq.params.prompt_logprobs for seq, _, _ in self._prompt_rows]
         for (seq, _, p), (lp, top) in zip(self._prompt_rows, _logprob_lists(host, "prompt", ks)):
             out.prompt.setdefault(id(seq), []).append((p + 1, lp, top))
         return out
+
+
+@dataclass
+class InFlight:
+    """The sequences of a step whose next tokens the step launched before it (``previous``, still running) samples:
+    per sequence (``index``: ``id(seq)`` -> i), the sampler row of ``previous`` that its next input token, first
+    draft and MTP state come from (``src [F]``: its first row plus the drafts it accepts) and the drafts it accepts
+    (``accepted [F]``, by how many positions it moves on), on the device."""
+
+    previous: LaunchedStep
+    index: dict[int, int]
+    src: torch.Tensor
+    accepted: torch.Tensor
+
+    def tokens(self, which: torch.Tensor) -> torch.Tensor:
+        return self.previous.tokens.index_select(0, self.src.index_select(0, which))
+
+    def draft_tokens(self, which: torch.Tensor) -> torch.Tensor:
+        return self.previous.draft_tokens.index_select(0, self.src.index_select(0, which))
+
+    def draft_states(self, which: torch.Tensor) -> torch.Tensor:
+        return self.previous.draft_states.index_select(0, self.src.index_select(0, which))
+
+    def shifts(self, which: torch.Tensor) -> torch.Tensor:
+        return self.accepted.index_select(0, which)
+
+
+@dataclass
+class Drafts:
+    """What speculative decoding hands a step's launch: ``flying`` (``InFlight``, or None) and the drafts the MTP
+    chain made on the device (``MTPDrafter.propose``)."""
+
+    flying: InFlight | None = None
+    chained: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -128,9 +169,12 @@ class ModelRunner:
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def prepare(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> tuple[torch.Tensor, ForwardBatch]:
-        """Packed input ids and the forward metadata of ``batch``; decode tokens still being sampled are taken from
-        ``previous``, on the device."""
+    def prepare(
+        self, batch: ScheduledBatch, drafts: Drafts | None = None
+    ) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor | None]:
+        """Packed input ids and the forward metadata of ``batch``, and the shift of its decode rows (``carried``);
+        decode tokens still being sampled, and drafts made on the device, are taken from ``drafts``, on the
+        device."""
         bs, alloc = self.allocator.block_size, self.allocator
         ids: list[int] = []
         pos: list[int] = []
@@ -173,10 +217,12 @@ class ModelRunner:
         fb.positions = self._tensor(pos, torch.int32)
         fb.slot_mapping = self._tensor(slots, torch.int64)
         input_ids = self._tensor(ids, torch.int64)
-        pending = self._pending_tokens(decode_rows, previous)
-        if pending is not None:
-            input_ids.index_copy_(0, *pending)
-        return input_ids, fb
+        carried, shift = self.carried(batch, decode_rows, drafts or Drafts())
+        if carried is not None:
+            input_ids.index_copy_(0, *carried)
+        if shift is not None:
+            shift_decode_rows(fb, shift, bs, alloc.seq_pages)
+        return input_ids, fb, shift
 
     def _logit_rows(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence], list[tuple[Sequence, int, int]]]:
         """Rows whose logits are needed: ``sample_rows`` (one per sequence that samples, with ``samplers``; one per
@@ -205,10 +251,81 @@ class ModelRunner:
         for."""
         return self.launch(batch).result()
 
-    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+    def in_flight(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> InFlight | None:
+        """The sequences of ``batch`` whose last token ``previous`` (the step launched before, still running)
+        samples; None when there are none."""
+        if previous is None:
+            return None
+        seqs = [s for s in (*batch.decodes, *(c.seq for c in batch.prefills)) if s.token_ids[-1] == PENDING]
+        seqs = [s for s in seqs if id(s) in previous.first_row]
+        if not seqs:
+            return None
+        first = self._tensor([previous.first_row[id(s)] for s in seqs], torch.int64)
+        if previous.accepted is None:  # no drafts verified: each sequence's one row
+            return InFlight(previous, {id(s): i for i, s in enumerate(seqs)}, first, torch.zeros_like(first))
+        accepted = previous.accepted.index_select(0, first)
+        return InFlight(previous, {id(s): i for i, s in enumerate(seqs)}, first + accepted, accepted)
+
+    def propose(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> Drafts:
+        """Speculative decoding: sets the drafts each decoding sequence of ``batch`` verifies
+        (``MTPDrafter.propose``), from the host's state or from ``previous`` where that step is still running."""
+        drafts = Drafts(self.in_flight(batch, previous))
+        if self.drafter is not None and batch.decodes:
+            drafts.chained = self.drafter.propose(batch.decodes, self._tensor, self.graphs, drafts.flying)
+        return drafts
+
+    def carried(
+        self, batch: ScheduledBatch, rows: list[tuple[Sequence, int]], drafts: Drafts
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
+        """For the decode ``rows`` of ``batch``: those whose input id is known on the device only, as ``(row
+        indices, input ids)`` (the tokens and first drafts the step in flight samples, the drafts chained on the
+        device), or None; and the shift ``[len(rows)]`` of every row's position by the drafts the step in flight
+        accepts, or None when no sequence in flight verified drafts."""
+        flying = drafts.flying
+        index = flying.index if flying is not None else {}
+        at, which, first_draft = [], [], []
+        for i, (seq, p) in enumerate(rows):
+            if _token(seq, p) != PENDING or p > seq.num_tokens:  # known, or a chained draft (below)
+                continue
+            if id(seq) not in index:
+                raise RuntimeError(f"request {seq.request_id!r} decodes a token that the previous step did not sample")
+            at.append(i)
+            which.append(index[id(seq)])
+            first_draft.append(p == seq.num_tokens)
+        rows_out, tokens = [], []
+        if at:
+            which_t = self._tensor(which, torch.int64)
+            taken = flying.tokens(which_t)
+            if any(first_draft):
+                taken = torch.where(self._tensor(first_draft, torch.bool), flying.draft_tokens(which_t), taken)
+            rows_out.append(self._tensor(at, torch.int64))
+            tokens.append(taken)
+        if drafts.chained:
+            base, start = [], 0
+            for seq in batch.decodes:
+                base.append(start)
+                start += 1 + len(seq.drafts)
+            for j, (chain_rows, chain_tokens) in enumerate(drafts.chained):  # chain step j makes draft j + 1
+                rows_out.append(self._tensor([base[i] + 2 + j for i in chain_rows], torch.int64))
+                tokens.append(chain_tokens)
+        carried = (torch.cat(rows_out), torch.cat(tokens)) if rows_out else None
+        shift = None
+        if flying is not None and flying.previous.accepted is not None:
+            moved = [(i, index[id(seq)]) for i, (seq, _) in enumerate(rows) if id(seq) in index]
+            if moved:
+                where = self._tensor([i for i, _ in moved], torch.int64)
+                shift = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
+                shift.index_copy_(0, where, flying.shifts(self._tensor([f for _, f in moved], torch.int64)))
+        return carried, shift
+
+    def launch(
+        self, batch: ScheduledBatch, previous: LaunchedStep | None = None, drafts: Drafts | None = None
+    ) -> LaunchedStep:
         """Queues ``batch``'s forward, sampling and log-probabilities on the device and starts copying what the host
         needs, without waiting for the device. ``previous``: the step launched before, whose tokens are still
-        pending."""
+        pending; ``drafts``: what ``propose`` made for this step (speculative decoding)."""
+        if drafts is None:
+            drafts = Drafts(self.in_flight(batch, previous))
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
         rows = sample_rows + [r for _, r, _ in prompt_rows]
         decode_rows = _decode_rows(batch)
@@ -219,11 +336,18 @@ class ModelRunner:
             and self.graphs.invariant == deepinfer.batch_invariant_enabled()
         )
         greedy = None  # the graph's greedy tokens, taken inside it
+        carried, shift = self.carried(batch, decode_rows, drafts) if use_graph else (None, None)
         if use_graph:
-            logits, greedy = self._graph_logits(decode_rows, previous)
+            logits, greedy = self.graphs.run(
+                input_ids=[_token(s, p) for s, p in decode_rows],
+                pending=carried,
+                shift=shift,
+                **decode_metadata(decode_rows, self.allocator),
+            )
             hidden, fb = self.graphs.replayed()
+            input_ids = self.graphs.wide
         else:
-            input_ids, fb = self.prepare(batch, previous)
+            input_ids, fb, shift = self.prepare(batch, drafts)
             with deepinfer.value_checks(False):
                 hidden = self.model.forward(input_ids, fb, self.kv_caches, self.index_caches)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
@@ -236,10 +360,17 @@ class ModelRunner:
         if samplers:
             sample_logits = logits[: len(sample_rows)]
             allowed = self._apply_grammars(sample_logits, samplers)
+            verify = sum(1 + len(s.drafts) for s in batch.decodes)  # sampler rows that are decode rows
+            if shift is not None:  # sampler rows' shifts (they count their positions in the seeds)
+                shift = torch.cat([shift[:verify], shift.new_zeros(len(samplers) - verify)])
             with deepinfer.value_checks(False):
-                step.tokens = self._sample(allowed, samplers, None if allowed is not sample_logits else greedy)
+                step.tokens = self._sample(allowed, samplers, None if allowed is not sample_logits else greedy, shift)
                 step.tokens = step.tokens.to(torch.int64)
             host["tokens"] = step.tokens
+            for r, seq in enumerate(samplers):
+                step.first_row.setdefault(id(seq), r)
+            if verify > len(batch.decodes):
+                host["accepted"] = step.accepted = self._accepted(step, input_ids, verify)
             step._want = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
             if step._want:
                 want = self._tensor(step._want, torch.int64)
@@ -259,6 +390,16 @@ class ModelRunner:
             step._ready = torch.Event(device=self.device)
             step._ready.record()
         return step
+
+    def _accepted(self, step: LaunchedStep, input_ids: torch.Tensor, verify: int) -> torch.Tensor:
+        """Per sampler row, the drafts its sequence accepts (``accepted_counts``), on the device: the first
+        ``verify`` rows are the decode rows, where each sequence's rows after its first take its drafts as input."""
+        samplers = step.samplers
+        first = [step.first_row[id(seq)] for seq in samplers]
+        follow = [r + 1 if r + 1 < verify and samplers[r + 1] is seq else -1 for r, seq in enumerate(samplers)]
+        index = self._tensor([first, follow], torch.int64)
+        drafts = input_ids.index_select(0, index[1].clamp(min=0))
+        return accepted_counts(step.tokens, torch.where(index[1] >= 0, drafts, -1), index[0])
 
     def _draft(
         self,
@@ -286,31 +427,8 @@ class ModelRunner:
         else:
             with deepinfer.value_checks(False):
                 step.draft_states, tokens, probs = self.drafter.run(hidden, next_ids, fb, index)
+        step.draft_tokens = tokens
         return {"draft_tokens": tokens, "draft_probs": probs} if sample_rows else {}
-
-    def _pending_tokens(
-        self, rows: list[tuple[Sequence, int]], previous: LaunchedStep | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For the decode rows ``(seq, position)`` whose token is still being sampled (``PENDING``): their row
-        indices and the tokens ``previous`` samples for them, both on the device; None when there are none."""
-        pending = [i for i, (s, p) in enumerate(rows) if _token(s, p) == PENDING]
-        if not pending:
-            return None
-        where = {id(seq): i for i, seq in enumerate(previous.samplers)} if previous is not None else {}
-        missing = [rows[i][0].request_id for i in pending if id(rows[i][0]) not in where]
-        if missing:
-            raise RuntimeError(f"requests {missing} decode a token that the previous step did not sample")
-        index = self._tensor([pending, [where[id(rows[i][0])] for i in pending]], torch.int64)
-        return index[0], previous.tokens.index_select(0, index[1])
-
-    def _graph_logits(
-        self, rows: list[tuple[Sequence, int]], previous: LaunchedStep | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.graphs.run(
-            input_ids=[_token(s, p) for s, p in rows],
-            pending=self._pending_tokens(rows, previous),
-            **decode_metadata(rows, self.allocator),
-        )
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """``logits`` (one row per sampler row of ``seqs``: a sequence with drafts has one per verification row)
@@ -329,19 +447,29 @@ class ModelRunner:
         index = self._tensor(rows, torch.int64)
         return logits.index_copy(0, index, ops.apply_token_bitmask(logits.index_select(0, index), mask))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None, shift: torch.Tensor | None
+    ) -> torch.Tensor:
         """The next token of each of ``seqs`` (one row of ``logits`` each; a sequence with drafts has one row per
         verification row, each drawn with the seed of the generated position it samples); ``greedy``: their greedy
-        tokens, already taken (by a decode graph), or None."""
+        tokens, already taken (by a decode graph), or None; ``shift``: per row, the positions its sequence moves on
+        by the drafts the step in flight accepts (on the device), or None."""
         params = [s.params for s in seqs]
         if all(p.temperature == 0 for p in params):  # greedy rows need no filtering, seeds or value checks
             return greedy if greedy is not None else greedy_tokens(logits)
+        if shift is None:
+            seeds = self._tensor([step_seed(s.seed, s.num_generated + i) for s, i in _row_offsets(seqs)], torch.int64)
+        else:
+            rows = self._tensor(
+                [[s.seed for s in seqs], [s.num_generated + i for s, i in _row_offsets(seqs)]], torch.int64
+            )
+            seeds = step_seeds(rows[0], rows[1] + shift)
         return ops.sample(
             logits,
             self._tensor([float(p.temperature) for p in params], torch.float32),
             self._tensor([float(p.top_p) for p in params], torch.float32),
             self._tensor([p.top_k for p in params], torch.int32),
-            self._tensor([step_seed(s.seed, s.num_generated + i) for s, i in _row_offsets(seqs)], torch.int64),
+            seeds,
         )
 
 

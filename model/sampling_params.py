@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .errors import RequestError
 from .structured_output import StructuredOutputsParams
 
@@ -140,3 +142,20 @@ def step_seed(seed: int, step: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
     return (z ^ (z >> 31)) & MASK63
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >> 63 else c
+
+
+def step_seeds(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``step_seed`` of each pair, on the tensors' device (int64, wrapping as unsigned 64-bit arithmetic does): for
+    a step whose sampled positions are known only there (speculative decoding ahead of the host)."""
+
+    def shr(z: torch.Tensor, k: int) -> torch.Tensor:  # a logical shift: int64's >> copies the sign bit
+        return (z >> k) & ((1 << (64 - k)) - 1)
+
+    z = seeds * _signed(0x9E3779B97F4A7C15) + (steps + 1) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ shr(z, 27)) * _signed(0x94D049BB133111EB)
+    return (z ^ shr(z, 31)) & MASK63

@@ -144,8 +144,12 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def set_aside(self, seq: Sequence) -> None:
-        """Takes a running sequence out of the next batches; it keeps its pages until ``finish``."""
+        """Takes a running sequence out of the next batches; it keeps its pages until ``finish`` or ``resume``."""
         self.running.remove(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """Puts a sequence set aside back among the running ones."""
+        _insert(self.running, seq)
 
     def schedule(self) -> ScheduledBatch:
         """The next batch (empty only when nothing is left to run)."""
@@ -194,10 +198,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or not seq.is_decode or budget == 0:
                 continue
-            if not self._make_room(seq, seq.num_computed + 1, scheduled):
+            if not self._make_room(seq, self._next_end(seq), scheduled):
                 continue
             seq.max_drafts = self._lookahead(seq, budget)
-            self.allocator.grow(seq, seq.num_computed + 1 + seq.max_drafts)
+            self.allocator.grow(seq, self._next_end(seq) + seq.max_drafts)
             batch.decodes.append(seq)
             scheduled.add(id(seq))
             budget -= 1 + seq.max_drafts
@@ -269,9 +273,10 @@ class Scheduler:
         the token budget, the context or the free pages end first. Pages for drafts are taken only when free: they
         never preempt another sequence."""
         extra = min(self.lookahead, budget - 1)
+        end = self._next_end(seq)
         if self.max_model_len is not None:
-            extra = min(extra, self.max_model_len - seq.num_computed - 1)
-        while extra > 0 and not self.allocator.can_grow(seq, seq.num_computed + 1 + extra):
+            extra = min(extra, self.max_model_len - end)
+        while extra > 0 and not self.allocator.can_grow(seq, end + extra):
             extra -= 1
         return max(extra, 0)
 
@@ -285,8 +290,10 @@ class Scheduler:
         return sum(self.allocator.missing(s, self._next_end(s)) for s in self.running)
 
     def _next_end(self, seq: Sequence) -> int:
-        """Tokens ``seq`` holds after its next step: one more in decode, the next chunk's end in prefill."""
-        return seq.num_computed + 1 if seq.is_decode else self.chunk_end(seq)
+        """Tokens ``seq`` holds after its next step: one more in decode, the next chunk's end in prefill. Under
+        speculative decoding ahead of the host, the drafts of the step in flight count as accepted
+        (``Sequence.drafts_in_flight``): where the sequence stands is known on the device only."""
+        return seq.num_computed + 1 + seq.drafts_in_flight if seq.is_decode else self.chunk_end(seq)
 
     def _pages_for_next_step(self, seq: Sequence) -> int:
         """Pages ``seq`` holds after its next step (for a swapped sequence, at least the pages it comes back to)."""

@@ -60,6 +60,7 @@ class Sequence:
         # after the last one, with its probability, and the MTP state behind it (on the device); counts.
         self.drafts: list[int] = []
         self.max_drafts = 0  # the scheduler's room for drafts this step
+        self.drafts_in_flight = 0  # drafts of the step still running, whose acceptance the host learns after it
         self.next_draft: tuple[int, float] | None = None
         self.draft_state: Any = None
         self.num_drafted = self.num_accepted = 0

@@ -26,12 +26,23 @@ step's MTP pass rewrites them, in row order, before any later row reads them. A 
 layer's entries of the cached pages too; the entry at a page's last position was made with the token that followed it
 in the request that computed it, which can change how often drafts are accepted, never a token.
 
+Ahead of the host. With asynchronous scheduling (``engine.py``) a step is launched before the host reads the one in
+flight, so the host does not know how many drafts that step accepts, only how many it verifies. Everything that
+depends on it is computed on the device: per sequence the accepted count (``accepted_counts``), then the next step's
+input token (the correction or bonus token), first draft and MTP state (taken from the accepted row), its positions,
+cache slots and sequence lengths (the host's, moved on by the count: ``forward_batch.shift_decode_rows``) and its
+sampling seeds (``sampling_params.step_seeds``); the chained drafts stay on the device as the verification rows'
+input ids. The scheduler gives each such sequence pages for every draft in flight being accepted
+(``Sequence.drafts_in_flight``), and a sequence that could end by length in the step in flight waits for it. The
+host learns what was accepted one step later, when it reads the step's tokens.
+
 Confidence scheduling (``confidence_threshold``): a sequence verifies its drafts up to the first one the MTP layer
 gives a probability below the threshold, at most ``num_speculative_tokens``; 0 (the default) is fixed-``k``
 speculation. ``disable_by_batch_size`` turns drafting off in steps that decode that many sequences or more. Neither
 changes a token, only how many a step verifies. Drafts past ``max_tokens`` or the context are never verified. A
 request with a structured-output constraint masks each verification row with what its grammar allows after the
-drafts before it (the matcher rolls the drafts back), so a draft the grammar refuses is never accepted.
+drafts before it (the matcher rolls the drafts back), so a draft the grammar refuses is never accepted. Both read
+the drafts on the host (their probabilities, their tokens), so their steps are not launched ahead.
 """
 
 from __future__ import annotations
@@ -46,8 +57,9 @@ import torch
 import deepinfer
 from deepinfer.validation import Check
 
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, shift_decode_rows
 from .greedy import greedy_tokens
+from .sequence import PENDING
 
 METHODS = ("mtp", "deepseek_mtp")
 
@@ -94,13 +106,18 @@ class SpeculativeConfig:
             c.positive_int("disable_by_batch_size", self.disable_by_batch_size)
 
 
-def accepted_drafts(drafts: list[int], targets: list[int]) -> int:
-    """How many leading drafts the target's tokens confirm: ``drafts[i]`` is accepted while every earlier one was
-    and it equals ``targets[i]``, the token the target sampled at the row before it."""
-    a = 0
-    while a < len(drafts) and drafts[a] == targets[a]:
-        a += 1
-    return a
+def accepted_counts(tokens: torch.Tensor, next_inputs: torch.Tensor, first_rows: torch.Tensor) -> torch.Tensor:
+    """How many leading drafts the target's tokens confirm, per sequence, on the device. Per sampler row ``r`` of a
+    step (``[S]`` each): ``tokens[r]``, the token the target sampled there; ``next_inputs[r]``, the draft the next
+    row verifies (the input id of the sequence's next row) or -1 after its last; ``first_rows[r]``, its sequence's
+    first row. A draft is accepted while every earlier one was and it equals the token sampled at the row before
+    it. Returns ``[S]`` int64: each row's sequence's count."""
+    n = tokens.shape[0]
+    within = torch.arange(n, device=tokens.device) - first_rows
+    breaks = torch.where(tokens == next_inputs, n, within)  # the last row always breaks: -1 is no token
+    counts = torch.full((n,), n, dtype=torch.int64, device=tokens.device)
+    counts.scatter_reduce_(0, first_rows, breaks, "amin")
+    return counts.index_select(0, first_rows)
 
 
 def confident_drafts(probs: list[float], threshold: float) -> int:
@@ -168,52 +185,99 @@ class MTPDrafter:
 
     def limit(self, seq) -> int:
         """Drafts ``seq`` may verify this step: ``num_speculative_tokens``, fewer where the scheduler gave it less
-        room (``Sequence.max_drafts``) or ``max_tokens`` or the context would end the sequence first; none without a
-        first draft."""
-        if seq.next_draft is None:
-            return 0
-        room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens) - 1
+        room (``Sequence.max_drafts``) or ``max_tokens`` or the context would end the sequence first, counting the
+        drafts of the step in flight as accepted (``Sequence.drafts_in_flight``)."""
+        ahead = seq.drafts_in_flight
+        room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens) - ahead - 1
         return max(0, min(self.config.num_speculative_tokens, seq.max_drafts, room))
 
-    def propose(self, seqs: list, tensor, graphs=None) -> None:
+    def reads_drafts(self, seqs: list) -> bool:
+        """Whether ``propose`` reads the drafts back to the host (a synchronisation): for confidence scheduling,
+        which needs their probabilities, and for structured output, whose grammars see the tokens."""
+        return self.config.confidence_threshold > 0 or any(s.matcher is not None for s in seqs)
+
+    def propose(self, seqs: list, tensor, graphs=None, flying=None) -> list[tuple[list[int], torch.Tensor]]:
         """Sets ``seq.drafts`` for each decoding sequence of ``seqs``: its first draft, chained on by the MTP layer
         (one decode row per sequence and draft, at positions ``num_computed .. num_computed + n - 2``), cut by
-        ``limit`` and the confidence threshold. ``tensor(values, dtype)`` makes a device tensor; ``graphs``: the
-        engine's ``DecodeGraphs``, whose MTP graphs run the chain steps they fit. Reads the drafts back once (a host
-        synchronisation) when any sequence chains."""
+        ``limit``, ``disable_by_batch_size`` and the confidence threshold. ``tensor(values, dtype)`` makes a device
+        tensor; ``graphs``: the engine's ``DecodeGraphs``, whose MTP graphs run the chain steps they fit;
+        ``flying``: the ``model_runner.InFlight`` of the sequences whose first draft the step still running makes
+        (their positions shift by the drafts it accepts, known on the device only).
+
+        Drafts stay on the device unless ``reads_drafts``: ``seq.drafts`` then holds ``PENDING`` for each one the
+        host does not know, and the chained ones are returned, per chain step, as ``(indices into seqs, tokens)``
+        (step ``j`` makes each listed sequence's draft ``j + 1``). Otherwise they are read back once (a host
+        synchronisation) and nothing is returned."""
         threshold, cap = self.config.confidence_threshold, self.config.disable_by_batch_size
+        read = self.reads_drafts(seqs)
+        flies = flying.index if flying is not None else {}
         limits = []
         for seq in seqs:
             seq.drafts = []
-            ok = seq.next_draft is not None and seq.next_draft[1] >= threshold and (cap is None or len(seqs) < cap)
+            has = id(seq) in flies or seq.next_draft is not None
+            ok = has and (cap is None or len(seqs) < cap) and (not read or seq.next_draft[1] >= threshold)
             limits.append(self.limit(seq) if ok else 0)
-        drafts = [[s.next_draft] if n else [] for s, n in zip(seqs, limits)]
+        first = [PENDING if id(s) in flies else s.next_draft[0] if n else None for s, n in zip(seqs, limits)]
         rows = [i for i, n in enumerate(limits) if n > 1]
         chained = []  # per chain step: (rows, draft tokens, draft probabilities), on the device
         if rows:
-            state = torch.stack([seqs[i].draft_state for i in rows])
-            ids = tensor([drafts[i][0][0] for i in rows], torch.int64)
+            state, ids, shift = self._chain_inputs([seqs[i] for i in rows], tensor, flying)
         m = 1  # drafts each row in `rows` has
         while rows:
             meta = decode_metadata([(seqs[i], seqs[i].num_computed - 1 + m) for i in rows], self.allocator)
             if graphs is not None and graphs.replays_mtp(len(rows)):
-                state, tokens, probs = graphs.run_mtp(state, ids, meta)
+                state, tokens, probs = graphs.run_mtp(state, ids, meta, shift)
                 tokens, probs = tokens.clone(), probs.clone()  # the graph's outputs, overwritten by its next replay
             else:
+                fb = decode_batch(meta, tensor)
+                if shift is not None:
+                    shift_decode_rows(fb, shift, self.allocator.block_size, self.allocator.seq_pages)
                 with deepinfer.value_checks(False):
-                    state = self.mtp.forward(state, ids, decode_batch(meta, tensor), *self.caches)
+                    state = self.mtp.forward(state, ids, fb, *self.caches)
                     tokens, probs = self.draft(state)
             chained.append((rows, tokens, probs))
             m += 1
             keep = [j for j, i in enumerate(rows) if limits[i] > m]
             index = tensor(keep, torch.int64)
             rows, state, ids = [rows[j] for j in keep], state[index], tokens[index]
+            shift = shift[index] if shift is not None else None
+        if not read:
+            for seq, n, d in zip(seqs, limits, first):
+                seq.drafts = [d] + [PENDING] * (n - 1) if n else []
+            return [(rows, tokens) for rows, tokens, _ in chained]
+        drafts = [[s.next_draft] if n else [] for s, n in zip(seqs, limits)]
         for step_rows, tokens, probs in chained:
             for i, t, p in zip(step_rows, tokens.tolist(), probs.tolist()):
                 drafts[i].append((t, p))
         for seq, n, d in zip(seqs, limits, drafts):
             n = min(n, confident_drafts([p for _, p in d], threshold))
             seq.drafts = [t for t, _ in d[:n]]
+        return []
+
+    def _chain_inputs(self, seqs: list, tensor, flying) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The MTP states ``[N, H]`` and first drafts ``[N]`` the chain starts from, and the position shift ``[N]``
+        of each row (None when no sequence is in flight): from the host where known, else from the step in
+        flight."""
+        flies = flying.index if flying is not None else {}
+        host = [j for j, s in enumerate(seqs) if id(s) not in flies]
+        if not flies.keys() & {id(s) for s in seqs}:
+            state = torch.stack([s.draft_state for s in seqs])
+            return state, tensor([s.next_draft[0] for s in seqs], torch.int64), None
+        fly = [j for j, s in enumerate(seqs) if id(s) in flies]
+        which = tensor([flies[id(seqs[j])] for j in fly], torch.int64)
+        into = tensor(fly, torch.int64)
+        state_f, ids_f, shift_f = flying.draft_states(which), flying.draft_tokens(which), flying.shifts(which)
+        state = state_f.new_empty(len(seqs), state_f.shape[1])
+        ids = ids_f.new_empty(len(seqs))
+        shift = torch.zeros(len(seqs), dtype=shift_f.dtype, device=shift_f.device)
+        state.index_copy_(0, into, state_f)
+        ids.index_copy_(0, into, ids_f)
+        shift.index_copy_(0, into, shift_f)
+        if host:
+            at = tensor(host, torch.int64)
+            state.index_copy_(0, at, torch.stack([seqs[j].draft_state for j in host]))
+            ids.index_copy_(0, at, tensor([seqs[j].next_draft[0] for j in host], torch.int64))
+        return state, ids, shift
 
 
 def decode_metadata(rows: list, allocator) -> dict[str, list]:

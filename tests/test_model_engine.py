@@ -271,11 +271,11 @@ def test_async_scheduling_gives_a_synchronous_runs_outputs(make, cache):
         engine = async_llm.engine
         decoded, unread, ahead, launch, apply = [], [], [], engine.runner.launch, engine._apply
 
-        def spy_launch(batch, previous):
+        def spy_launch(batch, *args):
             decoded.extend((s.request_id, s.num_computed) for s in batch.decodes)
             ahead.append(bool(unread))  # launched before the previous step's tokens were read
             unread.append(1)
-            return launch(batch, previous)
+            return launch(batch, *args)
 
         def spy_apply(*args):
             unread.pop()
@@ -286,6 +286,7 @@ def test_async_scheduling_gives_a_synchronous_runs_outputs(make, cache):
     assert outcome(got) == outcome(expected)
     assert sum(o.outputs[0].finish_reason == "stop" for o in got) >= 2
     assert sum(ahead) > len(ahead) / 2, f"steps run ahead: {sum(ahead)} of {len(ahead)}"
+    assert engine.stats["steps_ahead"] == sum(ahead)
     if cache != "ample":
         assert engine.num_preemptions > 0
     final = {o.request_id: len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in got}

@@ -204,8 +204,8 @@ def sc_divergent_sampling(rank: int, world: int, path) -> None:
     runner = llm.engine.runner
     launch, calls = runner.launch, []
 
-    def patched(batch, previous):
-        step = launch(batch, previous)
+    def patched(batch, *args):
+        step = launch(batch, *args)
         read = step.result
 
         def result():

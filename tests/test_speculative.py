@@ -19,9 +19,9 @@ import deepinfer
 from deepinfer import ops
 from deepinfer.cli import main
 from deepinfer.model import LLM, SamplingParams
-from deepinfer.model.sampling_params import step_seed
+from deepinfer.model.sampling_params import step_seed, step_seeds
 from deepinfer.model.scheduler import Scheduler
-from deepinfer.model.speculative import SpeculativeConfig, accepted_drafts, confident_drafts
+from deepinfer.model.speculative import SpeculativeConfig, accepted_counts, confident_drafts
 
 CODE_PROMPTS = [
     "def fibonacci(n):",
@@ -139,15 +139,22 @@ def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
     outs = [result(o) for o in llm.generate(CODE_PROMPTS, params)]
     assert outs == plain
     stats = llm.last_stats["speculative"]
+    k = spec["num_speculative_tokens"]
     # A request alone: its prefill step gives one token and each later step one plus the drafts it accepted.
-    before = llm.engine.stats["steps"]
+    # Steps are launched before the previous one's tokens are read, but where confidence scheduling reads the
+    # drafts' probabilities, and near the end (a step that may end the request by length is waited for).
+    before, ahead = llm.engine.stats["steps"], llm.engine.stats["steps_ahead"]
     out = llm.generate(CODE_PROMPTS[0], params[0])[0]
     assert result(out) == plain[0]
     steps = llm.engine.stats["steps"] - before
+    ahead = llm.engine.stats["steps_ahead"] - ahead
+    if "confidence_threshold" in spec:
+        assert ahead == 0
+    else:
+        assert ahead >= steps - 3, (ahead, steps)  # the prefill and one or two steps near the end
     assert steps == len(out.outputs[0].token_ids) - out.metrics["accepted"]
     if len(spec) == 1:  # every decode step verifies drafts, but the last (one token left)
         assert out.metrics["drafted"] >= steps - 2, (out.metrics, steps)
-    k = spec["num_speculative_tokens"]
     assert 0.2 < stats["acceptance_rate"] < 1 and stats["mean_accepted_length"] > 1.4, stats
     if "confidence_threshold" in spec:  # confidence scheduling verifies fewer than k drafts on average
         assert stats["drafted"] < k * stats["verifications"], stats
@@ -234,7 +241,10 @@ def test_verification_rule_follows_the_target_distribution():
             torch.zeros(n, dtype=torch.int32),
             seeds,
         ).tolist()
-        accepted = [accepted_drafts([draft], [t]) for t in y]
+        # each seed's step: a row verifying `draft` (sampled y) and the row after it (the bonus token)
+        tokens = torch.tensor([[t, 0] for t in y]).flatten()
+        drafts = torch.tensor([[draft, -1]] * n).flatten()
+        accepted = accepted_counts(tokens, drafts, torch.arange(2 * n) // 2 * 2)[::2].tolist()
         rate = sum(accepted) / n
         sigma = (p[draft] * (1 - p[draft]) / n).sqrt()
         assert abs(rate - p[draft]) < 5 * sigma, (draft, rate, float(p[draft]))
@@ -250,13 +260,26 @@ def test_verification_rule_follows_the_target_distribution():
 
 
 def test_acceptance_and_confidence_counts():
-    assert accepted_drafts([5, 6, 7], [5, 6, 7, 8]) == 3
-    assert accepted_drafts([5, 6, 7], [5, 9, 7, 8]) == 1
-    assert accepted_drafts([5], [4, 5]) == 0
-    assert accepted_drafts([], [4]) == 0
+    # four sequences' sampler rows in one step: drafts [5, 6, 7] all accepted; [5, 6, 7] with the second refused;
+    # [5] refused; no drafts
+    rows = [([5, 6, 7, 8], [5, 6, 7, -1]), ([5, 9, 7, 8], [5, 6, 7, -1]), ([4, 5], [5, -1]), ([4], [-1])]
+    tokens = torch.tensor([t for sampled, _ in rows for t in sampled])
+    drafts = torch.tensor([d for _, verified in rows for d in verified])
+    first = torch.tensor([0] * 4 + [4] * 4 + [8] * 2 + [10])
+    got = accepted_counts(tokens, drafts, first).tolist()
+    assert got == [3] * 4 + [1] * 4 + [0] * 2 + [0]
     assert confident_drafts([0.9, 0.6, 0.2, 0.95], 0.5) == 2
     assert confident_drafts([0.1, 0.9], 0.5) == 0
     assert confident_drafts([0.1, 0.9], 0.0) == 2
+
+
+def test_device_seeds_are_the_host_seeds():
+    """A step run ahead of the host draws its seeds on the device: bit for bit ``step_seed``'s."""
+    rng = random.Random()
+    seeds = [rng.getrandbits(63) for _ in range(2000)] + [0, (1 << 63) - 1]
+    steps = [rng.randrange(1 << 31) for _ in range(2000)] + [0, (1 << 31) - 1]
+    got = step_seeds(torch.tensor(seeds), torch.tensor(steps)).tolist()
+    assert got == [step_seed(a, b) for a, b in zip(seeds, steps)]
 
 
 def test_cli_flag_runs_and_reports(capsys):
