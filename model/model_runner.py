@@ -291,31 +291,37 @@ class ModelRunner:
                 raise RuntimeError(f"request {seq.request_id!r} decodes a token that the previous step did not sample")
             at.append(i)
             which.append(index[id(seq)])
-            first_draft.append(p == seq.num_tokens)
-        rows_out, tokens = [], []
-        if at:
-            which_t = self._tensor(which, torch.int64)
-            taken = flying.tokens(which_t)
-            if any(first_draft):
-                taken = torch.where(self._tensor(first_draft, torch.bool), flying.draft_tokens(which_t), taken)
-            rows_out.append(self._tensor(at, torch.int64))
-            tokens.append(taken)
+            first_draft.append(int(p == seq.num_tokens))
+        chain_at = []
         if drafts.chained:
             base, start = [], 0
             for seq in batch.decodes:
                 base.append(start)
                 start += 1 + len(seq.drafts)
-            for j, (chain_rows, chain_tokens) in enumerate(drafts.chained):  # chain step j makes draft j + 1
-                rows_out.append(self._tensor([base[i] + 2 + j for i in chain_rows], torch.int64))
-                tokens.append(chain_tokens)
-        carried = (torch.cat(rows_out), torch.cat(tokens)) if rows_out else None
-        shift = None
+            for j, (chain_rows, _) in enumerate(drafts.chained):  # chain step j makes draft j + 1
+                chain_at.extend(base[i] + 2 + j for i in chain_rows)
+        moved: list[tuple[int, int]] = []
         if flying is not None and flying.previous.accepted is not None:
             moved = [(i, index[id(seq)]) for i, (seq, _) in enumerate(rows) if id(seq) in index]
-            if moved:
-                where = self._tensor([i for i, _ in moved], torch.int64)
-                shift = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
-                shift.index_copy_(0, where, flying.shifts(self._tensor([f for _, f in moved], torch.int64)))
+        parts = [at, which, first_draft, chain_at, [i for i, _ in moved], [f for _, f in moved]]
+        if not any(parts):
+            return None, None
+        # one copy to the device for every index list
+        packed = self._tensor([v for part in parts for v in part], torch.int64)
+        at_t, which_t, first_t, chain_t, moved_t, moved_which_t = packed.split([len(part) for part in parts])
+        rows_out, tokens = [at_t, chain_t], []
+        if at:
+            taken = flying.tokens(which_t)
+            if any(first_draft):
+                taken = torch.where(first_t.bool(), flying.draft_tokens(which_t), taken)
+            tokens.append(taken)
+        tokens += [chain_tokens for _, chain_tokens in drafts.chained]
+        carried = (torch.cat(rows_out), torch.cat(tokens)) if at or chain_at else None
+        shift = None
+        if moved:
+            shift = flying.shifts(moved_which_t)
+            if len(moved) < len(rows):
+                shift = torch.zeros(len(rows), dtype=shift.dtype, device=self.device).index_copy_(0, moved_t, shift)
         return carried, shift
 
     def launch(
@@ -418,8 +424,8 @@ class ModelRunner:
         rows += [(ch.seq, p) for ch in _chunks(batch) if not ch.decode_rows for p in range(ch.start, ch.end)]
         after = [_token(seq, p + 1) if p + 1 < seq.num_tokens else 0 for seq, p in rows]
         after += [0] * (hidden.shape[0] - len(after))  # CUDA-graph padding
-        next_ids = self._tensor([max(t, 0) for t in after], torch.int64)
-        index = self._tensor(sample_rows, torch.int64)
+        both = self._tensor([max(t, 0) for t in after] + sample_rows, torch.int64)
+        next_ids, index = both[: len(after)], both[len(after) :]
         if sample_rows:  # each sampler row's sampled token
             next_ids.index_copy_(0, index, step.tokens)
         if graphed:  # the rows of the decode graph just replayed

@@ -238,6 +238,9 @@ class MTPDrafter:
             chained.append((rows, tokens, probs))
             m += 1
             keep = [j for j, i in enumerate(rows) if limits[i] > m]
+            if len(keep) == len(rows):  # (a graph's states: its next replay copies them in before it overwrites them)
+                ids = tokens
+                continue
             index = tensor(keep, torch.int64)
             rows, state, ids = [rows[j] for j in keep], state[index], tokens[index]
             shift = shift[index] if shift is not None else None
@@ -264,8 +267,7 @@ class MTPDrafter:
             state = torch.stack([s.draft_state for s in seqs])
             return state, tensor([s.next_draft[0] for s in seqs], torch.int64), None
         fly = [j for j, s in enumerate(seqs) if id(s) in flies]
-        which = tensor([flies[id(seqs[j])] for j in fly], torch.int64)
-        into = tensor(fly, torch.int64)
+        which, into = tensor([[flies[id(seqs[j])] for j in fly], fly], torch.int64)
         state_f, ids_f, shift_f = flying.draft_states(which), flying.draft_tokens(which), flying.shifts(which)
         state = state_f.new_empty(len(seqs), state_f.shape[1])
         ids = ids_f.new_empty(len(seqs))
