@@ -6,11 +6,12 @@ library files.
         [--max-tokens 128] [--repeats 3] [--json OUT.json]
 
 Each spec is ``k[@threshold][/batch]`` (``num_speculative_tokens``, ``confidence_threshold``,
-``disable_by_batch_size``), or ``sync``: plain decoding without asynchronous scheduling (speculation turns it off,
-so this row separates the overlap lost from the cost of verification). For every batch
-size, each configuration generates the same prompts ``--repeats`` times after one warm-up; the table gives the
-median tokens per second, the speed-up over plain decoding measured in the same run, the mean accepted length and
-the share of requests whose tokens equal plain decoding's (in the default mode the logits' rounding depends on the
+``disable_by_batch_size``), or ``sync``: plain decoding without asynchronous scheduling (what the overlap of host
+and device is worth). For every batch size, each configuration generates the same prompts ``--repeats`` times after
+one warm-up; the table gives the median tokens per second, the speed-up over plain decoding measured in the same
+run, the mean accepted length, the share of steps launched before the previous one's results were read
+(``steps_ahead``; confidence scheduling reads the drafts and runs synchronously) and the share of requests whose
+tokens equal plain decoding's (in the default mode the logits' rounding depends on the
 rows a step runs, so a near-tie can differ; with ``DEEPINFER_BATCH_INVARIANT=1`` every request is identical).
 """
 
@@ -76,8 +77,9 @@ def main() -> None:
     }
     prompts = prompts_from_heldout(llms["0"].tokenizer, max(batches), args.prompt_len)
     print(f"{llms['0'].backend} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
-    print("| batch | spec | tokens/s | vs plain | mean accepted length | drafts verified / step | same tokens |")
-    print("|---|---|---|---|---|---|---|")
+    head = "| batch | spec | tokens/s | vs plain | mean accepted length | drafts verified / step | steps ahead | same tokens |"
+    print(head)
+    print("|---|---|---|---|---|---|---|---|")
     for b in batches:
         plain_tokens, plain_rate = None, None
         for c in configs:
@@ -85,12 +87,14 @@ def main() -> None:
             llm.generate(prompts[:b], sp)  # warm-up: compilation, graphs, caches
             rates, stats = [], {}
             for _ in range(args.repeats):
+                steps0, ahead0 = llm.engine.stats["steps"], llm.engine.stats["steps_ahead"]
                 start = time.perf_counter()
                 outs = llm.generate(prompts[:b], sp)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 rates.append(b * args.max_tokens / (time.perf_counter() - start))
                 stats = llm.last_stats.get("speculative", {})
+                ahead = (llm.engine.stats["steps_ahead"] - ahead0) / (llm.engine.stats["steps"] - steps0)
             tokens = [o.outputs[0].token_ids for o in outs]
             rate = statistics.median(rates)
             if c == "0":
@@ -104,13 +108,14 @@ def main() -> None:
                 "speedup": rate / plain_rate,
                 "mean_accepted_length": stats.get("mean_accepted_length", 1.0),
                 "drafts_per_verification": per_step,
+                "steps_ahead": ahead,
                 "same_tokens": same,
                 "runs": rates,
             }
             rows.append(row)
             print(
                 f"| {b} | {c} | {rate:.0f} | {rate / plain_rate:.2f}x | {row['mean_accepted_length']:.2f} | "
-                f"{per_step:.2f} | {100 * same:.0f}% |",
+                f"{per_step:.2f} | {100 * ahead:.0f}% | {100 * same:.0f}% |",
                 flush=True,
             )
             if args.json:
