@@ -77,8 +77,7 @@ def main() -> None:
     }
     prompts = prompts_from_heldout(llms["0"].tokenizer, max(batches), args.prompt_len)
     print(f"{llms['0'].backend} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
-    head = "| batch | spec | tokens/s | vs plain | mean accepted length | drafts verified / step | steps ahead | same tokens |"
-    print(head)
+    print("| batch | spec | tokens/s | vs plain | mean accepted length | drafts / verification | steps ahead | same |")
     print("|---|---|---|---|---|---|---|---|")
     for b in batches:
         plain_tokens, plain_rate = None, None
