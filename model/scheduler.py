@@ -195,12 +195,17 @@ class Scheduler:
             seq.status = Status.RUNNING
             _insert(self.running, seq)
 
-        for seq in list(self.running):
-            if seq.status is not Status.RUNNING or not seq.is_decode or budget == 0:
+        decoding = [s for s in self.running if s.status is Status.RUNNING and s.is_decode]
+        # pages the decoding sequences not scheduled yet need for their own step: drafts never take them
+        later = sum(self.allocator.missing(s, self._next_end(s)) for s in decoding) if self.lookahead else 0
+        for seq in decoding:
+            if self.lookahead:
+                later -= self.allocator.missing(seq, self._next_end(seq))
+            if seq.status is not Status.RUNNING or budget == 0:  # (preempted for a sequence before it)
                 continue
             if not self._make_room(seq, self._next_end(seq), scheduled):
                 continue
-            seq.max_drafts = self._lookahead(seq, budget)
+            seq.max_drafts = self._lookahead(seq, budget, later)
             self.allocator.grow(seq, self._next_end(seq) + seq.max_drafts)
             batch.decodes.append(seq)
             scheduled.add(id(seq))
@@ -268,15 +273,16 @@ class Scheduler:
                 return True
         return False
 
-    def _lookahead(self, seq: Sequence, budget: int) -> int:
+    def _lookahead(self, seq: Sequence, budget: int, reserved: int) -> int:
         """Draft tokens a decoding ``seq`` may verify this step (speculative decoding): ``lookahead``, fewer where
-        the token budget, the context or the free pages end first. Pages for drafts are taken only when free: they
-        never preempt another sequence."""
+        the token budget, the context or the free pages end first. Drafts take only free pages beyond the
+        ``reserved`` ones (those the decoding sequences after it need for their own step), so they never preempt
+        another sequence: a step scheduled ahead of the one in flight preempts nobody (``next_step_fits``)."""
         extra = min(self.lookahead, budget - 1)
         end = self._next_end(seq)
         if self.max_model_len is not None:
             extra = min(extra, self.max_model_len - end)
-        while extra > 0 and not self.allocator.can_grow(seq, end + extra):
+        while extra > 0 and self.allocator.missing(seq, end + extra) > self.allocator.num_free - reserved:
             extra -= 1
         return max(extra, 0)
 

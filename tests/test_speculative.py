@@ -21,6 +21,7 @@ from deepinfer.cli import main
 from deepinfer.model import LLM, SamplingParams
 from deepinfer.model.sampling_params import step_seed, step_seeds
 from deepinfer.model.scheduler import Scheduler
+from deepinfer.model.sequence import PENDING
 from deepinfer.model.speculative import SpeculativeConfig, accepted_counts, confident_drafts
 
 CODE_PROMPTS = [
@@ -221,6 +222,33 @@ def test_preemption_in_the_middle_of_speculation_loses_nothing(mtp_checkpoint, i
     assert sum(d > 0 for d in with_drafts) >= 4, f"too few preemptions after speculation began: {with_drafts}"
     differ = [i for i in range(len(prompts)) if outs[i] != plain[i]]
     assert not differ, f"requests {differ} differ after {mode} preemption under speculation (seed {seed})"
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_step_launched_ahead_preempts_no_sequence_in_flight(invariant, monkeypatch, mode):
+    """With a cache too small for every request, drafts take only pages no other decoding sequence needs for its own
+    step: a step scheduled while the one before still runs preempts nobody (a sequence in flight, preempted, would
+    take the tokens of that step after it left). One request stops on a token sampled while the cache is full."""
+    prompts = CODE_PROMPTS + [p + " x = 1" for p in CODE_PROMPTS]
+    params = [SamplingParams(max_tokens=20 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    kw = dict(block_size=8, num_blocks=9, preemption_mode=mode, enable_prefix_caching=False, progress=False)
+    params[3].stop_token_ids = [LLM(**kw).generate(prompts[3], params[3])[0].outputs[0].token_ids[1]]
+    plain = [result(o) for o in LLM(**kw).generate(prompts, params)]
+    preempted = []
+    preempt = Scheduler._preempt
+
+    def spy(self, seq):
+        preempted.append((seq.request_id, seq.drafts_in_flight, seq.token_ids[-1]))
+        return preempt(self, seq)
+
+    monkeypatch.setattr(Scheduler, "_preempt", spy)
+    llm = LLM(speculative_config={"num_speculative_tokens": 2}, **kw)
+    outs = [result(o) for o in llm.generate(prompts, params)]
+    assert len(preempted) >= 3, preempted
+    assert not [p for p in preempted if p[1] or p[2] == PENDING], f"sequences preempted in flight: {preempted}"
+    assert llm.engine.stats["steps_ahead"] > llm.engine.stats["steps"] / 2
+    assert outs == plain and plain[3][3] == "stop"
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
 
 
