@@ -211,6 +211,8 @@ class MTPDrafter:
         threshold, cap = self.config.confidence_threshold, self.config.disable_by_batch_size
         read = self.reads_drafts(seqs)
         flies = flying.index if flying is not None else {}
+        if read and flies:  # the engine waits for the step before a step whose drafts are read
+            raise RuntimeError("drafts read on the host for a step launched ahead of the one before")
         limits = []
         for seq in seqs:
             seq.drafts = []
