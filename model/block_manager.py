@@ -15,7 +15,8 @@ Keys are exact (the tokens themselves are compared, not only a hash), and one al
 model and one cache format: a page's content is a function of its key.
 
 With a host tier (``host``, a ``HostPageCache``) an evicted page is copied to host memory under its key first, and
-``match`` continues a prompt's cached prefix with the keys held there, copying them back into fresh pages.
+``match`` continues a prompt's cached prefix with the keys held there, copying them back into fresh pages (for
+state pages, below).
 
 With state pages (``seq_pages``: DeepSeek-V4's windows and unfinished compressor windows, which depend on the whole
 prefix) a prefix is reusable only at a point where its state was kept: when a sequence's computed prompt reaches a
@@ -23,7 +24,12 @@ multiple of ``reuse_tokens`` (the page size and every compression rate divide it
 before it is written), its token pages are registered and a copy of its state pages is kept as a **snapshot**
 under the key of its last page (``copy_pages`` copies pages on the device, in order with the steps). ``match`` then
 gives a prompt the token pages of its longest prefix that ends at a snapshot, and fresh state pages holding a copy
-of it. Snapshot pages are free pages like registered ones: handing one out forgets the whole snapshot.
+of it. Snapshot pages are free pages like registered ones: handing one out forgets the whole snapshot on the
+device. With a host tier every page of the snapshot is first copied there (page ``i`` of the snapshot under
+``key`` as ``snapshot_key(key, i)``), and ``match`` takes the longest prefix whose token pages are each on the
+device or in the host tier and that ends at a snapshot on the device or wholly in the host tier: the host tier's
+token pages are copied back into fresh pages (registered again) and its snapshot straight into the fresh state
+pages, while free pages last (a shorter prefix, or none, otherwise).
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ if TYPE_CHECKING:
 
 PageKey = tuple  # (key of the previous page or None, the page's tokens)
 SNAPSHOT = "state"  # marks a snapshot's pages in the page -> key map (a page key starts with None or a key)
+
+
+def snapshot_key(key: PageKey, i: int) -> tuple:
+    """The host tier's key for page ``i`` of the snapshot kept under ``key``."""
+    return (SNAPSHOT, key, i)
 
 
 class BlockAllocator:
@@ -61,8 +72,8 @@ class BlockAllocator:
             )
         if seq_pages and enable_prefix_caching and copy_pages is None:
             raise ValueError("prefix caching with state pages needs copy_pages (for their snapshots)")
-        if host is not None and (not enable_prefix_caching or seq_pages):
-            raise ValueError("a host tier needs prefix caching and no state pages")
+        if host is not None and not enable_prefix_caching:
+            raise ValueError("a host tier needs prefix caching")
         self.num_blocks, self.block_size, self.seq_pages = num_blocks, block_size, seq_pages
         self.reuse_tokens = reuse_tokens or block_size  # a reused prefix is a multiple of it
         if self.reuse_tokens % block_size:
@@ -109,8 +120,11 @@ class BlockAllocator:
             b, _ = self._free.popitem(last=False)
             key = self._key_of.pop(b, None)
             if key is not None and key[0] == SNAPSHOT:
-                for page in self._snapshot_of.pop(key[1]):  # one page gone: the whole snapshot is
+                snapshot = self._snapshot_of.pop(key[1])  # one page gone: the whole snapshot is
+                for i, page in enumerate(snapshot):
                     self._key_of.pop(page, None)
+                    if self.host is not None:  # each of its pages before any is reused
+                        self.host.save(snapshot_key(key[1], i), page)
             elif key is not None:
                 del self._page_of[key]
                 if self.host is not None:
@@ -222,33 +236,63 @@ class BlockAllocator:
         return fresh[:held]
 
     def _match_snapshot(self, seq: Sequence, max_tokens: int, align: int) -> int:
-        """``match`` with state pages: the longest registered prefix, in whole ``align``s, that ends at a
-        snapshot; ``seq`` gets fresh state pages holding a copy of it, then the prefix's token pages."""
+        """``match`` with state pages: the longest prefix, in whole ``align``s, whose token pages are each registered
+        or held by the host tier and that ends at a snapshot on the device or (all its pages) in the host tier, for
+        which free pages last (``_reuse``); a shorter one otherwise, or none."""
         keys = self.page_keys(seq, max_tokens // self.block_size)
         found = 0
-        while found < len(keys) and keys[found] in self._page_of:
+        while found < len(keys) and (keys[found] in self._page_of or self._in_host([keys[found]])):
             found += 1
         per_align = align // self.block_size
-        n = found // per_align * per_align
-        while n and keys[n - 1] not in self._snapshot_of:
-            n -= per_align
-        if not n:
-            return 0
-        pages = [self._page_of[key] for key in keys[:n]]
-        snapshot = self._snapshot_of[keys[n - 1]]
-        for b in pages + snapshot:  # held: the state pages' allocation below must not hand these out
+        for n in range(found // per_align * per_align, 0, -per_align):
+            end = keys[n - 1]
+            snapshot_kept = end in self._snapshot_of or self._in_host(
+                [snapshot_key(end, i) for i in range(self.seq_pages)]
+            )
+            if snapshot_kept and self._reuse(seq, keys[:n]):
+                return n * self.block_size
+        return 0
+
+    def _in_host(self, keys: list) -> bool:
+        return self.host is not None and all(key in self.host for key in keys)
+
+    def _reuse(self, seq: Sequence, keys: list[PageKey]) -> bool:
+        """Gives ``seq`` fresh state pages holding a copy of the snapshot kept under ``keys[-1]`` (copied on the
+        device, else from the host tier), then the pages of ``keys`` (registered ones shared, the host tier's copied
+        into fresh pages and registered), as ``_load`` does; False, with nothing taken, where free pages or the host
+        tier's copies run out."""
+        snapshot = self._snapshot_of.get(keys[-1], [])
+        held = [self._page_of[key] for key in keys if key in self._page_of] + snapshot
+        loads = [key for key in keys if key not in self._page_of]
+        if self.num_free - sum(b in self._free for b in held) < self.seq_pages + len(loads):
+            return False
+        for b in held:  # the allocation below must not hand these out
             if b in self._free:
                 del self._free[b]
             self._refs[b] = self._refs.get(b, 0) + 1
-        if self.num_free < self.seq_pages:
-            self.free(pages + snapshot)
-            return 0
-        state = self.allocate(self.seq_pages)
-        self.copy_pages(snapshot, state)
-        self.free(snapshot)
-        seq.block_table = state + pages
-        seq.num_registered_pages = n
-        return n * self.block_size
+        from_host = loads + ([] if snapshot else [snapshot_key(keys[-1], i) for i in range(self.seq_pages)])
+        if from_host:
+            self.host.touch(from_host)  # the evictions that free pages below copy others out: these are dropped last
+        fresh = self.allocate(self.seq_pages + len(loads))
+        if from_host and not self._in_host(from_host):  # the host tier is smaller than the load
+            self.free(held + fresh)
+            return False
+        state, loaded = fresh[: self.seq_pages], dict(zip(loads, fresh[self.seq_pages :]))
+        if snapshot:
+            self.copy_pages(snapshot, state)
+            self.free(snapshot)
+        else:
+            for i, page in enumerate(state):
+                self.host.load(snapshot_key(keys[-1], i), page)
+        for key, page in loaded.items():
+            self.host.load(key, page)
+            self._page_of[key] = page
+            self._key_of[page] = key
+        if from_host:
+            self.host.fence()
+        seq.block_table = state + [self._page_of[key] for key in keys]
+        seq.num_registered_pages = len(keys)
+        return True
 
     def register(self, seq: Sequence, num_tokens: int) -> None:
         """Registers ``seq``'s full pages among its first ``num_tokens`` tokens (tokens whose cache entries are

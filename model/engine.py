@@ -107,8 +107,9 @@ class LLMEngine:
     ``stats`` counts the prompt tokens prefilled and found. host_cache_bytes: with prefix caching, pages evicted
     from the device cache are kept in that much host memory (pinned on an accelerator) and copied back when a prompt
     continues a cached prefix with them, on a stream that overlaps the step in flight (``host_cache.py``;
-    ``host_cache_stats``). cuda_graphs: capture decode graphs when the backend declares ``cuda_graphs``, in the
-    batch-invariant mode or the default mode that is on now; they are replayed only in that mode.
+    ``host_cache_stats``); DeepSeek-V4's state snapshots too (``block_manager.py``). cuda_graphs: capture decode
+    graphs when the backend declares ``cuda_graphs``, in the batch-invariant mode or the default mode that is on now;
+    they are replayed only in that mode.
     async_scheduling: schedule and launch each step before reading back the previous one's tokens (above); ``step``
     then returns what finished in the previous step. The attribute can be changed between steps.
 
@@ -236,14 +237,12 @@ class LLMEngine:
         if host_cache_bytes:
             paged = [self.kv_cache] if self.index_cache is None else [self.kv_cache, self.index_cache]
             host_pages = host_cache_bytes // HostPageCache.page_bytes(paged)
-            if not enable_prefix_caching or owns_cache or host_pages < 1:
+            if not enable_prefix_caching or host_pages < 1:
                 raise c.fail(
                     "host_cache_bytes",
                     f"0, or with prefix caching on at least one page of host memory ({HostPageCache.page_bytes(paged)}"
                     " bytes)",
-                    f"{host_cache_bytes!r}"
-                    + ("" if enable_prefix_caching else " with prefix caching off")
-                    + (" (not yet for a model that keeps per-sequence state pages)" if owns_cache else ""),
+                    f"{host_cache_bytes!r}" + ("" if enable_prefix_caching else " with prefix caching off"),
                 )
             host = HostPageCache(paged, host_pages)
         self.allocator = BlockAllocator(

@@ -4,8 +4,10 @@ When the device cache hands out a registered page (evicting it: ``BlockAllocator
 paged cache (the latent cache, and DeepSeek-V3.2's indexer-key cache) are copied to a host slot under the page's
 prefix key. A later request whose prompt continues its device-cached prefix with keys held here gets fresh device
 pages with those contents copied back (``BlockAllocator.match``), registered as device pages again, and prefills only
-the rest. Slots are reused least recently used first. A page's contents are a function of its key (one engine, one
-model, one cache format), so a copy back gives the same bits the page had.
+the rest. DeepSeek-V4's pages of bytes go the same way, and so do its state snapshots: handing out one page of a
+snapshot copies all of them out, each under its own key (``snapshot_key``), and a hit copies them back into the
+request's fresh state pages. Slots are reused least recently used first. A page's contents are a function of its
+key (one engine, one model, one cache format), so a copy back gives the same bits the page had.
 
 Overlap. On an accelerator the copies run on a stream of their own, from and to pinned host memory, so they overlap
 the step in flight; the host never waits for them. Two orders keep them right:

@@ -73,8 +73,8 @@ class LLM:
     work overlaps the device's (see ``LLMEngine``). enable_prefix_caching: a prompt reuses the cache pages of the
     longest prefix an earlier request computed, in whole prefill chunks, and prefills only the rest (each output's
     ``num_cached_tokens``; ``last_stats``' ``cached_prompt_tokens`` and ``prefilled_tokens``). host_cache_gb: a
-    second tier of the prefix cache in host memory: pages evicted from the device are kept there and copied back on
-    a hit (``last_stats``' ``host_cache``: pages copied out and back).
+    second tier of the prefix cache in host memory: pages evicted from the device (DeepSeek-V4's state snapshots
+    included) are kept there and copied back on a hit (``last_stats``' ``host_cache``: pages copied out and back).
     device: torch device (default: the backend's device type). progress: progress bars for loading and for
     batches of at least 8 prompts (on rank 0 only under expert parallelism).
 

@@ -431,3 +431,102 @@ def test_state_pages_are_reused_from_snapshots_and_a_snapshot_goes_whole():
     alloc.allocate(1)
     assert alloc.match(seq(list(range(1, 14))), 12, 8) == 0, "the token pages remain, their state does not"
     assert alloc.num_cached == 2
+
+
+def test_a_snapshot_and_its_token_pages_go_to_the_host_tier_and_come_back_into_the_right_pages():
+    """With 2 state pages a sequence and a host tier: handing out the pages of a prefix and of its snapshot copies
+    each snapshot page out under its own key; a match then loads the snapshot's pages, in order, into the fresh state
+    pages and the token pages into fresh pages; a later match shares those token pages and loads the snapshot
+    again; with too few free pages there is no hit (and no error)."""
+    import torch
+
+    from deepinfer.model.block_manager import snapshot_key
+    from deepinfer.model.host_cache import HostPageCache
+
+    cache = torch.randn(2, 10, 4, 3)
+
+    def copy_pages(src, dst):
+        cache[:, dst] = cache[:, src]
+
+    host = HostPageCache([cache], 16)
+    alloc = BlockAllocator(
+        10, 4, enable_prefix_caching=True, seq_pages=2, host=host, reuse_tokens=8, copy_pages=copy_pages
+    )
+    loads = []
+    real_load = host.load
+    host.load = lambda key, page: (loads.append((key, page)), real_load(key, page))
+    prompt = list(range(1, 14))
+    owner = seq(prompt)  # 2 state pages and 4 token pages
+    alloc.grow(owner, 13)
+    alloc.register(owner, 8)
+    state, tokens = cache[:, owner.block_table[:2]].clone(), cache[:, owner.block_table[2:4]].clone()
+    keys = alloc.page_keys(owner, 2)
+    cache[:, owner.block_table[:2]] = torch.randn(2, 2, 4, 3)  # the sequence goes on: its state changes
+    alloc.release(owner)
+    filler = seq([7] * 32)
+    alloc.grow(filler, 32)  # every page handed out: 2 token pages and the 2 of the snapshot copied out first
+    cache[:] = torch.randn(cache.shape)
+    assert host.saved == 4 and alloc.num_cached == 0 and not alloc._snapshot_of
+    assert all(k in host for k in [*keys, snapshot_key(keys[1], 0), snapshot_key(keys[1], 1)])
+    alloc.release(filler)
+    again = seq(prompt)
+    assert alloc.match(again, max_tokens=12, align=8) == 8
+    table = again.block_table
+    assert sorted(loads, key=str) == sorted(
+        [(snapshot_key(keys[1], 0), table[0]), (snapshot_key(keys[1], 1), table[1]),
+         (keys[0], table[2]), (keys[1], table[3])], key=str)  # fmt: skip
+    assert torch.equal(cache[:, table[:2]], state) and torch.equal(cache[:, table[2:]], tokens)
+    assert alloc.num_cached == 2 and len(set(table)) == 4
+    cache[:, table[:2]] = torch.randn(2, 2, 4, 3)  # the sequence goes on from there
+    alloc.release(again)
+    loads.clear()
+    third = seq(prompt)
+    assert alloc.match(third, max_tokens=12, align=8) == 8
+    assert third.block_table[2:] == table[2:], "the token pages are on the device now"
+    assert loads == [(snapshot_key(keys[1], 0), third.block_table[0]), (snapshot_key(keys[1], 1), third.block_table[1])]
+    assert torch.equal(cache[:, third.block_table[:2]], state)
+    alloc.release(third)
+    taker = seq([8] * 25)  # 2 state pages and 7 token pages: one page left free, fewer than the state pages
+    alloc.grow(taker, 25)
+    loads.clear()
+    assert alloc.match(seq(prompt), max_tokens=12, align=8) == 0 and loads == [] and alloc.num_free == 1
+
+
+def test_with_too_few_free_pages_for_the_longest_prefix_from_the_host_tier_a_shorter_one_is_loaded():
+    """A prefix of 4 pages with snapshots after 2 and 4, all in the host tier, and 5 free pages: the whole prefix
+    needs 2 state pages and 4 token pages, so the prefix up to the first snapshot (2 and 2) is loaded instead."""
+    import torch
+
+    from deepinfer.model.block_manager import snapshot_key
+    from deepinfer.model.host_cache import HostPageCache
+
+    cache = torch.randn(2, 12, 4, 3)
+
+    def copy_pages(src, dst):
+        cache[:, dst] = cache[:, src]
+
+    host = HostPageCache([cache], 32)
+    alloc = BlockAllocator(
+        12, 4, enable_prefix_caching=True, seq_pages=2, host=host, reuse_tokens=8, copy_pages=copy_pages
+    )
+    prompt = list(range(1, 18))
+    owner = seq(prompt)  # 2 state pages and 5 token pages
+    alloc.grow(owner, 17)
+    alloc.register(owner, 8)
+    alloc.register(owner, 16)  # two snapshots: 11 pages in all
+    keys = alloc.page_keys(owner, 4)
+    alloc.release(owner)
+    filler = seq([7] * 40)
+    alloc.grow(filler, 40)  # every page handed out: 4 token pages and 2 snapshots copied out
+    assert host.saved == 8 and alloc.num_cached == 0
+    alloc.release(filler)
+    taker = seq([8] * 20)
+    alloc.grow(taker, 20)
+    loads = []
+    real_load = host.load
+    host.load = lambda key, page: (loads.append((key, page)), real_load(key, page))
+    again = seq(prompt)
+    assert alloc.match(again, max_tokens=16, align=8) == 8 and alloc.num_free == 1
+    assert sorted(loads, key=str) == sorted(
+        zip([snapshot_key(keys[1], 0), snapshot_key(keys[1], 1), *keys[:2]], again.block_table), key=str
+    )

@@ -307,3 +307,50 @@ def deepinfer_invariant():
 
     with deepinfer.batch_invariant():
         yield
+
+
+def test_a_prefix_and_its_snapshot_evicted_to_host_memory_are_found_again(checkpoints, deepinfer_backend):
+    """A device cache of 3 sequences' state pages and 20 token pages: three 60-token requests after a first one evict
+    its 48-token prefix and the snapshots of its state; with a host tier a later request sharing that prefix finds it
+    there (token pages and snapshot copied back), not with the device cache alone, and gives bitwise the tokens and
+    log-probabilities of caching off; a host tier that does not copy the snapshot back (planted) fails the
+    comparison."""
+    from deepinfer.model import LLM, SamplingParams
+    from deepinfer.model.block_manager import SNAPSHOT
+    from deepinfer.model.host_cache import HostPageCache
+
+    path, oracle = checkpoints("plain")  # rates 3 and 6, pages of 4 tokens, chunks of 8: reuse in steps of 24
+    g = torch.Generator().manual_seed(37)
+    vocab = oracle.config.vocab_size
+    shared = torch.randint(2, vocab, (48,), generator=g).tolist()
+    first, second = (shared + torch.randint(2, vocab, (n,), generator=g).tolist() for n in (5, 7))
+    fillers = [torch.randint(2, vocab, (60,), generator=g).tolist() for _ in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(**kw) -> tuple[LLM, list, int]:
+        kw = {"num_blocks": 3 * v4.state_pages(path) + 20, "max_num_seqs": 1} | kw
+        llm = v4.serve(path, deepinfer_backend, None, **kw)
+        with deepinfer_invariant():
+            llm.generate(first, params)
+            llm.generate(fillers, params)
+            (out,) = llm.generate(second, params)
+        return llm, _result(out), out.num_cached_tokens
+
+    on, cached, hit = run(host_cache_gb=0.01)
+    _, device_only, device_hit = run()
+    _, plain, _ = run(enable_prefix_caching=False)
+    assert device_hit == 0, "the device cache alone has lost the prefix"
+    stats = on.last_stats["host_cache"]
+    assert hit == 48 and on.last_stats["cached_prompt_tokens"] == 48
+    assert stats["loaded_pages"] >= v4.state_pages(path) and stats == on.engine.host_cache_stats
+    assert cached == plain and device_only == plain
+    exact = HostPageCache.load
+
+    def no_snapshot_loads(self, key, page):
+        if key[0] != SNAPSHOT:
+            exact(self, key, page)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HostPageCache, "load", no_snapshot_loads)
+        _, planted, planted_hit = run(host_cache_gb=0.01)
+    assert planted_hit == 48 and planted != plain
