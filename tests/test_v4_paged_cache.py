@@ -309,7 +309,9 @@ def deepinfer_invariant():
         yield
 
 
-def test_a_prefix_and_its_snapshot_evicted_to_host_memory_are_found_again(checkpoints, deepinfer_backend):
+def test_a_prefix_and_its_snapshot_evicted_to_host_memory_are_found_again(
+    checkpoints, deepinfer_backend, deepinfer_device
+):
     """A device cache of 3 sequences' state pages and 20 token pages: three 60-token requests after a first one evict
     its 48-token prefix and the snapshots of its state; with a host tier a later request sharing that prefix finds it
     there (token pages and snapshot copied back), not with the device cache alone, and gives bitwise the tokens and
@@ -329,7 +331,7 @@ def test_a_prefix_and_its_snapshot_evicted_to_host_memory_are_found_again(checkp
 
     def run(**kw) -> tuple[LLM, list, int]:
         kw = {"num_blocks": 3 * v4.state_pages(path) + 20, "max_num_seqs": 1} | kw
-        llm = v4.serve(path, deepinfer_backend, None, **kw)
+        llm = v4.serve(path, deepinfer_backend, deepinfer_device, **kw)
         with deepinfer_invariant():
             llm.generate(first, params)
             llm.generate(fillers, params)
