@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse)
 
 import deepinfer
 from deepinfer.model import LLM, SamplingParams
-from deepinfer.model.block_manager import BlockAllocator
+from deepinfer.model.block_manager import BlockAllocator, snapshot_key
+from deepinfer.model.host_cache import HostPageCache
 from deepinfer.model.sequence import Sequence
 
 VOCAB = 258  # the small checkpoints' byte-level vocabulary
@@ -215,10 +217,6 @@ def test_a_planted_wrong_page_is_caught(ckpt, deepinfer_backend, deepinfer_devic
 def host_tier(num_blocks: int, capacity: int, block_size: int = 4):
     """An allocator over one fake paged cache ([2 layers, num_blocks, block_size, 3]) whose every value names its
     page, with a host tier of ``capacity`` pages."""
-    import torch
-
-    from deepinfer.model.host_cache import HostPageCache
-
     cache = torch.arange(num_blocks, dtype=torch.float32)[None, :, None, None].expand(2, -1, block_size, 3).clone()
     host = HostPageCache([cache], capacity)
     return BlockAllocator(num_blocks, block_size, enable_prefix_caching=True, host=host), cache, host
@@ -283,8 +281,6 @@ def test_host_copies_run_beside_the_steps_and_wait_only_where_a_running_step_may
     """The orders ``host_cache.py`` states, on streams that record what they are asked: a copy of a page freed long
     ago does not wait for the steps, one of a page freed since the step before the one in flight does, and the
     step's stream waits for every copy before anything queued after them."""
-    import torch
-
     log: list[str] = []
     step_stream, copy_stream = RecordingStream("steps", log), RecordingStream("copies", log)
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: step_stream)
@@ -346,8 +342,6 @@ def test_a_prefix_evicted_to_host_memory_is_found_again(ckpt, v32_ckpt, deepinfe
 
 def test_a_planted_wrong_host_page_is_caught(ckpt, deepinfer_backend, deepinfer_device, monkeypatch):
     """The comparison can fail: a host tier that copies back another key's page changes the tokens."""
-    from deepinfer.model.host_cache import HostPageCache
-
     exact = HostPageCache.load
 
     def neighbour(self, key, page):
@@ -433,25 +427,27 @@ def test_state_pages_are_reused_from_snapshots_and_a_snapshot_goes_whole():
     assert alloc.num_cached == 2
 
 
+def state_pages_with_host_tier(num_blocks: int, host_pages: int):
+    """A random paged cache ``[2 layers, num_blocks, 4, 3]``, a host tier of ``host_pages`` pages over it and an
+    allocator of 2 state pages a sequence (snapshots every 8 tokens) that copies pages in it."""
+    cache = torch.randn(2, num_blocks, 4, 3)
+
+    def copy_pages(src, dst):
+        cache[:, dst] = cache[:, src]
+
+    host = HostPageCache([cache], host_pages)
+    alloc = BlockAllocator(
+        num_blocks, 4, enable_prefix_caching=True, seq_pages=2, host=host, reuse_tokens=8, copy_pages=copy_pages
+    )
+    return cache, host, alloc
+
+
 def test_a_snapshot_and_its_token_pages_go_to_the_host_tier_and_come_back_into_the_right_pages():
     """With 2 state pages a sequence and a host tier: handing out the pages of a prefix and of its snapshot copies
     each snapshot page out under its own key; a match then loads the snapshot's pages, in order, into the fresh state
     pages and the token pages into fresh pages; a later match shares those token pages and loads the snapshot
     again; with too few free pages there is no hit (and no error)."""
-    import torch
-
-    from deepinfer.model.block_manager import snapshot_key
-    from deepinfer.model.host_cache import HostPageCache
-
-    cache = torch.randn(2, 10, 4, 3)
-
-    def copy_pages(src, dst):
-        cache[:, dst] = cache[:, src]
-
-    host = HostPageCache([cache], 16)
-    alloc = BlockAllocator(
-        10, 4, enable_prefix_caching=True, seq_pages=2, host=host, reuse_tokens=8, copy_pages=copy_pages
-    )
+    cache, host, alloc = state_pages_with_host_tier(10, 16)
     loads = []
     real_load = host.load
     host.load = lambda key, page: (loads.append((key, page)), real_load(key, page))
@@ -495,20 +491,7 @@ def test_a_snapshot_and_its_token_pages_go_to_the_host_tier_and_come_back_into_t
 def test_with_too_few_free_pages_for_the_longest_prefix_from_the_host_tier_a_shorter_one_is_loaded():
     """A prefix of 4 pages with snapshots after 2 and 4, all in the host tier, and 5 free pages: the whole prefix
     needs 2 state pages and 4 token pages, so the prefix up to the first snapshot (2 and 2) is loaded instead."""
-    import torch
-
-    from deepinfer.model.block_manager import snapshot_key
-    from deepinfer.model.host_cache import HostPageCache
-
-    cache = torch.randn(2, 12, 4, 3)
-
-    def copy_pages(src, dst):
-        cache[:, dst] = cache[:, src]
-
-    host = HostPageCache([cache], 32)
-    alloc = BlockAllocator(
-        12, 4, enable_prefix_caching=True, seq_pages=2, host=host, reuse_tokens=8, copy_pages=copy_pages
-    )
+    _, host, alloc = state_pages_with_host_tier(12, 32)
     prompt = list(range(1, 18))
     owner = seq(prompt)  # 2 state pages and 5 token pages
     alloc.grow(owner, 17)
