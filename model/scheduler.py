@@ -197,10 +197,10 @@ class Scheduler:
 
         decoding = [s for s in self.running if s.status is Status.RUNNING and s.is_decode]
         # pages the decoding sequences not scheduled yet need for their own step: drafts never take them
-        later = sum(self.allocator.missing(s, self._next_end(s)) for s in decoding) if self.lookahead else 0
-        for seq in decoding:
-            if self.lookahead:
-                later -= self.allocator.missing(seq, self._next_end(seq))
+        needs = [self.allocator.missing(s, self._next_end(s)) if self.lookahead else 0 for s in decoding]
+        later = sum(needs)
+        for seq, need in zip(decoding, needs):
+            later -= need
             if seq.status is not Status.RUNNING or budget == 0:  # (preempted for a sequence before it)
                 continue
             if not self._make_room(seq, self._next_end(seq), scheduled):
