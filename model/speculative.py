@@ -271,16 +271,17 @@ class MTPDrafter:
         fly = [j for j, s in enumerate(seqs) if id(s) in flies]
         which, into = tensor([[flies[id(seqs[j])] for j in fly], fly], torch.int64)
         state_f, ids_f, shift_f = flying.draft_states(which), flying.draft_tokens(which), flying.shifts(which)
+        if not host:  # every row in flight, in order
+            return state_f, ids_f, shift_f
         state = state_f.new_empty(len(seqs), state_f.shape[1])
         ids = ids_f.new_empty(len(seqs))
         shift = torch.zeros(len(seqs), dtype=shift_f.dtype, device=shift_f.device)
         state.index_copy_(0, into, state_f)
         ids.index_copy_(0, into, ids_f)
         shift.index_copy_(0, into, shift_f)
-        if host:
-            at = tensor(host, torch.int64)
-            state.index_copy_(0, at, torch.stack([seqs[j].draft_state for j in host]))
-            ids.index_copy_(0, at, tensor([seqs[j].next_draft[0] for j in host], torch.int64))
+        at = tensor(host, torch.int64)
+        state.index_copy_(0, at, torch.stack([seqs[j].draft_state for j in host]))
+        ids.index_copy_(0, at, tensor([seqs[j].next_draft[0] for j in host], torch.int64))
         return state, ids, shift
 
 
