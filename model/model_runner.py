@@ -100,27 +100,38 @@ class LaunchedStep:
 
 @dataclass
 class InFlight:
-    """The sequences of a step whose next tokens the step launched before it (``previous``, still running) samples:
-    per sequence (``index``: ``id(seq)`` -> i), the sampler row of ``previous`` that its next input token, first
-    draft and MTP state come from (``src [F]``: its first row plus the drafts it accepts) and the drafts it accepts
-    (``accepted [F]``, by how many positions it moves on), on the device."""
+    """The sequences of a step whose next tokens the step launched before it (``previous``, still running) samples,
+    per sequence (``index``: ``id(seq)`` -> i): the first sampler row of ``previous`` of each (``first``, on the
+    host), and where ``previous`` verified drafts, the drafts each accepts (``accepted [F]``, by how many positions
+    it moves on) and the row its next input token, first draft and MTP state come from (``src [F]``: its first row
+    plus those), on the device; without drafts (None) that row is its first.
+
+    A sequence is named to the gathers below by ``key(i)``, packed into index tensors with others on the host: the
+    row itself without drafts, else ``i`` (then ``src[i]`` is the row)."""
 
     previous: LaunchedStep
     index: dict[int, int]
-    src: torch.Tensor
-    accepted: torch.Tensor
+    first: list[int]
+    src: torch.Tensor | None = None
+    accepted: torch.Tensor | None = None
 
-    def tokens(self, which: torch.Tensor) -> torch.Tensor:
-        return self.previous.tokens.index_select(0, self.src.index_select(0, which))
+    def key(self, i: int) -> int:
+        return i if self.src is not None else self.first[i]
 
-    def draft_tokens(self, which: torch.Tensor) -> torch.Tensor:
-        return self.previous.draft_tokens.index_select(0, self.src.index_select(0, which))
+    def _rows(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys if self.src is None else self.src.index_select(0, keys)
 
-    def draft_states(self, which: torch.Tensor) -> torch.Tensor:
-        return self.previous.draft_states.index_select(0, self.src.index_select(0, which))
+    def tokens(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.previous.tokens.index_select(0, self._rows(keys))
 
-    def shifts(self, which: torch.Tensor) -> torch.Tensor:
-        return self.accepted.index_select(0, which)
+    def draft_tokens(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.previous.draft_tokens.index_select(0, self._rows(keys))
+
+    def draft_states(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.previous.draft_states.index_select(0, self._rows(keys))
+
+    def shifts(self, keys: torch.Tensor) -> torch.Tensor | None:
+        return self.accepted.index_select(0, keys) if self.accepted is not None else None
 
 
 @dataclass
@@ -260,11 +271,12 @@ class ModelRunner:
         seqs = [s for s in seqs if id(s) in previous.first_row]
         if not seqs:
             return None
-        first = self._tensor([previous.first_row[id(s)] for s in seqs], torch.int64)
-        if previous.accepted is None:  # no drafts verified: each sequence's one row
-            return InFlight(previous, {id(s): i for i, s in enumerate(seqs)}, first, torch.zeros_like(first))
-        accepted = previous.accepted.index_select(0, first)
-        return InFlight(previous, {id(s): i for i, s in enumerate(seqs)}, first + accepted, accepted)
+        flying = InFlight(previous, {id(s): i for i, s in enumerate(seqs)}, [previous.first_row[id(s)] for s in seqs])
+        if previous.accepted is not None:
+            first = self._tensor(flying.first, torch.int64)
+            flying.accepted = previous.accepted.index_select(0, first)
+            flying.src = first + flying.accepted
+        return flying
 
     def propose(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> Drafts:
         """Speculative decoding: sets the drafts each decoding sequence of ``batch`` verifies
@@ -290,7 +302,7 @@ class ModelRunner:
             if id(seq) not in index:
                 raise RuntimeError(f"request {seq.request_id!r} decodes a token that the previous step did not sample")
             at.append(i)
-            which.append(index[id(seq)])
+            which.append(flying.key(index[id(seq)]))
             first_draft.append(int(p == seq.num_tokens))
         chain_at = []
         if drafts.chained:
@@ -301,8 +313,8 @@ class ModelRunner:
             for j, (chain_rows, _) in enumerate(drafts.chained):  # chain step j makes draft j + 1
                 chain_at.extend(base[i] + 2 + j for i in chain_rows)
         moved: list[tuple[int, int]] = []
-        if flying is not None and flying.previous.accepted is not None:
-            moved = [(i, index[id(seq)]) for i, (seq, _) in enumerate(rows) if id(seq) in index]
+        if flying is not None and flying.accepted is not None:
+            moved = [(i, flying.key(index[id(seq)])) for i, (seq, _) in enumerate(rows) if id(seq) in index]
         parts = [at, which, first_draft, chain_at, [i for i, _ in moved], [f for _, f in moved]]
         if not any(parts):
             return None, None

@@ -261,7 +261,7 @@ class MTPDrafter:
 
     def _chain_inputs(self, seqs: list, tensor, flying) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The MTP states ``[N, H]`` and first drafts ``[N]`` the chain starts from, and the position shift ``[N]``
-        of each row (None when no sequence is in flight): from the host where known, else from the step in
+        of each row (None when no sequence in flight moves on): from the host where known, else from the step in
         flight."""
         flies = flying.index if flying is not None else {}
         host = [j for j, s in enumerate(seqs) if id(s) not in flies]
@@ -269,16 +269,17 @@ class MTPDrafter:
             state = torch.stack([s.draft_state for s in seqs])
             return state, tensor([s.next_draft[0] for s in seqs], torch.int64), None
         fly = [j for j, s in enumerate(seqs) if id(s) in flies]
-        which, into = tensor([[flies[id(seqs[j])] for j in fly], fly], torch.int64)
+        which, into = tensor([[flying.key(flies[id(seqs[j])]) for j in fly], fly], torch.int64)
         state_f, ids_f, shift_f = flying.draft_states(which), flying.draft_tokens(which), flying.shifts(which)
         if not host:  # every row in flight, in order
             return state_f, ids_f, shift_f
         state = state_f.new_empty(len(seqs), state_f.shape[1])
         ids = ids_f.new_empty(len(seqs))
-        shift = torch.zeros(len(seqs), dtype=shift_f.dtype, device=shift_f.device)
         state.index_copy_(0, into, state_f)
         ids.index_copy_(0, into, ids_f)
-        shift.index_copy_(0, into, shift_f)
+        shift = None
+        if shift_f is not None:
+            shift = torch.zeros(len(seqs), dtype=shift_f.dtype, device=shift_f.device).index_copy_(0, into, shift_f)
         at = tensor(host, torch.int64)
         state.index_copy_(0, at, torch.stack([seqs[j].draft_state for j in host]))
         ids.index_copy_(0, at, tensor([seqs[j].next_draft[0] for j in host], torch.int64))
