@@ -72,6 +72,7 @@ class V4Config:
     compress_rope_scaling: dict[str, Any] | None = None
     layer_types: tuple[str, ...] = ()
     mlp_layer_types: tuple[str, ...] = ()
+    mtp_layer_types: tuple[str, ...] = ()  # the attention type of each multi-token-prediction layer
     compress_rates: dict[str, int] = field(default_factory=lambda: {CSA: 4, HCA: 128})
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
@@ -97,10 +98,14 @@ class V4Config:
     owns_cache = True
     sparse_attention = False  # no DeepSeek-V3.2 paged indexer-key cache either
 
-    def cache_layout(self, block_size: int, elem_bytes: int = 2, kv_format: str = "bf16") -> V4CacheLayout:
+    def cache_layout(
+        self, block_size: int, elem_bytes: int = 2, kv_format: str = "bf16", mtp_layers: int = 0, drafts: int = 0
+    ) -> V4CacheLayout:
         """The paged cache's layout for pages of ``block_size`` tokens in a dtype of ``elem_bytes`` bytes, with
-        ``kv_format`` records for the compressed entries and indexer keys."""
-        return V4CacheLayout.build(self, block_size, elem_bytes, kv_format)
+        ``kv_format`` records for the compressed entries and indexer keys; with the caches of the first
+        ``mtp_layers`` multi-token-prediction layers after the model's, and room for ``drafts`` rejected draft
+        tokens a step (``V4CacheLayout``)."""
+        return V4CacheLayout.build(self, block_size, elem_bytes, kv_format, mtp_layers, drafts)
 
     def cache_bytes_per_token(self, elem_bytes: int = 2) -> float:
         """Bytes the caches grow by per token of context, ideally (with no slot of a page left unused): every
@@ -123,9 +128,18 @@ class V4Config:
         """The engine's budget for one page of ``block_size`` tokens (``V4CacheLayout.page_bytes``)."""
         return self.cache_layout(block_size, elem_bytes, kv_format).page_bytes
 
+    def attention_type(self, layer: int) -> str:
+        """The attention type of ``layer``: the model's layers, then its multi-token-prediction layers."""
+        n = self.num_hidden_layers
+        return self.layer_types[layer] if layer < n else self.mtp_layer_types[layer - n]
+
+    def mlp_type(self, layer: int) -> str:
+        """``hash_moe`` or ``moe``; a multi-token-prediction layer routes by score (``moe``)."""
+        return self.mlp_layer_types[layer] if layer < self.num_hidden_layers else "moe"
+
     def compress_rate(self, layer: int) -> int:
         """``m`` of a compressed layer (0 for a sliding-window layer)."""
-        kind = self.layer_types[layer]
+        kind = self.attention_type(layer)
         return 0 if kind == SLIDING else self.compress_rates[kind]
 
     @classmethod
@@ -188,8 +202,10 @@ class V4Config:
             hashed = get("num_hash_layers", int, 3)
             mlp = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
         for name, got, allowed in (("layer_types", types, LAYER_TYPES), ("mlp_layer_types", mlp, MLP_TYPES)):
-            if not isinstance(got, list) or len(got) < n or any(t not in allowed for t in got[:n]):
+            if not isinstance(got, list) or len(got) < n or any(t not in allowed for t in got):
                 raise fail(f"{name} must list one of {list(allowed)} for each of the {n} layers, got {got!r}")
+        nextn = get("num_nextn_predict_layers", int, 0)
+        mtp_types = (list(types[n : n + nextn]) + [SLIDING] * nextn)[:nextn]  # legacy compress_ratios list them
 
         head_dim = get("head_dim", int, 512)
         rope_dim = raw.get("qk_rope_head_dim")
@@ -221,6 +237,7 @@ class V4Config:
             compress_rope_scaling=c_scaling,
             layer_types=tuple(types[:n]),
             mlp_layer_types=tuple(mlp[:n]),
+            mtp_layer_types=tuple(mtp_types),
             compress_rates={CSA: rates[CSA], HCA: rates[HCA]},
             hc_mult=get("hc_mult", int, 4),
             hc_sinkhorn_iters=get("hc_sinkhorn_iters", int, 20),
@@ -232,7 +249,7 @@ class V4Config:
             index_n_heads=get("index_n_heads", int, 64),
             index_head_dim=get("index_head_dim", int, 128),
             index_topk=get("index_topk", int, 512),
-            num_nextn_predict_layers=get("num_nextn_predict_layers", int, 0),
+            num_nextn_predict_layers=nextn,
             rms_norm_eps=get("rms_norm_eps", float, 1e-6),
             tie_word_embeddings=bool(get("tie_word_embeddings", bool, False)),
             bos_token_id=get("bos_token_id", int, None),
@@ -272,6 +289,8 @@ class V4Config:
         _finite(fail, "field 'hc_eps'", self.hc_eps)
         if self.hc_eps < 0:
             raise fail(f"field 'hc_eps' must be >= 0, got {self.hc_eps}")
+        if not 0 <= self.num_nextn_predict_layers <= 16:
+            raise fail(f"field 'num_nextn_predict_layers' must lie in [0, 16], got {self.num_nextn_predict_layers}")
         if self.max_position_embeddings > MAX_POSITIONS:
             raise fail(f"field 'max_position_embeddings' must be at most {MAX_POSITIONS}")
         if self.n_routed_experts > MAX_ROUTED_EXPERTS:
@@ -369,16 +388,19 @@ class V4CacheLayout:
       scale per ``index_group`` channels, then the scales. The groups are 64 and 128 channels, or the whole part
       when it is not a multiple of those.
     - State pages hold one flat vector of ``state_elems`` elements in the model's dtype, ``page_bytes / elem_bytes``
-      a page in order: per layer (``state_offset[layer]``, element offsets in the vector) ``window``, the last
-      ``sliding_window - 1`` keys as a ring (the key of position ``q`` in row ``q % (sliding_window - 1)``), and for a
-      compressed layer its compressor's unfinished window ``buf_kv``, ``buf_gate`` (``m - 1`` rows of the projection
-      width; the first ``length % m`` hold the rows seen so far) and, overlapping (CSA), ``prev_kv``, ``prev_gate``
-      (``m`` rows of ``head_dim``: the last closed window's first series, valid once a window has closed); a CSA
-      layer's indexer has the same four as ``ibuf_kv``, ``ibuf_gate``, ``iprev_kv``, ``iprev_gate`` at
-      ``index_head_dim``.
+      a page in order: per layer (``state_offset[layer]``, element offsets in the vector; the model's layers, then
+      ``mtp_layers`` multi-token-prediction layers) ``window``, the keys of the last ``window_rows`` positions as a
+      ring (the key of position ``q`` in row ``q % window_rows``), and for a compressed layer its compressor's
+      projections ``buf_kv``, ``buf_gate`` of the last ``compressor_rows(layer)`` positions as a ring alike (of
+      which it reads the unfinished window and, overlapping (CSA), the window before it); a CSA layer's indexer has
+      the same two as ``ibuf_kv``, ``ibuf_gate`` at ``index_head_dim``.
 
-    Every value is a function of the sequence's tokens and its length: nothing is valid beyond what the length
-    says, so a recomputed sequence starts from fresh pages, and swapping pages out and in keeps the state.
+    The rings hold ``drafts`` positions more than a step reads (``window_rows`` is ``sliding_window - 1 +
+    drafts``; a compressor's ``m`` or ``2 m``, plus ``drafts``): a speculative step writes the caches of up to
+    ``drafts`` draft tokens past what the sequence keeps if they are rejected, and those writes then overwrite no
+    position a later step reads. Every value is a function of the sequence's tokens and its length: nothing is
+    valid beyond what the length says, so a recomputed sequence starts from fresh pages, a rejected draft needs no
+    undoing, and swapping pages out and in keeps the state.
     """
 
     block_size: int
@@ -398,15 +420,30 @@ class V4CacheLayout:
     entry_offset: tuple[int, ...]  # bytes; -1 for a sliding-window layer
     index_offset: tuple[int, ...]  # bytes; -1 unless compressed sparse
     state_offset: tuple[dict[str, int], ...]
+    compress_rates: tuple[int, ...]  # m per layer, 0 for a sliding-window layer
+    window_rows: int
+    drafts: int
 
     @classmethod
-    def build(cls, cfg: V4Config, block_size: int, elem_bytes: int, kv_format: str = "bf16") -> V4CacheLayout:
-        if block_size < 1 or elem_bytes < 1:
-            raise ValueError(f"need block_size >= 1 and elem_bytes >= 1, got {block_size}, {elem_bytes}")
+    def build(
+        cls,
+        cfg: V4Config,
+        block_size: int,
+        elem_bytes: int,
+        kv_format: str = "bf16",
+        mtp_layers: int = 0,
+        drafts: int = 0,
+    ) -> V4CacheLayout:
+        if block_size < 1 or elem_bytes < 1 or drafts < 0:
+            raise ValueError(
+                f"need block_size >= 1, elem_bytes >= 1 and drafts >= 0, got {block_size}, {elem_bytes}, {drafts}"
+            )
+        if not 0 <= mtp_layers <= cfg.num_nextn_predict_layers:
+            raise ValueError(f"mtp_layers {mtp_layers} not in [0, {cfg.num_nextn_predict_layers}]")
         if kv_format not in V4_KV_FORMATS:
             raise CheckpointError(f"deepseek_v4 caches: kv_format one of {V4_KV_FORMATS}, got {kv_format!r}")
         d, di, rd = cfg.head_dim, cfg.index_head_dim, cfg.qk_rope_head_dim
-        ring = max(cfg.sliding_window - 1, 0)
+        ring = max(cfg.sliding_window - 1, 0) + drafts
         nope = d - rd
         if kv_format == "fp8_ds_mla":
             eg = 64 if nope % 64 == 0 else nope
@@ -416,11 +453,13 @@ class V4CacheLayout:
         else:
             eg = ig = 0
             entry_bytes, index_bytes = d * elem_bytes, di * elem_bytes
-        per_page, entry_off, index_off, state_off = [], [], [], []
+        per_page, entry_off, index_off, state_off, rates = [], [], [], [], []
         page = state = 0
-        for i, kind in enumerate(cfg.layer_types):
+        for i in range(cfg.num_hidden_layers + mtp_layers):
+            kind = cfg.attention_type(i)
             offsets = {"window": state}
             state += ring * d
+            rates.append(cfg.compress_rate(i))
             if kind == SLIDING:
                 per_page.append(0)
                 entry_off.append(-1)
@@ -433,14 +472,11 @@ class V4CacheLayout:
             entry_off.append(page)
             page += cap * entry_bytes
             overlap = kind == CSA
-            series = [("", d)] + ([("i", di)] if overlap else [])
-            for prefix, width in series:
-                proj = (2 if overlap else 1) * width
-                for name, rows, cols in (("buf_kv", m - 1, proj), ("buf_gate", m - 1, proj)) + (
-                    (("prev_kv", m, width), ("prev_gate", m, width)) if overlap else ()
-                ):
+            rows = (2 if overlap else 1) * m + drafts
+            for prefix, width in [("", d)] + ([("i", di)] if overlap else []):
+                for name in ("buf_kv", "buf_gate"):
                     offsets[prefix + name] = state
-                    state += rows * cols
+                    state += rows * (2 if overlap else 1) * width
             if overlap:
                 index_off.append(page)
                 page += cap * index_bytes
@@ -468,7 +504,15 @@ class V4CacheLayout:
             entry_offset=tuple(entry_off),
             index_offset=tuple(index_off),
             state_offset=tuple(state_off),
+            compress_rates=tuple(rates),
+            window_rows=ring,
+            drafts=drafts,
         )
+
+    def compressor_rows(self, layer: int) -> int:
+        """Rows of ``layer``'s compressor rings: its rate ``m`` (``2 m`` overlapping), plus ``drafts``."""
+        m = self.compress_rates[layer]
+        return (2 if self.index_offset[layer] >= 0 else 1) * m + self.drafts
 
     @property
     def page_elems(self) -> int:

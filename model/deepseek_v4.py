@@ -28,8 +28,8 @@ route top-k by ``sqrtsoftplus`` scores plus a selection bias (``moe_route``); we
 ``routed_scaling_factor``; experts and the shared expert use SwiGLU clipped at ``swiglu_limit``.
 
 Caches, in pages (``config_v4.V4CacheLayout`` has the layout): a sequence's block table starts with its state
-pages (per layer the last ``sliding_window - 1`` keys as a ring; for a compressed layer the projections of its
-unfinished window and, CSA, the previous window's first series, the indexer's alike), then one token page per
+pages (per layer the last keys as a ring; for a compressed layer the projections of its last positions, from which
+it reads its unfinished window and, CSA, the window before it, the indexer's alike), then one token page per
 ``block_size`` tokens holding the compressed entries (and CSA indexer keys) whose windows start in it. ``V4State``
 is one sequence's view of them: the engine's pages and the sequence's block table (``ForwardBatch.rows``), or pages
 of its own (``DeepseekV4.new_state``). Entries and indexer keys are stored as ``kv_format`` records (the model's
@@ -224,35 +224,31 @@ class Compressor:
 
     def step(self, kv: torch.Tensor, gate: torch.Tensor, st: V4State, layer: int) -> torch.Tensor:
         """Takes the new rows ``kv, gate [n, c D]`` of a sequence at ``st.length``: returns the entries of the
-        windows they close ``[w, D]`` (in order, from entry ``st.length // m``) and keeps the unfinished window (and
-        the last closed window's first series) in the state."""
-        m, d, start = self.m, self.dim, st.length
-        offs = st.layout.state_offset[layer]
-        p = self.prefix
-        held = start % m
-        if held:
-            rows = torch.arange(held)
-            kv = torch.cat([st.read_state(offs[p + "buf_kv"], rows, kv.shape[1]), kv])
-            gate = torch.cat([st.read_state(offs[p + "buf_gate"], rows, gate.shape[1]), gate])
-        usable = kv.shape[0] // m * m
-        if kv.shape[0] > usable:
-            rows = torch.arange(kv.shape[0] - usable)
-            st.write_state(offs[p + "buf_kv"], rows, kv[usable:])
-            st.write_state(offs[p + "buf_gate"], rows, gate[usable:])
-        if usable == 0:
+        windows they close ``[w, D]`` (in order, from entry ``st.length // m``) and keeps the rows in the state's
+        ring, where the next step finds its unfinished window (and, overlapping, the window before it)."""
+        m, d, start, n = self.m, self.dim, st.length, kv.shape[0]
+        offs, rows = st.layout.state_offset[layer], st.layout.compressor_rows(layer)
+        at_kv, at_gate = offs[self.prefix + "buf_kv"], offs[self.prefix + "buf_gate"]
+        base = start // m * m  # the unfinished window's first position
+        lo = base - m if self.overlap and base else base
+        if start > lo:
+            past = torch.arange(lo, start) % rows
+            kv = torch.cat([st.read_state(at_kv, past, kv.shape[1]), kv])
+            gate = torch.cat([st.read_state(at_gate, past, gate.shape[1]), gate])
+        keep = min(n, rows)
+        new = torch.arange(start + n - keep, start + n) % rows
+        st.write_state(at_kv, new, kv[kv.shape[0] - keep :])
+        st.write_state(at_gate, new, gate[gate.shape[0] - keep :])
+        w = (start + n) // m - start // m  # windows closed
+        if w == 0:
             return kv.new_zeros(0, d)
-        w = usable // m
-        ck, cg = kv[:usable].view(w, m, -1), gate[:usable].view(w, m, -1)
-        if self.overlap:
+        ck, cg = kv[base - lo :][: w * m].view(w, m, -1), gate[base - lo :][: w * m].view(w, m, -1)
+        if self.overlap:  # each window's second series, after the first series of the window before it
             first_kv = ck.new_zeros(w, m, d)
             first_gate = cg.new_full((w, m, d), float("-inf"))
             first_kv[1:], first_gate[1:] = ck[:-1, :, :d], cg[:-1, :, :d]
-            rows = torch.arange(m)
-            if start // m:  # a window closed before: its first series
-                first_kv[0] = st.read_state(offs[p + "prev_kv"], rows, d)
-                first_gate[0] = st.read_state(offs[p + "prev_gate"], rows, d)
-            st.write_state(offs[p + "prev_kv"], rows, ck[-1, :, :d])
-            st.write_state(offs[p + "prev_gate"], rows, cg[-1, :, :d])
+            if lo < base:
+                first_kv[0], first_gate[0] = kv[:m, :d], gate[:m, :d]
             ck = torch.cat([first_kv, ck[..., d:]], dim=1)
             cg = torch.cat([first_gate, cg[..., d:]], dim=1)
         out = ops.rms_norm(ops.compress_kv(ck.contiguous(), cg.contiguous(), self.bias), self.norm, self.eps)[0]
@@ -264,7 +260,7 @@ class V4Attention:
     """One layer's attention (module docstring). ``w``: the layer's weights below ``attn.``."""
 
     def __init__(self, cfg: V4Config, layer: int, w: dict, tables: dict, dtype: torch.dtype):
-        self.cfg, self.layer, self.kind = cfg, layer, cfg.layer_types[layer]
+        self.cfg, self.layer, self.kind = cfg, layer, cfg.attention_type(layer)
         self.w = w
         self.heads, self.dim, self.rd = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
         self.eps = cfg.rms_norm_eps
@@ -297,7 +293,7 @@ class V4Attention:
         idx = self.indexer.project(x) if self.indexer else None
 
         sw = cfg.sliding_window
-        ring = sw - 1
+        ring = batch.states[0].layout.window_rows if batch.states else 0
         layer = self.layer
         pool: list[torch.Tensor] = []
         base = 0
@@ -307,7 +303,7 @@ class V4Attention:
         for st, n, o in zip(batch.states, batch.lens, batch.offsets):
             rows = slice(o, o + n)
             start, wo = st.length, st.layout.state_offset[layer]["window"]
-            held = min(start, ring)
+            held = min(start, sw - 1)
             past = st.read_state(wo, torch.arange(start - held, start) % ring, d) if held else kv.new_zeros(0, d)
             keys = torch.cat([past, kv[rows]])
             i = torch.arange(n, device=x.device)
@@ -315,7 +311,7 @@ class V4Attention:
             window_idx.append(torch.where(j >= 0, j + base, -1))
             pool.append(keys)
             base += keys.shape[0]
-            keep = min(n, ring)  # the new keys the next steps' windows still need
+            keep = min(n, ring)  # the new keys the next steps' windows may need
             if keep:
                 st.write_state(wo, torch.arange(start + n - keep, start + n) % ring, kv[o + n - keep : o + n])
             if self.compressor is None:
@@ -390,7 +386,7 @@ class V4MoE:
 
     def __init__(self, cfg: V4Config, layer: int, w: dict, ep: ExpertParallel):
         self.cfg, self.ep = cfg, ep
-        self.hash = cfg.mlp_layer_types[layer] == "hash_moe"
+        self.hash = cfg.mlp_type(layer) == "hash_moe"
         self.gate, self.bias, self.tid2eid = w["gate.weight"], w.get("gate.bias"), w.get("gate.tid2eid")
         self.w13, self.w2 = w["experts.gate_up_proj"], w["experts.down_proj"]
         self.s13, self.s2 = w["shared_experts.gate_up_proj"], w["shared_experts.down_proj"]

@@ -670,12 +670,19 @@ def test_cache_budget_per_token_follows_the_layer_types():
     assert cfg.cache_layout(128, 2).bytes_per_token == 6584
     # pages of 64 tokens: 16 CSA entries, and one HCA slot a page that every other page leaves unused
     assert cfg.cache_page_bytes("bf16", 64) == (csa * 16 * (512 + 128) + hca * 1 * 512) * 2
-    # per sequence: 127 window keys a layer, the unfinished windows (HCA 127 rows of kv and gate; CSA 3 rows of kv
-    # and gate of two series, the previous window's first series of 4 rows, the same for the indexer)
-    csa_state = (2 * 3 * 2 * 512 + 2 * 4 * 512) + (2 * 3 * 2 * 128 + 2 * 4 * 128)
-    assert cfg.cache_bytes_per_sequence() == (43 * 127 * 512 + hca * 2 * 127 * 512 + csa * csa_state) * 2
+    # per sequence: 127 window keys a layer and each compressor's last rows of kv and gate (HCA one window, 128 rows;
+    # CSA two windows, 8 rows of two series, the same for the indexer)
+    csa_state = 2 * 8 * 2 * 512 + 2 * 8 * 2 * 128
+    assert cfg.cache_bytes_per_sequence() == (43 * 127 * 512 + hca * 2 * 128 * 512 + csa * csa_state) * 2
     layout = cfg.cache_layout(128, 2)
     assert layout.state_pages == math.ceil(cfg.cache_bytes_per_sequence() / layout.page_bytes)
+    # room for 3 rejected drafts: 3 more rows in every ring; the MTP layer (sliding-window attention) adds a window
+    spec = cfg.cache_layout(128, 2, mtp_layers=0, drafts=3)
+    assert spec.state_elems - layout.state_elems == 43 * 3 * 512 + hca * 2 * 3 * 512 + csa * (2 * 3 * 2 * (512 + 128))
+    raw |= {"num_nextn_predict_layers": 1}
+    mtp = V4Config.from_dict(raw).cache_layout(128, 2, mtp_layers=1, drafts=3)
+    assert mtp.state_elems - spec.state_elems == 130 * 512
+    assert mtp.page_bytes == spec.page_bytes  # a window layer keeps nothing in the token pages
     # FP8 records: an entry is 448 e4m3 values, 7 one-byte ue8m0 scales and 64 bf16 rope channels; an indexer key 128
     # e4m3 values and one scale
     entry, key = 448 + 7 + 64 * 2, 128 + 1
