@@ -12,7 +12,8 @@ The weights are found under the names DeepSeek writes and transformers saves (``
 (DeepSeek's own files have none, and call the embedding ``embed.weight`` and the head's mHC ``hc_head_fn``).
 ``V4Checkpoint.open`` reads every header and checks the whole checkpoint against the layout before a weight is read:
 a missing, unexpected or mis-shaped tensor is a ``CheckpointError`` naming the file and the tensor. The
-multi-token-prediction layers (``mtp.*``) are recognised and not loaded.
+multi-token-prediction layers (``mtp.{k}.*``, ``mtp_layout``; all or none of them) are read for speculative decoding
+only.
 
 Quantised checkpoints (``quantization_config``: ``quant_method: fp8``, ``fmt: e4m3``, ``weight_block_size: [128,
 128]``, ``scale_fmt`` ``ue8m0`` or none, ``expert_dtype`` ``fp4`` or ``fp8``), as transformers' fine-grained FP8
@@ -124,9 +125,9 @@ class V4Config:
         and each compressor's unfinished window (and, overlapping, the previous window's first series)."""
         return V4CacheLayout.build(self, 1, elem_bytes).state_elems * elem_bytes
 
-    def cache_page_bytes(self, kv_format: str, block_size: int, elem_bytes: int = 2) -> int:
+    def cache_page_bytes(self, kv_format: str, block_size: int, elem_bytes: int = 2, mtp_layers: int = 0) -> int:
         """The engine's budget for one page of ``block_size`` tokens (``V4CacheLayout.page_bytes``)."""
-        return self.cache_layout(block_size, elem_bytes, kv_format).page_bytes
+        return self.cache_layout(block_size, elem_bytes, kv_format, mtp_layers).page_bytes
 
     def attention_type(self, layer: int) -> str:
         """The attention type of ``layer``: the model's layers, then its multi-token-prediction layers."""
@@ -565,7 +566,6 @@ def expected_layout(cfg: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every tensor of the model (normalised names: no leading ``model.``), with its shape and kind (``float`` or
     ``index``: the hash-routing table)."""
     h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-    d, nh, q, inter, e = cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank, cfg.moe_intermediate_size, None
     out: dict[str, tuple[tuple[int, ...], str]] = {
         "embed_tokens.weight": ((v, h), FLOAT),
         "norm.weight": ((h,), FLOAT),
@@ -575,49 +575,78 @@ def expected_layout(cfg: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
     }
     if not cfg.tie_word_embeddings:
         out["head.weight"] = ((v, h), FLOAT)
-    mixes = (2 + n) * n
     for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        out[p + "attn_norm.weight"] = ((h,), FLOAT)
-        out[p + "ffn_norm.weight"] = ((h,), FLOAT)
-        for site in ("attn", "ffn"):
-            out[f"{p}hc_{site}_fn"] = ((mixes, n * h), FLOAT)
-            out[f"{p}hc_{site}_base"] = ((mixes,), FLOAT)
-            out[f"{p}hc_{site}_scale"] = ((3,), FLOAT)
-        a = p + "attn."
-        g, r = cfg.o_groups, cfg.o_lora_rank
-        out.update(
-            {
-                a + "attn_sink": ((nh,), FLOAT),
-                a + "wq_a.weight": ((q, h), LINEAR),
-                a + "q_norm.weight": ((q,), FLOAT),
-                a + "wq_b.weight": ((nh * d, q), LINEAR),
-                a + "wkv.weight": ((d, h), LINEAR),
-                a + "norm.weight": ((d,), FLOAT),
-                a + "wo_a.weight": ((g * r, nh * d // g), LINEAR),
-                a + "wo_b.weight": ((h, g * r), LINEAR),
-            }
-        )
-        kind = cfg.layer_types[i]
-        if kind != SLIDING:
-            m, coff = cfg.compress_rate(i), 2 if kind == CSA else 1
-            out.update(_compressor(a + "compressor.", m, coff * d, d, h))
-        if kind == CSA:
-            di, ni = cfg.index_head_dim, cfg.index_n_heads
-            out.update(_compressor(a + "indexer.compressor.", cfg.compress_rate(i), 2 * di, di, h))
-            out[a + "indexer.wq_b.weight"] = ((ni * di, q), LINEAR)
-            out[a + "indexer.weights_proj.weight"] = ((ni, h), FLOAT)
-        f = p + "ffn."
-        out[f + "gate.weight"] = ((cfg.n_routed_experts, h), FLOAT)
-        if cfg.mlp_layer_types[i] == "hash_moe":
-            out[f + "gate.tid2eid"] = ((v, cfg.num_experts_per_tok), INDEX)
-        else:
-            out[f + "gate.bias"] = ((cfg.n_routed_experts,), FLOAT)
-        for e in [*(f"experts.{j}." for j in range(cfg.n_routed_experts)), "shared_experts."]:
-            kind = LINEAR if e == "shared_experts." else EXPERT
-            out[f + e + "w1.weight"] = ((inter, h), kind)
-            out[f + e + "w3.weight"] = ((inter, h), kind)
-            out[f + e + "w2.weight"] = ((h, inter), kind)
+        out.update(_block_layout(cfg, i, f"layers.{i}."))
+    return out
+
+
+def mtp_layout(cfg: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The tensors of the multi-token-prediction layers, as DeepSeek writes them: under ``mtp.{k}.`` a decoder block
+    (named as a layer's, built as layer ``num_hidden_layers + k``), ``enorm``, ``hnorm``, ``e_proj``, ``h_proj``,
+    the head's ``norm`` and its mHC ``hc_head_fn``, ``hc_head_base``, ``hc_head_scale`` (``MTP_COPIES``, copies of
+    the embedding and head, may be there too and are not read)."""
+    h, n = cfg.hidden_size, cfg.hc_mult
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for k in range(cfg.num_nextn_predict_layers):
+        p = f"mtp.{k}."
+        out.update(_block_layout(cfg, cfg.num_hidden_layers + k, p))
+        out.update({p + name: ((h,), FLOAT) for name in ("enorm.weight", "hnorm.weight", "norm.weight")})
+        out.update({p + name: ((h, h), LINEAR) for name in ("e_proj.weight", "h_proj.weight")})
+        out[p + "hc_head_fn"] = ((n, n * h), FLOAT)
+        out[p + "hc_head_base"] = ((n,), FLOAT)
+        out[p + "hc_head_scale"] = ((1,), FLOAT)
+    return out
+
+
+MTP_COPIES = ("emb.tok_emb.weight", "head.weight")
+
+
+def _block_layout(cfg: V4Config, i: int, p: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The tensors of decoder block ``i`` under ``p``."""
+    h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    d, nh, q, inter = cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank, cfg.moe_intermediate_size
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    mixes = (2 + n) * n
+    out[p + "attn_norm.weight"] = ((h,), FLOAT)
+    out[p + "ffn_norm.weight"] = ((h,), FLOAT)
+    for site in ("attn", "ffn"):
+        out[f"{p}hc_{site}_fn"] = ((mixes, n * h), FLOAT)
+        out[f"{p}hc_{site}_base"] = ((mixes,), FLOAT)
+        out[f"{p}hc_{site}_scale"] = ((3,), FLOAT)
+    a = p + "attn."
+    g, r = cfg.o_groups, cfg.o_lora_rank
+    out.update(
+        {
+            a + "attn_sink": ((nh,), FLOAT),
+            a + "wq_a.weight": ((q, h), LINEAR),
+            a + "q_norm.weight": ((q,), FLOAT),
+            a + "wq_b.weight": ((nh * d, q), LINEAR),
+            a + "wkv.weight": ((d, h), LINEAR),
+            a + "norm.weight": ((d,), FLOAT),
+            a + "wo_a.weight": ((g * r, nh * d // g), LINEAR),
+            a + "wo_b.weight": ((h, g * r), LINEAR),
+        }
+    )
+    kind = cfg.attention_type(i)
+    if kind != SLIDING:
+        m, coff = cfg.compress_rate(i), 2 if kind == CSA else 1
+        out.update(_compressor(a + "compressor.", m, coff * d, d, h))
+    if kind == CSA:
+        di, ni = cfg.index_head_dim, cfg.index_n_heads
+        out.update(_compressor(a + "indexer.compressor.", cfg.compress_rate(i), 2 * di, di, h))
+        out[a + "indexer.wq_b.weight"] = ((ni * di, q), LINEAR)
+        out[a + "indexer.weights_proj.weight"] = ((ni, h), FLOAT)
+    f = p + "ffn."
+    out[f + "gate.weight"] = ((cfg.n_routed_experts, h), FLOAT)
+    if cfg.mlp_type(i) == "hash_moe":
+        out[f + "gate.tid2eid"] = ((v, cfg.num_experts_per_tok), INDEX)
+    else:
+        out[f + "gate.bias"] = ((cfg.n_routed_experts,), FLOAT)
+    for e in [*(f"experts.{j}." for j in range(cfg.n_routed_experts)), "shared_experts."]:
+        kind = LINEAR if e == "shared_experts." else EXPERT
+        out[f + e + "w1.weight"] = ((inter, h), kind)
+        out[f + e + "w3.weight"] = ((inter, h), kind)
+        out[f + e + "w2.weight"] = ((h, inter), kind)
     return out
 
 
@@ -678,8 +707,9 @@ def normalise(name: str) -> str:
 
 @dataclass
 class V4Checkpoint:
-    """A checked DeepSeek-V4 checkpoint directory. ``names``: normalised name -> name in the files; ``mtp_keys``:
-    the multi-token-prediction tensors it holds (recognised, not loaded)."""
+    """A checked DeepSeek-V4 checkpoint directory. ``names``: normalised name -> name in the files, the
+    multi-token-prediction layers' included; ``mtp_keys``: the multi-token-prediction tensors it holds (all of
+    ``mtp_layout`` or none; read only for speculative decoding)."""
 
     path: Path
     config: V4Config
@@ -710,7 +740,7 @@ class V4Checkpoint:
             for name, file in json.loads(index.read_text())["weight_map"].items():
                 if name not in tensors or tensors[name].file.name != file:
                     raise CheckpointError(f"{index}: maps tensor {name!r} to {file} but no such tensor is there")
-        want = expected_layout(config)
+        want, want_mtp = expected_layout(config), mtp_layout(config)
         names: dict[str, str] = {}
         mtp: list[str] = []
         scales = {n for n in tensors if n.endswith(SCALE_SUFFIX)}
@@ -718,20 +748,25 @@ class V4Checkpoint:
             key = normalise(name)
             if key.startswith("mtp."):
                 mtp.append(name)
-                continue
+                if key.split(".", 2)[-1] in MTP_COPIES:
+                    continue
             if name in scales:
                 weight = name[: -len(SCALE_SUFFIX)]
                 if weight not in tensors or tensors[weight].dtype not in ("F8_E4M3", "I8"):
                     raise CheckpointError(f"{info.file}: unexpected tensor {name!r} (no quantised weight {weight!r})")
                 continue
-            if key not in want:
+            if key in want_mtp:
+                shape, kind = want_mtp[key]
+            elif key not in want:
                 raise CheckpointError(
                     f"{info.file}: unexpected tensor {name!r} (not part of the {config.num_hidden_layers}-layer "
-                    "deepseek_v4 layout config.json describes)"
+                    f"deepseek_v4 layout with {config.num_nextn_predict_layers} multi-token-prediction layers that "
+                    "config.json describes)"
                 )
+            else:
+                shape, kind = want[key]
             if key in names:
                 raise CheckpointError(f"{info.file}: tensor {name!r} duplicates {names[key]!r}")
-            shape, kind = want[key]
             if info.dtype in ("F8_E4M3", "I8") and kind in (LINEAR, EXPERT):
                 _check_quantised(config, tensors, name, info, shape, kind)
                 names[key] = name
@@ -745,6 +780,8 @@ class V4Checkpoint:
                 raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}; expected one of {kinds}")
             names[key] = name
         missing = [k for k in want if k not in names]
+        if mtp:  # no multi-token-prediction tensor at all is fine: serving without speculation never needs them
+            missing += [k for k in want_mtp if k not in names]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}, which config.json implies")
@@ -801,3 +838,15 @@ class V4Checkpoint:
         from .checkpoint import DTYPES
 
         return sum(math.prod(i.shape) * DTYPES[i.dtype][1] for n, i in self.tensors.items() if n not in self.mtp_keys)
+
+    def mtp_bytes(self) -> int:
+        """Bytes of the multi-token-prediction tensors ``load_weights`` reads (not the copies of the embedding and
+        head)."""
+        from .checkpoint import DTYPES
+
+        read = set(self.names.values())
+        return sum(
+            math.prod(i.shape) * DTYPES[i.dtype][1]
+            for n, i in self.tensors.items()
+            if n in self.mtp_keys and (n in read or n.removesuffix(SCALE_SUFFIX) in read)
+        )

@@ -57,6 +57,7 @@ from .config_v4 import CSA, HCA, SLIDING, V4CacheLayout, V4Checkpoint, V4Config
 from .forward_batch import ForwardBatch
 from .mla import linear
 from .moe import ExpertParallel, all_gather_rows
+from .mtp import V4MTPLayer
 
 
 def _rope_tail(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -434,31 +435,52 @@ class V4MoE:
 
 class DeepseekV4:
     """The model. ``new_state()`` makes one sequence's caches; ``forward(input_ids, batch)`` runs the new tokens of
-    the batch's sequences (``batch(...)`` builds it) and returns the final normed hidden states ``[T, hidden]``,
-    advancing every state; ``compute_logits`` gives fp32 logits."""
+    the batch's sequences (``batch(...)`` builds it) and returns the final residual streams, advancing every state;
+    ``compute_logits`` gives fp32 logits from them. ``mtp`` holds the multi-token-prediction layers when loaded
+    (``mtp.V4MTPLayer``)."""
 
     def __init__(self, cfg: V4Config, weights: dict, *, dtype: torch.dtype, device: torch.device, ep: ExpertParallel):
         self.cfg, self.dtype, self.device, self.ep = cfg, dtype, device, ep
-        self.mtp: list = []  # multi-token-prediction layers: recognised in checkpoints, not loaded
-        self.block_size, self.kv_format = (
-            64,
-            "bf16",
-        )  # the pages of ``new_state`` (an engine sets its own: ``use_pages``)
+        # the pages of ``new_state``; an engine sets its own (``use_pages``)
+        self.block_size, self.kv_format, self.mtp_layers, self.drafts = 64, "bf16", 0, 0
         self.embed, self.norm = weights["embed_tokens.weight"], weights["norm.weight"]
         self.lm_head = weights["embed_tokens.weight" if cfg.tie_word_embeddings else "head.weight"]
         self.hc_head = tuple(weights[f"hc_head.hc_{k}"] for k in ("fn", "base", "scale"))
         rd, pmax = cfg.qk_rope_head_dim, cfg.max_position_embeddings
         main = ops.rope_cos_sin_cache(rd, pmax, cfg.rope_theta).to(device)
         compress = ops.rope_cos_sin_cache(rd, pmax, cfg.compress_rope_theta, cfg.compress_rope_scaling).to(device)
-        tables = {"main": main, "compress": compress}
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"layers.{i}."
-            below = {k.removeprefix(p): v for k, v in weights.items() if k.startswith(p)}
-            attn = V4Attention(cfg, i, {k[5:]: v for k, v in below.items() if k.startswith("attn.")}, tables, dtype)
-            moe = V4MoE(cfg, i, {k[4:]: v for k, v in below.items() if k.startswith("ffn.")}, ep)
-            hc = {s: tuple(below[f"hc_{s}_{k}"] for k in ("fn", "base", "scale")) for s in ("attn", "ffn")}
-            self.layers.append((below["attn_norm.weight"], attn, below["ffn_norm.weight"], moe, hc))
+        self.tables = {"main": main, "compress": compress}
+        self.layers = [self.build_block(i, weights, f"layers.{i}.") for i in range(cfg.num_hidden_layers)]
+        n = cfg.num_hidden_layers
+        self.mtp = [
+            V4MTPLayer(weights, f"mtp.{k}.", self, n + k)
+            for k in range(cfg.num_nextn_predict_layers)
+            if f"mtp.{k}.e_proj.weight" in weights
+        ]
+
+    def build_block(self, layer: int, weights: dict, prefix: str) -> tuple:
+        """Decoder block ``layer`` (its attention type, rate and MoE routing by that index) from the weights under
+        ``prefix``: ``(attn_norm, attention, ffn_norm, moe, hc)``."""
+        below = {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
+        w_attn = {k[5:]: v for k, v in below.items() if k.startswith("attn.")}
+        attn = V4Attention(self.cfg, layer, w_attn, self.tables, self.dtype)
+        moe = V4MoE(self.cfg, layer, {k[4:]: v for k, v in below.items() if k.startswith("ffn.")}, self.ep)
+        hc = {s: tuple(below[f"hc_{s}_{k}"] for k in ("fn", "base", "scale")) for s in ("attn", "ffn")}
+        return below["attn_norm.weight"], attn, below["ffn_norm.weight"], moe, hc
+
+    def block_forward(
+        self, streams: torch.Tensor, block: tuple, batch: V4Batch, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """One decoder block on the residual streams ``[T, hc_mult, hidden]``: the streams after it."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        hc_kw = {"sinkhorn_iters": cfg.hc_sinkhorn_iters, "eps": cfg.hc_eps, "norm_eps": eps}
+        attn_norm, attn, ffn_norm, moe, hc = block
+        collapsed, post, comb = ops.hc_pre(streams, *hc["attn"], **hc_kw)
+        y = attn.forward(ops.rms_norm(collapsed, attn_norm, eps)[0], batch)
+        streams = ops.hc_post(y, streams, post, comb)
+        collapsed, post, comb = ops.hc_pre(streams, *hc["ffn"], **hc_kw)
+        y = moe.forward(ops.rms_norm(collapsed, ffn_norm, eps)[0], input_ids)
+        return ops.hc_post(y, streams, post, comb)
 
     @classmethod
     def load(
@@ -469,23 +491,41 @@ class DeepseekV4:
         device: torch.device | str = "cpu",
         on_progress: Callable[[int], None] | None = None,
         ep: ExpertParallel | None = None,
+        mtp: bool = False,
     ) -> DeepseekV4:
         """Builds the model from a checked checkpoint: every weight read once, assembled, prepared once; of the
-        routed experts only ``ep``'s local ones (default: one process holding all)."""
+        routed experts only ``ep``'s local ones (default: one process holding all). ``mtp``: also its
+        multi-token-prediction layers (``self.mtp``, empty when the checkpoint has none)."""
         device = torch.device(device)
         cfg = ckpt.config
         ep = ep or ExpertParallel.single(cfg.n_routed_experts)
-        return cls(cfg, load_weights(ckpt, dtype, device, on_progress, ep), dtype=dtype, device=device, ep=ep)
+        mtp = mtp and bool(ckpt.mtp_keys)
+        weights = load_weights(ckpt, dtype, device, on_progress, ep, mtp)
+        return cls(cfg, weights, dtype=dtype, device=device, ep=ep)
 
-    def cache_layout(self, block_size: int | None = None, kv_format: str | None = None) -> V4CacheLayout:
+    def cache_layout(
+        self,
+        block_size: int | None = None,
+        kv_format: str | None = None,
+        mtp_layers: int | None = None,
+        drafts: int | None = None,
+    ) -> V4CacheLayout:
         """The layout of the paged caches in the model's dtype, for pages of ``block_size`` tokens with
-        ``kv_format`` records (by default the engine's, ``use_pages``)."""
-        return self.cfg.cache_layout(block_size or self.block_size, self.dtype.itemsize, kv_format or self.kv_format)
+        ``kv_format`` records, ``mtp_layers`` multi-token-prediction layers' caches and room for ``drafts``
+        rejected drafts a step (by default the engine's, ``use_pages``)."""
+        return self.cfg.cache_layout(
+            block_size or self.block_size,
+            self.dtype.itemsize,
+            kv_format or self.kv_format,
+            self.mtp_layers if mtp_layers is None else mtp_layers,
+            self.drafts if drafts is None else drafts,
+        )
 
-    def use_pages(self, block_size: int, kv_format: str = "bf16") -> None:
-        """The engine's page size and record format: the layout ``forward`` reads the engine's pages with."""
-        self.cfg.cache_layout(block_size, self.dtype.itemsize, kv_format)  # refuses a format it cannot lay out
-        self.block_size, self.kv_format = block_size, kv_format
+    def use_pages(self, block_size: int, kv_format: str = "bf16", mtp_layers: int = 0, drafts: int = 0) -> None:
+        """The engine's pages: their size, record format, the multi-token-prediction layers they hold caches of
+        and the drafts a speculative step verifies at most; the layout ``forward`` reads them with."""
+        self.cache_layout(block_size, kv_format, mtp_layers, drafts)  # refuses a format it cannot lay out
+        self.block_size, self.kv_format, self.mtp_layers, self.drafts = block_size, kv_format, mtp_layers, drafts
 
     def new_state(self) -> V4State:
         """A sequence's caches outside an engine, on pages of its own that grow as it goes."""
@@ -503,31 +543,24 @@ class DeepseekV4:
     def forward(
         self, input_ids: torch.Tensor, batch: V4Batch | ForwardBatch, kv_caches=None, index_caches=None
     ) -> torch.Tensor:
-        """``input_ids [T]`` -> final normed hidden states ``[T, hidden]``, the caches advanced. ``batch``: a
-        ``V4Batch``, or the engine's ``ForwardBatch``, whose ``rows`` name the sequence of each run of rows: its
-        caches are in the engine's pages (``kv_caches[0]``, ``[num_blocks, page_bytes]`` bytes, laid out by
-        ``cache_layout()``) that its block table names. ``index_caches`` is not used."""
+        """``input_ids [T]`` -> the final residual streams ``[T, hc_mult * hidden]`` (what ``compute_logits`` folds
+        and the multi-token-prediction layers read), the caches advanced. ``batch``: a ``V4Batch``, or the engine's
+        ``ForwardBatch``, whose ``rows`` name the sequence of each run of rows: its caches are in the engine's pages
+        (``kv_caches[0]``, ``[num_blocks, page_bytes]`` bytes, laid out by ``cache_layout()``) that its block table
+        names. ``index_caches`` is not used."""
         if isinstance(batch, ForwardBatch):
-            batch = self._from_engine(input_ids, batch, kv_caches[0])
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        n = cfg.hc_mult
-        streams = self.embed[input_ids][:, None, :].expand(-1, n, -1).contiguous()
-        hc_kw = {"sinkhorn_iters": cfg.hc_sinkhorn_iters, "eps": cfg.hc_eps, "norm_eps": eps}
-        for attn_norm, attn, ffn_norm, moe, hc in self.layers:
-            collapsed, post, comb = ops.hc_pre(streams, *hc["attn"], **hc_kw)
-            y = attn.forward(ops.rms_norm(collapsed, attn_norm, eps)[0], batch)
-            streams = ops.hc_post(y, streams, post, comb)
-            collapsed, post, comb = ops.hc_pre(streams, *hc["ffn"], **hc_kw)
-            y = moe.forward(ops.rms_norm(collapsed, ffn_norm, eps)[0], input_ids)
-            streams = ops.hc_post(y, streams, post, comb)
+            batch = self.engine_batch(input_ids, batch, kv_caches[0])
+        streams = self.embed[input_ids][:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for block in self.layers:
+            streams = self.block_forward(streams, block, batch, input_ids)
         for st, n_new in zip(batch.states, batch.lens):
             st.length += n_new
-        h = ops.hc_head(streams, *self.hc_head, eps=cfg.hc_eps, norm_eps=eps)
-        return ops.rms_norm(h, self.norm, eps)[0]
+        return streams.flatten(1)
 
-    def _from_engine(self, input_ids: torch.Tensor, fb: ForwardBatch, pages: torch.Tensor) -> V4Batch:
-        """Each run of rows continues its sequence from its first position: a run from position 0 (a new request,
-        or one recomputed after preemption) starts from nothing, whatever its pages held before."""
+    def engine_batch(self, input_ids: torch.Tensor, fb: ForwardBatch, pages: torch.Tensor) -> V4Batch:
+        """The ``V4Batch`` of the engine's ``fb`` over its ``pages``. Each run of rows continues its sequence from
+        its first position: a run from position 0 (a new request, or one recomputed after preemption) starts from
+        nothing, whatever its pages held before."""
         layout = self.cache_layout()
         pages = pages.reshape(pages.shape[0], -1)
         if pages.shape[1] != layout.page_bytes:
@@ -540,9 +573,17 @@ class DeepseekV4:
             lens.append(n)
         return V4Batch(states, lens, fb.positions, input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[N, vocab]`` of ``hidden [N, hidden]``."""
-        return ops.gemm(hidden, self.lm_head, out_dtype=torch.float32)
+    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, vocab]`` of ``forward``'s streams ``[N, hc_mult * hidden]``: ``hc_head`` folds them, a
+        final RMSNorm, the head."""
+        return self.head_logits(streams, self.hc_head, self.norm)
+
+    def head_logits(self, streams: torch.Tensor, hc_head: tuple, norm: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of residual streams ``[N, hc_mult * hidden]`` folded by ``hc_head`` (fn, base, scale) and
+        normed by ``norm``, through the model's head."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        h = ops.hc_head(streams.view(-1, cfg.hc_mult, cfg.hidden_size), *hc_head, eps=cfg.hc_eps, norm_eps=eps)
+        return ops.gemm(ops.rms_norm(h, norm, eps)[0], self.lm_head, out_dtype=torch.float32)
 
 
 def _fp32(key: str) -> bool:
@@ -590,11 +631,13 @@ def load_weights(
     device: torch.device,
     on_progress: Callable[[int], None] | None = None,
     ep: ExpertParallel | None = None,
+    mtp: bool = False,
 ) -> dict:
-    """Every weight by normalised name, read once, assembled (experts stacked gate-and-up in ``ep.local``'s order,
-    ``wo_a`` by group) and passed through ``prepare_weight`` once; routed experts other than ``ep``'s local ones
-    are not read. FP4 routed experts stay packed (``FP4Tensor`` stacks) where the selected backend has a grouped GEMM
-    of its own for them (``fp4_experts_served``); otherwise they are dequantised to ``dtype``."""
+    """Every weight by normalised name (``mtp``: the multi-token-prediction layers' too), read once, assembled
+    (experts stacked gate-and-up in ``ep.local``'s order, ``wo_a`` by group) and passed through ``prepare_weight``
+    once; routed experts other than ``ep``'s local ones are not read. FP4 routed experts stay packed (``FP4Tensor``
+    stacks) where the selected backend has a grouped GEMM of its own for them (``fp4_experts_served``); otherwise
+    they are dequantised to ``dtype``."""
     cfg = ckpt.config
     ep = ep or ExpertParallel.single(cfg.n_routed_experts)
     out: dict = {}
@@ -639,8 +682,10 @@ def load_weights(
     for k in ("fn", "base", "scale"):
         put(f"hc_head.hc_{k}", read(f"hc_head.hc_{k}"))
     experts = [f"experts.{e}." for e in ep.local]
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
+    blocks = [f"layers.{i}." for i in range(cfg.num_hidden_layers)]
+    if mtp:
+        blocks += [f"mtp.{k}." for k in range(cfg.num_nextn_predict_layers)]
+    for p in blocks:
         for key in ckpt.names:
             if not key.startswith(p) or ".experts." in key or ".shared_experts." in key:
                 continue

@@ -70,7 +70,7 @@ def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0, 
     layers): the latent cache's, plus the indexer keys' for sparse attention. A model that lays out its own pages
     (``cfg.owns_cache``: DeepSeek-V4, in its dtype of ``elem_bytes``) says how large they are."""
     if getattr(cfg, "owns_cache", False):
-        return cfg.cache_page_bytes(kv_format, block_size, elem_bytes)
+        return cfg.cache_page_bytes(kv_format, block_size, elem_bytes, mtp_layers)
     layers = cfg.num_hidden_layers + mtp_layers
     probe = deepinfer.allocate_kv_cache(
         1, block_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, kv_format=kv_format
@@ -147,7 +147,7 @@ class LLMEngine:
         if spec is not None and not model.mtp:
             raise c.fail(
                 "speculative_config",
-                "a model loaded with its MTP layers (DeepseekV3.load(..., mtp=True) on a checkpoint that has them)",
+                "a model loaded with its MTP layers (load(..., mtp=True) on a checkpoint that has them)",
                 "a model without MTP layers",
             )
         mtp_layers = 1 if spec is not None else 0  # the drafts chain the first MTP layer
@@ -177,8 +177,9 @@ class LLMEngine:
         if kv_format == "fp8_ds_mla" and not owns_cache and cfg.kv_lora_rank % 128:
             raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
         page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers, model.dtype.itemsize)
+        lookahead = spec.num_speculative_tokens if spec is not None else 0
         # DeepSeek-V4: each sequence also holds state pages (its windows), first in its block table
-        seq_pages = model.cache_layout(block_size, kv_format).state_pages if owns_cache else 0
+        seq_pages = model.cache_layout(block_size, kv_format, mtp_layers, lookahead).state_pages if owns_cache else 0
         least = "one cache page" if not seq_pages else f"one sequence's {seq_pages} state pages and one cache page"
         if kv_cache_bytes is not None and (
             isinstance(kv_cache_bytes, bool)
@@ -209,7 +210,7 @@ class LLMEngine:
         layers = cfg.num_hidden_layers + mtp_layers  # the MTP layer's cache follows the model's layers
         if owns_cache:  # pages of bytes the model lays out itself (swapped as any pages are)
             self.kv_cache = torch.zeros(1, num_blocks, page_bytes, dtype=torch.uint8, device=device)
-            model.use_pages(block_size, kv_format)
+            model.use_pages(block_size, kv_format, mtp_layers, lookahead)
         else:
             cache = deepinfer.allocate_kv_cache(
                 num_blocks * layers,
@@ -259,8 +260,15 @@ class LLMEngine:
         drafter = None
         if spec is not None:
             index_layer = self.index_cache[-1] if self.index_cache is not None else None
-            drafter = MTPDrafter(model.mtp[0], self.kv_cache[-1], index_layer, self.allocator, spec, self.max_model_len)
-        lookahead = spec.num_speculative_tokens if spec is not None else 0
+            drafter = MTPDrafter(
+                model.mtp[0],
+                self.kv_cache[-1],
+                index_layer,
+                self.allocator,
+                spec,
+                self.max_model_len,
+                host_positions=owns_cache,
+            )
         graphs = None
         backend = deepinfer.current_backend()
         if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda" and not owns_cache:

@@ -180,7 +180,7 @@ class LLM:
                     num_groups=getattr(self.config, "n_group", 1) or 1,
                 )
                 if isinstance(ckpt, V4Checkpoint):
-                    _refuse_for_v4(self.speculative_config, enable_eplb, num_redundant_experts)
+                    _refuse_for_v4(enable_eplb, num_redundant_experts)
                 mtp_layers = 1 if self.speculative_config is not None else 0
                 if mtp_layers and not self.config.num_nextn_predict_layers:
                     raise InputError(
@@ -189,11 +189,19 @@ class LLM:
                         "a checkpoint with MTP layers (num_nextn_predict_layers >= 1) for method 'mtp'",
                         f"num_nextn_predict_layers 0 in {self.path / 'config.json'}",
                     )
+                if mtp_layers and isinstance(ckpt, V4Checkpoint) and not ckpt.mtp_keys:
+                    raise InputError(
+                        "LLM",
+                        "speculative_config",
+                        "a checkpoint holding its MTP layers (mtp.0.*) for method 'mtp'",
+                        f"none in {self.path}",
+                    )
                 elem = self.dtype.itemsize
                 page_bytes = cache_page_bytes(self.config, kv_format, block_size, mtp_layers, elem)
                 least, pages = "one cache page", 1
                 if isinstance(ckpt, V4Checkpoint):  # a sequence's state pages come with its first token page
-                    state = self.config.cache_layout(block_size, elem, kv_format).state_pages
+                    drafts = self.speculative_config.num_speculative_tokens if mtp_layers else 0
+                    state = self.config.cache_layout(block_size, elem, kv_format, mtp_layers, drafts).state_pages
                     least, pages = f"one sequence's {state} state pages and one cache page", state + 1
                 if kv_cache_gb is not None and kv_cache_gb * (1 << 30) < pages * page_bytes:
                     raise InputError(
@@ -246,10 +254,13 @@ class LLM:
 
     def _load(self, ckpt: Checkpoint | V4Checkpoint) -> DeepseekV3 | DeepseekV4:
         if isinstance(ckpt, V4Checkpoint):
-            total = ckpt.total_bytes()
+            mtp = self.speculative_config is not None
+            total = ckpt.total_bytes() + (ckpt.mtp_bytes() if mtp else 0)
 
             def build(on_progress=None):
-                return DeepseekV4.load(ckpt, dtype=self.dtype, device=self.device, on_progress=on_progress, ep=self.ep)
+                return DeepseekV4.load(
+                    ckpt, dtype=self.dtype, device=self.device, on_progress=on_progress, ep=self.ep, mtp=mtp
+                )
         else:
             local = {f".experts.{e}." for e in self.ep.local}
             mtp = self.speculative_config is not None
@@ -569,12 +580,8 @@ def _check_arguments(**kw: Any) -> None:
         c.positive_int("max_model_len", kw["max_model_len"], minimum=2)  # one prompt token and one generated
 
 
-def _refuse_for_v4(speculative_config, enable_eplb: bool, num_redundant_experts: int = 0) -> None:
+def _refuse_for_v4(enable_eplb: bool, num_redundant_experts: int = 0) -> None:
     """What DeepSeek-V4 serving does not do yet, refused before its weights are read."""
-    if speculative_config is not None:
-        raise InputError(
-            "LLM", "speculative_config", "None for deepseek_v4 (its MTP layers are not loaded)", "a config"
-        )
     if num_redundant_experts:
         raise InputError(
             "LLM",

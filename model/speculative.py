@@ -164,9 +164,19 @@ class MTPDrafter:
     sequence's ``drafts``. A sequence's first draft and the MTP state behind it (``Sequence.next_draft``,
     ``Sequence.draft_state``) come from the step that sampled its last token."""
 
-    def __init__(self, mtp, kv_cache, index_cache, allocator, config: SpeculativeConfig, max_model_len: int):
+    def __init__(
+        self,
+        mtp,
+        kv_cache,
+        index_cache,
+        allocator,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        host_positions: bool = False,
+    ):
         self.mtp, self.caches = mtp, (kv_cache, index_cache)
         self.allocator, self.config, self.max_model_len = allocator, config, max_model_len
+        self.host_positions = host_positions  # the model finds a sequence's caches from its length on the host
 
     def run(self, hidden, next_ids, batch, sample_rows):
         """The MTP pass over every row of a forward (``hidden [T, H]``: the main model's final states; ``next_ids
@@ -193,8 +203,10 @@ class MTPDrafter:
 
     def reads_drafts(self, seqs: list) -> bool:
         """Whether ``propose`` reads the drafts back to the host (a synchronisation): for confidence scheduling,
-        which needs their probabilities, and for structured output, whose grammars see the tokens."""
-        return self.config.confidence_threshold > 0 or any(s.matcher is not None for s in seqs)
+        which needs their probabilities; for structured output, whose grammars see the tokens; and for a model
+        that finds a sequence's caches from its length on the host (DeepSeek-V4), which must know what the step
+        before accepted."""
+        return self.host_positions or self.config.confidence_threshold > 0 or any(s.matcher is not None for s in seqs)
 
     def propose(self, seqs: list, tensor, graphs=None, flying=None) -> list[tuple[list[int], torch.Tensor]]:
         """Sets ``seq.drafts`` for each decoding sequence of ``seqs``: its first draft, chained on by the MTP layer
@@ -232,6 +244,7 @@ class MTPDrafter:
                 tokens, probs = tokens.clone(), probs.clone()  # the graph's outputs, overwritten by its next replay
             else:
                 fb = decode_batch(meta, tensor)
+                fb.rows = [(seqs[i], p, 1) for i, p in zip(rows, meta["positions"])]
                 if shift is not None:
                     shift_decode_rows(fb, shift, self.allocator.block_size, self.allocator.seq_pages)
                 with deepinfer.value_checks(False):

@@ -346,15 +346,6 @@ def test_damaged_checkpoints_are_refused_before_loading(damage, checkpoints, tmp
         V4Checkpoint.open(tmp_path)
 
 
-def test_mtp_tensors_are_recognised_not_loaded(checkpoints, tmp_path):
-    path, _ = checkpoints("plain")
-    tensors = load_file(path / "model.safetensors")
-    tensors["mtp.0.e_proj.weight"] = torch.zeros(64, 64)
-    save_file(tensors, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    assert V4Checkpoint.open(tmp_path).mtp_keys == ["mtp.0.e_proj.weight"]
-
-
 # --- serving ---------------------------------------------------------------------------------------------------------
 
 
