@@ -44,14 +44,15 @@ def gemm_fp8_cublas(a, w, *, out_dtype, bias, out: torch.Tensor | None = None):
         data = F.pad(data.view(torch.uint8), (0, 0, 0, pad)).view(data.dtype)
         scale = F.pad(scale, (0, 0, 0, pad))
     scale_a = scale.t().contiguous().t()  # cuBLAS reads activation scales outer-dim-major
+    w_data, w_scale = w.data.contiguous(), w.scale.contiguous()  # (copies only of strided views)
     recipe = F.ScalingType
     if out is not None:
         return torch._scaled_mm_v2(
-            data, w.data.t(), [scale_a], [recipe.BlockWise1x128.value], [], [w.scale.t()],
+            data, w_data.t(), [scale_a], [recipe.BlockWise1x128.value], [], [w_scale.t()],
             [recipe.BlockWise128x128.value], [], None, out_dtype, [], False, out=out,
         )  # fmt: skip
     out = F.scaled_mm(
-        data, w.data.t(), scale_a, recipe.BlockWise1x128, w.scale.t(), recipe.BlockWise128x128, output_dtype=out_dtype
+        data, w_data.t(), scale_a, recipe.BlockWise1x128, w_scale.t(), recipe.BlockWise128x128, output_dtype=out_dtype
     )
     return out[:m]
 
