@@ -294,15 +294,17 @@ class BlockAllocator:
         seq.num_registered_pages = len(keys)
         return True
 
-    def register(self, seq: Sequence, num_tokens: int) -> None:
+    def register(self, seq: Sequence, num_tokens: int, state_tokens: int | None = None) -> None:
         """Registers ``seq``'s full pages among its first ``num_tokens`` tokens (tokens whose cache entries are
         computed, or queued to be before any later step reads them). A key already registered to another page
-        keeps that page. With state pages, only at a multiple of ``reuse_tokens``, where its state pages are also
-        kept as a snapshot (their contents then, queued after the step that computes them)."""
+        keeps that page. With state pages, only at a multiple of ``reuse_tokens`` and where the state pages hold
+        exactly ``num_tokens`` tokens (``state_tokens``, default ``num_tokens``; a recomputed sequence's chunk may
+        run past its prompt), where its state pages are also kept as a snapshot (their contents then, queued after
+        the step that computes them)."""
         if not self.enable_prefix_caching:
             return
         k = self.seq_pages
-        if k and num_tokens % self.reuse_tokens:
+        if k and (num_tokens % self.reuse_tokens or (state_tokens is not None and state_tokens != num_tokens)):
             return
         full = min(num_tokens // self.block_size, len(seq.block_table) - k)
         if full <= seq.num_registered_pages:

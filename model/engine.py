@@ -544,7 +544,7 @@ class LLMEngine:
             if not chunk.decode_rows:
                 self.stats["prefilled_tokens"] += chunk.end - chunk.start
             # prefix caching: its full prompt pages are registered once queued (later steps read them after)
-            self.allocator.register(seq, min(chunk.end, seq.num_prompt_tokens))
+            self.allocator.register(seq, min(chunk.end, seq.num_prompt_tokens), state_tokens=chunk.end)
         index, drafts = {}, {}
         for seq in step.samplers:
             if id(seq) not in index:  # (a sequence with drafts samples several rows)

@@ -403,7 +403,7 @@ def test_a_key_on_both_tiers_ends_the_host_run():
 
 def test_state_pages_are_reused_from_snapshots_and_a_snapshot_goes_whole():
     """With 2 state pages a sequence and reuse in steps of 8 tokens: token pages are registered and its state pages
-    copied to a snapshot only at multiples of 8; a match gets the prefix's token pages and fresh state pages filled
+    copied to a snapshot only at multiples of 8 that the state pages are at; a match gets the prefix's token pages and fresh state pages filled
     from the snapshot; handing out one snapshot page forgets the whole snapshot."""
     copies = []
     alloc = BlockAllocator(
@@ -412,8 +412,9 @@ def test_state_pages_are_reused_from_snapshots_and_a_snapshot_goes_whole():
     owner = seq(list(range(1, 14)))  # 13 tokens: 2 state pages and 4 token pages
     alloc.grow(owner, 13)
     alloc.register(owner, 12)  # not a multiple of 8: nothing kept
+    alloc.register(owner, 8, state_tokens=12)  # the state pages hold 12 tokens (a chunk past the prompt): nor here
     assert alloc.num_cached == 0 and copies == []
-    alloc.register(owner, 8)
+    alloc.register(owner, 8, state_tokens=8)
     assert alloc.num_cached == 2 and copies[0][0] == owner.block_table[:2]
     snapshot, token_pages = copies[0][1], owner.block_table[2:4]
     alloc.release(owner)
