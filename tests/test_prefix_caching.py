@@ -403,8 +403,8 @@ def test_a_key_on_both_tiers_ends_the_host_run():
 
 def test_state_pages_are_reused_from_snapshots_and_a_snapshot_goes_whole():
     """With 2 state pages a sequence and reuse in steps of 8 tokens: token pages are registered and its state pages
-    copied to a snapshot only at multiples of 8 that the state pages are at; a match gets the prefix's token pages and fresh state pages filled
-    from the snapshot; handing out one snapshot page forgets the whole snapshot."""
+    copied to a snapshot only at multiples of 8 that the state pages are at; a match gets the prefix's token pages
+    and fresh state pages filled from the snapshot; handing out one snapshot page forgets the whole snapshot."""
     copies = []
     alloc = BlockAllocator(
         12, 4, enable_prefix_caching=True, seq_pages=2, reuse_tokens=8, copy_pages=lambda s, d: copies.append((s, d))
