@@ -322,3 +322,29 @@ def test_prefix_cache_hits_keep_every_token(checkpoints, invariant, deepinfer_ba
     llm.generate(prompts[:1], params)
     assert [result(o) for o in llm.generate(prompts, params)] == want
     assert llm.engine.stats["cached_prompt_tokens"] >= 24 * 5
+
+
+def test_structured_output_holds_with_speculation(invariant, deepinfer_backend, deepinfer_device, tmp_path):
+    """A V4 checkpoint with a byte-level tokenizer: choice and regex constraints hold on every sampled completion,
+    with and without speculation (the grammar masks each verification row after the drafts before it), and the
+    tokens are the same both ways."""
+    from test_structured_output import CHOICES, check, constrained
+
+    from deepinfer.model.tiny import build_tokenizer
+
+    v4.v4_checkpoint(
+        tmp_path, seed=41, **(v4.CONFIGS["plain"] | dict(vocab_size=258, bos_token_id=256, eos_token_id=257))
+    )
+    add_mtp(tmp_path, seed=42)
+    build_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    params = [constrained(kind, seed) for kind in ("choice", "regex") for seed in range(4)]
+    prompts = [[random.Random(i).randrange(3, 250) for _ in range(1 + i % 5)] for i in range(len(params))]
+    plain = serve(tmp_path, deepinfer_backend, deepinfer_device).generate(prompts, params)
+    llm = serve(tmp_path, deepinfer_backend, deepinfer_device, speculative_config={"num_speculative_tokens": 2})
+    spec = llm.generate(prompts, params)
+    for p, a, b in zip(params, plain, spec):
+        kind = "choice" if p.structured_outputs.choice == CHOICES else "regex"
+        assert a.outputs[0].finish_reason == "stop", a.outputs[0]
+        check(kind, a.outputs[0].text)
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert llm.last_stats["speculative"]["drafted"] > 10
