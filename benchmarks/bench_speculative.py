@@ -2,12 +2,13 @@
 length at each batch size, greedy, on the embedded model (or ``--model``) with prompts cut from held-out standard
 library files.
 
-    python benchmarks/bench_speculative.py [--backend cuda_sm100] [--batches 1,16,64] [--specs 1,2,3,3@0.5]
+    python benchmarks/bench_speculative.py [--backend cuda_sm100] [--batches 1,16,64] [--specs 1,1:sync,3,3@0.5]
         [--max-tokens 128] [--repeats 3] [--json OUT.json]
 
-Each spec is ``k[@threshold][/batch]`` (``num_speculative_tokens``, ``confidence_threshold``,
-``disable_by_batch_size``), or ``sync``: plain decoding without asynchronous scheduling (what the overlap of host
-and device is worth). For every batch size, each configuration generates the same prompts ``--repeats`` times after
+Each spec is ``k[@threshold][/batch][:sync]`` (``num_speculative_tokens``, ``confidence_threshold``,
+``disable_by_batch_size``; ``:sync`` without asynchronous scheduling, so each speculative step waits for the one
+before), or ``sync``: plain decoding without asynchronous scheduling (what the overlap of host and device is
+worth). For every batch size, each configuration generates the same prompts ``--repeats`` times after
 one warm-up; the table gives the median tokens per second, the speed-up over plain decoding measured in the same
 run, the mean accepted length, the share of steps launched before the previous one's results were read
 (``steps_ahead``; confidence scheduling reads the drafts and runs synchronously) and the share of requests whose
@@ -37,9 +38,10 @@ def prompts_from_heldout(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def spec_config(text: str) -> dict | None:
-    """``0`` or ``sync`` (no speculation), else ``k[@threshold][/disable_by_batch_size]``."""
+    """``0`` or ``sync`` (no speculation), else ``k[@threshold][/disable_by_batch_size][:sync]``."""
     if text in ("0", "sync"):
         return None
+    text = text.removesuffix(":sync")
     text, _, cap = text.partition("/")
     k, _, threshold = text.partition("@")
     config = {"method": "mtp", "num_speculative_tokens": int(k), "confidence_threshold": float(threshold or 0)}
@@ -54,7 +56,7 @@ def main() -> None:
     ap.add_argument("--model", help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--backend")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--specs", default="sync,1,2,3,3@0.5,3/32")
+    ap.add_argument("--specs", default="sync,1,1:sync,3,3:sync,3@0.5,3/32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -71,7 +73,7 @@ def main() -> None:
             max_num_seqs=max(batches),
             progress=False,
             speculative_config=spec_config(c),
-            async_scheduling=c != "sync",
+            async_scheduling=c != "sync" and not c.endswith(":sync"),
         )
         for c in configs
     }
