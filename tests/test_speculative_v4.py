@@ -21,6 +21,7 @@ import test_model_v4 as v4
 import torch
 from model_helpers import one_thread  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file, save_file
+from test_speculative import invariant, requests, result  # noqa: F401 (invariant: a fixture)
 from transformers import DeepseekV4ForCausalLM
 
 import deepinfer
@@ -223,40 +224,12 @@ def serve(path, backend, device, **kw) -> LLM:
     return LLM(path, backend, device=device, **(args | kw))
 
 
-def result(out) -> tuple:
-    c = out.outputs[0]
-    return c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason, out.prompt_logprobs
-
-
-def requests(n: int, rng: random.Random) -> tuple[list, list[SamplingParams]]:
-    prompts = [[rng.randrange(2, 160) for _ in range(rng.randint(1, 30))] for _ in range(n)]
-    params = [
-        SamplingParams(
-            max_tokens=rng.randint(4, 20),
-            temperature=0.0 if i % 2 == 0 else rng.choice([0.6, 1.0]),
-            top_k=rng.choice([0, 20]),
-            seed=rng.randrange(1 << 40),
-            ignore_eos=i % 3 != 0,
-            logprobs=rng.choice([None, 0, 2]),
-            prompt_logprobs=0 if i % 4 == 0 else None,
-        )
-        for i in range(n)
-    ]
-    return prompts, params
-
-
-@pytest.fixture
-def invariant(monkeypatch):
-    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
-
-
+@pytest.mark.usefixtures("invariant")
 @pytest.mark.parametrize("name,k", [("plain", 1), ("yarn", 3)])
-def test_tokens_identical_with_and_without_speculation(
-    name, k, checkpoints, invariant, deepinfer_backend, deepinfer_device
-):
+def test_tokens_identical_with_and_without_speculation(name, k, checkpoints, deepinfer_backend, deepinfer_device):
     path, _ = checkpoints(name)
     seed = random.randrange(1 << 30)
-    prompts, params = requests(12, random.Random(seed))
+    prompts, params = requests(12, random.Random(seed), 160)
     plain = [result(o) for o in serve(path, deepinfer_backend, deepinfer_device).generate(prompts, params)]
     llm = serve(path, deepinfer_backend, deepinfer_device, speculative_config={"num_speculative_tokens": k})
     got = [result(o) for o in llm.generate(prompts, params)]
@@ -282,10 +255,9 @@ def oracle_drafts(monkeypatch, continuations: dict, rng: random.Random) -> None:
     monkeypatch.setattr(MTPDrafter, "propose", spoiled)
 
 
+@pytest.mark.usefixtures("invariant")
 @pytest.mark.parametrize("mode", [None, "swap", "recompute"])
-def test_accepted_drafts_keep_every_token(
-    mode, checkpoints, invariant, monkeypatch, deepinfer_backend, deepinfer_device
-):
+def test_accepted_drafts_keep_every_token(mode, checkpoints, monkeypatch, deepinfer_backend, deepinfer_device):
     """Drafts that are mostly right (``oracle_drafts``), greedy requests, with preemption in the middle of
     speculation (a cache of two sequences' state pages and 11 token pages) or without."""
     path, _ = checkpoints("yarn")
@@ -307,7 +279,8 @@ def test_accepted_drafts_keep_every_token(
         assert llm.engine.num_preemptions > 0
 
 
-def test_prefix_cache_hits_keep_every_token(checkpoints, invariant, deepinfer_backend, deepinfer_device):
+@pytest.mark.usefixtures("invariant")
+def test_prefix_cache_hits_keep_every_token(checkpoints, deepinfer_backend, deepinfer_device):
     """Requests sharing a prefix of 24 tokens (a multiple of every rate and page) reuse its state snapshot, the MTP
     layer's window included, under speculation: the tokens of a run without caching."""
     path, _ = checkpoints("yarn")
@@ -324,7 +297,8 @@ def test_prefix_cache_hits_keep_every_token(checkpoints, invariant, deepinfer_ba
     assert llm.engine.stats["cached_prompt_tokens"] >= 24 * 5
 
 
-def test_structured_output_holds_with_speculation(invariant, deepinfer_backend, deepinfer_device, tmp_path):
+@pytest.mark.usefixtures("invariant")
+def test_structured_output_holds_with_speculation(deepinfer_backend, deepinfer_device, tmp_path):
     """A V4 checkpoint with a byte-level tokenizer: choice and regex constraints hold on every sampled completion,
     with and without speculation (the grammar masks each verification row after the drafts before it), and the
     tokens are the same both ways."""
