@@ -22,6 +22,14 @@
 of at most ``index_topk`` tokens per sequence and layer; with ``--profile`` it reports the indexer's share of the
 step's kernel time. transformers is not run for it.
 
+``--model v4`` writes DeepSeek-V4-Flash's shapes (hidden 4096, 64 heads of 512 with one shared key=value head,
+q rank 1024, 8 output groups of rank 1024, ``hc_mult`` 4, 256 routed experts of 2048 as FP4 with ue8m0 scales, top-6,
+the first layer hash-routed, the other linears FP8, a window of 128, compressed sparse layers of rate 4 with a
+64 x 128 indexer keeping 512 entries, heavily compressed layers of rate 128, alternating), fills each sequence's
+pages with small random values, and counts in its roofline the window's keys, every compressed entry of a heavily
+compressed layer, every indexer key and at most ``index_topk`` entries of a compressed sparse one, and one row of
+each compressor's projections. transformers is not run for it.
+
 Prints a table and writes every number to the JSON path. Targets: >= 10x transformers at batch 64, >= 50% of the
 roofline at batch 1. ``--tiny`` runs the whole script at toy sizes on the CPU (a dry run of the logic, no numbers
 worth reading).
@@ -48,10 +56,10 @@ from safetensors.torch import save_file
 
 import deepinfer
 from deepinfer import QTensor, ops
-from deepinfer.model import LLM, Checkpoint, ModelConfig, SamplingParams, expected_layout
+from deepinfer.model import LLM, Checkpoint, ModelConfig, SamplingParams, config_v4, expected_layout
 from deepinfer.model.scheduler import ScheduledBatch
 from deepinfer.model.sequence import Sequence, Status
-from deepinfer.qtensor import quantize_blocks
+from deepinfer.qtensor import FP4_GROUP, FP4Tensor, quantize_blocks
 
 V3 = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -110,6 +118,42 @@ V32 = dict(
     index_head_dim=128,
     index_topk=2048,
 )
+V4 = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 6,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "num_hash_layers": 1,
+    "hc_mult": 4,
+    "sliding_window": 128,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "max_position_embeddings": 1048576,
+    "num_nextn_predict_layers": 0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+    },
+}
 INDEXER_KERNELS = ("index", "topk", "sort", "radix")  # kernel names of the indexer's work (scores, selection)
 # Toy shapes for --tiny (every K a multiple of 128, as FP8 GEMMs need).
 TINY = dict(
@@ -128,6 +172,27 @@ TINY = dict(
     qk_rope_head_dim=32,
     qk_nope_head_dim=32,
     v_head_dim=32,
+    max_position_embeddings=4096,
+)
+
+
+TINY_V4 = dict(
+    vocab_size=512,
+    hidden_size=256,
+    moe_intermediate_size=128,
+    num_attention_heads=4,
+    head_dim=128,
+    q_lora_rank=128,
+    qk_rope_head_dim=32,
+    o_groups=2,
+    o_lora_rank=128,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    sliding_window=16,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    index_n_heads=4,
+    index_head_dim=128,
+    index_topk=8,
     max_position_embeddings=4096,
 )
 
@@ -179,6 +244,47 @@ def write_checkpoint(path: Path, config: dict, device: torch.device, seed: int) 
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
+def write_checkpoint_v4(path: Path, config: dict, device: torch.device, seed: int) -> None:
+    """DeepSeek-V4's tensors for ``config`` (``config_v4.expected_layout``), random, drawn on ``device``: routed
+    experts FP4 (random e2m1 pairs, one ue8m0 scale per 32 values around 2^-4), the other linears FP8 with ue8m0
+    block scales, except those DeepSeek keeps in high precision. One safetensors shard per layer, plus the index."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    cfg = config_v4.V4Config.from_dict(config)
+    layout = config_v4.expected_layout(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    groups: dict[str, list[str]] = {}
+    for name in layout:
+        groups.setdefault(name.split(".")[1] if name.startswith("layers.") else "top", []).append(name)
+    weight_map = {}
+    for i, names in enumerate(groups.values()):
+        shard, file = {}, f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        for name in names:
+            shape, kind = layout[name]
+            if kind == config_v4.INDEX:
+                shard[name] = torch.randint(0, cfg.n_routed_experts, shape, generator=gen, device=device).cpu()
+                continue
+            if kind == config_v4.EXPERT:
+                n, k = shape
+                data = torch.randint(-128, 128, (n, k // 2), generator=gen, device=device, dtype=torch.int8)
+                scale = torch.randint(120, 124, (n, k // FP4_GROUP), generator=gen, device=device, dtype=torch.uint8)
+                shard[name], shard[name + "_scale_inv"] = data.cpu(), scale.view(torch.float8_e8m0fnu).cpu()
+                continue
+            if name.endswith("norm.weight"):
+                shard[name] = torch.ones(shape, dtype=torch.bfloat16)
+                continue
+            w = torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[-1])
+            if kind == config_v4.LINEAR and not any(h in name for h in config_v4.HIGH_PRECISION):
+                q = quantize_blocks(w, scale_format="ue8m0")
+                shard[name], shard[name + "_scale_inv"] = q.data.cpu(), q.scale.to(torch.float8_e8m0fnu).cpu()
+            else:
+                shard[name] = w.to(torch.float32 if ".hc_" in name or "hc_head" in name else torch.bfloat16).cpu()
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        log(f"  wrote {file} ({sum(t.numel() * t.element_size() for t in shard.values()) / 1e9:.2f} GB)")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Timing
 
@@ -213,7 +319,7 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 
 def nbytes(w) -> int:
-    if isinstance(w, QTensor):
+    if isinstance(w, (QTensor, FP4Tensor)):
         return w.data.numel() * w.data.element_size() + w.scale.numel() * w.scale.element_size()
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
 
@@ -247,6 +353,38 @@ def decode_bytes(llm: LLM, batch: int, context: int, experts_used: list[int]) ->
     return {"weights": weights, "experts": experts, "kv_cache": kv, "total": weights + experts + kv}
 
 
+def decode_bytes_v4(llm: LLM, batch: int, context: int, experts_used: list[int]) -> dict[str, int]:
+    """DeepSeek-V4: bytes one decode step of ``batch`` sequences must read. Weights: every layer's attention
+    (compressors and indexer included: they project the new token), mHC and norms, router, shared expert; each MoE
+    layer's selected experts; the head and mHC head. Caches per sequence and layer, in the layout's records: the
+    window's ``sliding_window - 1`` keys; a heavily compressed layer's every entry; a compressed sparse layer's every
+    indexer key and at most ``index_topk`` entries; one row of each compressor's projections (a window's rows are
+    each read once when it closes)."""
+    model, cfg = llm.model, llm.config
+    lay = model.cache_layout()
+    weights = nbytes(model.lm_head) + nbytes(model.norm) + sum(nbytes(w) for w in model.hc_head)
+    weights += batch * cfg.hidden_size * model.embed.element_size()
+    experts = cache = 0
+    for i, (attn_norm, attn, ffn_norm, moe, hc) in enumerate(model.layers):
+        weights += nbytes(attn_norm) + nbytes(ffn_norm) + sum(nbytes(w) for site in hc.values() for w in site)
+        weights += sum(nbytes(w) for w in attn.w.values())
+        weights += (
+            nbytes(moe.gate) + nbytes(moe.s13) + nbytes(moe.s2) + (nbytes(moe.bias) if moe.bias is not None else 0)
+        )
+        experts += experts_used[i] * (nbytes(moe.w13) + nbytes(moe.w2)) // moe.w13.shape[0]
+        per_seq = min(context, cfg.sliding_window - 1) * cfg.head_dim * lay.elem_bytes
+        if attn.m:
+            count = context // attn.m
+            if attn.indexer is not None:
+                per_seq += count * lay.index_bytes + min(count, cfg.index_topk) * lay.entry_bytes
+                per_seq += 2 * 2 * cfg.index_head_dim * lay.elem_bytes
+            else:
+                per_seq += count * lay.entry_bytes
+            per_seq += 2 * (2 if attn.indexer is not None else 1) * cfg.head_dim * lay.elem_bytes
+        cache += batch * per_seq
+    return {"weights": weights, "experts": experts, "kv_cache": cache, "total": weights + experts + cache}
+
+
 def fake_context(llm: LLM, batch: int, context: int, seed: int) -> list[Sequence]:
     """``batch`` running sequences with ``context - 1`` tokens already in the cache (random latents) and one to
     decode."""
@@ -262,6 +400,16 @@ def fake_context(llm: LLM, batch: int, context: int, seed: int) -> list[Sequence
         alloc.grow(seq, context)
         seq.num_computed, seq.status = context - 1, Status.RUNNING
         seqs.append(seq)
+    if getattr(cfg, "owns_cache", False):  # DeepSeek-V4: pages of bytes the model lays out; small finite values
+        pages = torch.tensor(sorted({b for s in seqs for b in s.block_table}), device=llm.device)
+        cache = engine.kv_cache[0]
+        gen = torch.Generator(device=llm.device).manual_seed(seed)
+        for start in range(0, pages.numel(), 256):
+            part = pages[start : start + 256]
+            shape = (part.numel(), cache.shape[1])
+            # bytes below 0x3c: bf16 and fp32 values below 2^-6, e4m3 values below 1, ue8m0 scales below 2^-67
+            cache[part] = torch.randint(0, 0x3C, shape, generator=gen, device=llm.device, dtype=torch.uint8)
+        return seqs
     slots = torch.tensor([alloc.slot(s, p) for s in seqs for p in range(context - 1)], device=llm.device)
     chunk = 1 << 16
     for layer, layer_cache in enumerate(engine.runner.kv_caches):
@@ -276,21 +424,27 @@ def fake_context(llm: LLM, batch: int, context: int, seed: int) -> list[Sequence
 
 
 def experts_selected(llm: LLM, batch: ScheduledBatch) -> list[int]:
-    """Distinct routed experts each MoE layer selects in one eager decode step of ``batch``."""
+    """Distinct routed experts each MoE layer selects in one eager decode step of ``batch`` (routed by score or,
+    DeepSeek-V4's first layers, by the token's hash)."""
     used: list[int] = []
-    route = ops.moe_route
+    routes = {name: getattr(ops, name) for name in ("moe_route", "moe_route_hash")}
 
-    def spy(*a, **k):
-        weights, ids = route(*a, **k)
-        used.append(int(torch.unique(ids).numel()))
-        return weights, ids
+    def spy(route):
+        def counted(*a, **k):
+            weights, ids = route(*a, **k)
+            used.append(int(torch.unique(ids).numel()))
+            return weights, ids
 
-    ops.moe_route = spy
+        return counted
+
+    for name, route in routes.items():
+        setattr(ops, name, spy(route))
     try:
-        input_ids, fb = llm.engine.runner.prepare(batch)
+        input_ids, fb, _ = llm.engine.runner.prepare(batch)
         llm.model.forward(input_ids, fb, llm.engine.runner.kv_caches, llm.engine.runner.index_caches)
     finally:
-        ops.moe_route = route
+        for name, route in routes.items():
+            setattr(ops, name, route)
     return used
 
 
@@ -435,7 +589,7 @@ def bench_ours(
         for s in seqs:
             llm.engine.allocator.release(s)
         ms = statistics.median(times)
-        need = decode_bytes(llm, b, context, used)
+        need = (decode_bytes_v4 if llm.config.model_type == "deepseek_v4" else decode_bytes)(llm, b, context, used)
         roof_ms = need["total"] / bandwidth * 1e3
         rows.append(
             {
@@ -455,7 +609,7 @@ def bench_ours(
                 **({"engine_timeline": lines} if lines else {}),
             }
         )
-        if kernels and llm.config.sparse_attention:
+        if kernels and getattr(llm.config, "sparse_attention", False):
             total = sum(k["us"] for k in kernels)
             share = sum(k["us"] for k in kernels if any(w in k["kernel"].lower() for w in INDEXER_KERNELS))
             rows[-1]["indexer_kernel_share"] = share / total if total else None
@@ -573,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per batch (median)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16")
-    p.add_argument("--model", choices=("v3", "v32"), default="v3", help="DeepSeek-V3 or V3.2 shapes (default v3)")
+    p.add_argument("--model", choices=("v3", "v32", "v4"), default="v3", help="DeepSeek-V3, V3.2 or V4-Flash shapes")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--batch-invariant", action="store_true", help="load and decode in batch-invariant mode")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -601,14 +755,18 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or deepinfer.current_backend().name
     spec = deepinfer.registry.get().lookup(backend)
     device = torch.device("cpu" if args.tiny else spec.device_type)
-    config = dict(
-        V32 if args.model == "v32" else V3, num_hidden_layers=args.layers, first_k_dense_replace=args.dense_layers
-    )
-    if args.model == "v32" and not args.no_hf:
-        log("transformers is not timed for --model v32")
+    if args.model == "v4":
+        config = dict(V4, num_hidden_layers=args.layers) | (TINY_V4 if args.tiny else {})
+    else:
+        config = dict(
+            V32 if args.model == "v32" else V3, num_hidden_layers=args.layers, first_k_dense_replace=args.dense_layers
+        )
+        if args.tiny:
+            config |= TINY | ({"index_n_heads": 8, "index_topk": 64} if args.model == "v32" else {})
+    if args.model != "v3" and not args.no_hf:
+        log(f"transformers is not timed for --model {args.model}")
         args.no_hf = True
     if args.tiny:
-        config |= TINY | ({"index_n_heads": 8, "index_topk": 64} if args.model == "v32" else {})
         args.context = min(args.context, 256)
     batches = [int(b) for b in args.batches.split(",")]
     hf_batches = [int(b) for b in args.hf_batches.split(",")] if args.hf_batches else batches
@@ -622,13 +780,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (path / "config.json").is_file():
             log(f"writing the checkpoint to {path}")
-            write_checkpoint(path, config, device, args.seed)
+            (write_checkpoint_v4 if args.model == "v4" else write_checkpoint)(path, config, device, args.seed)
         log(f"loading with deepinfer on {backend} ({device})")
         bandwidth = copy_bandwidth(device, (1 << 32) if device.type == "cuda" else (1 << 26))
         log(f"  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
         max_batch = max(batches)
         grow = 4 * (args.engine_steps + 4) + 2 * 24 * args.engine_timeline  # tokens the engine loops add to each
         blocks = max_batch * math.ceil((args.context + grow) / 64) + 64
+        if args.model == "v4":  # each sequence's state pages too
+            layout = config_v4.V4Config.from_dict(config).cache_layout(64, 2, args.kv_format)
+            blocks += max_batch * layout.state_pages
         with deepinfer.batch_invariant(args.batch_invariant):
             llm = LLM(
                 path,

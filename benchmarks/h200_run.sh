@@ -24,6 +24,8 @@
 #                dispatch tables rewritten under captured CUDA graphs, and the structured-output tests
 #   fp4-check    grouped_gemm's conformance at small and full shapes (the FP4 expert kernel among them, reports under
 #                $OUT), then the DeepSeek-V4 FP4-expert cross-check on cuda_sm100
+#   v4-bench     the decode step of a DeepSeek-V4-Flash-shaped cut (4 layers, FP4 experts) at 4k context, batches 1, 64
+#                and 256, against its bytes roofline, with a kernel profile ($OUT/model_v4.json)
 #   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split
 #                it, e.g. `bench gemm`, then `bench grouped_gemm,moe_layer`, then the rest); its JSON is rewritten after
 #                every case, so a stopped run keeps its numbers
@@ -83,6 +85,9 @@ case ${1:-} in
       --report "$OUT/conformance_grouped_gemm_full.json" 2>&1 | tail -3
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_model_v4.py -k fp4 --deepinfer-backend cuda_sm100 \
       --tb=short 2>&1 | tail -8 ;;
+  v4-bench)
+    timeout 540 python3 benchmarks/bench_model.py "$OUT/model_v4.json" --model v4 --layers 4 --context 4096 \
+      --batches 1,64,256 --steps 5 --warmup 1 --profile 2>&1 | grep -v Loading | tail -60 ;;
   structured)
     timeout 300 python3 benchmarks/bench_structured_output.py --backend cuda_sm100 --batch 64 \
       --json "$OUT/structured_output.json" 2>&1 | tail -5 ;;
