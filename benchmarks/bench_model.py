@@ -222,6 +222,8 @@ def write_checkpoint(path: Path, config: dict, device: torch.device, seed: int) 
         shard, file = {}, f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         for name in names:
             want = layout[name]
+            if want.optional:  # (an MTP layer's copies of the embedding and head: never read)
+                continue
             shape = want.shape
             if name.endswith("norm.weight"):
                 t = torch.ones(shape, dtype=torch.bfloat16)

@@ -14,14 +14,26 @@ run, the mean accepted length, the share of steps launched before the previous o
 (``steps_ahead``; confidence scheduling reads the drafts and runs synchronously) and the share of requests whose
 tokens equal plain decoding's (in the default mode the logits' rounding depends on the
 rows a step runs, so a near-tie can differ; with ``DEEPINFER_BATCH_INVARIANT=1`` every request is identical).
+
+The embedded model's step is bound by launches, not by its weights. ``--cut LAYERS`` serves instead a
+DeepSeek-V3-shaped FP8 cut of that many layers with an MTP layer (``bench_model.py``'s random checkpoint, written to
+a temporary directory, on the GPU), whose step is bound by reading its weights, as DeepSeek-V3's is. Its random MTP
+layer drafts nothing the model takes, so ``--oracle-drafts P`` replaces every draft with the token plain decoding
+took there, spoiled (made wrong) with probability ``P``: a known acceptance, for what verification costs at it.
+Oracle drafts are read on the host, so those speculative steps run synchronously (``:sync`` or not), and the MTP
+layer still runs as it would.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -60,33 +72,86 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cut", type=int, help="serve a DeepSeek-V3-shaped FP8 cut of this many layers (see above)")
+    ap.add_argument(
+        "--oracle-drafts", type=float, help="drafts from plain decoding, each spoiled with this probability"
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     configs = ["0", *args.specs.split(",")]
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    rows = []
-    llms = {
-        c: LLM(
-            args.model or default_checkpoint(),
-            args.backend,
-            max_num_seqs=max(batches),
-            progress=False,
-            speculative_config=spec_config(c),
-            async_scheduling=c != "sync" and not c.endswith(":sync"),
-        )
-        for c in configs
-    }
-    prompts = prompts_from_heldout(llms["0"].tokenizer, max(batches), args.prompt_len)
-    print(f"{llms['0'].backend} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+    with tempfile.TemporaryDirectory(prefix="deepinfer-spec-") as tmp:
+        model = write_cut(Path(tmp), args.cut, args.backend) if args.cut else args.model or default_checkpoint()
+        rows = measure(args, model, batches, configs)
     print("| batch | spec | tokens/s | vs plain | mean accepted length | drafts / verification | steps ahead | same |")
     print("|---|---|---|---|---|---|---|---|")
-    for b in batches:
-        plain_tokens, plain_rate = None, None
-        for c in configs:
-            llm = llms[c]
+    for row in sorted(rows, key=lambda r: (r["batch"], configs.index(r["spec"]))):
+        print(
+            f"| {row['batch']} | {row['spec']} | {row['tokens_per_s']:.0f} | {row['speedup']:.2f}x | "
+            f"{row['mean_accepted_length']:.2f} | {row['drafts_per_verification']:.2f} | "
+            f"{100 * row['steps_ahead']:.0f}% | {100 * row['same_tokens']:.0f}% |"
+        )
+
+
+def write_cut(path: Path, layers: int, backend: str | None) -> Path:
+    """``bench_model.py``'s DeepSeek-V3-shaped FP8 checkpoint of ``layers`` layers plus an MTP layer, in ``path``."""
+    from bench_model import V3, write_checkpoint
+
+    import deepinfer
+
+    spec = deepinfer.registry.get().lookup(backend or deepinfer.current_backend().name)
+    config = dict(V3, num_hidden_layers=layers, first_k_dense_replace=1, num_nextn_predict_layers=1)
+    write_checkpoint(path, config, torch.device(spec.device_type), seed=0)
+    return path
+
+
+def oracle_drafts(llm: LLM, plain: dict[tuple, list[int]], spoil: float, seed: int) -> None:
+    """Replaces ``llm``'s drafts with the tokens plain decoding took (``plain``: prompt -> prompt and completion),
+    each made wrong with probability ``spoil``. The MTP layer still runs; its chained drafts are dropped."""
+    drafter = llm.engine.runner.drafter
+    propose, rng = drafter.propose, random.Random(seed)
+    vocab = llm.config.vocab_size
+
+    def from_plain(seqs, *a, **k):
+        propose(seqs, *a, **k)
+        for seq in seqs:
+            full = plain[tuple(seq.token_ids[: seq.num_prompt_tokens])]
+            true = full[seq.num_tokens : seq.num_tokens + len(seq.drafts)]
+            seq.drafts = [t if rng.random() >= spoil else (t + 1) % vocab for t in true]
+        return []  # every draft is on the host
+
+    drafter.propose = from_plain
+
+
+def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> list[dict]:
+    """Every configuration at every batch size, one configuration loaded at a time (plain decoding first)."""
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rows: list[dict] = []
+    plain: dict[int, tuple] = {}  # batch -> (tokens, tokens per second) of plain decoding
+    prompts, continuations = None, None
+    for c in configs:
+        llm = LLM(
+            model,
+            args.backend,
+            max_num_seqs=max(batches),
+            max_model_len=args.prompt_len + args.max_tokens + 64,
+            progress=False,
+            speculative_config=spec_config(c),
+            async_scheduling=c != "sync"
+            and not c.endswith(":sync")
+            and (args.oracle_drafts is None or spec_config(c) is None),
+        )
+        if prompts is None:
+            prompts = make_prompts(llm, max(batches), args.prompt_len)
+            print(f"{llm.backend} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+            if args.oracle_drafts is not None:
+                outs = llm.generate(prompts, sp)
+                continuations = {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, outs)}
+        if continuations is not None and spec_config(c) is not None:
+            oracle_drafts(llm, continuations, args.oracle_drafts, seed=len(c))
+        for b in batches:
             llm.generate(prompts[:b], sp)  # warm-up: compilation, graphs, caches
-            rates, stats = [], {}
+            rates, stats, ahead = [], {}, 0.0
             for _ in range(args.repeats):
                 steps0, ahead0 = llm.engine.stats["steps"], llm.engine.stats["steps_ahead"]
                 start = time.perf_counter()
@@ -99,30 +164,48 @@ def main() -> None:
             tokens = [o.outputs[0].token_ids for o in outs]
             rate = statistics.median(rates)
             if c == "0":
-                plain_tokens, plain_rate = tokens, rate
-            same = sum(t == p for t, p in zip(tokens, plain_tokens)) / b
+                plain[b] = (tokens, rate)
             per_step = stats["drafted"] / stats["verifications"] if stats.get("verifications") else 0.0
-            row = {
-                "batch": b,
-                "spec": c,
-                "tokens_per_s": rate,
-                "speedup": rate / plain_rate,
-                "mean_accepted_length": stats.get("mean_accepted_length", 1.0),
-                "drafts_per_verification": per_step,
-                "steps_ahead": ahead,
-                "same_tokens": same,
-                "runs": rates,
-            }
-            rows.append(row)
-            print(
-                f"| {b} | {c} | {rate:.0f} | {rate / plain_rate:.2f}x | {row['mean_accepted_length']:.2f} | "
-                f"{per_step:.2f} | {100 * ahead:.0f}% | {100 * same:.0f}% |",
-                flush=True,
+            rows.append(
+                {
+                    "batch": b,
+                    "spec": c,
+                    "tokens_per_s": rate,
+                    "speedup": rate / plain[b][1],
+                    "mean_accepted_length": stats.get("mean_accepted_length", 1.0),
+                    "drafts_per_verification": per_step,
+                    "steps_ahead": ahead,
+                    "same_tokens": sum(t == p for t, p in zip(tokens, plain[b][0])) / b,
+                    "runs": rates,
+                }
             )
+            print(f"  {c} at batch {b}: {rate:.0f} tokens/s", flush=True)
             if args.json:
                 with open(args.json, "w") as f:
-                    model = args.model or EMBEDDED
-                    json.dump({"model": model, "max_tokens": args.max_tokens, "rows": rows}, f, indent=1)
+                    name = f"DeepSeek-V3-shaped cut of {args.cut} layers" if args.cut else args.model or EMBEDDED
+                    json.dump(
+                        {
+                            "model": name,
+                            "max_tokens": args.max_tokens,
+                            "oracle_drafts": args.oracle_drafts,
+                            "rows": rows,
+                        },
+                        f,
+                        indent=1,
+                    )
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def make_prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
+    """Held-out text through the checkpoint's tokenizer, or random tokens where it has none."""
+    if llm.tokenizer is not None:
+        return prompts_from_heldout(llm.tokenizer, n, length)
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(2, llm.config.vocab_size, (length,), generator=g).tolist() for _ in range(n)]
 
 
 if __name__ == "__main__":

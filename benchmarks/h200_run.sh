@@ -15,6 +15,8 @@
 #                against the reference backend ($OUT/embedded_eval_cuda_sm100.json), then its tests on cuda_sm100
 #   speculative  speculative decoding's tests on cuda_sm100 (CUDA graphs, batch-invariant mode), then
 #                benchmarks/bench_speculative.py at batch 1, 16 and 64 ($OUT/speculative.json)
+#   speculative-cut  bench_speculative.py on a DeepSeek-V3-shaped FP8 cut (2 layers and an MTP layer: a step bound by its
+#                weights) with drafts from plain decoding spoiled at 20%, batch 1, 16 and 64 ($OUT/speculative_cut.json)
 #   structured   benchmarks/bench_structured_output.py at batch 64: compile, mask fill and apply against a step
 #                ($OUT/structured_output.json)
 #   prefix-cache [ARGS]  time to first token with a prefix-cache hit against a miss (4096 + 64 tokens), the same
@@ -85,6 +87,10 @@ case ${1:-} in
       --report "$OUT/conformance_grouped_gemm_full.json" 2>&1 | tail -3
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_model_v4.py -k fp4 --deepinfer-backend cuda_sm100 \
       --tb=short 2>&1 | tail -8 ;;
+  speculative-cut)
+    timeout 560 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --cut 2 --oracle-drafts 0.2 \
+      --batches 1,16,64 --specs 1,3 --max-tokens 64 --repeats 2 --json "$OUT/speculative_cut.json" 2>&1 \
+      | grep -v "wrote model" | tail -20 ;;
   v4-bench)
     timeout 540 python3 benchmarks/bench_model.py "$OUT/model_v4.json" --model v4 --layers 4 --context 4096 \
       --batches 1,64,256 --steps 5 --warmup 1 --profile 2>&1 | grep -v Loading | tail -60 ;;
