@@ -36,10 +36,12 @@ of its own (``DeepseekV4.new_state``). Entries and indexer keys are stored as ``
 dtype, or DeepSeek's FP8 records, ``fp8_ds_mla``, read back dequantised). Every layer reads what it attends from
 the pages after writing what the step adds: the window's past keys, every entry so far (CSA: every indexer key,
 then the entries the indexer chooses), gathered into the pools ``indexer_topk_entries`` and
-``sparse_attention_sinks`` take. A forward takes any number of
-new tokens per sequence (a prompt, a chunk of one, one decode token); the result does not depend on how a prompt is
-split, nor on where the pages are. Nothing in the pages is read beyond what the sequence's length says is written,
-so a recomputed sequence needs no clearing and a swapped one resumes from its pages copied back.
+``sparse_attention_sinks`` take: sequence by sequence, or, in a decode step of one new token per sequence on the
+engine's pages, for all sequences at once (``DecodeRows``: their block tables and lengths on the device). A forward
+takes any number of new tokens per sequence (a prompt, a chunk of one, one decode token); the result does not
+depend on how a prompt is split, nor on where the pages are. Nothing in the pages is read beyond what the
+sequence's length says is written (or read there and masked), so a recomputed sequence needs no clearing and a
+swapped one resumes from its pages copied back.
 """
 
 from __future__ import annotations
@@ -187,15 +189,69 @@ class V4State:
         return torch.cat([values, rope.view(self.dtype).view(records.shape[0], self.layout.rope_dim)], dim=1)
 
 
+class DecodeRows:
+    """One new token of each of ``states`` (whose pages are one tensor): the sequences' block tables and lengths on
+    the device, so that a layer reads and writes every sequence's caches in a few gathers instead of a loop over
+    the sequences."""
+
+    def __init__(self, states: list[V4State]):
+        st0 = states[0]
+        self.layout, self.flat, self.state0 = st0.layout, st0.flat, st0
+        device = st0.flat.device
+        self.starts = [st.length for st in states]
+        width = max(len(st.block_table) for st in states)
+        tables = [st.block_table + [0] * (width - len(st.block_table)) for st in states]
+        self.tables = torch.tensor(tables, dtype=torch.int64).to(device)
+        self.start = torch.tensor(self.starts, dtype=torch.int64).to(device)
+
+    def state_index(
+        self, offset: int, rows: torch.Tensor, width: int, which: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Element indices ``[S, R, width]`` of rows ``rows [S, R]`` (int64, on the device) of the ``[*, width]``
+        matrix at element ``offset`` of the state vector of each sequence (or of sequences ``which [S]``)."""
+        tables = self.tables if which is None else self.tables.index_select(0, which)
+        e = self.layout.page_elems
+        flat = offset + rows[..., None] * width + torch.arange(width, device=rows.device)
+        page = tables.gather(1, (flat // e).reshape(rows.shape[0], -1)).view(flat.shape)
+        return page * e + flat % e
+
+    def _entry_slots(self, tables: torch.Tensor, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, k = self.layout.block_size, self.layout.state_pages
+        p = w * m // bs
+        pages = tables.gather(1, (k + p).clamp(max=tables.shape[1] - 1))  # (past a sequence's pages: masked)
+        return pages, w - (p * bs + m - 1) // m
+
+    def read_entries(self, layer: int, m: int, w: torch.Tensor, index: bool = False) -> torch.Tensor:
+        """Entries (or indexer keys) ``w [B, C]`` of each sequence, ``[B, C, width]`` in the model's dtype; an entry
+        past what a sequence holds reads some record: callers mask it."""
+        pages, slots = self._entry_slots(self.tables, m, w)
+        records = self.state0._records(layer, index)[pages, slots]
+        width = self.layout.index_width if index else self.layout.entry_width
+        return self.state0._decode(records.reshape(-1, records.shape[-1]), index).view(*w.shape, width)
+
+    def write_entries(
+        self, layer: int, m: int, which: torch.Tensor, w: torch.Tensor, values: torch.Tensor, index: bool = False
+    ) -> None:
+        """Stores ``values [S, width]`` as entry (or indexer key) ``w [S]`` of sequences ``which [S]``."""
+        pages, slots = self._entry_slots(self.tables.index_select(0, which), m, w[:, None])
+        self.state0._records(layer, index)[pages[:, 0], slots[:, 0]] = self.state0._encode(values, index)
+
+
 @dataclass
 class V4Batch:
     """One forward: sequence ``b`` contributes ``lens[b]`` consecutive tokens (packed in order) and ``states[b]``
-    its caches; ``positions [T]`` int32 of every token. Built by ``DeepseekV4.batch``."""
+    its caches; ``positions [T]`` int32 of every token. Built by ``DeepseekV4.batch``. ``decode`` is the
+    ``DecodeRows`` of a batch of one new token per sequence on shared pages (None otherwise)."""
 
     states: list[V4State]
     lens: list[int]
     positions: torch.Tensor
     input_ids: torch.Tensor
+
+    def __post_init__(self):
+        pages = {id(st.pages) for st in self.states}
+        one_each = self.states and all(n == 1 for n in self.lens) and len(pages) == 1
+        self.decode = DecodeRows(self.states) if one_each else None
 
     @property
     def offsets(self) -> list[int]:
@@ -256,6 +312,36 @@ class Compressor:
         pos = ((start // m + torch.arange(w, device=kv.device)) * m).to(torch.int32)
         return _rope_tail(out[:, None], pos, self.table, self.rope_dim)[:, 0]
 
+    def step_rows(self, proj: tuple[torch.Tensor, torch.Tensor], dr: DecodeRows, layer: int, closing: list[int]):
+        """``step`` for one new row of each sequence of ``dr`` (``proj``: its ``kv, gate [B, c D]``): every row into
+        its sequence's ring, then the windows the sequences ``closing`` close, compressed together and stored as
+        their entries."""
+        kv, gate = proj
+        m, d, lay = self.m, self.dim, dr.layout
+        rows, offs = lay.compressor_rows(layer), lay.state_offset[layer]
+        at_kv, at_gate = offs[self.prefix + "buf_kv"], offs[self.prefix + "buf_gate"]
+        slot = (dr.start % rows)[:, None]
+        dr.flat[dr.state_index(at_kv, slot, kv.shape[1])[:, 0]] = kv
+        dr.flat[dr.state_index(at_gate, slot, gate.shape[1])[:, 0]] = gate
+        if not closing:
+            return
+        which = torch.tensor(closing, device=kv.device)
+        start = dr.start.index_select(0, which)
+        span = (2 if self.overlap else 1) * m  # the window closing and, overlapping, the one before it
+        past = (start[:, None] - span + 1 + torch.arange(span, device=kv.device)).remainder(rows)
+        ck = dr.flat[dr.state_index(at_kv, past, kv.shape[1], which)]
+        cg = dr.flat[dr.state_index(at_gate, past, gate.shape[1], which)]
+        if self.overlap:  # the window's second series after the first series of the window before it (none first)
+            first = (start < m)[:, None, None]
+            prev_kv = torch.where(first, 0.0, ck[:, :m, :d])
+            prev_gate = torch.where(first, float("-inf"), cg[:, :m, :d])
+            ck = torch.cat([prev_kv, ck[:, m:, d:]], dim=1)
+            cg = torch.cat([prev_gate, cg[:, m:, d:]], dim=1)
+        out = ops.rms_norm(ops.compress_kv(ck.contiguous(), cg.contiguous(), self.bias), self.norm, self.eps)[0]
+        entry = start // m
+        out = _rope_tail(out[:, None], (entry * m).to(torch.int32), self.table, self.rope_dim)[:, 0]
+        dr.write_entries(layer, m, which, entry, out, index=self.prefix == "i")
+
 
 class V4Attention:
     """One layer's attention (module docstring). ``w``: the layer's weights below ``attn.``."""
@@ -293,6 +379,36 @@ class V4Attention:
         comp = self.compressor.project(x) if self.compressor else None
         idx = self.indexer.project(x) if self.indexer else None
 
+        index_q = None
+        if self.kind == CSA:  # the lightning indexer's queries and their head weights
+            qi = linear(q_res, w["indexer.wq_b.weight"]).view(t, cfg.index_n_heads, cfg.index_head_dim)
+            qi = _rope_tail(qi, pos, self.indexer.table, self.rd)
+            index_q = (qi, ops.gemm(x.float(), w["indexer.weights_proj.weight"], out_dtype=torch.float32))
+        if batch.decode is not None:
+            pool, indices = self._decode_pools(kv, comp, idx, batch.decode, index_q)
+        else:
+            pool, indices = self._pools(kv, comp, idx, batch, index_q)
+        indices = torch.cat(indices, dim=1).to(torch.int32)
+        out = ops.sparse_attention_sinks(q, torch.cat(pool), indices, w["attn_sink"], softmax_scale=d**-0.5)
+        out = _rope_tail_back(out, pos, self.table, self.rd)
+        g = cfg.o_groups
+        grouped = out.reshape(t, g, -1).transpose(0, 1).contiguous()
+        per_group = torch.full((g,), t, dtype=torch.int32, device=x.device)
+        o = ops.grouped_gemm(grouped, w["wo_a"], masked_m=per_group, out_dtype=x.dtype)
+        return linear(o.transpose(0, 1).reshape(t, -1), w["wo_b.weight"])
+
+    def _choose(self, index_q, keys, key_start, key_count) -> torch.Tensor:
+        """The lightning indexer's choice among each query's range of ``keys`` (``index_q``: its queries and head
+        weights)."""
+        qi, head_w = index_q
+        return ops.indexer_topk_entries(
+            qi, head_w * self.index_scale, keys, key_start, key_count, topk=self.cfg.index_topk
+        )
+
+    def _pools(self, kv, comp, idx, batch: V4Batch, index_q) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The key=value pool rows and each query's rows of it (window, then entries), sequence by sequence: any
+        number of new tokens a sequence; ``index_q``: the indexer's queries and head weights (CSA)."""
+        cfg, d, dev = self.cfg, self.dim, kv.device
         sw = cfg.sliding_window
         ring = batch.states[0].layout.window_rows if batch.states else 0
         layer = self.layer
@@ -307,8 +423,8 @@ class V4Attention:
             held = min(start, sw - 1)
             past = st.read_state(wo, torch.arange(start - held, start) % ring, d) if held else kv.new_zeros(0, d)
             keys = torch.cat([past, kv[rows]])
-            i = torch.arange(n, device=x.device)
-            j = (i + held)[:, None] - torch.arange(sw, device=x.device)[None, :]
+            i = torch.arange(n, device=dev)
+            j = (i + held)[:, None] - torch.arange(sw, device=dev)[None, :]
             window_idx.append(torch.where(j >= 0, j + base, -1))
             pool.append(keys)
             base += keys.shape[0]
@@ -323,7 +439,7 @@ class V4Attention:
                 st.write_entries(layer, self.m, start // self.m, new)
             visible = (batch.positions[rows].long() + 1) // self.m  # entries whose window has closed
             if self.indexer is None:
-                e = torch.arange(count, device=x.device)[None, :]
+                e = torch.arange(count, device=dev)[None, :]
                 entry_idx.append(torch.where(e < visible[:, None], e + base, -1))
                 pool.append(st.read_entries(layer, self.m, count))
                 base += count
@@ -332,7 +448,7 @@ class V4Attention:
                 if new.shape[0]:
                     st.write_entries(layer, self.m, start // self.m, new, index=True)
                 key_pool.append(st.read_entries(layer, self.m, count, index=True))
-                key_start.append(torch.full((n,), key_base, dtype=torch.int32, device=x.device))
+                key_start.append(torch.full((n,), key_base, dtype=torch.int32, device=dev))
                 key_count.append(visible.to(torch.int32))
                 owners.append((st, key_base, count))
                 key_base += count
@@ -344,26 +460,53 @@ class V4Attention:
                 torch.cat([torch.nn.functional.pad(e, (0, width - e.shape[1]), value=-1) for e in entry_idx])
             )
         elif self.kind == CSA:
-            qi = linear(q_res, w["indexer.wq_b.weight"]).view(t, cfg.index_n_heads, cfg.index_head_dim)
-            qi = _rope_tail(qi, pos, self.indexer.table, self.rd)
-            scores_w = ops.gemm(x.float(), w["indexer.weights_proj.weight"], out_dtype=torch.float32)
-            chosen = ops.indexer_topk_entries(
-                qi,
-                scores_w * self.index_scale,
-                torch.cat(key_pool),
-                torch.cat(key_start),
-                torch.cat(key_count),
-                topk=cfg.index_topk,
-            )
-            indices.append(self._chosen_entries(chosen, owners, pool, base))
-        indices = torch.cat(indices, dim=1).to(torch.int32)
-        out = ops.sparse_attention_sinks(q, torch.cat(pool), indices, w["attn_sink"], softmax_scale=d**-0.5)
-        out = _rope_tail_back(out, pos, self.table, self.rd)
-        g = cfg.o_groups
-        grouped = out.reshape(t, g, -1).transpose(0, 1).contiguous()
-        per_group = torch.full((g,), t, dtype=torch.int32, device=x.device)
-        o = ops.grouped_gemm(grouped, w["wo_a"], masked_m=per_group, out_dtype=x.dtype)
-        return linear(o.transpose(0, 1).reshape(t, -1), w["wo_b.weight"])
+            picked = self._choose(index_q, torch.cat(key_pool), torch.cat(key_start), torch.cat(key_count))
+            indices.append(self._chosen_entries(picked, owners, pool, base))
+        return pool, indices
+
+    def _decode_pools(self, kv, comp, idx, dr: DecodeRows, index_q) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``_pools`` for one new token per sequence, every sequence at once: the window's past keys in one gather,
+        the new key and compressor rows in one scatter, the windows that close compressed together, the entries
+        (or, CSA, the indexer keys, then the chosen entries) in one gather each."""
+        cfg, d, dev, layer = self.cfg, self.dim, kv.device, self.layer
+        sw, lay, b = cfg.sliding_window, dr.layout, len(dr.starts)
+        ring, at = lay.window_rows, lay.state_offset[layer]["window"]
+        seqs = torch.arange(b, device=dev)[:, None]
+        h = min(max(dr.starts), sw - 1)  # past keys a row reads at most
+        keys = kv[:, None]
+        if h:
+            past = dr.start[:, None] - h + torch.arange(h, device=dev)  # positions (negative ones masked below)
+            keys = torch.cat([dr.flat[dr.state_index(at, past.remainder(ring), d)], keys], dim=1)
+        back = torch.arange(sw, device=dev)[None, :]  # how far back each window column is
+        window = torch.where(back <= dr.start.clamp(max=sw - 1)[:, None], seqs * (h + 1) + h - back, -1)
+        if ring:
+            dr.flat[dr.state_index(at, (dr.start % ring)[:, None], d)[:, 0]] = kv
+        pool, indices, base = [keys.reshape(-1, d)], [window], b * (h + 1)
+        if self.compressor is None:
+            return pool, indices
+        m = self.m
+        closing = [i for i, start in enumerate(dr.starts) if (start + 1) % m == 0]
+        self.compressor.step_rows(comp, dr, layer, closing)
+        if self.indexer is not None:
+            self.indexer.step_rows(idx, dr, layer, closing)
+        count = (dr.start + 1) // m  # every entry written is visible to the new token
+        c = max((start + 1) // m for start in dr.starts)
+        if self.indexer is None:
+            entry = torch.arange(c, device=dev)[None, :].expand(b, c)
+            if c:
+                pool.append(dr.read_entries(layer, m, entry).reshape(-1, d))
+            indices.append(torch.where(entry < count[:, None], base + seqs * c + entry, -1))
+            return pool, indices
+        entry = torch.arange(c, device=dev)[None, :].expand(b, c)
+        keys = dr.read_entries(layer, m, entry, index=True).reshape(b * c, cfg.index_head_dim)
+        picked = self._choose(index_q, keys, (seqs[:, 0] * c).to(torch.int32), count.to(torch.int32))
+        valid = picked >= 0
+        if c:  # each query's rows are its own sequence's keys: row - seq * c is the entry
+            which = (picked.long() - seqs * c).clamp(min=0)
+            pool.append(dr.read_entries(layer, m, which).reshape(-1, d))
+        k = picked.shape[1]
+        indices.append(torch.where(valid, base + seqs * k + torch.arange(k, device=dev)[None, :], -1))
+        return pool, indices
 
     def _chosen_entries(self, chosen: torch.Tensor, owners: list, pool: list[torch.Tensor], base: int) -> torch.Tensor:
         """Reads the entries ``chosen`` names (rows of the batch's indexer keys; ``owners``: each sequence's state,

@@ -66,11 +66,17 @@ def test_paged_prompt_logprobs_match_transformers(name, block_size, chunk, check
     assert v4.prompt_errors(model, oracle, ps, chunk) < v4.TOL
 
 
-def test_paged_greedy_decode_matches_transformers(checkpoints, load):
-    """Several sequences decode together on scattered pages of 3 tokens; every step against the oracle."""
-    path, oracle = checkpoints("yarn")
-    model, ps, steps = load(path), v4.prompts(32)[1:], 12
-    states = paged_states(model, 3, [len(p) + steps for p in ps], seed=5)
+@pytest.mark.parametrize("name, block_size", [("yarn", 3), ("plain", 5), ("yarn", 8)])
+def test_paged_greedy_decode_matches_transformers(name, block_size, checkpoints, load, monkeypatch):
+    """Several sequences decode together on scattered pages, one token each a step: every layer reads and writes
+    all their caches at once (``DecodeRows``); every step against the oracle."""
+    path, oracle = checkpoints(name)
+    model, steps = load(path), 12
+    ps = [[5], [6, 7], *v4.prompts(32)[1:]]  # (the first compressed windows of the short ones close in decode)
+    states = paged_states(model, block_size, [len(p) + steps for p in ps], seed=5)
+    batched = []
+    decode_pools = v4.deepseek_v4.V4Attention._decode_pools
+    monkeypatch.setattr(v4.deepseek_v4.V4Attention, "_decode_pools", lambda *a: batched.append(1) or decode_pools(*a))
     lp = v4.run(model, states, ps)
     ends = torch.tensor([len(p) for p in ps]).cumsum(0) - 1
     ours = [[int(lp[e].argmax())] for e in ends]
@@ -80,6 +86,7 @@ def test_paged_greedy_decode_matches_transformers(checkpoints, load):
         for b in range(len(ps)):
             ours[b].append(int(lp[b].argmax()))
             rows[b].append(lp[b])
+    assert len(batched) == (steps - 1) * len(model.layers)
     for p, gen, got in zip(ps, ours, rows):
         ref = v4.oracle_logprobs(oracle, p + gen)[len(p) - 1 :][:steps]
         assert (torch.stack(got) - ref).abs().max().item() < v4.TOL
@@ -109,6 +116,29 @@ def _requests(n: int, seed: int):
 
 def _result(out):
     return out.outputs[0].token_ids, out.outputs[0].logprobs, out.outputs[0].top_logprobs
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_decode_steps_of_all_sequences_at_once_give_the_bits_of_one_at_a_time(
+    kv_format, checkpoints, monkeypatch, deepinfer_backend, deepinfer_device
+):
+    """Batch-invariant mode: 12 requests served with decode steps that read and write every sequence's caches at
+    once (``DecodeRows``) give bitwise the tokens and log-probabilities of steps that go sequence by sequence."""
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    path, _ = checkpoints("yarn")
+    ps, params = _requests(12, seed=43)
+    ps[:3] = [[7], [9, 11], [13, 15, 17]]  # their first compressed windows close in decode steps
+    kw = dict(block_size=4, max_num_seqs=12, kv_format=kv_format)
+    batched = [_result(o) for o in v4.serve(path, deepinfer_backend, deepinfer_device, **kw).generate(ps, params)]
+    post_init = v4.deepseek_v4.V4Batch.__post_init__
+
+    def one_at_a_time(batch):
+        post_init(batch)
+        batch.decode = None
+
+    monkeypatch.setattr(v4.deepseek_v4.V4Batch, "__post_init__", one_at_a_time)
+    looped = [_result(o) for o in v4.serve(path, deepinfer_backend, deepinfer_device, **kw).generate(ps, params)]
+    assert batched == looped
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
