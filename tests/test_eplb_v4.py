@@ -3,10 +3,11 @@ recorded independently, and on 2 Gloo ranks on the CPU a rebalance mid-generatio
 
 A tiny random V4 checkpoint is skewed so that every token picks expert ``HOT`` in every MoE layer: a large selection
 bias in the top-k routed layers, ``tid2eid`` naming it first for every token in the hash-routed one. Served with
-``ep=2``, 2 redundant experts and a rebalance every few steps (its routed experts fp32, and packed FP4 in a copy),
-every rank must give the greedy tokens of one process serving without EPLB (log-probabilities within 1e-4, bitwise in
-batch-invariant mode), the placements must change mid-generation (the hot expert gets a copy on both ranks in every
-layer, the hash-routed one included), and every slot of every rank must then hold its expert's checkpoint weights.
+``ep=2``, 2 redundant experts and a rebalance every few steps (its routed experts fp32; packed FP4 in a copy; with
+speculative decoding through a random MTP layer in another), every rank must give the greedy tokens of one process
+serving without EPLB (log-probabilities within 1e-4, bitwise in batch-invariant mode), the placements must change
+mid-generation (the hot expert gets a copy on both ranks in every layer, the hash-routed one included; the MTP layer
+keeps its load-time placement), and every slot of every rank must then hold its expert's checkpoint weights.
 The harness (``ep_harness.launch``) kills whatever is left, so a bug fails, never hangs.
 """
 
@@ -74,6 +75,22 @@ def fp4_copy(src, dst):
     return dst
 
 
+def mtp_copy(src, dst):
+    """A copy of the checkpoint at ``src`` with a random multi-token-prediction layer (``test_speculative_v4``)."""
+    import shutil
+
+    from test_speculative_v4 import add_mtp
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("model.safetensors", "config.json"):
+        shutil.copy(src / name, dst / name)
+    add_mtp(dst, seed=31)
+    return dst
+
+
+MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+
+
 def build(path, ep: int | None, **kw) -> LLM:
     return LLM(path, "reference", dtype="float32", progress=False, ep=ep, **(ENGINE | kw))
 
@@ -95,11 +112,15 @@ def _rows(w, i: int) -> list[torch.Tensor]:
 
 def wrong_slots(llm: LLM, path) -> tuple[int, list]:
     """``(slots checked, (layer, slot, expert) of those not holding their expert's checkpoint weights)`` over this
-    rank's MoE layers, against the model loaded whole in one process."""
+    rank's MoE layers (and its multi-token-prediction layers'), against the model loaded whole in one process."""
+    mtp = bool(llm.model.mtp)
     with deepinfer.use("reference"):
-        full = DeepseekV4.load(V4Checkpoint.open(path), dtype=torch.float32)
+        full = DeepseekV4.load(V4Checkpoint.open(path), dtype=torch.float32, mtp=mtp)
+    mine, ref = llm.model.moe_layers(), full.moe_layers()
+    if mtp:
+        mine, ref = mine + [m.block[3] for m in llm.model.mtp], ref + [m.block[3] for m in full.mtp]
     checked, wrong = 0, []
-    for layer, (ffn, want) in enumerate(zip(llm.model.moe_layers(), full.moe_layers())):
+    for layer, (ffn, want) in enumerate(zip(mine, ref)):
         assert type(ffn.w13) is type(want.w13)
         for slot, e in enumerate(ffn.ep.local):
             pairs = [*zip(_rows(ffn.w13, slot), _rows(want.w13, e)), *zip(_rows(ffn.w2, slot), _rows(want.w2, e))]
@@ -109,10 +130,11 @@ def wrong_slots(llm: LLM, path) -> tuple[int, list]:
     return checked, wrong
 
 
-def sc_generate(rank: int, world: int, path, fp4_path) -> dict:
+def sc_generate(rank: int, world: int, path, fp4_path, mtp_path) -> dict:
     out = {}
-    for name, ckpt, invariant in (("normal", path, False), ("invariant", path, True), ("fp4", fp4_path, True)):
-        llm = build(ckpt, world, enable_eplb=True, num_redundant_experts=2, eplb_step_interval=INTERVAL)
+    for name, ckpt, invariant, kw in VARIANTS:
+        ckpt = {"fp32": path, "fp4": fp4_path, "mtp": mtp_path}[ckpt]
+        llm = build(ckpt, world, enable_eplb=True, num_redundant_experts=2, eplb_step_interval=INTERVAL, **kw)
         initial = llm.eplb.placements
         got = run(llm, invariant)
         out[name] = {
@@ -124,33 +146,39 @@ def sc_generate(rank: int, world: int, path, fp4_path) -> dict:
             "rebalances": llm.eplb.rebalances,
             "moved": llm.eplb.moved,
             "slots": wrong_slots(llm, ckpt),
+            "mtp_kept": [m.block[3].ep.placement == llm.ep.placement for m in llm.model.mtp],
+            "drafted": llm.engine.spec_stats.drafted,
         }
     return out
 
 
+# (name, checkpoint, batch-invariant, LLM arguments)
+VARIANTS = [
+    ("normal", "fp32", False, {}),
+    ("invariant", "fp32", True, {}),
+    ("fp4", "fp4", True, {}),
+    ("mtp", "mtp", True, MTP),  # speculative decoding: the MTP layer keeps its load-time placement
+]
 SCENARIOS = {"generate": sc_generate}
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     path = skewed_v4_checkpoint(tmp_path_factory.mktemp("v4-eplb"))
-    return path, fp4_copy(path, tmp_path_factory.mktemp("v4-eplb-fp4"))
+    fp4 = fp4_copy(path, tmp_path_factory.mktemp("v4-eplb-fp4"))
+    return path, fp4, mtp_copy(path, tmp_path_factory.mktemp("v4-eplb-mtp"))
 
 
 @pytest.fixture(scope="module")
 def runs(ckpts):
-    path, fp4_path = ckpts
+    paths = dict(zip(("fp32", "fp4", "mtp"), ckpts))
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = {
-            "normal": run(build(path, None), False),
-            "invariant": run(build(path, None), True),
-            "fp4": run(build(fp4_path, None), True),
-        }
+        one = {name: run(build(paths[ckpt], None, **kw), invariant) for name, ckpt, invariant, kw in VARIANTS}
     finally:
         torch.set_num_threads(before)
-    got = launch(__name__, WORLD, ["generate"], args=(path, fp4_path), pg_timeout_s=30.0, deadline_s=150.0)
+    got = launch(__name__, WORLD, ["generate"], args=ckpts, pg_timeout_s=30.0, deadline_s=150.0)
     ranks = []
     for rank in range(WORLD):
         assert (rank, "generate") in got, f"rank {rank} never reported"
@@ -167,14 +195,14 @@ def test_v4_rebalanced_mid_generation_gives_the_tokens_of_one_process_without_ep
         assert got["tokens"] == want["tokens"], f"rank {rank}"
         for a, b in zip(got["logprobs"], want["logprobs"]):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
-        for name in ("invariant", "fp4"):
+        for name in ("invariant", "fp4", "mtp"):
             assert out[name]["tokens"] == one[name]["tokens"], f"rank {rank}, {name}"
             assert out[name]["logprobs"] == one[name]["logprobs"], f"rank {rank}, {name}: not bitwise"
         assert out["fp4"]["packed"] and not out["normal"]["packed"]
     assert one["invariant"]["tokens"] == one["normal"]["tokens"]
 
 
-@pytest.mark.parametrize("name", ["normal", "invariant", "fp4"])
+@pytest.mark.parametrize("name", ["normal", "invariant", "fp4", "mtp"])
 def test_v4_experts_are_re_placed_and_every_slot_holds_its_experts_weights(runs, name):
     _, ranks = runs
     out = ranks[0][name]
@@ -185,15 +213,17 @@ def test_v4_experts_are_re_placed_and_every_slot_holds_its_experts_weights(runs,
     for initial, final in zip(out["initial"], out["final"]):
         assert sum(HOT in experts for experts in initial) == 1
         assert all(HOT in experts for experts in final), "the hot expert has a copy on every rank"
+    mtp = name == "mtp"
     for rank, r in enumerate(ranks):
+        assert r[name]["mtp_kept"] == ([True] if mtp else [])
+        assert (r[name]["drafted"] > 0) == mtp
         checked, wrong = r[name]["slots"]
-        assert checked == sum(len(experts[rank]) for experts in out["final"])
+        assert checked == sum(len(experts[rank]) for experts in out["final"]) + mtp * len(out["initial"][0][rank])
         assert not wrong, f"rank {rank}: (layer, slot, expert) not holding the expert's weights: {wrong}"
 
 
 def test_v4_expert_load_counts_the_routed_tokens_of_top_k_and_hash_layers(ckpts, monkeypatch):
-    path, _ = ckpts
-    llm = build(path, None, enable_eplb=True, eplb_window_size=3)
+    llm = build(ckpts[0], None, enable_eplb=True, eplb_window_size=3)
     calls: list[torch.Tensor] = []
     for fn in ("moe_route", "moe_route_hash"):
         route = getattr(ops, fn)
