@@ -131,6 +131,10 @@ class DeepseekV3:
             if f"model.layers.{i}.eh_proj.weight" in weights
         ]
 
+    def moe_layers(self) -> list[MoE]:
+        """The MoE of every decoder layer that has one, in order (not the multi-token-prediction layers')."""
+        return [ffn for *_, ffn in self.layers if isinstance(ffn, MoE)]
+
     def _block(self, weights: dict, i: int, softmax_scale: float) -> tuple:
         """Decoder layer ``i``: ``(input norm, attention, post-attention norm, dense MLP or MoE)``."""
         cfg, p = self.cfg, f"model.layers.{i}."

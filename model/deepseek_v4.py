@@ -534,6 +534,7 @@ class V4MoE:
         self.gate, self.bias, self.tid2eid = w["gate.weight"], w.get("gate.bias"), w.get("gate.tid2eid")
         self.w13, self.w2 = w["experts.gate_up_proj"], w["experts.down_proj"]
         self.s13, self.s2 = w["shared_experts.gate_up_proj"], w["shared_experts.down_proj"]
+        self.load: torch.Tensor | None = None  # [E] int64: when set, each forward adds its tokens per expert (eplb.py)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` of tokens ``input_ids [T]`` -> ``[T, H]``. Over several ranks (``ep``) a collective: every
@@ -565,6 +566,9 @@ class V4MoE:
                 routed_scaling_factor=cfg.routed_scaling_factor,
                 scoring=cfg.scoring_func,
             )
+        if self.load is not None and ids.numel():  # every row counts (no padded graph batches here)
+            ones = torch.ones(ids.numel(), dtype=torch.int64, device=ids.device)
+            self.load.index_add_(0, ids.reshape(-1).long(), ones)
         recv, _, _, layout, handle = ops.ep_dispatch(
             x, ids, weights, num_experts=cfg.n_routed_experts, group=self.ep.group, placement=self.ep.placement
         )
@@ -600,6 +604,10 @@ class DeepseekV4:
             for k in range(cfg.num_nextn_predict_layers)
             if f"mtp.{k}.e_proj.weight" in weights
         ]
+
+    def moe_layers(self) -> list[V4MoE]:
+        """The MoE of every decoder block, in order (not the multi-token-prediction layers')."""
+        return [moe for _, _, _, moe, _ in self.layers]
 
     def build_block(self, layer: int, weights: dict, prefix: str) -> tuple:
         """Decoder block ``layer`` (its attention type, rate and MoE routing by that index) from the weights under
@@ -778,7 +786,8 @@ def load_weights(
 ) -> dict:
     """Every weight by normalised name (``mtp``: the multi-token-prediction layers' too), read once, assembled
     (experts stacked gate-and-up in ``ep.local``'s order, ``wo_a`` by group) and passed through ``prepare_weight``
-    once; routed experts other than ``ep``'s local ones are not read. FP4 routed experts stay packed (``FP4Tensor``
+    once; routed experts other than ``ep``'s local ones are not read (a redundant expert is read by every rank whose
+    slots hold it). FP4 routed experts stay packed (``FP4Tensor``
     stacks) where the selected backend has a grouped GEMM of its own for them (``fp4_experts_served``); otherwise
     they are dequantised to ``dtype``."""
     cfg = ckpt.config

@@ -20,16 +20,17 @@ slots within a rank) to keep as many experts where they are as the greedy matchi
 has to move.
 
 **Measurement and rebalancing** (``ExpertLoadBalancer``): each MoE layer counts, on the device, the (token, expert)
-pairs of the tokens it routes (``MoE.load``, one ``index_add_`` per layer: no host synchronisation, captured into
-CUDA graphs like the rest of the step; padding rows of a graph batch are not counted). After each step the counts
-move into a ring of ``window_size`` steps, on the device. Every ``step_interval`` steps a rebalance starts and is
-spread over the following steps so that none pauses for the whole of it: the ranks' windows are summed (an
-all-reduce issued without waiting), the new placement is computed on a worker thread, and once every rank's thread
+pairs of the tokens it routes (``MoE.load``, DeepSeek-V4's ``V4MoE.load`` alike, one ``index_add_`` per layer: no host
+synchronisation, captured into CUDA graphs like the rest of the step; padding rows of a graph batch are not counted;
+DeepSeek-V4's hash-routed layers count too: a token's experts are fixed, but their copies share its rows). After each
+step the counts move into a ring of ``window_size`` steps, on the device. Every ``step_interval`` steps a rebalance
+starts and is spread over the following steps so that none pauses for the whole of it: the ranks' windows are summed
+(an all-reduce issued without waiting), the new placement is computed on a worker thread, and once every rank's thread
 is done (agreed over the host group) the layers whose placement changes move their expert weights between ranks in
 place (``torch.distributed`` point-to-point over the expert-parallel group, staged so that no weight is overwritten
-before it is sent), a few layers per step, each switching to its new placement as its weights arrive, at the same
-step on every rank. Each layer's dispatch tables live in buffers of its own (``ExpertPlacement.table_slot``),
-rewritten in place on a switch, so CUDA graphs captured before read the new placement.
+before it is sent), a few layers per step, each switching to its new placement as its weights arrive, at the same step
+on every rank. Each layer's dispatch tables live in buffers of its own (``ExpertPlacement.table_slot``), rewritten in
+place on a switch, so CUDA graphs captured before read the new placement.
 
 Tokens of an expert held by several ranks are spread over its copies by ``ExpertPlacement``'s replica rule: pair
 ``(source rank s, token t)`` goes to holder ``(s + t) % copies``, deterministic and the same on every rank. Every
@@ -49,11 +50,11 @@ from typing import Any
 
 import torch
 
-from deepinfer import QTensor
+from deepinfer import FP4Tensor, QTensor
 from deepinfer.errors import InputError
 from deepinfer.ops.moe import ExpertPlacement, load_placement_tables
 
-from .moe import ExpertParallel, MoE
+from .moe import ExpertParallel
 
 log = logging.getLogger("deepinfer.eplb")
 
@@ -344,12 +345,14 @@ class _TableSlot:
 
 
 class ExpertLoadBalancer:
-    """Measures the load of every MoE layer of ``model`` (its main layers; multi-token-prediction layers keep their
-    load-time placement) and re-places their experts every ``step_interval`` steps, spread over several steps.
+    """Measures the load of every MoE layer of ``model`` (``model.moe_layers()``, DeepSeek-V3's or V4's: its main
+    layers; multi-token-prediction layers keep their load-time placement) and re-places their experts every
+    ``step_interval`` steps, spread over several steps. A layer has ``load``, ``ep`` and its expert stacks ``w13``,
+    ``w2`` (dense, FP8 ``QTensor`` or packed ``FP4Tensor``, ``[E_local, ...]``).
 
     window_size: steps whose load is kept (a ring on the device). step_interval: steps between rebalances (None:
     measure only). num_nodes: nodes the ranks span (``rebalance_experts``). layers_per_step: MoE layers whose experts
-    move per step while a rebalance is applied (None: all in one step). Attaching sets ``MoE.load`` on each layer and
+    move per step while a rebalance is applied (None: all in one step). Attaching sets each layer's ``load`` and
     gives each layer's placement a ``table_slot`` of its own, so that its dispatch tables are rewritten in place
     when it changes: CUDA graphs captured before read the new placement, and never need capturing again. The engine
     calls ``end_step`` after each step it launches. Over several ranks ``expert_load``, ``rebalance`` and
@@ -384,12 +387,13 @@ class ExpertLoadBalancer:
         layers_per_step: int | None = 1,
     ):
         self.model = model
-        self.layers: list[MoE] = [ffn for *_, ffn in model.layers if isinstance(ffn, MoE)]
+        self.layers: list[Any] = model.moe_layers()
         ep: ExpertParallel = model.ep
         self.rank, self.group, self.world = ep.rank, ep.group, ep.world_size
         self.num_experts = model.cfg.n_routed_experts
         self.num_physical = len(phy2log_of(ep.placement))
-        self.num_groups, self.num_nodes = model.cfg.n_group or 1, num_nodes
+        # the router's expert groups (DeepSeek-V4 has no group-limited routing)
+        self.num_groups, self.num_nodes = getattr(model.cfg, "n_group", None) or 1, num_nodes
         self.window_size, self.step_interval = window_size, step_interval
         self.layers_per_step = layers_per_step
         shape = (len(self.layers), self.num_experts)
@@ -567,11 +571,11 @@ class ExpertLoadBalancer:
         return out
 
 
-def _stacks(ffn: MoE) -> list[torch.Tensor]:
-    """The tensors of a layer's routed experts, each ``[E_local, ...]`` (FP8: data and scales)."""
+def _stacks(ffn: Any) -> list[torch.Tensor]:
+    """The tensors of a layer's routed experts, each ``[E_local, ...]`` (FP8 and packed FP4: data and scales)."""
     out = []
     for w in (ffn.w13, ffn.w2):
-        out += [w.data, w.scale] if isinstance(w, QTensor) else [w]
+        out += [w.data, w.scale] if isinstance(w, (QTensor, FP4Tensor)) else [w]
     return out
 
 
@@ -579,7 +583,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def move_experts(ffn: MoE, old: ExpertPlacement, new: ExpertPlacement, rank: int, group: Any) -> int:
+def move_experts(ffn: Any, old: ExpertPlacement, new: ExpertPlacement, rank: int, group: Any) -> int:
     """Rewrites this rank's expert weights of ``ffn`` in place from placement ``old`` to ``new`` (the same slots per
     rank). A slot keeping its expert is untouched; an expert this rank held in another slot is copied locally; any
     other comes from a rank holding it under ``old`` (holder ``(dst + slot) % copies``, spreading the sends), by

@@ -179,8 +179,6 @@ class LLM:
                     num_redundant_experts=num_redundant_experts,
                     num_groups=getattr(self.config, "n_group", 1) or 1,
                 )
-                if isinstance(ckpt, V4Checkpoint):
-                    _refuse_for_v4(enable_eplb, num_redundant_experts)
                 mtp_layers = 1 if self.speculative_config is not None else 0
                 if mtp_layers and not self.config.num_nextn_predict_layers:
                     raise InputError(
@@ -578,18 +576,3 @@ def _check_arguments(**kw: Any) -> None:
         raise c.fail("host_cache_gb", "a finite number >= 0", repr(host))
     if kw["max_model_len"] is not None:
         c.positive_int("max_model_len", kw["max_model_len"], minimum=2)  # one prompt token and one generated
-
-
-def _refuse_for_v4(enable_eplb: bool, num_redundant_experts: int = 0) -> None:
-    """What DeepSeek-V4 serving does not do yet, refused before its weights are read."""
-    if num_redundant_experts:
-        raise InputError(
-            "LLM",
-            "num_redundant_experts",
-            "0 for deepseek_v4 (its experts are not re-placed at run time yet)",
-            repr(num_redundant_experts),
-        )
-    if enable_eplb:
-        raise InputError(
-            "LLM", "enable_eplb", "False for deepseek_v4 (its experts are not re-placed at run time yet)", "True"
-        )

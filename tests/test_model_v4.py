@@ -413,8 +413,6 @@ def test_v4_refusals_at_serving(checkpoints, deepinfer_backend):
         serve(path, deepinfer_backend, None, max_model_len=10**6)
     with pytest.raises(InputError, match="speculative_config"):
         serve(path, deepinfer_backend, None, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    with pytest.raises(InputError, match="enable_eplb"):
-        serve(path, deepinfer_backend, None, enable_eplb=True)
     raw = json.loads((Path(path) / "config.json").read_text())
     layout = V4Config.from_dict(raw).cache_layout(4, 4)  # serve's pages: 4 tokens, fp32
     fits = (layout.state_pages + 1) * layout.page_bytes
