@@ -787,9 +787,8 @@ def load_weights(
     """Every weight by normalised name (``mtp``: the multi-token-prediction layers' too), read once, assembled
     (experts stacked gate-and-up in ``ep.local``'s order, ``wo_a`` by group) and passed through ``prepare_weight``
     once; routed experts other than ``ep``'s local ones are not read (a redundant expert is read by every rank whose
-    slots hold it). FP4 routed experts stay packed (``FP4Tensor``
-    stacks) where the selected backend has a grouped GEMM of its own for them (``fp4_experts_served``); otherwise
-    they are dequantised to ``dtype``."""
+    slots hold it). FP4 routed experts stay packed (``FP4Tensor`` stacks) where the selected backend has a grouped
+    GEMM of its own for them (``fp4_experts_served``); otherwise they are dequantised to ``dtype``."""
     cfg = ckpt.config
     ep = ep or ExpertParallel.single(cfg.n_routed_experts)
     out: dict = {}
