@@ -121,8 +121,9 @@ class V4Config:
         return total * elem_bytes
 
     def cache_bytes_per_sequence(self, elem_bytes: int = 2) -> int:
-        """Fixed bytes per sequence (before rounding to whole pages): every layer's last ``sliding_window - 1`` keys,
-        and each compressor's unfinished window (and, overlapping, the previous window's first series)."""
+        """Fixed bytes per sequence (before rounding to whole pages): every layer's window ring of
+        ``sliding_window - 1`` keys and each compressor's ring of its last projections (without speculative decoding:
+        ``V4CacheLayout`` has the rings' sizes)."""
         return V4CacheLayout.build(self, 1, elem_bytes).state_elems * elem_bytes
 
     def cache_page_bytes(self, kv_format: str, block_size: int, elem_bytes: int = 2, mtp_layers: int = 0) -> int:

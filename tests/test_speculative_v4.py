@@ -282,7 +282,9 @@ def test_accepted_drafts_keep_every_token(mode, checkpoints, monkeypatch, deepin
 @pytest.mark.usefixtures("invariant")
 def test_prefix_cache_hits_keep_every_token(checkpoints, deepinfer_backend, deepinfer_device):
     """Requests sharing a prefix of 24 tokens (a multiple of every rate and page) reuse its state snapshot, the MTP
-    layer's window included, under speculation: the tokens of a run without caching."""
+    layer's rings included, under speculation: the tokens of a run without caching. (The MTP layer's row at the
+    prefix's last position was made with the token that followed it in the request that cached it: drafts may
+    differ from a run without caching, tokens never do.)"""
     path, _ = checkpoints("yarn")
     rng = random.Random(3)
     shared = [rng.randrange(2, 160) for _ in range(24)]
@@ -322,3 +324,44 @@ def test_structured_output_holds_with_speculation(deepinfer_backend, deepinfer_d
         check(kind, a.outputs[0].text)
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
     assert llm.last_stats["speculative"]["drafted"] > 10
+
+
+@pytest.mark.usefixtures("invariant")
+def test_the_engine_drafts_what_the_mtp_layer_computes_alone(checkpoints, monkeypatch, deepinfer_backend):
+    """Every draft the engine verifies (first drafts from the MTP pass over each step's rows, chained ones from the
+    layer's own states, on the engine's pages across steps and rejected drafts) equals the MTP layer's greedy token
+    recomputed from the sequence's tokens on pages of its own: a broken MTP path in the engine fails here even
+    though verification keeps the output tokens right."""
+    path, _ = checkpoints("yarn")
+    seen = []
+    propose = MTPDrafter.propose
+
+    def recorded(self, seqs, *a, **k):
+        out = propose(self, seqs, *a, **k)
+        seen.extend((list(s.token_ids), s.num_computed, list(s.drafts)) for s in seqs if s.drafts)
+        return out
+
+    monkeypatch.setattr(MTPDrafter, "propose", recorded)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 160) for _ in range(rng.randint(3, 25))] for _ in range(4)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    llm = serve(path, deepinfer_backend, None, speculative_config={"num_speculative_tokens": 3})
+    llm.generate(prompts, params)
+    assert len(seen) > 10 and sum(len(d) for *_, d in seen) > 30
+    model = load(path, deepinfer_backend, None)
+    model.use_pages(8, mtp_layers=1, drafts=3)
+    mtp = model.mtp[0]
+    with use(deepinfer_backend):
+        for tokens, computed, drafts in seen:
+            x = torch.tensor(tokens[: computed + 1], device=model.device)
+            st = model.new_state()
+            streams = model.forward(x, model.batch([st], x, [len(x)]))
+            st.length = 0
+            state = mtp.forward(streams[:-1], x[1:], model.batch([st], x[1:], [len(x) - 1]), None)[-1:]
+            got = [int(mtp.compute_logits(state).argmax())]
+            for j in range(1, len(drafts)):  # chained: the layer's own state and its last draft, one row further
+                st.length = computed - 1 + j
+                ids = torch.tensor(got[-1:], device=model.device)
+                state = mtp.forward(state, ids, model.batch([st], ids, [1]), None)
+                got.append(int(mtp.compute_logits(state).argmax()))
+            assert got == drafts, (tokens, computed)
