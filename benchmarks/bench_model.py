@@ -145,14 +145,7 @@ V4 = {
     "num_nextn_predict_layers": 0,
     "bos_token_id": 0,
     "eos_token_id": 1,
-    "quantization_config": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-        "scale_fmt": "ue8m0",
-        "expert_dtype": "fp4",
-    },
+    "quantization_config": V3["quantization_config"] | {"scale_fmt": "ue8m0", "expert_dtype": "fp4"},
 }
 INDEXER_KERNELS = ("index", "topk", "sort", "radix")  # kernel names of the indexer's work (scores, selection)
 # Toy shapes for --tiny (every K a multiple of 128, as FP8 GEMMs need).

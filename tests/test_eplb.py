@@ -250,34 +250,42 @@ def ckpt(tmp_path_factory):
 ENGINE = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16)
 
 
-def spy_routes(monkeypatch) -> list[torch.Tensor]:
-    """Records the expert ids of every ``moe_route`` call, in order."""
+def spy_routes(monkeypatch, names: tuple[str, ...] = ("moe_route",)) -> list[torch.Tensor]:
+    """Records the expert ids of every call of the routing ops ``names``, in order."""
     calls: list[torch.Tensor] = []
-    route = ops.moe_route
+    for name in names:
+        route = getattr(ops, name)
 
-    def spy(*args, **kw):
-        out = route(*args, **kw)
-        calls.append(out[1].clone())
-        return out
+        def spy(*args, _route=route, **kw):
+            out = _route(*args, **kw)
+            calls.append(out[1].clone())
+            return out
 
-    monkeypatch.setattr(ops, "moe_route", spy)
+        monkeypatch.setattr(ops, name, spy)
     return calls
 
 
-def test_expert_load_counts_the_routed_tokens_over_a_sliding_window(ckpt, monkeypatch):
-    llm = LLM(ckpt, "reference", dtype="float32", progress=False, enable_eplb=True, eplb_window_size=3, **ENGINE)
-    calls = spy_routes(monkeypatch)
+def measured_and_routed(llm: LLM, calls: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Serves three prompts on ``llm`` (its load window 3 steps) and returns the load it measured and the tokens
+    per expert of the routing ``calls`` recorded over its last 3 steps, ``[MoE layers, E]`` each."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, llm.config.vocab_size, (n,), generator=g).tolist() for n in (3, 20, 9)]
     llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     layers = len(llm.eplb.layers)
-    assert layers == 2 and len(calls) % layers == 0
+    assert len(calls) % layers == 0
     steps = len(calls) // layers
     assert steps == llm.engine.stats["steps"] == llm.eplb.steps > 3
     experts = llm.config.n_routed_experts
     counts = torch.stack([torch.bincount(c.flatten().long(), minlength=experts) for c in calls]).view(steps, layers, -1)
-    assert torch.equal(llm.expert_load(), counts[-3:].sum(0)), "the last 3 steps"
-    assert int(counts.sum()) > 0
+    return llm.expert_load(), counts[-3:].sum(0)
+
+
+def test_expert_load_counts_the_routed_tokens_over_a_sliding_window(ckpt, monkeypatch):
+    llm = LLM(ckpt, "reference", dtype="float32", progress=False, enable_eplb=True, eplb_window_size=3, **ENGINE)
+    load, routed = measured_and_routed(llm, spy_routes(monkeypatch))
+    assert len(llm.eplb.layers) == 2
+    assert torch.equal(load, routed), "the last 3 steps"
+    assert int(routed.sum()) > 0
 
 
 def test_padding_rows_of_a_graph_batch_are_not_counted(ckpt, monkeypatch):

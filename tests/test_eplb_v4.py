@@ -20,9 +20,10 @@ import torch
 from ep_harness import launch
 from model_helpers import one_thread  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file, save_file
+from test_eplb import measured_and_routed, spy_routes
 
 import deepinfer
-from deepinfer import FP4Tensor, ops
+from deepinfer import FP4Tensor
 from deepinfer.model import LLM, SamplingParams
 from deepinfer.model.config_v4 import V4Checkpoint
 from deepinfer.model.deepseek_v4 import DeepseekV4
@@ -224,25 +225,7 @@ def test_v4_experts_are_re_placed_and_every_slot_holds_its_experts_weights(runs,
 
 def test_v4_expert_load_counts_the_routed_tokens_of_top_k_and_hash_layers(ckpts, monkeypatch):
     llm = build(ckpts[0], None, enable_eplb=True, eplb_window_size=3)
-    calls: list[torch.Tensor] = []
-    for fn in ("moe_route", "moe_route_hash"):
-        route = getattr(ops, fn)
-
-        def spy(*args, _route=route, **kw):
-            out = _route(*args, **kw)
-            calls.append(out[1].clone())
-            return out
-
-        monkeypatch.setattr(ops, fn, spy)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, llm.config.vocab_size, (n,), generator=g).tolist() for n in (3, 20, 9)]
-    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
-    layers = len(llm.eplb.layers)
-    assert layers == 4 and len(calls) % layers == 0
-    steps = len(calls) // layers
-    assert steps == llm.engine.stats["steps"] == llm.eplb.steps > 3
-    experts = llm.config.n_routed_experts
-    counts = torch.stack([torch.bincount(c.flatten().long(), minlength=experts) for c in calls]).view(steps, layers, -1)
-    load = llm.expert_load()
-    assert torch.equal(load, counts[-3:].sum(0)), "the last 3 steps"
+    load, routed = measured_and_routed(llm, spy_routes(monkeypatch, ("moe_route", "moe_route_hash")))
+    assert len(llm.eplb.layers) == 4
+    assert torch.equal(load, routed), "the last 3 steps"
     assert bool((load[:, HOT] * 2 == load.sum(1)).all()), "every token picks the hot expert, in every layer"
