@@ -16,9 +16,10 @@ memory.
 Multi-token-prediction layers: ``num_nextn_predict_layers = K`` in ``config.json`` declares K MTP layers after the
 ``L = num_hidden_layers`` decoder layers, named ``model.layers.{L + i}.`` as DeepSeek writes them: ``enorm``,
 ``hnorm``, ``eh_proj``, a whole decoder layer (attention, and a dense or MoE MLP by the usual index rule),
-``shared_head.norm``, and optionally ``shared_head.head`` and ``embed_tokens``. They are checked like the rest but
-not loaded (``mtp_keys`` lists them). A checkpoint holds either all K of them, complete, or none: transformers
-writes ``num_nextn_predict_layers: 1`` but no MTP weights, and serving does not need them. A partial or mis-shaped
+``shared_head.norm``, and optionally ``shared_head.head`` and ``embed_tokens``. They are checked like the rest and
+read only for speculative decoding (``mtp_keys`` lists them). A checkpoint holds either all K of them, complete, or
+none: transformers writes ``num_nextn_predict_layers: 1`` but no MTP weights, and serving without speculation does
+not need them. A partial or mis-shaped
 MTP layer is an error; so is a main-model tensor that is missing, which also catches a ``config.json`` whose
 ``num_hidden_layers`` is lower than the weights' (its last decoder layers would otherwise pass for MTP layers).
 
@@ -82,8 +83,8 @@ class TensorInfo:
 @dataclass(frozen=True)
 class Expected:
     """A tensor ``config.json`` implies: its shape and kind (``linear``: float or FP8 block-scaled; ``float``:
-    float; ``fp32``: float, used in fp32). ``mtp``: part of a multi-token-prediction layer (checked, not loaded);
-    ``optional``: may be absent (an MTP layer's own ``embed_tokens`` and ``shared_head.head``)."""
+    float; ``fp32``: float, used in fp32). ``mtp``: part of a multi-token-prediction layer (read for speculative
+    decoding); ``optional``: may be absent (an MTP layer's own ``embed_tokens`` and ``shared_head.head``)."""
 
     shape: tuple[int, ...]
     kind: str
@@ -349,7 +350,7 @@ def _check_counts(path: Path, cfg: ModelConfig, tensors: dict[str, TensorInfo]) 
 class Checkpoint:
     """A checked checkpoint directory. ``tensors``: every tensor by name; ``layout``: the tensors the model loads
     (``expected_layout`` less the MTP layers); ``mtp_layout``: those of the multi-token-prediction layers;
-    ``mtp_keys``: the MTP tensors this checkpoint holds (checked, not loaded; empty when it has none);
+    ``mtp_keys``: the MTP tensors this checkpoint holds (read for speculative decoding; empty when it has none);
     ``bytes_read``: bytes returned by ``read`` so far."""
 
     path: Path
