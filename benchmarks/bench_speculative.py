@@ -2,26 +2,26 @@
 length at each batch size, greedy, on the embedded model (or ``--model``) with prompts cut from held-out standard
 library files.
 
-    python benchmarks/bench_speculative.py [--backend cuda_sm100] [--batches 1,16,64] [--specs 1,1:sync,3,3@0.5]
+    python benchmarks/bench_speculative.py [--backend cuda_sm100] [--batches 1,16,64] [--specs 1,1:ahead,3,3@0.5]
         [--max-tokens 128] [--repeats 3] [--json OUT.json]
 
-Each spec is ``k[@threshold][/batch][:sync]`` (``num_speculative_tokens``, ``confidence_threshold``,
-``disable_by_batch_size``; ``:sync`` without asynchronous scheduling, so each speculative step waits for the one
-before), or ``sync``: plain decoding without asynchronous scheduling (what the overlap of host and device is
-worth). For every batch size, each configuration generates the same prompts ``--repeats`` times after
-one warm-up; the table gives the median tokens per second, the speed-up over plain decoding measured in the same
-run, the mean accepted length, the share of steps launched before the previous one's results were read
-(``steps_ahead``; confidence scheduling reads the drafts and runs synchronously) and the share of requests whose
-tokens equal plain decoding's (in the default mode the logits' rounding depends on the
-rows a step runs, so a near-tie can differ; with ``DEEPINFER_BATCH_INVARIANT=1`` every request is identical).
+Each spec is ``k[@threshold][/batch][:ahead]`` (``num_speculative_tokens``, ``confidence_threshold``,
+``disable_by_batch_size``; ``:ahead``: ``launch_ahead``, each speculative step launched before the host has read the one
+before, which otherwise it waits for), or ``sync``: plain decoding without asynchronous scheduling (what the overlap of
+host and device is worth). For every batch size, each configuration generates the same prompts ``--repeats`` times after
+one warm-up; the table gives the median tokens per second, the speed-up over plain decoding measured in the same run,
+the mean accepted length, the share of steps launched before the previous one's results were read (``steps_ahead``;
+confidence scheduling reads the drafts and runs synchronously) and the share of requests whose tokens equal plain
+decoding's (in the default mode the logits' rounding depends on the rows a step runs, so a near-tie can differ; with
+``DEEPINFER_BATCH_INVARIANT=1`` every request is identical).
 
 The embedded model's step is bound by launches, not by its weights. ``--cut LAYERS`` serves instead a
 DeepSeek-V3-shaped FP8 cut of that many layers with an MTP layer (``bench_model.py``'s random checkpoint, written to
 a temporary directory, on the GPU), whose step is bound by reading its weights, as DeepSeek-V3's is. Its random MTP
 layer drafts nothing the model takes, so ``--oracle-drafts P`` replaces every draft with the token plain decoding
 took there, spoiled (made wrong) with probability ``P``: a known acceptance, for what verification costs at it.
-Oracle drafts are read on the host, so those speculative steps run synchronously (``:sync`` or not), and the MTP
-layer still runs as it would.
+Oracle drafts are read on the host, so those speculative steps wait for the one before (``:ahead`` is ignored),
+and the MTP layer still runs as it would.
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ def prompts_from_heldout(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def spec_config(text: str) -> dict | None:
-    """``0`` or ``sync`` (no speculation), else ``k[@threshold][/disable_by_batch_size][:sync]``."""
+    """``0`` or ``sync`` (no speculation), else ``k[@threshold][/disable_by_batch_size][:ahead]``."""
     if text in ("0", "sync"):
         return None
-    text = text.removesuffix(":sync")
+    text, ahead = text.removesuffix(":ahead"), text.endswith(":ahead")
     text, _, cap = text.partition("/")
     k, _, threshold = text.partition("@")
     config = {"method": "mtp", "num_speculative_tokens": int(k), "confidence_threshold": float(threshold or 0)}
-    return config | ({"disable_by_batch_size": int(cap)} if cap else {})
+    return config | {"launch_ahead": ahead} | ({"disable_by_batch_size": int(cap)} if cap else {})
 
 
 EMBEDDED = "model/checkpoints/tiny-py/bf16"  # recorded for the default, the embedded model
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--model", help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--backend")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--specs", default="sync,1,1:sync,3,3:sync,3@0.5,3/32")
+    ap.add_argument("--specs", default="sync,1,1:ahead,3,3:ahead,3@0.5,3/32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -130,16 +130,17 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
     plain: dict[int, tuple] = {}  # batch -> (tokens, tokens per second) of plain decoding
     prompts, continuations = None, None
     for c in configs:
+        spec = spec_config(c)
+        if spec is not None and args.oracle_drafts is not None:
+            spec["launch_ahead"] = False  # (the oracle's drafts are set on the host)
         llm = LLM(
             model,
             args.backend,
             max_num_seqs=max(batches),
             max_model_len=args.prompt_len + args.max_tokens + 64,
             progress=False,
-            speculative_config=spec_config(c),
-            async_scheduling=c != "sync"
-            and not c.endswith(":sync")
-            and (args.oracle_drafts is None or spec_config(c) is None),
+            speculative_config=spec,
+            async_scheduling=c != "sync",
         )
         if prompts is None:
             prompts = make_prompts(llm, max(batches), args.prompt_len)

@@ -71,7 +71,7 @@ case ${1:-} in
   speculative)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_speculative.py --deepinfer-backend cuda_sm100 \
       --tb=short 2>&1 | tail -15
-    timeout 330 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --batches 1,16,64 \
+    timeout 330 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --batches 1,16,64 --repeats 2 \
       --json "$OUT/speculative.json" 2>&1 | tail -30 ;;
   serving-check)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_caching.py --deepinfer-backend cuda_sm100 \

@@ -500,7 +500,7 @@ class LLMEngine:
         if any(s.matcher is not None for s in running):  # their masks need the pending tokens
             return False
         drafter = self.runner.drafter
-        if drafter is not None and drafter.reads_drafts(running):  # confidence scheduling reads the drafts back
+        if drafter is not None and drafter.waits(running):  # speculative steps are synchronous unless launch_ahead
             return False
         ending = [
             s

@@ -26,8 +26,9 @@ step's MTP pass rewrites them, in row order, before any later row reads them. A 
 layer's entries of the cached pages too; the entry at a page's last position was made with the token that followed it
 in the request that computed it, which can change how often drafts are accepted, never a token.
 
-Ahead of the host. With asynchronous scheduling (``engine.py``) a step is launched before the host reads the one in
-flight, so the host does not know how many drafts that step accepts, only how many it verifies. Everything that
+Ahead of the host (``launch_ahead``; otherwise each speculative step waits for the one before). With asynchronous
+scheduling (``engine.py``) a step is then launched before the host reads the one in flight, so the host does not
+know how many drafts that step accepts, only how many it verifies. Everything that
 depends on it is computed on the device: per sequence the accepted count (``accepted_counts``), then the next step's
 input token (the correction or bonus token), first draft and MTP state (taken from the accepted row), its positions,
 cache slots and sequence lengths (the host's, moved on by the count: ``forward_batch.shift_decode_rows``) and its
@@ -70,12 +71,16 @@ class SpeculativeConfig:
     step at most (``k``; one MTP layer is chained for ``k > 1``); confidence_threshold in ``[0, 1)``: verify drafts
     only while the MTP layer's probability of each is at least this (0: always ``k``); disable_by_batch_size: no
     drafts in a step that decodes at least this many sequences (None: never), where verifying more rows costs more
-    than the accepted drafts save."""
+    than the accepted drafts save; launch_ahead: launch each step before the host has read what the one before
+    accepted (asynchronous scheduling of speculative steps, module docstring). Off by default: its bookkeeping on
+    the device costs host time, and where a step's device time is short (the embedded model: a third of a
+    millisecond) it costs more than the overlap hides (``benchmarks/NOTES.md``)."""
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
     confidence_threshold: float = 0.0
     disable_by_batch_size: int | None = None
+    launch_ahead: bool = False
 
     @classmethod
     def from_value(cls, value: Any) -> SpeculativeConfig | None:
@@ -104,6 +109,8 @@ class SpeculativeConfig:
             raise c.fail("confidence_threshold", "a number in [0, 1)", repr(t))
         if self.disable_by_batch_size is not None:
             c.positive_int("disable_by_batch_size", self.disable_by_batch_size)
+        if not isinstance(self.launch_ahead, bool):
+            raise c.fail("launch_ahead", "a bool", repr(self.launch_ahead))
 
 
 def accepted_counts(tokens: torch.Tensor, next_inputs: torch.Tensor, first_rows: torch.Tensor) -> torch.Tensor:
@@ -207,6 +214,11 @@ class MTPDrafter:
         that finds a sequence's caches from its length on the host (DeepSeek-V4), which must know what the step
         before accepted."""
         return self.host_positions or self.config.confidence_threshold > 0 or any(s.matcher is not None for s in seqs)
+
+    def waits(self, seqs: list) -> bool:
+        """Whether the engine waits for each step before launching the next: unless ``launch_ahead``, and always
+        where ``reads_drafts``."""
+        return not self.config.launch_ahead or self.reads_drafts(seqs)
 
     def propose(self, seqs: list, tensor, graphs=None, flying=None) -> list[tuple[list[int], torch.Tensor]]:
         """Sets ``seq.drafts`` for each decoding sequence of ``seqs``: its first draft, chained on by the MTP layer

@@ -76,6 +76,7 @@ def test_config_is_checked_before_anything_is_read(mtp_checkpoint, tmp_path):
         ({"confidence_threshold": 1.0}, "confidence_threshold"),
         ({"confidence_threshold": float("nan")}, "confidence_threshold"),
         ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
+        ({"launch_ahead": 1}, "launch_ahead"),
         ({"num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config"),
         ("mtp", "speculative_config"),
     ]:
@@ -87,7 +88,9 @@ def test_config_is_checked_before_anything_is_read(mtp_checkpoint, tmp_path):
     assert SpeculativeConfig.from_value({"method": "deepseek_mtp"}).num_speculative_tokens == 1
 
 
-@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 1}, {"num_speculative_tokens": 3}])
+@pytest.mark.parametrize(
+    "spec", [{"num_speculative_tokens": 1}, {"num_speculative_tokens": 3, "launch_ahead": True}], ids=["k1", "k3-ahead"]
+)
 def test_random_checkpoint_tokens_identical_with_and_without_speculation(mtp_checkpoint, invariant, spec):
     seed = random.randrange(1 << 30)
     prompts, params = requests(24, random.Random(seed), 258)
@@ -118,8 +121,8 @@ def test_sparse_attention_model_keeps_every_token(invariant, tmp_path):
     "spec",
     [
         {"num_speculative_tokens": 1},
-        {"num_speculative_tokens": 3},
-        {"method": "deepseek_mtp", "num_speculative_tokens": 4, "confidence_threshold": 0.5},
+        {"num_speculative_tokens": 3, "launch_ahead": True},
+        {"method": "deepseek_mtp", "num_speculative_tokens": 4, "confidence_threshold": 0.5, "launch_ahead": True},
         {"num_speculative_tokens": 2, "disable_by_batch_size": 5},
     ],
 )
@@ -142,19 +145,20 @@ def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
     stats = llm.last_stats["speculative"]
     k = spec["num_speculative_tokens"]
     # A request alone: its prefill step gives one token and each later step one plus the drafts it accepted.
-    # Steps are launched before the previous one's tokens are read, but where confidence scheduling reads the
-    # drafts' probabilities, and near the end (a step that may end the request by length is waited for).
+    # With launch_ahead, steps are launched before the previous one's tokens are read, but where confidence
+    # scheduling reads the drafts' probabilities, and near the end (a step that may end the request by length is
+    # waited for); without it, every step waits for the one before.
     before, ahead = llm.engine.stats["steps"], llm.engine.stats["steps_ahead"]
     out = llm.generate(CODE_PROMPTS[0], params[0])[0]
     assert result(out) == plain[0]
     steps = llm.engine.stats["steps"] - before
     ahead = llm.engine.stats["steps_ahead"] - ahead
-    if "confidence_threshold" in spec:
+    if "confidence_threshold" in spec or not spec.get("launch_ahead"):
         assert ahead == 0
     else:
         assert ahead >= steps - 3, (ahead, steps)  # the prefill and one or two steps near the end
     assert steps == len(out.outputs[0].token_ids) - out.metrics["accepted"]
-    if len(spec) == 1:  # every decode step verifies drafts, but the last (one token left)
+    if set(spec) <= {"num_speculative_tokens", "launch_ahead"}:  # every decode step verifies, but the last
         assert out.metrics["drafted"] >= steps - 2, (out.metrics, steps)
     assert 0.2 < stats["acceptance_rate"] < 1 and stats["mean_accepted_length"] > 1.4, stats
     if "confidence_threshold" in spec:  # confidence scheduling verifies fewer than k drafts on average
@@ -199,8 +203,8 @@ def test_cache_entries_are_those_of_a_run_without_speculation(invariant):
     assert torch.equal(one[layers:], three[layers:]), "the MTP layer's cache depends on the number of drafts"
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_in_the_middle_of_speculation_loses_nothing(mtp_checkpoint, invariant, monkeypatch, mode):
+@pytest.mark.parametrize("mode, ahead", [("swap", False), ("recompute", True)])
+def test_preemption_in_the_middle_of_speculation_loses_nothing(mtp_checkpoint, invariant, monkeypatch, mode, ahead):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     prompts, params = requests(16, rng, 258)
@@ -216,7 +220,7 @@ def test_preemption_in_the_middle_of_speculation_loses_nothing(mtp_checkpoint, i
         return preempt(self, seq)
 
     monkeypatch.setattr(Scheduler, "_preempt", spy)
-    spec = {"num_speculative_tokens": 2}
+    spec = {"num_speculative_tokens": 2, "launch_ahead": ahead}
     llm = LLM(mtp_checkpoint, num_blocks=12, preemption_mode=mode, speculative_config=spec, **kw)
     outs = [result(o) for o in llm.generate(prompts, params)]
     assert sum(d > 0 for d in with_drafts) >= 4, f"too few preemptions after speculation began: {with_drafts}"
@@ -243,7 +247,7 @@ def test_a_step_launched_ahead_preempts_no_sequence_in_flight(invariant, monkeyp
         return preempt(self, seq)
 
     monkeypatch.setattr(Scheduler, "_preempt", spy)
-    llm = LLM(speculative_config={"num_speculative_tokens": 2}, **kw)
+    llm = LLM(speculative_config={"num_speculative_tokens": 2, "launch_ahead": True}, **kw)
     outs = [result(o) for o in llm.generate(prompts, params)]
     assert len(preempted) >= 3, preempted
     assert not [p for p in preempted if p[1] or p[2] == PENDING], f"sequences preempted in flight: {preempted}"
