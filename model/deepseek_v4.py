@@ -120,9 +120,8 @@ class V4State:
 
     # The state vector (the window ring, the unfinished windows), element by element over the state pages.
     def _state_index(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
-        e = self.layout.page_elems
-        flat = offset + rows.to(self.flat.device)[:, None] * width + torch.arange(width, device=self.flat.device)
-        return self.table()[flat // e] * e + flat % e
+        page, inner = self.layout.state_place(offset, rows.to(self.flat.device), width)
+        return self.table()[page] * self.layout.page_elems + inner
 
     def read_state(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
         """Rows ``rows`` of the ``[*, width]`` matrix at element ``offset`` of the state vector."""
@@ -142,9 +141,8 @@ class V4State:
 
     def _entry_slots(self, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, slot) of entries ``w`` (int64) of a layer of rate ``m``."""
-        bs, k = self.layout.block_size, self.layout.state_pages
-        p = w * m // bs
-        return self.table()[k + p], w - (p * bs + m - 1) // m
+        column, slot = self.layout.entry_place(m, w)
+        return self.table()[column], slot
 
     def read_entries(
         self, layer: int, m: int, count: int, index: bool = False, which: torch.Tensor | None = None
@@ -210,16 +208,12 @@ class DecodeRows:
         """Element indices ``[S, R, width]`` of rows ``rows [S, R]`` (int64, on the device) of the ``[*, width]``
         matrix at element ``offset`` of the state vector of each sequence (or of sequences ``which [S]``)."""
         tables = self.tables if which is None else self.tables.index_select(0, which)
-        e = self.layout.page_elems
-        flat = offset + rows[..., None] * width + torch.arange(width, device=rows.device)
-        page = tables.gather(1, (flat // e).reshape(rows.shape[0], -1)).view(flat.shape)
-        return page * e + flat % e
+        page, inner = self.layout.state_place(offset, rows, width)
+        return tables.gather(1, page.reshape(rows.shape[0], -1)).view(page.shape) * self.layout.page_elems + inner
 
     def _entry_slots(self, tables: torch.Tensor, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        bs, k = self.layout.block_size, self.layout.state_pages
-        p = w * m // bs
-        pages = tables.gather(1, (k + p).clamp(max=tables.shape[1] - 1))  # (past a sequence's pages: masked)
-        return pages, w - (p * bs + m - 1) // m
+        column, slot = self.layout.entry_place(m, w)
+        return tables.gather(1, column.clamp(max=tables.shape[1] - 1)), slot  # (past a sequence's pages: masked)
 
     def read_entries(self, layer: int, m: int, w: torch.Tensor, index: bool = False) -> torch.Tensor:
         """Entries (or indexer keys) ``w [B, C]`` of each sequence, ``[B, C, width]`` in the model's dtype; an entry
@@ -300,17 +294,23 @@ class Compressor:
         if w == 0:
             return kv.new_zeros(0, d)
         ck, cg = kv[base - lo :][: w * m].view(w, m, -1), gate[base - lo :][: w * m].view(w, m, -1)
-        if self.overlap:  # each window's second series, after the first series of the window before it
-            first_kv = ck.new_zeros(w, m, d)
-            first_gate = cg.new_full((w, m, d), float("-inf"))
-            first_kv[1:], first_gate[1:] = ck[:-1, :, :d], cg[:-1, :, :d]
+        prev_kv = prev_gate = None
+        if self.overlap:  # the first series of the window before each (none before the first)
+            prev_kv, prev_gate = ck.new_zeros(w, m, d), cg.new_full((w, m, d), float("-inf"))
+            prev_kv[1:], prev_gate[1:] = ck[:-1, :, :d], cg[:-1, :, :d]
             if lo < base:
-                first_kv[0], first_gate[0] = kv[:m, :d], gate[:m, :d]
-            ck = torch.cat([first_kv, ck[..., d:]], dim=1)
-            cg = torch.cat([first_gate, cg[..., d:]], dim=1)
+                prev_kv[0], prev_gate[0] = kv[:m, :d], gate[:m, :d]
+        return self._entries(ck, cg, prev_kv, prev_gate, start // m + torch.arange(w, device=kv.device))
+
+    def _entries(self, ck, cg, prev_kv, prev_gate, entry: torch.Tensor) -> torch.Tensor:
+        """Entries ``entry [w]`` ``[w, D]`` from their windows' projections ``ck, cg [w, m, c D]`` and, overlapping,
+        the first series of the window before each ``prev_kv, prev_gate [w, m, D]`` (each window's second series
+        after it): pooled, normed, rope at the window's first position."""
+        if self.overlap:
+            d = self.dim
+            ck, cg = torch.cat([prev_kv, ck[..., d:]], dim=1), torch.cat([prev_gate, cg[..., d:]], dim=1)
         out = ops.rms_norm(ops.compress_kv(ck.contiguous(), cg.contiguous(), self.bias), self.norm, self.eps)[0]
-        pos = ((start // m + torch.arange(w, device=kv.device)) * m).to(torch.int32)
-        return _rope_tail(out[:, None], pos, self.table, self.rope_dim)[:, 0]
+        return _rope_tail(out[:, None], (entry * self.m).to(torch.int32), self.table, self.rope_dim)[:, 0]
 
     def step_rows(self, proj: tuple[torch.Tensor, torch.Tensor], dr: DecodeRows, layer: int, closing: list[int]):
         """``step`` for one new row of each sequence of ``dr`` (``proj``: its ``kv, gate [B, c D]``): every row into
@@ -331,16 +331,14 @@ class Compressor:
         past = (start[:, None] - span + 1 + torch.arange(span, device=kv.device)).remainder(rows)
         ck = dr.flat[dr.state_index(at_kv, past, kv.shape[1], which)]
         cg = dr.flat[dr.state_index(at_gate, past, gate.shape[1], which)]
-        if self.overlap:  # the window's second series after the first series of the window before it (none first)
+        prev_kv = prev_gate = None
+        if self.overlap:  # the window before, whose first series comes first (none before the first window)
             first = (start < m)[:, None, None]
             prev_kv = torch.where(first, 0.0, ck[:, :m, :d])
             prev_gate = torch.where(first, float("-inf"), cg[:, :m, :d])
-            ck = torch.cat([prev_kv, ck[:, m:, d:]], dim=1)
-            cg = torch.cat([prev_gate, cg[:, m:, d:]], dim=1)
-        out = ops.rms_norm(ops.compress_kv(ck.contiguous(), cg.contiguous(), self.bias), self.norm, self.eps)[0]
+            ck, cg = ck[:, m:], cg[:, m:]
         entry = start // m
-        out = _rope_tail(out[:, None], (entry * m).to(torch.int32), self.table, self.rope_dim)[:, 0]
-        dr.write_entries(layer, m, which, entry, out, index=self.prefix == "i")
+        dr.write_entries(layer, m, which, entry, self._entries(ck, cg, prev_kv, prev_gate, entry), self.prefix == "i")
 
 
 class V4Attention:
@@ -491,13 +489,12 @@ class V4Attention:
             self.indexer.step_rows(idx, dr, layer, closing)
         count = (dr.start + 1) // m  # every entry written is visible to the new token
         c = max((start + 1) // m for start in dr.starts)
+        entry = torch.arange(c, device=dev)[None, :].expand(b, c)
         if self.indexer is None:
-            entry = torch.arange(c, device=dev)[None, :].expand(b, c)
             if c:
                 pool.append(dr.read_entries(layer, m, entry).reshape(-1, d))
             indices.append(torch.where(entry < count[:, None], base + seqs * c + entry, -1))
             return pool, indices
-        entry = torch.arange(c, device=dev)[None, :].expand(b, c)
         keys = dr.read_entries(layer, m, entry, index=True).reshape(b * c, cfg.index_head_dim)
         picked = self._choose(index_q, keys, (seqs[:, 0] * c).to(torch.int32), count.to(torch.int32))
         valid = picked >= 0
