@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -198,86 +199,81 @@ def log(msg: str) -> None:
 # Checkpoint
 
 
-def write_checkpoint(path: Path, config: dict, device: torch.device, seed: int) -> None:
-    """Random weights for every tensor of ``config``'s layout, drawn on ``device``; linears block-quantised to FP8.
-    One safetensors shard per layer, plus the index."""
+def write_shards(path: Path, config: dict, names: dict[str, str], tensors: Callable[[str], dict]) -> None:
+    """``config.json`` and one safetensors shard per group of ``names`` (name -> its group, a layer or ``top``), each
+    name's tensors ``tensors(name)`` (the weight, with its scale where quantised), plus the index."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    cfg = ModelConfig.from_dict(config)
-    layout = expected_layout(cfg)
-    gen = torch.Generator(device=device).manual_seed(seed)
     groups: dict[str, list[str]] = {}
-    for name in layout:
-        key = name.split(".")[2] if name.startswith("model.layers.") else "top"
-        groups.setdefault(key, []).append(name)
+    for name, group in names.items():
+        groups.setdefault(group, []).append(name)
     weight_map = {}
-    for i, names in enumerate(groups.values()):
+    for i, group in enumerate(groups.values()):
         shard, file = {}, f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        for name in names:
-            want = layout[name]
-            if want.optional:  # (an MTP layer's copies of the embedding and head: never read)
-                continue
-            shape = want.shape
-            if name.endswith("norm.weight"):
-                t = torch.ones(shape, dtype=torch.bfloat16)
-            elif name.endswith("e_score_correction_bias"):
-                t = (0.01 * torch.randn(shape, generator=gen, device=device)).cpu()
-            elif name == "model.embed_tokens.weight":
-                t = torch.randn(shape, generator=gen, device=device).to(torch.bfloat16).cpu()
-            else:
-                w = torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[-1])
-                if want.kind == "linear" and name != "lm_head.weight":
-                    q = quantize_blocks(w)
-                    shard[name + "_scale_inv"] = q.scale.cpu()
-                    t = q.data.cpu()
-                else:
-                    t = w.cpu() if want.kind == "fp32" else w.to(torch.bfloat16).cpu()
-            shard[name] = t
+        for name in group:
+            shard.update(tensors(name))
         save_file(shard, str(path / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
         log(f"  wrote {file} ({sum(t.numel() * t.element_size() for t in shard.values()) / 1e9:.2f} GB)")
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def write_checkpoint(path: Path, config: dict, device: torch.device, seed: int) -> None:
+    """Random weights for every tensor of ``config``'s layout, drawn on ``device``; linears block-quantised to FP8.
+    One safetensors shard per layer, plus the index."""
+    layout = expected_layout(ModelConfig.from_dict(config))
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def tensors(name: str) -> dict:
+        want = layout[name]
+        shape = want.shape
+        if name.endswith("norm.weight"):
+            return {name: torch.ones(shape, dtype=torch.bfloat16)}
+        if name.endswith("e_score_correction_bias"):
+            return {name: (0.01 * torch.randn(shape, generator=gen, device=device)).cpu()}
+        if name == "model.embed_tokens.weight":
+            return {name: torch.randn(shape, generator=gen, device=device).to(torch.bfloat16).cpu()}
+        w = torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[-1])
+        if want.kind == "linear" and name != "lm_head.weight":
+            q = quantize_blocks(w)
+            return {name: q.data.cpu(), name + "_scale_inv": q.scale.cpu()}
+        return {name: w.cpu() if want.kind == "fp32" else w.to(torch.bfloat16).cpu()}
+
+    names = {
+        n: n.split(".")[2] if n.startswith("model.layers.") else "top"
+        for n, e in layout.items()
+        if not e.optional  # (an MTP layer's copies of the embedding and head: never read)
+    }
+    write_shards(path, config, names, tensors)
 
 
 def write_checkpoint_v4(path: Path, config: dict, device: torch.device, seed: int) -> None:
     """DeepSeek-V4's tensors for ``config`` (``config_v4.expected_layout``), random, drawn on ``device``: routed
     experts FP4 (random e2m1 pairs, one ue8m0 scale per 32 values around 2^-4), the other linears FP8 with ue8m0
     block scales, except those DeepSeek keeps in high precision. One safetensors shard per layer, plus the index."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
     cfg = config_v4.V4Config.from_dict(config)
     layout = config_v4.expected_layout(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
-    groups: dict[str, list[str]] = {}
-    for name in layout:
-        groups.setdefault(name.split(".")[1] if name.startswith("layers.") else "top", []).append(name)
-    weight_map = {}
-    for i, names in enumerate(groups.values()):
-        shard, file = {}, f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        for name in names:
-            shape, kind = layout[name]
-            if kind == config_v4.INDEX:
-                shard[name] = torch.randint(0, cfg.n_routed_experts, shape, generator=gen, device=device).cpu()
-                continue
-            if kind == config_v4.EXPERT:
-                n, k = shape
-                data = torch.randint(-128, 128, (n, k // 2), generator=gen, device=device, dtype=torch.int8)
-                scale = torch.randint(120, 124, (n, k // FP4_GROUP), generator=gen, device=device, dtype=torch.uint8)
-                shard[name], shard[name + "_scale_inv"] = data.cpu(), scale.view(torch.float8_e8m0fnu).cpu()
-                continue
-            if name.endswith("norm.weight"):
-                shard[name] = torch.ones(shape, dtype=torch.bfloat16)
-                continue
-            w = torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[-1])
-            if kind == config_v4.LINEAR and not any(h in name for h in config_v4.HIGH_PRECISION):
-                q = quantize_blocks(w, scale_format="ue8m0")
-                shard[name], shard[name + "_scale_inv"] = q.data.cpu(), q.scale.to(torch.float8_e8m0fnu).cpu()
-            else:
-                shard[name] = w.to(torch.float32 if ".hc_" in name or "hc_head" in name else torch.bfloat16).cpu()
-        save_file(shard, str(path / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-        log(f"  wrote {file} ({sum(t.numel() * t.element_size() for t in shard.values()) / 1e9:.2f} GB)")
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    def tensors(name: str) -> dict:
+        shape, kind = layout[name]
+        if kind == config_v4.INDEX:
+            return {name: torch.randint(0, cfg.n_routed_experts, shape, generator=gen, device=device).cpu()}
+        if kind == config_v4.EXPERT:
+            n, k = shape
+            data = torch.randint(-128, 128, (n, k // 2), generator=gen, device=device, dtype=torch.int8)
+            scale = torch.randint(120, 124, (n, k // FP4_GROUP), generator=gen, device=device, dtype=torch.uint8)
+            return {name: data.cpu(), name + "_scale_inv": scale.view(torch.float8_e8m0fnu).cpu()}
+        if name.endswith("norm.weight"):
+            return {name: torch.ones(shape, dtype=torch.bfloat16)}
+        w = torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[-1])
+        if kind == config_v4.LINEAR and not any(h in name for h in config_v4.HIGH_PRECISION):
+            q = quantize_blocks(w, scale_format="ue8m0")
+            return {name: q.data.cpu(), name + "_scale_inv": q.scale.to(torch.float8_e8m0fnu).cpu()}
+        return {name: w.to(torch.float32 if ".hc_" in name or "hc_head" in name else torch.bfloat16).cpu()}
+
+    names = {n: n.split(".")[1] if n.startswith("layers.") else "top" for n in layout}
+    write_shards(path, config, names, tensors)
 
 
 # ---------------------------------------------------------------------------------------------------------------
