@@ -282,6 +282,8 @@ class ModelRunner:
         """Speculative decoding: sets the drafts each decoding sequence of ``batch`` verifies
         (``MTPDrafter.propose``), from the host's state or from ``previous`` where that step is still running."""
         drafts = Drafts(self.in_flight(batch, previous))
+        if self.drafter is not None:
+            self.drafter.admit([*batch.decodes, *(c.seq for c in batch.prefills)])
         if self.drafter is not None and batch.decodes:
             drafts.chained = self.drafter.propose(batch.decodes, self._tensor, self.graphs, drafts.flying)
         return drafts
@@ -370,8 +372,9 @@ class ModelRunner:
                 hidden = self.model.forward(input_ids, fb, self.kv_caches, self.index_caches)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
         step = LaunchedStep(samplers=samplers, _prompt_rows=prompt_rows)
+        mtp = self.drafter is not None and self.drafter.runs_mtp([*batch.decodes, *(c.seq for c in batch.prefills)])
         if not rows:
-            if self.drafter is not None:  # the MTP layer's cache entries of these prompt rows
+            if mtp:  # the MTP layer's cache entries of these prompt rows
                 self._draft(step, batch, hidden, fb, [])
             return step
         host = {}
@@ -394,7 +397,7 @@ class ModelRunner:
                 want = self._tensor(step._want, torch.int64)
                 kmax = max(samplers[i].params.logprobs for i in step._want)
                 _logprob_tensors(host, "sample", sample_logits[want], step.tokens[want], kmax)
-        if self.drafter is not None:
+        if mtp:
             graphed = use_graph and self.graphs.replays_mtp(hidden.shape[0])
             host.update(self._draft(step, batch, hidden, fb, sample_rows, graphed))
         if prompt_rows:

@@ -39,8 +39,11 @@ host learns what was accepted one step later, when it reads the step's tokens.
 
 Confidence scheduling (``confidence_threshold``): a sequence verifies its drafts up to the first one the MTP layer
 gives a probability below the threshold, at most ``num_speculative_tokens``; 0 (the default) is fixed-``k``
-speculation. ``disable_by_batch_size`` turns drafting off in steps that decode that many sequences or more. Neither
-changes a token, only how many a step verifies. Drafts past ``max_tokens`` or the context are never verified. A
+speculation. ``disable_by_batch_size`` turns drafting off in steps that decode that many sequences or more, and, as
+vLLM's option of that name does, turns speculation off for the whole life of a request first scheduled in a step of
+that many sequences: a step of only such requests skips the MTP layer, so a batch that large runs at plain
+decoding's cost (their MTP cache entries are not kept, which is why they never draft later). Neither changes a
+token, only how many a step verifies. Drafts past ``max_tokens`` or the context are never verified. A
 request with a structured-output constraint masks each verification row with what its grammar allows after the
 drafts before it (the matcher rolls the drafts back), so a draft the grammar refuses is never accepted. Both read
 the drafts on the host (their probabilities, their tokens), so their steps are not launched ahead.
@@ -70,8 +73,9 @@ class SpeculativeConfig:
     """How the engine speculates. method: ``mtp`` (``deepseek_mtp`` is the same); num_speculative_tokens: drafts per
     step at most (``k``; one MTP layer is chained for ``k > 1``); confidence_threshold in ``[0, 1)``: verify drafts
     only while the MTP layer's probability of each is at least this (0: always ``k``); disable_by_batch_size: no
-    drafts in a step that decodes at least this many sequences (None: never), where verifying more rows costs more
-    than the accepted drafts save; launch_ahead: launch each step before the host has read what the one before
+    drafts in a step that decodes at least this many sequences, and none ever for a request first scheduled in a
+    step of that many (None: never), where verifying more rows costs more than the accepted drafts save;
+    launch_ahead: launch each step before the host has read what the one before
     accepted (asynchronous scheduling of speculative steps, module docstring). Off by default: its bookkeeping on
     the device costs host time, and where a step's device time is short (the embedded model: a third of a
     millisecond) it costs more than the overlap hides (``benchmarks/NOTES.md``)."""
@@ -208,17 +212,33 @@ class MTPDrafter:
         room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens) - ahead - 1
         return max(0, min(self.config.num_speculative_tokens, seq.max_drafts, room))
 
+    def admit(self, seqs: list) -> None:
+        """Decides, for each of ``seqs`` (the sequences of one step) scheduled for the first time, whether it
+        speculates: not where the step holds at least ``disable_by_batch_size`` sequences."""
+        cap = self.config.disable_by_batch_size
+        for seq in seqs:
+            if seq.speculates is None:
+                seq.speculates = cap is None or len(seqs) < cap
+
+    @staticmethod
+    def runs_mtp(seqs: list) -> bool:
+        """Whether a step of ``seqs`` runs the MTP pass: unless none of them speculates."""
+        return any(seq.speculates is not False for seq in seqs)
+
     def reads_drafts(self, seqs: list) -> bool:
         """Whether ``propose`` reads the drafts back to the host (a synchronisation): for confidence scheduling,
         which needs their probabilities; for structured output, whose grammars see the tokens; and for a model
         that finds a sequence's caches from its length on the host (DeepSeek-V4), which must know what the step
-        before accepted."""
-        return self.host_positions or self.config.confidence_threshold > 0 or any(s.matcher is not None for s in seqs)
+        before accepted. Sequences that do not speculate (``admit``) count for nothing."""
+        seqs = [s for s in seqs if s.speculates is not False]
+        threshold = self.config.confidence_threshold
+        return bool(seqs) and (self.host_positions or threshold > 0 or any(s.matcher is not None for s in seqs))
 
     def waits(self, seqs: list) -> bool:
-        """Whether the engine waits for each step before launching the next: unless ``launch_ahead``, and always
-        where ``reads_drafts``."""
-        return not self.config.launch_ahead or self.reads_drafts(seqs)
+        """Whether the engine waits for each step before launching the next: where any of ``seqs`` speculates,
+        unless ``launch_ahead``, and always where ``reads_drafts``."""
+        speculating = self.runs_mtp(seqs)
+        return speculating and (not self.config.launch_ahead or self.reads_drafts(seqs))
 
     def propose(self, seqs: list, tensor, graphs=None, flying=None) -> list[tuple[list[int], torch.Tensor]]:
         """Sets ``seq.drafts`` for each decoding sequence of ``seqs``: its first draft, chained on by the MTP layer
@@ -240,7 +260,7 @@ class MTPDrafter:
         limits = []
         for seq in seqs:
             seq.drafts = []
-            has = id(seq) in flies or seq.next_draft is not None
+            has = seq.speculates is not False and (id(seq) in flies or seq.next_draft is not None)
             ok = has and (cap is None or len(seqs) < cap) and (not read or seq.next_draft[1] >= threshold)
             limits.append(self.limit(seq) if ok else 0)
         first = [PENDING if id(s) in flies else s.next_draft[0] if n else None for s, n in zip(seqs, limits)]

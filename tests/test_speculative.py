@@ -123,7 +123,6 @@ def test_sparse_attention_model_keeps_every_token(invariant, tmp_path):
         {"num_speculative_tokens": 1},
         {"num_speculative_tokens": 3, "launch_ahead": True},
         {"method": "deepseek_mtp", "num_speculative_tokens": 4, "confidence_threshold": 0.5, "launch_ahead": True},
-        {"num_speculative_tokens": 2, "disable_by_batch_size": 5},
     ],
 )
 def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
@@ -163,16 +162,51 @@ def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
     assert 0.2 < stats["acceptance_rate"] < 1 and stats["mean_accepted_length"] > 1.4, stats
     if "confidence_threshold" in spec:  # confidence scheduling verifies fewer than k drafts on average
         assert stats["drafted"] < k * stats["verifications"], stats
-    elif "disable_by_batch_size" in spec:  # drafts only once fewer than 5 of the 6 requests decode
-        uncapped = LLM(progress=False, speculative_config={"num_speculative_tokens": 2})
-        assert [result(o) for o in uncapped.generate(CODE_PROMPTS, params)] == plain
-        assert 0 < stats["verifications"] < uncapped.last_stats["speculative"]["verifications"] / 2, stats
     else:
         assert stats["drafted"] > 0.8 * k * stats["verifications"], stats
     outs = llm.generate(CODE_PROMPTS[:2], params[:2])
     assert [result(o) for o in outs] == plain[:2]
     for out in outs:  # per-request counts
         assert out.metrics["drafted"] >= out.metrics["accepted"] > 0
+
+
+def test_requests_first_scheduled_in_a_large_batch_never_speculate(invariant):
+    """``disable_by_batch_size``: requests first scheduled in a step of at least that many sequences never draft,
+    and steps of only such requests skip the MTP layer and run ahead of the host as plain decoding does; requests
+    admitted into a smaller batch speculate, except in steps that decode that many. Every token stays the one
+    plain decoding takes."""
+    params = [SamplingParams(max_tokens=40 if i < 3 else 12, temperature=0.0) for i in range(6)]
+    plain = [result(o) for o in LLM(progress=False).generate(CODE_PROMPTS, params)]
+    llm = LLM(progress=False, speculative_config={"num_speculative_tokens": 2, "disable_by_batch_size": 4})
+    engine = llm.engine
+    mtp_rows = []
+    forward = engine.runner.drafter.mtp.forward
+    engine.runner.drafter.mtp.forward = lambda hidden, *a: mtp_rows.append(hidden.shape[0]) or forward(hidden, *a)
+
+    before = engine.stats["steps_ahead"]
+    assert [result(o) for o in llm.generate(CODE_PROMPTS, params)] == plain
+    assert not mtp_rows and llm.last_stats["speculative"]["drafted"] == 0
+    assert engine.stats["steps_ahead"] - before > 20, "steps of requests that never speculate are not run ahead"
+
+    # three requests speculate; three more join them (a step of six sequences): those never draft, and the
+    # first three draft only while fewer than four sequences decode
+    tok = llm.tokenizer
+    first = [engine.add_request(tok.encode(p), q) for p, q in zip(CODE_PROMPTS[:3], params[:3])]
+    for _ in range(3):
+        engine.step()
+    late = [engine.add_request(tok.encode(p), q) for p, q in zip(CODE_PROMPTS[3:], params[3:])]
+    drafted_with_six, steps = None, 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 2:  # the joining step (three sequences decode: drafts allowed) has been read back
+            drafted_with_six = sum(s.num_drafted for s in first)
+        elif steps > 2 and all(s.status.name == "RUNNING" for s in first + late):
+            assert sum(s.num_drafted for s in first) == drafted_with_six, "drafts in a step of six sequences"
+    assert [s.speculates for s in first + late] == [True] * 3 + [False] * 3
+    assert all(s.num_drafted > 0 for s in first) and not any(s.num_drafted for s in late)
+    assert sum(s.num_drafted for s in first) > drafted_with_six
+    assert [s.token_ids[s.num_prompt_tokens :] for s in first + late] == [p[0] for p in plain]
 
 
 def test_cache_entries_are_those_of_a_run_without_speculation(invariant):
