@@ -21,12 +21,16 @@ a temporary directory, on the GPU), whose step is bound by reading its weights, 
 layer drafts nothing the model takes, so ``--oracle-drafts P`` replaces every draft with the token plain decoding
 took there, spoiled (made wrong) with probability ``P``: a known acceptance, for what verification costs at it.
 Oracle drafts are read on the host, so those speculative steps wait for the one before (``:ahead`` is ignored),
-and the MTP layer still runs as it would.
+and the MTP layer still runs as it would. A random checkpoint's logits are near-ties everywhere, so its greedy tokens
+follow the rounding of the rows a step runs; the oracle's run is batch-invariant (``DEEPINFER_BATCH_INVARIANT=1``
+semantics), where a row's tokens are the same at every batch size and in verification rows, so a draft is accepted
+exactly when it was not spoiled.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -37,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+import deepinfer
 from deepinfer.model import LLM, SamplingParams
 from deepinfer.model.embedded import default_checkpoint, stdlib_documents
 
@@ -80,7 +85,8 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     configs = ["0", *args.specs.split(",")]
-    with tempfile.TemporaryDirectory(prefix="deepinfer-spec-") as tmp:
+    invariant = deepinfer.batch_invariant(True) if args.oracle_drafts is not None else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory(prefix="deepinfer-spec-") as tmp, invariant:
         model = write_cut(Path(tmp), args.cut, args.backend) if args.cut else args.model or default_checkpoint()
         rows = measure(args, model, batches, configs)
     print("| batch | spec | tokens/s | vs plain | mean accepted length | drafts / verification | steps ahead | same |")
@@ -96,8 +102,6 @@ def main() -> None:
 def write_cut(path: Path, layers: int, backend: str | None) -> Path:
     """``bench_model.py``'s DeepSeek-V3-shaped FP8 checkpoint of ``layers`` layers plus an MTP layer, in ``path``."""
     from bench_model import V3, write_checkpoint
-
-    import deepinfer
 
     spec = deepinfer.registry.get().lookup(backend or deepinfer.current_backend().name)
     config = dict(V3, num_hidden_layers=layers, first_k_dense_replace=1, num_nextn_predict_layers=1)
@@ -189,6 +193,7 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                             "model": name,
                             "max_tokens": args.max_tokens,
                             "oracle_drafts": args.oracle_drafts,
+                            "batch_invariant": deepinfer.batch_invariant_enabled(),
                             "rows": rows,
                         },
                         f,

@@ -7,8 +7,6 @@
 #                then the V3.2 model tests and the CUDA-graph tests on cuda_sm100
 #   dsa-bench    their `deepinfer bench` rows, then the V3.2 decode step at 64k context with a kernel profile (the
 #                indexer's share)
-#   dsa-gluon    sparse_mla's Gluon kernel (DEEPINFER_SPARSE_MLA_GLUON=1): its conformance at small and full shapes,
-#                then the sparse_mla bench rows without it (the Triton kernel) and with it, in one call
 #   train-embedded [ARGS]  trains the embedded model (training/train_embedded.py ARGS):
 #                $OUT/bf16, $OUT/fp8 and $OUT/training.json, to copy into model/checkpoints/tiny-py
 #   embedded-check  the embedded model on cuda_sm100: held-out bits per byte and per-token log-probabilities
@@ -113,16 +111,6 @@ case ${1:-} in
     timeout 300 deepinfer bench --backend cuda_sm100 --ops indexer_topk,sparse_mla --json "$OUT/bench_dsa.json" 2>&1 | tail -40
     timeout 240 python3 benchmarks/bench_model.py "$OUT/model_v32.json" --model v32 --kv-format fp8_ds_mla \
       --context 65536 --batches 1,16,64 --steps 10 --profile 2>&1 | grep -v Loading | tail -60 ;;
-  dsa-gluon)
-    export DEEPINFER_SPARSE_MLA_GLUON=1
-    timeout 120 deepinfer conformance --backend cuda_sm100 --ops sparse_mla \
-      --report "$OUT/conformance_sparse_gluon_small.json" 2>&1 | tail -3
-    timeout 200 deepinfer conformance --backend cuda_sm100 --shapes full --ops sparse_mla \
-      --report "$OUT/conformance_sparse_gluon_full.json" 2>&1 | tail -3
-    DEEPINFER_SPARSE_MLA_GLUON=0 timeout 150 deepinfer bench --backend cuda_sm100 --ops sparse_mla \
-      --json "$OUT/bench_sparse_triton.json" 2>&1 | tail -16
-    timeout 150 deepinfer bench --backend cuda_sm100 --ops sparse_mla --json "$OUT/bench_sparse_gluon.json" 2>&1 \
-      | tail -16 ;;
   train-embedded)
     python3 training/train_embedded.py --out "$OUT" "${@:2}" 2>&1 | grep -v "Writing model" ;;
   embedded-check)
@@ -206,6 +194,6 @@ for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith("\"")):
       grep -E '"(Kernel Name|Duration|SM Frequency|Grid Size|Block Size|Cluster Size|Registers Per Thread|Memory Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Executed Ipc Active)"' \
         "$OUT/${case}_details.csv" | awk -F'","' '{print $(NF-2)": "$NF}' | head -14
     done ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|prefix-cache|dsa-check|dsa-bench|dsa-gluon|bench|tiles|scores-first|gemm-tiles|gluon-ws|ab|ab-set|ep|ep-check|gemm-invariant|profile|throughput|profile-gemm" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|prefix-cache|dsa-check|dsa-bench|bench|tiles|scores-first|gemm-tiles|gluon-ws|ab|ab-set|ep|ep-check|gemm-invariant|profile|throughput|profile-gemm" >&2
      exit 2 ;;
 esac

@@ -45,8 +45,9 @@ def test_sparse_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
     assert not wgmma_serialized(ptxas_report(ptx))
 
 
-def test_sparse_kernel_waits_for_its_first_gpu_run_before_it_is_chosen(monkeypatch):
-    """Until its conformance has run on a GPU, the kernel is chosen only on request (``SPARSE_MLA_GLUON``)."""
+def test_sparse_kernel_is_chosen_where_it_applies_while_switched_on(monkeypatch):
+    """The kernel takes DeepSeek's shapes on a Hopper GPU while ``SPARSE_MLA_GLUON`` is on (the default), and
+    declines with the reason otherwise."""
     import torch
 
     monkeypatch.setattr(sparse_mla_gluon, "on_hopper", lambda t: True)
@@ -55,6 +56,7 @@ def test_sparse_kernel_waits_for_its_first_gpu_run_before_it_is_chosen(monkeypat
     cache = torch.empty(8, 64, 656, dtype=torch.uint8)
     idx = torch.empty(4, 2048, dtype=torch.int32)
     kw = {"softmax_scale": 0.1, "kv_lora_rank": 512, "kv_format": "fp8_ds_mla"}
+    assert sparse_attention.SPARSE_MLA_GLUON
     monkeypatch.setattr(sparse_attention, "SPARSE_MLA_GLUON", False)
     assert "SPARSE_MLA_GLUON" in str(sparse_attention.sparse_gluon_supports(q, cache, idx, **kw))
     monkeypatch.setattr(sparse_attention, "SPARSE_MLA_GLUON", True)

@@ -492,7 +492,7 @@ def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> boo
 # SM90 has no tensor-core instruction that takes e2m1: ``_grouped_gemm_fp4_kernel`` decodes the packed codes and
 # their ue8m0 scales inside the kernel to the activation's dtype (exact) ahead of each ``tl.dot``. One tile for every
 # row count and both layouts, no split over K: batch-invariant. Not tuned yet.
-FP4_TILE = Tile(64, 128, 4, 3, block_k=64)
+FP4_TILE = Tile(64, 128, 4, 3, block_k=128)
 
 
 def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype):

@@ -439,10 +439,11 @@ def _grouped_gemm_fp4_kernel(
     GROUP_M: tl.constexpr,
 ):
     """A float activation against FP4 expert weights: B is the packed bytes ``[E * N, K / 2]`` (low nibble the even
-    element) and their ue8m0 scale bytes ``[E * N, K / 32]``. Each K step loads a ``[BLOCK_K, BLOCK_N]`` tile of
-    codes (each byte read for both of its elements) and of scales (one per 32 rows of the tile), decodes them to the
-    weight's exact values in A's dtype (exact in bf16 and fp32) and accumulates ``A @ W^T`` in fp32: the SM90 path,
-    where no tensor-core instruction takes e2m1. M tiles as ``_expert_rows`` numbers them."""
+    element) and their ue8m0 scale bytes ``[E * N, K / 32]``. Each K step loads a ``[BLOCK_N, BLOCK_K / 2]`` tile of
+    bytes along their rows (coalesced: each byte read once), decodes its low and high nibbles to the weight's exact
+    values in A's dtype (exact in bf16 and fp32) and accumulates ``A_even @ W_low^T + A_odd @ W_high^T`` in fp32,
+    with A's even and odd columns loaded apart: the SM90 path, where no tensor-core instruction takes e2m1. M tiles
+    as ``_expert_rows`` numbers them."""
     pdl_wait()
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     e, row0, row_end = _expert_rows(pid_m, offsets_ptr, masked_ptr, E, max_m, MASKED, BLOCK_M, BLOCK_E)
@@ -454,18 +455,21 @@ def _grouped_gemm_fp4_kernel(
     w_rows = e.to(tl.int64) * N + offs_n  # expert e's rows of B and of its scales
     half_k, groups = K // 2, K // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(
-            a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
-        )
-        mask_w = mask_k[:, None] & mask_n[None, :]
-        packed = tl.load(b_ptr + w_rows[None, :] * half_k + (offs_k // 2)[:, None], mask=mask_w, other=0)
-        code = (packed.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 0xF
-        scale = tl.load(bs_ptr + w_rows[None, :] * groups + (offs_k // 32)[:, None], mask=mask_w, other=127)
-        w = _e2m1_times_ue8m0(code, scale.to(tl.int32)).to(a.dtype)
-        acc = dot(a, w, acc, FP32_DOT)
+    a_rows = a_ptr + offs_m[:, None] * stride_am
+    for k0 in range(0, half_k, BLOCK_K // 2):
+        offs_h = k0 + tl.arange(0, BLOCK_K // 2)  # byte columns: elements 2h (low nibble) and 2h + 1 (high)
+        mask_h = offs_h < half_k
+        mask_a = mask_m[:, None] & mask_h[None, :]
+        a_even = tl.load(a_rows + 2 * offs_h[None, :], mask=mask_a, other=0.0)
+        a_odd = tl.load(a_rows + 2 * offs_h[None, :] + 1, mask=mask_a, other=0.0)
+        mask_w = mask_n[:, None] & mask_h[None, :]
+        packed = tl.load(b_ptr + w_rows[:, None] * half_k + offs_h[None, :], mask=mask_w, other=0).to(tl.int32)
+        scale = tl.load(bs_ptr + w_rows[:, None] * groups + (offs_h // 16)[None, :], mask=mask_w, other=127)
+        scale = scale.to(tl.int32)
+        w_low = _e2m1_times_ue8m0(packed & 0xF, scale).to(a_even.dtype)
+        w_high = _e2m1_times_ue8m0((packed >> 4) & 0xF, scale).to(a_even.dtype)
+        acc = dot(a_even, tl.trans(w_low), acc, FP32_DOT)
+        acc = dot(a_odd, tl.trans(w_high), acc, FP32_DOT)
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
         cast(acc, c_ptr.dtype.element_ty),

@@ -25,8 +25,6 @@ small, merged by ``mla_decode``'s merge kernel.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -419,9 +417,9 @@ SPARSE_TILE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 # Default mode: a row's index list is split into spans (merged by lse) while the grid would give fewer than
 # SPARSE_GRID_FILL programs per multiprocessor, down to spans of SPARSE_MIN_SPLIT entries.
 SPARSE_GRID_FILL, SPARSE_MIN_SPLIT = 1.0, 256
-# The warp-specialized Gluon kernel (``sparse_mla_gluon``) is compiled in CI but has not yet run on a GPU: it is
-# chosen only where this is on (``DEEPINFER_SPARSE_MLA_GLUON=1``), until its conformance passes there.
-SPARSE_MLA_GLUON = os.environ.get("DEEPINFER_SPARSE_MLA_GLUON", "0") == "1"
+# The warp-specialized Gluon kernel (``sparse_mla_gluon``) where it applies: 1.1-1.4x the Triton kernel's speed in
+# every bench row on an H100 (``benchmarks/NOTES.md``).
+SPARSE_MLA_GLUON = True
 LIST_CHUNK = 1024  # index entries read at a time to find where a row's list ends
 
 
@@ -604,7 +602,7 @@ def sparse_mla_gluon_kernel(q, kv_cache, indices, *, softmax_scale, kv_lora_rank
 
 def sparse_gluon_supports(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format) -> bool | Decline:
     if not SPARSE_MLA_GLUON:
-        return Decline("SPARSE_MLA_GLUON is off: the Gluon kernel has not yet passed conformance on a GPU")
+        return Decline("SPARSE_MLA_GLUON is off")
     if sparse_mla_gluon is None:
         return Decline("this Triton has no Gluon Hopper language")
     where = placed(q=q, kv_cache=kv_cache, indices=indices)
