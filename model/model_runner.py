@@ -284,8 +284,8 @@ class ModelRunner:
         drafts = Drafts(self.in_flight(batch, previous))
         if self.drafter is not None:
             self.drafter.admit([*batch.decodes, *(c.seq for c in batch.prefills)])
-        if self.drafter is not None and batch.decodes:
-            drafts.chained = self.drafter.propose(batch.decodes, self._tensor, self.graphs, drafts.flying)
+            if self.drafter.runs_mtp(batch.decodes):  # (a sequence that does not speculate never has drafts)
+                drafts.chained = self.drafter.propose(batch.decodes, self._tensor, self.graphs, drafts.flying)
         return drafts
 
     def carried(

@@ -197,7 +197,8 @@ class Scheduler:
 
         decoding = [s for s in self.running if s.status is Status.RUNNING and s.is_decode]
         # pages the decoding sequences not scheduled yet need for their own step: drafts never take them
-        needs = [self.allocator.missing(s, self._next_end(s)) if self.lookahead else 0 for s in decoding]
+        drafting = self.lookahead and any(s.speculates is not False for s in decoding)
+        needs = [self.allocator.missing(s, self._next_end(s)) if drafting else 0 for s in decoding]
         later = sum(needs)
         for seq, need in zip(decoding, needs):
             later -= need
@@ -277,7 +278,10 @@ class Scheduler:
         """Draft tokens a decoding ``seq`` may verify this step (speculative decoding): ``lookahead``, fewer where
         the token budget, the context or the free pages end first. Drafts take only free pages beyond the
         ``reserved`` ones (those the decoding sequences after it need for their own step), so they never preempt
-        another sequence: a step scheduled ahead of the one in flight preempts nobody (``next_step_fits``)."""
+        another sequence: a step scheduled ahead of the one in flight preempts nobody (``next_step_fits``). None
+        for a sequence that does not speculate (``Sequence.speculates``)."""
+        if seq.speculates is False:
+            return 0
         extra = min(self.lookahead, budget - 1)
         end = self._next_end(seq)
         if self.max_model_len is not None:
