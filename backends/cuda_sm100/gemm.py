@@ -490,9 +490,10 @@ def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> boo
 
 
 # SM90 has no tensor-core instruction that takes e2m1: ``_grouped_gemm_fp4_kernel`` decodes the packed codes and
-# their ue8m0 scales inside the kernel to the activation's dtype (exact) ahead of each ``tl.dot``. One tile for every
-# row count and both layouts, no split over K: batch-invariant. Not tuned yet.
-FP4_TILE = Tile(64, 128, 4, 3, block_k=128)
+# each 32-value group of codes inside the kernel to exact bf16 values ahead of its ``tl.dot`` and scales the group's
+# product by its ue8m0 scale. One tile for every row count and both layouts, no split over K: batch-invariant. Not
+# tuned yet.
+FP4_TILE = Tile(64, 128, 4, 3)
 
 
 def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype):
@@ -531,7 +532,6 @@ def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype):
         FP32_DOT=INTERPRET,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k,
         BLOCK_E=triton.next_power_of_2(experts),
         GROUP_M=GROUPED_GROUP_M,
         num_warps=tile.num_warps,

@@ -401,18 +401,20 @@ def _grouped_masked_swapped_kernel(
 
 
 @triton.jit
-def _e2m1_times_ue8m0(code, scale_byte):
-    """fp32 ``e2m1(code) * 2^(scale_byte - 127)`` of int32 e2m1 codes (sign bit 3, exponent bits 2..1, mantissa bit
-    0) and ue8m0 scale bytes, built from bits: exponent e > 0 is ``(1 + m / 2) 2^(e - 1)``, fp32 bits
-    ``(e + 126) << 23 | m << 22``; e = 0 is the subnormal ``m / 2``. Scale byte 0 is 2^-127 (an fp32 subnormal),
-    255 is NaN."""
-    exponent = (code >> 1) & 3
-    mantissa = code & 1
-    bits = tl.where(exponent > 0, ((exponent + 126) << 23) | (mantissa << 22), mantissa * (126 << 23))
-    magnitude = bits.to(tl.float32, bitcast=True)
-    value = tl.where((code & 8) != 0, -magnitude, magnitude)
+def _e2m1(code):
+    """bf16 values of int32 e2m1 codes (sign bit 3, exponent bits 2..1, mantissa bit 0), exactly, from bits: the
+    magnitudes 1, 1.5, 2, 3, 4, 6 of codes 2..7 are bf16 ``0x3F00 + (code << 6)``; code 1 is 0.5 (``0x3F00``) and
+    code 0 is zero."""
+    magnitude = code & 7
+    bits = tl.where(magnitude >= 2, (magnitude << 6) + 0x3F00, magnitude * 0x3F00) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _ue8m0(scale_byte):
+    """fp32 ``2^(scale_byte - 127)`` of int32 ue8m0 bytes: byte 0 is 2^-127 (an fp32 subnormal), 255 is NaN."""
     scale = tl.where(scale_byte == 0, 0x400000, scale_byte << 23).to(tl.float32, bitcast=True)
-    return value * tl.where(scale_byte == 255, float("nan"), scale)
+    return tl.where(scale_byte == 255, float("nan"), scale)
 
 
 @triton.jit(do_not_specialize=["max_m", "GRID_M"])
@@ -434,16 +436,16 @@ def _grouped_gemm_fp4_kernel(
     FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """A float activation against FP4 expert weights: B is the packed bytes ``[E * N, K / 2]`` (low nibble the even
-    element) and their ue8m0 scale bytes ``[E * N, K / 32]``. Each K step loads a ``[BLOCK_N, BLOCK_K / 2]`` tile of
-    bytes along their rows (coalesced: each byte read once), decodes its low and high nibbles to the weight's exact
-    values in A's dtype (exact in bf16 and fp32) and accumulates ``A_even @ W_low^T + A_odd @ W_high^T`` in fp32,
-    with A's even and odd columns loaded apart: the SM90 path, where no tensor-core instruction takes e2m1. M tiles
-    as ``_expert_rows`` numbers them."""
+    element) and their ue8m0 scale bytes ``[E * N, K / 32]`` (K a multiple of 32). Each K step is one scale group of
+    32 elements: the group's 16 bytes of each of ``BLOCK_N`` rows (loaded along the row,
+    coalesced, each byte once), their low and high nibbles decoded to exact bf16 values (``_e2m1``), the product
+    ``A_even @ W_low^T + A_odd @ W_high^T`` over the group (A's even and odd columns loaded apart), then scaled by
+    each row's group scale into the fp32 accumulator: the SM90 path, where no tensor-core instruction takes e2m1.
+    M tiles as ``_expert_rows`` numbers them."""
     pdl_wait()
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     e, row0, row_end = _expert_rows(pid_m, offsets_ptr, masked_ptr, E, max_m, MASKED, BLOCK_M, BLOCK_E)
@@ -456,20 +458,17 @@ def _grouped_gemm_fp4_kernel(
     half_k, groups = K // 2, K // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_rows = a_ptr + offs_m[:, None] * stride_am
-    for k0 in range(0, half_k, BLOCK_K // 2):
-        offs_h = k0 + tl.arange(0, BLOCK_K // 2)  # byte columns: elements 2h (low nibble) and 2h + 1 (high)
-        mask_h = offs_h < half_k
-        mask_a = mask_m[:, None] & mask_h[None, :]
-        a_even = tl.load(a_rows + 2 * offs_h[None, :], mask=mask_a, other=0.0)
-        a_odd = tl.load(a_rows + 2 * offs_h[None, :] + 1, mask=mask_a, other=0.0)
-        mask_w = mask_n[:, None] & mask_h[None, :]
-        packed = tl.load(b_ptr + w_rows[:, None] * half_k + offs_h[None, :], mask=mask_w, other=0).to(tl.int32)
-        scale = tl.load(bs_ptr + w_rows[:, None] * groups + (offs_h // 16)[None, :], mask=mask_w, other=127)
-        scale = scale.to(tl.int32)
-        w_low = _e2m1_times_ue8m0(packed & 0xF, scale).to(a_even.dtype)
-        w_high = _e2m1_times_ue8m0((packed >> 4) & 0xF, scale).to(a_even.dtype)
-        acc = dot(a_even, tl.trans(w_low), acc, FP32_DOT)
-        acc = dot(a_odd, tl.trans(w_high), acc, FP32_DOT)
+    b_rows = b_ptr + w_rows[:, None] * half_k
+    for group in range(0, groups):
+        offs_h = group * 16 + tl.arange(0, 16)  # the group's bytes: elements 2h (low nibble), 2h + 1 (high)
+        a_even = tl.load(a_rows + 2 * offs_h[None, :], mask=mask_m[:, None], other=0.0)
+        a_odd = tl.load(a_rows + 2 * offs_h[None, :] + 1, mask=mask_m[:, None], other=0.0)
+        packed = tl.load(b_rows + offs_h[None, :], mask=mask_n[:, None], other=0).to(tl.int32)
+        scale = tl.load(bs_ptr + w_rows * groups + group, mask=mask_n, other=127).to(tl.int32)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part = dot(a_even, tl.trans(_e2m1(packed).to(a_even.dtype)), part, FP32_DOT)
+        part = dot(a_odd, tl.trans(_e2m1(packed >> 4).to(a_even.dtype)), part, FP32_DOT)
+        acc += part * _ue8m0(scale)[None, :]
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
         cast(acc, c_ptr.dtype.element_ty),
