@@ -491,23 +491,25 @@ def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> boo
 
 # SM90 has no tensor-core instruction that takes e2m1: ``_grouped_gemm_fp4_kernel`` decodes the packed codes and
 # each 32-value group of codes inside the kernel to exact bf16 values ahead of its ``tl.dot`` and scales the group's
-# product by its ue8m0 scale. No split over K: batch-invariant. Decode's masked layout (a few rows per expert) takes
-# 16-row tiles: 1.8-1.9x the 64-row tile's speed at 1.5-6 rows per expert on V4-Flash's expert shapes (H100), where
-# the decode of the codes, not the products, is the work; the contiguous layout keeps 64 rows.
+# product by its ue8m0 scale. No split over K. ``triton-fp4`` (64-row tiles) serves both modes; in the default mode
+# ``triton-fp4-few`` takes calls of at most FP4_FEW_ROWS rows per expert on average with 16-row tiles: 1.8-1.9x the
+# 64-row tile's speed at 1.5-6 rows per expert on V4-Flash's expert shapes (H100), where decoding the codes, not the
+# products, is the work. Its products (mma.sync rather than wgmma) need not round as the 64-row tile's do, so
+# batch-invariant mode keeps the one tile.
 FP4_TILE = Tile(64, 128, 4, 3)
-FP4_TILE_MASKED = Tile(16, 128, 4, 3)
+FP4_TILE_FEW = Tile(16, 128, 4, 3)
+FP4_FEW_ROWS = 16
 
 
-def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype):
+def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype, tile=FP4_TILE):
     """``ops.grouped_gemm`` of a bf16 or fp32 activation against an ``FP4Tensor`` weight, by
-    ``_grouped_gemm_fp4_kernel``."""
+    ``_grouped_gemm_fp4_kernel`` with ``tile``."""
     experts, n, k = w.shape
     masked = masked_m is not None
     rows = a.shape[0] * a.shape[1] if masked else a.shape[0]
     out = torch.empty(*a.shape[:-1], n, dtype=out_dtype, device=a.device)
     if rows == 0 or n == 0:
         return out
-    tile = FP4_TILE_MASKED if masked else FP4_TILE
     a2 = a.reshape(rows, k).contiguous()
     packed = w.data.contiguous().view(torch.uint8).view(experts * n, k // 2)
     scales = w.scale.contiguous().view(torch.uint8).view(experts * n, k // 32)
@@ -550,6 +552,17 @@ def grouped_fp4_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool |
     if a.dtype not in (torch.bfloat16, torch.float32):
         return Decline(f"a is {a.dtype}, expected bfloat16 or float32")
     return placed(a=a, w=w.data, expert_offsets=expert_offsets, masked_m=masked_m)
+
+
+def grouped_fp4_few_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+    """``grouped_fp4_supports``, for calls of at most ``FP4_FEW_ROWS`` rows per expert on average (decode)."""
+    ok = grouped_fp4_supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
+    if ok is not True:
+        return ok
+    per_expert = a.shape[1] if masked_m is not None else a.shape[0] / w.shape[0]
+    if per_expert > FP4_FEW_ROWS:
+        return Decline(f"{per_expert:g} rows per expert > {FP4_FEW_ROWS}")
+    return True
 
 
 def grouped_fp4_native(a, w, *, expert_offsets, masked_m, out_dtype):

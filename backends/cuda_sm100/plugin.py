@@ -88,7 +88,15 @@ def _grouped_gemm_impls(gemm) -> list[OpImpl]:
         "triton": gemm.grouped_supports,
     }
     fp4 = [
-        _impl("grouped_gemm", "tcgen05-fp4", gemm.grouped_fp4_native, gemm.grouped_fp4_native_supports, priority=2),
+        _impl("grouped_gemm", "tcgen05-fp4", gemm.grouped_fp4_native, gemm.grouped_fp4_native_supports, priority=3),
+        _impl(
+            "grouped_gemm",
+            "triton-fp4-few",
+            partial(gemm.grouped_gemm_fp4, tile=gemm.FP4_TILE_FEW),
+            gemm.grouped_fp4_few_supports,
+            invariant=False,
+            priority=2,
+        ),
         _impl("grouped_gemm", "triton-fp4", gemm.grouped_gemm_fp4, gemm.grouped_fp4_supports, priority=1),
     ]
     return fp4 + [
