@@ -456,8 +456,8 @@ def test_fp8_gemm_takes_the_triton_kernel_it_took_before(triton_only, invariant)
 def test_fp4_grouped_gemm_takes_triton_fp4_and_the_native_place_says_why_not(triton_only, invariant, monkeypatch):
     """FP4 weights: in both layouts for bf16 and fp32 activations, ``triton-fp4-few`` at a few rows per expert in
     the default mode, ``triton-fp4`` beyond them and in batch-invariant mode; ``tcgen05-fp4`` declines, naming the
-    missing capability on SM90 and the missing kernel where the device has ``fp4``; the dense and FP8 kernels
-    decline an FP4 weight; an fp16 activation falls back to the reference."""
+    missing capability on SM90 and, where the device has ``fp4``, that it has not run there yet; the dense and FP8
+    kernels decline an FP4 weight; an fp16 activation falls back to the reference."""
     from deepinfer.conformance.cases import Gen
     from deepinfer.conformance.gemm import fp4_weight
 
@@ -495,7 +495,7 @@ def test_fp4_grouped_gemm_takes_triton_fp4_and_the_native_place_says_why_not(tri
     monkeypatch.setattr(gemm.probe, "capabilities", lambda: frozenset({"fp4", "tcgen05"}))
     try:
         reasons = {c.impl.provider: c.reason for c in dispatch.explain("grouped_gemm", kwargs, "cuda_sm100")}
-        assert reasons["tcgen05-fp4"].startswith("no native block-scaled FP4 (tcgen05) kernel yet")
+        assert reasons["tcgen05-fp4"].startswith("FP4_TCGEN05 is off")
     finally:
         gemm._capabilities.cache_clear()
 

@@ -501,9 +501,9 @@ FP4_TILE_FEW = Tile(16, 128, 4, 3)
 FP4_FEW_ROWS = 16
 
 
-def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype, tile=FP4_TILE):
+def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype, tile=FP4_TILE, scaled=False):
     """``ops.grouped_gemm`` of a bf16 or fp32 activation against an ``FP4Tensor`` weight, by
-    ``_grouped_gemm_fp4_kernel`` with ``tile``."""
+    ``_grouped_gemm_fp4_kernel`` with ``tile`` (``scaled``: its ``tl.dot_scaled`` path, SM100)."""
     experts, n, k = w.shape
     masked = masked_m is not None
     rows = a.shape[0] * a.shape[1] if masked else a.shape[0]
@@ -538,6 +538,7 @@ def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype, tile=FP4_TILE
         BLOCK_N=tile.block_n,
         BLOCK_E=triton.next_power_of_2(experts),
         GROUP_M=GROUPED_GROUP_M,
+        SCALED=scaled,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=PDL,
@@ -566,19 +567,33 @@ def grouped_fp4_few_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bo
 
 
 def grouped_fp4_native(a, w, *, expert_offsets, masked_m, out_dtype):
-    """The native FP4 path: not written (``grouped_fp4_native_supports`` declines every call)."""
-    raise NotImplementedError("no native FP4 grouped GEMM kernel")
+    """``grouped_gemm_fp4`` through ``tl.dot_scaled`` (tcgen05 products on SM100), 128 x 128 tiles."""
+    return grouped_gemm_fp4(
+        a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype, tile=FP4_TILE_SM100, scaled=True
+    )
 
 
-def grouped_fp4_native_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> Decline:
-    """Where the device has the ``fp4`` capability (compute capability 10.x: tcgen05's block-scaled MMA takes e2m1
-    operands with ue8m0 scales per 32 values, the ``FP4Tensor`` layout), an FP4 weight would run natively; that
-    kernel is not written, so this declines with the reason and ``triton-fp4`` serves the call."""
+# The SM100 path: ``tl.dot_scaled`` of the bf16 activation and the packed e2m1 weight with its ue8m0 scales, which
+# Triton lowers to tcgen05 products of the weight upcast to bf16, exactly (``tests/test_fp4_kernels.py`` compiles
+# it for SM100 in CI). tcgen05's block-scaled kinds (mxf8f6f4, mxf4) would take the codes as they are but need the
+# activation quantised to MXFP8 too, a looser contract than the op's. It has not run on an SM100 GPU: it is chosen
+# only while this is on.
+FP4_TCGEN05 = False
+FP4_TILE_SM100 = Tile(128, 128, 4, 3)
+
+
+def grouped_fp4_native_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+    """An ``FP4Tensor`` weight and a bf16 activation on a device with the ``fp4`` capability (compute capability
+    10.x), while ``FP4_TCGEN05`` is on."""
     if not isinstance(w, FP4Tensor):
         return Decline("w is not an FP4Tensor")
     if "fp4" not in _capabilities():
-        return Decline("no fp4 capability (block-scaled FP4 MMA needs compute capability 10.x)")
-    return Decline("no native block-scaled FP4 (tcgen05) kernel yet: triton-fp4 dequantises in the kernel")
+        return Decline("no fp4 capability (tcgen05 needs compute capability 10.x)")
+    if not FP4_TCGEN05:
+        return Decline("FP4_TCGEN05 is off: the tcgen05 FP4 kernel has not yet run on an SM100 GPU")
+    if a.dtype != torch.bfloat16:
+        return Decline(f"a is {a.dtype}, expected bfloat16")
+    return placed(a=a, w=w.data, expert_offsets=expert_offsets, masked_m=masked_m)
 
 
 @functools.cache

@@ -438,6 +438,8 @@ def _grouped_gemm_fp4_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SCALED: tl.constexpr = False,
+    BLOCK_K: tl.constexpr = 128,
 ):
     """A float activation against FP4 expert weights: B is the packed bytes ``[E * N, K / 2]`` (low nibble the even
     element) and their ue8m0 scale bytes ``[E * N, K / 32]`` (K a multiple of 32). Each K step is one scale group of
@@ -445,6 +447,8 @@ def _grouped_gemm_fp4_kernel(
     coalesced, each byte once), their low and high nibbles decoded to exact bf16 values (``_e2m1``), the product
     ``A_even @ W_low^T + A_odd @ W_high^T`` over the group (A's even and odd columns loaded apart), then scaled by
     each row's group scale into the fp32 accumulator: the SM90 path, where no tensor-core instruction takes e2m1.
+    With ``SCALED`` (bf16 activations, compiled for SM100), each ``BLOCK_K`` step hands the packed codes and their
+    scales to ``tl.dot_scaled`` instead, which Triton lowers to tcgen05 products of the exactly upcast weight.
     M tiles as ``_expert_rows`` numbers them."""
     pdl_wait()
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -459,16 +463,27 @@ def _grouped_gemm_fp4_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_rows = a_ptr + offs_m[:, None] * stride_am
     b_rows = b_ptr + w_rows[:, None] * half_k
-    for group in range(0, groups):
-        offs_h = group * 16 + tl.arange(0, 16)  # the group's bytes: elements 2h (low nibble), 2h + 1 (high)
-        a_even = tl.load(a_rows + 2 * offs_h[None, :], mask=mask_m[:, None], other=0.0)
-        a_odd = tl.load(a_rows + 2 * offs_h[None, :] + 1, mask=mask_m[:, None], other=0.0)
-        packed = tl.load(b_rows + offs_h[None, :], mask=mask_n[:, None], other=0).to(tl.int32)
-        scale = tl.load(bs_ptr + w_rows * groups + group, mask=mask_n, other=127).to(tl.int32)
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        part = dot(a_even, tl.trans(_e2m1(packed).to(a_even.dtype)), part, FP32_DOT)
-        part = dot(a_odd, tl.trans(_e2m1(packed >> 4).to(a_even.dtype)), part, FP32_DOT)
-        acc += part * _ue8m0(scale)[None, :]
+    if SCALED:
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            offs_h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            a = tl.load(a_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+            mask_h, mask_g = mask_n[:, None] & (offs_h < half_k)[None, :], mask_n[:, None] & (offs_g < groups)[None, :]
+            packed = tl.load(b_rows + offs_h[None, :], mask=mask_h, other=0)
+            scale = tl.load(bs_ptr + w_rows[:, None] * groups + offs_g[None, :], mask=mask_g, other=127)
+            acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc)
+    else:
+        for group in range(0, groups):
+            offs_h = group * 16 + tl.arange(0, 16)  # the group's bytes: elements 2h (low nibble), 2h + 1 (high)
+            a_even = tl.load(a_rows + 2 * offs_h[None, :], mask=mask_m[:, None], other=0.0)
+            a_odd = tl.load(a_rows + 2 * offs_h[None, :] + 1, mask=mask_m[:, None], other=0.0)
+            packed = tl.load(b_rows + offs_h[None, :], mask=mask_n[:, None], other=0).to(tl.int32)
+            scale = tl.load(bs_ptr + w_rows * groups + group, mask=mask_n, other=127).to(tl.int32)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            part = dot(a_even, tl.trans(_e2m1(packed).to(a_even.dtype)), part, FP32_DOT)
+            part = dot(a_odd, tl.trans(_e2m1(packed >> 4).to(a_even.dtype)), part, FP32_DOT)
+            acc += part * _ue8m0(scale)[None, :]
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
         cast(acc, c_ptr.dtype.element_ty),

@@ -78,10 +78,10 @@ def _gemm_impls(gemm, gemm_cublas) -> list[OpImpl]:
 
 
 def _grouped_gemm_impls(gemm) -> list[OpImpl]:
-    """FP4 weights first (``tcgen05-fp4``, the native path where the device has the ``fp4`` capability: declines
-    every call until that kernel is written; ``triton-fp4``, dequantising inside the kernel), then one implementation
-    per kernel ``gemm.grouped_gemm`` chooses between, in ``GROUPED_KERNELS``' order; the decode tile is not
-    batch-invariant."""
+    """FP4 weights first (``tcgen05-fp4``, ``tl.dot_scaled`` where the device has the ``fp4`` capability, while
+    ``gemm.FP4_TCGEN05`` is on; ``triton-fp4-few`` and ``triton-fp4``, decoding inside the kernel), then one
+    implementation per kernel ``gemm.grouped_gemm`` chooses between, in ``GROUPED_KERNELS``' order; the decode
+    tiles (``triton-fp4-few``, ``triton-decode``) are not batch-invariant."""
     supports = {
         "triton-masked-swapped": gemm.grouped_masked_swapped_supports,
         "triton-decode": gemm.grouped_decode_supports,
