@@ -16,6 +16,11 @@ a step replayed from a graph gives the bits of the same step run eagerly.
 Capture needs every op on the decode path to be free of host synchronisation on the chosen backend; if capture
 fails (for example an op falls back to the reference), the graphs are dropped with a warning and decode runs
 eagerly.
+
+A model whose caches are state pages (DeepSeek-V4) reads and writes them through each row's block table, whatever
+its sequence length: its padding rows get the table of a scratch page (``pad_page``) that no sequence holds, so
+their writes land there. Such models are captured only where ``STATE_PAGE_GRAPHS`` is on: their decode step has
+the shapes a graph needs (``deepseek_v4.DecodeRows``), but it has not been captured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from .greedy import greedy_tokens
 from .speculative import MTPDrafter
 
 CAPABILITY = "cuda_graphs"
+STATE_PAGE_GRAPHS = False
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -43,7 +49,8 @@ def buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     """Captured decode steps of ``model`` over ``kv_cache`` (and ``index_cache``, for sparse attention) for batches
-    up to ``max_batch`` sequences of up to ``max_blocks`` pages each."""
+    up to ``max_batch`` sequences of up to ``max_blocks`` pages each; ``pad_page``: the scratch page of padding rows
+    (models whose caches are state pages)."""
 
     def __init__(
         self,
@@ -55,8 +62,9 @@ class DecodeGraphs:
         max_blocks: int,
         block_size: int,
         drafter: MTPDrafter | None = None,
+        pad_page: int | None = None,
     ):
-        self.model, self.drafter, self.block_size = model, drafter, block_size
+        self.model, self.drafter, self.block_size, self.pad_page = model, drafter, block_size, pad_page
         self.kv_caches = list(kv_cache.unbind(0))
         self.index_caches = list(index_cache.unbind(0)) if index_cache is not None else None
         self.sizes = buckets(max_batch)
@@ -121,6 +129,8 @@ class DecodeGraphs:
         try:
             for b in reversed(self.sizes):
                 self.wide[b : 2 * b].fill_(-1)  # the warm-up runs write no cache slot
+                if self.pad_page is not None:  # nor any page but the scratch page
+                    self.narrow[2 * b : b * (2 + self.max_blocks)].fill_(self.pad_page)
                 graph, (self.logits[b], self.greedy[b], self.hidden[b]) = self._capture_one(self._forward, b, pool)
                 pool = graph.pool()
                 self.graphs[b] = graph
@@ -184,6 +194,8 @@ class DecodeGraphs:
         width = max(len(t) for t in block_tables)
         table = narrow[2 * b :].view(b, self.max_blocks)
         table[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        if self.pad_page is not None:
+            table[n:] = self.pad_page
         self.wide[: 2 * b].copy_(wide, non_blocking=True)  # pinned sources: the host allocator keeps them alive
         self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
         return b

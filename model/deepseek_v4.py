@@ -190,17 +190,30 @@ class V4State:
 class DecodeRows:
     """One new token of each of ``states`` (whose pages are one tensor): the sequences' block tables and lengths on
     the device, so that a layer reads and writes every sequence's caches in a few gathers instead of a loop over
-    the sequences."""
+    the sequences. Every shape a step takes from it depends on the number of sequences and the width of the block
+    tables only, never on the lengths, which stay on the device."""
 
     def __init__(self, states: list[V4State]):
         st0 = states[0]
         self.layout, self.flat, self.state0 = st0.layout, st0.flat, st0
         device = st0.flat.device
-        self.starts = [st.length for st in states]
         width = max(len(st.block_table) for st in states)
         tables = [st.block_table + [0] * (width - len(st.block_table)) for st in states]
         self.tables = torch.tensor(tables, dtype=torch.int64).to(device)
-        self.start = torch.tensor(self.starts, dtype=torch.int64).to(device)
+        self.start = torch.tensor([st.length for st in states], dtype=torch.int64).to(device)
+
+    @classmethod
+    def of_tables(cls, state0: V4State, tables: torch.Tensor, start: torch.Tensor) -> DecodeRows:
+        """The rows of sequences given on the device only: block tables ``tables [B, W]`` and new positions ``start
+        [B]`` over ``state0``'s pages (a CUDA graph's static inputs)."""
+        rows = cls.__new__(cls)
+        rows.layout, rows.flat, rows.state0 = state0.layout, state0.flat, state0
+        rows.tables, rows.start = tables.long(), start.long()
+        return rows
+
+    def entry_capacity(self, m: int) -> int:
+        """Entries of a layer of rate ``m`` that the block tables' token pages hold: at least any sequence's."""
+        return (self.tables.shape[1] - self.layout.state_pages) * -(-self.layout.block_size // m)
 
     def state_index(
         self, offset: int, rows: torch.Tensor, width: int, which: torch.Tensor | None = None
@@ -223,11 +236,9 @@ class DecodeRows:
         width = self.layout.index_width if index else self.layout.entry_width
         return self.state0._decode(records.reshape(-1, records.shape[-1]), index).view(*w.shape, width)
 
-    def write_entries(
-        self, layer: int, m: int, which: torch.Tensor, w: torch.Tensor, values: torch.Tensor, index: bool = False
-    ) -> None:
-        """Stores ``values [S, width]`` as entry (or indexer key) ``w [S]`` of sequences ``which [S]``."""
-        pages, slots = self._entry_slots(self.tables.index_select(0, which), m, w[:, None])
+    def write_entries(self, layer: int, m: int, w: torch.Tensor, values: torch.Tensor, index: bool = False) -> None:
+        """Stores ``values [B, width]`` as entry (or indexer key) ``w [B]`` of each sequence."""
+        pages, slots = self._entry_slots(self.tables, m, w[:, None])
         self.state0._records(layer, index)[pages[:, 0], slots[:, 0]] = self.state0._encode(values, index)
 
 
@@ -235,17 +246,23 @@ class DecodeRows:
 class V4Batch:
     """One forward: sequence ``b`` contributes ``lens[b]`` consecutive tokens (packed in order) and ``states[b]``
     its caches; ``positions [T]`` int32 of every token. Built by ``DeepseekV4.batch``. ``decode`` is the
-    ``DecodeRows`` of a batch of one new token per sequence on shared pages (None otherwise)."""
+    ``DecodeRows`` of a batch of one new token per sequence on shared pages (None otherwise); ``moe_mode`` the
+    experts' ``ep_dispatch`` mode; ``counted [T]`` int64, where set, 1 for the rows that count towards the expert
+    load (0 for a CUDA graph's padding rows)."""
 
     states: list[V4State]
     lens: list[int]
     positions: torch.Tensor
     input_ids: torch.Tensor
+    moe_mode: str = "normal"
+    decode: DecodeRows | None = None
+    counted: torch.Tensor | None = None
 
     def __post_init__(self):
         pages = {id(st.pages) for st in self.states}
         one_each = self.states and all(n == 1 for n in self.lens) and len(pages) == 1
-        self.decode = DecodeRows(self.states) if one_each else None
+        if self.decode is None and one_each:
+            self.decode = DecodeRows(self.states)
 
     @property
     def offsets(self) -> list[int]:
@@ -312,10 +329,11 @@ class Compressor:
         out = ops.rms_norm(ops.compress_kv(ck.contiguous(), cg.contiguous(), self.bias), self.norm, self.eps)[0]
         return _rope_tail(out[:, None], (entry * self.m).to(torch.int32), self.table, self.rope_dim)[:, 0]
 
-    def step_rows(self, proj: tuple[torch.Tensor, torch.Tensor], dr: DecodeRows, layer: int, closing: list[int]):
+    def step_rows(self, proj: tuple[torch.Tensor, torch.Tensor], dr: DecodeRows, layer: int) -> None:
         """``step`` for one new row of each sequence of ``dr`` (``proj``: its ``kv, gate [B, c D]``): every row into
-        its sequence's ring, then the windows the sequences ``closing`` close, compressed together and stored as
-        their entries."""
+        its sequence's ring, then every sequence's window ending at its row compressed and stored as the entry of
+        that window. Where the window is still open the entry is not yet visible (``(start + 1) // m`` entries are)
+        and the step that closes the window writes it again: so no step depends on which windows close."""
         kv, gate = proj
         m, d, lay = self.m, self.dim, dr.layout
         rows, offs = lay.compressor_rows(layer), lay.state_offset[layer]
@@ -323,14 +341,11 @@ class Compressor:
         slot = (dr.start % rows)[:, None]
         dr.flat[dr.state_index(at_kv, slot, kv.shape[1])[:, 0]] = kv
         dr.flat[dr.state_index(at_gate, slot, gate.shape[1])[:, 0]] = gate
-        if not closing:
-            return
-        which = torch.tensor(closing, device=kv.device)
-        start = dr.start.index_select(0, which)
-        span = (2 if self.overlap else 1) * m  # the window closing and, overlapping, the one before it
+        start = dr.start
+        span = (2 if self.overlap else 1) * m  # the window and, overlapping, the one before it
         past = (start[:, None] - span + 1 + torch.arange(span, device=kv.device)).remainder(rows)
-        ck = dr.flat[dr.state_index(at_kv, past, kv.shape[1], which)]
-        cg = dr.flat[dr.state_index(at_gate, past, gate.shape[1], which)]
+        ck = dr.flat[dr.state_index(at_kv, past, kv.shape[1])]
+        cg = dr.flat[dr.state_index(at_gate, past, gate.shape[1])]
         prev_kv = prev_gate = None
         if self.overlap:  # the window before, whose first series comes first (none before the first window)
             first = (start < m)[:, None, None]
@@ -338,7 +353,7 @@ class Compressor:
             prev_gate = torch.where(first, float("-inf"), cg[:, :m, :d])
             ck, cg = ck[:, m:], cg[:, m:]
         entry = start // m
-        dr.write_entries(layer, m, which, entry, self._entries(ck, cg, prev_kv, prev_gate, entry), self.prefix == "i")
+        dr.write_entries(layer, m, entry, self._entries(ck, cg, prev_kv, prev_gate, entry), self.prefix == "i")
 
 
 class V4Attention:
@@ -463,14 +478,16 @@ class V4Attention:
         return pool, indices
 
     def _decode_pools(self, kv, comp, idx, dr: DecodeRows, index_q) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``_pools`` for one new token per sequence, every sequence at once: the window's past keys in one gather,
-        the new key and compressor rows in one scatter, the windows that close compressed together, the entries
-        (or, CSA, the indexer keys, then the chosen entries) in one gather each."""
+        """``_pools`` for one new token per sequence, every sequence at once and in shapes that do not depend on the
+        sequences' lengths: the window's past keys in one gather (positions before 0 masked), the new key and
+        compressor rows in one scatter, every sequence's current window compressed together, the entries up to the
+        block tables' capacity (or, CSA, the indexer keys, then the chosen entries) in one gather each, those not
+        yet visible masked."""
         cfg, d, dev, layer = self.cfg, self.dim, kv.device, self.layer
-        sw, lay, b = cfg.sliding_window, dr.layout, len(dr.starts)
+        sw, lay, b = cfg.sliding_window, dr.layout, dr.start.shape[0]
         ring, at = lay.window_rows, lay.state_offset[layer]["window"]
         seqs = torch.arange(b, device=dev)[:, None]
-        h = min(max(dr.starts), sw - 1)  # past keys a row reads at most
+        h = sw - 1  # past keys a row reads at most
         keys = kv[:, None]
         if h:
             past = dr.start[:, None] - h + torch.arange(h, device=dev)  # positions (negative ones masked below)
@@ -483,24 +500,21 @@ class V4Attention:
         if self.compressor is None:
             return pool, indices
         m = self.m
-        closing = [i for i, start in enumerate(dr.starts) if (start + 1) % m == 0]
-        self.compressor.step_rows(comp, dr, layer, closing)
+        self.compressor.step_rows(comp, dr, layer)
         if self.indexer is not None:
-            self.indexer.step_rows(idx, dr, layer, closing)
-        count = (dr.start + 1) // m  # every entry written is visible to the new token
-        c = max((start + 1) // m for start in dr.starts)
+            self.indexer.step_rows(idx, dr, layer)
+        count = (dr.start + 1) // m  # every entry of a closed window is visible to the new token
+        c = dr.entry_capacity(m)
         entry = torch.arange(c, device=dev)[None, :].expand(b, c)
         if self.indexer is None:
-            if c:
-                pool.append(dr.read_entries(layer, m, entry).reshape(-1, d))
+            pool.append(dr.read_entries(layer, m, entry).reshape(-1, d))
             indices.append(torch.where(entry < count[:, None], base + seqs * c + entry, -1))
             return pool, indices
         keys = dr.read_entries(layer, m, entry, index=True).reshape(b * c, cfg.index_head_dim)
         picked = self._choose(index_q, keys, (seqs[:, 0] * c).to(torch.int32), count.to(torch.int32))
         valid = picked >= 0
-        if c:  # each query's rows are its own sequence's keys: row - seq * c is the entry
-            which = (picked.long() - seqs * c).clamp(min=0)
-            pool.append(dr.read_entries(layer, m, which).reshape(-1, d))
+        which = (picked.long() - seqs * c).clamp(min=0)  # each query's rows are its own sequence's keys
+        pool.append(dr.read_entries(layer, m, which).reshape(-1, d))
         k = picked.shape[1]
         indices.append(torch.where(valid, base + seqs * k + torch.arange(k, device=dev)[None, :], -1))
         return pool, indices
@@ -533,19 +547,27 @@ class V4MoE:
         self.s13, self.s2 = w["shared_experts.gate_up_proj"], w["shared_experts.down_proj"]
         self.load: torch.Tensor | None = None  # [E] int64: when set, each forward adds its tokens per expert (eplb.py)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` of tokens ``input_ids [T]`` -> ``[T, H]``. Over several ranks (``ep``) a collective: every
-        rank calls it with the same rows, routes its share of them (``ExpertParallel.token_share``) through the
-        experts of all ranks, and gets the whole batch's output, as DeepSeek-V3's ``MoE`` does."""
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, mode: str = "normal", counted: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x [T, H]`` of tokens ``input_ids [T]`` -> ``[T, H]``, dispatched in ``ep_dispatch`` ``mode``
+        (``counted``: ``V4Batch.counted``). Over several ranks (``ep``) a collective: every rank calls it with the
+        same rows, routes its share of them (``ExpertParallel.token_share``) through the experts of all ranks, and
+        gets the whole batch's output, as DeepSeek-V3's ``MoE`` does."""
         ep = self.ep
         if ep.world_size == 1:
-            return self._forward(x, input_ids)
+            return self._forward(x, input_ids, mode, None, counted)
         start, end, share = ep.token_share(x.shape[0])
         if share == 0:
             return torch.empty_like(x)
-        return all_gather_rows(self._forward(x[start:end], input_ids[start:end]), share, x.shape[0], ep.group)
+        capacity = share if mode == "low_latency" else None
+        part = counted[start:end] if counted is not None else None
+        out = self._forward(x[start:end], input_ids[start:end], mode, capacity, part)
+        return all_gather_rows(out, share, x.shape[0], ep.group)
 
-    def _forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, mode: str, capacity: int | None, counted: torch.Tensor | None
+    ) -> torch.Tensor:
         cfg, limit = self.cfg, self.cfg.swiglu_limit
         logits = ops.gemm(x.float(), self.gate, out_dtype=torch.float32)
         if self.hash:
@@ -563,11 +585,18 @@ class V4MoE:
                 routed_scaling_factor=cfg.routed_scaling_factor,
                 scoring=cfg.scoring_func,
             )
-        if self.load is not None and ids.numel():  # every row counts (no padded graph batches here)
-            ones = torch.ones(ids.numel(), dtype=torch.int64, device=ids.device)
-            self.load.index_add_(0, ids.reshape(-1).long(), ones)
+        if self.load is not None and ids.numel():
+            ones = torch.ones_like(ids, dtype=torch.int64) if counted is None else counted[:, None].expand_as(ids)
+            self.load.index_add_(0, ids.reshape(-1).long(), ones.reshape(-1))
         recv, _, _, layout, handle = ops.ep_dispatch(
-            x, ids, weights, num_experts=cfg.n_routed_experts, group=self.ep.group, placement=self.ep.placement
+            x,
+            ids,
+            weights,
+            num_experts=cfg.n_routed_experts,
+            group=self.ep.group,
+            mode=mode,
+            capacity=capacity,
+            placement=self.ep.placement,
         )
         groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m}
         h = ops.grouped_gemm(recv, self.w13, out_dtype=x.dtype, **groups)
@@ -627,7 +656,7 @@ class DeepseekV4:
         y = attn.forward(ops.rms_norm(collapsed, attn_norm, eps)[0], batch)
         streams = ops.hc_post(y, streams, post, comb)
         collapsed, post, comb = ops.hc_pre(streams, *hc["ffn"], **hc_kw)
-        y = moe.forward(ops.rms_norm(collapsed, ffn_norm, eps)[0], input_ids)
+        y = moe.forward(ops.rms_norm(collapsed, ffn_norm, eps)[0], input_ids, batch.moe_mode, batch.counted)
         return ops.hc_post(y, streams, post, comb)
 
     @classmethod
@@ -695,7 +724,8 @@ class DeepseekV4:
         and the multi-token-prediction layers read), the caches advanced. ``batch``: a ``V4Batch``, or the engine's
         ``ForwardBatch``, whose ``rows`` name the sequence of each run of rows: its caches are in the engine's pages
         (``kv_caches[0]``, ``[num_blocks, page_bytes]`` bytes, laid out by ``cache_layout()``) that its block table
-        names. ``index_caches`` is not used."""
+        names; a ``ForwardBatch`` without ``rows`` is a CUDA graph's batch of decode rows, whose sequences are known
+        by their block tables and positions on the device only. ``index_caches`` is not used."""
         if isinstance(batch, ForwardBatch):
             batch = self.engine_batch(input_ids, batch, kv_caches[0])
         streams = self.embed[input_ids][:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
@@ -713,13 +743,17 @@ class DeepseekV4:
         pages = pages.reshape(pages.shape[0], -1)
         if pages.shape[1] != layout.page_bytes:
             raise RuntimeError(f"the engine's pages have {pages.shape[1]} bytes, the layout {layout.page_bytes}")
+        if fb.rows is None:  # a CUDA graph's decode rows: padding rows have seq_len 0 and a scratch page's table
+            rows = DecodeRows.of_tables(V4State(layout, pages, [], 0, self.dtype), fb.block_table, fb.positions)
+            counted = (fb.seq_lens > 0).long()
+            return V4Batch([], [], fb.positions, input_ids, fb.moe_mode, decode=rows, counted=counted)
         states, lens = [], []
         for seq, start, n in fb.rows:
             st = V4State(layout, pages, seq.block_table, start, self.dtype)
             st.ensure(start + n)
             states.append(st)
             lens.append(n)
-        return V4Batch(states, lens, fb.positions, input_ids)
+        return V4Batch(states, lens, fb.positions, input_ids, fb.moe_mode)
 
     def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` of ``forward``'s streams ``[N, hc_mult * hidden]``: ``hc_head`` folds them, a

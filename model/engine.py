@@ -41,6 +41,7 @@ import deepinfer
 from deepinfer.index_cache import allocate_index_cache
 from deepinfer.validation import Check
 
+from . import cuda_graphs as graph_capture
 from .block_manager import BlockAllocator
 from .cuda_graphs import CAPABILITY, DecodeGraphs
 from .deepseek_v3 import DeepseekV3
@@ -208,8 +209,14 @@ class LLMEngine:
             if self.sync is not None:  # free memory may differ per rank; the schedule must not
                 num_blocks = self.sync.min_int(num_blocks)
         layers = cfg.num_hidden_layers + mtp_layers  # the MTP layer's cache follows the model's layers
+        backend = deepinfer.current_backend()
+        want_graphs = cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda"
+        if owns_cache:  # graphs of state pages: not with speculation, and only where switched on (cuda_graphs.py)
+            want_graphs = want_graphs and graph_capture.STATE_PAGE_GRAPHS and spec is None
+        pad_page = num_blocks if owns_cache and want_graphs else None  # a scratch page past the allocator's
         if owns_cache:  # pages of bytes the model lays out itself (swapped as any pages are)
-            self.kv_cache = torch.zeros(1, num_blocks, page_bytes, dtype=torch.uint8, device=device)
+            pages = num_blocks + (pad_page is not None)
+            self.kv_cache = torch.zeros(1, pages, page_bytes, dtype=torch.uint8, device=device)
             model.use_pages(block_size, kv_format, mtp_layers, lookahead)
         else:
             cache = deepinfer.allocate_kv_cache(
@@ -270,8 +277,7 @@ class LLMEngine:
                 host_positions=owns_cache,
             )
         graphs = None
-        backend = deepinfer.current_backend()
-        if cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda" and not owns_cache:
+        if want_graphs:
             rows = max_num_seqs * (1 + lookahead)  # a verification step runs 1 + drafts rows per sequence
             graphs = DecodeGraphs(
                 model,
@@ -281,6 +287,7 @@ class LLMEngine:
                 max_blocks=max_blocks,
                 block_size=block_size,
                 drafter=drafter,
+                pad_page=pad_page,
             )
         self.runner = ModelRunner(
             model, self.kv_cache, self.allocator, graphs=graphs, index_cache=self.index_cache, drafter=drafter

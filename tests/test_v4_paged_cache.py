@@ -386,3 +386,64 @@ def test_a_prefix_and_its_snapshot_evicted_to_host_memory_are_found_again(
         mp.setattr(HostPageCache, "load", no_snapshot_loads)
         _, planted, planted_hit = run(host_cache_gb=0.01)
     assert planted_hit == 48 and planted != plain
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_a_cuda_graph_batch_gives_the_bits_of_the_engine_step(
+    kv_format, checkpoints, monkeypatch, deepinfer_backend, deepinfer_device
+):
+    """A decode step as the CUDA graphs run it (``cuda_graphs.py``: rows known only by their block tables and
+    positions on the device, padding rows on a scratch page, experts dispatched in low-latency mode) gives, in
+    batch-invariant mode, the bits of the engine's eager step: logits, and every page after it; the padding rows
+    write to the scratch page only."""
+    from deepinfer.model import SamplingParams
+    from deepinfer.model.forward_batch import ForwardBatch
+
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    path, _ = checkpoints("yarn")
+    llm = v4.serve(path, deepinfer_backend, deepinfer_device, kv_format=kv_format, async_scheduling=False)
+    engine, model = llm.engine, llm.engine.runner.model
+    ps, _ = _requests(5, seed=7)
+    ps[0] = [5, 6, 7]  # its first windows close in the steps below
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)) for p in ps]
+    while not all(s.is_decode for s in seqs):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    pad = engine.kv_cache.shape[1]  # a scratch page past the engine's
+    scratch = torch.full((1, engine.kv_cache.shape[2]), 0x7F, dtype=torch.uint8, device=engine.kv_cache.device)
+    before = torch.cat([engine.kv_cache[0], scratch])
+    dev, n, b = before.device, len(seqs), 8
+    width = max(len(s.block_table) for s in seqs)
+
+    def step(fb, ids):
+        pages = before.clone()
+        streams = model.forward(ids, fb, [pages])
+        return model.compute_logits(streams), pages
+
+    positions = [s.num_computed for s in seqs]
+    ids = torch.tensor([s.token_ids[p] for s, p in zip(seqs, positions)], device=dev)
+    eager = ForwardBatch(
+        positions=torch.tensor(positions, dtype=torch.int32, device=dev),
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+        num_decode=n,
+        block_table=torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], device=dev),
+        seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev),
+        rows=[(s, p, 1) for s, p in zip(seqs, positions)],
+    )
+    want, want_pages = step(eager, ids)
+    table = torch.full((b, engine.allocator.blocks_for(engine.max_model_len)), pad, dtype=torch.int32, device=dev)
+    table[:n] = 0
+    table[:n, :width] = eager.block_table
+    graph = ForwardBatch(
+        positions=torch.cat([eager.positions, eager.positions.new_zeros(b - n)]),
+        slot_mapping=torch.full((b,), -1, dtype=torch.int64, device=dev),
+        num_decode=b,
+        block_table=table,
+        seq_lens=torch.cat([eager.seq_lens, eager.seq_lens.new_zeros(b - n)]),
+        moe_mode="low_latency",
+    )
+    got, got_pages = step(graph, torch.cat([ids, ids.new_zeros(b - n)]))
+    assert torch.equal(got[:n], want)
+    assert torch.equal(got_pages[:pad], want_pages[:pad])
+    assert not torch.equal(got_pages[pad], before[pad])  # the padding rows wrote there

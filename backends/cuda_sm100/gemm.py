@@ -492,7 +492,8 @@ def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> boo
 # SM90 has no tensor-core instruction that takes e2m1: ``_grouped_gemm_fp4_kernel`` decodes the packed codes and
 # each 32-value group of codes inside the kernel to exact bf16 values ahead of its ``tl.dot`` and scales the group's
 # product by its ue8m0 scale. No split over K. ``triton-fp4`` (64-row tiles) serves both modes; in the default mode
-# ``triton-fp4-few`` takes calls of at most FP4_FEW_ROWS rows per expert on average with 16-row tiles: 1.8-1.9x the
+# ``triton-fp4-few`` takes the masked layout and calls of at most FP4_FEW_ROWS rows per expert on average with
+# 16-row tiles: 1.8-1.9x the
 # 64-row tile's speed at 1.5-6 rows per expert on V4-Flash's expert shapes (H100), where decoding the codes, not the
 # products, is the work. Its products (mma.sync rather than wgmma) need not round as the 64-row tile's do, so
 # batch-invariant mode keeps the one tile.
@@ -556,11 +557,12 @@ def grouped_fp4_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool |
 
 
 def grouped_fp4_few_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
-    """``grouped_fp4_supports``, for calls of at most ``FP4_FEW_ROWS`` rows per expert on average (decode)."""
+    """``grouped_fp4_supports``, for decode: the masked layout (its programs past an expert's rows return at once),
+    or at most ``FP4_FEW_ROWS`` rows per expert on average."""
     ok = grouped_fp4_supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
-    if ok is not True:
+    if ok is not True or masked_m is not None:
         return ok
-    per_expert = a.shape[1] if masked_m is not None else a.shape[0] / w.shape[0]
+    per_expert = a.shape[0] / w.shape[0]
     if per_expert > FP4_FEW_ROWS:
         return Decline(f"{per_expert:g} rows per expert > {FP4_FEW_ROWS}")
     return True
