@@ -24,6 +24,8 @@
 #                dispatch tables rewritten under captured CUDA graphs, and the structured-output tests
 #   fp4-check    grouped_gemm's conformance at small and full shapes (the FP4 expert kernel among them, reports under
 #                $OUT), then the DeepSeek-V4 FP4-expert cross-check on cuda_sm100
+#   v4-graphs    DeepSeek-V4's decode graphs (cuda_graphs.STATE_PAGE_GRAPHS switched on by the test) against eager
+#                decoding, bitwise in batch-invariant mode: the check before the switch is turned on
 #   v4-bench     the decode step of a DeepSeek-V4-Flash-shaped cut (4 layers, FP4 experts) at 4k context, batches 1, 64
 #                and 256, against its bytes roofline, with a kernel profile ($OUT/model_v4.json)
 #   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split
@@ -89,6 +91,9 @@ case ${1:-} in
     timeout 560 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --cut 2 --oracle-drafts 0.2 \
       --batches 1,16,64 --specs 1,3 --max-tokens 64 --repeats 2 --json "$OUT/speculative_cut.json" 2>&1 \
       | grep -v "wrote model" | tail -20 ;;
+  v4-graphs)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_model_cuda.py -k v4 --deepinfer-backend cuda_sm100 \
+      --tb=short 2>&1 | tail -20 ;;
   v4-bench)
     timeout 540 python3 benchmarks/bench_model.py "$OUT/model_v4.json" --model v4 --layers 4 --context 4096 \
       --batches 1,64,256 --steps 5 --warmup 1 --profile 2>&1 | grep -v Loading | tail -60 ;;
@@ -194,6 +199,6 @@ for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith("\"")):
       grep -E '"(Kernel Name|Duration|SM Frequency|Grid Size|Block Size|Cluster Size|Registers Per Thread|Memory Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Executed Ipc Active)"' \
         "$OUT/${case}_details.csv" | awk -F'","' '{print $(NF-2)": "$NF}' | head -14
     done ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|prefix-cache|dsa-check|dsa-bench|bench|tiles|scores-first|gemm-tiles|gluon-ws|ab|ab-set|ep|ep-check|gemm-invariant|profile|throughput|profile-gemm" >&2
+  *) echo "usage: OUT=<dir> bash benchmarks/h200_run.sh conformance|model|prefix-cache|v4-graphs|v4-bench|dsa-check|dsa-bench|bench|tiles|scores-first|gemm-tiles|gluon-ws|ab|ab-set|ep|ep-check|gemm-invariant|profile|throughput|profile-gemm" >&2
      exit 2 ;;
 esac

@@ -106,3 +106,28 @@ def test_batch_invariant_graph_decode_gives_the_eager_bits(cuda_backend, tmp_pat
     assert default_graphs is not None and not default_graphs.invariant
     default_graphs.run = lambda **kw: pytest.fail("default-mode graphs replayed in batch-invariant mode")
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in default_llm.generate(prompts, params)] == want
+
+
+def test_v4_graph_decode_gives_the_eager_bits(cuda_backend, tmp_path, monkeypatch):
+    """DeepSeek-V4 (caches in state pages; ``cuda_graphs.STATE_PAGE_GRAPHS`` switched on): in batch-invariant mode
+    the captured decode graphs give, bit for bit, the tokens and log-probabilities of eager decoding, for a batch in
+    a padded bucket (its padding rows on the scratch page) and for a request alone."""
+    import test_model_v4 as v4
+
+    from deepinfer.model import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "STATE_PAGE_GRAPHS", True)
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    v4.v4_checkpoint(tmp_path, seed=3, **v4.CONFIGS["yarn"])
+    prompts = v4.prompts(seed=8)
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True, logprobs=2)
+    common = dict(dtype="bfloat16", block_size=4, max_num_seqs=8, progress=False)
+    eager_llm = LLM(tmp_path, cuda_backend, enforce_eager=True, async_scheduling=False, **common)
+    graph_llm = LLM(tmp_path, cuda_backend, **common)
+    graphs = graph_llm.engine.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8], "every bucket was captured"
+    assert graphs.pad_page == graph_llm.engine.allocator.num_blocks
+    want = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager_llm.generate(prompts, params)]
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in graph_llm.generate(prompts, params)] == want
+    (alone,) = graph_llm.generate([prompts[2]], params)
+    assert (alone.outputs[0].token_ids, alone.outputs[0].logprobs) == want[2]
