@@ -372,7 +372,9 @@ class ModelRunner:
                 hidden = self.model.forward(input_ids, fb, self.kv_caches, self.index_caches)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
         step = LaunchedStep(samplers=samplers, _prompt_rows=prompt_rows)
-        mtp = self.drafter is not None and self.drafter.runs_mtp([*batch.decodes, *(c.seq for c in batch.prefills)])
+        # the MTP layer's cache of prompt rows is always written (a prefix-cache hit may speculate); decode rows'
+        # only where a sequence speculates
+        mtp = self.drafter is not None and (bool(batch.prefills) or self.drafter.runs_mtp(batch.decodes))
         if not rows:
             if mtp:  # the MTP layer's cache entries of these prompt rows
                 self._draft(step, batch, hidden, fb, [])

@@ -278,8 +278,8 @@ class Scheduler:
         """Draft tokens a decoding ``seq`` may verify this step (speculative decoding): ``lookahead``, fewer where
         the token budget, the context or the free pages end first. Drafts take only free pages beyond the
         ``reserved`` ones (those the decoding sequences after it need for their own step), so they never preempt
-        another sequence: a step scheduled ahead of the one in flight preempts nobody (``next_step_fits``). None
-        for a sequence that does not speculate (``Sequence.speculates``)."""
+        another sequence: a step scheduled ahead of the one in flight preempts nobody (``next_step_fits``). 0 for a
+        sequence that does not speculate (``Sequence.speculates``)."""
         if seq.speculates is False:
             return 0
         extra = min(self.lookahead, budget - 1)

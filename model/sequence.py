@@ -65,7 +65,7 @@ class Sequence:
         self.draft_state: Any = None
         self.num_drafted = self.num_accepted = 0
         # None until first scheduled; False when that step held at least ``disable_by_batch_size`` sequences: it
-        # never drafts, and a step of only such sequences skips the MTP layer (``MTPDrafter.admit``)
+        # never drafts, and a decode step of only such sequences skips the MTP layer (``MTPDrafter.admit``)
         self.speculates: bool | None = None
 
     @property

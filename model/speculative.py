@@ -41,9 +41,10 @@ Confidence scheduling (``confidence_threshold``): a sequence verifies its drafts
 gives a probability below the threshold, at most ``num_speculative_tokens``; 0 (the default) is fixed-``k``
 speculation. ``disable_by_batch_size`` turns drafting off in steps that decode that many sequences or more, and, as
 vLLM's option of that name does, turns speculation off for the whole life of a request first scheduled in a step of
-that many sequences: a step of only such requests skips the MTP layer, so a batch that large runs at plain
-decoding's cost (their MTP cache entries are not kept, which is why they never draft later). Neither changes a
-token, only how many a step verifies. Drafts past ``max_tokens`` or the context are never verified. A
+that many sequences: a decode step of only such requests skips the MTP layer, so a batch that large runs at plain
+decoding's cost (their MTP cache entries past the prompt are not kept, which is why they never draft later; a
+prompt's are, since a later request may reuse its pages from the prefix cache). Neither changes a token, only how
+many a step verifies. Drafts past ``max_tokens`` or the context are never verified. A
 request with a structured-output constraint masks each verification row with what its grammar allows after the
 drafts before it (the matcher rolls the drafts back), so a draft the grammar refuses is never accepted. Both read
 the drafts on the host (their probabilities, their tokens), so their steps are not launched ahead.
@@ -222,7 +223,7 @@ class MTPDrafter:
 
     @staticmethod
     def runs_mtp(seqs: list) -> bool:
-        """Whether a step of ``seqs`` runs the MTP pass: unless none of them speculates."""
+        """Whether any of ``seqs`` speculates: a step that decodes only ``seqs`` runs the MTP pass then only."""
         return any(seq.speculates is not False for seq in seqs)
 
     def reads_drafts(self, seqs: list) -> bool:

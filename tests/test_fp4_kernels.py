@@ -12,12 +12,13 @@ import subprocess
 import sys
 
 import pytest
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from deepinfer_cuda_sm100 import gemm
-from deepinfer_cuda_sm100.gemm_triton import _grouped_gemm_fp4_kernel
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from deepinfer_cuda_sm100 import gemm  # noqa: E402
+from deepinfer_cuda_sm100.gemm_triton import _grouped_gemm_fp4_kernel  # noqa: E402
 
 SIGNATURE = {"a_ptr": "*bf16", "b_ptr": "*u8", "bs_ptr": "*u8", "c_ptr": "*bf16", "offsets_ptr": "*i32"}
 SIGNATURE |= {"masked_ptr": "*i32"} | dict.fromkeys(("E", "N", "K", "max_m", "GRID_M", "stride_am", "stride_cm"), "i32")

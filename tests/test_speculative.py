@@ -172,20 +172,30 @@ def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
 
 def test_requests_first_scheduled_in_a_large_batch_never_speculate(invariant):
     """``disable_by_batch_size``: requests first scheduled in a step of at least that many sequences never draft,
-    and steps of only such requests skip the MTP layer and run ahead of the host as plain decoding does; requests
-    admitted into a smaller batch speculate, except in steps that decode that many. Every token stays the one
-    plain decoding takes."""
+    and decode steps of only such requests skip the MTP layer and run ahead of the host as plain decoding does (a
+    prompt's MTP cache entries are still written: a later request may hit them); requests admitted into a smaller
+    batch speculate, except in steps that decode that many. Every token stays the one plain decoding takes."""
     params = [SamplingParams(max_tokens=40 if i < 3 else 12, temperature=0.0) for i in range(6)]
     plain = [result(o) for o in LLM(progress=False).generate(CODE_PROMPTS, params)]
     llm = LLM(progress=False, speculative_config={"num_speculative_tokens": 2, "disable_by_batch_size": 4})
     engine = llm.engine
-    mtp_rows = []
+    mtp_rows, launched = [], []
     forward = engine.runner.drafter.mtp.forward
     engine.runner.drafter.mtp.forward = lambda hidden, *a: mtp_rows.append(hidden.shape[0]) or forward(hidden, *a)
+    launch = engine.runner.launch
 
+    def counting_launch(batch, *a, **k):
+        before = len(mtp_rows)
+        out = launch(batch, *a, **k)
+        launched.append((bool(batch.prefills), len(mtp_rows) - before))
+        return out
+
+    engine.runner.launch = counting_launch
     before = engine.stats["steps_ahead"]
     assert [result(o) for o in llm.generate(CODE_PROMPTS, params)] == plain
-    assert not mtp_rows and llm.last_stats["speculative"]["drafted"] == 0
+    assert llm.last_stats["speculative"]["drafted"] == 0
+    assert all(n == 1 for prefill, n in launched if prefill), "a step with prompt rows skipped the MTP layer"
+    assert not any(n for prefill, n in launched if not prefill), "a decode step of requests that never draft ran it"
     assert engine.stats["steps_ahead"] - before > 20, "steps of requests that never speculate are not run ahead"
 
     # three requests speculate; three more join them (a step of six sequences): those never draft, and the
@@ -207,6 +217,33 @@ def test_requests_first_scheduled_in_a_large_batch_never_speculate(invariant):
     assert all(s.num_drafted > 0 for s in first) and not any(s.num_drafted for s in late)
     assert sum(s.num_drafted for s in first) > drafted_with_six
     assert [s.token_ids[s.num_prompt_tokens :] for s in first + late] == [p[0] for p in plain]
+
+
+def test_a_prefix_cached_by_requests_that_never_speculate_holds_the_mtp_entries_of_a_miss(invariant):
+    """Prompt pages registered for prefix caching by requests that never speculate (``disable_by_batch_size``) hold
+    the MTP layer's cache entries a speculating request computes for the same prompt, bitwise: a later hit drafts
+    from them."""
+    prompt = LLM(progress=False).tokenizer.encode(CODE_PROMPTS[1] * 6)[:80]
+    spec = {"num_speculative_tokens": 2, "disable_by_batch_size": 2}
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def mtp_entries(llm, seq) -> torch.Tensor:
+        full = len(prompt) // 16 * 16  # the registered (full) pages
+        slots = torch.tensor([llm.engine.allocator.slot(seq, p) for p in range(full)])
+        return llm.engine.kv_cache[-1].flatten(0, 1)[slots].clone()
+
+    def served(n: int):
+        llm = LLM(progress=False, speculative_config=spec, block_size=16)
+        seqs = [llm.engine.add_request(prompt, params) for _ in range(n)]
+        llm.engine.step()  # the prompts' step: n sequences
+        entries = mtp_entries(llm, seqs[0])
+        llm.engine.abort_all()
+        return [s.speculates for s in seqs], entries
+
+    crowd, cached = served(2)
+    alone, fresh = served(1)
+    assert crowd == [False, False] and alone == [True]
+    assert torch.equal(cached, fresh)
 
 
 def test_cache_entries_are_those_of_a_run_without_speculation(invariant):

@@ -489,14 +489,13 @@ def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> boo
 # --- grouped GEMM with FP4 weights --------------------------------------------------------------------------------
 
 
-# SM90 has no tensor-core instruction that takes e2m1: ``_grouped_gemm_fp4_kernel`` decodes the packed codes and
-# each 32-value group of codes inside the kernel to exact bf16 values ahead of its ``tl.dot`` and scales the group's
-# product by its ue8m0 scale. No split over K. ``triton-fp4`` (64-row tiles) serves both modes; in the default mode
+# SM90 has no tensor-core instruction that takes e2m1: ``_grouped_gemm_fp4_kernel`` decodes each 32-value group of
+# packed codes inside the kernel to exact bf16 values ahead of its ``tl.dot`` and scales the group's product by its
+# ue8m0 scale. No split over K. ``triton-fp4`` (64-row tiles) serves both modes; in the default mode
 # ``triton-fp4-few`` takes the masked layout and calls of at most FP4_FEW_ROWS rows per expert on average with
-# 16-row tiles: 1.8-1.9x the
-# 64-row tile's speed at 1.5-6 rows per expert on V4-Flash's expert shapes (H100), where decoding the codes, not the
-# products, is the work. Its products (mma.sync rather than wgmma) need not round as the 64-row tile's do, so
-# batch-invariant mode keeps the one tile.
+# 16-row tiles: 1.8-1.9x the 64-row tile's speed at 1.5-6 rows per expert on V4-Flash's expert shapes (H100), where
+# decoding the codes, not the products, is the work. Its products (mma.sync rather than wgmma) need not round as the
+# 64-row tile's do, so batch-invariant mode keeps the one tile.
 FP4_TILE = Tile(64, 128, 4, 3)
 FP4_TILE_FEW = Tile(16, 128, 4, 3)
 FP4_FEW_ROWS = 16
