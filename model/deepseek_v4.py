@@ -215,14 +215,11 @@ class DecodeRows:
         """Entries of a layer of rate ``m`` that the block tables' token pages hold: at least any sequence's."""
         return (self.tables.shape[1] - self.layout.state_pages) * -(-self.layout.block_size // m)
 
-    def state_index(
-        self, offset: int, rows: torch.Tensor, width: int, which: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Element indices ``[S, R, width]`` of rows ``rows [S, R]`` (int64, on the device) of the ``[*, width]``
-        matrix at element ``offset`` of the state vector of each sequence (or of sequences ``which [S]``)."""
-        tables = self.tables if which is None else self.tables.index_select(0, which)
+    def state_index(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """Element indices ``[B, R, width]`` of rows ``rows [B, R]`` (int64, on the device) of the ``[*, width]``
+        matrix at element ``offset`` of the state vector of each sequence."""
         page, inner = self.layout.state_place(offset, rows, width)
-        return tables.gather(1, page.reshape(rows.shape[0], -1)).view(page.shape) * self.layout.page_elems + inner
+        return self.tables.gather(1, page.reshape(rows.shape[0], -1)).view(page.shape) * self.layout.page_elems + inner
 
     def _entry_slots(self, tables: torch.Tensor, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         column, slot = self.layout.entry_place(m, w)
