@@ -58,7 +58,7 @@ from deepinfer.qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, QTensor
 from .config_v4 import CSA, HCA, SLIDING, V4CacheLayout, V4Checkpoint, V4Config
 from .forward_batch import ForwardBatch
 from .mla import linear
-from .moe import ExpertParallel, all_gather_rows
+from .moe import ExpertParallel
 from .mtp import V4MTPLayer
 
 
@@ -551,16 +551,12 @@ class V4MoE:
         (``counted``: ``V4Batch.counted``). Over several ranks (``ep``) a collective: every rank calls it with the
         same rows, routes its share of them (``ExpertParallel.token_share``) through the experts of all ranks, and
         gets the whole batch's output, as DeepSeek-V3's ``MoE`` does."""
-        ep = self.ep
-        if ep.world_size == 1:
-            return self._forward(x, input_ids, mode, None, counted)
-        start, end, share = ep.token_share(x.shape[0])
-        if share == 0:
-            return torch.empty_like(x)
-        capacity = share if mode == "low_latency" else None
-        part = counted[start:end] if counted is not None else None
-        out = self._forward(x[start:end], input_ids[start:end], mode, capacity, part)
-        return all_gather_rows(out, share, x.shape[0], ep.group)
+
+        def layer(start: int, end: int, capacity: int | None) -> torch.Tensor:
+            part = counted[start:end] if counted is not None else None
+            return self._forward(x[start:end], input_ids[start:end], mode, capacity, part)
+
+        return self.ep.run_share(x, mode, layer)
 
     def _forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, mode: str, capacity: int | None, counted: torch.Tensor | None

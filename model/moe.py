@@ -16,6 +16,7 @@ dispatch then uses capacity ``c``, the same on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,22 @@ class ExpertParallel:
         c = -(-num_tokens // self.world_size)
         return min(self.rank * c, num_tokens), min((self.rank + 1) * c, num_tokens), c
 
+    def run_share(
+        self, x: torch.Tensor, mode: str, layer: Callable[[int, int, int | None], torch.Tensor]
+    ) -> torch.Tensor:
+        """An MoE layer over the ranks, a collective: ``layer(start, end, capacity)`` routes this rank's rows
+        ``[start, end)`` of ``x [T, H]`` (``token_share``; every row on one rank) through the experts of all ranks,
+        with the low-latency dispatch's ``capacity`` (the share, the same on every rank; None in ``normal`` mode or
+        on one rank), and every rank gets the whole batch's output ``[T, H]``."""
+        num_tokens = x.shape[0]
+        if self.world_size == 1:
+            return layer(0, num_tokens, None)
+        start, end, share = self.token_share(num_tokens)
+        if share == 0:
+            return torch.empty_like(x)
+        capacity = share if mode == "low_latency" else None
+        return all_gather_rows(layer(start, end, capacity), share, num_tokens, self.group)
+
 
 def _swiglu(x: torch.Tensor, w13, w2) -> torch.Tensor:
     h = linear(x, w13)
@@ -93,15 +110,10 @@ class MoE:
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``. Over several ranks a collective: every rank calls it with the same ``T`` and
         ``batch.moe_mode``, and gets the whole batch's output."""
-        ep = self.ep
-        if ep.world_size == 1:
-            return self._forward(x, batch.moe_mode, None, self._counted(batch, 0, x.shape[0]))
-        start, end, share = ep.token_share(x.shape[0])
-        if share == 0:
-            return torch.empty_like(x)
-        capacity = share if batch.moe_mode == "low_latency" else None
-        out = self._forward(x[start:end], batch.moe_mode, capacity, self._counted(batch, start, end))
-        return all_gather_rows(out, share, x.shape[0], ep.group)
+        mode = batch.moe_mode
+        return self.ep.run_share(
+            x, mode, lambda start, end, cap: self._forward(x[start:end], mode, cap, self._counted(batch, start, end))
+        )
 
     def _counted(self, batch: ForwardBatch, start: int, end: int) -> torch.Tensor | None:
         """``[end - start]`` int64: 1 for each of the rows that count towards the expert load, 0 for padding rows of
