@@ -284,7 +284,7 @@ class ModelRunner:
         drafts = Drafts(self.in_flight(batch, previous))
         if self.drafter is not None:
             self.drafter.admit([*batch.decodes, *(c.seq for c in batch.prefills)])
-            if self.drafter.runs_mtp(batch.decodes):  # (a sequence that does not speculate never has drafts)
+            if self.drafter.any_speculates(batch.decodes):  # (a sequence that does not speculate never has drafts)
                 drafts.chained = self.drafter.propose(batch.decodes, self._tensor, self.graphs, drafts.flying)
         return drafts
 
@@ -374,7 +374,7 @@ class ModelRunner:
         step = LaunchedStep(samplers=samplers, _prompt_rows=prompt_rows)
         # the MTP layer's cache of prompt rows is always written (a prefix-cache hit may speculate); decode rows'
         # only where a sequence speculates
-        mtp = self.drafter is not None and (bool(batch.prefills) or self.drafter.runs_mtp(batch.decodes))
+        mtp = self.drafter is not None and (bool(batch.prefills) or self.drafter.any_speculates(batch.decodes))
         if not rows:
             if mtp:  # the MTP layer's cache entries of these prompt rows
                 self._draft(step, batch, hidden, fb, [])

@@ -76,10 +76,10 @@ class SpeculativeConfig:
     only while the MTP layer's probability of each is at least this (0: always ``k``); disable_by_batch_size: no
     drafts in a step that decodes at least this many sequences, and none ever for a request first scheduled in a
     step of that many (None: never), where verifying more rows costs more than the accepted drafts save;
-    launch_ahead: launch each step before the host has read what the one before
-    accepted (asynchronous scheduling of speculative steps, module docstring). Off by default: its bookkeeping on
-    the device costs host time, and where a step's device time is short (the embedded model: a third of a
-    millisecond) it costs more than the overlap hides (``benchmarks/NOTES.md``)."""
+    launch_ahead: launch each step before the host has read what the one before accepted (asynchronous scheduling
+    of speculative steps, module docstring). Off by default: its bookkeeping on the device costs host time, and
+    where a step's device time is short (the embedded model: a third of a millisecond) it costs more than the
+    overlap hides (``benchmarks/NOTES.md``)."""
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
@@ -222,8 +222,8 @@ class MTPDrafter:
                 seq.speculates = cap is None or len(seqs) < cap
 
     @staticmethod
-    def runs_mtp(seqs: list) -> bool:
-        """Whether any of ``seqs`` speculates: a step that decodes only ``seqs`` runs the MTP pass then only."""
+    def any_speculates(seqs: list) -> bool:
+        """Whether any of ``seqs`` speculates (a decode step of only ``seqs`` runs the MTP pass then only)."""
         return any(seq.speculates is not False for seq in seqs)
 
     def reads_drafts(self, seqs: list) -> bool:
@@ -238,8 +238,7 @@ class MTPDrafter:
     def waits(self, seqs: list) -> bool:
         """Whether the engine waits for each step before launching the next: where any of ``seqs`` speculates,
         unless ``launch_ahead``, and always where ``reads_drafts``."""
-        speculating = self.runs_mtp(seqs)
-        return speculating and (not self.config.launch_ahead or self.reads_drafts(seqs))
+        return self.any_speculates(seqs) and (not self.config.launch_ahead or self.reads_drafts(seqs))
 
     def propose(self, seqs: list, tensor, graphs=None, flying=None) -> list[tuple[list[int], torch.Tensor]]:
         """Sets ``seq.drafts`` for each decoding sequence of ``seqs``: its first draft, chained on by the MTP layer
