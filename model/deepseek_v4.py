@@ -188,28 +188,24 @@ class V4State:
 
 
 class DecodeRows:
-    """One new token of each of ``states`` (whose pages are one tensor): the sequences' block tables and lengths on
-    the device, so that a layer reads and writes every sequence's caches in a few gathers instead of a loop over
-    the sequences. Every shape a step takes from it depends on the number of sequences and the width of the block
-    tables only, never on the lengths, which stay on the device."""
+    """One new token of each of a batch's sequences, whose caches are on ``state0``'s pages: their block tables
+    ``tables [B, W]`` and new positions ``start [B]`` on the device, so that a layer reads and writes every
+    sequence's caches in a few gathers instead of a loop over the sequences. Every shape a step takes from it
+    depends on the number of sequences and the width of the block tables only, never on the lengths, which stay on
+    the device (a CUDA graph's static inputs are such tensors)."""
 
-    def __init__(self, states: list[V4State]):
-        st0 = states[0]
-        self.layout, self.flat, self.state0 = st0.layout, st0.flat, st0
-        device = st0.flat.device
-        width = max(len(st.block_table) for st in states)
-        tables = [st.block_table + [0] * (width - len(st.block_table)) for st in states]
-        self.tables = torch.tensor(tables, dtype=torch.int64).to(device)
-        self.start = torch.tensor([st.length for st in states], dtype=torch.int64).to(device)
+    def __init__(self, state0: V4State, tables: torch.Tensor, start: torch.Tensor):
+        self.layout, self.flat, self.state0 = state0.layout, state0.flat, state0
+        self.tables, self.start = tables.long(), start.long()
 
     @classmethod
-    def of_tables(cls, state0: V4State, tables: torch.Tensor, start: torch.Tensor) -> DecodeRows:
-        """The rows of sequences given on the device only: block tables ``tables [B, W]`` and new positions ``start
-        [B]`` over ``state0``'s pages (a CUDA graph's static inputs)."""
-        rows = cls.__new__(cls)
-        rows.layout, rows.flat, rows.state0 = state0.layout, state0.flat, state0
-        rows.tables, rows.start = tables.long(), start.long()
-        return rows
+    def of_states(cls, states: list[V4State]) -> DecodeRows:
+        """The rows of ``states`` (whose pages are one tensor), each at its length."""
+        device = states[0].flat.device
+        width = max(len(st.block_table) for st in states)
+        tables = [st.block_table + [0] * (width - len(st.block_table)) for st in states]
+        start = [st.length for st in states]
+        return cls(states[0], torch.tensor(tables).to(device), torch.tensor(start).to(device))
 
     def entry_capacity(self, m: int) -> int:
         """Entries of a layer of rate ``m`` that the block tables' token pages hold: at least any sequence's."""
@@ -259,7 +255,7 @@ class V4Batch:
         pages = {id(st.pages) for st in self.states}
         one_each = self.states and all(n == 1 for n in self.lens) and len(pages) == 1
         if self.decode is None and one_each:
-            self.decode = DecodeRows(self.states)
+            self.decode = DecodeRows.of_states(self.states)
 
     @property
     def offsets(self) -> list[int]:
@@ -737,7 +733,7 @@ class DeepseekV4:
         if pages.shape[1] != layout.page_bytes:
             raise RuntimeError(f"the engine's pages have {pages.shape[1]} bytes, the layout {layout.page_bytes}")
         if fb.rows is None:  # a CUDA graph's decode rows: padding rows have seq_len 0 and a scratch page's table
-            rows = DecodeRows.of_tables(V4State(layout, pages, [], 0, self.dtype), fb.block_table, fb.positions)
+            rows = DecodeRows(V4State(layout, pages, [], 0, self.dtype), fb.block_table, fb.positions)
             counted = (fb.seq_lens > 0).long()
             return V4Batch([], [], fb.positions, input_ids, fb.moe_mode, decode=rows, counted=counted)
         states, lens = [], []
