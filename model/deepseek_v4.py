@@ -71,9 +71,11 @@ def _rope_tail(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, ro
 def _rope_tail_back(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """``_rope_tail`` by the opposite angles: a pair ``(a, b)`` rotated back is the mirror ``(a, -b)`` rotated
     forward, mirrored again (so no second table is needed)."""
-    sign = torch.ones(rope_dim, dtype=x.dtype, device=x.device)
-    sign[1::2] = -1
-    return torch.cat([x[..., :-rope_dim], ops.rope(x[..., -rope_dim:] * sign, positions, table, True) * sign], -1)
+
+    def mirror(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t[..., 0::2], -t[..., 1::2]], -1).flatten(-2)
+
+    return torch.cat([x[..., :-rope_dim], mirror(ops.rope(mirror(x[..., -rope_dim:]), positions, table, True))], -1)
 
 
 class V4State:

@@ -9,16 +9,21 @@ against 3 / 6) put entries at every slot of a page, in pages whose slots are not
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import traceback
 from contextlib import contextmanager
 
 import pytest
 import test_model_v4 as v4
 import torch
 from model_helpers import one_thread  # noqa: F401 (autouse fixture)
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from deepinfer import dispatch
 from deepinfer.model.deepseek_v4 import V4State
 from deepinfer.selection import use
+from deepinfer.validation import value_checks
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +42,41 @@ def load(deepinfer_backend, deepinfer_device):
 
     with use(deepinfer_backend):
         yield make
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records the model's own calls, outside ``deepinfer.ops`` implementations (backend kernels capture as they
+    may), that read a device value on the host or build a tensor from host data: in a CUDA graph the first waits
+    for the device (capture fails) and the second is baked into the graph as it was at capture."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "repeat_interleave", "lift_fresh", "equal")
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.calls: list[str] = []
+        self.in_op = 0
+        resolve = dispatch.resolve
+
+        def marked(op, kwargs, backend=None):
+            impl, fallback = resolve(op, kwargs, backend)
+
+            def fn(**kw):
+                self.in_op += 1
+                try:
+                    return impl.fn(**kw)
+                finally:
+                    self.in_op -= 1
+
+            return dataclasses.replace(impl, fn=fn), fallback
+
+        monkeypatch.setattr(dispatch, "resolve", marked)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.in_op and any(name.startswith(s) for s in self.SYNCING):
+            where = [f for f in traceback.extract_stack() if "/model/" in f.filename]
+            self.calls.append(f"{name} at {where[-1].name}:{where[-1].lineno}" if where else name)
+        return func(*args, **(kwargs or {}))
 
 
 def paged_states(model, block_size: int, lengths: list[int], seed: int) -> list[V4State]:
@@ -443,7 +483,9 @@ def test_a_cuda_graph_batch_gives_the_bits_of_the_engine_step(
         seq_lens=torch.cat([eager.seq_lens, eager.seq_lens.new_zeros(b - n)]),
         moe_mode="low_latency",
     )
-    got, got_pages = step(graph, torch.cat([ids, ids.new_zeros(b - n)]))
+    with HostSyncs(monkeypatch) as syncs, value_checks(False):  # as capture turns them off
+        got, got_pages = step(graph, torch.cat([ids, ids.new_zeros(b - n)]))
+    assert syncs.calls == [], f"{syncs.calls}: a graph can neither wait for the device nor see new host data"
     assert torch.equal(got[:n], want)
     assert torch.equal(got_pages[:pad], want_pages[:pad])
     assert not torch.equal(got_pages[pad], before[pad])  # the padding rows wrote there
