@@ -2,7 +2,8 @@
 CPU. Gluon has no interpreter, so its results can only be proven on the GPU (conformance); here CI checks that it
 compiles with the installed Triton, fits an SM90 block's shared memory, and has the tensor-core work of the dense
 split kernel it is built from: each block's scores computed once, by one warpgroup, P x V split between two
-warpgroups, and a third that gathers the listed rows by pointer (no TMA copies: Hopper has no gather)."""
+warpgroups, and a third that gathers the listed rows by pointer (no TMA copies: Hopper has no gather), bf16 rows by
+cp.async straight into the stages."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ def _compile(kv_format: str, direct: bool):
     signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("H", "topk", "stride_qt", "stride_qh", "stride_it", "n_splits"), "i32")
     constants = {"WIDTH": 656 if fp8 else 576, "SPLIT": 2048 if direct else 512, "FP8": fp8, "DIRECT": direct}
-    constants |= {"CHUNK": sparse_mla_gluon.FP8_CHUNK if fp8 else sparse_mla_gluon.BF16_CHUNK}
+    constants |= {"CHUNK": sparse_mla_gluon.CHUNK if fp8 else sparse_mla_gluon.COPY_CHUNK}
     constants |= {"RIGHT_REGS": sparse_mla_gluon.RIGHT_REGS, "FILL_REGS": sparse_mla_gluon.FILL_REGS}
+    constants |= {"PREFETCH": fp8 and sparse_mla_gluon.FP8_PREFETCH, "CP_ASYNC": sparse_mla_gluon.BF16_CP_ASYNC}
     options = {"num_warps": 4, "enable_fp_fusion": True}
     return compile_sm90(sparse_mla_gluon._sparse_split_kernel, signature, constants, options)
 
@@ -41,6 +43,11 @@ def test_sparse_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
     assert len(re.findall(r"setmaxnreg\.dec", ptx)) >= 2  # three warpgroups, registers moved to the first
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv_format == "fp8_ds_mla")
     assert "cp.async.bulk.tensor" not in ptx  # every row gathered by pointer
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], (\w+)", ptx)
+    if kv_format == "bf16":  # straight into the stages: 16-byte copies, zero-filled where not listed
+        assert copies and set(copies) == {"0x10"} and "cp.async.wait_group" in ptx
+    else:  # dequantised on the way, through registers
+        assert not copies
     assert kernel.metadata.shared <= MAX_SHARED
     assert not wgmma_serialized(ptxas_report(ptx))
 

@@ -6,14 +6,18 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Gluon is experimental and renames things: Triton 3.6 (the H200 machine's) has ``tma.async_copy_global_to_shared``
-# and ``gl.thread_barrier``; later versions ``tma.async_load`` and ``gl.barrier``, and refuse the old names.
+# and ``gl.thread_barrier``; later versions ``tma.async_load`` and ``gl.barrier``, and refuse the old names. The same
+# goes for cp.async: ``async_copy.async_copy_global_to_shared``, then ``async_copy.async_load``.
 TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 TMA_STORE = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier
+ASYNC_LOAD = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+ASYNC_COMMIT, ASYNC_WAIT = async_copy.commit_group, async_copy.wait_group
 REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # ``_reinterpret`` in Triton 3.6
 
 

@@ -7,10 +7,11 @@ kernel divides the work:
 - the first computes S = Q K^T of a 64-entry block, its softmax (entries listed as -1 masked, a block with none
   listed yet contributing nothing), hands P and the row factor to the second, and multiplies P by the left latent half;
 - the second multiplies each P by the right latent half;
-- the third fills the two stages: for each entry of the block it reads the cache slot from the list and loads that
-  record by pointer (Hopper has no TMA gather), a few rows at a time, dequantising an fp8_ds_mla latent to bf16, with
-  zeros for entries listed as -1 (the cache may hold NaN there, which P x V must not see). Its loads run two chunks
-  ahead of its stores, so that their latency overlaps the stores and the wait for a free stage.
+- the third fills the two stages: for each entry of the block it reads the cache slot from the list and copies that
+  record by pointer (Hopper has no TMA gather), with zeros for entries listed as -1 (the cache may hold NaN there,
+  which P x V must not see). bf16 records go straight into the stage by cp.async, a whole block in flight at once;
+  an fp8_ds_mla latent is dequantised to bf16 on the way, through registers, a few rows at a time, its loads two
+  chunks ahead of its stores so that their latency overlaps the stores and the wait for a free stage.
 
 A span ends where its list does: ``indexer_topk`` pads each list with -1 at the end, and the blocks past the last
 listed entry are never loaded. Spans of the list split over programs where the grid would leave SMs idle; the
@@ -30,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon import BARRIER
+from ._gluon import ASYNC_COMMIT, ASYNC_LOAD, ASYNC_WAIT, BARRIER
 from .mla_gluon import (
     BLOCK_H,
     BLOCK_N,
@@ -51,10 +52,12 @@ from .mla_gluon import (
     on_hopper,
 )
 
-# Rows gathered per step of the filling warpgroup (fp8_ds_mla / bf16 records), and registers per thread of the second
-# and third warpgroups (the first gets the rest of 512: its [64, 256] fp32 accumulator and S take most of it).
-FP8_CHUNK, BF16_CHUNK = 8, 8
+# Rows gathered per step of the filling warpgroup (through registers / by cp.async), and registers per thread of the
+# second and third warpgroups (the first gets the rest of 512: its [64, 256] fp32 accumulator and S take most of it).
+CHUNK, COPY_CHUNK = 8, 16
 RIGHT_REGS, FILL_REGS = 160, 120
+FP8_PREFETCH = True  # the fp8_ds_mla fill asks L2 for the next block's records before gathering a block
+BF16_CP_ASYNC = True  # bf16 records by cp.async into the stages (else through registers)
 LIST_CHUNK = gl.constexpr(1024)  # list entries read at a time to find where a span's list ends
 
 
@@ -127,12 +130,28 @@ def _store_gathered(chunk, c0_s, c1_s, kr_s, stage, r, FP8: gl.constexpr):
 
 
 @gluon.jit
+def _prefetch_block(cache_ptr, idx_row, n0, end, WIDTH: gl.constexpr):
+    """Asks L2 for the records listed at entries ``n0 + [0, BLOCK_N)`` (before ``end``), one bulk prefetch of
+    ``WIDTH`` bytes a record: a block's rows in flight at once, holding neither registers nor shared memory."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    pos = n0 + gl.arange(0, BLOCK_N, layout=layout)
+    slot = gl.load(idx_row + pos, mask=pos < end, other=-1)
+    record = cache_ptr + gl.where(slot >= 0, slot, 0).to(gl.int64) * WIDTH
+    size = gl.full([BLOCK_N], WIDTH, gl.int32, layout)
+    gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r", [record, size],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def _fill(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH: gl.constexpr,
-          CHUNK: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+          CHUNK: gl.constexpr, FP8: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
     """The third warpgroup: each block of the span into its stage once both other warpgroups are done with the
     stage's previous block; loads run two chunks ahead of the stores (the next block's first chunks are in flight
-    while it waits for a free stage)."""
+    while it waits for a free stage). With ``PREFETCH`` the next block's records are asked of L2 before a block is
+    gathered, so that the gather's few rows in flight wait on L2, not on memory."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
+    if PREFETCH:
+        _prefetch_block(cache_ptr, idx_row, start, end, WIDTH)
     now = _gather_chunk(cache_ptr, idx_row, start, end, WIDTH, CHUNK, FP8)
     ahead = _gather_chunk(cache_ptr, idx_row, start + CHUNK, end, WIDTH, CHUNK, FP8)
     for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
@@ -140,12 +159,55 @@ def _fill(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_re
             i = i2 + stage
             if i < n_blocks:
                 n0 = start + i * BLOCK_N
+                if PREFETCH:
+                    _prefetch_block(cache_ptr, idx_row, n0 + BLOCK_N, end, WIDTH)
                 mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
                 for r in gl.static_range(0, BLOCK_N, CHUNK):
                     nxt = _gather_chunk(cache_ptr, idx_row, n0 + r + 2 * CHUNK, end, WIDTH, CHUNK, FP8)
                     _store_gathered(now, c0_s, c1_s, kr_s, stage, r, FP8)
                     now = ahead
                     ahead = nxt
+                fence_async_shared()
+                mbarrier.arrive(right_ready.index(stage), count=1)
+                mbarrier.arrive(left_ready.index(stage), count=1)
+
+
+@gluon.jit
+def _copy_rows(dst, src_rows, valid, COLUMNS: gl.constexpr):
+    """cp.async copies of ``COLUMNS`` bf16 values from each of ``src_rows`` (pointers to the rows' first values) into
+    the rows of ``dst`` (zeros where not ``valid``), 16 bytes a copy."""
+    threads: gl.constexpr = COLUMNS // 8  # threads of a warp per row
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // threads, threads], [gl.num_warps(), 1], [1, 0])
+    rows = gl.expand_dims(gl.convert_layout(src_rows, gl.SliceLayout(1, layout)), 1)
+    ok = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, layout)), 1)
+    at, ok = gl.broadcast(rows + gl.expand_dims(gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout)), 0), ok)
+    ASYNC_LOAD(dst, at, mask=ok)
+
+
+@gluon.jit
+def _fill_async(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free,
+                WIDTH: gl.constexpr, CHUNK: gl.constexpr):  # fmt: skip
+    """The third warpgroup for a bf16 cache: each block's rows copied straight into its stage by cp.async (no
+    registers hold them, and a whole block, 72 KB, is in flight at once), the next block issued as soon as its stage
+    is free; entries listed as -1 or past ``end`` are zero-filled."""
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
+        for stage in gl.static_range(2):
+            i = i2 + stage
+            if i < n_blocks:
+                n0 = start + i * BLOCK_N
+                mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
+                for r in gl.static_range(0, BLOCK_N, CHUNK):
+                    pos = n0 + r + gl.arange(0, CHUNK, layout=layout)
+                    slot = gl.load(idx_row + pos, mask=pos < end, other=-1)
+                    valid = slot >= 0
+                    row = cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH
+                    _copy_rows(c0_s.index(stage).slice(r, CHUNK), row, valid, LH)
+                    _copy_rows(c1_s.index(stage).slice(r, CHUNK), row + LH, valid, LH)
+                    _copy_rows(kr_s.index(stage).slice(r, CHUNK), row + L, valid, R)
+                ASYNC_COMMIT()
+                ASYNC_WAIT(0)
                 fence_async_shared()
                 mbarrier.arrive(right_ready.index(stage), count=1)
                 mbarrier.arrive(left_ready.index(stage), count=1)
@@ -224,6 +286,8 @@ def _sparse_split_kernel(
     RIGHT_REGS: gl.constexpr,
     FILL_REGS: gl.constexpr,
     DIRECT: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    CP_ASYNC: gl.constexpr,
 ):
     """Heads ``64 program_id(1) + [0, 64)`` of query token ``program_id(0)`` over list entries ``SPLIT program_id(2) +
     [0, SPLIT)``: out [64, 512] and lse (natural log) at rows ``(t H + head) n_splits + split`` of ``part_out`` /
@@ -270,7 +334,9 @@ def _sparse_split_kernel(
             (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, None, None,
                       idx_row, part_out_ptr, start, end, t, pid_h, 1, split, H, n_splits, 64, True, False)),
             (_fill, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH, CHUNK,
-                     FP8)),
+                     FP8, PREFETCH)) if FP8 or not CP_ASYNC else
+            (_fill_async, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
+                           CHUNK)),
         ],
         [4, 4],
         [RIGHT_REGS, FILL_REGS],
@@ -304,7 +370,8 @@ def launch(q, kv_cache, indices, part_out, part_lse, softmax_scale, fp8: bool, s
     _sparse_split_kernel[(tokens, -(-heads // BLOCK_H.value), n_splits)](
         q, records, indices, part_out, part_lse, softmax_scale, heads, indices.shape[1],
         q.stride(0), q.stride(1), indices.stride(0), n_splits,
-        WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK if fp8 else BF16_CHUNK,
-        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1,
+        WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=COPY_CHUNK if BF16_CP_ASYNC and not fp8 else CHUNK,
+        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1, PREFETCH=fp8 and FP8_PREFETCH,
+        CP_ASYNC=BF16_CP_ASYNC,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
