@@ -1,7 +1,8 @@
-"""The FP4 expert kernel's two paths (``backends/cuda_sm100/gemm_triton.py``, ``_grouped_gemm_fp4_kernel``): the SM90
-path decodes the codes itself and the SM100 path (``tcgen05-fp4``) hands them to ``tl.dot_scaled``. Both are
-compiled here for their GPU (no GPU needed), and the SM100 path, which no GPU here can run, is checked against the
-reference through the Triton interpreter; the SM90 path's numbers are checked by the conformance suite."""
+"""The FP4 expert kernel's two paths (``backends/cuda_sm100/gemm_triton.py``, ``_grouped_gemm_fp4_kernel``): bf16
+activations hand the codes to ``tl.dot_scaled`` (SM90, and SM100's ``tcgen05-fp4``), and the hand path decodes them
+itself (fp32 activations, SM100 while ``tcgen05-fp4`` is off). Each is compiled here for its GPU (no GPU needed);
+the ``tl.dot_scaled`` path is checked against the reference through the Triton interpreter, and on the GPU by the
+conformance suite."""
 
 from __future__ import annotations
 
@@ -36,11 +37,16 @@ def _ptx(capability: int, scaled: bool, tile: gemm.Tile) -> str:
 
 
 def test_each_path_compiles_to_its_gpus_tensor_core_products():
-    """SM100: ``tl.dot_scaled`` becomes tcgen05 products; SM90: the decoded codes feed wgmma products."""
+    """SM100: ``tl.dot_scaled`` becomes tcgen05 products; SM90: products of codes upcast in registers (byte
+    permutes), wgmma with the 64-row tile and mma.sync with the two-warp decode tile; the hand path's decoded codes
+    feed wgmma products."""
     sm100 = _ptx(100, True, gemm.FP4_TILE_SM100)
     assert re.search(r"tcgen05\.mma", sm100) and "wgmma" not in sm100
-    sm90 = _ptx(90, False, gemm.FP4_TILE)
-    assert "wgmma.mma_async" in sm90 and "tcgen05" not in sm90
+    for tile, product in ((gemm.FP4_TILE, "wgmma.mma_async"), (gemm.FP4_TILE_FEW, "mma.sync")):
+        sm90 = _ptx(90, True, tile)
+        assert product in sm90 and "tcgen05" not in sm90 and "prmt.b32" in sm90
+    hand = _ptx(90, False, gemm.FP4_TILE)
+    assert "wgmma.mma_async" in hand and "tcgen05" not in hand
 
 
 SCALED_AGAINST_REFERENCE = """
@@ -73,7 +79,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the Triton interpreter ships with Linux wheels")
-def test_sm100_path_matches_the_reference_through_the_interpreter():
+def test_scaled_path_matches_the_reference_through_the_interpreter():
     """Both layouts, rows of 0 to 5 per expert, a K that is not a multiple of the 128-deep step: relative errors of
     fp32 accumulation only (the weight is upcast exactly)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -489,21 +489,26 @@ def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> boo
 # --- grouped GEMM with FP4 weights --------------------------------------------------------------------------------
 
 
-# SM90 has no tensor-core instruction that takes e2m1: ``_grouped_gemm_fp4_kernel`` decodes each 32-value group of
-# packed codes inside the kernel to exact bf16 values ahead of its ``tl.dot`` and scales the group's product by its
-# ue8m0 scale. No split over K. ``triton-fp4`` (64-row tiles) serves both modes; in the default mode
-# ``triton-fp4-few`` takes the masked layout and calls of at most FP4_FEW_ROWS rows per expert on average with
-# 16-row tiles: 1.8-1.9x the 64-row tile's speed at 1.5-6 rows per expert on V4-Flash's expert shapes (H100), where
-# decoding the codes, not the products, is the work. Its products (mma.sync rather than wgmma) need not round as the
-# 64-row tile's do, so batch-invariant mode keeps the one tile.
+# SM90 has no tensor-core instruction that takes e2m1. ``_grouped_gemm_fp4_kernel`` hands a bf16 activation, the packed
+# codes and their ue8m0 scales to ``tl.dot_scaled``, which Triton lowers on SM90 to an in-register upcast of the codes
+# (byte permutes) times the scale, exact in bf16, ahead of wgmma products. At V4-Flash's expert shapes (H100) that is
+# 1.6-1.9x the speed of decoding each 32-value group by bit arithmetic and scaling the group's product, 1.1-1.25 TB/s
+# of codes at 1.5-6 rows per expert. That hand decode serves fp32 activations, and SM100 while ``tcgen05-fp4`` is off
+# (there ``tl.dot_scaled`` lowers to tcgen05 products, which have not run on a GPU here). No split over K.
+# ``triton-fp4`` (64-row tiles) serves both modes; in the default mode ``triton-fp4-few`` takes the masked layout and
+# calls of at most FP4_FEW_ROWS rows per expert on average with 16 x 64 tiles of two warps, 1.5x the 64-row tile's
+# speed there. Its products need not round as the 64-row tile's do, so batch-invariant mode keeps the one tile.
 FP4_TILE = Tile(64, 128, 4, 3)
-FP4_TILE_FEW = Tile(16, 128, 4, 3)
+FP4_TILE_FEW = Tile(16, 64, 2, 3)
 FP4_FEW_ROWS = 16
 
 
-def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype, tile=FP4_TILE, scaled=False):
+def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype, tile=FP4_TILE, scaled=None):
     """``ops.grouped_gemm`` of a bf16 or fp32 activation against an ``FP4Tensor`` weight, by
-    ``_grouped_gemm_fp4_kernel`` with ``tile`` (``scaled``: its ``tl.dot_scaled`` path, SM100)."""
+    ``_grouped_gemm_fp4_kernel`` with ``tile``; ``scaled``: its ``tl.dot_scaled`` path, by default for bf16
+    activations on devices without the ``fp4`` capability (SM90, and the interpreter)."""
+    if scaled is None:
+        scaled = a.dtype == torch.bfloat16 and "fp4" not in _capabilities()
     experts, n, k = w.shape
     masked = masked_m is not None
     rows = a.shape[0] * a.shape[1] if masked else a.shape[0]

@@ -446,9 +446,10 @@ def _grouped_gemm_fp4_kernel(
     32 elements: the group's 16 bytes of each of ``BLOCK_N`` rows (loaded along the row,
     coalesced, each byte once), their low and high nibbles decoded to exact bf16 values (``_e2m1``), the product
     ``A_even @ W_low^T + A_odd @ W_high^T`` over the group (A's even and odd columns loaded apart), then scaled by
-    each row's group scale into the fp32 accumulator: the SM90 path, where no tensor-core instruction takes e2m1.
-    With ``SCALED`` (bf16 activations, compiled for SM100), each ``BLOCK_K`` step hands the packed codes and their
-    scales to ``tl.dot_scaled`` instead, which Triton lowers to tcgen05 products of the exactly upcast weight.
+    each row's group scale into the fp32 accumulator (fp32 activations). With ``SCALED`` (bf16 activations), each
+    ``BLOCK_K`` step hands the packed codes and their scales to ``tl.dot_scaled`` instead, which Triton lowers to
+    products of the weight upcast exactly: on SM90 by permutes in registers ahead of wgmma / mma.sync, on SM100 to
+    tcgen05.
     M tiles as ``_expert_rows`` numbers them."""
     pdl_wait()
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)

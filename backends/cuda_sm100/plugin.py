@@ -79,7 +79,7 @@ def _gemm_impls(gemm, gemm_cublas) -> list[OpImpl]:
 
 def _grouped_gemm_impls(gemm) -> list[OpImpl]:
     """FP4 weights first (``tcgen05-fp4``, ``tl.dot_scaled`` where the device has the ``fp4`` capability, while
-    ``gemm.FP4_TCGEN05`` is on; ``triton-fp4-few`` and ``triton-fp4``, decoding inside the kernel), then one
+    ``gemm.FP4_TCGEN05`` is on; ``triton-fp4-few`` and ``triton-fp4``, upcasting inside the kernel), then one
     implementation per kernel ``gemm.grouped_gemm`` chooses between, in ``GROUPED_KERNELS``' order; the decode
     tiles (``triton-fp4-few``, ``triton-decode``) are not batch-invariant."""
     supports = {
