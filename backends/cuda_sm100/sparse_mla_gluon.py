@@ -56,8 +56,6 @@ from .mla_gluon import (
 # second and third warpgroups (the first gets the rest of 512: its [64, 256] fp32 accumulator and S take most of it).
 CHUNK, COPY_CHUNK = 8, 16
 RIGHT_REGS, FILL_REGS = 160, 120
-FP8_PREFETCH = True  # the fp8_ds_mla fill asks L2 for the next block's records before gathering a block
-BF16_CP_ASYNC = True  # bf16 records by cp.async into the stages (else through registers)
 LIST_CHUNK = gl.constexpr(1024)  # list entries read at a time to find where a span's list ends
 
 
@@ -130,28 +128,12 @@ def _store_gathered(chunk, c0_s, c1_s, kr_s, stage, r, FP8: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_block(cache_ptr, idx_row, n0, end, WIDTH: gl.constexpr):
-    """Asks L2 for the records listed at entries ``n0 + [0, BLOCK_N)`` (before ``end``), one bulk prefetch of
-    ``WIDTH`` bytes a record: a block's rows in flight at once, holding neither registers nor shared memory."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    pos = n0 + gl.arange(0, BLOCK_N, layout=layout)
-    slot = gl.load(idx_row + pos, mask=pos < end, other=-1)
-    record = cache_ptr + gl.where(slot >= 0, slot, 0).to(gl.int64) * WIDTH
-    size = gl.full([BLOCK_N], WIDTH, gl.int32, layout)
-    gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r", [record, size],
-                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
 def _fill(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH: gl.constexpr,
-          CHUNK: gl.constexpr, FP8: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
+          CHUNK: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
     """The third warpgroup: each block of the span into its stage once both other warpgroups are done with the
     stage's previous block; loads run two chunks ahead of the stores (the next block's first chunks are in flight
-    while it waits for a free stage). With ``PREFETCH`` the next block's records are asked of L2 before a block is
-    gathered, so that the gather's few rows in flight wait on L2, not on memory."""
+    while it waits for a free stage)."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
-    if PREFETCH:
-        _prefetch_block(cache_ptr, idx_row, start, end, WIDTH)
     now = _gather_chunk(cache_ptr, idx_row, start, end, WIDTH, CHUNK, FP8)
     ahead = _gather_chunk(cache_ptr, idx_row, start + CHUNK, end, WIDTH, CHUNK, FP8)
     for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
@@ -159,8 +141,6 @@ def _fill(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_re
             i = i2 + stage
             if i < n_blocks:
                 n0 = start + i * BLOCK_N
-                if PREFETCH:
-                    _prefetch_block(cache_ptr, idx_row, n0 + BLOCK_N, end, WIDTH)
                 mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
                 for r in gl.static_range(0, BLOCK_N, CHUNK):
                     nxt = _gather_chunk(cache_ptr, idx_row, n0 + r + 2 * CHUNK, end, WIDTH, CHUNK, FP8)
@@ -286,8 +266,6 @@ def _sparse_split_kernel(
     RIGHT_REGS: gl.constexpr,
     FILL_REGS: gl.constexpr,
     DIRECT: gl.constexpr,
-    PREFETCH: gl.constexpr,
-    CP_ASYNC: gl.constexpr,
 ):
     """Heads ``64 program_id(1) + [0, 64)`` of query token ``program_id(0)`` over list entries ``SPLIT program_id(2) +
     [0, SPLIT)``: out [64, 512] and lse (natural log) at rows ``(t H + head) n_splits + split`` of ``part_out`` /
@@ -334,7 +312,7 @@ def _sparse_split_kernel(
             (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, None, None,
                       idx_row, part_out_ptr, start, end, t, pid_h, 1, split, H, n_splits, 64, True, False)),
             (_fill, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH, CHUNK,
-                     FP8, PREFETCH)) if FP8 or not CP_ASYNC else
+                     FP8)) if FP8 else
             (_fill_async, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
                            CHUNK)),
         ],
@@ -370,8 +348,7 @@ def launch(q, kv_cache, indices, part_out, part_lse, softmax_scale, fp8: bool, s
     _sparse_split_kernel[(tokens, -(-heads // BLOCK_H.value), n_splits)](
         q, records, indices, part_out, part_lse, softmax_scale, heads, indices.shape[1],
         q.stride(0), q.stride(1), indices.stride(0), n_splits,
-        WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=COPY_CHUNK if BF16_CP_ASYNC and not fp8 else CHUNK,
-        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1, PREFETCH=fp8 and FP8_PREFETCH,
-        CP_ASYNC=BF16_CP_ASYNC,
+        WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=CHUNK if fp8 else COPY_CHUNK,
+        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
