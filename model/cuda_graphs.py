@@ -19,8 +19,8 @@ eagerly.
 
 A model whose caches are state pages (DeepSeek-V4) reads and writes them through each row's block table, whatever
 its sequence length: its padding rows get the table of a scratch page (``pad_page``) that no sequence holds, so
-their writes land there. Such models are captured only where ``STATE_PAGE_GRAPHS`` is on: their decode step has
-the shapes a graph needs (``deepseek_v4.DecodeRows``), but it has not been captured on a GPU yet.
+their writes land there. Its decode step takes its shapes from the bucket and the tables' width only
+(``deepseek_v4.DecodeRows``); such models are not captured with speculative decoding.
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ from .greedy import greedy_tokens
 from .speculative import MTPDrafter
 
 CAPABILITY = "cuda_graphs"
-STATE_PAGE_GRAPHS = False
+
+
+def can_capture(backend, device: torch.device) -> bool:
+    """Whether decode steps on ``device`` can be captured: a CUDA device and a backend with the capability."""
+    return CAPABILITY in backend.capabilities and device.type == "cuda"
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -188,8 +192,9 @@ class DecodeGraphs:
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
         pad = [0] * (b - n)
-        wide = torch.tensor(input_ids + pad + slot_mapping + [-1] * (b - n), dtype=torch.int64).pin_memory()
-        narrow = torch.zeros(b * (2 + self.max_blocks), dtype=torch.int32, pin_memory=True)
+        pin = self.wide.is_cuda
+        wide = torch.tensor(input_ids + pad + slot_mapping + [-1] * (b - n), dtype=torch.int64, pin_memory=pin)
+        narrow = torch.zeros(b * (2 + self.max_blocks), dtype=torch.int32, pin_memory=pin)
         narrow[: 2 * b] = torch.tensor(positions + pad + seq_lens + pad, dtype=torch.int32)
         width = max(len(t) for t in block_tables)
         table = narrow[2 * b :].view(b, self.max_blocks)

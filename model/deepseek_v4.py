@@ -405,12 +405,12 @@ class V4Attention:
         o = ops.grouped_gemm(grouped, w["wo_a"], masked_m=per_group, out_dtype=x.dtype)
         return linear(o.transpose(0, 1).reshape(t, -1), w["wo_b.weight"])
 
-    def _choose(self, index_q, keys, key_start, key_count) -> torch.Tensor:
+    def _choose(self, index_q, keys, key_start, key_count, max_count: int | None = None) -> torch.Tensor:
         """The lightning indexer's choice among each query's range of ``keys`` (``index_q``: its queries and head
-        weights)."""
+        weights; ``max_count``: a bound on the ranges, where known)."""
         qi, head_w = index_q
         return ops.indexer_topk_entries(
-            qi, head_w * self.index_scale, keys, key_start, key_count, topk=self.cfg.index_topk
+            qi, head_w * self.index_scale, keys, key_start, key_count, topk=self.cfg.index_topk, max_count=max_count
         )
 
     def _pools(self, kv, comp, idx, batch: V4Batch, index_q) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -506,7 +506,7 @@ class V4Attention:
             indices.append(torch.where(entry < count[:, None], base + seqs * c + entry, -1))
             return pool, indices
         keys = dr.read_entries(layer, m, entry, index=True).reshape(b * c, cfg.index_head_dim)
-        picked = self._choose(index_q, keys, (seqs[:, 0] * c).to(torch.int32), count.to(torch.int32))
+        picked = self._choose(index_q, keys, (seqs[:, 0] * c).to(torch.int32), count.to(torch.int32), c)
         valid = picked >= 0
         which = (picked.long() - seqs * c).clamp(min=0)  # each query's rows are its own sequence's keys
         pool.append(dr.read_entries(layer, m, which).reshape(-1, d))
@@ -541,6 +541,12 @@ class V4MoE:
         self.w13, self.w2 = w["experts.gate_up_proj"], w["experts.down_proj"]
         self.s13, self.s2 = w["shared_experts.gate_up_proj"], w["shared_experts.down_proj"]
         self.load: torch.Tensor | None = None  # [E] int64: when set, each forward adds its tokens per expert (eplb.py)
+        # A row of the hash table may name an expert more than once (the expert then runs once per naming): the
+        # low-latency dispatch's fixed capacity must hold that many rows per token.
+        self.repeats = 1
+        if self.tid2eid is not None:
+            ranked = self.tid2eid.sort(dim=1).values
+            self.repeats = int((ranked[:, :, None] == ranked[:, None, :]).sum(-1).max()) if ranked.numel() else 1
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, mode: str = "normal", counted: torch.Tensor | None = None
@@ -579,6 +585,8 @@ class V4MoE:
         if self.load is not None and ids.numel():
             ones = torch.ones_like(ids, dtype=torch.int64) if counted is None else counted[:, None].expand_as(ids)
             self.load.index_add_(0, ids.reshape(-1).long(), ones.reshape(-1))
+        if mode == "low_latency" and self.repeats > 1:
+            capacity = (x.shape[0] if capacity is None else capacity) * self.repeats
         recv, _, _, layout, handle = ops.ep_dispatch(
             x,
             ids,

@@ -43,7 +43,7 @@ from deepinfer.validation import Check
 
 from . import cuda_graphs as graph_capture
 from .block_manager import BlockAllocator
-from .cuda_graphs import CAPABILITY, DecodeGraphs
+from .cuda_graphs import DecodeGraphs
 from .deepseek_v3 import DeepseekV3
 from .errors import RequestError
 from .host_cache import HostPageCache
@@ -210,9 +210,9 @@ class LLMEngine:
                 num_blocks = self.sync.min_int(num_blocks)
         layers = cfg.num_hidden_layers + mtp_layers  # the MTP layer's cache follows the model's layers
         backend = deepinfer.current_backend()
-        want_graphs = cuda_graphs and CAPABILITY in backend.capabilities and device.type == "cuda"
-        if owns_cache:  # graphs of state pages: not with speculation, and only where switched on (cuda_graphs.py)
-            want_graphs = want_graphs and graph_capture.STATE_PAGE_GRAPHS and spec is None
+        want_graphs = cuda_graphs and graph_capture.can_capture(backend, device)
+        if owns_cache:  # graphs of state pages: not with speculation (cuda_graphs.py)
+            want_graphs = want_graphs and spec is None
         pad_page = num_blocks if owns_cache and want_graphs else None  # a scratch page past the allocator's
         if owns_cache:  # pages of bytes the model lays out itself (swapped as any pages are)
             pages = num_blocks + (pad_page is not None)

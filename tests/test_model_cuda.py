@@ -109,14 +109,11 @@ def test_batch_invariant_graph_decode_gives_the_eager_bits(cuda_backend, tmp_pat
 
 
 def test_v4_graph_decode_gives_the_eager_bits(cuda_backend, tmp_path, monkeypatch):
-    """DeepSeek-V4 (caches in state pages; ``cuda_graphs.STATE_PAGE_GRAPHS`` switched on): in batch-invariant mode
-    the captured decode graphs give, bit for bit, the tokens and log-probabilities of eager decoding, for a batch in
-    a padded bucket (its padding rows on the scratch page) and for a request alone."""
+    """DeepSeek-V4 (caches in state pages): in batch-invariant mode the captured decode graphs give, bit for bit,
+    the tokens and log-probabilities of eager decoding, for a batch in a padded bucket (its padding rows on the
+    scratch page) and for a request alone (a bucket of one, whose hash-routed tokens may name an expert twice)."""
     import test_model_v4 as v4
 
-    from deepinfer.model import cuda_graphs
-
-    monkeypatch.setattr(cuda_graphs, "STATE_PAGE_GRAPHS", True)
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     v4.v4_checkpoint(tmp_path, seed=3, **v4.CONFIGS["yarn"])
     prompts = v4.prompts(seed=8)

@@ -248,8 +248,8 @@ def _sinks_ignored(real):
 
 
 def _topk_ignored(real):
-    def planted(q, weights, keys, key_start, key_count, *, topk):
-        return real(q, weights, keys, key_start, key_count, topk=4096)
+    def planted(q, weights, keys, key_start, key_count, *, topk, max_count=None):
+        return real(q, weights, keys, key_start, key_count, topk=4096, max_count=max_count)
 
     return planted
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 import test_model_v4 as v4
 import torch
-from model_helpers import one_thread  # noqa: F401 (autouse fixture)
+from model_helpers import one_thread, replay_graphs_on_cpu  # noqa: F401 (autouse fixture)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer import dispatch
@@ -489,3 +489,27 @@ def test_a_cuda_graph_batch_gives_the_bits_of_the_engine_step(
     assert torch.equal(got[:n], want)
     assert torch.equal(got_pages[:pad], want_pages[:pad])
     assert not torch.equal(got_pages[pad], before[pad])  # the padding rows wrote there
+
+
+def test_graph_decode_steps_give_the_eager_bits(checkpoints, monkeypatch, deepinfer_backend, deepinfer_device):
+    """The engine's CUDA-graph decode path for DeepSeek-V4 (``cuda_graphs.DecodeGraphs``), each replay run eagerly
+    over the graphs' static buffers: in batch-invariant mode, tokens and log-probabilities bit for bit those
+    of eager decoding, for a batch padded into a bucket and for a request alone that finds its prompt cached."""
+    from deepinfer.model import SamplingParams
+
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    replayed = replay_graphs_on_cpu(monkeypatch)
+    path, _ = checkpoints("yarn")
+    ps = v4.prompts(seed=8)[:5]
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True, logprobs=2)
+    common = dict(max_num_seqs=8, async_scheduling=False)
+    eager = v4.serve(path, deepinfer_backend, deepinfer_device, enforce_eager=True, **common)
+    graphs = v4.serve(path, deepinfer_backend, deepinfer_device, **common)
+    assert graphs.engine.runner.graphs is not None and sorted(graphs.engine.runner.graphs.graphs) == [1, 2, 4, 8]
+    want = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager.generate(ps, params)]
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in graphs.generate(ps, params)] == want
+    assert 8 in replayed  # five rows and three padding rows (smaller buckets while prompts are still chunked in)
+    before = len(replayed)
+    (alone,) = graphs.generate([ps[2]], params)
+    assert (alone.outputs[0].token_ids, alone.outputs[0].logprobs) == want[2]
+    assert set(replayed[before:]) == {1}

@@ -16,10 +16,10 @@ def compress_kv_torch(kv, gate, position_bias):
     return (weights.float() * kv.float()).sum(dim=1).to(kv.dtype)
 
 
-def indexer_topk_entries_torch(q, weights, keys, key_start, key_count, *, topk):
+def indexer_topk_entries_torch(q, weights, keys, key_start, key_count, *, topk, max_count=None):
     tokens = q.shape[0]
     out = torch.full((tokens, topk), -1, dtype=torch.int32, device=q.device)
-    width = int(key_count.max()) if tokens else 0
+    width = (int(key_count.max()) if max_count is None else max_count) if tokens else 0
     if width == 0:
         return out
     offs = torch.arange(width, device=q.device)

@@ -87,10 +87,10 @@ def _score_kernel(
         tl.store(out_ptr + t * WIDTH + n, tl.where(seen, acc, float("-inf")), mask=n < WIDTH)
 
 
-def indexer_topk_entries(q, weights, keys, key_start, key_count, *, topk):
+def indexer_topk_entries(q, weights, keys, key_start, key_count, *, topk, max_count=None):
     tokens, heads, dim = q.shape
     out = torch.full((tokens, topk), -1, dtype=torch.int32, device=q.device)
-    width = int(key_count.max()) if tokens else 0
+    width = (int(key_count.max()) if max_count is None else max_count) if tokens else 0  # the scores' columns
     if width == 0:
         return out
     scores = torch.empty(tokens, width, dtype=torch.float32, device=q.device)
@@ -177,7 +177,7 @@ def compress_supports(kv, gate, position_bias) -> bool | Decline:
     return answer
 
 
-def topk_supports(q, weights, keys, key_start, key_count, *, topk) -> bool | Decline:
+def topk_supports(q, weights, keys, key_start, key_count, *, topk, max_count=None) -> bool | Decline:
     answer = placed(q=q, weights=weights, keys=keys, key_start=key_start, key_count=key_count)
     if answer and q.shape[2] > 1024:
         return Decline(f"q's head dim {q.shape[2]} > 1024")

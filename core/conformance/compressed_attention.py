@@ -48,9 +48,13 @@ def _ranges(g: Gen, tokens: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return start.to(g.device), count.to(g.device)
 
 
-def _topk_case(tokens: int, heads: int, dim: int, n: int, topk: int, dtype=torch.bfloat16) -> Case:
+def _topk_case(
+    tokens: int, heads: int, dim: int, n: int, topk: int, dtype=torch.bfloat16, max_count: int | None = None
+) -> Case:
     def make(g: Gen):
         start, count = _ranges(g, tokens, n)
+        if max_count is not None:  # ranges of at most max_count rows
+            count = count.clamp(max=max_count)
         return {
             "q": g.randint(-3, 4, tokens, heads, dim).to(dtype),
             "weights": g.randint(-2, 4, tokens, heads).float(),
@@ -58,11 +62,13 @@ def _topk_case(tokens: int, heads: int, dim: int, n: int, topk: int, dtype=torch
             "key_start": start,
             "key_count": count,
             "topk": topk,
+            "max_count": max_count,
         }
 
+    bound = "" if max_count is None else f" max_count={max_count}"
     return Case(
         "indexer_topk_entries",
-        f"T={tokens} H={heads} D={dim} N={n} topk={topk} {str(dtype)[6:]}",
+        f"T={tokens} H={heads} D={dim} N={n} topk={topk} {str(dtype)[6:]}{bound}",
         "exact",
         make,
         sub_batch=lambda kw, rows: (
@@ -115,6 +121,7 @@ def cases(shapes: str) -> list[Case]:
             _topk_case(6, 3, 16, 12, 20, dtype=torch.float32),
             _topk_case(0, 4, 32, 5, 4),
             _topk_case(3, 64, 128, 300, 64),  # V4-Flash indexer: 64 heads of 128
+            _topk_case(9, 4, 32, 40, 8, max_count=30),  # a bound above some counts, as a decode step's capacity
             _attn_case(6, 4, 64, 30, 12),
             _attn_case(5, 3, 40, 9, 7, dtype=torch.float32),
             _attn_case(0, 4, 64, 5, 3),
@@ -180,6 +187,8 @@ def bad_inputs() -> list[BadInput]:
             "key_count",
             lambda g: topk(g, key_start=torch.tensor([0, 4, 0], dtype=torch.int32, device=g.device)),
         ),
+        BadInput("indexer_topk_entries", "negative max_count", "max_count", lambda g: topk(g, max_count=-1)),
+        BadInput("indexer_topk_entries", "a key_count above max_count", "key_count", lambda g: topk(g, max_count=1)),
         BadInput(
             "indexer_topk_entries",
             "negative key_count",

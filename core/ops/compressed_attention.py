@@ -45,6 +45,7 @@ def indexer_topk_entries(
     key_count: torch.Tensor,
     *,
     topk: int,
+    max_count: int | None = None,
 ) -> torch.Tensor:
     """The lightning indexer over compressed entries: for each query, the rows of ``keys`` it scores highest.
 
@@ -53,7 +54,9 @@ def indexer_topk_entries(
     every sequence in the batch, one row per entry. Query ``t`` sees the rows ``[key_start[t], key_start[t] +
     key_count[t])`` (its sequence's entries whose window has closed by its position) and scores each
     ``I = sum_h weights[t, h] * relu(q[t, h] . k)`` in fp32. key_start, key_count: ``[T]`` int32 >= 0, the range
-    inside ``keys``.
+    inside ``keys``. max_count: a bound on every ``key_count`` that the caller knows (a decode step's entry capacity);
+    given, no backend reads ``key_count`` on the host to size its work, so a CUDA graph can hold the call. The result
+    does not depend on it.
 
     Returns ``[T, topk]`` int32: the rows of the ``min(topk, key_count[t])`` highest scores, a tie going to the lower
     row, in ascending order, then ``-1``.
@@ -66,11 +69,15 @@ def indexer_topk_entries(
     c.index("key_start", key_start, length=tokens)
     c.index("key_count", key_count, length=tokens)
     c.positive_int("topk", topk)
+    if max_count is not None:
+        c.positive_int("max_count", max_count, minimum=0)
     c.same_device(q=q, weights=weights, keys=keys, key_start=key_start, key_count=key_count)
     if value_checks_enabled(q) and tokens:
         n = keys.shape[0]
         c.values_in_range("key_start", key_start, 0, n, what="rows of 'keys'")
-        c.values_in_range("key_count", key_count, 0, n, what="entry counts")
+        most = n if max_count is None else min(n, max_count)
+        what = "entry counts" if max_count is None else f"entry counts (max_count {max_count})"
+        c.values_in_range("key_count", key_count, 0, most, what=what)
         end = key_start.long() + key_count.long()
         if bool((end > n).any()):
             t = int((end > n).nonzero()[0, 0])
@@ -87,6 +94,7 @@ def indexer_topk_entries(
         key_start=key_start,
         key_count=key_count,
         topk=topk,
+        max_count=max_count,
     )
 
 

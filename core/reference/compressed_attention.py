@@ -16,7 +16,7 @@ def compress_kv(kv, gate, position_bias):
     return out
 
 
-def indexer_topk_entries(q, weights, keys, key_start, key_count, *, topk):
+def indexer_topk_entries(q, weights, keys, key_start, key_count, *, topk, max_count=None):
     tokens = q.shape[0]
     out = torch.full((tokens, topk), NO_SLOT, dtype=torch.int32, device=q.device)
     for t, (start, count) in enumerate(zip(key_start.tolist(), key_count.tolist())):
