@@ -2,14 +2,16 @@
 
 - ``compress_kv``: one program per (window, channel block): the softmax over the window's slots of gate plus bias in
   fp32, the weights rounded to kv's dtype, the weighted sum in fp32.
-- ``indexer_topk_entries``: one program per query scores its range of keys block by block (each head's ``q . k`` a
-  row reduction, ``relu``, weighted, summed over heads in head order, fp32); ``torch.sort`` (stable, descending)
-  then keeps the best ``topk`` with ties to the lower row, and the kept rows are put in ascending order.
-- ``sparse_attention_sinks``: one program per (query, head) streams its listed rows in blocks with an online softmax
-  and folds the sink into the final denominator.
+- ``indexer_topk_entries``: one program per (query, block of its keys) scores the block against every head in one
+  tensor-core product, then ``relu``, weighted, summed over heads (fp32); ``torch.sort`` (stable, descending) then
+  keeps the best ``topk`` with ties to the lower row, and the kept rows are put in ascending order. A caller's
+  ``max_count`` sizes the grid without reading the counts on the host (a CUDA graph's decode step).
+- ``sparse_attention_sinks``: one program per (query, 16 heads) streams its listed rows in blocks: the heads' scores
+  in one tensor-core product, an online softmax in fp32, the probabilities against the same rows as two products
+  in kv's 16-bit dtype (the rounded probabilities, then their rounding error; fp32 inputs: fp32 products), and the
+  sink folded into the final denominator. A row is read once per 16 heads, not once per head.
 
-Each row's arithmetic is the same whatever else is in the batch: batch-invariant. Written for correctness first:
-the attention reads the listed rows once per head.
+Each row's arithmetic is the same whatever else is in the batch: batch-invariant.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import triton.language as tl
 
 from deepinfer import Decline
 
-from ._triton import PDL, cast, next_pow2, pdl_wait, placed
+from ._triton import INTERPRET, PDL, cast, dot, next_pow2, pdl_wait, placed
 
 BLOCK_D = 128
-BLOCK_N = 16
+SCORE_BLOCK_N = 64  # keys a program scores
+ATTEND_BLOCK_H, ATTEND_BLOCK_N, ATTEND_WARPS = 16, 32, 4  # heads a program attends with, rows a step, warps
 
 
 @triton.jit
@@ -65,26 +68,23 @@ def compress_kv(kv, gate, position_bias):
 
 @triton.jit
 def _score_kernel(
-    q_ptr, w_ptr, k_ptr, start_ptr, count_ptr, out_ptr, H, D, WIDTH, D_P2: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """out[t, n] = sum_h w[t, h] relu(q[t, h] . keys[start[t] + n]) for n < count[t], -inf after."""
+    q_ptr, w_ptr, k_ptr, start_ptr, count_ptr, out_ptr, H, D, WIDTH, FP32_DOT: tl.constexpr, H_P2: tl.constexpr,
+    D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """out[t, n] = sum_h w[t, h] relu(q[t, h] . keys[start[t] + n]) for n < count[t] in block ``program_id(1)`` of
+    query ``program_id(0)``'s range, -inf after: the block's keys against all heads in one product."""
     pdl_wait()
     t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     start = tl.load(start_ptr + t).to(tl.int64)
-    count = tl.load(count_ptr + t)
-    d = tl.arange(0, D_P2)
-    for n0 in range(0, WIDTH, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        seen = n < count
-        k = tl.load(k_ptr + (start + n)[:, None] * D + d[None, :], mask=seen[:, None] & (d[None, :] < D), other=0.0).to(
-            tl.float32
-        )
-        acc = tl.zeros((BLOCK_N,), tl.float32)
-        for h in range(H):
-            q = tl.load(q_ptr + (t * H + h) * D + d, mask=d < D, other=0.0).to(tl.float32)
-            s = tl.sum(q[None, :] * k, axis=1)
-            acc += tl.load(w_ptr + t * H + h) * tl.maximum(s, 0.0)
-        tl.store(out_ptr + t * WIDTH + n, tl.where(seen, acc, float("-inf")), mask=n < WIDTH)
+    seen = n < tl.load(count_ptr + t)
+    h, d = tl.arange(0, H_P2), tl.arange(0, D_P2)
+    k = tl.load(k_ptr + (start + n)[:, None] * D + d[None, :], mask=seen[:, None] & (d[None, :] < D), other=0.0)
+    q = tl.load(q_ptr + (t * H + h)[None, :] * D + d[:, None], mask=(h[None, :] < H) & (d[:, None] < D), other=0.0)
+    scores = dot(k, q, tl.zeros((BLOCK_N, H_P2), tl.float32), FP32_DOT)  # [n, h]
+    w = tl.load(w_ptr + t * H + h, mask=h < H, other=0.0)
+    total = tl.sum(tl.maximum(scores, 0.0) * w[None, :], axis=1)
+    tl.store(out_ptr + t * WIDTH + n, tl.where(seen, total, float("-inf")), mask=n < WIDTH)
 
 
 def indexer_topk_entries(q, weights, keys, key_start, key_count, *, topk, max_count=None):
@@ -93,8 +93,10 @@ def indexer_topk_entries(q, weights, keys, key_start, key_count, *, topk, max_co
     width = (int(key_count.max()) if max_count is None else max_count) if tokens else 0  # the scores' columns
     if width == 0:
         return out
+    if q.dtype != keys.dtype:  # one dtype for the product; fp32 where either is
+        q, keys = q.float(), keys.float()
     scores = torch.empty(tokens, width, dtype=torch.float32, device=q.device)
-    _score_kernel[(tokens,)](
+    _score_kernel[(tokens, triton.cdiv(width, SCORE_BLOCK_N))](
         q.contiguous(),
         weights.contiguous(),
         keys.contiguous(),
@@ -104,8 +106,10 @@ def indexer_topk_entries(q, weights, keys, key_start, key_count, *, topk, max_co
         heads,
         dim,
         width,
-        D_P2=next_pow2(dim),
-        BLOCK_N=BLOCK_N,
+        FP32_DOT=INTERPRET,
+        H_P2=max(16, next_pow2(heads)),
+        D_P2=max(16, next_pow2(dim)),
+        BLOCK_N=SCORE_BLOCK_N,
         launch_pdl=PDL,
     )
     k = min(topk, width)
@@ -118,42 +122,53 @@ def indexer_topk_entries(q, weights, keys, key_start, key_count, *, topk, max_co
 
 @triton.jit
 def _attend_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, H, D, K, scale, D_P2: tl.constexpr, BLOCK_N: tl.constexpr
-):
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, H, D, K, scale, FP32_DOT: tl.constexpr, SPLIT_P: tl.constexpr,
+    D_P2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Heads ``BLOCK_H program_id(1) + [0, BLOCK_H)`` of query ``program_id(0)`` over its listed rows, ``BLOCK_N``
+    a step: scores of all the block's heads in one product, an online softmax in fp32, the probabilities against the
+    same rows (``SPLIT_P``: as two products of kv's 16-bit dtype, the rounded probabilities and their rounding
+    error); the sink folded into the final denominator."""
     pdl_wait()
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, D_P2)
-    q = tl.load(q_ptr + (t * H + h) * D + d, mask=d < D, other=0.0).to(tl.float32)
-    m = tl.full((), -3.0e38, tl.float32)
-    denom = tl.zeros((), tl.float32)
-    acc = tl.zeros((D_P2,), tl.float32)
+    q_mask = (h[:, None] < H) & (d[None, :] < D)
+    q = tl.load(q_ptr + (t * H + h)[:, None] * D + d[None, :], mask=q_mask, other=0.0)
+    m = tl.full((BLOCK_H,), -3.0e38, tl.float32)
+    denom = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D_P2), tl.float32)
     for n0 in range(0, K, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         row = tl.load(idx_ptr + t * K + n, mask=n < K, other=-1).to(tl.int64)
         listed = row >= 0
-        v = tl.load(kv_ptr + row[:, None] * D + d[None, :], mask=listed[:, None] & (d[None, :] < D), other=0.0).to(
-            tl.float32
-        )
-        s = tl.where(listed, tl.sum(q[None, :] * v, axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
+        v = tl.load(kv_ptr + row[:, None] * D + d[None, :], mask=listed[:, None] & (d[None, :] < D), other=0.0)
+        s = dot(q, tl.trans(v), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), FP32_DOT) * scale
+        s = tl.where(listed[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        denom = denom * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        p = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        p_hi = p.to(v.dtype)
+        acc = dot(p_hi, v, acc * alpha[:, None], FP32_DOT)
+        if SPLIT_P:  # p's rounding error in a second product: p to about 16 bits, not the dtype's 8
+            acc = dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc, FP32_DOT)
         m = m_new
-    sink = tl.load(sink_ptr + h)
+    sink = tl.load(sink_ptr + h, mask=h < H, other=0.0)
     top = tl.maximum(m, sink)
     alpha = tl.exp(m - top)
-    out = acc * alpha / (denom * alpha + tl.exp(sink - top))
-    tl.store(out_ptr + (t * H + h) * D + d, cast(out, out_ptr.dtype.element_ty), mask=d < D)
+    out = acc * (alpha / (denom * alpha + tl.exp(sink - top)))[:, None]
+    tl.store(out_ptr + (t * H + h)[:, None] * D + d[None, :], cast(out, out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def sparse_attention_sinks(q, kv, indices, sinks, *, softmax_scale):
     tokens, heads, dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if q.dtype != kv.dtype:  # one dtype for the products; fp32 where either is
+        q, kv = q.float(), kv.float()
     if tokens and heads:
-        _attend_kernel[(tokens, heads)](
+        block_h = min(ATTEND_BLOCK_H, max(16, next_pow2(heads)))
+        _attend_kernel[(tokens, triton.cdiv(heads, block_h))](
             q.contiguous(),
             kv.contiguous(),
             indices.contiguous(),
@@ -163,8 +178,12 @@ def sparse_attention_sinks(q, kv, indices, sinks, *, softmax_scale):
             dim,
             indices.shape[1],
             float(softmax_scale),
-            D_P2=next_pow2(dim),
-            BLOCK_N=BLOCK_N,
+            FP32_DOT=INTERPRET,
+            SPLIT_P=kv.dtype != torch.float32,
+            D_P2=max(16, next_pow2(dim)),
+            BLOCK_H=block_h,
+            BLOCK_N=ATTEND_BLOCK_N,
+            num_warps=ATTEND_WARPS,
             launch_pdl=PDL,
         )
     return out
