@@ -46,6 +46,7 @@ swapped one resumes from its pages copied back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -213,11 +214,26 @@ class DecodeRows:
         """Entries of a layer of rate ``m`` that the block tables' token pages hold: at least any sequence's."""
         return (self.tables.shape[1] - self.layout.state_pages) * -(-self.layout.block_size // m)
 
-    def state_index(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """Element indices ``[B, R, width]`` of rows ``rows [B, R]`` (int64, on the device) of the ``[*, width]``
-        matrix at element ``offset`` of the state vector of each sequence."""
-        page, inner = self.layout.state_place(offset, rows, width)
-        return self.tables.gather(1, page.reshape(rows.shape[0], -1)).view(page.shape) * self.layout.page_elems + inner
+    def _state_chunks(self, offset: int, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
+        """Rows ``rows [B, R]`` (int64, on the device) of the ``[*, width]`` matrix at element ``offset`` of the state
+        vector of each sequence, as ``[B, R, width / g]`` indices into the pages seen as ``[*, g]``: ``g`` divides the
+        width, the offset and a page, so that no chunk crosses a page and a row is read in a few whole chunks."""
+        pe = self.layout.page_elems
+        g = math.gcd(width, offset, pe)
+        first = offset + rows[..., None] * width + g * torch.arange(width // g, device=rows.device)
+        page = self.tables.gather(1, (first // pe).reshape(rows.shape[0], -1)).view(first.shape)
+        return (page * pe + first % pe) // g, g
+
+    def read_state(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """Rows ``rows [B, R]`` of each sequence's ``[*, width]`` state matrix at element ``offset``, ``[B, R,
+        width]``."""
+        chunks, g = self._state_chunks(offset, rows, width)
+        return self.flat.view(-1, g)[chunks].view(*rows.shape, width)
+
+    def write_state(self, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Stores ``values [B, R, width]`` as rows ``rows [B, R]`` of each sequence's state matrix at ``offset``."""
+        chunks, g = self._state_chunks(offset, rows, values.shape[-1])
+        self.flat.view(-1, g)[chunks] = values.reshape(*chunks.shape, g)
 
     def _entry_slots(self, tables: torch.Tensor, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         column, slot = self.layout.entry_place(m, w)
@@ -334,13 +350,13 @@ class Compressor:
         rows, offs = lay.compressor_rows(layer), lay.state_offset[layer]
         at_kv, at_gate = offs[self.prefix + "buf_kv"], offs[self.prefix + "buf_gate"]
         slot = (dr.start % rows)[:, None]
-        dr.flat[dr.state_index(at_kv, slot, kv.shape[1])[:, 0]] = kv
-        dr.flat[dr.state_index(at_gate, slot, gate.shape[1])[:, 0]] = gate
+        dr.write_state(at_kv, slot, kv[:, None])
+        dr.write_state(at_gate, slot, gate[:, None])
         start = dr.start
         span = (2 if self.overlap else 1) * m  # the window and, overlapping, the one before it
         past = (start[:, None] - span + 1 + torch.arange(span, device=kv.device)).remainder(rows)
-        ck = dr.flat[dr.state_index(at_kv, past, kv.shape[1])]
-        cg = dr.flat[dr.state_index(at_gate, past, gate.shape[1])]
+        ck = dr.read_state(at_kv, past, kv.shape[1])
+        cg = dr.read_state(at_gate, past, gate.shape[1])
         prev_kv = prev_gate = None
         if self.overlap:  # the window before, whose first series comes first (none before the first window)
             first = (start < m)[:, None, None]
@@ -486,11 +502,11 @@ class V4Attention:
         keys = kv[:, None]
         if h:
             past = dr.start[:, None] - h + torch.arange(h, device=dev)  # positions (negative ones masked below)
-            keys = torch.cat([dr.flat[dr.state_index(at, past.remainder(ring), d)], keys], dim=1)
+            keys = torch.cat([dr.read_state(at, past.remainder(ring), d), keys], dim=1)
         back = torch.arange(sw, device=dev)[None, :]  # how far back each window column is
         window = torch.where(back <= dr.start.clamp(max=sw - 1)[:, None], seqs * (h + 1) + h - back, -1)
         if ring:
-            dr.flat[dr.state_index(at, (dr.start % ring)[:, None], d)[:, 0]] = kv
+            dr.write_state(at, (dr.start % ring)[:, None], kv[:, None])
         pool, indices, base = [keys.reshape(-1, d)], [window], b * (h + 1)
         if self.compressor is None:
             return pool, indices
