@@ -1,7 +1,8 @@
 """DeepSeek-V4's hyper-connections: ``hc_pre``, ``hc_post``, ``hc_head``, one program per token (and D block).
 
-``hc_pre`` and ``hc_head`` run two kernels: the projection of the flattened streams (sum of squares and the M dot
-products in one pass over N*D, fp32), then per (token, D block) the collapse, where the first block also writes
+``hc_pre`` and ``hc_head`` run three kernels: the projection of the flattened streams (sum of squares and the M dot
+products over N*D in fp32, in 16 spans per token, then the spans summed in order), then per (token, D block) the
+collapse, where the first block also writes
 post and comb (sigmoids, the softmax and the Sinkhorn iterations on an N x N tile). ``hc_post`` reads comb
 transposed per token. Every token's arithmetic is the same whatever the batch: batch-invariant.
 """
@@ -18,24 +19,44 @@ from ._triton import PDL, cast, next_pow2, pdl_wait, placed
 
 BLOCK_K = 512
 BLOCK_D = 256
+MIX_SPANS = 16  # programs per token of the projection: one alone read fn (M x N*D fp32, 1.5 MB for V4-Flash) slowly
 
 
 @triton.jit
-def _mix_kernel(x_ptr, fn_ptr, mix_ptr, K, M, norm_eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """mix[t] = fn @ x[t] * rsqrt(mean(x[t]^2) + norm_eps) over the flattened streams x[t] (K = N*D)."""
+def _mix_kernel(x_ptr, fn_ptr, part_ptr, K, M, SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Span ``program_id(1)`` (``SPAN`` of the K = N*D flattened stream values) of token ``program_id(0)``: the M dot
+    products of ``fn`` with it and its sum of squares, at ``part[t, span, :M]`` and ``part[t, span, M]``."""
     pdl_wait()
     t = tl.program_id(0).to(tl.int64)
+    span = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M,), tl.float32)
     squares = tl.zeros((BLOCK_K,), tl.float32)
-    for start in range(0, K, BLOCK_K):
+    for start in range(span * SPAN, span * SPAN + SPAN, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0).to(tl.float32)
         squares += x * x
         w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         acc += tl.sum(w * x[None, :], axis=1)
-    r = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / K + norm_eps)
-    tl.store(mix_ptr + t * M + m, acc * r, mask=m < M)
+    row = part_ptr + (t * tl.num_programs(1) + span) * (M + 1)
+    tl.store(row + m, acc, mask=m < M)
+    tl.store(row + M, tl.sum(squares, axis=0))
+
+
+@triton.jit
+def _mix_sum_kernel(
+    part_ptr, mix_ptr, K, M, norm_eps, SPANS: tl.constexpr, SPANS_P2: tl.constexpr, BLOCK_M: tl.constexpr
+):
+    """mix[t] = fn @ x[t] * rsqrt(mean(x[t]^2) + norm_eps) from the spans' parts, summed in a fixed order."""
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    s, m = tl.arange(0, SPANS_P2), tl.arange(0, BLOCK_M)
+    at = part_ptr + (t * SPANS + s[:, None]) * (M + 1) + m[None, :]
+    parts = tl.load(at, mask=(s[:, None] < SPANS) & (m[None, :] <= M), other=0.0)
+    total = tl.sum(parts, axis=0)
+    squares = tl.sum(tl.where(m == M, total, 0.0), axis=0)
+    r = 1.0 / tl.sqrt_rn(squares / K + norm_eps)
+    tl.store(mix_ptr + t * M + m, total * r, mask=m < M)
 
 
 @triton.jit
@@ -100,8 +121,22 @@ def _collapse(streams, fn, base, scale, eps, norm_eps, iters, head):
         mix = torch.empty(tokens, mixes, dtype=torch.float32, device=streams.device)
         block_m = next_pow2(mixes)
         block_k = max(16, min(BLOCK_K, 8192 // block_m))
-        _mix_kernel[(tokens,)](
-            x, fn.contiguous(), mix, n * d, mixes, norm_eps, BLOCK_M=block_m, BLOCK_K=block_k, launch_pdl=PDL
+        span = max(block_k, triton.cdiv(triton.cdiv(n * d, MIX_SPANS), block_k) * block_k)
+        spans = triton.cdiv(n * d, span)
+        part = torch.empty(tokens, spans, mixes + 1, dtype=torch.float32, device=streams.device)
+        _mix_kernel[(tokens, spans)](
+            x, fn.contiguous(), part, n * d, mixes, SPAN=span, BLOCK_M=block_m, BLOCK_K=block_k, launch_pdl=PDL
+        )
+        _mix_sum_kernel[(tokens,)](
+            part,
+            mix,
+            n * d,
+            mixes,
+            norm_eps,
+            SPANS=spans,
+            SPANS_P2=next_pow2(spans),
+            BLOCK_M=next_pow2(mixes + 1),
+            launch_pdl=PDL,
         )
         block_d = min(BLOCK_D, next_pow2(d))
         _collapse_kernel[(tokens, triton.cdiv(d, block_d))](
