@@ -96,7 +96,7 @@ case ${1:-} in
       --tb=short 2>&1 | tail -20 ;;
   v4-bench)
     timeout 540 python3 benchmarks/bench_model.py "$OUT/model_v4.json" --model v4 --layers 4 --context 4096 \
-      --batches 1,64,256 --steps 5 --warmup 1 --profile 2>&1 | grep -v Loading | tail -60 ;;
+      --batches 1,64,256 --steps 10 --warmup 2 --profile 2>&1 | grep -v Loading | tail -60 ;;
   structured)
     timeout 300 python3 benchmarks/bench_structured_output.py --backend cuda_sm100 --batch 64 \
       --json "$OUT/structured_output.json" 2>&1 | tail -5 ;;
