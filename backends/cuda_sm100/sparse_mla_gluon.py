@@ -72,79 +72,62 @@ def _listed_end(idx_row, start, stop):
 
 
 @gluon.jit
-def _gather_chunk(cache_ptr, idx_row, n0, end, WIDTH: gl.constexpr, CHUNK: gl.constexpr, FP8: gl.constexpr):
-    """The records listed at entries ``n0 + [0, CHUNK)`` (before ``end``), as stored: the two latent halves (e4m3 bytes
-    or bf16), with an fp8_ds_mla record's four 128-column scales, and the rope part; zeros where an entry is -1 or at
-    or past ``end``."""
-    if FP8:
-        lat: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
-    else:
-        lat: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+def _gather_chunk(cache_ptr, idx_row, n0, end, WIDTH: gl.constexpr, CHUNK: gl.constexpr):
+    """The fp8_ds_mla records listed at entries ``n0 + [0, CHUNK)`` (before ``end``), as stored: the two latent
+    halves' e4m3 bytes, the four 128-column scales and the bf16 rope part; zeros where an entry is -1 or at or past
+    ``end``."""
+    lat: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
     pos = n0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, lat))
     slot = gl.load(idx_row + pos, mask=pos < end, other=-1)
     valid = slot >= 0
-    record = cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH  # bytes (fp8_ds_mla) or bf16 elements
+    record = cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH
     at = gl.expand_dims(record, 1) + gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, lat)), 0)
     c0 = gl.load(at, mask=gl.expand_dims(valid, 1), other=0)
     c1 = gl.load(at + LH, mask=gl.expand_dims(valid, 1), other=0)
-    if FP8:
-        scales = (record + L).to(gl.pointer_type(gl.float32), bitcast=True)
-        s0 = gl.load(scales, mask=valid, other=0.0)
-        s1 = gl.load(scales + 1, mask=valid, other=0.0)
-        s2 = gl.load(scales + 2, mask=valid, other=0.0)
-        s3 = gl.load(scales + 3, mask=valid, other=0.0)
-    else:
-        s0 = gl.zeros([CHUNK], gl.float32, gl.SliceLayout(1, lat))
-        s1 = s0
-        s2 = s0
-        s3 = s0
+    scales = (record + L).to(gl.pointer_type(gl.float32), bitcast=True)
+    s0 = gl.load(scales, mask=valid, other=0.0)
+    s1 = gl.load(scales + 1, mask=valid, other=0.0)
+    s2 = gl.load(scales + 2, mask=valid, other=0.0)
+    s3 = gl.load(scales + 3, mask=valid, other=0.0)
     rpos = n0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, rows))
     rslot = gl.load(idx_row + rpos, mask=rpos < end, other=-1)
     rvalid = rslot >= 0
-    if FP8:  # the rope part is bf16, ROPE_AT bf16 units into the record
-        rope_row = (cache_ptr + gl.where(rvalid, rslot, 0).to(gl.int64) * WIDTH).to(
-            gl.pointer_type(gl.bfloat16), bitcast=True
-        ) + ROPE_AT
-    else:
-        rope_row = cache_ptr + gl.where(rvalid, rslot, 0).to(gl.int64) * WIDTH + L
+    rope_row = (cache_ptr + gl.where(rvalid, rslot, 0).to(gl.int64) * WIDTH).to(
+        gl.pointer_type(gl.bfloat16), bitcast=True
+    ) + ROPE_AT  # the rope part is bf16, ROPE_AT bf16 units into the record
     rope_at = gl.expand_dims(rope_row, 1) + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, rows)), 0)
     rope = gl.load(rope_at, mask=gl.expand_dims(rvalid, 1), other=0.0)
     return c0, c1, s0, s1, s2, s3, rope
 
 
 @gluon.jit
-def _store_gathered(chunk, c0_s, c1_s, kr_s, stage, r, FP8: gl.constexpr):
-    """A chunk from ``_gather_chunk`` into rows ``r + [0, CHUNK)`` of ``stage``, an fp8_ds_mla latent dequantised."""
+def _store_gathered(chunk, c0_s, c1_s, kr_s, stage, r):
+    """A chunk from ``_gather_chunk`` into rows ``r + [0, CHUNK)`` of ``stage``, its latent dequantised."""
     c0, c1, s0, s1, s2, s3, rope = chunk
     n: gl.constexpr = c0.shape[0]
-    if FP8:
-        c0_s.index(stage).slice(r, n).store(_dequantize_half(c0, s0, s1))
-        c1_s.index(stage).slice(r, n).store(_dequantize_half(c1, s2, s3))
-    else:
-        c0_s.index(stage).slice(r, n).store(c0)
-        c1_s.index(stage).slice(r, n).store(c1)
+    c0_s.index(stage).slice(r, n).store(_dequantize_half(c0, s0, s1))
+    c1_s.index(stage).slice(r, n).store(_dequantize_half(c1, s2, s3))
     kr_s.index(stage).slice(r, n).store(rope)
 
 
 @gluon.jit
 def _fill(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH: gl.constexpr,
-          CHUNK: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
-    """The third warpgroup: each block of the span into its stage once both other warpgroups are done with the
-    stage's previous block; loads run two chunks ahead of the stores (the next block's first chunks are in flight
-    while it waits for a free stage)."""
+          CHUNK: gl.constexpr):  # fmt: skip
+    """The third warpgroup for an fp8_ds_mla cache: each block of the span into its stage once both other
+    warpgroups are done with the stage's previous block; loads run two chunks ahead of the stores (the next block's
+    first chunks are in flight while it waits for a free stage)."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
-    now = _gather_chunk(cache_ptr, idx_row, start, end, WIDTH, CHUNK, FP8)
-    ahead = _gather_chunk(cache_ptr, idx_row, start + CHUNK, end, WIDTH, CHUNK, FP8)
+    now = _gather_chunk(cache_ptr, idx_row, start, end, WIDTH, CHUNK)
+    ahead = _gather_chunk(cache_ptr, idx_row, start + CHUNK, end, WIDTH, CHUNK)
     for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
         for stage in gl.static_range(2):
             i = i2 + stage
             if i < n_blocks:
-                n0 = start + i * BLOCK_N
                 mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
                 for r in gl.static_range(0, BLOCK_N, CHUNK):
-                    nxt = _gather_chunk(cache_ptr, idx_row, n0 + r + 2 * CHUNK, end, WIDTH, CHUNK, FP8)
-                    _store_gathered(now, c0_s, c1_s, kr_s, stage, r, FP8)
+                    nxt = _gather_chunk(cache_ptr, idx_row, start + i * BLOCK_N + r + 2 * CHUNK, end, WIDTH, CHUNK)
+                    _store_gathered(now, c0_s, c1_s, kr_s, stage, r)
                     now = ahead
                     ahead = nxt
                 fence_async_shared()
@@ -311,8 +294,8 @@ def _sparse_split_kernel(
               idx_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, t, pid_h, split, H, n_splits)),
             (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, None, None,
                       idx_row, part_out_ptr, start, end, t, pid_h, 1, split, H, n_splits, 64, True, False)),
-            (_fill, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH, CHUNK,
-                     FP8)) if FP8 else
+            (_fill, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
+                     CHUNK)) if FP8 else
             (_fill_async, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
                            CHUNK)),
         ],
