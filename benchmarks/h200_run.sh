@@ -24,8 +24,7 @@
 #                dispatch tables rewritten under captured CUDA graphs, and the structured-output tests
 #   fp4-check    grouped_gemm's conformance at small and full shapes (the FP4 expert kernel among them, reports under
 #                $OUT), then the DeepSeek-V4 FP4-expert cross-check on cuda_sm100
-#   v4-graphs    DeepSeek-V4's decode graphs (cuda_graphs.STATE_PAGE_GRAPHS switched on by the test) against eager
-#                decoding, bitwise in batch-invariant mode: the check before the switch is turned on
+#   v4-graphs    DeepSeek-V4's decode graphs against eager decoding, bitwise in batch-invariant mode
 #   v4-bench     the decode step of a DeepSeek-V4-Flash-shaped cut (4 layers, FP4 experts) at 4k context, batches 1, 64
 #                and 256, against its bytes roofline, with a kernel profile ($OUT/model_v4.json)
 #   bench [OPS]  `deepinfer bench`, all ops or the comma-separated OPS (the full run takes longer than one call: split

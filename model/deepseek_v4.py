@@ -560,9 +560,9 @@ class V4MoE:
         # A row of the hash table may name an expert more than once (the expert then runs once per naming): the
         # low-latency dispatch's fixed capacity must hold that many rows per token.
         self.repeats = 1
-        if self.tid2eid is not None:
-            ranked = self.tid2eid.sort(dim=1).values
-            self.repeats = int((ranked[:, :, None] == ranked[:, None, :]).sum(-1).max()) if ranked.numel() else 1
+        if self.tid2eid is not None and self.tid2eid.numel():
+            ids = self.tid2eid
+            self.repeats = int((ids[:, :, None] == ids[:, None, :]).sum(-1).max())
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, mode: str = "normal", counted: torch.Tensor | None = None

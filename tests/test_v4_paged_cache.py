@@ -46,8 +46,10 @@ def load(deepinfer_backend, deepinfer_device):
 
 class HostSyncs(TorchDispatchMode):
     """Records the model's own calls, outside ``deepinfer.ops`` implementations (backend kernels capture as they
-    may), that read a device value on the host or build a tensor from host data: in a CUDA graph the first waits
-    for the device (capture fails) and the second is baked into the graph as it was at capture."""
+    may), that read a device value on the host (``.item()``, ``nonzero``, boolean-mask indexing, ...) or build a
+    tensor from host data: in a CUDA graph the first waits for the device (capture fails) and the second is baked
+    into the graph as it was at capture. Copies to the host (``.tolist()``, ``.cpu()``) of CPU tensors dispatch
+    nothing here: the GPU test of the captured step covers them."""
 
     SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "repeat_interleave", "lift_fresh", "equal")
 
@@ -73,7 +75,13 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not self.in_op and any(name.startswith(s) for s in self.SYNCING):
+        masks = name.startswith("index") and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+            for a in args
+            if isinstance(a, (list, tuple))
+            for i in a
+        )
+        if not self.in_op and (masks or any(name.startswith(s) for s in self.SYNCING)):
             where = [f for f in traceback.extract_stack() if "/model/" in f.filename]
             self.calls.append(f"{name} at {where[-1].name}:{where[-1].lineno}" if where else name)
         return func(*args, **(kwargs or {}))

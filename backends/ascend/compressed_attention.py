@@ -20,7 +20,7 @@ def indexer_topk_entries_torch(q, weights, keys, key_start, key_count, *, topk, 
     tokens = q.shape[0]
     out = torch.full((tokens, topk), -1, dtype=torch.int32, device=q.device)
     width = (int(key_count.max()) if max_count is None else max_count) if tokens else 0
-    if width == 0:
+    if width == 0 or keys.shape[0] == 0:  # no key to score (every count is then 0)
         return out
     offs = torch.arange(width, device=q.device)
     rows = key_start.long()[:, None] + offs[None, :]  # [T, width]

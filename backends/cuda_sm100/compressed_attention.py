@@ -2,10 +2,11 @@
 
 - ``compress_kv``: one program per (window, channel block): the softmax over the window's slots of gate plus bias in
   fp32, the weights rounded to kv's dtype, the weighted sum in fp32.
-- ``indexer_topk_entries``: one program per (query, block of its keys) scores the block against every head in one
-  tensor-core product, then ``relu``, weighted, summed over heads (fp32); ``torch.sort`` (stable, descending) then
-  keeps the best ``topk`` with ties to the lower row, and the kept rows are put in ascending order. A caller's
-  ``max_count`` sizes the grid without reading the counts on the host (a CUDA graph's decode step).
+- ``indexer_topk_entries``: one program per (query, block of its keys) scores the block against up to 64 heads at a
+  time in tensor-core products over 128 columns at a time, then ``relu``, weighted, summed over heads (fp32);
+  ``torch.sort`` (stable, descending) then keeps the best ``topk`` with ties to the lower row, and the kept rows are
+  put in ascending order. A caller's ``max_count`` sizes the grid without reading the counts on the host (a CUDA
+  graph's decode step).
 - ``sparse_attention_sinks``: one program per (query, 16 heads) streams its listed rows in blocks: the heads' scores
   in one tensor-core product, an online softmax in fp32, the probabilities against the same rows as two products
   in kv's 16-bit dtype (the rounded probabilities, then their rounding error; fp32 inputs: fp32 products), and the
@@ -68,22 +69,30 @@ def compress_kv(kv, gate, position_bias):
 
 @triton.jit
 def _score_kernel(
-    q_ptr, w_ptr, k_ptr, start_ptr, count_ptr, out_ptr, H, D, WIDTH, FP32_DOT: tl.constexpr, H_P2: tl.constexpr,
-    D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr, w_ptr, k_ptr, start_ptr, count_ptr, out_ptr, H, D, WIDTH, FP32_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """out[t, n] = sum_h w[t, h] relu(q[t, h] . keys[start[t] + n]) for n < count[t] in block ``program_id(1)`` of
-    query ``program_id(0)``'s range, -inf after: the block's keys against all heads in one product."""
+    query ``program_id(0)``'s range, -inf after: the block's keys against ``BLOCK_H`` heads at a time, each a product
+    accumulated over ``BLOCK_D`` columns at a time."""
     pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     start = tl.load(start_ptr + t).to(tl.int64)
     seen = n < tl.load(count_ptr + t)
-    h, d = tl.arange(0, H_P2), tl.arange(0, D_P2)
-    k = tl.load(k_ptr + (start + n)[:, None] * D + d[None, :], mask=seen[:, None] & (d[None, :] < D), other=0.0)
-    q = tl.load(q_ptr + (t * H + h)[None, :] * D + d[:, None], mask=(h[None, :] < H) & (d[:, None] < D), other=0.0)
-    scores = dot(k, q, tl.zeros((BLOCK_N, H_P2), tl.float32), FP32_DOT)  # [n, h]
-    w = tl.load(w_ptr + t * H + h, mask=h < H, other=0.0)
-    total = tl.sum(tl.maximum(scores, 0.0) * w[None, :], axis=1)
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        scores = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)  # [n, h]
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            k = tl.load(k_ptr + (start + n)[:, None] * D + d[None, :], mask=seen[:, None] & (d[None, :] < D), other=0.0)
+            q = tl.load(
+                q_ptr + (t * H + h)[None, :] * D + d[:, None], mask=(h[None, :] < H) & (d[:, None] < D), other=0.0
+            )
+            scores = dot(k, q, scores, FP32_DOT)
+        w = tl.load(w_ptr + t * H + h, mask=h < H, other=0.0)
+        total += tl.sum(tl.maximum(scores, 0.0) * w[None, :], axis=1)
     tl.store(out_ptr + t * WIDTH + n, tl.where(seen, total, float("-inf")), mask=n < WIDTH)
 
 
@@ -107,8 +116,8 @@ def indexer_topk_entries(q, weights, keys, key_start, key_count, *, topk, max_co
         dim,
         width,
         FP32_DOT=INTERPRET,
-        H_P2=max(16, next_pow2(heads)),
-        D_P2=max(16, next_pow2(dim)),
+        BLOCK_H=min(64, max(16, next_pow2(heads))),
+        BLOCK_D=min(128, max(16, next_pow2(dim))),
         BLOCK_N=SCORE_BLOCK_N,
         launch_pdl=PDL,
     )
@@ -151,7 +160,7 @@ def _attend_kernel(
         denom = denom * alpha + tl.sum(p, axis=1)
         p_hi = p.to(v.dtype)
         acc = dot(p_hi, v, acc * alpha[:, None], FP32_DOT)
-        if SPLIT_P:  # p's rounding error in a second product: p to about 16 bits, not the dtype's 8
+        if SPLIT_P:  # p's rounding error in a second product: p to about twice the 16-bit dtype's precision
             acc = dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc, FP32_DOT)
         m = m_new
     sink = tl.load(sink_ptr + h, mask=h < H, other=0.0)
@@ -167,8 +176,7 @@ def sparse_attention_sinks(q, kv, indices, sinks, *, softmax_scale):
     if q.dtype != kv.dtype:  # one dtype for the products; fp32 where either is
         q, kv = q.float(), kv.float()
     if tokens and heads:
-        block_h = min(ATTEND_BLOCK_H, max(16, next_pow2(heads)))
-        _attend_kernel[(tokens, triton.cdiv(heads, block_h))](
+        _attend_kernel[(tokens, triton.cdiv(heads, ATTEND_BLOCK_H))](
             q.contiguous(),
             kv.contiguous(),
             indices.contiguous(),
@@ -181,7 +189,7 @@ def sparse_attention_sinks(q, kv, indices, sinks, *, softmax_scale):
             FP32_DOT=INTERPRET,
             SPLIT_P=kv.dtype != torch.float32,
             D_P2=max(16, next_pow2(dim)),
-            BLOCK_H=block_h,
+            BLOCK_H=ATTEND_BLOCK_H,
             BLOCK_N=ATTEND_BLOCK_N,
             num_warps=ATTEND_WARPS,
             launch_pdl=PDL,

@@ -1,8 +1,8 @@
-"""DeepSeek-V4's hyper-connections: ``hc_pre``, ``hc_post``, ``hc_head``, one program per token (and D block).
+"""DeepSeek-V4's hyper-connections: ``hc_pre``, ``hc_post``, ``hc_head``, programs per token and span or D block.
 
 ``hc_pre`` and ``hc_head`` run three kernels: the projection of the flattened streams (sum of squares and the M dot
-products over N*D in fp32, in 16 spans per token, then the spans summed in order), then per (token, D block) the
-collapse, where the first block also writes
+products over N*D in fp32, in 16 spans per token, then the spans' parts summed in a fixed order), then per (token,
+D block) the collapse, where the first block also writes
 post and comb (sigmoids, the softmax and the Sinkhorn iterations on an N x N tile). ``hc_post`` reads comb
 transposed per token. Every token's arithmetic is the same whatever the batch: batch-invariant.
 """

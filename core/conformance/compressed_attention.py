@@ -122,6 +122,8 @@ def cases(shapes: str) -> list[Case]:
             _topk_case(0, 4, 32, 5, 4),
             _topk_case(3, 64, 128, 300, 64),  # V4-Flash indexer: 64 heads of 128
             _topk_case(9, 4, 32, 40, 8, max_count=30),  # a bound above some counts, as a decode step's capacity
+            _topk_case(4, 4, 32, 10, 4, max_count=0),  # no entry visible yet anywhere
+            _topk_case(2, 64, 1024, 50, 8, dtype=torch.float32),  # wide fp32 heads: products over column blocks
             _attn_case(6, 4, 64, 30, 12),
             _attn_case(5, 3, 40, 9, 7, dtype=torch.float32),
             _attn_case(0, 4, 64, 5, 3),

@@ -55,8 +55,8 @@ def indexer_topk_entries(
     key_count[t])`` (its sequence's entries whose window has closed by its position) and scores each
     ``I = sum_h weights[t, h] * relu(q[t, h] . k)`` in fp32. key_start, key_count: ``[T]`` int32 >= 0, the range
     inside ``keys``. max_count: a bound on every ``key_count`` that the caller knows (a decode step's entry capacity);
-    given, no backend reads ``key_count`` on the host to size its work, so a CUDA graph can hold the call. The result
-    does not depend on it.
+    given, no accelerator backend reads ``key_count`` on the host to size its work, so a CUDA graph can hold the
+    call. The result does not depend on it.
 
     Returns ``[T, topk]`` int32: the rows of the ``min(topk, key_count[t])`` highest scores, a tie going to the lower
     row, in ascending order, then ``-1``.
@@ -115,7 +115,8 @@ def sparse_attention_sinks(
     With ``s_j = softmax_scale * q[t, h] . kv[j]`` over the listed rows, ``p_j = exp(s_j) / (exp(sinks[h]) +
     sum_j exp(s_j))`` and ``out[t, h] = sum_j p_j kv[j]``: the sink takes its share of the softmax and contributes no
     value (transformers' ``eager_attention_forward`` of DeepseekV4 and gpt-oss). A query with no row listed gets
-    zeros. Computed in fp32, returned ``[T, H, D]`` in q's dtype. softmax_scale: a finite number > 0.
+    zeros. Scores and softmax in fp32 (a backend may multiply 16-bit rows by the probabilities in two 16-bit parts,
+    within the op's tolerance), returned ``[T, H, D]`` in q's dtype. softmax_scale: a finite number > 0.
     """
     c = Check("sparse_attention_sinks")
     c.tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
