@@ -511,12 +511,6 @@ class V4CacheLayout:
             drafts=drafts,
         )
 
-    def state_place(self, offset: int, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where rows ``rows [..., R]`` (int64) of the ``[*, width]`` matrix at element ``offset`` of a state vector
-        lie: per element ``[..., R, width]``, its state page (a block-table column) and its element in that page."""
-        flat = offset + rows[..., None] * width + torch.arange(width, device=rows.device)
-        return flat // self.page_elems, flat % self.page_elems
-
     def entry_place(self, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where entries ``w`` (int64) of a layer of rate ``m`` lie: their token page (a block-table column), slot."""
         p = w * m // self.block_size

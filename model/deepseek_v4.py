@@ -79,6 +79,20 @@ def _rope_tail_back(x: torch.Tensor, positions: torch.Tensor, table: torch.Tenso
     return torch.cat([x[..., :-rope_dim], mirror(ops.rope(mirror(x[..., -rope_dim:]), positions, table, True))], -1)
 
 
+def state_chunks(
+    layout: V4CacheLayout, tables: torch.Tensor, offset: int, rows: torch.Tensor, width: int
+) -> tuple[torch.Tensor, int]:
+    """Rows ``rows [B, R]`` (int64, on the device) of the ``[*, width]`` matrix at element ``offset`` of the state
+    vector of each sequence whose block table is a row of ``tables [B, W]``, as ``[B, R, width / g]`` indices into
+    the pages seen as ``[*, g]`` elements: ``g`` divides the width, the offset and a page, so that no chunk crosses a
+    page and a row is read in a few whole chunks."""
+    pe = layout.page_elems
+    g = math.gcd(width, offset, pe)
+    first = offset + rows[..., None] * width + g * torch.arange(width // g, device=rows.device)
+    page = tables.gather(1, (first // pe).reshape(rows.shape[0], -1)).view(first.shape)
+    return (page * pe + first % pe) // g, g
+
+
 class V4State:
     """One sequence's caches in paged storage (``V4CacheLayout``): ``pages`` ``[num_blocks, page_bytes]`` uint8
     (the engine's cache, or pages of its own), the sequence's ``block_table`` (state pages, then token pages) and
@@ -121,17 +135,18 @@ class V4State:
             self._table = torch.tensor(self.block_table, dtype=torch.int64).to(self.flat.device)
         return self._table
 
-    # The state vector (the window ring, the unfinished windows), element by element over the state pages.
-    def _state_index(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
-        page, inner = self.layout.state_place(offset, rows.to(self.flat.device), width)
-        return self.table()[page] * self.layout.page_elems + inner
-
+    # The state vector (the window ring, the unfinished windows), over the state pages.
     def read_state(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """Rows ``rows`` of the ``[*, width]`` matrix at element ``offset`` of the state vector."""
-        return self.flat[self._state_index(offset, rows, width)]
+        """Rows ``rows [R]`` of the ``[*, width]`` matrix at element ``offset`` of the state vector, ``[R, width]``."""
+        chunks, g = state_chunks(self.layout, self.table()[None], offset, rows.to(self.flat.device)[None], width)
+        return self.flat.view(-1, g)[chunks[0]].view(-1, width)
 
     def write_state(self, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        self.flat[self._state_index(offset, rows, values.shape[1])] = values
+        """Stores ``values [R, width]`` as rows ``rows [R]`` of the state matrix at ``offset``."""
+        chunks, g = state_chunks(
+            self.layout, self.table()[None], offset, rows.to(self.flat.device)[None], values.shape[1]
+        )
+        self.flat.view(-1, g)[chunks[0]] = values.reshape(*chunks.shape[1:], g)
 
     # Compressed entries and indexer keys, records in the token pages.
     def _records(self, layer: int, index: bool) -> torch.Tensor:
@@ -214,25 +229,15 @@ class DecodeRows:
         """Entries of a layer of rate ``m`` that the block tables' token pages hold: at least any sequence's."""
         return (self.tables.shape[1] - self.layout.state_pages) * -(-self.layout.block_size // m)
 
-    def _state_chunks(self, offset: int, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
-        """Rows ``rows [B, R]`` (int64, on the device) of the ``[*, width]`` matrix at element ``offset`` of the state
-        vector of each sequence, as ``[B, R, width / g]`` indices into the pages seen as ``[*, g]``: ``g`` divides the
-        width, the offset and a page, so that no chunk crosses a page and a row is read in a few whole chunks."""
-        pe = self.layout.page_elems
-        g = math.gcd(width, offset, pe)
-        first = offset + rows[..., None] * width + g * torch.arange(width // g, device=rows.device)
-        page = self.tables.gather(1, (first // pe).reshape(rows.shape[0], -1)).view(first.shape)
-        return (page * pe + first % pe) // g, g
-
     def read_state(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
         """Rows ``rows [B, R]`` of each sequence's ``[*, width]`` state matrix at element ``offset``, ``[B, R,
         width]``."""
-        chunks, g = self._state_chunks(offset, rows, width)
+        chunks, g = state_chunks(self.layout, self.tables, offset, rows, width)
         return self.flat.view(-1, g)[chunks].view(*rows.shape, width)
 
     def write_state(self, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Stores ``values [B, R, width]`` as rows ``rows [B, R]`` of each sequence's state matrix at ``offset``."""
-        chunks, g = self._state_chunks(offset, rows, values.shape[-1])
+        chunks, g = state_chunks(self.layout, self.tables, offset, rows, values.shape[-1])
         self.flat.view(-1, g)[chunks] = values.reshape(*chunks.shape, g)
 
     def _entry_slots(self, tables: torch.Tensor, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
