@@ -491,7 +491,8 @@ def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> boo
 
 # SM90 has no tensor-core instruction that takes e2m1. ``_grouped_gemm_fp4_kernel`` hands a bf16 activation, the packed
 # codes and their ue8m0 scales to ``tl.dot_scaled``, which Triton lowers on SM90 to an in-register upcast of the codes
-# (byte permutes) times the scale, exact in bf16, ahead of wgmma products. At V4-Flash's expert shapes (H100) that is
+# (byte permutes) times the scale, exact in bf16 (conformance draws scales near a checkpoint's, not at the ends of
+# ue8m0's range), ahead of wgmma products. At V4-Flash's expert shapes (H100) that is
 # 1.6-1.9x the speed of decoding each 32-value group by bit arithmetic and scaling the group's product, 1.1-1.25 TB/s
 # of codes at 1.5-6 rows per expert. That hand decode serves fp32 activations, and SM100 while ``tcgen05-fp4`` is off
 # (there ``tl.dot_scaled`` lowers to tcgen05 products, which have not run on a GPU here). No split over K.
