@@ -79,7 +79,7 @@ def _rope_tail_back(x: torch.Tensor, positions: torch.Tensor, table: torch.Tenso
     return torch.cat([x[..., :-rope_dim], mirror(ops.rope(mirror(x[..., -rope_dim:]), positions, table, True))], -1)
 
 
-def state_chunks(
+def _state_chunks(
     layout: V4CacheLayout, tables: torch.Tensor, offset: int, rows: torch.Tensor, width: int
 ) -> tuple[torch.Tensor, int]:
     """Rows ``rows [B, R]`` (int64, on the device) of the ``[*, width]`` matrix at element ``offset`` of the state
@@ -91,6 +91,28 @@ def state_chunks(
     first = offset + rows[..., None] * width + g * torch.arange(width // g, device=rows.device)
     page = tables.gather(1, (first // pe).reshape(rows.shape[0], -1)).view(first.shape)
     return (page * pe + first % pe) // g, g
+
+
+def read_state_rows(
+    flat: torch.Tensor, layout: V4CacheLayout, tables: torch.Tensor, offset: int, rows: torch.Tensor, width: int
+) -> torch.Tensor:
+    """Rows ``rows [B, R]`` of each sequence's ``[*, width]`` state matrix at element ``offset``, ``[B, R, width]``,
+    from the pages ``flat`` (every page's elements in the model's dtype) through the block tables ``tables [B, W]``."""
+    chunks, g = _state_chunks(layout, tables, offset, rows, width)
+    return flat.view(-1, g)[chunks].view(*rows.shape, width)
+
+
+def write_state_rows(
+    flat: torch.Tensor,
+    layout: V4CacheLayout,
+    tables: torch.Tensor,
+    offset: int,
+    rows: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Stores ``values [B, R, width]`` as rows ``rows [B, R]`` of each sequence's state matrix at ``offset``."""
+    chunks, g = _state_chunks(layout, tables, offset, rows, values.shape[-1])
+    flat.view(-1, g)[chunks] = values.reshape(*chunks.shape, g)
 
 
 class V4State:
@@ -138,15 +160,13 @@ class V4State:
     # The state vector (the window ring, the unfinished windows), over the state pages.
     def read_state(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
         """Rows ``rows [R]`` of the ``[*, width]`` matrix at element ``offset`` of the state vector, ``[R, width]``."""
-        chunks, g = state_chunks(self.layout, self.table()[None], offset, rows.to(self.flat.device)[None], width)
-        return self.flat.view(-1, g)[chunks[0]].view(-1, width)
+        rows = rows.to(self.flat.device)[None]
+        return read_state_rows(self.flat, self.layout, self.table()[None], offset, rows, width)[0]
 
     def write_state(self, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Stores ``values [R, width]`` as rows ``rows [R]`` of the state matrix at ``offset``."""
-        chunks, g = state_chunks(
-            self.layout, self.table()[None], offset, rows.to(self.flat.device)[None], values.shape[1]
-        )
-        self.flat.view(-1, g)[chunks[0]] = values.reshape(*chunks.shape[1:], g)
+        rows = rows.to(self.flat.device)[None]
+        write_state_rows(self.flat, self.layout, self.table()[None], offset, rows, values[None])
 
     # Compressed entries and indexer keys, records in the token pages.
     def _records(self, layer: int, index: bool) -> torch.Tensor:
@@ -230,15 +250,12 @@ class DecodeRows:
         return (self.tables.shape[1] - self.layout.state_pages) * -(-self.layout.block_size // m)
 
     def read_state(self, offset: int, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """Rows ``rows [B, R]`` of each sequence's ``[*, width]`` state matrix at element ``offset``, ``[B, R,
-        width]``."""
-        chunks, g = state_chunks(self.layout, self.tables, offset, rows, width)
-        return self.flat.view(-1, g)[chunks].view(*rows.shape, width)
+        """``read_state_rows`` of this batch's sequences: ``[B, R, width]``."""
+        return read_state_rows(self.flat, self.layout, self.tables, offset, rows, width)
 
     def write_state(self, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Stores ``values [B, R, width]`` as rows ``rows [B, R]`` of each sequence's state matrix at ``offset``."""
-        chunks, g = state_chunks(self.layout, self.tables, offset, rows, values.shape[-1])
-        self.flat.view(-1, g)[chunks] = values.reshape(*chunks.shape, g)
+        """``write_state_rows`` of this batch's sequences."""
+        write_state_rows(self.flat, self.layout, self.tables, offset, rows, values)
 
     def _entry_slots(self, tables: torch.Tensor, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         column, slot = self.layout.entry_place(m, w)
