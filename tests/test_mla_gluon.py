@@ -58,7 +58,7 @@ def _compile(kv_format: str, direct: bool, halves: bool):
     signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "n_splits"), "i32")
     signature["rope_desc"] = _descriptor(records, 64)
     constants = {"PAGE": 64, "SPLIT": 1024, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK, "DIRECT": direct}
-    constants |= {"HALVES": halves, "WIDTH": width}
+    constants |= {"HALVES": halves, "WIDTH": width, "EARLY_RELEASE": mla_gluon.EARLY_RELEASE}
     if fp8:  # the rope part by TMA from the records seen as bf16, the latent dequantised by the kernel
         constants |= {"lat_desc": None, "RIGHT_REGS": mla_gluon.FP8_RIGHT_REGS, "FILL_REGS": mla_gluon.FP8_FILL_REGS}
     else:

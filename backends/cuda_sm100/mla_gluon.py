@@ -58,6 +58,9 @@ ROPE_AT = gl.constexpr(fp8_ds_mla_offsets(L.value)[1] // 2)
 # fp8_ds_mla: a third warpgroup dequantises the cache, CHUNK tokens at a time (loads two chunks ahead of the stores).
 # Registers per thread of the second and the third warpgroup; the first gets the rest of 512 (224).
 FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
+# The first warpgroup releases a stage's left half once P x V of its block is done, with S of the next block still
+# on the tensor cores, rather than after both: the refill (TMA or the fp8_ds_mla filler) gets S's time to land.
+EARLY_RELEASE = True
 
 
 @gluon.jit
@@ -309,10 +312,20 @@ def _softmax_step(s, visible, qk_scale, m_i, l_i):
 
 
 @gluon.jit
+def _release_left(lat_desc, left_ready, kv_free, c0_s, stage, refill_row, refill, FP8: gl.constexpr):
+    """The first warpgroup is done with the stage's left half: block i + 2's comes now (bf16), or the filler may
+    take the stage once the second warpgroup is done too (fp8_ds_mla)."""
+    if FP8:
+        mbarrier.arrive(kv_free.index(stage), count=1)
+    else:
+        _load_left(lat_desc, left_ready, c0_s, stage, refill_row, refill)
+
+
+@gluon.jit
 def _scores_softmax_left(
     q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
     cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits,
-    PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr, HALVES: gl.constexpr,
+    PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr, HALVES: gl.constexpr, EARLY_RELEASE: gl.constexpr,
 ):  # fmt: skip
     """The first warpgroup. Block i: softmax of S_i; P_i and its row factor published to the second warpgroup;
     P_i x V_i[:, :256] issued and S_{i+1} behind it; then, with a bf16 cache, the stage's left half refilled with
@@ -330,6 +343,7 @@ def _scores_softmax_left(
     s = warpgroup_mma_wait(0, deps=[s])
     for i in range(n_blocks):
         stage = i % 2
+        refill_row = 0
         if not FP8 and not HALVES:
             refill_row = _block_row(table_row, start, i + 2, full, PAGE)  # loaded early, used after the products
         p, alpha, m_i, l_i = _softmax_step(s, start + i * BLOCK_N + tokens < end, qk_scale, m_i, l_i)
@@ -344,19 +358,24 @@ def _scores_softmax_left(
                 s = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr, table_row,
                                   start, end, nxt, full, PAGE, WIDTH, FP8)  # fmt: skip
                 s = warpgroup_mma_wait(0, deps=[s])
+            if FP8:
+                mbarrier.arrive(kv_free.index(stage), count=1)
         else:
             alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
             pv = warpgroup_mma(p_s, c0_s.index(stage), o * alpha_o, is_async=True)
             if nxt < n_blocks:
                 s_next = _block_scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, cache_ptr,
                                        table_row, start, end, nxt, full, PAGE, WIDTH, FP8)  # fmt: skip
-                o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
+                if EARLY_RELEASE:
+                    o = warpgroup_mma_wait(3, deps=[pv])
+                    _release_left(lat_desc, left_ready, kv_free, c0_s, stage, refill_row, i + 2 < full, FP8)
+                    s = warpgroup_mma_wait(0, deps=[s_next])
+                else:
+                    o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
+                    _release_left(lat_desc, left_ready, kv_free, c0_s, stage, refill_row, i + 2 < full, FP8)
             else:
                 o = warpgroup_mma_wait(0, deps=[pv])
-            if not FP8:  # this warpgroup is done with the left half: block i + 2's comes now
-                _load_left(lat_desc, left_ready, c0_s, stage, refill_row, i + 2 < full)
-        if FP8:
-            mbarrier.arrive(kv_free.index(stage), count=1)
+                _release_left(lat_desc, left_ready, kv_free, c0_s, stage, refill_row, i + 2 < full, FP8)
     mbarrier.wait(p_free, (n_blocks & 1) ^ 1)
     a_s.store(1.0 / l_i)
     mbarrier.arrive(p_ready, count=1)
@@ -431,6 +450,7 @@ def _mla_split_kernel(
     CHUNK: gl.constexpr,
     DIRECT: gl.constexpr,
     HALVES: gl.constexpr,
+    EARLY_RELEASE: gl.constexpr,
 ):
     """``attention._mla_split_kernel``'s contract (one (query row, 64 heads, KV split) per program). Launched with 4
     warps, to which the second warpgroup adds 4, and with ``FP8`` (an fp8_ds_mla cache at ``cache_ptr``, bytes;
@@ -496,7 +516,7 @@ def _mla_split_kernel(
                 (_scores_softmax_left,
                  (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
                   lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
-                  split, H, n_splits, PAGE, WIDTH, FP8, HALVES)),
+                  split, H, n_splits, PAGE, WIDTH, FP8, HALVES, EARLY_RELEASE)),
                 (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
                           rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
                           FP8, HALVES)),
@@ -512,7 +532,7 @@ def _mla_split_kernel(
                 (_scores_softmax_left,
                  (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
                   lat_desc, cache_ptr, table_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h,
-                  split, H, n_splits, PAGE, WIDTH, FP8, HALVES)),
+                  split, H, n_splits, PAGE, WIDTH, FP8, HALVES, EARLY_RELEASE)),
                 (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, lat_desc,
                           rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
                           FP8, HALVES)),
@@ -929,6 +949,7 @@ def launch_split(
         q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
         PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, DIRECT=n_splits == 1, HALVES=halves,
+        EARLY_RELEASE=EARLY_RELEASE,
         **regs,
         num_warps=4, enable_fp_fusion=True,  # the FFMAs it was measured with (Triton 3.10 turns fusion off)
     )  # fmt: skip
