@@ -35,6 +35,7 @@ from ._gluon import ASYNC_COMMIT, ASYNC_LOAD, ASYNC_WAIT, BARRIER
 from .mla_gluon import (
     BLOCK_H,
     BLOCK_N,
+    EARLY_RELEASE,
     LH,
     LOG2E,
     O_LAYOUT,
@@ -72,14 +73,23 @@ def _listed_end(idx_row, start, stop):
 
 
 @gluon.jit
-def _gather_chunk(cache_ptr, idx_row, n0, end, WIDTH: gl.constexpr, CHUNK: gl.constexpr):
-    """The fp8_ds_mla records listed at entries ``n0 + [0, CHUNK)`` (before ``end``), as stored: the two latent
-    halves' e4m3 bytes, the four 128-column scales and the bf16 rope part; zeros where an entry is -1 or at or past
-    ``end``."""
+def _chunk_slots(idx_row, n0, end, CHUNK: gl.constexpr):
+    """The cache slots listed at entries ``n0 + [0, CHUNK)`` (-1 at or past ``end``), in the layouts of
+    ``_gather_chunk``'s latent and rope loads."""
     lat: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
     pos = n0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, lat))
-    slot = gl.load(idx_row + pos, mask=pos < end, other=-1)
+    rpos = n0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, rows))
+    return gl.load(idx_row + pos, mask=pos < end, other=-1), gl.load(idx_row + rpos, mask=rpos < end, other=-1)
+
+
+@gluon.jit
+def _gather_chunk(cache_ptr, slots, WIDTH: gl.constexpr):
+    """The fp8_ds_mla records at ``slots`` (from ``_chunk_slots``), as stored: the two latent halves' e4m3 bytes, the
+    four 128-column scales and the bf16 rope part; zeros where a slot is -1."""
+    lat: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    slot, rslot = slots
     valid = slot >= 0
     record = cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH
     at = gl.expand_dims(record, 1) + gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, lat)), 0)
@@ -90,8 +100,6 @@ def _gather_chunk(cache_ptr, idx_row, n0, end, WIDTH: gl.constexpr, CHUNK: gl.co
     s1 = gl.load(scales + 1, mask=valid, other=0.0)
     s2 = gl.load(scales + 2, mask=valid, other=0.0)
     s3 = gl.load(scales + 3, mask=valid, other=0.0)
-    rpos = n0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, rows))
-    rslot = gl.load(idx_row + rpos, mask=rpos < end, other=-1)
     rvalid = rslot >= 0
     rope_row = (cache_ptr + gl.where(rvalid, rslot, 0).to(gl.int64) * WIDTH).to(
         gl.pointer_type(gl.bfloat16), bitcast=True
@@ -115,18 +123,23 @@ def _store_gathered(chunk, c0_s, c1_s, kr_s, stage, r):
 def _fill(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH: gl.constexpr,
           CHUNK: gl.constexpr):  # fmt: skip
     """The third warpgroup for an fp8_ds_mla cache: each block of the span into its stage once both other
-    warpgroups are done with the stage's previous block; loads run two chunks ahead of the stores (the next block's
-    first chunks are in flight while it waits for a free stage)."""
+    warpgroups are done with the stage's previous block. Records are loaded two chunks ahead of their stores, and the
+    list's slots two chunks ahead of those loads, so that neither latency sits between a chunk and the next (the
+    next block's first chunks are in flight while it waits for a free stage)."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
-    now = _gather_chunk(cache_ptr, idx_row, start, end, WIDTH, CHUNK)
-    ahead = _gather_chunk(cache_ptr, idx_row, start + CHUNK, end, WIDTH, CHUNK)
+    now = _gather_chunk(cache_ptr, _chunk_slots(idx_row, start, end, CHUNK), WIDTH)
+    ahead = _gather_chunk(cache_ptr, _chunk_slots(idx_row, start + CHUNK, end, CHUNK), WIDTH)
+    slots = _chunk_slots(idx_row, start + 2 * CHUNK, end, CHUNK)
+    slots_ahead = _chunk_slots(idx_row, start + 3 * CHUNK, end, CHUNK)
     for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
         for stage in gl.static_range(2):
             i = i2 + stage
             if i < n_blocks:
                 mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
                 for r in gl.static_range(0, BLOCK_N, CHUNK):
-                    nxt = _gather_chunk(cache_ptr, idx_row, start + i * BLOCK_N + r + 2 * CHUNK, end, WIDTH, CHUNK)
+                    nxt = _gather_chunk(cache_ptr, slots, WIDTH)
+                    slots = slots_ahead
+                    slots_ahead = _chunk_slots(idx_row, start + i * BLOCK_N + r + 4 * CHUNK, end, CHUNK)
                     _store_gathered(now, c0_s, c1_s, kr_s, stage, r)
                     now = ahead
                     ahead = nxt
@@ -137,49 +150,75 @@ def _fill(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_re
 
 @gluon.jit
 def _copy_rows(dst, src_rows, valid, COLUMNS: gl.constexpr):
-    """cp.async copies of ``COLUMNS`` bf16 values from each of ``src_rows`` (pointers to the rows' first values) into
-    the rows of ``dst`` (zeros where not ``valid``), 16 bytes a copy."""
+    """cp.async copies of ``COLUMNS`` bf16 values from each of ``src_rows`` (pointers to the rows' first values, 16-byte
+    aligned) into the rows of ``dst`` (zeros where not ``valid``), 16 bytes a copy."""
     threads: gl.constexpr = COLUMNS // 8  # threads of a warp per row
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // threads, threads], [gl.num_warps(), 1], [1, 0])
     rows = gl.expand_dims(gl.convert_layout(src_rows, gl.SliceLayout(1, layout)), 1)
     ok = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, layout)), 1)
     at, ok = gl.broadcast(rows + gl.expand_dims(gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout)), 0), ok)
+    # Triton cannot see the alignment of rows from slots carried over from the previous block; ``declines`` checks it
+    at = gl.max_contiguous(gl.multiple_of(at, [16, 16]), [1, 8])
     ASYNC_LOAD(dst, at, mask=ok)
+
+
+@gluon.jit
+def _block_slots(idx_row, n0, end, CHUNK: gl.constexpr):
+    """The cache slots listed at entries ``n0 + [0, 4 CHUNK)`` (-1 at or past ``end``), as four chunks."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    pos = n0 + gl.arange(0, CHUNK, layout=layout)
+    return (
+        gl.load(idx_row + pos, mask=pos < end, other=-1),
+        gl.load(idx_row + pos + CHUNK, mask=pos + CHUNK < end, other=-1),
+        gl.load(idx_row + pos + 2 * CHUNK, mask=pos + 2 * CHUNK < end, other=-1),
+        gl.load(idx_row + pos + 3 * CHUNK, mask=pos + 3 * CHUNK < end, other=-1),
+    )
+
+
+@gluon.jit
+def _copy_columns(cache_ptr, slots, dst, stage, col0, WIDTH: gl.constexpr, CHUNK: gl.constexpr):
+    """cp.async copies of columns ``col0 + [0, dst's width)`` of the block's rows at ``slots`` into ``dst[stage]``."""
+    for r in gl.static_range(0, BLOCK_N, CHUNK):
+        slot = slots[r // CHUNK]
+        valid = slot >= 0
+        row = cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH + col0
+        _copy_rows(dst.index(stage).slice(r, CHUNK), row, valid, dst.shape[2])
 
 
 @gluon.jit
 def _fill_async(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free,
                 WIDTH: gl.constexpr, CHUNK: gl.constexpr):  # fmt: skip
     """The third warpgroup for a bf16 cache: each block's rows copied straight into its stage by cp.async (no
-    registers hold them, and a whole block, 72 KB, is in flight at once), the next block issued as soon as its stage
-    is free; entries listed as -1 or past ``end`` are zero-filled."""
+    registers hold them, and a whole block, 72 KB, is in flight at once), issued as soon as the stage is free;
+    entries listed as -1 or past ``end`` are zero-filled. The right half and the rope part go first and are published
+    as soon as they land, so that S's first products start while the left half is still on its way; the next
+    block's slots are loaded while this block's copies are in flight."""
+    gl.static_assert(BLOCK_N == 4 * CHUNK, "a block is four chunks of rows")
     n_blocks = gl.cdiv(end - start, BLOCK_N)
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    slots = _block_slots(idx_row, start, end, CHUNK)
     for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
         for stage in gl.static_range(2):
             i = i2 + stage
             if i < n_blocks:
-                n0 = start + i * BLOCK_N
                 mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
-                for r in gl.static_range(0, BLOCK_N, CHUNK):
-                    pos = n0 + r + gl.arange(0, CHUNK, layout=layout)
-                    slot = gl.load(idx_row + pos, mask=pos < end, other=-1)
-                    valid = slot >= 0
-                    row = cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH
-                    _copy_rows(c0_s.index(stage).slice(r, CHUNK), row, valid, LH)
-                    _copy_rows(c1_s.index(stage).slice(r, CHUNK), row + LH, valid, LH)
-                    _copy_rows(kr_s.index(stage).slice(r, CHUNK), row + L, valid, R)
+                _copy_columns(cache_ptr, slots, c1_s, stage, LH, WIDTH, CHUNK)
+                _copy_columns(cache_ptr, slots, kr_s, stage, L, WIDTH, CHUNK)
                 ASYNC_COMMIT()
-                ASYNC_WAIT(0)
+                _copy_columns(cache_ptr, slots, c0_s, stage, 0, WIDTH, CHUNK)
+                ASYNC_COMMIT()
+                slots = _block_slots(idx_row, start + (i + 1) * BLOCK_N, end, CHUNK)
+                ASYNC_WAIT(1)
                 fence_async_shared()
                 mbarrier.arrive(right_ready.index(stage), count=1)
+                ASYNC_WAIT(0)
+                fence_async_shared()
                 mbarrier.arrive(left_ready.index(stage), count=1)
 
 
 @gluon.jit
 def _scores_softmax_left(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready,
                          p_free, idx_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H,
-                         n_splits):  # fmt: skip
+                         n_splits, EARLY_RELEASE: gl.constexpr):  # fmt: skip
     """The first warpgroup, as ``mla_gluon._scores_softmax_left`` with an fp8_ds_mla cache, but with the list's -1
     entries masked and a running max that may still be -inf (nothing listed so far: P is zero, not NaN). At the end,
     1 / l (0 where nothing was listed) for the second warpgroup, then this half of the output and the lse."""
@@ -212,10 +251,16 @@ def _scores_softmax_left(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_rea
             s_next = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, nxt, True)
             at = start + nxt * BLOCK_N + tokens
             listed = gl.load(idx_row + at, mask=at < end, other=-1) >= 0
-            o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
+            if EARLY_RELEASE:  # P_i x V_i done, S_{i+1}'s three products may still run: the stage is free
+                o = warpgroup_mma_wait(3, deps=[pv])
+                mbarrier.arrive(kv_free.index(stage), count=1)
+                s = warpgroup_mma_wait(0, deps=[s_next])
+            else:
+                o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
+                mbarrier.arrive(kv_free.index(stage), count=1)
         else:
             o = warpgroup_mma_wait(0, deps=[pv])
-        mbarrier.arrive(kv_free.index(stage), count=1)
+            mbarrier.arrive(kv_free.index(stage), count=1)
     inv_l = gl.where(l_i > 0.0, 1.0 / l_i, 0.0)
     mbarrier.wait(p_free, (n_blocks & 1) ^ 1)
     a_s.store(inv_l)
@@ -249,6 +294,7 @@ def _sparse_split_kernel(
     RIGHT_REGS: gl.constexpr,
     FILL_REGS: gl.constexpr,
     DIRECT: gl.constexpr,
+    EARLY_RELEASE: gl.constexpr,
 ):
     """Heads ``64 program_id(1) + [0, 64)`` of query token ``program_id(0)`` over list entries ``SPLIT program_id(2) +
     [0, SPLIT)``: out [64, 512] and lse (natural log) at rows ``(t H + head) n_splits + split`` of ``part_out`` /
@@ -291,7 +337,7 @@ def _sparse_split_kernel(
         [
             (_scores_softmax_left,
              (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
-              idx_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, t, pid_h, split, H, n_splits)),
+              idx_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, t, pid_h, split, H, n_splits, EARLY_RELEASE)),
             (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, None, None,
                       idx_row, part_out_ptr, start, end, t, pid_h, 1, split, H, n_splits, 64, True, False)),
             (_fill, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
@@ -306,8 +352,8 @@ def _sparse_split_kernel(
 
 def declines(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, kv_lora_rank: int, kv_format: str):
     """Why this kernel cannot serve the call, or None where it can: an SM90 GPU, bf16 queries with unit stride in
-    their last dim, latent 512 and rope 64, at least 64 heads, a bf16 or fp8_ds_mla cache, and a list with unit
-    stride."""
+    their last dim, latent 512 and rope 64, at least 64 heads, a bf16 or fp8_ds_mla cache that starts 16-byte aligned,
+    and a list with unit stride."""
     if not on_hopper(q):
         return "q is not on an SM90 (Hopper) GPU"
     if kv_format not in ("bf16", "fp8_ds_mla"):
@@ -320,6 +366,8 @@ def declines(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, kv_
         return f"{q.shape[1]} heads < {BLOCK_H.value}"
     if indices.stride(1) != 1:
         return f"indices' stride {indices.stride(1)} in its last dim, expected 1"
+    if kv_cache.data_ptr() % 16:
+        return "the cache does not start 16-byte aligned (its rows are copied 16 bytes at a time)"
     return None
 
 
@@ -332,6 +380,6 @@ def launch(q, kv_cache, indices, part_out, part_lse, softmax_scale, fp8: bool, s
         q, records, indices, part_out, part_lse, softmax_scale, heads, indices.shape[1],
         q.stride(0), q.stride(1), indices.stride(0), n_splits,
         WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=CHUNK if fp8 else COPY_CHUNK,
-        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1,
+        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1, EARLY_RELEASE=EARLY_RELEASE,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
