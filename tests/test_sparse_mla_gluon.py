@@ -25,7 +25,6 @@ def _compile(kv_format: str, direct: bool):
     constants = {"WIDTH": 656 if fp8 else 576, "SPLIT": 2048 if direct else 512, "FP8": fp8, "DIRECT": direct}
     constants |= {"CHUNK": sparse_mla_gluon.CHUNK if fp8 else sparse_mla_gluon.COPY_CHUNK}
     constants |= {"RIGHT_REGS": sparse_mla_gluon.RIGHT_REGS, "FILL_REGS": sparse_mla_gluon.FILL_REGS}
-    constants |= {"EARLY_RELEASE": sparse_mla_gluon.EARLY_RELEASE}
     options = {"num_warps": 4, "enable_fp_fusion": True}
     return compile_sm90(sparse_mla_gluon._sparse_split_kernel, signature, constants, options)
 

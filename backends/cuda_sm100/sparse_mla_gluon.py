@@ -35,7 +35,6 @@ from ._gluon import ASYNC_COMMIT, ASYNC_LOAD, ASYNC_WAIT, BARRIER
 from .mla_gluon import (
     BLOCK_H,
     BLOCK_N,
-    EARLY_RELEASE,
     LH,
     LOG2E,
     O_LAYOUT,
@@ -218,7 +217,7 @@ def _fill_async(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, l
 @gluon.jit
 def _scores_softmax_left(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready,
                          p_free, idx_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, row, pid_h, split, H,
-                         n_splits, EARLY_RELEASE: gl.constexpr):  # fmt: skip
+                         n_splits):  # fmt: skip
     """The first warpgroup, as ``mla_gluon._scores_softmax_left`` with an fp8_ds_mla cache, but with the list's -1
     entries masked and a running max that may still be -inf (nothing listed so far: P is zero, not NaN). At the end,
     1 / l (0 where nothing was listed) for the second warpgroup, then this half of the output and the lse."""
@@ -251,13 +250,10 @@ def _scores_softmax_left(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_rea
             s_next = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, nxt, True)
             at = start + nxt * BLOCK_N + tokens
             listed = gl.load(idx_row + at, mask=at < end, other=-1) >= 0
-            if EARLY_RELEASE:  # P_i x V_i done, S_{i+1}'s three products may still run: the stage is free
-                o = warpgroup_mma_wait(3, deps=[pv])
-                mbarrier.arrive(kv_free.index(stage), count=1)
-                s = warpgroup_mma_wait(0, deps=[s_next])
-            else:
-                o, s = warpgroup_mma_wait(0, deps=[pv, s_next])
-                mbarrier.arrive(kv_free.index(stage), count=1)
+            # P_i x V_i done, S_{i+1}'s three products may still run: the stage is free (as mla_gluon.EARLY_RELEASE)
+            o = warpgroup_mma_wait(3, deps=[pv])
+            mbarrier.arrive(kv_free.index(stage), count=1)
+            s = warpgroup_mma_wait(0, deps=[s_next])
         else:
             o = warpgroup_mma_wait(0, deps=[pv])
             mbarrier.arrive(kv_free.index(stage), count=1)
@@ -294,7 +290,6 @@ def _sparse_split_kernel(
     RIGHT_REGS: gl.constexpr,
     FILL_REGS: gl.constexpr,
     DIRECT: gl.constexpr,
-    EARLY_RELEASE: gl.constexpr,
 ):
     """Heads ``64 program_id(1) + [0, 64)`` of query token ``program_id(0)`` over list entries ``SPLIT program_id(2) +
     [0, SPLIT)``: out [64, 512] and lse (natural log) at rows ``(t H + head) n_splits + split`` of ``part_out`` /
@@ -337,7 +332,7 @@ def _sparse_split_kernel(
         [
             (_scores_softmax_left,
              (q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_ready, left_ready, kv_free, p_ready, p_free,
-              idx_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, t, pid_h, split, H, n_splits, EARLY_RELEASE)),
+              idx_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, t, pid_h, split, H, n_splits)),
             (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, None, None,
                       idx_row, part_out_ptr, start, end, t, pid_h, 1, split, H, n_splits, 64, True, False)),
             (_fill, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
@@ -380,6 +375,6 @@ def launch(q, kv_cache, indices, part_out, part_lse, softmax_scale, fp8: bool, s
         q, records, indices, part_out, part_lse, softmax_scale, heads, indices.shape[1],
         q.stride(0), q.stride(1), indices.stride(0), n_splits,
         WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=CHUNK if fp8 else COPY_CHUNK,
-        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1, EARLY_RELEASE=EARLY_RELEASE,
+        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
