@@ -58,8 +58,9 @@ ROPE_AT = gl.constexpr(fp8_ds_mla_offsets(L.value)[1] // 2)
 # fp8_ds_mla: a third warpgroup dequantises the cache, CHUNK tokens at a time (loads two chunks ahead of the stores).
 # Registers per thread of the second and the third warpgroup; the first gets the rest of 512 (224).
 FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
-# The first warpgroup releases a stage's left half once P x V of its block is done, with S of the next block still
-# on the tensor cores, rather than after both: the refill (TMA or the fp8_ds_mla filler) gets S's time to land.
+# The first warpgroup lets a stage be refilled once its P x V of the block is done, with S of the next block still on
+# the tensor cores, rather than after both: the refill (the left half by TMA, or the whole stage by the fp8_ds_mla
+# filler once the second warpgroup is done too) gets S's time to land.
 EARLY_RELEASE = True
 
 
@@ -328,10 +329,11 @@ def _scores_softmax_left(
     PAGE: gl.constexpr, WIDTH: gl.constexpr, FP8: gl.constexpr, HALVES: gl.constexpr, EARLY_RELEASE: gl.constexpr,
 ):  # fmt: skip
     """The first warpgroup. Block i: softmax of S_i; P_i and its row factor published to the second warpgroup;
-    P_i x V_i[:, :256] issued and S_{i+1} behind it; then, with a bf16 cache, the stage's left half refilled with
-    block i + 2 (the second warpgroup refills the rest; with fp8_ds_mla the third warpgroup fills every stage). At the
-    end, 1 / l for the second warpgroup, then this half of the output and the lse. With ``HALVES`` P x V is all the
-    second warpgroup's, and so are the refills: this one only computes S, the softmax and the lse."""
+    P_i x V_i[:, :256] issued and S_{i+1} behind it; once P_i x V_i is done (``EARLY_RELEASE``; else once S_{i+1} is
+    too), with a bf16 cache the stage's left half refilled with block i + 2 (the second warpgroup refills the rest),
+    with fp8_ds_mla the stage released to the third warpgroup, which fills every stage. At the end, 1 / l for the
+    second warpgroup, then this half of the output and the lse. With ``HALVES`` P x V is all the second warpgroup's,
+    and so are the refills: this one only computes S, the softmax and the lse."""
     n_blocks = gl.cdiv(end - start, BLOCK_N)
     full = (end - start) // BLOCK_N  # whole blocks: a span starts on a block boundary, a block lies in one page
     tokens = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))

@@ -156,7 +156,9 @@ def _copy_rows(dst, src_rows, valid, COLUMNS: gl.constexpr):
     rows = gl.expand_dims(gl.convert_layout(src_rows, gl.SliceLayout(1, layout)), 1)
     ok = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, layout)), 1)
     at, ok = gl.broadcast(rows + gl.expand_dims(gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout)), 0), ok)
-    # Triton cannot see the alignment of rows from slots carried over from the previous block; ``declines`` checks it
+    # rows are 16-byte aligned: 1152-byte records (the op's contiguous cache of width 576) from a 16-byte-aligned
+    # base (``declines``). Marked because what Triton infers through slots carried across loop iterations varies (one
+    # version, without launch attributes, made these 2-byte copies and refused them).
     at = gl.max_contiguous(gl.multiple_of(at, [16, 16]), [1, 8])
     ASYNC_LOAD(dst, at, mask=ok)
 
@@ -250,7 +252,8 @@ def _scores_softmax_left(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, p_s, a_s, right_rea
             s_next = _scores(q0_s, q1_s, qr_s, c0_s, c1_s, kr_s, right_ready, left_ready, nxt, True)
             at = start + nxt * BLOCK_N + tokens
             listed = gl.load(idx_row + at, mask=at < end, other=-1) >= 0
-            # P_i x V_i done, S_{i+1}'s three products may still run: the stage is free (as mla_gluon.EARLY_RELEASE)
+            # P_i x V_i done, S_{i+1}'s three products may still run: the stage is free (as in mla_gluon's split
+            # kernel with EARLY_RELEASE)
             o = warpgroup_mma_wait(3, deps=[pv])
             mbarrier.arrive(kv_free.index(stage), count=1)
             s = warpgroup_mma_wait(0, deps=[s_next])
@@ -347,7 +350,7 @@ def _sparse_split_kernel(
 
 def declines(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, kv_lora_rank: int, kv_format: str):
     """Why this kernel cannot serve the call, or None where it can: an SM90 GPU, bf16 queries with unit stride in
-    their last dim, latent 512 and rope 64, at least 64 heads, a bf16 or fp8_ds_mla cache that starts 16-byte aligned,
+    their last dim, latent 512 and rope 64, at least 64 heads, a bf16 (starting 16-byte aligned) or fp8_ds_mla cache,
     and a list with unit stride."""
     if not on_hopper(q):
         return "q is not on an SM90 (Hopper) GPU"
@@ -361,8 +364,8 @@ def declines(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, kv_
         return f"{q.shape[1]} heads < {BLOCK_H.value}"
     if indices.stride(1) != 1:
         return f"indices' stride {indices.stride(1)} in its last dim, expected 1"
-    if kv_cache.data_ptr() % 16:
-        return "the cache does not start 16-byte aligned (its rows are copied 16 bytes at a time)"
+    if kv_format == "bf16" and kv_cache.data_ptr() % 16:
+        return "the bf16 cache does not start 16-byte aligned (its rows are copied 16 bytes at a time)"
     return None
 
 
