@@ -401,7 +401,13 @@ def fake_context(llm: LLM, batch: int, context: int, seed: int) -> list[Sequence
             # bytes below 0x3c: bf16 and fp32 values below 2^-6, e4m3 values below 1, ue8m0 scales below 2^-67
             cache[part] = torch.randint(0, 0x3C, shape, generator=gen, device=llm.device, dtype=torch.uint8)
         return seqs
-    slots = torch.tensor([alloc.slot(s, p) for s in seqs for p in range(context - 1)], device=llm.device)
+    fill_cache(llm, torch.tensor([alloc.slot(s, p) for s in seqs for p in range(context - 1)], device=llm.device))
+    return seqs
+
+
+def fill_cache(llm: LLM, slots: torch.Tensor) -> None:
+    """Random latents (and indexer keys) in cache ``slots`` of every layer (DeepSeek-V3 and V3.2 layouts)."""
+    engine, cfg = llm.engine, llm.config
     chunk = 1 << 16
     for layer, layer_cache in enumerate(engine.runner.kv_caches):
         for start in range(0, slots.numel(), chunk):
@@ -411,7 +417,6 @@ def fake_context(llm: LLM, batch: int, context: int, seed: int) -> list[Sequence
             if engine.runner.index_caches is not None:
                 keys = torch.randn(part.numel(), cfg.index_head_dim, device=llm.device).to(torch.bfloat16)
                 ops.write_index_cache(keys, engine.runner.index_caches[layer], part)
-    return seqs
 
 
 def experts_selected(llm: LLM, batch: ScheduledBatch) -> list[int]:

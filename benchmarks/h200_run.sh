@@ -7,6 +7,9 @@
 #                then the V3.2 model tests and the CUDA-graph tests on cuda_sm100
 #   dsa-bench    their `deepinfer bench` rows, then the V3.2 decode step at 64k context with a kernel profile (the
 #                indexer's share)
+#   prefill [ARGS]  benchmarks/bench_prefill.py ARGS: 8k-token chunks at start 0 and 24k, a 4k chunk beside 64
+#                decodes, time to first token of a 32k prompt, against the compute roofline, with a kernel profile
+#                ($OUT/prefill.json)
 #   train-embedded [ARGS]  trains the embedded model (training/train_embedded.py ARGS):
 #                $OUT/bf16, $OUT/fp8 and $OUT/training.json, to copy into model/checkpoints/tiny-py
 #   embedded-check  the embedded model on cuda_sm100: held-out bits per byte and per-token log-probabilities
@@ -115,6 +118,9 @@ case ${1:-} in
     timeout 300 deepinfer bench --backend cuda_sm100 --ops indexer_topk,sparse_mla --json "$OUT/bench_dsa.json" 2>&1 | tail -40
     timeout 240 python3 benchmarks/bench_model.py "$OUT/model_v32.json" --model v32 --kv-format fp8_ds_mla \
       --context 65536 --batches 1,16,64 --steps 10 --profile 2>&1 | grep -v Loading | tail -60 ;;
+  prefill)
+    timeout 540 python3 benchmarks/bench_prefill.py "$OUT/prefill.json" --backend cuda_sm100 --profile "${@:2}" 2>&1 \
+      | grep -v "wrote model" | tail -80 ;;
   train-embedded)
     python3 training/train_embedded.py --out "$OUT" "${@:2}" 2>&1 | grep -v "Writing model" ;;
   embedded-check)

@@ -1,0 +1,352 @@
+"""Prefill speed of the model on a DeepSeek-V3-shaped (or V3.2-shaped) FP8 cut, against its compute roofline.
+
+    python benchmarks/bench_prefill.py results.json [--backend cuda_sm100] [--layers 4] [--model v32]
+
+The checkpoint is ``bench_model.py``'s: full DeepSeek-V3 (or V3.2) shapes, ``--layers`` layers, random FP8 weights.
+Three measurements, each a whole engine step (``ModelRunner.execute``: inputs, forward, sampling), CUDA events,
+median of ``--steps`` after two untimed ones:
+
+- **chunk**: one sequence's prompt tokens ``[start, start + --chunk)`` in one step, for each ``--starts`` (0: a
+  fresh prompt; later starts: the earlier tokens are already in the cache, random latents), the chunk ending the
+  prompt, so the step samples its first token.
+- **mixed**: a chunk of ``--mixed-chunk`` tokens at start 0 beside ``--mixed-decodes`` sequences decoding at
+  ``--context`` tokens each, in one step.
+- **time to first token**: a ``--ttft-prompt``-token prompt through ``LLM.generate(max_tokens=1)`` with
+  ``--chunk``-token prefill chunks, wall clock, median of ``--ttft-repeats`` fresh prompts after one untimed
+  (prefix caching off).
+
+Roofline of a step: its FP8 GEMM FLOPs at the FP8 peak plus its other FLOPs (attention, the indexer's scores on a
+bf16 key cache, the per-head absorbed products, the router and ``lm_head``) at the bf16 peak, both peaks measured
+in the same run (cuBLAS on 8192-cube products, best of 10). The FLOPs are counted from the config for the
+formulation the model runs (``prefill_flops``): DeepSeek-V3's prefill expands the latents of every context token
+through ``kv_b_proj`` and attends causally in 192 + 128 dimensions per head; DeepSeek-V3.2 attends in the absorbed
+form (576 + 512) over at most ``index_topk`` tokens per query, and its indexer scores every earlier token
+(64 heads of 128, at the FP8 peak on an FP8 key cache). Norms, rope, routing and quantisation count as zero.
+The bytes the step must read (its weights once, the experts it selects, the cache it attends) over a measured copy
+bandwidth are reported beside it.
+
+``--tiny`` runs the whole script at toy sizes on the CPU (a dry run of the logic, no numbers worth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_model import TINY, V3, V32, Timer, copy_bandwidth, fill_cache, kernel_profile, log, nbytes, write_checkpoint
+
+import deepinfer
+from deepinfer.model import LLM, ModelConfig, SamplingParams
+from deepinfer.model.scheduler import PrefillChunk, ScheduledBatch
+from deepinfer.model.sequence import Sequence, Status
+
+PEAK_SIZE = 8192
+
+
+def matmul_peaks(device: torch.device) -> dict[str, float]:
+    """FLOP/s of a square FP8 product (per-tensor scales, bf16 out) and a bf16 one, the best of 10 each; on the CPU
+    one fp32 product stands in for both (a dry run)."""
+    timer = Timer(device)
+    if device.type != "cuda":
+        a = torch.randn(512, 512)
+        best = min(timer.time(lambda: a @ a) for _ in range(5))
+        return {"fp8": 2 * 512**3 / best * 1e3, "bf16": 2 * 512**3 / best * 1e3}
+    n = PEAK_SIZE
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    f = a.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    runs = {"fp8": lambda: torch._scaled_mm(f, f.t(), one, one, out_dtype=torch.bfloat16), "bf16": lambda: a @ a}
+    peaks = {}
+    for name, fn in runs.items():
+        fn()
+        peaks[name] = 2 * n**3 / min(timer.time(fn) for _ in range(10)) * 1e3
+    return peaks
+
+
+def prefill_flops(
+    cfg: ModelConfig, chunks: list[tuple[int, int]], decodes: list[int], index_fp8: bool
+) -> dict[str, float]:
+    """FLOPs of one step: prompt ``chunks`` ``(start, tokens)`` and decode rows at ``decodes`` context lengths
+    (positions attended, the new token included), by class: ``fp8`` (block-scaled GEMMs) and ``bf16`` (the rest).
+    Each product of ``m x k`` by ``k x n`` counts ``2 m k n``; the parts are returned too."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    nope, rope, v, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    rows = sum(n for _, n in chunks) + len(decodes)
+    q_proj = (
+        h * cfg.q_lora_rank + cfg.q_lora_rank * heads * (nope + rope) if cfg.q_lora_rank else h * heads * (nope + rope)
+    )
+    per_row = q_proj + h * (rank + rope) + heads * v * h  # q, kv_a, o_proj
+    parts = dict.fromkeys(
+        ("projections", "ffn", "router", "kv_b", "absorb", "attention", "indexer", "indexer_scores", "rotation"), 0.0
+    )
+    # query-key pairs: every prompt position attends to itself and all before it; sparse attention to at most top-k
+    pairs = [(start + i + 1) for start, n in chunks for i in range(n)] + list(decodes)
+    for layer in range(cfg.num_hidden_layers):
+        parts["projections"] += 2 * rows * per_row
+        if cfg.is_moe_layer(layer):
+            experts = cfg.num_experts_per_tok + cfg.n_shared_experts
+            parts["ffn"] += 2 * rows * 3 * h * cfg.moe_intermediate_size * experts
+            parts["router"] += 2 * rows * h * cfg.n_routed_experts
+        else:
+            parts["ffn"] += 2 * rows * 3 * h * cfg.intermediate_size
+        if cfg.sparse_attention:
+            ih, idim = cfg.index_n_heads, cfg.index_head_dim
+            parts["indexer"] += 2 * rows * (cfg.q_lora_rank * ih * idim + h * idim)  # wq_b, wk (FP8)
+            parts["router"] += 2 * rows * h * ih  # weights_proj (fp32)
+            parts["indexer_scores"] += 2 * sum(pairs) * ih * idim
+            if index_fp8:  # the Hadamard rotation of queries and keys (bf16)
+                parts["rotation"] += 2 * rows * (ih + 1) * idim * idim
+            parts["absorb"] += 2 * rows * heads * (nope * rank + rank * v)
+            parts["attention"] += 2 * sum(min(p, cfg.index_topk) for p in pairs) * heads * (2 * rank + rope)
+        else:
+            parts["kv_b"] += 2 * sum(start + n for start, n in chunks) * rank * heads * (nope + v)
+            parts["absorb"] += 2 * len(decodes) * heads * (nope * rank + rank * v)
+            prompt_pairs = sum(pairs[: len(pairs) - len(decodes)])
+            parts["attention"] += 2 * prompt_pairs * heads * (nope + rope + v)
+            parts["attention"] += 2 * sum(decodes) * heads * (2 * rank + rope)
+    parts["lm_head"] = 2 * (len(chunks) + len(decodes)) * h * cfg.vocab_size
+    fp8 = parts["projections"] + parts["ffn"] + parts["kv_b"] + parts["indexer"]
+    fp8 += parts["indexer_scores"] if index_fp8 else 0.0
+    total = sum(parts.values())
+    return {"fp8": fp8, "bf16": total - fp8, "total": total, "parts": parts}
+
+
+def step_bytes(llm: LLM, chunks: list[tuple[int, int]], decodes: list[int]) -> int:
+    """Bytes a step must read at least: every weight once (all routed experts: a chunk of thousands of tokens
+    selects them all) and the cache records it attends (prefill reads its own chunk's back too)."""
+    model = llm.model
+    weights = nbytes(model.lm_head) + nbytes(model.norm)
+    for in_norm, attn, post_norm, ffn in model.layers:
+        weights += nbytes(in_norm) + nbytes(post_norm) + sum(nbytes(w) for w in attn.w.values())
+        for name in ("gate", "bias", "w13", "w2"):
+            weights += nbytes(getattr(ffn, name, None))
+        if getattr(ffn, "shared", None) is not None:
+            weights += nbytes(ffn.shared.w13) + nbytes(ffn.shared.w2)
+    cache = llm.engine.kv_cache
+    record = cache.shape[-1] * cache.element_size()
+    tokens = sum(start + n for start, n in chunks) + sum(decodes)
+    return weights + tokens * record * llm.config.num_hidden_layers
+
+
+def prompt_sequence(llm: LLM, name: str, length: int, cached: int, seed: int) -> Sequence:
+    """A running sequence with a ``length``-token random prompt whose first ``cached`` tokens are in the cache."""
+    cfg, alloc = llm.config, llm.engine.allocator
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(2, cfg.vocab_size, (length,), generator=g).tolist()
+    seq = Sequence(name, seed, tokens, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), seed=seed)
+    alloc.grow(seq, length)
+    seq.num_computed, seq.status = cached, Status.RUNNING
+    if cached:
+        fill_cache(llm, torch.tensor([alloc.slot(seq, p) for p in range(cached)], device=llm.device))
+    return seq
+
+
+def decoding_sequences(llm: LLM, count: int, context: int) -> list[Sequence]:
+    """``count`` running sequences with ``context - 1`` tokens cached and one to decode."""
+    seqs = []
+    for i in range(count):
+        seq = prompt_sequence(llm, f"decode{i}", context - 1, context - 1, seed=1000 + i)
+        seq.token_ids.append(2)
+        llm.engine.allocator.grow(seq, context)
+        seqs.append(seq)
+    return seqs
+
+
+def time_step(llm: LLM, batch: ScheduledBatch, steps: int, profile: bool) -> tuple[float, list[float], list | None]:
+    timer = Timer(llm.device)
+    for _ in range(2):
+        llm.engine.runner.execute(batch)
+    times = [timer.time(lambda: llm.engine.runner.execute(batch)) for _ in range(steps)]
+    kernels = kernel_profile(llm, batch) if profile else None
+    return statistics.median(times), times, kernels
+
+
+def measure(
+    llm: LLM, name: str, batch: ScheduledBatch, chunks, decodes, peaks, bandwidth, steps: int, profile: bool
+) -> dict:
+    """One step's row: its time, tokens per second, FLOPs and roofline."""
+    log(f"{name}:")
+    ms, times, kernels = time_step(llm, batch, steps, profile)
+    index_fp8 = llm.engine.index_cache is not None and llm.engine.index_cache.dtype == torch.uint8
+    flops = prefill_flops(llm.config, chunks, decodes, index_fp8)
+    roof_ms = (flops["fp8"] / peaks["fp8"] + flops["bf16"] / peaks["bf16"]) * 1e3
+    need = step_bytes(llm, chunks, decodes)
+    tokens = sum(n for _, n in chunks) + len(decodes)
+    row = {
+        "case": name,
+        "chunks": chunks,
+        "decodes": len(decodes),
+        "decode_context": decodes[0] if decodes else None,
+        "step_ms": ms,
+        "tokens_per_s": tokens / ms * 1e3,
+        "flops": flops,
+        "tflop_per_s": flops["total"] / ms / 1e9,
+        "roofline_ms": roof_ms,
+        "roofline_pct": 100 * roof_ms / ms,
+        "bytes": need,
+        "bytes_ms": need / bandwidth * 1e3,
+        "step_ms_all": times,
+        **({"kernels": kernels} if kernels else {}),
+    }
+    log(
+        f"  {ms:.2f} ms, {row['tokens_per_s']:.0f} tokens/s, {row['tflop_per_s']:.0f} TFLOP/s; roofline "
+        f"{roof_ms:.2f} ms ({row['roofline_pct']:.0f}%), bytes alone {row['bytes_ms']:.2f} ms"
+    )
+    return row
+
+
+def time_to_first_token(llm: LLM, prompt_len: int, repeats: int, seed: int) -> dict:
+    """Wall-clock seconds of ``generate(max_tokens=1)`` on fresh random ``prompt_len``-token prompts: one untimed,
+    then the median of ``repeats``."""
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    sync = torch.cuda.synchronize if llm.device.type == "cuda" else lambda: None
+    times = []
+    for i in range(repeats + 1):
+        prompt = torch.randint(2, llm.config.vocab_size, (prompt_len,), generator=g).tolist()
+        sync()
+        start = time.perf_counter()
+        llm.generate([prompt], params, progress=False)
+        sync()
+        if i:
+            times.append(time.perf_counter() - start)
+    s = statistics.median(times)
+    log(f"time to first token, {prompt_len}-token prompt: {s * 1e3:.0f} ms ({prompt_len / s:.0f} prompt tokens/s)")
+    return {"prompt_tokens": prompt_len, "seconds": s, "seconds_all": times, "prompt_tokens_per_s": prompt_len / s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", help="write the results here")
+    p.add_argument("--backend", help="backend (default: the selected one)")
+    p.add_argument("--model", choices=("v3", "v32"), default="v3", help="DeepSeek-V3 or V3.2 shapes")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--dense-layers", type=int, default=1, help="of which dense, first (default 1)")
+    p.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk tokens (default 8192)")
+    p.add_argument("--starts", default="0,24576", help="chunk starts: tokens already cached (default 0,24576)")
+    p.add_argument("--mixed-chunk", type=int, default=4096, help="the mixed step's chunk (default 4096; 0: none)")
+    p.add_argument("--mixed-decodes", type=int, default=64, help="the mixed step's decoding sequences (default 64)")
+    p.add_argument("--context", type=int, default=4096, help="the decoding sequences' context (default 4096)")
+    p.add_argument("--ttft-prompt", type=int, default=32768, help="time to first token of this prompt (0: skip)")
+    p.add_argument("--ttft-repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per case (median)")
+    p.add_argument("--checkpoint", help="use (or write, if missing) the checkpoint here instead of a temp dir")
+    p.add_argument("--profile", action="store_true", help="GPU time per kernel of one step of each case")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU: a dry run of the script")
+    args = p.parse_args(argv)
+
+    backend = args.backend or deepinfer.current_backend().name
+    spec = deepinfer.registry.get().lookup(backend)
+    device = torch.device("cpu" if args.tiny else spec.device_type)
+    config = dict(V32 if args.model == "v32" else V3, num_hidden_layers=args.layers)
+    config["first_k_dense_replace"] = args.dense_layers
+    if args.tiny:
+        config |= TINY | ({"index_n_heads": 8, "index_topk": 64} if args.model == "v32" else {})
+        args.chunk, args.context = min(args.chunk, 256), min(args.context, 128)
+        args.mixed_chunk, args.mixed_decodes = min(args.mixed_chunk, 128), min(args.mixed_decodes, 4)
+        args.ttft_prompt = min(args.ttft_prompt, 512)
+        args.starts = ",".join(str(min(int(s), 256)) for s in args.starts.split(","))
+    starts = [int(s) for s in args.starts.split(",")]
+    longest = max([s + args.chunk for s in starts] + [args.ttft_prompt, args.mixed_chunk, args.context])
+    pages = math.ceil(longest / 64) * 2 + args.mixed_decodes * math.ceil(args.context / 64) + 64
+
+    tmp = None
+    if args.checkpoint:
+        path = Path(args.checkpoint)
+    else:
+        tmp = tempfile.mkdtemp(prefix="deepinfer-bench-")
+        path = Path(tmp) / "ckpt"
+    rows, ttft = [], None
+    try:
+        if not (path / "config.json").is_file():
+            log(f"writing the checkpoint to {path}")
+            write_checkpoint(path, config, device, args.seed)
+        peaks = matmul_peaks(device)
+        bandwidth = copy_bandwidth(device, (1 << 32) if device.type == "cuda" else (1 << 26))
+        log(
+            f"FP8 peak {peaks['fp8'] / 1e12:.0f} TFLOP/s, bf16 peak {peaks['bf16'] / 1e12:.0f} TFLOP/s, "
+            f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+        )
+        llm = LLM(
+            path,
+            backend,
+            device=device,
+            kv_format=args.kv_format,
+            num_blocks=pages,
+            max_num_seqs=max(args.mixed_decodes, 1),
+            max_num_batched_tokens=args.chunk + args.mixed_decodes,
+            prefill_chunk_size=args.chunk,
+            max_model_len=longest + 64,
+            enable_prefix_caching=False,
+            progress=False,
+        )
+        alloc = llm.engine.allocator
+        with deepinfer.use(backend):
+            for start in starts:
+                seq = prompt_sequence(llm, f"chunk{start}", start + args.chunk, start, seed=start)
+                batch = ScheduledBatch(prefills=[PrefillChunk(seq, start, start + args.chunk)])
+                chunks = [(start, args.chunk)]
+                name = f"chunk of {args.chunk} at start {start}"
+                rows.append(measure(llm, name, batch, chunks, [], peaks, bandwidth, args.steps, args.profile))
+                alloc.release(seq)
+            if args.mixed_chunk and args.mixed_decodes:
+                seqs = decoding_sequences(llm, args.mixed_decodes, args.context)
+                seq = prompt_sequence(llm, "mixed", args.mixed_chunk, 0, seed=7)
+                batch = ScheduledBatch(decodes=seqs, prefills=[PrefillChunk(seq, 0, args.mixed_chunk)])
+                name = f"chunk of {args.mixed_chunk} + {args.mixed_decodes} decodes at context {args.context}"
+                decodes = [args.context] * args.mixed_decodes
+                chunks = [(0, args.mixed_chunk)]
+                rows.append(measure(llm, name, batch, chunks, decodes, peaks, bandwidth, args.steps, args.profile))
+                for s in [*seqs, seq]:
+                    alloc.release(s)
+            if args.ttft_prompt:
+                ttft = time_to_first_token(llm, args.ttft_prompt, args.ttft_repeats, args.seed)
+        del llm
+        gc.collect()
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    print(
+        f"prefill, {args.model}, {args.layers} layers, {args.kv_format} cache, backend {backend}; FP8 peak "
+        f"{peaks['fp8'] / 1e12:.0f}, bf16 peak {peaks['bf16'] / 1e12:.0f} TFLOP/s"
+    )
+    print(f"{'case':52} {'ms':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'roofline ms':>12} {'% roofline':>11}")
+    for r in rows:
+        print(
+            f"{r['case']:52} {r['step_ms']:>8.2f} {r['tokens_per_s']:>10.0f} {r['tflop_per_s']:>8.0f} "
+            f"{r['roofline_ms']:>12.2f} {r['roofline_pct']:>10.0f}%"
+        )
+    if ttft:
+        print(f"time to first token, {ttft['prompt_tokens']}-token prompt: {ttft['seconds'] * 1e3:.0f} ms")
+    result = {
+        "config": config,
+        "backend": backend,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "model": args.model,
+        "kv_format": args.kv_format,
+        "peaks_flop_per_s": peaks,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "steps": rows,
+        "time_to_first_token": ttft,
+        "tiny_dry_run": args.tiny,
+        "targets": {"roofline_pct": 60.0},
+    }
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
