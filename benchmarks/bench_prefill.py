@@ -42,7 +42,19 @@ import time
 from pathlib import Path
 
 import torch
-from bench_model import TINY, V3, V32, Timer, copy_bandwidth, fill_cache, kernel_profile, log, nbytes, write_checkpoint
+from bench_model import (
+    TINY,
+    V3,
+    V32,
+    Timer,
+    copy_bandwidth,
+    device_timeline,
+    fill_cache,
+    kernel_profile,
+    log,
+    nbytes,
+    write_checkpoint,
+)
 
 import deepinfer
 from deepinfer.model import LLM, ModelConfig, SamplingParams
@@ -161,13 +173,35 @@ def decoding_sequences(llm: LLM, count: int, context: int) -> list[Sequence]:
     return seqs
 
 
-def time_step(llm: LLM, batch: ScheduledBatch, steps: int, profile: bool) -> tuple[float, list[float], list | None]:
+def step_timeline(llm: LLM, batch: ScheduledBatch) -> dict:
+    """One step under the profiler (host and device): the device's busy and idle time, its longest idle gaps with
+    the work on either side, and the host's CUDA runtime calls (``bench_model.device_timeline``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.engine.runner.execute(batch)
+        torch.cuda.synchronize()
+    line = device_timeline(prof, 1)
+    log(
+        f"  under the profiler: device busy {line['busy_us_per_step'] / 1e3:.2f} ms, idle "
+        f"{line['idle_us_per_step'] / 1e3:.2f} ms; longest gaps (us): {[round(g['us']) for g in line['longest_gaps']]}"
+    )
+    for g in line["longest_gaps"][:4]:
+        log(f"    {g['us']:.0f} us after {g['after']} before {g['before']}")
+    return line
+
+
+def time_step(llm: LLM, batch: ScheduledBatch, steps: int, profile: bool) -> tuple[float, list[float], dict]:
+    """Median ms of ``steps`` steps of ``batch`` (after two untimed), every time, and with ``profile`` the kernel
+    profile and timeline of one more."""
     timer = Timer(llm.device)
     for _ in range(2):
         llm.engine.runner.execute(batch)
     times = [timer.time(lambda: llm.engine.runner.execute(batch)) for _ in range(steps)]
-    kernels = kernel_profile(llm, batch) if profile else None
-    return statistics.median(times), times, kernels
+    extra = {}
+    if profile and llm.device.type == "cuda":
+        extra = {"kernels": kernel_profile(llm, batch), "timeline": step_timeline(llm, batch)}
+    return statistics.median(times), times, extra
 
 
 def measure(
@@ -175,7 +209,7 @@ def measure(
 ) -> dict:
     """One step's row: its time, tokens per second, FLOPs and roofline."""
     log(f"{name}:")
-    ms, times, kernels = time_step(llm, batch, steps, profile)
+    ms, times, extra = time_step(llm, batch, steps, profile)
     index_fp8 = llm.engine.index_cache is not None and llm.engine.index_cache.dtype == torch.uint8
     flops = prefill_flops(llm.config, chunks, decodes, index_fp8)
     roof_ms = (flops["fp8"] / peaks["fp8"] + flops["bf16"] / peaks["bf16"]) * 1e3
@@ -195,7 +229,7 @@ def measure(
         "bytes": need,
         "bytes_ms": need / bandwidth * 1e3,
         "step_ms_all": times,
-        **({"kernels": kernels} if kernels else {}),
+        **extra,
     }
     log(
         f"  {ms:.2f} ms, {row['tokens_per_s']:.0f} tokens/s, {row['tflop_per_s']:.0f} TFLOP/s; roofline "
@@ -241,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps per case (median)")
     p.add_argument("--checkpoint", help="use (or write, if missing) the checkpoint here instead of a temp dir")
-    p.add_argument("--profile", action="store_true", help="GPU time per kernel of one step of each case")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="GPU time per kernel, and the device's idle gaps, of one step of each case",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU: a dry run of the script")
     args = p.parse_args(argv)
