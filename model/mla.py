@@ -80,7 +80,8 @@ class MLAttention:
         if nd:
             parts.append(self._decode(q_nope[:nd], q_pe[:nd], batch, kv_cache))
         if t > nd:
-            parts.append(self._prefill(q_nope[nd:], q_pe[nd:], batch, kv_cache))
+            q[nd:, :, self.nope :] = q_pe[nd:]  # rope applied in place: no copy of the no-rope part
+            parts.append(self._prefill(q[nd:], batch, kv_cache))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return linear(out.reshape(t, self.heads * self.v_dim), w["o_proj.weight"], w.get("o_proj.bias"))
 
@@ -107,15 +108,14 @@ class MLAttention:
         )
         return o.transpose(0, 1)  # [b, H, v]
 
-    def _prefill(self, q_nope, q_pe, batch: ForwardBatch, kv_cache) -> torch.Tensor:
-        ctx = gather_latent(kv_cache, batch.context_slots, self.rank, q_nope.dtype)
+    def _prefill(self, q, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+        ctx = gather_latent(kv_cache, batch.context_slots, self.rank, q.dtype)
         n = ctx.shape[0]
         kv = linear(ctx[:, : self.rank].contiguous(), self.w["kv_b_proj.weight"]).view(
             n, self.heads, self.nope + self.v_dim
         )
         k = torch.cat([kv[..., : self.nope], ctx[:, None, self.rank :].expand(n, self.heads, self.rope_dim)], dim=-1)
         v = kv[..., self.nope :]
-        q = torch.cat([q_nope, q_pe], dim=-1)
         return ops.attention_varlen(
             q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, softmax_scale=self.softmax_scale, causal=True
         )
