@@ -9,9 +9,9 @@ kernel divides the work:
 - the second multiplies each P by the right latent half;
 - the third fills the two stages: for each entry of the block it reads the cache slot from the list and copies that
   record by pointer (Hopper has no TMA gather), with zeros for entries listed as -1 (the cache may hold NaN there,
-  which P x V must not see). bf16 records go straight into the stage by cp.async, a whole block in flight at once;
-  an fp8_ds_mla latent is dequantised to bf16 on the way, through registers, a few rows at a time, its loads two
-  chunks ahead of its stores so that their latency overlaps the stores and the wait for a free stage.
+  which P x V must not see). Records go into the stage by cp.async as stored, a whole block in flight at once: bf16
+  rows into place; fp8_ds_mla rows' e4m3 halves into the first bytes of their own stage halves, then dequantised to
+  bf16 in place by the same warpgroup.
 
 A span ends where its list does: ``indexer_topk`` pads each list with -1 at the end, and the blocks past the last
 listed entry are never loaded. Spans of the list split over programs where the grid would leave SMs idle; the
@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon import ASYNC_COMMIT, ASYNC_LOAD, ASYNC_WAIT, BARRIER
+from ._gluon import ASYNC_COMMIT, ASYNC_LOAD, ASYNC_WAIT, BARRIER, REINTERPRET
 from .mla_gluon import (
     BLOCK_H,
     BLOCK_N,
@@ -52,9 +52,9 @@ from .mla_gluon import (
     on_hopper,
 )
 
-# Rows gathered per step of the filling warpgroup (through registers / by cp.async), and registers per thread of the
-# second and third warpgroups (the first gets the rest of 512: its [64, 256] fp32 accumulator and S take most of it).
-CHUNK, COPY_CHUNK = 8, 16
+# Rows copied per step of the filling warpgroup, and registers per thread of the second and third warpgroups (the
+# first gets the rest of 512: its [64, 256] fp32 accumulator and S take most of it).
+CHUNK = 16
 RIGHT_REGS, FILL_REGS = 160, 120
 LIST_CHUNK = gl.constexpr(1024)  # list entries read at a time to find where a span's list ends
 
@@ -69,82 +69,6 @@ def _listed_end(idx_row, start, stop):
         listed = gl.load(idx_row + i, mask=i < stop, other=-1) >= 0
         end = gl.maximum(end, gl.max(gl.where(listed, i + 1, 0), axis=0))
     return end
-
-
-@gluon.jit
-def _chunk_slots(idx_row, n0, end, CHUNK: gl.constexpr):
-    """The cache slots listed at entries ``n0 + [0, CHUNK)`` (-1 at or past ``end``), in the layouts of
-    ``_gather_chunk``'s latent and rope loads."""
-    lat: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
-    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-    pos = n0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, lat))
-    rpos = n0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, rows))
-    return gl.load(idx_row + pos, mask=pos < end, other=-1), gl.load(idx_row + rpos, mask=rpos < end, other=-1)
-
-
-@gluon.jit
-def _gather_chunk(cache_ptr, slots, WIDTH: gl.constexpr):
-    """The fp8_ds_mla records at ``slots`` (from ``_chunk_slots``), as stored: the two latent halves' e4m3 bytes, the
-    four 128-column scales and the bf16 rope part; zeros where a slot is -1."""
-    lat: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
-    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-    slot, rslot = slots
-    valid = slot >= 0
-    record = cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH
-    at = gl.expand_dims(record, 1) + gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, lat)), 0)
-    c0 = gl.load(at, mask=gl.expand_dims(valid, 1), other=0)
-    c1 = gl.load(at + LH, mask=gl.expand_dims(valid, 1), other=0)
-    scales = (record + L).to(gl.pointer_type(gl.float32), bitcast=True)
-    s0 = gl.load(scales, mask=valid, other=0.0)
-    s1 = gl.load(scales + 1, mask=valid, other=0.0)
-    s2 = gl.load(scales + 2, mask=valid, other=0.0)
-    s3 = gl.load(scales + 3, mask=valid, other=0.0)
-    rvalid = rslot >= 0
-    rope_row = (cache_ptr + gl.where(rvalid, rslot, 0).to(gl.int64) * WIDTH).to(
-        gl.pointer_type(gl.bfloat16), bitcast=True
-    ) + ROPE_AT  # the rope part is bf16, ROPE_AT bf16 units into the record
-    rope_at = gl.expand_dims(rope_row, 1) + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, rows)), 0)
-    rope = gl.load(rope_at, mask=gl.expand_dims(rvalid, 1), other=0.0)
-    return c0, c1, s0, s1, s2, s3, rope
-
-
-@gluon.jit
-def _store_gathered(chunk, c0_s, c1_s, kr_s, stage, r):
-    """A chunk from ``_gather_chunk`` into rows ``r + [0, CHUNK)`` of ``stage``, its latent dequantised."""
-    c0, c1, s0, s1, s2, s3, rope = chunk
-    n: gl.constexpr = c0.shape[0]
-    c0_s.index(stage).slice(r, n).store(_dequantize_half(c0, s0, s1))
-    c1_s.index(stage).slice(r, n).store(_dequantize_half(c1, s2, s3))
-    kr_s.index(stage).slice(r, n).store(rope)
-
-
-@gluon.jit
-def _fill(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH: gl.constexpr,
-          CHUNK: gl.constexpr):  # fmt: skip
-    """The third warpgroup for an fp8_ds_mla cache: each block of the span into its stage once both other
-    warpgroups are done with the stage's previous block. Records are loaded two chunks ahead of their stores, and the
-    list's slots two chunks ahead of those loads, so that neither latency sits between a chunk and the next (the
-    next block's first chunks are in flight while it waits for a free stage)."""
-    n_blocks = gl.cdiv(end - start, BLOCK_N)
-    now = _gather_chunk(cache_ptr, _chunk_slots(idx_row, start, end, CHUNK), WIDTH)
-    ahead = _gather_chunk(cache_ptr, _chunk_slots(idx_row, start + CHUNK, end, CHUNK), WIDTH)
-    slots = _chunk_slots(idx_row, start + 2 * CHUNK, end, CHUNK)
-    slots_ahead = _chunk_slots(idx_row, start + 3 * CHUNK, end, CHUNK)
-    for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
-        for stage in gl.static_range(2):
-            i = i2 + stage
-            if i < n_blocks:
-                mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
-                for r in gl.static_range(0, BLOCK_N, CHUNK):
-                    nxt = _gather_chunk(cache_ptr, slots, WIDTH)
-                    slots = slots_ahead
-                    slots_ahead = _chunk_slots(idx_row, start + i * BLOCK_N + r + 4 * CHUNK, end, CHUNK)
-                    _store_gathered(now, c0_s, c1_s, kr_s, stage, r)
-                    now = ahead
-                    ahead = nxt
-                fence_async_shared()
-                mbarrier.arrive(right_ready.index(stage), count=1)
-                mbarrier.arrive(left_ready.index(stage), count=1)
 
 
 @gluon.jit
@@ -212,6 +136,116 @@ def _fill_async(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, l
                 fence_async_shared()
                 mbarrier.arrive(right_ready.index(stage), count=1)
                 ASYNC_WAIT(0)
+                fence_async_shared()
+                mbarrier.arrive(left_ready.index(stage), count=1)
+
+
+@gluon.jit
+def _as_bytes(half):
+    """A stage half (``[BLOCK_N, LH]`` bf16) seen as ``[BLOCK_N, LH]`` bytes in its first half, unswizzled: where an
+    fp8_ds_mla record's e4m3 half lands before it is dequantised in place."""
+    layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    if REINTERPRET:
+        return half.reinterpret(gl.uint8, [2 * BLOCK_N, LH], layout).slice(0, BLOCK_N)
+    else:
+        return half._reinterpret(gl.uint8, [2 * BLOCK_N, LH], layout).slice(0, BLOCK_N)
+
+
+@gluon.jit
+def _copy_bytes(dst, src_rows, valid):
+    """cp.async copies of ``LH`` bytes from each of ``src_rows`` (16-byte aligned) into the rows of ``dst`` (zeros where
+    not ``valid``), 16 bytes a copy."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
+    rows = gl.expand_dims(gl.convert_layout(src_rows, gl.SliceLayout(1, layout)), 1)
+    ok = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, layout)), 1)
+    at, ok = gl.broadcast(rows + gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, layout)), 0), ok)
+    at = gl.max_contiguous(gl.multiple_of(at, [16, 16]), [1, 16])  # 656-byte records from a 16-byte-aligned base
+    ASYNC_LOAD(dst, at, mask=ok)
+
+
+@gluon.jit
+def _chunk_scales(cache_ptr, idx_row, n0, end, WIDTH: gl.constexpr, first: gl.constexpr):
+    """Scales ``first`` and ``first + 1`` (of the record's four) of the rows listed at ``n0 + [0, 16)`` (zero where
+    none is listed), in the dequantising layout's rows."""
+    lat: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
+    pos = n0 + gl.arange(0, 16, layout=gl.SliceLayout(1, lat))
+    slot = gl.load(idx_row + pos, mask=pos < end, other=-1)
+    valid = slot >= 0
+    record = cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH
+    scales = (record + L).to(gl.pointer_type(gl.float32), bitcast=True) + first
+    return gl.load(scales, mask=valid, other=0.0), gl.load(scales + 1, mask=valid, other=0.0)
+
+
+@gluon.jit
+def _block_scales(cache_ptr, idx_row, n0, end, WIDTH: gl.constexpr, first: gl.constexpr):
+    """Scales ``first`` and ``first + 1`` of the block listed at ``n0``, as four chunks' pairs."""
+    a0, b0 = _chunk_scales(cache_ptr, idx_row, n0, end, WIDTH, first)
+    a1, b1 = _chunk_scales(cache_ptr, idx_row, n0 + 16, end, WIDTH, first)
+    a2, b2 = _chunk_scales(cache_ptr, idx_row, n0 + 32, end, WIDTH, first)
+    a3, b3 = _chunk_scales(cache_ptr, idx_row, n0 + 48, end, WIDTH, first)
+    return a0, b0, a1, b1, a2, b2, a3, b3
+
+
+@gluon.jit
+def _dequantize_in_place(raw, half, scales):
+    """The block's e4m3 bytes in ``raw`` (a view of ``half``'s first bytes) read into registers, the warpgroup
+    synchronised (every read done before any write), then written back into ``half`` as bf16 (``scales`` from
+    ``_block_scales``)."""
+    lat: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
+    r0 = raw.slice(0, 16).load(lat)
+    r1 = raw.slice(16, 16).load(lat)
+    r2 = raw.slice(32, 16).load(lat)
+    r3 = raw.slice(48, 16).load(lat)
+    BARRIER()
+    half.slice(0, 16).store(_dequantize_half(r0, scales[0], scales[1]))
+    half.slice(16, 16).store(_dequantize_half(r1, scales[2], scales[3]))
+    half.slice(32, 16).store(_dequantize_half(r2, scales[4], scales[5]))
+    half.slice(48, 16).store(_dequantize_half(r3, scales[6], scales[7]))
+
+
+@gluon.jit
+def _fill_fp8(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free,
+              WIDTH: gl.constexpr, CHUNK: gl.constexpr):  # fmt: skip
+    """The third warpgroup for an fp8_ds_mla cache: each block's records copied as stored by cp.async, the e4m3
+    halves into the first bytes of their own stage halves and the rope part into place, a whole block in flight at
+    once; then each half dequantised in place (the scales read from the records while the copies fly). The right
+    half and the rope part go first and are published as soon as they are dequantised, while the left half is still
+    on its way. No registers hold a row in flight, so the copies' latency overlaps itself rather than the stores."""
+    gl.static_assert(BLOCK_N == 4 * CHUNK, "a block is four chunks of rows")
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    slots = _block_slots(idx_row, start, end, CHUNK)
+    for i2 in range(0, n_blocks, 2):  # two blocks per iteration: each stage's index is then known when compiling
+        for stage in gl.static_range(2):
+            i = i2 + stage
+            if i < n_blocks:
+                n0 = start + i * BLOCK_N
+                mbarrier.wait(kv_free.index(stage), ((i // 2) & 1) ^ 1)
+                raw1 = _as_bytes(c1_s.index(stage))
+                raw0 = _as_bytes(c0_s.index(stage))
+                for r in gl.static_range(0, BLOCK_N, CHUNK):
+                    slot = slots[r // CHUNK]
+                    valid = slot >= 0
+                    record = cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH
+                    _copy_bytes(raw1.slice(r, CHUNK), record + LH, valid)
+                    rope = record.to(gl.pointer_type(gl.bfloat16), bitcast=True) + ROPE_AT
+                    _copy_rows(kr_s.index(stage).slice(r, CHUNK), rope, valid, R)
+                ASYNC_COMMIT()
+                for r in gl.static_range(0, BLOCK_N, CHUNK):
+                    slot = slots[r // CHUNK]
+                    valid = slot >= 0
+                    _copy_bytes(raw0.slice(r, CHUNK), cache_ptr + gl.where(valid, slot, 0).to(gl.int64) * WIDTH, valid)
+                ASYNC_COMMIT()
+                right_scales = _block_scales(cache_ptr, idx_row, n0, end, WIDTH, 2)  # read while the copies fly
+                left_scales = _block_scales(cache_ptr, idx_row, n0, end, WIDTH, 0)
+                slots = _block_slots(idx_row, n0 + BLOCK_N, end, CHUNK)
+                ASYNC_WAIT(1)
+                BARRIER()  # every thread's copies of the right half have landed
+                _dequantize_in_place(raw1, c1_s.index(stage), right_scales)
+                fence_async_shared()
+                mbarrier.arrive(right_ready.index(stage), count=1)
+                ASYNC_WAIT(0)
+                BARRIER()
+                _dequantize_in_place(raw0, c0_s.index(stage), left_scales)
                 fence_async_shared()
                 mbarrier.arrive(left_ready.index(stage), count=1)
 
@@ -338,8 +372,8 @@ def _sparse_split_kernel(
               idx_row, start, end, qk_scale, part_out_ptr, part_lse_ptr, t, pid_h, split, H, n_splits)),
             (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, None, None,
                       idx_row, part_out_ptr, start, end, t, pid_h, 1, split, H, n_splits, 64, True, False)),
-            (_fill, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
-                     CHUNK)) if FP8 else
+            (_fill_fp8, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
+                         CHUNK)) if FP8 else
             (_fill_async, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
                            CHUNK)),
         ],
@@ -364,8 +398,8 @@ def declines(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, kv_
         return f"{q.shape[1]} heads < {BLOCK_H.value}"
     if indices.stride(1) != 1:
         return f"indices' stride {indices.stride(1)} in its last dim, expected 1"
-    if kv_format == "bf16" and kv_cache.data_ptr() % 16:
-        return "the bf16 cache does not start 16-byte aligned (its rows are copied 16 bytes at a time)"
+    if kv_cache.data_ptr() % 16:
+        return "the cache does not start 16-byte aligned (its records are copied 16 bytes at a time)"
     return None
 
 
@@ -377,7 +411,7 @@ def launch(q, kv_cache, indices, part_out, part_lse, softmax_scale, fp8: bool, s
     _sparse_split_kernel[(tokens, -(-heads // BLOCK_H.value), n_splits)](
         q, records, indices, part_out, part_lse, softmax_scale, heads, indices.shape[1],
         q.stride(0), q.stride(1), indices.stride(0), n_splits,
-        WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=CHUNK if fp8 else COPY_CHUNK,
+        WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=CHUNK,
         RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
