@@ -6,16 +6,18 @@ on the same inputs, alternating the two several times, each checked against the 
     python3 benchmarks/ab_against_git.py mla_decode --set attention.MLA_GLUON=False --set mla_gluon.FP8_FILL_REGS=112
 
 ``--set MODULE.NAME=VALUE[,...]`` compares the working tree against itself with those module constants of
-``backends/cuda_sm100`` changed (one side per ``--set``), instead of against a git revision. A VALUE of ``@OTHER``
-sets the name to the backend's module OTHER, e.g. ``--set attention.mla_gluon=@mla_gluon_before`` with a copy of
-``mla_gluon.py`` saved beside it (not committed) as the other side of a kernel A/B.
+``backends/cuda_sm100`` changed (one side per ``--set``), instead of against a git revision. A tuple VALUE sets a record
+by its fields (``--set gemm.GROUPED_TILE=(128,128,8,4)``); a VALUE of ``@OTHER`` sets the name to the backend's
+module OTHER, e.g. ``--set attention.mla_gluon=@mla_gluon_before`` with a copy of ``mla_gluon.py`` saved beside it (not
+committed) as the other side of a kernel A/B.
 
 Device time from CUDA graphs (``--eager``: eager medians, host work included). Under the Triton interpreter
 (``TRITON_INTERPRET=1``, no GPU) it runs one small shape per case and times eagerly, which checks the script itself.
 mla_decode: bf16 and fp8_ds_mla caches at B=64 ctx 4096, B=128 ctx 16384, B=32 ctx 1024 (H=128, latent 512 + rope
-64, page 64). grouped_gemm: 32 experts with FP8 activations, gate/up 7168 -> 4096 and down 2048 -> 7168, at 8, 128,
-512 and 1024 rows per expert. gemm_invariant: the FP8 ``gemm`` kernel in batch-invariant mode (FP8 activations) at
-the DeepSeek-V3 projections, M = 128 and 4096. Each line also says whether the two sides gave the same bits.
+64, page 64). grouped_gemm: FP8 activations, gate/up 7168 -> 4096 and down 2048 -> 7168, 32 experts at 8, 128, 512 and
+1024 rows per expert, and 256 experts at 256 rows each (an 8k-token prefill chunk's top-8). gemm_invariant: the FP8
+``gemm`` kernel in batch-invariant mode (FP8 activations) at the DeepSeek-V3 projections, M = 128 and 4096. Each line
+also says whether the two sides gave the same bits.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import argparse
 import ast
 import contextlib
 import importlib.util
+import itertools
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,7 +38,7 @@ import torch
 from tile_variants import make
 
 import deepinfer
-from deepinfer import bench, ops
+from deepinfer import QTensor, bench, ops
 from deepinfer.conformance.cases import error
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 
@@ -89,13 +93,19 @@ def mla_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
 
 
 def grouped_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
-    if ON_GPU:
-        experts, shapes, rows = 32, [(4096, 7168), (7168, 2048)], [8, 128, 512, 1024]
+    if ON_GPU:  # 32 experts at decode-to-prefill rows, and DeepSeek-V3's 256 at an 8k-token chunk's 256 rows each
+        cases = [(32, [8, 128, 512, 1024]), (256, [256])]
+        shapes = [(4096, 7168), (7168, 2048)]
     else:
-        experts, shapes, rows = 3, [(256, 256)], [9]
-    for n, k in shapes:
+        cases, shapes = [(3, [9])], [(256, 256)]
+    for (n, k), (experts, rows) in itertools.product(shapes, cases):
         gen = torch.Generator(device=DEVICE).manual_seed(n)
-        w = quantize_blocks(torch.randn(experts, n, k, device=DEVICE, generator=gen) * k**-0.5)
+        parts = [  # 32 experts at a time: 256 experts' fp32 weights at once would take 30 GB
+            quantize_blocks(torch.randn(min(32, experts - e), n, k, device=DEVICE, generator=gen) * k**-0.5)
+            for e in range(0, experts, 32)
+        ]
+        w = QTensor(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), parts[0].block)
+        del parts
         for m in rows:
             offsets = torch.arange(0, experts + 1, device=DEVICE, dtype=torch.int32) * m
             sets = [
@@ -111,7 +121,7 @@ def grouped_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
             with deepinfer.use("reference"):
                 ref = ops.grouped_gemm(**sets[0])
             flops = 2 * experts * m * n * k
-            yield f"N={n} K={k} rows/expert={m}", sets, flops, lambda out, ref=ref: error(out, ref)
+            yield f"E={experts} N={n} K={k} rows/expert={m}", sets, flops, lambda out, ref=ref: error(out, ref)
 
 
 def gemm_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
@@ -143,7 +153,7 @@ def settings(spec: str):
     """Module constants of the backend changed for the duration: ``"attention.MLA_GLUON=False,..."``; ``@OTHER``
     stands for the backend's module OTHER."""
     old = []
-    for item in filter(None, spec.split(",")):
+    for item in filter(None, re.split(r",(?![^()]*\))", spec)):  # (commas inside a tuple value stay)
         name, value = item.split("=", 1)
         module_name, attr = name.rsplit(".", 1)
         module = importlib.import_module(f"deepinfer_cuda_sm100.{module_name}")
@@ -151,7 +161,10 @@ def settings(spec: str):
         if value.startswith("@"):
             setattr(module, attr, importlib.import_module(f"deepinfer_cuda_sm100.{value[1:]}"))
         else:
-            setattr(module, attr, ast.literal_eval(value))
+            new = ast.literal_eval(value)
+            if hasattr(old[-1][2], "_fields") and isinstance(new, tuple):  # a record such as a Tile, by its fields
+                new = type(old[-1][2])(*new)
+            setattr(module, attr, new)
     try:
         yield
     finally:
