@@ -218,6 +218,14 @@ def write_shards(path: Path, config: dict, names: dict[str, str], tensors: Calla
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
+def checkpoint_path(given: str | None) -> tuple[Path, str | None]:
+    """Where the checkpoint goes: ``given``, or a new temporary directory (returned second, to remove after)."""
+    if given:
+        return Path(given), None
+    tmp = tempfile.mkdtemp(prefix="deepinfer-bench-")
+    return Path(tmp) / "ckpt", tmp
+
+
 def write_checkpoint(path: Path, config: dict, device: torch.device, seed: int) -> None:
     """Random weights for every tensor of ``config``'s layout, drawn on ``device``; linears block-quantised to FP8.
     One safetensors shard per layer, plus the index."""
@@ -767,12 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     hf_batches = [int(b) for b in args.hf_batches.split(",")] if args.hf_batches else batches
 
-    tmp = None
-    if args.checkpoint:
-        path = Path(args.checkpoint)
-    else:
-        tmp = tempfile.mkdtemp(prefix="deepinfer-bench-")
-        path = Path(tmp) / "ckpt"
+    path, tmp = checkpoint_path(args.checkpoint)
     try:
         if not (path / "config.json").is_file():
             log(f"writing the checkpoint to {path}")

@@ -37,7 +37,6 @@ import math
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from bench_model import (
     V3,
     V32,
     Timer,
+    checkpoint_path,
     copy_bandwidth,
     device_timeline,
     fill_cache,
@@ -299,12 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max([s + args.chunk for s in starts] + [args.ttft_prompt, args.mixed_chunk, args.context])
     pages = math.ceil(longest / 64) * 2 + args.mixed_decodes * math.ceil(args.context / 64) + 64
 
-    tmp = None
-    if args.checkpoint:
-        path = Path(args.checkpoint)
-    else:
-        tmp = tempfile.mkdtemp(prefix="deepinfer-bench-")
-        path = Path(tmp) / "ckpt"
+    path, tmp = checkpoint_path(args.checkpoint)
     rows, ttft = [], None
     try:
         if not (path / "config.json").is_file():
