@@ -133,20 +133,29 @@ def prefill_flops(
 
 
 def step_bytes(llm: LLM, chunks: list[tuple[int, int]], decodes: list[int]) -> int:
-    """Bytes a step must read at least: every weight once (all routed experts: a chunk of thousands of tokens
-    selects them all) and the cache records it attends (prefill reads its own chunk's back too)."""
-    model = llm.model
+    """Bytes a step must read at least: every weight the step uses once (all routed experts: a chunk of thousands of
+    tokens selects them all; DeepSeek-V3's per-head absorbed products only with decode rows, V3.2's ``kv_b_proj``
+    never) and, per layer and sequence, the cache records it attends: every context token's latent (V3), or the
+    indexer key of every context token and at most ``index_topk`` latents (V3.2)."""
+    model, cfg = llm.model, llm.config
+    unread = {"kv_b_proj.weight"} if cfg.sparse_attention else (set() if decodes else {"w_uk", "w_uv"})
     weights = nbytes(model.lm_head) + nbytes(model.norm)
     for in_norm, attn, post_norm, ffn in model.layers:
-        weights += nbytes(in_norm) + nbytes(post_norm) + sum(nbytes(w) for w in attn.w.values())
+        weights += nbytes(in_norm) + nbytes(post_norm)
+        weights += sum(nbytes(w) for name, w in attn.w.items() if name not in unread)
         for name in ("gate", "bias", "w13", "w2"):
             weights += nbytes(getattr(ffn, name, None))
         if getattr(ffn, "shared", None) is not None:
             weights += nbytes(ffn.shared.w13) + nbytes(ffn.shared.w2)
-    cache = llm.engine.kv_cache
+    contexts = [start + n for start, n in chunks] + list(decodes)
+    cache, index = llm.engine.kv_cache, llm.engine.index_cache
     record = cache.shape[-1] * cache.element_size()
-    tokens = sum(start + n for start, n in chunks) + sum(decodes)
-    return weights + tokens * record * llm.config.num_hidden_layers
+    if cfg.sparse_attention:
+        per_layer = sum(min(c, cfg.index_topk) for c in contexts) * record
+        per_layer += sum(contexts) * index.shape[-1] * index.element_size()
+    else:
+        per_layer = sum(contexts) * record
+    return weights + per_layer * cfg.num_hidden_layers
 
 
 def prompt_sequence(llm: LLM, name: str, length: int, cached: int, seed: int) -> Sequence:

@@ -80,9 +80,9 @@ def _copy_rows(dst, src_rows, valid, COLUMNS: gl.constexpr):
     rows = gl.expand_dims(gl.convert_layout(src_rows, gl.SliceLayout(1, layout)), 1)
     ok = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, layout)), 1)
     at, ok = gl.broadcast(rows + gl.expand_dims(gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout)), 0), ok)
-    # rows are 16-byte aligned: 1152-byte records (the op's contiguous cache of width 576) from a 16-byte-aligned
-    # base (``declines``). Marked because what Triton infers through slots carried across loop iterations varies (one
-    # version, without launch attributes, made these 2-byte copies and refused them).
+    # rows are 16-byte aligned: 1152-byte bf16 records, or the rope part 528 bytes into a 656-byte fp8_ds_mla record,
+    # from a 16-byte-aligned base (``declines``). Marked because what Triton infers through slots carried across loop
+    # iterations varies (one version, without launch attributes, made these 2-byte copies and refused them).
     at = gl.max_contiguous(gl.multiple_of(at, [16, 16]), [1, 8])
     ASYNC_LOAD(dst, at, mask=ok)
 
@@ -384,7 +384,7 @@ def _sparse_split_kernel(
 
 def declines(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, kv_lora_rank: int, kv_format: str):
     """Why this kernel cannot serve the call, or None where it can: an SM90 GPU, bf16 queries with unit stride in
-    their last dim, latent 512 and rope 64, at least 64 heads, a bf16 (starting 16-byte aligned) or fp8_ds_mla cache,
+    their last dim, latent 512 and rope 64, at least 64 heads, a bf16 or fp8_ds_mla cache starting 16-byte aligned,
     and a list with unit stride."""
     if not on_hopper(q):
         return "q is not on an SM90 (Hopper) GPU"
