@@ -16,14 +16,14 @@ median of ``--steps`` after two untimed ones:
   (prefix caching off).
 
 Roofline of a step: its FP8 GEMM FLOPs at the FP8 peak plus its other FLOPs (attention, the indexer's scores on a
-bf16 key cache, the per-head absorbed products, the router and ``lm_head``) at the bf16 peak, both peaks measured
-in the same run (cuBLAS on 8192-cube products, best of 10). The FLOPs are counted from the config for the
-formulation the model runs (``prefill_flops``): DeepSeek-V3's prefill expands the latents of every context token
-through ``kv_b_proj`` and attends causally in 192 + 128 dimensions per head; DeepSeek-V3.2 attends in the absorbed
-form (576 + 512) over at most ``index_topk`` tokens per query, and its indexer scores every earlier token
-(64 heads of 128, at the FP8 peak on an FP8 key cache). Norms, rope, routing and quantisation count as zero.
-The bytes the step must read (its weights once, the experts it selects, the cache it attends) over a measured copy
-bandwidth are reported beside it.
+bf16 key cache, the per-head absorbed products, the router and ``lm_head``) at the bf16 peak, both peaks measured in
+the same run (``deepinfer bench``'s ceilings: cuBLAS on 8192-cube products, median of 10). The FLOPs are counted
+from the config for the formulation the model runs (``prefill_flops``): DeepSeek-V3's prefill expands the latents of
+every context token through ``kv_b_proj`` and attends causally in 192 + 128 dimensions per head; DeepSeek-V3.2
+attends in the absorbed form (576 + 512) over at most ``index_topk`` tokens per query, and its indexer scores every
+earlier token (64 heads of 128, at the FP8 peak on an FP8 key cache). Norms, rope, routing and quantisation count as
+zero. The bytes the step must read (its weights once, every routed expert among them, the cache it attends) over
+the measured copy bandwidth are reported beside it.
 
 ``--tiny`` runs the whole script at toy sizes on the CPU (a dry run of the logic, no numbers worth reading).
 """
@@ -49,6 +49,7 @@ from bench_model import (
     checkpoint_path,
     copy_bandwidth,
     device_timeline,
+    fake_context,
     fill_cache,
     kernel_profile,
     log,
@@ -57,31 +58,21 @@ from bench_model import (
 )
 
 import deepinfer
+from deepinfer import bench
 from deepinfer.model import LLM, ModelConfig, SamplingParams
 from deepinfer.model.scheduler import PrefillChunk, ScheduledBatch
 from deepinfer.model.sequence import Sequence, Status
 
-PEAK_SIZE = 8192
 
-
-def matmul_peaks(device: torch.device) -> dict[str, float]:
-    """FLOP/s of a square FP8 product (per-tensor scales, bf16 out) and a bf16 one, the best of 10 each; on the CPU
-    one fp32 product stands in for both (a dry run)."""
-    timer = Timer(device)
-    if device.type != "cuda":
-        a = torch.randn(512, 512)
-        best = min(timer.time(lambda: a @ a) for _ in range(5))
-        return {"fp8": 2 * 512**3 / best * 1e3, "bf16": 2 * 512**3 / best * 1e3}
-    n = PEAK_SIZE
-    a = torch.randn(n, n, device=device).to(torch.bfloat16)
-    f = a.to(torch.float8_e4m3fn)
-    one = torch.ones((), device=device)
-    runs = {"fp8": lambda: torch._scaled_mm(f, f.t(), one, one, out_dtype=torch.bfloat16), "bf16": lambda: a @ a}
-    peaks = {}
-    for name, fn in runs.items():
-        fn()
-        peaks[name] = 2 * n**3 / min(timer.time(fn) for _ in range(10)) * 1e3
-    return peaks
+def ceilings(device: torch.device) -> tuple[dict[str, float], float]:
+    """The FP8 and bf16 matmul peaks (FLOP/s) and the copy bandwidth (bytes/s), measured as ``deepinfer bench``
+    measures its ceilings; on the CPU (a dry run) one small fp32 product stands in for both peaks."""
+    if device.type == "cuda":
+        c = bench.measure_ceilings("cuda", quick=False)
+        return {"fp8": c["fp8_TFLOPs"] * bench.TFLOP, "bf16": c["bf16_TFLOPs"] * bench.TFLOP}, c["copy_GBps"] * bench.GB
+    a = torch.randn(512, 512)
+    rate = 2 * 512**3 / min(Timer(device).time(lambda: a @ a) for _ in range(5)) * 1e3
+    return {"fp8": rate, "bf16": rate}, copy_bandwidth(device, 1 << 26)
 
 
 def prefill_flops(
@@ -169,17 +160,6 @@ def prompt_sequence(llm: LLM, name: str, length: int, cached: int, seed: int) ->
     if cached:
         fill_cache(llm, torch.tensor([alloc.slot(seq, p) for p in range(cached)], device=llm.device))
     return seq
-
-
-def decoding_sequences(llm: LLM, count: int, context: int) -> list[Sequence]:
-    """``count`` running sequences with ``context - 1`` tokens cached and one to decode."""
-    seqs = []
-    for i in range(count):
-        seq = prompt_sequence(llm, f"decode{i}", context - 1, context - 1, seed=1000 + i)
-        seq.token_ids.append(2)
-        llm.engine.allocator.grow(seq, context)
-        seqs.append(seq)
-    return seqs
 
 
 def step_timeline(llm: LLM, batch: ScheduledBatch) -> dict:
@@ -314,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (path / "config.json").is_file():
             log(f"writing the checkpoint to {path}")
             write_checkpoint(path, config, device, args.seed)
-        peaks = matmul_peaks(device)
-        bandwidth = copy_bandwidth(device, (1 << 32) if device.type == "cuda" else (1 << 26))
+        peaks, bandwidth = ceilings(device)
         log(
             f"FP8 peak {peaks['fp8'] / 1e12:.0f} TFLOP/s, bf16 peak {peaks['bf16'] / 1e12:.0f} TFLOP/s, "
             f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
@@ -343,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(measure(llm, name, batch, chunks, [], peaks, bandwidth, args.steps, args.profile))
                 alloc.release(seq)
             if args.mixed_chunk and args.mixed_decodes:
-                seqs = decoding_sequences(llm, args.mixed_decodes, args.context)
+                seqs = fake_context(llm, args.mixed_decodes, args.context, seed=args.seed)
                 seq = prompt_sequence(llm, "mixed", args.mixed_chunk, 0, seed=7)
                 batch = ScheduledBatch(decodes=seqs, prefills=[PrefillChunk(seq, 0, args.mixed_chunk)])
                 name = f"chunk of {args.mixed_chunk} + {args.mixed_decodes} decodes at context {args.context}"

@@ -105,7 +105,7 @@ def test_roofline_flops_are_the_flops_the_model_runs(model, kv_format, tmp_path,
     llm = LLM(tmp_path / "ckpt", "reference", device="cpu", kv_format=kv_format, num_blocks=32, max_num_seqs=4,
               max_model_len=1024, enforce_eager=True, progress=False)  # fmt: skip
     with deepinfer.use("reference"):
-        decodes = bench_prefill.decoding_sequences(llm, 2, 100)
+        decodes = bench_model.fake_context(llm, 2, 100, seed=0)
         seq = bench_prefill.prompt_sequence(llm, "chunk", 200, 80, seed=3)  # tokens 80..199: a continued prompt
         batch = ScheduledBatch(decodes=decodes, prefills=[PrefillChunk(seq, 80, 200)])
         spy = FlopSpy(monkeypatch)
