@@ -396,20 +396,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
     if tokens == 0 or batch == 0:
         return out.zero_()
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # read at cu_ptr + b
-    max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one sync per prefill
     tile = VARLEN_TILE
     block_m = min(tile.block_m, 64) if INTERPRET else tile.block_m
     main = next_pow2(d_qk) // 2 if next_pow2(d_qk) != d_qk else d_qk
     tail = next_pow2(d_qk - main) if main != d_qk else 0
     if 0 < tail < 16:  # a dot needs K >= 16: pad the whole head dim instead (e.g. 40 -> 64)
         main, tail = next_pow2(d_qk), 0
-    _varlen_kernel[(triton.cdiv(max_q, block_m), batch, heads)](
+    # at most every query in tiles plus one partial tile per sequence: the lengths stay on the device
+    _varlen_kernel[(triton.cdiv(tokens, block_m) + batch - 1, heads)](
         q,
         k,
         v,
         out,
         cu_seqlens_q,
         cu_seqlens_k,
+        batch,
         softmax_scale,
         heads // k.shape[1],
         q.stride(0),
@@ -429,6 +430,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, caus
         BLOCK_M=block_m,
         FP32_DOT=INTERPRET,
         BLOCK_N=tile.block_n,
+        BLOCK_B=next_pow2(batch),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=PDL,

@@ -364,6 +364,7 @@ def _varlen_kernel(
     o_ptr,
     cu_q_ptr,
     cu_k_ptr,
+    n_seqs,
     scale,
     group,
     stride_qt,
@@ -383,15 +384,26 @@ def _varlen_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
+    """Program (t, h): head ``h`` of the t-th tile of ``BLOCK_M`` queries counted from the last sequence's last tile
+    back (causal: the longest rows of queries start first), each sequence's tiles found from ``cu_q_ptr`` on the
+    device. The grid's first dimension is an upper bound (every query in tiles, plus one partial tile per sequence):
+    the host never reads the sequences' lengths."""
     pdl_wait()
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows of queries start first
-    seq = tl.program_id(1)
-    h = tl.program_id(2)
+    t = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    seqs = tl.arange(0, BLOCK_B)
+    starts = tl.load(cu_q_ptr + seqs, mask=seqs < n_seqs, other=0)
+    stops = tl.load(cu_q_ptr + 1 + seqs, mask=seqs < n_seqs, other=0)
+    tiles = tl.cdiv(stops - starts, BLOCK_M)  # query tiles of each sequence (0 past n_seqs)
+    ends = tl.cumsum(tiles, axis=0)
+    seq = tl.sum((ends <= t).to(tl.int32), axis=0)  # sequences past n_seqs end at the total, which t never reaches
+    if seq >= n_seqs:
+        return
+    pid_m = t - tl.sum(tl.where(seqs < seq, tiles, 0), axis=0)
     q_start = tl.load(cu_q_ptr + seq)
     len_q = tl.load(cu_q_ptr + seq + 1) - q_start
-    if pid_m * BLOCK_M >= len_q:
-        return
     k_start = tl.load(cu_k_ptr + seq)
     len_k = tl.load(cu_k_ptr + seq + 1) - k_start
     kv_h = h // group
