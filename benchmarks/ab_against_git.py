@@ -2,7 +2,8 @@
 on the same inputs, alternating the two several times, each checked against the reference before it is timed
 (worst-row relative error, as ``deepinfer bench`` reports).
 
-    python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm|gemm_invariant [--rev HEAD] [--rounds 2] [--eager]
+    python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm|gemm_invariant|sparse_mla [--rev HEAD] [--rounds 2]
+        [--eager]
     python3 benchmarks/ab_against_git.py mla_decode --set attention.MLA_GLUON=False --set mla_gluon.FP8_FILL_REGS=112
 
 ``--set MODULE.NAME=VALUE[,...]`` compares the working tree against itself with those module constants of
@@ -16,8 +17,10 @@ Device time from CUDA graphs (``--eager``: eager medians, host work included). U
 mla_decode: bf16 and fp8_ds_mla caches at B=64 ctx 4096, B=128 ctx 16384, B=32 ctx 1024 (H=128, latent 512 + rope
 64, page 64). grouped_gemm: FP8 activations, gate/up 7168 -> 4096 and down 2048 -> 7168, 32 experts at 8, 128, 512 and
 1024 rows per expert, and 256 experts at 256 rows each (an 8k-token prefill chunk's top-8). gemm_invariant: the FP8
-``gemm`` kernel in batch-invariant mode (FP8 activations) at the DeepSeek-V3 projections, M = 128 and 4096. Each line
-also says whether the two sides gave the same bits.
+``gemm`` kernel in batch-invariant mode (FP8 activations) at the DeepSeek-V3 projections, M = 128 and 4096.
+sparse_mla: ``deepinfer bench``'s cases, bf16 and fp8_ds_mla, decode at 8k context and an 8k-query prefill; ``--rev``
+swaps ``sparse_attention.py`` alone, so its Gluon kernel is A/B'd by ``--set
+sparse_attention.sparse_mla_gluon=@OTHER``. Each line also says whether the two sides gave the same bits.
 """
 
 from __future__ import annotations
@@ -39,14 +42,14 @@ from tile_variants import make
 
 import deepinfer
 from deepinfer import QTensor, bench, ops
-from deepinfer.conformance.cases import error
+from deepinfer.conformance.cases import Gen, error
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 # op -> (file under backends/cuda_sm100, its function)
 MODULES = {"mla_decode": ("attention", "mla_decode"), "grouped_gemm": ("gemm", "grouped_gemm"),
-           "gemm_invariant": ("gemm", "gemm_fp8")}  # fmt: skip
+           "gemm_invariant": ("gemm", "gemm_fp8"), "sparse_mla": ("sparse_attention", "sparse_mla")}  # fmt: skip
 PROJECTIONS = [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]
 
 
@@ -163,7 +166,20 @@ def gemm_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
             yield f"M={m} N={n} K={k}", sets, 2 * m * n * k, lambda out, ref=ref: error(out, ref)
 
 
-CASES = {"mla_decode": mla_cases, "grouped_gemm": grouped_cases, "gemm_invariant": gemm_cases}
+def sparse_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
+    """``deepinfer bench``'s sparse_mla cases but the 128k-context one (each set of that one is a 10 GB cache)."""
+    for index, case in enumerate(bench._dsa_cases(quick=not ON_GPU)):
+        if case.op != "sparse_mla" or case.fn is not None or "ctx=131072" in case.name:
+            continue
+        fmt = case.name.split()[0]  # the backend's function takes the format the op infers from the cache
+        sets = [case.make(Gen(1000 * index + s, DEVICE)) | {"kv_format": fmt} for s in range(3)]
+        with deepinfer.use("reference"):
+            ref = ops.sparse_mla(**sets[0])[0]
+        yield case.name, sets, case.flops, lambda out, ref=ref: error(out[0], ref)
+
+
+CASES = {"mla_decode": mla_cases, "grouped_gemm": grouped_cases, "gemm_invariant": gemm_cases,
+         "sparse_mla": sparse_cases}  # fmt: skip
 
 
 @contextlib.contextmanager
