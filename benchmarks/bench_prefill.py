@@ -224,6 +224,10 @@ def measure(
         f"  {ms:.2f} ms, {row['tokens_per_s']:.0f} tokens/s, {row['tflop_per_s']:.0f} TFLOP/s; roofline "
         f"{roof_ms:.2f} ms ({row['roofline_pct']:.0f}%), bytes alone {row['bytes_ms']:.2f} ms"
     )
+    if "kernels" in extra:  # what the table keeps beside each step: launches, and time off the device
+        row["launches"] = sum(k["calls"] for k in extra["kernels"] if not k["kernel"].startswith(("Memcpy", "Memset")))
+        row["kernel_ms"] = sum(k["us"] for k in extra["kernels"]) / 1e3
+        log(f"  {row['launches']} launches, {row['kernel_ms']:.2f} ms of kernels: {ms - row['kernel_ms']:.2f} ms not")
     return row
 
 
