@@ -20,9 +20,15 @@ Quantised checkpoints (``quantization_config``: ``quant_method: fp8``, ``fmt: e4
 integration writes them: a linear weight may be e4m3 with ``weight_scale_inv [ceil(N/128), ceil(K/128)]``; with
 ``expert_dtype: fp4`` the routed experts' weights are int8 ``[N, K/2]``, two e2m1 values a byte (the low nibble
 first), with one scale per 32 values of a row, ``weight_scale_inv [N, K/32]``. Scales are fp32 or ``F8_E8M0``.
-Quantised weights are dequantised once, at load, to the model's dtype (``read``), except FP4 routed experts where
-the backend has a grouped GEMM for them: those stay packed (``read_fp4``, a ``deepinfer.FP4Tensor``) and the MoE
-calls ``ops.grouped_gemm`` on them (the FP8 activation quantisation of DeepSeek's GEMMs is not used yet).
+FP8 linears stay FP8 (``read_fp8``, a ``deepinfer.QTensor`` with fp32 ``(128, 128)`` block scales in the checkpoint's
+``scale_fmt``) and run through ``ops.gemm`` / ``ops.grouped_gemm``, which quantise the activations per ``(1, 128)``
+block as DeepSeek's FP8 GEMMs do; those are the linears transformers' FP8 integration converts: every ``LINEAR`` of
+the layout but the ``HIGH_PRECISION`` ones, which the layout keeps float. An FP8 weight whose scales the FP8 op
+cannot take (K not a multiple of 128; ``scale_fmt: ue8m0`` with a scale that is not a power of two) is dequantised
+once, at load, to the model's dtype (``read``), as is one the model cannot assemble in FP8 (``deepseek_v4``:
+``wo_a`` blocks that straddle its groups, gate and up projections whose rows are not whole blocks). FP4 routed
+experts stay packed (``read_fp4``, a ``deepinfer.FP4Tensor``) where the backend has a grouped GEMM for them, else
+they are dequantised; their activations go in unquantised (DeepSeek quantises them to FP8 first: not done yet).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from deepinfer.qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, fp4_from_fp32_scales
+from deepinfer.qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, QTensor, fp4_from_fp32_scales
 
 from .checkpoint import FLOAT_KINDS, INDEX_FILE, TensorInfo, find_files, read_header
 from .config import MAX_POSITIONS, MAX_ROUTED_EXPERTS, _finite
@@ -563,8 +569,12 @@ def is_v4_checkpoint(path: str | Path) -> bool:
 
 FLOAT, INDEX, LINEAR, EXPERT = "float", "index", "linear", "expert"
 SCALE_SUFFIX = "_scale_inv"
-# Linears a quantised V4 checkpoint keeps in high precision (transformers' ``_keep_in_fp32_modules``): the
-# compressors' and the indexer's projections, the router, the head; any other linear may be FP8.
+FP8_BLOCK = (128, 128)  # the only weight_block_size a V4 config may give
+# Weights a quantised V4 checkpoint keeps in high precision, as transformers' DeepseekV4 and its FP8 integration
+# (``FP8Linear`` replaces every ``nn.Linear`` outside ``modules_to_not_convert``) do: the attention compressor's and
+# the indexer compressor's ``kv_proj`` / ``gate_proj`` and the indexer's ``weights_proj`` (``_keep_in_fp32_modules``:
+# BF16 in DeepSeek-V4-Flash, with no ``scale_inv``), the router (a parameter, not a linear) and the head (the output
+# embedding, which the quantizer never converts). Any other linear may be FP8 (the layout's ``LINEAR`` kind).
 HIGH_PRECISION = ("compressor.wkv.", "compressor.wgate.", "indexer.weights_proj.", "ffn.gate.", "head.")
 
 
@@ -705,6 +715,13 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return w.float() * full
 
 
+def _powers_of_two(s: torch.Tensor) -> bool:
+    """Whether every value of the fp32 ``s`` is a positive normal power of two (a value ue8m0 holds exactly)."""
+    bits = s.view(torch.int32)
+    exponent = bits >> 23
+    return bool(((bits & 0x807FFFFF) == 0).all() and ((exponent > 0) & (exponent < 255)).all())
+
+
 def normalise(name: str) -> str:
     """A tensor's name in ``expected_layout``'s terms: no leading ``model.``, DeepSeek's top-level aliases mapped."""
     name = name.removeprefix("model.")
@@ -794,7 +811,8 @@ class V4Checkpoint:
         return cls(path, config, tensors, names, mtp)
 
     def read(self, key: str, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
-        """The tensor of normalised name ``key`` on ``device`` (in ``dtype``; None keeps the stored dtype)."""
+        """The tensor of normalised name ``key`` on ``device`` (in ``dtype``; None keeps the stored dtype); a quantised
+        weight dequantised (``dequantize``)."""
         name = self.names[key]
         info = self.tensors[name]
         handle = self._handle(info)
@@ -808,6 +826,34 @@ class V4Checkpoint:
             self.bytes_read += scale.numel() * scale.element_size()
             t = dequantize(t.to(device), scale.to(device))
         return t.to(device=device, dtype=dtype or t.dtype)
+
+    def read_fp8(self, key: str, device: torch.device | str) -> QTensor | None:
+        """The FP8 weight of normalised name ``key`` kept in FP8 on ``device``: a ``QTensor`` of its e4m3 data
+        ``[N, K]`` and its block scales as fp32 ``[ceil(N/128), K/128]``, block ``(128, 128)``, in the checkpoint's
+        ``scale_fmt`` (the format ``ops.gemm`` quantises the activations in). None where it is not an e4m3 weight,
+        where K is not a multiple of 128 (the FP8 ops take whole K blocks only), or where ``scale_fmt`` is ue8m0 but a
+        scale is not a power of two (``read`` then dequantises it)."""
+        name = self.names[key]
+        info = self.tensors[name]
+        if info.dtype != "F8_E4M3" or info.shape[1] % FP8_BLOCK[1]:
+            return None
+        fmt = self.config.quantization["scale_fmt"] if self.config.quantization else "fp32"
+        scale = self._get(name + SCALE_SUFFIX)
+        s = scale.float()  # exact from fp32, bf16 and ue8m0
+        if fmt == "ue8m0" and not _powers_of_two(s):
+            return None
+        data = self._get(name)
+        self.bytes_read += data.numel() * data.element_size() + scale.numel() * scale.element_size()
+        return QTensor(data.to(device), s.to(device), FP8_BLOCK, fmt)
+
+    def _get(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` (as the files name it) as stored."""
+        info = self.tensors[name]
+        handle = self._handle(info)
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error type
+            raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
 
     def _handle(self, info: TensorInfo) -> Any:
         handle = self._handles.get(info.file)

@@ -27,6 +27,11 @@ MoE: ``hash_moe`` layers take their experts from the frozen ``tid2eid[token]`` t
 route top-k by ``sqrtsoftplus`` scores plus a selection bias (``moe_route``); weights renormalised, times
 ``routed_scaling_factor``; experts and the shared expert use SwiGLU clipped at ``swiglu_limit``.
 
+Weights of a quantised checkpoint keep its precision where the ops can take it (``load_weights``): FP8 linears are
+``QTensor``s, whose activations ``ops.gemm`` / ``ops.grouped_gemm`` quantise per ``(1, 128)`` block; FP4 routed
+experts are ``FP4Tensor`` stacks; the weights DeepSeek keeps in high precision (``config_v4.HIGH_PRECISION``) are
+float.
+
 Caches, in pages (``config_v4.V4CacheLayout`` has the layout): a sequence's block table starts with its state
 pages (per layer the last keys as a ring; for a compressed layer the projections of its last positions, from which
 it reads its unfinished window and, CSA, the window before it, the indexer's alike), then one token page per
@@ -568,9 +573,11 @@ class V4Attention:
 
 
 class V4MoE:
-    """Routed experts (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``: dense, or packed
-    ``FP4Tensor`` stacks that ``ops.grouped_gemm`` takes as they are), the fp32 router (``gate.weight``, and
-    ``gate.bias`` or the ``gate.tid2eid`` table) and the shared expert, SwiGLU clipped."""
+    """Routed experts (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``: dense, FP8 ``QTensor``
+    stacks, or packed ``FP4Tensor`` stacks that ``ops.grouped_gemm`` takes as they are), the fp32 router
+    (``gate.weight``, and ``gate.bias`` or the ``gate.tid2eid`` table) and the shared expert (dense or FP8), SwiGLU
+    clipped. FP8 weights take FP8 activations: the tokens quantised once before the dispatch, the SwiGLU output
+    quantised by ``silu_and_mul``."""
 
     def __init__(self, cfg: V4Config, layer: int, w: dict, ep: ExpertParallel):
         self.cfg, self.ep = cfg, ep
@@ -625,8 +632,11 @@ class V4MoE:
             self.load.index_add_(0, ids.reshape(-1).long(), ones.reshape(-1))
         if mode == "low_latency" and self.repeats > 1:
             capacity = (x.shape[0] if capacity is None else capacity) * self.repeats
+        routed = x
+        if isinstance(self.w13, QTensor):  # quantised once per token, not once per (token, expert) row received
+            routed = ops.quantize_fp8(x, block=self.w13.block[1], scale_format=self.w13.scale_format)
         recv, _, _, layout, handle = ops.ep_dispatch(
-            x,
+            routed,
             ids,
             weights,
             num_experts=cfg.n_routed_experts,
@@ -637,10 +647,16 @@ class V4MoE:
         )
         groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m}
         h = ops.grouped_gemm(recv, self.w13, out_dtype=x.dtype, **groups)
-        a = ops.silu_and_mul(h, masked_m=layout.masked_m, limit=limit)
+        a = ops.silu_and_mul(h, masked_m=layout.masked_m, limit=limit, **_quantised_for(self.w2))
         out = ops.ep_combine(ops.grouped_gemm(a, self.w2, out_dtype=x.dtype, **groups), handle)
-        shared = linear(ops.silu_and_mul(linear(x, self.s13), limit=limit), self.s2)
-        return out + shared
+        shared = ops.silu_and_mul(linear(x, self.s13), limit=limit, **_quantised_for(self.s2))
+        return out + ops.gemm(shared, self.s2, out_dtype=x.dtype)
+
+
+def _quantised_for(w) -> dict:
+    """``silu_and_mul``'s arguments for the input of ``w``: for an FP8 weight the activation quantised from the fp32
+    product in the weight's scale format (as the DeepSeek-V3 model does), for a float one none."""
+    return {"quantize": True, "scale_format": w.scale_format} if isinstance(w, QTensor) else {}
 
 
 class DeepseekV4:
@@ -844,6 +860,40 @@ def fp4_experts_served(cfg: V4Config, experts: int, dtype: torch.dtype, device: 
     return True
 
 
+def _dense(w: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
+    return w.dequantize(dtype) if isinstance(w, QTensor) else w
+
+
+def _cat_rows(parts: list[torch.Tensor | QTensor], dtype: torch.dtype) -> torch.Tensor | QTensor:
+    """Weights concatenated along dim 0 (gate then up): FP8 ``QTensor``s stay FP8 where every part but the last has
+    whole 128-row blocks (so that each block scale still covers rows of one part); any other mix is dequantised to
+    ``dtype``."""
+    if all(isinstance(w, QTensor) for w in parts) and all(w.shape[0] % w.block[0] == 0 for w in parts[:-1]):
+        return QTensor(torch.cat([w.data for w in parts]), torch.cat([w.scale for w in parts]), *_like(parts[0]))
+    return torch.cat([_dense(w, dtype) for w in parts])
+
+
+def _like(w: QTensor) -> tuple[tuple[int, int], str]:
+    return w.block, w.scale_format
+
+
+def _stack(ws: list[torch.Tensor | QTensor], dtype: torch.dtype) -> torch.Tensor | QTensor:
+    """``[E, N, K]`` of the experts' ``[N, K]`` weights: FP8 where all are FP8, else dequantised to ``dtype``."""
+    if all(isinstance(w, QTensor) for w in ws):
+        return QTensor(torch.stack([w.data for w in ws]), torch.stack([w.scale for w in ws]), *_like(ws[0]))
+    return torch.stack([_dense(w, dtype) for w in ws])
+
+
+def _by_group(w: torch.Tensor | QTensor, groups: int, dtype: torch.dtype) -> torch.Tensor | QTensor:
+    """``wo_a [g r, K]`` as ``[g, r, K]``: FP8 where each group's rows are whole 128-row blocks (or there is one
+    group), so that no block scale covers rows of two groups; otherwise dequantised to ``dtype``."""
+    rows = w.shape[0] // groups
+    if isinstance(w, QTensor) and (groups == 1 or rows % w.block[0] == 0):
+        scale = w.scale.view(groups, -1, w.scale.shape[1]).contiguous()
+        return QTensor(w.data.view(groups, rows, -1).contiguous(), scale, *_like(w))
+    return _dense(w, dtype).view(groups, rows, -1).contiguous()
+
+
 def load_weights(
     ckpt: V4Checkpoint,
     dtype: torch.dtype,
@@ -855,19 +905,28 @@ def load_weights(
     """Every weight by normalised name (``mtp``: the multi-token-prediction layers' too), read once, assembled
     (experts stacked gate-and-up in ``ep.local``'s order, ``wo_a`` by group) and passed through ``prepare_weight``
     once; routed experts other than ``ep``'s local ones are not read (a redundant expert is read by every rank whose
-    slots hold it). FP4 routed experts stay packed (``FP4Tensor`` stacks) where the selected backend has a grouped
-    GEMM of its own for them (``fp4_experts_served``); otherwise they are dequantised to ``dtype``."""
+    slots hold it). FP8 linears stay FP8 (``QTensor``, ``V4Checkpoint.read_fp8``) as DeepSeek runs them: the
+    attention's ``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b``, the indexer's ``wq_b``, the shared expert, FP8
+    routed experts, the multi-token-prediction layers' ``e_proj`` / ``h_proj``; one whose scales the FP8 ops cannot
+    take, or that cannot be assembled in FP8 (``_cat_rows``, ``_by_group``), is dequantised to ``dtype``, as are all
+    the routed experts of a layer where one of them is. FP4 routed experts stay packed (``FP4Tensor`` stacks) where
+    the selected backend has a grouped GEMM of its own for them (``fp4_experts_served``); otherwise they are
+    dequantised to ``dtype``. Weights stored in float (bf16 checkpoints; the compressors, the indexer's
+    ``weights_proj``, the router, the head) are read in ``dtype``, or in fp32 where the model computes in fp32."""
     cfg = ckpt.config
     ep = ep or ExpertParallel.single(cfg.n_routed_experts)
     out: dict = {}
     packed = fp4_experts_served(cfg, len(ep.local), dtype, device)
 
-    def read_fp4(key: str) -> FP4Tensor | None:
+    def counted(fn: Callable[[], object]):
         before = ckpt.bytes_read
-        w = ckpt.read_fp4(key, device)
+        w = fn()
         if on_progress is not None:
             on_progress(ckpt.bytes_read - before)
         return w
+
+    def read_fp4(key: str) -> FP4Tensor | None:
+        return counted(lambda: ckpt.read_fp4(key, device))
 
     def fp4_stacks(f: str) -> tuple[FP4Tensor, FP4Tensor] | None:
         """``[E, 2I, H]`` and ``[E, H, I]`` packed stacks of the local experts, or None where any of their weights
@@ -884,12 +943,13 @@ def load_weights(
             for ws in (w13, w2)
         )
 
-    def read(key: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
-        before = ckpt.bytes_read
-        t = ckpt.read(key, as_dtype or (torch.float32 if _fp32(key) else dtype), device)
-        if on_progress is not None:
-            on_progress(ckpt.bytes_read - before)
-        return t
+    def read(key: str, as_dtype: torch.dtype | None = None) -> torch.Tensor | QTensor:
+        """The weight ``key``: FP8 kept as a ``QTensor`` where the FP8 ops take its scales, else a tensor."""
+        if as_dtype is None:
+            q = counted(lambda: ckpt.read_fp8(key, device))
+            if q is not None:
+                return q
+        return counted(lambda: ckpt.read(key, as_dtype or (torch.float32 if _fp32(key) else dtype), device))
 
     def put(name: str, w) -> None:
         out[name] = prepare_weight(name, w)
@@ -909,22 +969,19 @@ def load_weights(
             if not key.startswith(p) or ".experts." in key or ".shared_experts." in key:
                 continue
             if key.endswith("wo_a.weight"):
-                w = read(key)
-                put(p + "attn.wo_a", w.view(cfg.o_groups, cfg.o_lora_rank, -1).contiguous())
+                put(p + "attn.wo_a", _by_group(read(key), cfg.o_groups, dtype))
             elif key.endswith("gate.tid2eid"):
                 out[key] = read(key, torch.int64).to(torch.int32)  # indexed, never an op argument
             else:
                 put(key, read(key))
         f = p + "ffn."
         stacks = fp4_stacks(f) if packed else None
-        if stacks is not None:
-            put(f + "experts.gate_up_proj", stacks[0])
-            put(f + "experts.down_proj", stacks[1])
-        else:
-            w13 = torch.stack([torch.cat([read(f + e + "w1.weight"), read(f + e + "w3.weight")]) for e in experts])
-            put(f + "experts.gate_up_proj", w13)
-            put(f + "experts.down_proj", torch.stack([read(f + e + "w2.weight") for e in experts]))
+        if stacks is None:
+            w13 = [_cat_rows([read(f + e + "w1.weight"), read(f + e + "w3.weight")], dtype) for e in experts]
+            stacks = _stack(w13, dtype), _stack([read(f + e + "w2.weight") for e in experts], dtype)
+        put(f + "experts.gate_up_proj", stacks[0])
+        put(f + "experts.down_proj", stacks[1])
         s = f + "shared_experts."
-        put(s[:-1] + ".gate_up_proj", torch.cat([read(s + "w1.weight"), read(s + "w3.weight")]))
+        put(s[:-1] + ".gate_up_proj", _cat_rows([read(s + "w1.weight"), read(s + "w3.weight")], dtype))
         put(s[:-1] + ".down_proj", read(s + "w2.weight"))
     return out

@@ -17,22 +17,38 @@ all prompts of a batch in one forward; the same through chunked prefill and one-
 sequences at once; greedy tokens for 12 steps equal to the oracle's (a step where the oracle's two best differ by
 less than the bound may go either way). Planted bugs (window ignored, sinks ignored, top-k ignored, compressed
 entries ignored) fail the same comparison.
+
+Quantised copies (FP8 linears with 128 x 128 block scales, FP4 or FP8 routed experts) against the oracle holding the
+values transformers' ``Fp8Dequantize`` decodes. Where every FP8 linear's K is a whole number of 128-blocks the model
+holds them in FP8 and its GEMMs quantise their activations, so the oracle quantises the same activations (DeepSeek's
+recipe, emulated) and the bounds are those of ``test_model_vs_transformers``' FP8 check: median error below 5e-3
+nats (measured 1.9e-6 with ue8m0 scales and FP4 experts, 2.9e-6 with fp32 scales and FP8 experts), at most 10% of
+greedy steps differing (measured 0 of 32). The maximum is no bound: a 1-ulp difference of an fp32 sum can move an
+activation across an e4m3 rounding boundary, and the tiny MoE amplifies it (measured 1.3 nats on one prompt from
+its 16th token on, where the oracle itself moves as much when its quantised activations are scaled by 1 - 1e-7).
+Planted bugs (the scale grids reversed, the activations not quantised) fail by a median of 4.8 and 0.3 nats. With
+bf16 activations, through ``LLM``, against the oracle without activation quantisation: the median error below 12% of
+the log-probabilities' spread, as there (measured 4.2%). Where K is 32, 48 or 64 the linears are dequantised at
+load and the fp32 bound holds (measured 9e-6).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import one_thread  # noqa: F401 (autouse fixture)
+from model_helpers import act_quant, one_thread  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from deepinfer import FP4Tensor, ops
+from deepinfer import FP4Tensor, QTensor, ops
 from deepinfer.model import deepseek_v4
 from deepinfer.model.config_v4 import V4Checkpoint, V4Config
 from deepinfer.model.deepseek_v4 import DeepseekV4
@@ -167,8 +183,15 @@ def run(model: DeepseekV4, states, chunks: list[list[int]]) -> torch.Tensor:
 
 
 def prompt_errors(model, oracle, ps, chunk: int | None = None) -> float:
-    """Worst |ours - oracle| prompt log-probability; all prompts in one batch, whole or in chunks of ``chunk``
-    tokens (the last chunks of a prompt as single-token steps when ``chunk`` is 1)."""
+    """Worst |ours - oracle| prompt log-probability (``prompt_error_values``; inf where one is not finite)."""
+    worst = prompt_error_values(model, oracle, ps, chunk).max().item()
+    return worst if math.isfinite(worst) else math.inf  # (a NaN fails every bound)
+
+
+def prompt_error_values(model, oracle, ps, chunk: int | None = None, quantised=contextlib.nullcontext) -> torch.Tensor:
+    """|ours - oracle| of every prompt token's log-probability and of each prompt's whole next-token distribution;
+    all prompts in one batch, whole or in chunks of ``chunk`` tokens (the last chunks of a prompt as single-token
+    steps when ``chunk`` is 1). The oracle runs inside ``quantised()``."""
     states = [model.new_state() for _ in ps]
     got: list[list[torch.Tensor]] = [[] for _ in ps]
     step = chunk or max(map(len, ps))
@@ -179,15 +202,14 @@ def prompt_errors(model, oracle, ps, chunk: int | None = None) -> float:
         for b, c in zip(live, chunks):
             got[b].append(lp[o : o + len(c)])
             o += len(c)
-    worst = 0.0
+    errs = []
     for p, rows in zip(ps, got):
-        ours, ref = torch.cat(rows), oracle_logprobs(oracle, p)
-        idx = torch.tensor(p[1:], dtype=torch.long)[:, None]
-        errs = [(ours[:-1].gather(1, idx) - ref[:-1].gather(1, idx)).abs().flatten()]
+        with quantised():
+            ref = oracle_logprobs(oracle, p)
+        ours, idx = torch.cat(rows), torch.tensor(p[1:], dtype=torch.long)[:, None]
+        errs.append((ours[:-1].gather(1, idx) - ref[:-1].gather(1, idx)).abs().flatten())
         errs.append((ours[-1] - ref[-1]).abs())  # the whole next-token distribution
-        err = torch.cat(errs).max().item()
-        worst = max(worst, err if math.isfinite(err) else math.inf)  # (max() would pass a NaN over)
-    return worst
+    return torch.cat(errs).nan_to_num(math.inf, math.inf)
 
 
 @pytest.mark.parametrize("name", ["yarn", "plain"])
@@ -511,15 +533,17 @@ def _e8m0(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(x.clamp_min(2.0**-100)))).to(torch.float8_e8m0fnu)
 
 
-def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 data and ue8m0 scales of one 128 x 128 block grid (the tiny weights fit one block each way)."""
+def _fp8_blocks(w: torch.Tensor, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 data and the scales of its 128 x 128 block grid: ``amax / 448``, as fp32 or rounded up to a power of two
+    stored as ue8m0."""
     n, k = w.shape
     rows, cols = math.ceil(n / 128), math.ceil(k / 128)
     scale = torch.empty(rows, cols)
     for i in range(rows):
         for j in range(cols):
             scale[i, j] = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].abs().max() / 448
-    scale = _e8m0(scale)
+    if ue8m0:
+        scale = _e8m0(scale)
     full = scale.float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
     return (w / full).to(torch.float8_e4m3fn), scale
 
@@ -537,59 +561,288 @@ def _fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale
 
 
-def test_fp8_and_fp4_expert_checkpoints_load_as_transformers_dequantises_them(checkpoints, tmp_path, load):
-    """A copy of a checkpoint with FP8 linears (128 x 128 ue8m0 block scales) and FP4 routed experts (one ue8m0
-    scale per 32 values) against the fp32 oracle holding the values transformers' ``Fp8Dequantize`` decodes."""
+# The linears transformers' FP8 integration converts (the indexer's wq_b included), besides the experts.
+FP8_LINEARS = (".wq_a.weight", ".wq_b.weight", ".attn.wkv.weight", ".wo_a.weight", ".wo_b.weight")
+
+
+def _spread(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with its 128 x 128 block ``(i, j)`` times ``2^((i + 2 j) % 3 - 1)``: neighbouring blocks get other
+    scales, so that a scale applied to the wrong block shows."""
+    n, k = w.shape
+    i, j = torch.arange(n)[:, None] // 128, torch.arange(k)[None, :] // 128
+    return w * torch.exp2(((i + 2 * j) % 3 - 1).float())
+
+
+def quantised_copy(path, dst, oracle, *, ue8m0: bool = True, expert_dtype: str = "fp4", spread: bool = False):
+    """Writes ``dst``: the checkpoint at ``path`` with the linears DeepSeek-V4 stores in FP8 (``FP8_LINEARS``, the
+    shared expert) as e4m3 with 128 x 128 block scales (ue8m0, or fp32 amax / 448), and its routed experts FP4 or
+    FP8 (``expert_dtype``); ``spread``: the quantised weights ``_spread`` first. Returns a copy of transformers'
+    ``oracle`` (eager experts) holding the values transformers' ``Fp8Dequantize`` decodes from the file, and the
+    parameters of that copy that hold them."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    path, oracle = checkpoints("plain")
     tensors = load_file(path / "model.safetensors")
     out = {}
     for name, w in tensors.items():
-        linear = name.endswith((".wq_a.weight", ".wq_b.weight", ".attn.wkv.weight", ".wo_a.weight", ".wo_b.weight"))
         expert = ".ffn.experts." in name
-        if expert or linear or ".shared_experts." in name:
-            out[name], out[name + "_scale_inv"] = (_fp4_rows if expert else _fp8_blocks)(w.float())
+        if expert or name.endswith(FP8_LINEARS) or ".shared_experts." in name:
+            w = _spread(w.float()) if spread else w.float()
+            q = _fp4_rows(w) if expert and expert_dtype == "fp4" else _fp8_blocks(w, ue8m0)
+            out[name], out[name + "_scale_inv"] = q
         else:
             out[name] = w
-    save_file(out, tmp_path / "model.safetensors")
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, dst / "model.safetensors")
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = dict(
-        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128], scale_fmt="ue8m0"
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]
     )
-    cfg["quantization_config"]["expert_dtype"] = "fp4"
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    cfg["quantization_config"] |= {"expert_dtype": expert_dtype} | ({"scale_fmt": "ue8m0"} if ue8m0 else {})
+    (dst / "config.json").write_text(json.dumps(cfg))
 
     decode = Fp8Dequantize(None)._dequantize_one
     values = {n: decode(out[n], out[n + "_scale_inv"], torch.float32) for n in out if n + "_scale_inv" in out}
-    assert len(values) > 100
-    ref = v4_checkpoint(tmp_path / "oracle", seed=0, **CONFIGS["plain"])
-    ref.load_state_dict(oracle.state_dict())
+    ref = copy.deepcopy(oracle)
+    ref.set_experts_implementation("eager")  # one F.linear per expert (fp8_activations_v4 finds its weights)
+    held = []
     with torch.no_grad():
         for layer in range(len(ref.model.layers)):
-            src, dst = f"model.layers.{layer}.", ref.model.layers[layer]
-            attn = dst.self_attn
-            for mod, key in ((attn.q_a_proj, "attn.wq_a"), (attn.q_b_proj, "attn.wq_b"), (attn.kv_proj, "attn.wkv")):
-                mod.weight.copy_(values[src + key + ".weight"])
-            attn.o_a_proj.weight.copy_(values[src + "attn.wo_a.weight"])
-            attn.o_b_proj.weight.copy_(values[src + "attn.wo_b.weight"])
+            src, dst_layer = f"model.layers.{layer}.", ref.model.layers[layer]
+            attn, sh = dst_layer.self_attn, dst_layer.mlp.shared_experts
+            pairs = [(attn.q_a_proj, "attn.wq_a"), (attn.q_b_proj, "attn.wq_b"), (attn.kv_proj, "attn.wkv")]
+            pairs += [(attn.o_a_proj, "attn.wo_a"), (attn.o_b_proj, "attn.wo_b")]
+            pairs += [(sh.gate_proj, "ffn.shared_experts.w1"), (sh.up_proj, "ffn.shared_experts.w3")]
+            pairs += [(sh.down_proj, "ffn.shared_experts.w2")]
             if src + "attn.indexer.wq_b.weight" in values:
-                attn.compressor.indexer.q_b_proj.weight.copy_(values[src + "attn.indexer.wq_b.weight"])
-            sh = dst.mlp.shared_experts
-            for mod, key in ((sh.gate_proj, "w1"), (sh.up_proj, "w3"), (sh.down_proj, "w2")):
-                mod.weight.copy_(values[f"{src}ffn.shared_experts.{key}.weight"])
-            experts = dst.mlp.experts
+                pairs.append((attn.compressor.indexer.q_b_proj, "attn.indexer.wq_b"))
+            for mod, key in pairs:
+                mod.weight.copy_(values[src + key + ".weight"])
+                held.append(mod.weight)
+            experts = dst_layer.mlp.experts
             for e in range(experts.num_experts):
                 p = f"{src}ffn.experts.{e}."
                 experts.gate_up_proj[e].copy_(torch.cat([values[p + "w1.weight"], values[p + "w3.weight"]]))
                 experts.down_proj[e].copy_(values[p + "w2.weight"])
+            held += [experts.gate_up_proj, experts.down_proj]
+    return ref, held
+
+
+@contextlib.contextmanager
+def fp8_activations_v4(oracle, weights: list[torch.Tensor], ue8m0: bool):
+    """Inside the block, the oracle quantises the input of every product with one of ``weights`` as DeepSeek's FP8
+    GEMMs do (``model_helpers.act_quant``: per token per 128 channels to e4m3, the scale a power of two with
+    ``ue8m0``; written from the recipe, independently of deepinfer's ops): ``F.linear`` calls on them (the routed
+    experts' per expert, with eager experts) and the grouped ``o_a_proj`` (a ``torch.bmm``: its input, per group)."""
+    import torch.nn.functional as F
+
+    quantised = {w.untyped_storage().data_ptr() for w in weights}
+    grouped = [
+        layer.self_attn.o_a_proj
+        for layer in oracle.model.layers
+        if layer.self_attn.o_a_proj.weight.untyped_storage().data_ptr() in quantised
+    ]
+    original = F.linear
+
+    def linear(x, w, b=None):
+        if w.untyped_storage().data_ptr() in quantised:
+            x = act_quant(x, ue8m0)
+        return original(x, w, b)
+
+    handles = [m.register_forward_pre_hook(lambda mod, args: (act_quant(args[0], ue8m0),)) for m in grouped]
+    F.linear = linear
+    try:
+        yield
+    finally:
+        F.linear = original
+        for h in handles:
+            h.remove()
+
+
+def test_fp8_linears_the_fp8_ops_cannot_take_load_as_transformers_dequantises_them(checkpoints, tmp_path, load):
+    """A copy of a checkpoint with FP8 linears (128 x 128 ue8m0 block scales) and FP4 routed experts (one ue8m0
+    scale per 32 values), all of whose linears have a K of 32, 48 or 64 (not whole 128-blocks, which the FP8 GEMMs
+    need): the linears are dequantised at load, so the model is held to the fp32 bound against the oracle holding
+    the values transformers' ``Fp8Dequantize`` decodes."""
+    path, oracle = checkpoints("plain")
+    ref, _ = quantised_copy(path, tmp_path / "q", oracle)
     assert not torch.equal(ref.model.layers[1].mlp.experts.down_proj, oracle.model.layers[1].mlp.experts.down_proj)
-    model = load(tmp_path)
+    model = load(tmp_path / "q")
+    attn, moe = model.layers[1][1], model.layers[1][3]
+    dense = [attn.w[k] for k in ("wq_a.weight", "wq_b.weight", "wkv.weight", "wo_a", "wo_b.weight")]
+    assert all(type(w) is torch.Tensor and w.dtype == torch.float32 for w in [*dense, moe.s13, moe.s2])
     # The routed experts stay packed and run through ops.grouped_gemm's FP4 path (every in-tree backend has one).
-    moe = model.layers[1][3]
     assert isinstance(moe.w13, FP4Tensor) and isinstance(moe.w2, FP4Tensor)
     assert moe.w13.shape == (moe.w2.shape[0], 2 * moe.w2.shape[2], moe.w2.shape[1])
     assert prompt_errors(model, ref, prompts(10)) < TOL
+
+
+# Every K of an FP8 linear a multiple of 128 (hidden size, q_lora_rank, a group of wo_a's input, wo_b's o_groups x
+# o_lora_rank, the experts' intermediate size) and wo_a's groups whole 128-row blocks: every FP8 linear runs in FP8.
+FP8_SHAPES = dict(
+    hidden_size=128,
+    q_lora_rank=128,
+    num_attention_heads=2,
+    head_dim=128,
+    partial_rotary_factor=8 / 128,
+    o_groups=2,
+    o_lora_rank=128,
+    moe_intermediate_size=128,
+)
+# Bounds of test_model_vs_transformers' FP8 check (DeepSeek-V3): the median log-probability error, and the share of
+# greedy steps that may differ. Most positions agree to fp32 rounding, but a 1-ulp difference of a sum can move an
+# activation across an e4m3 rounding boundary, which the tiny MoE may amplify. One fixed checkpoint, as there.
+FP8_MEDIAN_TOL, FP8_GREEDY_OFF = 5e-3, 0.1
+FP8_SEED = 1234
+
+
+@pytest.fixture(scope="module")
+def fp8_source(tmp_path_factory):
+    """A checkpoint of ``CONFIGS["plain"]`` at ``FP8_SHAPES`` (fp32) and its oracle."""
+    path = tmp_path_factory.mktemp("v4-fp8-source")
+    return path, v4_checkpoint(path, seed=FP8_SEED, **(CONFIGS["plain"] | FP8_SHAPES))
+
+
+def fp8_errors(model, ref, held, ue8m0: bool, seed: int) -> tuple[torch.Tensor, int, int]:
+    """``model`` against the oracle ``ref`` with DeepSeek's activation quantisation on the products with ``held``:
+    every prompt and generated log-probability error (prompts in one prefill; prompts decoded token by token, several
+    sequences at once; 8 greedy steps of several sequences), and how many of the greedy steps differ from the
+    oracle's argmax, of how many."""
+    quantised = functools.partial(fp8_activations_v4, ref, held, ue8m0)
+    errs = [prompt_error_values(model, ref, prompts(seed), None, quantised)]
+    errs.append(prompt_error_values(model, ref, prompts(seed + 1)[1:4], 1, quantised))
+    ps, steps = prompts(seed + 2)[1:], 8
+    states = [model.new_state() for _ in ps]
+    lp = run(model, states, ps)
+    ends = torch.tensor([len(p) for p in ps]).cumsum(0) - 1
+    gen, rows = [[int(lp[e].argmax())] for e in ends], [[lp[e]] for e in ends]
+    for _ in range(steps - 1):
+        lp = run(model, states, [[g[-1]] for g in gen])
+        for b in range(len(ps)):
+            gen[b].append(int(lp[b].argmax()))
+            rows[b].append(lp[b])
+    off = 0
+    for p, g, r in zip(ps, gen, rows):
+        with quantised():
+            ref_lp = oracle_logprobs(ref, p + g)[len(p) - 1 :][:steps]
+        ours = torch.stack(r)
+        errs.append((ours.gather(1, torch.tensor(g)[:, None]) - ref_lp.gather(1, torch.tensor(g)[:, None])).abs())
+        off += int((ref_lp.argmax(-1) != torch.tensor(g)).sum())
+    return torch.cat([e.flatten() for e in errs]).nan_to_num(math.inf, math.inf), off, steps * len(ps)
+
+
+@pytest.mark.parametrize("scales, experts", [("ue8m0", "fp4"), ("fp32", "fp8")])
+def test_fp8_linears_run_in_fp8_as_deepseek_runs_them(scales, experts, fp8_source, tmp_path, load):
+    """A quantised copy (DeepSeek-V4-Flash's format: ue8m0 scales, FP4 routed experts; or fp32 scales, FP8 routed
+    experts) whose FP8 linears all have whole 128-blocks: they load as ``QTensor`` (the FP4 experts as
+    ``FP4Tensor``), the compressors, the indexer's head weights, the router and the head stay float; against the
+    oracle on the decoded values with DeepSeek's activation quantisation emulated where a weight is FP8 (the FP4
+    experts' activations go in unquantised, as the model runs them), within ``test_model_vs_transformers``' FP8
+    bounds."""
+    path, oracle = fp8_source
+    ue8m0 = scales == "ue8m0"
+    ref, held = quantised_copy(path, tmp_path / "q", oracle, ue8m0=ue8m0, expert_dtype=experts, spread=True)
+    if experts == "fp4":
+        held = [w for w in held if w.dim() == 2]  # not the routed experts
+    model = load(tmp_path / "q")
+    fmt = "ue8m0" if ue8m0 else "fp32"
+    for i, (_, attn, _, moe, _) in enumerate(model.layers):
+        fp8 = [attn.w[k] for k in ("wq_a.weight", "wq_b.weight", "wkv.weight", "wo_a", "wo_b.weight")]
+        fp8 += [moe.s13, moe.s2] + ([attn.w["indexer.wq_b.weight"]] if attn.indexer else [])
+        assert all(isinstance(w, QTensor) and w.scale_format == fmt for w in fp8), i
+        assert moe.w13.shape == (8, 256, 128) and moe.w2.shape == (8, 128, 128)
+        assert all(isinstance(w, FP4Tensor if experts == "fp4" else QTensor) for w in (moe.w13, moe.w2)), i
+        high = [v for k, v in attn.w.items() if "compressor." in k or "weights_proj" in k] + [moe.gate]
+        assert high and all(type(w) is torch.Tensor and w.dtype == torch.float32 for w in high), i
+    assert type(model.lm_head) is torch.Tensor
+    if model.device.type != "cpu":
+        pytest.skip("the comparison needs the oracle's fp32 CPU arithmetic (test_model_vs_transformers' FP8 check)")
+    errs, off, steps = fp8_errors(model, ref, held, ue8m0, 20)
+    print(f"{scales} / {experts}: median {errs.median():.2e}, max {errs.max():.2e}, greedy off {off} of {steps}")
+    assert errs.median() < FP8_MEDIAN_TOL, f"median difference {errs.median():.2e}"
+    assert off <= FP8_GREEDY_OFF * steps, f"{off} of {steps} greedy steps differ"
+
+
+def test_fp8_linears_with_bf16_activations_close_to_the_dequantised_oracle(
+    fp8_source, tmp_path, deepinfer_backend, deepinfer_device
+):
+    """The production path: ``LLM`` in bf16 on the ue8m0 / FP4-expert copy against the plain fp32 oracle on the
+    decoded values (no activation quantisation): the median prompt log-probability error below 12% of their spread
+    (``test_model_vs_transformers``' bound for DeepSeek-V3's FP8 weights with bf16 activations)."""
+    from deepinfer.model import SamplingParams
+
+    path, oracle = fp8_source
+    ref, _ = quantised_copy(path, tmp_path / "q", oracle, spread=True)
+    llm = serve(tmp_path / "q", deepinfer_backend, deepinfer_device, dtype="bfloat16")
+    assert isinstance(llm.model.layers[0][1].w["wq_a.weight"], QTensor)
+    ps = prompts(12)[1:]
+    ours, want = [], []
+    for p, out in zip(ps, llm.generate(ps, SamplingParams(max_tokens=1, prompt_logprobs=0))):
+        lp = oracle_logprobs(ref, p)
+        ours += out.prompt_logprobs[1:]
+        want += [lp[j - 1, p[j]].item() for j in range(1, len(p))]
+    ours, want = torch.tensor(ours), torch.tensor(want)
+    relative = ((ours - want).abs().median() / want.std()).item()
+    print(f"bf16 activations: median error {relative:.3f} of the spread")
+    assert relative < 0.12, f"median error {relative:.3f} of the spread of the log-probabilities"
+
+
+def _scales_reversed(real):
+    def planted(self, key, device):
+        q = real(self, key, device)
+        return q if q is None else dataclasses.replace(q, scale=q.scale.flip(0, 1).contiguous())
+
+    return planted
+
+
+def _activations_unquantised(real):
+    def planted(a, w, **kw):
+        return real(a, w.dequantize(a.dtype) if isinstance(w, QTensor) and not isinstance(a, QTensor) else w, **kw)
+
+    return planted
+
+
+@pytest.mark.parametrize("bug", ["scale grid reversed", "activations unquantised"])
+def test_planted_fp8_bugs_fail_the_fp8_comparison(bug, fp8_source, tmp_path, load, monkeypatch):
+    """Every FP8 weight's block scales read in reverse order (the copy's neighbouring blocks have other scales), or
+    the ``ops.gemm`` linears (all but ``wo_a`` and the routed experts) computed on the FP8 weights' values without
+    quantising their activations: the comparison above fails by far."""
+    path, oracle = fp8_source
+    ref, held = quantised_copy(path, tmp_path / "q", oracle, ue8m0=False, expert_dtype="fp8", spread=True)
+    if bug == "scale grid reversed":
+        monkeypatch.setattr(V4Checkpoint, "read_fp8", _scales_reversed(V4Checkpoint.read_fp8))
+    else:
+        monkeypatch.setattr(ops, "gemm", _activations_unquantised(ops.gemm))
+    model = load(tmp_path / "q")
+    if model.device.type != "cpu":
+        pytest.skip("the comparison needs the oracle's fp32 CPU arithmetic (test_model_vs_transformers' FP8 check)")
+    errs, off, steps = fp8_errors(model, ref, held, False, 20)
+    print(f"{bug}: median {errs.median():.2e}, max {errs.max():.2e}, greedy off {off} of {steps}")
+    assert errs.median() > 10 * FP8_MEDIAN_TOL
+
+
+def test_fp8_weights_that_cannot_stay_fp8_are_dequantised_at_load(tmp_path, load):
+    """With ``scale_fmt: ue8m0``, a weight whose fp32 scales are not powers of two, and ``wo_a`` whose groups are not
+    whole 128-row blocks (``o_lora_rank`` 64: one block scale covers rows of both groups), are dequantised at load,
+    to the values transformers' ``Fp8Dequantize`` decodes; the other FP8 linears stay FP8."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    src, dst = tmp_path / "src", tmp_path / "q"
+    oracle = v4_checkpoint(src, seed=5, **(CONFIGS["plain"] | FP8_SHAPES | {"o_lora_rank": 64}))
+    quantised_copy(src, dst, oracle, expert_dtype="fp8")
+    tensors = load_file(dst / "model.safetensors")
+    odd = "model.layers.0.attn.wq_a.weight"
+    tensors[odd + "_scale_inv"] = tensors[odd + "_scale_inv"].float() * 0.75
+    save_file(tensors, dst / "model.safetensors")
+    decode = Fp8Dequantize(None)._dequantize_one
+    model = load(dst)
+    attn = model.layers[0][1]
+    want = decode(tensors[odd], tensors[odd + "_scale_inv"], torch.float32)
+    assert type(attn.w["wq_a.weight"]) is torch.Tensor and torch.equal(attn.w["wq_a.weight"].cpu(), want)
+    wo_a = "model.layers.0.attn.wo_a.weight"
+    want = decode(tensors[wo_a], tensors[wo_a + "_scale_inv"], torch.float32).view(2, 64, -1)
+    assert type(attn.w["wo_a"]) is torch.Tensor and torch.equal(attn.w["wo_a"].cpu(), want)
+    assert all(isinstance(attn.w[k], QTensor) for k in ("wq_b.weight", "wkv.weight", "wo_b.weight"))
+    assert isinstance(model.layers[1][1].w["wq_a.weight"], QTensor)
 
 
 def test_fp4_experts_with_fp32_scales_that_are_not_powers_of_two_are_dequantised_at_load(checkpoints, tmp_path, load):
