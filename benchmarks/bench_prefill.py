@@ -1,16 +1,22 @@
-"""Prefill speed of the model on a DeepSeek-V3-shaped (or V3.2-shaped) FP8 cut, against its compute roofline.
+"""Prefill speed of the model on a DeepSeek-V3-shaped (V3.2-, V4-shaped) cut, against its compute roofline.
 
-    python benchmarks/bench_prefill.py results.json [--backend cuda_sm100] [--layers 4] [--model v32]
+    python benchmarks/bench_prefill.py results.json [--backend cuda_sm100] [--layers 4] [--model v32|v4]
 
-The checkpoint is ``bench_model.py``'s: full DeepSeek-V3 (or V3.2) shapes, ``--layers`` layers, random FP8 weights.
-Three measurements, each a whole engine step (``ModelRunner.execute``: inputs, forward, sampling), CUDA events,
-median of ``--steps`` after two untimed ones:
+The checkpoint is ``bench_model.py``'s: full DeepSeek-V3 (or V3.2) shapes, ``--layers`` layers, random FP8 weights;
+with ``--model v4`` DeepSeek-V4-Flash's (FP8 linears, FP4 routed experts, the first layer hash-routed, the attention
+types in V4's default schedule). Three measurements, each a whole engine step (``ModelRunner.execute``: inputs,
+forward, sampling), CUDA events, median of ``--steps`` after two untimed ones:
 
 - **chunk**: one sequence's prompt tokens ``[start, start + --chunk)`` in one step, for each ``--starts`` (0: a
-  fresh prompt; later starts: the earlier tokens are already in the cache, random latents), the chunk ending the
-  prompt, so the step samples its first token.
+  fresh prompt; later starts: the earlier tokens are already in the cache), the chunk ending the prompt, so the step
+  samples its first token. V3 and V3.2: the earlier tokens' latents (and indexer keys) are random
+  (``fill_cache``). V4: a sequence's state (its window ring, its compressors' unfinished windows, its compressed
+  entries and indexer keys) is a function of its whole prefix, so the earlier tokens are prefilled by real engine
+  steps of ``--chunk`` tokens before the timing. Each timed step rewrites the chunk's own records (and V4's rings),
+  which later timed steps read back with other values: the work is the same.
 - **mixed**: a chunk of ``--mixed-chunk`` tokens at start 0 beside ``--mixed-decodes`` sequences decoding at
-  ``--context`` tokens each, in one step.
+  ``--context`` tokens each (``bench_model.fake_context``: random latents, or V4's pages filled with small random
+  values), in one step.
 - **time to first token**: a ``--ttft-prompt``-token prompt through ``LLM.generate(max_tokens=1)`` with
   ``--chunk``-token prefill chunks, wall clock, median of ``--ttft-repeats`` fresh prompts after one untimed
   (prefix caching off).
@@ -22,8 +28,14 @@ from the config for the formulation the model runs (``prefill_flops``): DeepSeek
 every context token through ``kv_b_proj`` and attends causally in 192 + 128 dimensions per head; DeepSeek-V3.2
 attends in the absorbed form (576 + 512) over at most ``index_topk`` tokens per query, and its indexer scores every
 earlier token (64 heads of 128, at the FP8 peak on an FP8 key cache). Norms, rope, routing and quantisation count as
-zero. The bytes the step must read (its weights once, every routed expert among them, the cache it attends) over
-the measured copy bandwidth are reported beside it.
+zero. DeepSeek-V4 (``prefill_flops_v4``) attends one shared key=value head of 512 per query head over its window of
+128 and the compressed entries visible to it (every one in a heavily compressed layer, at most ``index_topk`` in a
+compressed sparse one, whose indexer scores every visible entry), and adds its compressors', hyper-connections' and
+grouped output projection's products. Its routed experts are FP4, upcast to bf16 in the kernels: bf16 peak. Its FP8
+linears count at the FP8 peak where the model holds them in FP8 (the loader dequantises a weight whose scales the FP8
+ops cannot use: ``V4Checkpoint.read_fp8``). The bytes the step must read (its weights once, every
+routed expert among them, the cache it attends; V4: ``bench_model.decode_bytes_v4``'s cache terms at each
+sequence's context) over the measured copy bandwidth are reported beside it.
 
 ``--tiny`` runs the whole script at toy sizes on the CPU (a dry run of the logic, no numbers worth reading).
 """
@@ -43,11 +55,14 @@ from pathlib import Path
 import torch
 from bench_model import (
     TINY,
+    TINY_V4,
     V3,
+    V4,
     V32,
     Timer,
     checkpoint_path,
     copy_bandwidth,
+    decode_bytes_v4,
     device_timeline,
     fake_context,
     fill_cache,
@@ -55,11 +70,12 @@ from bench_model import (
     log,
     nbytes,
     write_checkpoint,
+    write_checkpoint_v4,
 )
 
 import deepinfer
-from deepinfer import bench
-from deepinfer.model import LLM, ModelConfig, SamplingParams
+from deepinfer import QTensor, bench
+from deepinfer.model import LLM, ModelConfig, SamplingParams, config_v4
 from deepinfer.model.scheduler import PrefillChunk, ScheduledBatch
 from deepinfer.model.sequence import Sequence, Status
 
@@ -123,11 +139,93 @@ def prefill_flops(
     return {"fp8": fp8, "bf16": total - fp8, "total": total, "parts": parts}
 
 
+def prefill_flops_v4(
+    cfg: config_v4.V4Config, chunks: list[tuple[int, int]], decodes: list[int], fp8_linears: bool
+) -> dict[str, float]:
+    """DeepSeek-V4's ``prefill_flops``: FLOPs of one step of prompt ``chunks`` ``(start, tokens)``, each ending its
+    prompt, and decode rows at ``decodes`` context lengths (the new token included), by class, ``fp8`` and
+    ``bf16``, with the parts. Each product of ``m x k`` by ``k x n`` counts ``2 m k n``, per layer:
+
+    - ``projections``: ``wq_a``, ``wq_b``, ``wkv``, the grouped ``wo_a`` and ``wo_b``; ``shared_expert``; ``indexer``:
+      its ``wq_b``. FP8 linears of the checkpoint: in the ``fp8`` class where the model holds them as FP8
+      (``fp8_linears``), in ``bf16`` where it runs them dequantised.
+    - ``experts``: ``num_experts_per_tok`` routed experts per row (hash-routed layers too). FP4 weights, in
+      ``bf16``: the kernels upcast them to bf16 before the tensor cores (``tl.dot_scaled`` on Hopper), so the bf16
+      peak bounds them.
+    - ``compressor``: the compressors' ``wkv`` and ``wgate`` (``2 head_dim`` wide in compressed sparse layers,
+      ``head_dim`` in heavily compressed ones; the indexer's ``2 index_head_dim``), kept in bf16 by DeepSeek.
+    - ``router``: the fp32 ``gate`` and the indexer's ``weights_proj``.
+    - ``attention``: scores and values (``2 head_dim`` per head) over the rows each query attends: its window,
+      ``min(p + 1, sliding_window)`` keys at position ``p``, plus the compressed entries whose window has closed,
+      ``(p + 1) // m``, all of them in a heavily compressed layer, at most ``index_topk`` in a compressed sparse one.
+    - ``indexer_scores``: ``index_n_heads x index_head_dim`` per query and visible entry (compressed sparse layers).
+    - ``hc``: the hyper-connections' products: ``hc_pre``'s projection of the ``hc_mult`` flattened streams onto
+      ``(2 + hc_mult) hc_mult`` mixes and its collapse (``1 x hc_mult`` by ``hc_mult x hidden``), ``hc_post``'s
+      ``hc_mult x (hc_mult + 1)`` mix of the block output and the streams, twice a layer; ``hc_head`` (its projection
+      onto ``hc_mult`` and the collapse) on the rows that get logits.
+    - ``lm_head``: one row per chunk and decode row.
+
+    Norms, rope, routing top-k, Sinkhorn, quantisation and the compressors' pooling (``compress_kv``: a softmax
+    weight times one value per slot and channel, no matrix product) count as zero."""
+    h, heads, d, q = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    n, sw, topk = cfg.hc_mult, cfg.sliding_window, cfg.index_topk
+    ih, idim = cfg.index_n_heads, cfg.index_head_dim
+    rows = sum(t for _, t in chunks) + len(decodes)
+    positions = [start + i for start, t in chunks for i in range(t)] + [c - 1 for c in decodes]
+    parts = dict.fromkeys(
+        ("projections", "shared_expert", "experts", "compressor", "indexer", "router", "attention", "indexer_scores",
+         "hc"), 0.0
+    )  # fmt: skip
+    proj = h * q + q * heads * d + h * d + heads * d * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * h
+    ffn = 3 * h * cfg.moe_intermediate_size
+    hc_site = n * h * (2 + n) * n + n * h + n * (n + 1) * h  # hc_pre (projection, collapse), hc_post
+    for layer in range(cfg.num_hidden_layers):
+        kind, m = cfg.attention_type(layer), cfg.compress_rate(layer)
+        parts["hc"] += 2 * rows * 2 * hc_site
+        parts["projections"] += 2 * rows * proj
+        parts["shared_expert"] += 2 * rows * ffn
+        parts["experts"] += 2 * rows * cfg.num_experts_per_tok * ffn
+        parts["router"] += 2 * rows * h * cfg.n_routed_experts
+        attended = sum(min(p + 1, sw) for p in positions)
+        if kind == config_v4.HCA:
+            parts["compressor"] += 2 * rows * 2 * h * d
+            attended += sum((p + 1) // m for p in positions)
+        elif kind == config_v4.CSA:
+            parts["compressor"] += 2 * rows * 2 * h * (2 * d + 2 * idim)
+            parts["indexer"] += 2 * rows * q * ih * idim
+            parts["router"] += 2 * rows * h * ih
+            parts["indexer_scores"] += 2 * sum((p + 1) // m for p in positions) * ih * idim
+            attended += sum(min((p + 1) // m, topk) for p in positions)
+        parts["attention"] += 2 * attended * heads * 2 * d
+    logits = len(chunks) + len(decodes)
+    parts["hc"] += 2 * logits * (n * h * n + n * h)
+    parts["lm_head"] = 2 * logits * h * cfg.vocab_size
+    fp8 = parts["projections"] + parts["shared_expert"] + parts["indexer"] if fp8_linears else 0.0
+    total = sum(parts.values())
+    return {"fp8": fp8, "bf16": total - fp8, "total": total, "parts": parts}
+
+
+def holds_fp8_linears(llm: LLM) -> bool:
+    """Whether the loaded DeepSeek-V4 model holds its FP8 linears as FP8 (``QTensor``) rather than dequantised."""
+    return isinstance(llm.model.layers[0][1].w["wq_a.weight"], QTensor)
+
+
+def step_flops(llm: LLM, chunks: list[tuple[int, int]], decodes: list[int]) -> dict[str, float]:
+    """``prefill_flops`` (or ``prefill_flops_v4``) of a step of ``llm``, in the classes its weights and caches
+    run in."""
+    if llm.config.model_type == "deepseek_v4":
+        return prefill_flops_v4(llm.config, chunks, decodes, holds_fp8_linears(llm))
+    index_fp8 = llm.engine.index_cache is not None and llm.engine.index_cache.dtype == torch.uint8
+    return prefill_flops(llm.config, chunks, decodes, index_fp8)
+
+
 def step_bytes(llm: LLM, chunks: list[tuple[int, int]], decodes: list[int]) -> int:
     """Bytes a step must read at least: every weight the step uses once (all routed experts: a chunk of thousands of
     tokens selects them all; DeepSeek-V3's per-head absorbed products only with decode rows, V3.2's ``kv_b_proj``
     never) and, per layer and sequence, the cache records it attends: every context token's latent (V3), or the
     indexer key of every context token and at most ``index_topk`` latents (V3.2)."""
+    if llm.config.model_type == "deepseek_v4":
+        return step_bytes_v4(llm, chunks, decodes)
     model, cfg = llm.model, llm.config
     unread = {"kv_b_proj.weight"} if cfg.sparse_attention else (set() if decodes else {"w_uk", "w_uv"})
     weights = nbytes(model.lm_head) + nbytes(model.norm)
@@ -149,16 +247,36 @@ def step_bytes(llm: LLM, chunks: list[tuple[int, int]], decodes: list[int]) -> i
     return weights + per_layer * cfg.num_hidden_layers
 
 
+def step_bytes_v4(llm: LLM, chunks: list[tuple[int, int]], decodes: list[int]) -> int:
+    """DeepSeek-V4's ``step_bytes``, in ``bench_model.decode_bytes_v4``'s terms: every weight once, every routed
+    expert among them, and the caches of each sequence as that counts them for one decode at the sequence's context
+    (a chunk's: its end), per layer: the window's keys, every entry of a heavily compressed layer, every indexer key
+    and at most ``index_topk`` entries of a compressed sparse one, one row of each compressor's ring."""
+    every = [moe.w13.shape[0] for moe in llm.model.moe_layers()]
+    whole = decode_bytes_v4(llm, 0, 0, every)
+    contexts = [start + n for start, n in chunks] + list(decodes)
+    cache = sum(decode_bytes_v4(llm, 1, c, [0] * len(every))["kv_cache"] for c in contexts)
+    return whole["weights"] + whole["experts"] + cache
+
+
 def prompt_sequence(llm: LLM, name: str, length: int, cached: int, seed: int) -> Sequence:
-    """A running sequence with a ``length``-token random prompt whose first ``cached`` tokens are in the cache."""
+    """A running sequence with a ``length``-token random prompt whose first ``cached`` tokens are in the cache:
+    random latents (``fill_cache``), or for DeepSeek-V4, whose per-sequence state (window ring, unfinished windows,
+    entries, indexer keys) is a function of the whole prefix, those tokens prefilled by engine steps of the
+    scheduler's chunk size."""
     cfg, alloc = llm.config, llm.engine.allocator
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(2, cfg.vocab_size, (length,), generator=g).tolist()
     seq = Sequence(name, seed, tokens, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), seed=seed)
     alloc.grow(seq, length)
-    seq.num_computed, seq.status = cached, Status.RUNNING
-    if cached:
+    seq.status = Status.RUNNING
+    if cached and getattr(cfg, "owns_cache", False):
+        step = llm.engine.scheduler.chunk_size
+        for start in range(0, cached, step):
+            llm.engine.runner.execute(ScheduledBatch(prefills=[PrefillChunk(seq, start, min(start + step, cached))]))
+    elif cached:
         fill_cache(llm, torch.tensor([alloc.slot(seq, p) for p in range(cached)], device=llm.device))
+    seq.num_computed = cached
     return seq
 
 
@@ -199,8 +317,7 @@ def measure(
     """One step's row: its time, tokens per second, FLOPs and roofline."""
     log(f"{name}:")
     ms, times, extra = time_step(llm, batch, steps, profile)
-    index_fp8 = llm.engine.index_cache is not None and llm.engine.index_cache.dtype == torch.uint8
-    flops = prefill_flops(llm.config, chunks, decodes, index_fp8)
+    flops = step_flops(llm, chunks, decodes)
     roof_ms = (flops["fp8"] / peaks["fp8"] + flops["bf16"] / peaks["bf16"]) * 1e3
     need = step_bytes(llm, chunks, decodes)
     tokens = sum(n for _, n in chunks) + len(decodes)
@@ -255,9 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", help="write the results here")
     p.add_argument("--backend", help="backend (default: the selected one)")
-    p.add_argument("--model", choices=("v3", "v32"), default="v3", help="DeepSeek-V3 or V3.2 shapes")
+    p.add_argument("--model", choices=("v3", "v32", "v4"), default="v3", help="DeepSeek-V3, V3.2 or V4-Flash shapes")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    p.add_argument("--dense-layers", type=int, default=1, help="of which dense, first (default 1)")
+    p.add_argument("--dense-layers", type=int, default=1, help="of which dense, first (default 1; not v4)")
     p.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk tokens (default 8192)")
     p.add_argument("--starts", default="0,24576", help="chunk starts: tokens already cached (default 0,24576)")
@@ -280,10 +397,14 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or deepinfer.current_backend().name
     spec = deepinfer.registry.get().lookup(backend)
     device = torch.device("cpu" if args.tiny else spec.device_type)
-    config = dict(V32 if args.model == "v32" else V3, num_hidden_layers=args.layers)
-    config["first_k_dense_replace"] = args.dense_layers
+    if args.model == "v4":
+        config = dict(V4, num_hidden_layers=args.layers) | (TINY_V4 if args.tiny else {})
+    else:
+        config = dict(V32 if args.model == "v32" else V3, num_hidden_layers=args.layers)
+        config["first_k_dense_replace"] = args.dense_layers
+        if args.tiny:
+            config |= TINY | ({"index_n_heads": 8, "index_topk": 64} if args.model == "v32" else {})
     if args.tiny:
-        config |= TINY | ({"index_n_heads": 8, "index_topk": 64} if args.model == "v32" else {})
         args.chunk, args.context = min(args.chunk, 256), min(args.context, 128)
         args.mixed_chunk, args.mixed_decodes = min(args.mixed_chunk, 128), min(args.mixed_decodes, 4)
         args.ttft_prompt = min(args.ttft_prompt, 512)
@@ -291,13 +412,16 @@ def main(argv: list[str] | None = None) -> int:
     starts = [int(s) for s in args.starts.split(",")]
     longest = max([s + args.chunk for s in starts] + [args.ttft_prompt, args.mixed_chunk, args.context])
     pages = math.ceil(longest / 64) * 2 + args.mixed_decodes * math.ceil(args.context / 64) + 64
+    if args.model == "v4":  # each live sequence's state pages too
+        layout = config_v4.V4Config.from_dict(config).cache_layout(64, 2, args.kv_format)
+        pages += (args.mixed_decodes + 1) * layout.state_pages
 
     path, tmp = checkpoint_path(args.checkpoint)
     rows, ttft = [], None
     try:
         if not (path / "config.json").is_file():
             log(f"writing the checkpoint to {path}")
-            write_checkpoint(path, config, device, args.seed)
+            (write_checkpoint_v4 if args.model == "v4" else write_checkpoint)(path, config, device, args.seed)
         peaks, bandwidth = ceilings(device)
         log(
             f"FP8 peak {peaks['fp8'] / 1e12:.0f} TFLOP/s, bf16 peak {peaks['bf16'] / 1e12:.0f} TFLOP/s, "
