@@ -16,7 +16,8 @@ Device time from CUDA graphs (``--eager``: eager medians, host work included). U
 (``TRITON_INTERPRET=1``, no GPU) it runs one small shape per case and times eagerly, which checks the script itself.
 mla_decode: bf16 and fp8_ds_mla caches at B=64 ctx 4096, B=128 ctx 16384, B=32 ctx 1024 (H=128, latent 512 + rope
 64, page 64). grouped_gemm: FP8 activations, gate/up 7168 -> 4096 and down 2048 -> 7168, 32 experts at 8, 128, 512 and
-1024 rows per expert, and 256 experts at 256 rows each (an 8k-token prefill chunk's top-8). gemm_invariant: the FP8
+1024 rows per expert, and 256 experts at 256 rows each (an 8k-token prefill chunk's top-8), by the kernel each call
+selects (``--set gemm.GROUPED_GLUON=True`` times the Gluon kernel of prefill rows against it). gemm_invariant: the FP8
 ``gemm`` kernel in batch-invariant mode (FP8 activations) at the DeepSeek-V3 projections, M = 128 and 4096.
 sparse_mla: ``deepinfer bench``'s cases, bf16 and fp8_ds_mla, decode at 8k context and an 8k-query prefill; ``--rev``
 swaps ``sparse_attention.py`` alone, so its Gluon kernel is A/B'd by ``--set

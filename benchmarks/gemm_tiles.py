@@ -157,8 +157,9 @@ def contiguous_sweep(experts: int, rows: int, n: int, k: int) -> dict:
     gemm.DEEP_K = 1 << 62  # each swept tile runs as given, whatever K
     for tile in LARGE_TILES:
         gemm.GROUPED_TILE = tile
-        err = rel_err(gemm.grouped_gemm(**sets[0]), want)
-        ms = time_graph_ms(lambda i: gemm.grouped_gemm(**sets[i]), sets=len(sets), reps=30) if err < 1e-2 else None
+        err = rel_err(gemm.grouped_gemm(**sets[0], kernel="triton"), want)  # the swept tiles are the Triton kernel's
+        run = lambda i: gemm.grouped_gemm(**sets[i], kernel="triton")
+        ms = time_graph_ms(run, sets=len(sets), reps=30) if err < 1e-2 else None
         row["tiles"].append({"tile": list(tile), "ms": ms, "rel_err": err})
         label = f"grouped contiguous E={experts} rows={rows} N={n} K={k} {list(tile)}"
         print(f"{label}: {ms} ms, rel err {err:.1e}", flush=True)

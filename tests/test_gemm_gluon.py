@@ -5,7 +5,12 @@ that it still compiles with the installed Triton, into the tensor-core work it w
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -196,3 +201,104 @@ def test_cublas_takes_the_rows_of_whole_waves_and_the_few_row_kernel_the_rest(on
     a, w = _operands(2048, 2112, 7168)
     assert gemm_cublas.cublas_waves_supports(a.dequantize().to(bf16), w, out_dtype=bf16, bias=None)
     assert not gemm_cublas.cublas_waves_supports(a, w, out_dtype=torch.float32, bias=None)
+
+
+# --- grouped_gemm at prefill rows (gemm_gluon_grouped) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [7168, 2048])  # DeepSeek-V3's experts: gate/up (K = hidden), down (K = intermediate)
+def test_grouped_kernel_compiles_for_sm90_as_the_dense_one_without_spills(k):
+    from deepinfer_cuda_sm100 import gemm_gluon_grouped as grouped
+
+    fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
+    signature = {
+        "a_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
+        "b_desc": descriptor_type(fp8, [128, 128], gl.float8e4nv),
+        "c_desc": descriptor_type(torch.empty(256, 256, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
+        "c_ptr": "*bf16",
+        "as_ptr": "*fp32",
+        "bs_ptr": "*fp32",
+        "table_ptr": "*i32",
+    } | dict.fromkeys(("MAX_TILES", "N"), "i32")
+    constants = {"K_BLOCKS": k // 128, "GROUP_M": grouped.GROUP_M, "STAGES": grouped.STAGES}
+    constants |= {"CONSUMER_REGS": grouped.CONSUMER_REGS, "PRODUCER_REGS": grouped.PRODUCER_REGS}
+    kernel = compile_sm90(grouped.fp8_grouped_ws, signature, constants, {"num_warps": 4, "enable_fp_fusion": True})
+    ptx = kernel.asm["ptx"]
+    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx) == ["m64n128k32"] * 12
+    assert "setmaxnreg.dec" in ptx and "fma.rn.f32" in ptx  # a specialized copying warp; acc + part * factor
+    assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # whole 64-row blocks stored by TMA
+    assert "st.global.v4" in ptx  # a block cut by its expert's end, in 16-byte runs under a mask
+    assert kernel.metadata.shared <= MAX_SHARED
+    report = ptxas_report(ptx)
+    assert "Used" in report and not wgmma_serialized(report)
+    assert set(re.findall(r"(\d+) bytes stack frame", report)) == {"0"}
+
+
+def _expected_tiles(offsets: list[int], rows: int) -> list[tuple[int, int, int]]:
+    """(expert, first row, the expert's end) of each tile of ``rows`` rows, expert by expert, written out by hand."""
+    return [
+        (e, first, offsets[e + 1]) for e in range(len(offsets) - 1) for first in range(offsets[e], offsets[e + 1], rows)
+    ]
+
+
+TILE_TABLE = """
+import json, sys, torch
+from deepinfer_cuda_sm100 import gemm_gluon_grouped as grouped
+offsets = json.loads(sys.argv[1])
+table, max_tiles = grouped.tile_table(torch.tensor(offsets, dtype=torch.int32), offsets[-1])
+count = int(table[3 * max_tiles])
+print(json.dumps([max_tiles, count, table[: 3 * max_tiles].view(3, max_tiles)[:, :count].T.tolist()]))
+"""
+
+
+@pytest.mark.parametrize("counts", [[0, 200, 5], [192, 0, 0, 384, 1, 191, 193, 0], "random"])
+def test_tile_table_lists_each_experts_row_tiles_in_order(counts):
+    """``_tile_table_kernel`` (a Triton kernel: run by the interpreter): every expert's rows in tiles of 192 that
+    never cross experts, empty experts skipped, the count at the end, for any spread of rows."""
+    if counts == "random":  # DeepSeek-V3's 256 experts, an 8k chunk's rows spread unevenly
+        counts = torch.randint(0, 512, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+        counts[7] = 0
+    offsets = [0, *itertools.accumulate(counts)]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", TILE_TABLE, json.dumps(offsets)], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    max_tiles, count, tiles = json.loads(done.stdout.splitlines()[-1])
+    want = _expected_tiles(offsets, 192)
+    assert count == len(want) and max_tiles >= count
+    assert [tuple(t) for t in tiles] == want
+
+
+def test_grouped_kernel_takes_prefill_rows_of_fp8_experts_outside_batch_invariant_mode(monkeypatch):
+    """As an SM90 GPU sees it: FP8 experts in the contiguous layout from 128 rows per expert on average, a bf16
+    activation quantised first; not the masked layout, other weights or shapes, or batch-invariant mode (there the
+    Triton kernel serves)."""
+    from deepinfer_cuda_sm100 import gemm, gemm_gluon_grouped
+
+    monkeypatch.setattr(gemm_gluon_grouped, "INTERPRET", False)
+    monkeypatch.setattr(gemm_gluon_grouped, "on_device", lambda *tensors: True)
+    monkeypatch.setattr(gemm_gluon_grouped, "hopper", lambda index: True)
+    monkeypatch.setattr(gemm, "GROUPED_GLUON", True)
+    experts, n, k, bf16 = 4, 256, 256, torch.bfloat16
+    w = quantize_blocks(torch.randn(experts, n, k))
+    offsets = torch.tensor([0, 300, 300, 450, 512], dtype=torch.int32)
+
+    def supports(rows: int, **over):
+        kw = dict(a=quantize_rows(torch.randn(rows, k), 128, "fp32"), w=w, expert_offsets=offsets, masked_m=None,
+                  out_dtype=bf16) | over  # fmt: skip
+        return gemm_gluon_grouped.supports(**kw)
+
+    assert supports(512) and supports(512, a=torch.randn(512, k, dtype=bf16))
+    assert "fewer than 128 per expert" in supports(511).reason
+    assert "masked layout" in supports(512, masked_m=torch.tensor([1, 2, 3, 4], dtype=torch.int32)).reason
+    assert "FP8 QTensor" in supports(512, w=w.dequantize().to(bf16)).reason
+    assert "N or K" in supports(512, w=quantize_blocks(torch.randn(experts, 200, k))).reason
+    assert "out_dtype" in supports(512, out_dtype=torch.float32).reason
+    a = quantize_rows(torch.randn(512, k), 128, "fp32")
+    assert gemm.grouped_kernel(a, w, masked_m=None, invariant=False, expert_offsets=offsets) == "gluon-ws"
+    assert gemm.grouped_kernel(a, w, masked_m=None, invariant=True, expert_offsets=offsets) == "triton"
+    monkeypatch.setattr(gemm, "GROUPED_GLUON", False)
+    assert gemm.grouped_kernel(a, w, masked_m=None, invariant=False, expert_offsets=offsets) == "triton"
+    assert gemm.grouped_gluon_supports(a, w, expert_offsets=offsets, masked_m=None, out_dtype=bf16).reason == (
+        "gemm.GROUPED_GLUON is off"
+    )

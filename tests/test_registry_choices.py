@@ -415,11 +415,12 @@ def triton_only(monkeypatch):
     monkeypatch.setattr(gemm_cublas, "INTERPRET", True)
     monkeypatch.setattr(gemm, "num_sms", lambda *_: SMS)
     try:
-        from deepinfer_cuda_sm100 import gemm_gluon
+        from deepinfer_cuda_sm100 import gemm_gluon, gemm_gluon_grouped
     except ImportError:
         pass
     else:
         monkeypatch.setattr(gemm_gluon, "INTERPRET", True)
+        monkeypatch.setattr(gemm_gluon_grouped, "INTERPRET", True)
     return gemm
 
 
@@ -492,6 +493,20 @@ def test_fp4_grouped_gemm_takes_triton_fp4_and_the_native_place_says_why_not(tri
         assert reasons["tcgen05-fp4"].startswith("FP4_TCGEN05 is off")
     finally:
         gemm._capabilities.cache_clear()
+
+
+def test_fp8_masked_layout_takes_64_row_tiles_past_decode_rows(triton_only):
+    """The swapped walk reads each weight tile once per 16 rows: a prefill chunk through a grouped projection (more
+    than ``MASKED_SWAPPED_MAX_M`` rows per expert) takes the 64-row tiles, in both modes."""
+    from deepinfer.qtensor import quantize_blocks
+
+    gemm = triton_only
+    w = quantize_blocks(torch.randn(2, 128, 128))
+    for rows, want in [(gemm.MASKED_SWAPPED_MAX_M, "triton-masked-swapped"), (gemm.MASKED_SWAPPED_MAX_M + 1, "triton")]:
+        a = torch.randn(2, rows, 128, dtype=torch.bfloat16)
+        kwargs = dict(a=a, w=w, expert_offsets=None, masked_m=torch.tensor([rows, 3], dtype=torch.int32))
+        for invariant in (False, True):
+            assert _taken("grouped_gemm", kwargs | {"out_dtype": torch.bfloat16}, invariant) == want
 
 
 GROUPED_CASES = [(fp8, masked, rows) for fp8 in (False, True) for masked in (False, True) for rows in (1, 63, 64, 200)]

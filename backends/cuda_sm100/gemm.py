@@ -19,8 +19,8 @@ number is set by K alone, added in span order: no row count enters a row's arith
 
 This file holds the ops' entry points, their ``supports`` and the Triton kernels' launch choice (tiles, splits over
 K, grouped layouts); the kernels themselves are in ``gemm_triton.py``, cuBLAS's products and the probes of whether
-they agree with the kernels in ``gemm_cublas.py``, the Hopper Gluon kernels in ``gemm_gluon.py``. ``plugin.py``
-registers each kernel choice as an implementation of its own.
+they agree with the kernels in ``gemm_cublas.py``, the Hopper Gluon kernels in ``gemm_gluon.py`` and
+``gemm_gluon_grouped.py``. ``plugin.py`` registers each kernel choice as an implementation of its own.
 """
 
 from __future__ import annotations
@@ -337,22 +337,32 @@ GROUPED_TILE = Tile(64, 128, 4, 3)
 GROUPED_DECODE_TILE, DECODE_TILE_MAX_M = Tile(16, 64, 4, 4), 63
 GROUPED_GROUP_M = 16  # M tiles walked together down the column tiles (16 x 64 rows: 1024 rows, an expert or two)
 MASKED_SWAPPED_TILE = Tile(16, 64, 4, 5, swap=True)
+# The swapped walk reads each weight tile once per 16 rows of A: decode's rows per expert. Beyond this many (a prefill
+# chunk through a grouped projection such as DeepSeek-V4's ``wo_a``) the 64-row tiles serve; both give a row the same
+# bits, so the choice by row count keeps batch invariance.
+MASKED_SWAPPED_MAX_M = 1024
 MASKED_PROGRAMS_PER_SM = 4
 
 
 # The kernels ``grouped_gemm`` chooses between, in the order tried (each a registered implementation: ``plugin.py``):
-# FP8 in the masked layout swaps its operands; outside batch-invariant mode the dense masked layout of decode takes
-# ``GROUPED_DECODE_TILE`` below ``DECODE_TILE_MAX_M`` rows per expert; ``_grouped_gemm_kernel`` with
-# ``GROUPED_TILE`` serves every supported call.
-GROUPED_KERNELS = ("triton-masked-swapped", "triton-decode", "triton")
+# outside batch-invariant mode, FP8 in the contiguous layout at prefill's rows per expert takes the Gluon kernel
+# (``gemm_gluon_grouped``) while ``GROUPED_GLUON`` is on (off until a GPU run has checked and timed it: NOTES.md,
+# model prefill step); FP8 in the masked layout swaps its operands up to ``MASKED_SWAPPED_MAX_M`` rows; outside
+# batch-invariant mode the dense masked layout of decode takes ``GROUPED_DECODE_TILE`` below ``DECODE_TILE_MAX_M``
+# rows per expert; ``_grouped_gemm_kernel`` with ``GROUPED_TILE`` serves every supported call.
+GROUPED_KERNELS = ("gluon-ws", "triton-masked-swapped", "triton-decode", "triton")
+GROUPED_GLUON = False
 
 
-def grouped_kernel(a, w, *, masked_m, invariant: bool) -> str:
+def grouped_kernel(a, w, *, masked_m, invariant: bool, expert_offsets=None, out_dtype=torch.bfloat16) -> str:
     """The first of ``GROUPED_KERNELS`` that serves a supported call in the given mode."""
     masked = masked_m is not None
-    if isinstance(w, QTensor) and masked:
-        return "triton-masked-swapped"
     a_data = a.data if isinstance(a, QTensor) else a
+    if not invariant and grouped_gluon_supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m,
+                                                out_dtype=out_dtype):  # fmt: skip
+        return "gluon-ws"
+    if isinstance(w, QTensor) and masked and a_data.shape[1] <= MASKED_SWAPPED_MAX_M:
+        return "triton-masked-swapped"
     if masked and a_data.shape[1] <= DECODE_TILE_MAX_M and not invariant:
         return "triton-decode"
     return "triton"
@@ -362,7 +372,13 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, kernel: str | Non
     """``ops.grouped_gemm`` by ``kernel`` (one of ``GROUPED_KERNELS``; None: ``grouped_kernel``'s choice in the
     current mode)."""
     if kernel is None:
-        kernel = grouped_kernel(a, w, masked_m=masked_m, invariant=batch_invariant_enabled())
+        kernel = grouped_kernel(a, w, masked_m=masked_m, invariant=batch_invariant_enabled(),
+                                expert_offsets=expert_offsets, out_dtype=out_dtype)  # fmt: skip
+    if kernel == "gluon-ws":
+        from . import gemm_gluon_grouped
+
+        return gemm_gluon_grouped.grouped_gemm(a, w, expert_offsets=expert_offsets, masked_m=masked_m,
+                                               out_dtype=out_dtype)  # fmt: skip
     fp8 = isinstance(w, QTensor)
     if fp8:
         a = _as_fp8(a, w)
@@ -466,12 +482,26 @@ def grouped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Dec
     return placed(a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m)
 
 
+def grouped_gluon_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+    """``gemm_gluon_grouped.supports``, with a Triton that has Gluon's Hopper language, while ``GROUPED_GLUON`` is
+    on."""
+    try:
+        from . import gemm_gluon_grouped
+    except ImportError:
+        return Decline("this Triton has no Gluon language for Hopper")
+    answer = gemm_gluon_grouped.supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
+    return Decline("gemm.GROUPED_GLUON is off") if answer and not GROUPED_GLUON else answer
+
+
 def grouped_masked_swapped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
-    """``grouped_supports`` for an FP8 weight in the masked layout."""
+    """``grouped_supports`` for an FP8 weight in the masked layout, up to ``MASKED_SWAPPED_MAX_M`` rows per
+    expert."""
     if not isinstance(w, QTensor):
         return Decline("w is not an FP8 QTensor")
     if masked_m is None:
         return Decline("the contiguous layout (expert_offsets), not the masked one")
+    if a.shape[1] > MASKED_SWAPPED_MAX_M:
+        return Decline(f"a has {a.shape[1]} rows per expert > {MASKED_SWAPPED_MAX_M}")
     return grouped_supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
 
 

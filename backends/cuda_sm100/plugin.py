@@ -81,8 +81,10 @@ def _grouped_gemm_impls(gemm) -> list[OpImpl]:
     """FP4 weights first (``tcgen05-fp4``, ``tl.dot_scaled`` where the device has the ``fp4`` capability, while
     ``gemm.FP4_TCGEN05`` is on; ``triton-fp4-few`` and ``triton-fp4``, upcasting inside the kernel), then one
     implementation per kernel ``gemm.grouped_gemm`` chooses between, in ``GROUPED_KERNELS``' order; the decode
-    tiles (``triton-fp4-few``, ``triton-decode``) are not batch-invariant."""
+    tiles (``triton-fp4-few``, ``triton-decode``) and the Gluon kernel of prefill rows (``gluon-ws``) are not
+    batch-invariant."""
     supports = {
+        "gluon-ws": gemm.grouped_gluon_supports,
         "triton-masked-swapped": gemm.grouped_masked_swapped_supports,
         "triton-decode": gemm.grouped_decode_supports,
         "triton": gemm.grouped_supports,
@@ -101,7 +103,7 @@ def _grouped_gemm_impls(gemm) -> list[OpImpl]:
     ]
     return fp4 + [
         _impl("grouped_gemm", kernel, partial(gemm.grouped_gemm, kernel=kernel), supports[kernel],
-              invariant=kernel != "triton-decode", priority=-i)
+              invariant=kernel not in ("triton-decode", "gluon-ws"), priority=-i)
         for i, kernel in enumerate(gemm.GROUPED_KERNELS)
     ]  # fmt: skip
 

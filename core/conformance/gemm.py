@@ -96,8 +96,8 @@ def _gemm_case(m: int, n: int, k: int, variant: str, *, bias: bool = False, ue8m
     )
 
 
-def _contiguous_counts(g: Gen, experts: int, most: int) -> list[int]:
-    counts = g.ints(0, most + 1, experts)
+def _contiguous_counts(g: Gen, experts: int, most: int, least: int = 0) -> list[int]:
+    counts = g.ints(least, most + 1, experts)
     counts[g.ints(0, experts, 1)[0]] = 0  # always one expert with no rows
     return counts
 
@@ -115,12 +115,14 @@ def _sub_contiguous(kw: dict, rows: list[int]):
     return {**take_rows(kw, ("a",), rows), "expert_offsets": offsets}, lambda o: rows_of(o, rows)
 
 
-def _grouped_case(experts: int, n: int, k: int, most: int, variant: str, layout: str) -> Case:
+def _grouped_case(experts: int, n: int, k: int, most: int, variant: str, layout: str, least: int = 0) -> Case:
+    """``least``: the fewest rows of each expert but the one with none (contiguous layout)."""
+
     def make(g: Gen):
         w = _weight(g, experts, n, k, fp8=variant.startswith("fp8"))
         act = "fp8" if variant == "fp8" else "bf16"
         if layout == "contiguous":
-            counts = _contiguous_counts(g, experts, most)
+            counts = _contiguous_counts(g, experts, most, least)
             offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=g.device)
             return {"a": _act(g, sum(counts), k, variant=act), "w": w, "expert_offsets": offsets}
         masked = g.ints(0, most + 1, experts)
@@ -131,7 +133,8 @@ def _grouped_case(experts: int, n: int, k: int, most: int, variant: str, layout:
             "masked_m": torch.tensor(masked, dtype=torch.int32, device=g.device),
         }
 
-    name = f"{layout} E={experts} N={n} K={k} rows<={most} {variant}"
+    rows = f"rows {least}..{most}" if least else f"rows<={most}"
+    name = f"{layout} E={experts} N={n} K={k} {rows} {variant}"
     tol = "fp8" if variant.startswith("fp8") else variant
     return _layout_case(layout, name, tol, make)
 
@@ -199,6 +202,8 @@ def cases(shapes: str) -> list[Case]:
             out += [_grouped_case(4, 96, 256, 9, v, lay) for v in ("bf16", "fp8w", "fp8")]
         out.append(_grouped_case(3, 200, 128, 17, "fp8", "contiguous"))
         out += [_grouped_case(3, 96, 256, 0, "bf16", lay) for lay in ("contiguous", "masked")]  # no rows at all
+        # prefill's hundreds of rows per expert (a backend may take another kernel there), tiles cut by experts' ends
+        out += [_grouped_case(3, 256, 256, 400, v, "contiguous", least=200) for v in ("fp8w", "fp8")]
         for lay in ("contiguous", "masked"):
             out.append(_fp4_grouped_case(4, 96, 256, 9, lay))
             out.append(_fp4_grouped_case(3, 200, 96, 17, lay, dtype=torch.float32))  # K not a multiple of 64
@@ -215,6 +220,8 @@ def cases(shapes: str) -> list[Case]:
     for lay in ("contiguous", "masked"):
         for n, k in [(4096, 7168), (7168, 2048)]:
             out += [_grouped_case(32, n, k, 256, v, lay) for v in ("bf16", "fp8")]
+            if lay == "contiguous":  # an 8k-token prefill chunk's rows per expert
+                out.append(_grouped_case(32, n, k, 512, "fp8", lay, least=160))
         out += [_fp4_grouped_case(32, n, k, 256, lay) for n, k in V4_FLASH_EXPERTS]
     return out
 
