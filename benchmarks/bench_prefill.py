@@ -154,7 +154,8 @@ def prefill_flops_v4(
       peak bounds them.
     - ``compressor``: the compressors' ``wkv`` and ``wgate`` (``2 head_dim`` wide in compressed sparse layers,
       ``head_dim`` in heavily compressed ones; the indexer's ``2 index_head_dim``), kept in bf16 by DeepSeek.
-    - ``router``: the fp32 ``gate`` and the indexer's ``weights_proj``.
+    - ``router``: the fp32 ``gate`` and the indexer's ``weights_proj`` (fp32 products at the bf16 peak, as V3's router:
+      a roofline slightly too fast, so a conservative share of it).
     - ``attention``: scores and values (``2 head_dim`` per head) over the rows each query attends: its window,
       ``min(p + 1, sliding_window)`` keys at position ``p``, plus the compressed entries whose window has closed,
       ``(p + 1) // m``, all of them in a heavily compressed layer, at most ``index_topk`` in a compressed sparse one.
