@@ -206,8 +206,8 @@ def test_cublas_takes_the_rows_of_whole_waves_and_the_few_row_kernel_the_rest(on
 # --- grouped_gemm at prefill rows (gemm_gluon_grouped) ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", [7168, 2048])  # DeepSeek-V3's experts: gate/up (K = hidden), down (K = intermediate)
-def test_grouped_kernel_compiles_for_sm90_as_the_dense_one_without_spills(k):
+@pytest.mark.parametrize(("k", "consumers"), [(7168, 3), (2048, 3), (7168, 2)])  # V3's experts: gate/up, down
+def test_grouped_kernel_compiles_for_sm90_as_the_dense_one_without_spills(k, consumers):
     from deepinfer_cuda_sm100 import gemm_gluon_grouped as grouped
 
     fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
@@ -222,9 +222,11 @@ def test_grouped_kernel_compiles_for_sm90_as_the_dense_one_without_spills(k):
     } | dict.fromkeys(("MAX_TILES", "N"), "i32")
     constants = {"K_BLOCKS": k // 128, "GROUP_M": grouped.GROUP_M, "STAGES": grouped.STAGES}
     constants |= {"CONSUMER_REGS": grouped.CONSUMER_REGS, "PRODUCER_REGS": grouped.PRODUCER_REGS}
+    constants |= {"CONSUMERS": consumers}
     kernel = compile_sm90(grouped.fp8_grouped_ws, signature, constants, {"num_warps": 4, "enable_fp_fusion": True})
     ptx = kernel.asm["ptx"]
-    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx) == ["m64n128k32"] * 12
+    products = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx)
+    assert products == ["m64n128k32"] * 4 * consumers  # each consumer one 128-deep product per K block
     assert "setmaxnreg.dec" in ptx and "fma.rn.f32" in ptx  # a specialized copying warp; acc + part * factor
     assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # whole 64-row blocks stored by TMA
     assert "st.global.v4" in ptx  # a block cut by its expert's end, in 16-byte runs under a mask
@@ -270,7 +272,7 @@ def test_tile_table_lists_each_experts_row_tiles_in_order(counts):
 
 
 def test_grouped_kernel_takes_prefill_rows_of_fp8_experts_outside_batch_invariant_mode(monkeypatch):
-    """As an SM90 GPU sees it: FP8 experts in the contiguous layout from 128 rows per expert on average, a bf16
+    """As an SM90 GPU sees it: FP8 experts in the contiguous layout from 384 rows per expert on average, a bf16
     activation quantised first; not the masked layout, other weights or shapes, or batch-invariant mode (there the
     Triton kernel serves)."""
     from deepinfer_cuda_sm100 import gemm, gemm_gluon_grouped
@@ -281,20 +283,20 @@ def test_grouped_kernel_takes_prefill_rows_of_fp8_experts_outside_batch_invarian
     monkeypatch.setattr(gemm, "GROUPED_GLUON", True)
     experts, n, k, bf16 = 4, 256, 256, torch.bfloat16
     w = quantize_blocks(torch.randn(experts, n, k))
-    offsets = torch.tensor([0, 300, 300, 450, 512], dtype=torch.int32)
+    offsets = torch.tensor([0, 900, 900, 1350, 1536], dtype=torch.int32)
 
     def supports(rows: int, **over):
         kw = dict(a=quantize_rows(torch.randn(rows, k), 128, "fp32"), w=w, expert_offsets=offsets, masked_m=None,
                   out_dtype=bf16) | over  # fmt: skip
         return gemm_gluon_grouped.supports(**kw)
 
-    assert supports(512) and supports(512, a=torch.randn(512, k, dtype=bf16))
-    assert "fewer than 128 per expert" in supports(511).reason
-    assert "masked layout" in supports(512, masked_m=torch.tensor([1, 2, 3, 4], dtype=torch.int32)).reason
-    assert "FP8 QTensor" in supports(512, w=w.dequantize().to(bf16)).reason
-    assert "N or K" in supports(512, w=quantize_blocks(torch.randn(experts, 200, k))).reason
-    assert "out_dtype" in supports(512, out_dtype=torch.float32).reason
-    a = quantize_rows(torch.randn(512, k), 128, "fp32")
+    assert supports(1536) and supports(1536, a=torch.randn(1536, k, dtype=bf16))
+    assert "fewer than 384 per expert" in supports(1535).reason
+    assert "masked layout" in supports(1536, masked_m=torch.tensor([1, 2, 3, 4], dtype=torch.int32)).reason
+    assert "FP8 QTensor" in supports(1536, w=w.dequantize().to(bf16)).reason
+    assert "N or K" in supports(1536, w=quantize_blocks(torch.randn(experts, 200, k))).reason
+    assert "out_dtype" in supports(1536, out_dtype=torch.float32).reason
+    a = quantize_rows(torch.randn(1536, k), 128, "fp32")
     assert gemm.grouped_kernel(a, w, masked_m=None, invariant=False, expert_offsets=offsets) == "gluon-ws"
     assert gemm.grouped_kernel(a, w, masked_m=None, invariant=True, expert_offsets=offsets) == "triton"
     monkeypatch.setattr(gemm, "GROUPED_GLUON", False)

@@ -346,12 +346,13 @@ MASKED_PROGRAMS_PER_SM = 4
 
 # The kernels ``grouped_gemm`` chooses between, in the order tried (each a registered implementation: ``plugin.py``):
 # outside batch-invariant mode, FP8 in the contiguous layout at prefill's rows per expert takes the Gluon kernel
-# (``gemm_gluon_grouped``) while ``GROUPED_GLUON`` is on (off until a GPU run has checked and timed it: NOTES.md,
-# model prefill step); FP8 in the masked layout swaps its operands up to ``MASKED_SWAPPED_MAX_M`` rows; outside
+# (``gemm_gluon_grouped``) while ``GROUPED_GLUON`` is on (it gave the Triton kernel's bits in every case measured;
+# it is not declared batch-invariant yet); FP8 in the masked layout swaps its operands up to ``MASKED_SWAPPED_MAX_M``
+# rows; outside
 # batch-invariant mode the dense masked layout of decode takes ``GROUPED_DECODE_TILE`` below ``DECODE_TILE_MAX_M``
 # rows per expert; ``_grouped_gemm_kernel`` with ``GROUPED_TILE`` serves every supported call.
 GROUPED_KERNELS = ("gluon-ws", "triton-masked-swapped", "triton-decode", "triton")
-GROUPED_GLUON = False
+GROUPED_GLUON = True
 
 
 def grouped_kernel(a, w, *, masked_m, invariant: bool, expert_offsets=None, out_dtype=torch.bfloat16) -> str:

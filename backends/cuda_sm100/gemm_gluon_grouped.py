@@ -1,4 +1,4 @@
-"""FP8 block-scaled ``grouped_gemm`` for Hopper (SM90) in Gluon, contiguous layout: the routed experts of a prefill
+"""FP8 block-scaled ``grouped_gemm`` for Hopper (SM90) in Gluon, contiguous layout: the routed experts of a long prefill
 chunk, where every expert holds hundreds of rows (``supports``: ``MIN_ROWS_PER_EXPERT`` on average).
 
 The Triton kernel (``gemm_triton._grouped_gemm_kernel``) stays near 42% of the FP8 peak at any tile (NOTES.md,
@@ -38,12 +38,17 @@ from deepinfer import Decline, QTensor
 from ._gluon import BARRIER, TMA_LOAD, TMA_STORE
 from ._triton import INTERPRET, hopper, num_sms, on_device, tma_ready
 from .gemm import FP8_BLOCK, _as_fp8
-from .gemm_gluon import BK, BM, BN, CONSUMERS, WG_ROWS, _descriptors, _factor, _next_tile, _tile_coords, _tiles
+from .gemm_gluon import BK, BM, BN, WG_ROWS, _descriptors, _factor, _next_tile, _tile_coords, _tiles
 
-GROUP_M = 8  # row tiles walked together down the column blocks (8 x 192 rows: about six experts at 256 rows each)
+# consumer warpgroups of 64 rows: a row tile's rows (an expert's last tile is part empty); the measured kernel has 3,
+# 2 (128-row tiles: 256 rows per expert in whole tiles) compiles and has not run on a GPU
+TILE_CONSUMERS = 3
+GROUP_M = 8  # row tiles walked together down the column blocks
 STAGES = 4
 CONSUMER_REGS, PRODUCER_REGS = 152, 56  # as the dense kernel's streamed schedule
-MIN_ROWS_PER_EXPERT = 128  # below this (decode, small batches) most tiles would be part empty: the Triton kernel serves
+# At 512 and 1024 rows per expert it ran at 1.22-1.43x the Triton kernel's speed, at 128 0.97-1.03x, at 256 (two
+# tiles of 192 and 64 rows: a third of the consumers idle) 0.76-0.79x, with the same bits (H100, 2026-12-06)
+MIN_ROWS_PER_EXPERT = 384
 STORE_ROWS = gl.constexpr(16)  # rows per pass of a masked store
 TABLE_BLOCK = 64  # row tiles listed per program of ``_tile_table_kernel``
 
@@ -73,12 +78,12 @@ def _tile_table_kernel(offsets_ptr, table_ptr, E, MAX_TILES, BLOCK_T: tl.constex
 
 @gluon.jit
 def _producer(a_desc, b_desc, a_s, b_s, ready, empty, table_ptr, MAX_TILES, N, K_BLOCKS: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
     """One warp: each K block of each of the program's tiles, A's three 64-row blocks and expert ``e``'s B block, into
     the stage ring once every consumer is done with the stage's previous block."""
     a_bytes: gl.constexpr = a_desc.block_type.nbytes
     b_bytes: gl.constexpr = b_desc.block_type.nbytes
-    m_rows = gl.load(table_ptr + 3 * MAX_TILES) * BM  # the walk's rows: every tile full
+    m_rows = gl.load(table_ptr + 3 * MAX_TILES) * BM  # the tiles, in the dense walk's rows (``_tiles``)
     first, stop, step, grid_n = _tiles(m_rows, N, GROUP_M)
     it = 0
     pid_m, pid_n = _tile_coords(gl.minimum(first, stop - 1), m_rows, grid_n, GROUP_M)  # (no tile: unused)
@@ -121,7 +126,8 @@ def _store(c_desc, c_s, c_ptr, acc, row, row_end, col, N):
 
 @gluon.jit
 def _consumer(a_s, b_s, c_s, ready, empty, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr, MAX_TILES, N,
-              PART: gl.constexpr, K_BLOCKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              PART: gl.constexpr, K_BLOCKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMERS: gl.constexpr):  # fmt: skip
     """One warpgroup: rows ``64 PART + [0, 64)`` of each tile, as ``gemm_gluon._consumer`` (streamed), its products
     skipped where those rows start past the expert's end."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
@@ -165,11 +171,11 @@ def _consumer(a_s, b_s, c_s, ready, empty, c_desc, c_ptr, as_ptr, bs_ptr, table_
 @gluon.jit
 def fp8_grouped_ws(a_desc, b_desc, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr, MAX_TILES, N, K_BLOCKS: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr):  # fmt: skip
+                   PRODUCER_REGS: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
     """C[rows, N] (bf16): each expert's rows of A[rows, K] against its weight B[e] ([E * N, K] in all), A scales
     [rows, K/128], B scales [E, N/128, K/128], K = 128 K_BLOCKS, N a multiple of 128, over the row tiles of
-    ``table_ptr`` (``_tile_table_kernel``). Launched with 4 warps (the first consumer), to which the two other
-    consumers add 4 each and the producer 1; one program per SM."""
+    ``64 CONSUMERS`` rows in ``table_ptr`` (``_tile_table_kernel``). Launched with 4 warps (the first consumer), to
+    which each other consumer (2 or 3 in all) adds 4 and the producer 1; one program per SM."""
     a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES * CONSUMERS, WG_ROWS, BK], a_desc.layout)
     b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     c_s = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, BN], c_desc.layout)  # a buffer per consumer
@@ -179,22 +185,169 @@ def fp8_grouped_ws(a_desc, b_desc, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr, MAX
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer releases a stage
     fence_async_shared()
-    gl.warp_specialize(
-        [
-            (_consumer, (a_s, b_s, c_s.index(0), ready, empty, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr, MAX_TILES, N,
-                         0, K_BLOCKS, GROUP_M, STAGES)),
-            (_consumer, (a_s, b_s, c_s.index(1), ready, empty, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr, MAX_TILES, N,
-                         1, K_BLOCKS, GROUP_M, STAGES)),
-            (_consumer, (a_s, b_s, c_s.index(2), ready, empty, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr, MAX_TILES, N,
-                         2, K_BLOCKS, GROUP_M, STAGES)),
-            (_producer, (a_desc, b_desc, a_s, b_s, ready, empty, table_ptr, MAX_TILES, N, K_BLOCKS, GROUP_M, STAGES)),
-        ],
-        [4, 4, 1],
-        [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
-    )  # fmt: skip
+    if CONSUMERS == 3:
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        a_s,
+                        b_s,
+                        c_s.index(0),
+                        ready,
+                        empty,
+                        c_desc,
+                        c_ptr,
+                        as_ptr,
+                        bs_ptr,
+                        table_ptr,
+                        MAX_TILES,
+                        N,
+                        0,
+                        K_BLOCKS,
+                        GROUP_M,
+                        STAGES,
+                        CONSUMERS,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        a_s,
+                        b_s,
+                        c_s.index(1),
+                        ready,
+                        empty,
+                        c_desc,
+                        c_ptr,
+                        as_ptr,
+                        bs_ptr,
+                        table_ptr,
+                        MAX_TILES,
+                        N,
+                        1,
+                        K_BLOCKS,
+                        GROUP_M,
+                        STAGES,
+                        CONSUMERS,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        a_s,
+                        b_s,
+                        c_s.index(2),
+                        ready,
+                        empty,
+                        c_desc,
+                        c_ptr,
+                        as_ptr,
+                        bs_ptr,
+                        table_ptr,
+                        MAX_TILES,
+                        N,
+                        2,
+                        K_BLOCKS,
+                        GROUP_M,
+                        STAGES,
+                        CONSUMERS,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        a_desc,
+                        b_desc,
+                        a_s,
+                        b_s,
+                        ready,
+                        empty,
+                        table_ptr,
+                        MAX_TILES,
+                        N,
+                        K_BLOCKS,
+                        GROUP_M,
+                        STAGES,
+                        CONSUMERS,
+                    ),
+                ),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        a_s,
+                        b_s,
+                        c_s.index(0),
+                        ready,
+                        empty,
+                        c_desc,
+                        c_ptr,
+                        as_ptr,
+                        bs_ptr,
+                        table_ptr,
+                        MAX_TILES,
+                        N,
+                        0,
+                        K_BLOCKS,
+                        GROUP_M,
+                        STAGES,
+                        CONSUMERS,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        a_s,
+                        b_s,
+                        c_s.index(1),
+                        ready,
+                        empty,
+                        c_desc,
+                        c_ptr,
+                        as_ptr,
+                        bs_ptr,
+                        table_ptr,
+                        MAX_TILES,
+                        N,
+                        1,
+                        K_BLOCKS,
+                        GROUP_M,
+                        STAGES,
+                        CONSUMERS,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        a_desc,
+                        b_desc,
+                        a_s,
+                        b_s,
+                        ready,
+                        empty,
+                        table_ptr,
+                        MAX_TILES,
+                        N,
+                        K_BLOCKS,
+                        GROUP_M,
+                        STAGES,
+                        CONSUMERS,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
 
 
-def tile_table(expert_offsets: torch.Tensor, rows: int, tile_rows: int = BM.value) -> tuple[torch.Tensor, int]:
+def tile_table(expert_offsets: torch.Tensor, rows: int, tile_rows: int = 192) -> tuple[torch.Tensor, int]:
     """``(table, max_tiles)``: ``_tile_table_kernel``'s int32 table of the row tiles of ``rows`` rows over
     ``expert_offsets`` (E + 1 ascending ints), for at most ``max_tiles = ceil(rows / tile_rows) + E`` tiles."""
     experts = expert_offsets.numel() - 1
@@ -218,13 +371,13 @@ def grouped_gemm(a, w: QTensor, *, expert_offsets, masked_m, out_dtype) -> torch
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=qa.data.device)
     if rows == 0:
         return out
-    table, max_tiles = tile_table(expert_offsets.to(torch.int32).contiguous(), rows)
+    table, max_tiles = tile_table(expert_offsets.to(torch.int32).contiguous(), rows, 64 * TILE_CONSUMERS)
     b = w.data.contiguous().view(experts * n, k)
     programs = min(max_tiles * (n // BN.value), num_sms(qa.data.device.index or 0))
     fp8_grouped_ws[(programs,)](
         *_descriptors(qa.data.contiguous(), b, out), out, qa.scale.contiguous(), w.scale.contiguous(), table,
         max_tiles, n, K_BLOCKS=k // FP8_BLOCK, GROUP_M=GROUP_M, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMERS=TILE_CONSUMERS, num_warps=4,
         enable_fp_fusion=True,  # one FFMA per scaled block, as the Triton kernel
     )  # fmt: skip
     return out

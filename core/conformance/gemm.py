@@ -203,7 +203,7 @@ def cases(shapes: str) -> list[Case]:
         out.append(_grouped_case(3, 200, 128, 17, "fp8", "contiguous"))
         out += [_grouped_case(3, 96, 256, 0, "bf16", lay) for lay in ("contiguous", "masked")]  # no rows at all
         # prefill's hundreds of rows per expert (a backend may take another kernel there), tiles cut by experts' ends
-        out += [_grouped_case(3, 256, 256, 400, v, "contiguous", least=200) for v in ("fp8w", "fp8")]
+        out += [_grouped_case(3, 256, 256, 800, v, "contiguous", least=600) for v in ("fp8w", "fp8")]
         for lay in ("contiguous", "masked"):
             out.append(_fp4_grouped_case(4, 96, 256, 9, lay))
             out.append(_fp4_grouped_case(3, 200, 96, 17, lay, dtype=torch.float32))  # K not a multiple of 64
@@ -220,8 +220,8 @@ def cases(shapes: str) -> list[Case]:
     for lay in ("contiguous", "masked"):
         for n, k in [(4096, 7168), (7168, 2048)]:
             out += [_grouped_case(32, n, k, 256, v, lay) for v in ("bf16", "fp8")]
-            if lay == "contiguous":  # an 8k-token prefill chunk's rows per expert
-                out.append(_grouped_case(32, n, k, 512, "fp8", lay, least=160))
+            if lay == "contiguous":  # a long prefill chunk's rows per expert
+                out.append(_grouped_case(32, n, k, 640, "fp8", lay, least=400))
         out += [_fp4_grouped_case(32, n, k, 256, lay) for n, k in V4_FLASH_EXPERTS]
     return out
 
