@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from deepinfer import Decline, QTensor
 
 from ._gluon import BARRIER, TMA_LOAD, TMA_STORE
-from ._triton import INTERPRET, hopper, num_sms, on_device, tma_ready
+from ._triton import INTERPRET, PDL, hopper, num_sms, on_device, pdl_wait, tma_ready
 from .gemm import FP8_BLOCK, _as_fp8
 from .gemm_gluon import BK, BM, BN, WG_ROWS, _descriptors, _factor, _next_tile, _tile_coords, _tiles
 
@@ -59,6 +59,7 @@ def _tile_table_kernel(offsets_ptr, table_ptr, E, MAX_TILES, BLOCK_T: tl.constex
     """``table[0, t]``, ``table[1, t]``, ``table[2, t]``: row tile ``t``'s expert, first row and the expert's end row,
     tiles numbered expert by expert, ``ROWS`` rows each (the last of an expert part empty); ``table[3, 0]``: how many
     tiles there are. Entries past that count are not written."""
+    pdl_wait()
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     starts = tl.load(offsets_ptr + experts, mask=experts < E, other=0)
@@ -355,7 +356,7 @@ def tile_table(expert_offsets: torch.Tensor, rows: int, tile_rows: int = 192) ->
     table = torch.empty(3 * max_tiles + 1, dtype=torch.int32, device=expert_offsets.device)
     _tile_table_kernel[(triton.cdiv(max_tiles, TABLE_BLOCK),)](
         expert_offsets, table, experts, max_tiles, BLOCK_T=TABLE_BLOCK, BLOCK_E=triton.next_power_of_2(experts),
-        ROWS=tile_rows,
+        ROWS=tile_rows, launch_pdl=PDL,
     )  # fmt: skip
     return table, max_tiles
 
