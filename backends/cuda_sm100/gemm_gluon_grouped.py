@@ -46,8 +46,8 @@ TILE_CONSUMERS = 3
 GROUP_M = 8  # row tiles walked together down the column blocks
 STAGES = 4
 CONSUMER_REGS, PRODUCER_REGS = 152, 56  # as the dense kernel's streamed schedule
-# At 512 and 1024 rows per expert it ran at 1.22-1.43x the Triton kernel's speed, at 128 0.97-1.03x, at 256 (two
-# tiles of 192 and 64 rows: a third of the consumers idle) 0.76-0.79x, with the same bits (H100, 2026-12-06)
+# At 512 and 1024 rows per expert it ran at 1.22-1.42x the Triton kernel's speed, at 128 1.03-1.07x, at 256 (tiles of
+# 192 and 64 rows, a third of the consumers idle) 0.76-0.80x, with the same bits (H100, benchmarks/HISTORY.md)
 MIN_ROWS_PER_EXPERT = 384
 STORE_ROWS = gl.constexpr(16)  # rows per pass of a masked store
 TABLE_BLOCK = 64  # row tiles listed per program of ``_tile_table_kernel``
