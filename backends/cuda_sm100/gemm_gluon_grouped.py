@@ -4,14 +4,15 @@ chunk, where every expert holds hundreds of rows (``supports``: ``MIN_ROWS_PER_E
 The Triton kernel (``gemm_triton._grouped_gemm_kernel``) stays near 42% of the FP8 peak at any tile (NOTES.md,
 grouped_gemm): each 128-deep product is waited for and scaled in the same warps that issue the next copy. This is
 ``gemm_gluon.fp8_gemm_ws`` (streamed schedule) over the experts' row blocks: one program per SM, a producer warp
-copying K blocks by TMA into a ring of stages, three consumer warpgroups of 64 rows each, every 128-deep product from
-zero and then scaled into the accumulator by one FMA in K order, the Triton kernel's arithmetic for each element.
+copying K blocks by TMA into a ring of stages, consumer warpgroups of 64 rows each (``TILE_CONSUMERS``: three, as
+the dense kernel), every 128-deep product from zero and then scaled into the accumulator by one FMA in K order, the
+Triton kernel's arithmetic for each element.
 
 What differs from the dense kernel:
-- the row tiles: ``_tile_table_kernel`` lists, on the device (no host synchronisation), each tile of ``BM`` rows
-  of one expert: (expert, first row, the expert's end row) and how many tiles there are. Tiles never cross experts;
-  a consumer whose 64 rows start past its expert's end skips its products (still waiting for and releasing each
-  stage, so the ring's phases stay in step);
+- the row tiles: ``_tile_table_kernel`` lists, on the device (no host synchronisation), each tile of one expert's
+  rows, 64 per consumer: (expert, first row, the expert's end row), and how many tiles there are. Tiles never cross
+  experts; a consumer whose 64 rows start past its expert's end skips its products (still waiting for and releasing
+  each stage, so the ring's phases stay in step);
 - the weight's rows and scales are expert ``e``'s: B is read as ``[E * N, K]`` from row ``e * N``;
 - a consumer's 64 rows are stored by TMA where they all belong to its expert; a block that runs past the expert's
   end is stored from shared memory in 16-byte runs under a row mask (a TMA store would overwrite the next expert's
@@ -189,163 +190,31 @@ def fp8_grouped_ws(a_desc, b_desc, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr, MAX
     if CONSUMERS == 3:
         gl.warp_specialize(
             [
-                (
-                    _consumer,
-                    (
-                        a_s,
-                        b_s,
-                        c_s.index(0),
-                        ready,
-                        empty,
-                        c_desc,
-                        c_ptr,
-                        as_ptr,
-                        bs_ptr,
-                        table_ptr,
-                        MAX_TILES,
-                        N,
-                        0,
-                        K_BLOCKS,
-                        GROUP_M,
-                        STAGES,
-                        CONSUMERS,
-                    ),
-                ),
-                (
-                    _consumer,
-                    (
-                        a_s,
-                        b_s,
-                        c_s.index(1),
-                        ready,
-                        empty,
-                        c_desc,
-                        c_ptr,
-                        as_ptr,
-                        bs_ptr,
-                        table_ptr,
-                        MAX_TILES,
-                        N,
-                        1,
-                        K_BLOCKS,
-                        GROUP_M,
-                        STAGES,
-                        CONSUMERS,
-                    ),
-                ),
-                (
-                    _consumer,
-                    (
-                        a_s,
-                        b_s,
-                        c_s.index(2),
-                        ready,
-                        empty,
-                        c_desc,
-                        c_ptr,
-                        as_ptr,
-                        bs_ptr,
-                        table_ptr,
-                        MAX_TILES,
-                        N,
-                        2,
-                        K_BLOCKS,
-                        GROUP_M,
-                        STAGES,
-                        CONSUMERS,
-                    ),
-                ),
-                (
-                    _producer,
-                    (
-                        a_desc,
-                        b_desc,
-                        a_s,
-                        b_s,
-                        ready,
-                        empty,
-                        table_ptr,
-                        MAX_TILES,
-                        N,
-                        K_BLOCKS,
-                        GROUP_M,
-                        STAGES,
-                        CONSUMERS,
-                    ),
-                ),
+                (_consumer, (a_s, b_s, c_s.index(0), ready, empty, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr,
+                             MAX_TILES, N, 0, K_BLOCKS, GROUP_M, STAGES, CONSUMERS)),
+                (_consumer, (a_s, b_s, c_s.index(1), ready, empty, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr,
+                             MAX_TILES, N, 1, K_BLOCKS, GROUP_M, STAGES, CONSUMERS)),
+                (_consumer, (a_s, b_s, c_s.index(2), ready, empty, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr,
+                             MAX_TILES, N, 2, K_BLOCKS, GROUP_M, STAGES, CONSUMERS)),
+                (_producer, (a_desc, b_desc, a_s, b_s, ready, empty, table_ptr, MAX_TILES, N, K_BLOCKS, GROUP_M,
+                             STAGES, CONSUMERS)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
-        )
-    else:
+        )  # fmt: skip
+    else:  # (Gluon builds the partitions from literal lists: one call per consumer count)
         gl.warp_specialize(
             [
-                (
-                    _consumer,
-                    (
-                        a_s,
-                        b_s,
-                        c_s.index(0),
-                        ready,
-                        empty,
-                        c_desc,
-                        c_ptr,
-                        as_ptr,
-                        bs_ptr,
-                        table_ptr,
-                        MAX_TILES,
-                        N,
-                        0,
-                        K_BLOCKS,
-                        GROUP_M,
-                        STAGES,
-                        CONSUMERS,
-                    ),
-                ),
-                (
-                    _consumer,
-                    (
-                        a_s,
-                        b_s,
-                        c_s.index(1),
-                        ready,
-                        empty,
-                        c_desc,
-                        c_ptr,
-                        as_ptr,
-                        bs_ptr,
-                        table_ptr,
-                        MAX_TILES,
-                        N,
-                        1,
-                        K_BLOCKS,
-                        GROUP_M,
-                        STAGES,
-                        CONSUMERS,
-                    ),
-                ),
-                (
-                    _producer,
-                    (
-                        a_desc,
-                        b_desc,
-                        a_s,
-                        b_s,
-                        ready,
-                        empty,
-                        table_ptr,
-                        MAX_TILES,
-                        N,
-                        K_BLOCKS,
-                        GROUP_M,
-                        STAGES,
-                        CONSUMERS,
-                    ),
-                ),
+                (_consumer, (a_s, b_s, c_s.index(0), ready, empty, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr,
+                             MAX_TILES, N, 0, K_BLOCKS, GROUP_M, STAGES, CONSUMERS)),
+                (_consumer, (a_s, b_s, c_s.index(1), ready, empty, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr,
+                             MAX_TILES, N, 1, K_BLOCKS, GROUP_M, STAGES, CONSUMERS)),
+                (_producer, (a_desc, b_desc, a_s, b_s, ready, empty, table_ptr, MAX_TILES, N, K_BLOCKS, GROUP_M,
+                             STAGES, CONSUMERS)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
-        )
+        )  # fmt: skip
 
 
 def tile_table(expert_offsets: torch.Tensor, rows: int, tile_rows: int = 192) -> tuple[torch.Tensor, int]:
