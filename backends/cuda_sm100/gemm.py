@@ -345,12 +345,12 @@ MASKED_PROGRAMS_PER_SM = 4
 
 
 # The kernels ``grouped_gemm`` chooses between, in the order tried (each a registered implementation: ``plugin.py``):
-# outside batch-invariant mode, FP8 in the contiguous layout at prefill's rows per expert takes the Gluon kernel
-# (``gemm_gluon_grouped``) while ``GROUPED_GLUON`` is on (it gave the Triton kernel's bits in every case measured;
-# it is not declared batch-invariant yet); FP8 in the masked layout swaps its operands up to ``MASKED_SWAPPED_MAX_M``
-# rows; outside
-# batch-invariant mode the dense masked layout of decode takes ``GROUPED_DECODE_TILE`` below ``DECODE_TILE_MAX_M``
-# rows per expert; ``_grouped_gemm_kernel`` with ``GROUPED_TILE`` serves every supported call.
+# outside batch-invariant mode, FP8 in the contiguous layout at a long prefill chunk's rows per expert takes the Gluon
+# kernel (``gemm_gluon_grouped``) while ``GROUPED_GLUON`` is on (it gave the Triton kernel's bits in every case
+# measured; it is not declared batch-invariant yet); FP8 in the masked layout swaps its operands up to
+# ``MASKED_SWAPPED_MAX_M`` rows per expert; outside batch-invariant mode the dense masked layout of decode takes
+# ``GROUPED_DECODE_TILE`` below ``DECODE_TILE_MAX_M`` rows per expert; ``_grouped_gemm_kernel`` with ``GROUPED_TILE``
+# serves every supported call.
 GROUPED_KERNELS = ("gluon-ws", "triton-masked-swapped", "triton-decode", "triton")
 GROUPED_GLUON = True
 
