@@ -44,6 +44,7 @@ from tile_variants import make
 import deepinfer
 from deepinfer import QTensor, bench, ops
 from deepinfer.conformance.cases import Gen, error
+from deepinfer.kv_cache import kv_format_of
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 
 ON_GPU = torch.cuda.is_available()
@@ -172,8 +173,9 @@ def sparse_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
     for index, case in enumerate(bench._dsa_cases(quick=not ON_GPU)):
         if case.op != "sparse_mla" or case.fn is not None or "ctx=131072" in case.name:
             continue
-        fmt = case.name.split()[0]  # the backend's function takes the format the op infers from the cache
-        sets = [case.make(Gen(1000 * index + s, DEVICE)) | {"kv_format": fmt} for s in range(3)]
+        sets = [case.make(Gen(1000 * index + s, DEVICE)) for s in range(3)]
+        for kw in sets:  # the backend's function takes the format the op infers from the cache
+            kw["kv_format"] = kv_format_of(kw["kv_cache"])
         with deepinfer.use("reference"):
             ref = ops.sparse_mla(**sets[0])[0]
         yield case.name, sets, case.flops, lambda out, ref=ref: error(out[0], ref)

@@ -52,20 +52,31 @@ def wgmma_serialized(report: str) -> bool:
     return "wgmma.mma_async instructions are serialized" in report
 
 
+def gemm_descriptor_types() -> dict[str, str]:
+    """The signature types of the warp-specialized FP8 GEMMs' descriptors (``gemm_gluon._descriptors``): A in 64-row
+    blocks, B in 128 x 128, the bf16 result in 64 x 128."""
+    fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
+    return {
+        "a_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
+        "b_desc": descriptor_type(fp8, [128, 128], gl.float8e4nv),
+        "c_desc": descriptor_type(torch.empty(256, 256, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
+    }
+
+
 def compile_gemm_sm90(schedule, trace_tiles: int = 0):
     """``gemm_gluon``'s kernel for K = 512 in ``schedule``, compiled as ``gemm_gluon.launch`` compiles it (with a
     trace of ``trace_tiles`` tiles, as ``launch(..., trace=...)``)."""
     from deepinfer_cuda_sm100 import gemm_gluon
 
-    fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
-    signature = {
-        "a_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
-        "b_desc": descriptor_type(fp8, [128, 128], gl.float8e4nv),
-        "c_desc": descriptor_type(torch.empty(256, 256, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
-        "as_ptr": "*fp32",
-        "bs_ptr": "*fp32",
-        "trace_ptr": "*i64" if trace_tiles else "*bf16",  # untraced: the output's pointer, unused
-    } | dict.fromkeys(("M", "N"), "i32")
+    signature = (
+        gemm_descriptor_types()
+        | {
+            "as_ptr": "*fp32",
+            "bs_ptr": "*fp32",
+            "trace_ptr": "*i64" if trace_tiles else "*bf16",  # untraced: the output's pointer, unused
+        }
+        | dict.fromkeys(("M", "N"), "i32")
+    )
     options = {"num_warps": 4, "enable_fp_fusion": True}
     constants = schedule.constexprs() | {"K_BLOCKS": 4, "TRACE_TILES": trace_tiles}
     return compile_sm90(gemm_gluon.fp8_gemm_ws, signature, constants, options)

@@ -17,7 +17,15 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 import triton
-from gluon_helpers import MAX_SHARED, compile_gemm_sm90, compile_sm90, descriptor_type, ptxas_report, wgmma_serialized
+from gluon_helpers import (
+    MAX_SHARED,
+    compile_gemm_sm90,
+    compile_sm90,
+    descriptor_type,
+    gemm_descriptor_types,
+    ptxas_report,
+    wgmma_serialized,
+)
 from triton.experimental.gluon import language as gl
 
 from deepinfer import QTensor
@@ -210,16 +218,8 @@ def test_cublas_takes_the_rows_of_whole_waves_and_the_few_row_kernel_the_rest(on
 def test_grouped_kernel_compiles_for_sm90_as_the_dense_one_without_spills(k, consumers):
     from deepinfer_cuda_sm100 import gemm_gluon_grouped as grouped
 
-    fp8 = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
-    signature = {
-        "a_desc": descriptor_type(fp8, [64, 128], gl.float8e4nv),
-        "b_desc": descriptor_type(fp8, [128, 128], gl.float8e4nv),
-        "c_desc": descriptor_type(torch.empty(256, 256, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
-        "c_ptr": "*bf16",
-        "as_ptr": "*fp32",
-        "bs_ptr": "*fp32",
-        "table_ptr": "*i32",
-    } | dict.fromkeys(("MAX_TILES", "N"), "i32")
+    signature = gemm_descriptor_types() | {"c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32", "table_ptr": "*i32"}
+    signature |= dict.fromkeys(("MAX_TILES", "N"), "i32")
     constants = {"K_BLOCKS": k // 128, "GROUP_M": grouped.GROUP_M, "STAGES": grouped.STAGES}
     constants |= {"CONSUMER_REGS": grouped.CONSUMER_REGS, "PRODUCER_REGS": grouped.PRODUCER_REGS}
     constants |= {"CONSUMERS": consumers}
@@ -247,7 +247,7 @@ TILE_TABLE = """
 import json, sys, torch
 from deepinfer_cuda_sm100 import gemm_gluon_grouped as grouped
 offsets = json.loads(sys.argv[1])
-table, max_tiles = grouped.tile_table(torch.tensor(offsets, dtype=torch.int32), offsets[-1])
+table, max_tiles = grouped.tile_table(torch.tensor(offsets, dtype=torch.int32), offsets[-1], 192)
 count = int(table[3 * max_tiles])
 print(json.dumps([max_tiles, count, table[: 3 * max_tiles].view(3, max_tiles)[:, :count].T.tolist()]))
 """

@@ -217,7 +217,7 @@ def fp8_grouped_ws(a_desc, b_desc, c_desc, c_ptr, as_ptr, bs_ptr, table_ptr, MAX
         )  # fmt: skip
 
 
-def tile_table(expert_offsets: torch.Tensor, rows: int, tile_rows: int = 192) -> tuple[torch.Tensor, int]:
+def tile_table(expert_offsets: torch.Tensor, rows: int, tile_rows: int) -> tuple[torch.Tensor, int]:
     """``(table, max_tiles)``: ``_tile_table_kernel``'s int32 table of the row tiles of ``rows`` rows over
     ``expert_offsets`` (E + 1 ascending ints), for at most ``max_tiles = ceil(rows / tile_rows) + E`` tiles."""
     experts = expert_offsets.numel() - 1
