@@ -64,7 +64,7 @@ from deepinfer.qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, QTensor
 from .config_v4 import CSA, HCA, SLIDING, V4CacheLayout, V4Checkpoint, V4Config
 from .forward_batch import ForwardBatch
 from .mla import linear
-from .moe import ExpertParallel
+from .moe import ExpertParallel, router_logits, router_weight
 from .mtp import V4MTPLayer
 
 
@@ -582,7 +582,7 @@ class V4MoE:
     def __init__(self, cfg: V4Config, layer: int, w: dict, ep: ExpertParallel):
         self.cfg, self.ep = cfg, ep
         self.hash = cfg.mlp_type(layer) == "hash_moe"
-        self.gate, self.bias, self.tid2eid = w["gate.weight"], w.get("gate.bias"), w.get("gate.tid2eid")
+        self.gate, self.bias, self.tid2eid = router_weight(w["gate.weight"]), w.get("gate.bias"), w.get("gate.tid2eid")
         self.w13, self.w2 = w["experts.gate_up_proj"], w["experts.down_proj"]
         self.s13, self.s2 = w["shared_experts.gate_up_proj"], w["shared_experts.down_proj"]
         self.load: torch.Tensor | None = None  # [E] int64: when set, each forward adds its tokens per expert (eplb.py)
@@ -611,7 +611,7 @@ class V4MoE:
         self, x: torch.Tensor, input_ids: torch.Tensor, mode: str, capacity: int | None, counted: torch.Tensor | None
     ) -> torch.Tensor:
         cfg, limit = self.cfg, self.cfg.swiglu_limit
-        logits = ops.gemm(x.float(), self.gate, out_dtype=torch.float32)
+        logits = router_logits(x, self.gate)
         if self.hash:
             weights, ids = ops.moe_route_hash(
                 logits,

@@ -1,6 +1,6 @@
 """DeepSeekMoE on deepinfer ops: a dense SwiGLU MLP, and routed experts plus shared experts.
 
-Routed path: router logits in fp32 (``gemm`` on fp32 operands) -> ``moe_route`` (group-limited, bias for selection
+Routed path: router logits in fp32 (``router_logits``) -> ``moe_route`` (group-limited, bias for selection
 only) -> ``ep_dispatch`` (rows grouped by expert; with FP8 experts the tokens are quantised once, before they
 are copied per expert) -> ``grouped_gemm`` (gate and up fused) -> ``silu_and_mul`` ->
 ``grouped_gemm`` (down) -> ``ep_combine`` (weighted sum back to the tokens); the shared experts are a dense
@@ -28,6 +28,22 @@ from deepinfer.ops.moe import ExpertPlacement
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .mla import linear
+
+
+def router_weight(gate: torch.Tensor) -> torch.Tensor:
+    """The fp32 router weight ``[E, H]`` as bf16 where each of its values is a bf16 value (DeepSeek's checkpoints
+    store it in bf16), else as it is. The product of two bf16 values is exact in fp32, so ``router_logits`` then sums
+    the fp32 product's own terms, on tensor cores and from half the bytes."""
+    half = gate.bfloat16()
+    return half if torch.equal(half.float(), gate) else gate
+
+
+def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``[T, E]`` fp32 logits ``x @ gate.T`` for ``x [T, H]``, its terms each exact in fp32: from bf16 operands
+    where both are bf16 (``router_weight``), else in fp32."""
+    if x.dtype == gate.dtype == torch.bfloat16:
+        return ops.gemm(x, gate, out_dtype=torch.float32)
+    return ops.gemm(x.float(), gate.float(), out_dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -95,13 +111,13 @@ class DenseMLP:
 
 class MoE:
     """Weights by name below ``mlp.``: routed experts ``experts.gate_up_proj [E_local, 2I, H]`` and
-    ``experts.down_proj [E_local, H, I]``, the fp32 router ``gate.weight [E, H]`` and
+    ``experts.down_proj [E_local, H, I]``, the fp32 router ``gate.weight [E, H]`` (kept as ``router_weight``) and
     ``gate.e_score_correction_bias [E]`` (sigmoid scoring), and the shared experts (a ``DenseMLP`` under
     ``shared_experts.``, optional)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, ep: ExpertParallel):
         self.cfg, self.ep = cfg, ep
-        self.gate, self.bias = weights["gate.weight"], weights.get("gate.e_score_correction_bias")
+        self.gate, self.bias = router_weight(weights["gate.weight"]), weights.get("gate.e_score_correction_bias")
         self.w13, self.w2 = weights["experts.gate_up_proj"], weights["experts.down_proj"]
         shared = {k.removeprefix("shared_experts."): v for k, v in weights.items() if k.startswith("shared_experts.")}
         self.shared = DenseMLP(shared) if shared else None
@@ -134,7 +150,7 @@ class MoE:
         self, x: torch.Tensor, mode: str, capacity: int | None, counted: torch.Tensor | None = None
     ) -> torch.Tensor:
         cfg = self.cfg
-        logits = ops.gemm(x.float(), self.gate, out_dtype=torch.float32)
+        logits = router_logits(x, self.gate)
         weights, ids = ops.moe_route(
             logits,
             self.bias,

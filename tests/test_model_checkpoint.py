@@ -420,3 +420,22 @@ def test_config_values_the_model_cannot_use_are_refused_at_load(base, tmp_path, 
     takes and what it holds."""
     path = variant(base, tmp_path / "x", config=edit if callable(edit) else lambda c: c.update(edit))
     refused(path, str(path / "config.json"), *fragments, monkeypatch=monkeypatch)
+
+
+def test_the_router_runs_from_bf16_operands_only_where_its_fp32_weight_holds_bf16_values():
+    from deepinfer.model.moe import router_logits, router_weight
+
+    g = torch.Generator().manual_seed(3)
+    exact = torch.randn(64, 512, generator=g).bfloat16().float()  # as DeepSeek's checkpoints store the router
+    kept = router_weight(exact)
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept.float(), exact)
+    inexact = exact.clone()
+    inexact[5, 9] = inexact[5, 9] * (1 + 2**-12)  # one value between two bf16 values
+    assert router_weight(inexact) is inexact
+    x = torch.randn(40, 512, generator=g).bfloat16()
+    want = (x.double() @ exact.double().T).float()
+    for weight in (kept, exact):  # bf16 operands, and the fp32 product
+        got = router_logits(x, weight)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(router_logits(x.float(), kept), want, rtol=1e-5, atol=1e-5)  # fp32 activations
