@@ -3,7 +3,7 @@ length at each batch size, greedy, on the embedded model (or ``--model``) with p
 library files.
 
     python benchmarks/bench_speculative.py [--backend cuda_sm100] [--batches 1,16,64] [--specs 1,1:ahead,3,3@0.5]
-        [--max-tokens 128] [--repeats 3] [--json OUT.json]
+        [--max-tokens 128] [--repeats 3] [--profile] [--json OUT.json]
 
 Each spec is ``k[@threshold][/batch][:ahead]`` (``num_speculative_tokens``, ``confidence_threshold``,
 ``disable_by_batch_size``; ``:ahead``: ``launch_ahead``, each speculative step launched before the host has read the one
@@ -14,6 +14,11 @@ the mean accepted length, the share of steps launched before the previous one's 
 confidence scheduling reads the drafts and runs synchronously) and the share of requests whose tokens equal plain
 decoding's (in the default mode the logits' rounding depends on the rows a step runs, so a near-tie can differ; with
 ``DEEPINFER_BATCH_INVARIANT=1`` every request is identical).
+
+``--profile`` (GPU) runs each configuration once more under the profiler and adds what the device does: its busy time
+(the union of its kernels and copies) and its operations per engine step, and the host-hidden bound, plain decoding's
+device time per generated token over this configuration's: the speed-up a host that kept the device always busy would
+give, which no scheduling change can pass.
 
 The embedded model's step is bound by launches, not by its weights. ``--cut LAYERS`` serves instead a
 DeepSeek-V3-shaped FP8 cut of that many layers with an MTP layer (``bench_model.py``'s random checkpoint, written to
@@ -81,8 +86,11 @@ def main() -> None:
     ap.add_argument(
         "--oracle-drafts", type=float, help="drafts from plain decoding, each spoiled with this probability"
     )
+    ap.add_argument("--profile", action="store_true", help="device busy time per step and the host-hidden bound (GPU)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.profile and not torch.cuda.is_available():
+        ap.error("--profile times the device: it needs a GPU")
     batches = [int(b) for b in args.batches.split(",")]
     configs = ["0", *args.specs.split(",")]
     invariant = deepinfer.batch_invariant(True) if args.oracle_drafts is not None else contextlib.nullcontext()
@@ -97,6 +105,15 @@ def main() -> None:
             f"{row['mean_accepted_length']:.2f} | {row['drafts_per_verification']:.2f} | "
             f"{100 * row['steps_ahead']:.0f}% | {100 * row['same_tokens']:.0f}% |"
         )
+    if any("device" in row for row in rows):
+        print("\n| batch | spec | device busy per step | device operations per step | host-hidden bound |")
+        print("|---|---|---|---|---|")
+        for row in sorted(rows, key=lambda r: (r["batch"], configs.index(r["spec"]))):
+            d = row["device"]
+            print(
+                f"| {row['batch']} | {row['spec']} | {d['busy_us_per_step'] / 1e3:.3f} ms | "
+                f"{d['operations_per_step']:.0f} | {row['host_hidden_bound']:.2f}x |"
+            )
 
 
 def write_cut(path: Path, layers: int, backend: str | None) -> Path:
@@ -168,8 +185,9 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                 ahead = (llm.engine.stats["steps_ahead"] - ahead0) / (llm.engine.stats["steps"] - steps0)
             tokens = [o.outputs[0].token_ids for o in outs]
             rate = statistics.median(rates)
+            device = device_profile(llm, prompts[:b], sp) if args.profile else None
             if c == "0":
-                plain[b] = (tokens, rate)
+                plain[b] = (tokens, rate, device)
             per_step = stats["drafted"] / stats["verifications"] if stats.get("verifications") else 0.0
             rows.append(
                 {
@@ -184,6 +202,9 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                     "runs": rates,
                 }
             )
+            if device is not None:
+                rows[-1]["device"] = device
+                rows[-1]["host_hidden_bound"] = plain[b][2]["busy_us_per_token"] / device["busy_us_per_token"]
             print(f"  {c} at batch {b}: {rate:.0f} tokens/s", flush=True)
             if args.json:
                 with open(args.json, "w") as f:
@@ -204,6 +225,29 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
+
+
+def device_profile(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:
+    """One more ``generate`` under the profiler: the device's busy time (``bench_model.device_timeline``) and its
+    operations (kernels and copies), per engine step and per generated token."""
+    from bench_model import device_timeline
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    steps0 = llm.engine.stats["steps"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, sp)
+        torch.cuda.synchronize()
+    steps = llm.engine.stats["steps"] - steps0
+    line = device_timeline(prof, steps)
+    operations = sum(e.device_type() == DeviceType.CUDA for e in prof.profiler.kineto_results.events())
+    tokens = len(prompts) * sp.max_tokens
+    return {
+        "steps": steps,
+        "busy_us_per_step": line["busy_us_per_step"],
+        "operations_per_step": operations / steps,
+        "busy_us_per_token": line["busy_us_per_step"] * steps / tokens,
+    }
 
 
 def make_prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
