@@ -245,7 +245,8 @@ def write_checkpoint(path: Path, config: dict, device: torch.device, seed: int) 
         if want.kind == "linear" and name != "lm_head.weight":
             q = quantize_blocks(w)
             return {name: q.data.cpu(), name + "_scale_inv": q.scale.cpu()}
-        return {name: w.cpu() if want.kind == "fp32" else w.to(torch.bfloat16).cpu()}
+        router = name.endswith("mlp.gate.weight")  # bf16 in DeepSeek-V3's checkpoints, read as fp32
+        return {name: w.cpu() if want.kind == "fp32" and not router else w.to(torch.bfloat16).cpu()}
 
     names = {
         n: n.split(".")[2] if n.startswith("model.layers.") else "top"
