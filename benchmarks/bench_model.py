@@ -552,11 +552,12 @@ def device_timeline(prof, steps: int, top: int = 8) -> dict:
 
 
 def replay_only(llm: LLM, batch: int):
-    """The captured decode graph a step of ``batch`` rows replays (its inputs as the last step left them), or None."""
+    """The captured decode graph the last step, of ``batch`` rows, replayed (its inputs as that step left them), or
+    None."""
     graphs = llm.engine.runner.graphs
-    if graphs is None or not graphs.fits(batch):
+    if graphs is None or not graphs.fits(batch) or graphs.last not in graphs.graphs:
         return None
-    return graphs.graphs[next(size for size in graphs.sizes if size >= batch)]
+    return graphs.graphs[graphs.last]
 
 
 def bench_ours(

@@ -20,7 +20,10 @@ eagerly.
 A model whose caches are state pages (DeepSeek-V4) reads and writes them through each row's block table, whatever
 its sequence length: its padding rows get the table of a scratch page (``pad_page``) that no sequence holds, so
 their writes land there. Its decode step takes its shapes from the bucket and the tables' width only
-(``deepseek_v4.DecodeRows``); such models are not captured with speculative decoding.
+(``deepseek_v4.DecodeRows``), and reads every compressed entry (or indexer key) that width holds: so its graphs are
+captured for several widths too (``width_buckets``), and a step replays the narrowest that holds its longest
+table, reading at most four times its longest sequence's entries instead of ``max_model_len``'s. Such models are
+not captured with speculative decoding.
 """
 
 from __future__ import annotations
@@ -44,6 +47,18 @@ def can_capture(backend, device: torch.device) -> bool:
     return CAPABILITY in backend.capabilities and device.type == "cuda"
 
 
+NARROWEST_TOKENS = 4096  # the narrowest width captured holds at least this many tokens' pages
+
+
+def width_buckets(state_pages: int, token_pages: int, least: int) -> list[int]:
+    """Block-table widths that get graphs of their own, smallest first: ``state_pages`` (pages every table starts
+    with) plus ``token_pages``, then plus a quarter of the token pages before while that is at least ``least``."""
+    out = [token_pages]
+    while out[-1] // 4 >= least:
+        out.append(out[-1] // 4)
+    return [state_pages + t for t in reversed(out)]
+
+
 def buckets(max_batch: int) -> list[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_batch`` (which is always one)."""
     out = [b for b in (1, 2, 4, 8) if b < max_batch]
@@ -54,7 +69,8 @@ def buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode steps of ``model`` over ``kv_cache`` (and ``index_cache``, for sparse attention) for batches
     up to ``max_batch`` sequences of up to ``max_blocks`` pages each; ``pad_page``: the scratch page of padding rows
-    (models whose caches are state pages)."""
+    (models whose caches are state pages); ``widths``: the block-table widths captured (``width_buckets``; default
+    ``max_blocks`` alone). Graphs and their outputs are keyed by (batch bucket, width)."""
 
     def __init__(
         self,
@@ -67,79 +83,88 @@ class DecodeGraphs:
         block_size: int,
         drafter: MTPDrafter | None = None,
         pad_page: int | None = None,
+        widths: list[int] | None = None,
     ):
         self.model, self.drafter, self.block_size, self.pad_page = model, drafter, block_size, pad_page
         self.kv_caches = list(kv_cache.unbind(0))
         self.index_caches = list(index_cache.unbind(0)) if index_cache is not None else None
         self.sizes = buckets(max_batch)
         self.max_blocks = max_blocks
+        self.widths = widths or [max_blocks]
+        if self.widths[-1] != max_blocks or self.widths != sorted(self.widths):
+            raise ValueError(f"widths {self.widths}: ascending, ending at max_blocks {max_blocks}")
         dev = kv_cache.device
         # Bucket b's inputs are the first elements of two buffers: [input_ids | slot_mapping] (b each) in `wide`,
-        # [positions | seq_lens | block_table (b x max_blocks)] in `narrow`, so one copy each fills them.
+        # [positions | seq_lens | block_table (b x width)] in `narrow`, so one copy each fills them.
         self.wide = torch.zeros(2 * max_batch, dtype=torch.int64, device=dev)
         self.narrow = torch.zeros(max_batch * (2 + max_blocks), dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.greedy: dict[int, torch.Tensor] = {}
-        self.hidden: dict[int, torch.Tensor] = {}  # the final normed states of every row (the MTP layer reads them)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.greedy: dict[tuple[int, int], torch.Tensor] = {}
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}  # the final normed states of every row (the MTP reads)
         # Speculative decoding: the MTP pass over a bucket's rows, a graph of its own over the same metadata buffers
         # and two inputs of its own, the states and the next tokens; outputs (states, drafts, their probabilities).
-        self.mtp_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.mtp_out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.mtp_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.mtp_out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if drafter is not None:
             self.mtp_in = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.dtype, device=dev)
             self.mtp_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self.last = 0  # the bucket replayed last
+        self.last = (0, max_blocks)  # the (bucket, width) replayed last
         self.invariant = False  # the batch-invariant mode of the capture
 
-    def batch(self, b: int) -> ForwardBatch:
-        """The metadata of bucket ``b``, over the static input buffers."""
+    def batch(self, b: int, width: int | None = None) -> ForwardBatch:
+        """The metadata of bucket ``b`` with block tables ``width`` pages wide (default ``max_blocks``), over the
+        static input buffers."""
+        width = width or self.max_blocks
         return ForwardBatch(
             positions=self.narrow[:b],
             slot_mapping=self.wide[b : 2 * b],
             num_decode=b,
-            block_table=self.narrow[2 * b : b * (2 + self.max_blocks)].view(b, self.max_blocks),
+            block_table=self.narrow[2 * b : b * (2 + width)].view(b, width),
             seq_lens=self.narrow[b : 2 * b],
             moe_mode="low_latency",
         )
 
-    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden = self.model.forward(self.wide[:b], self.batch(b), self.kv_caches, self.index_caches)
+    def _forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = key[0]
+        hidden = self.model.forward(self.wide[:b], self.batch(*key), self.kv_caches, self.index_caches)
         logits = self.model.compute_logits(hidden)
         return logits, greedy_tokens(logits), hidden
 
-    def _mtp_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        d = self.drafter
-        state = d.mtp.forward(self.mtp_in[:b], self.mtp_ids[:b], self.batch(b), *d.caches)
+    def _mtp_forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d, b = self.drafter, key[0]
+        state = d.mtp.forward(self.mtp_in[:b], self.mtp_ids[:b], self.batch(*key), *d.caches)
         return (state, *d.draft(state))
 
-    def _capture_one(self, forward, b: int, pool):
+    def _capture_one(self, forward, key: tuple[int, int], pool):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), deepinfer.value_checks(False):  # as the engine's eager forward
             for _ in range(2):  # warm-up: lazy initialisation and autotuning happen outside the graph
-                forward(b)
+                forward(key)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = forward(b)
+            out = forward(key)
         return graph, out
 
     def capture(self) -> bool:
-        """Captures every bucket, largest first (they share one memory pool). Returns False, with a warning and
-        no graphs kept, if any capture fails."""
+        """Captures every (bucket, width), largest first (they share one memory pool). Returns False, with a warning
+        and no graphs kept, if any capture fails."""
         pool = None
         self.invariant = deepinfer.batch_invariant_enabled()
         try:
-            for b in reversed(self.sizes):
+            for key in [(b, w) for b in reversed(self.sizes) for w in reversed(self.widths)]:
+                b, w = key
                 self.wide[b : 2 * b].fill_(-1)  # the warm-up runs write no cache slot
                 if self.pad_page is not None:  # nor any page but the scratch page
-                    self.narrow[2 * b : b * (2 + self.max_blocks)].fill_(self.pad_page)
-                graph, (self.logits[b], self.greedy[b], self.hidden[b]) = self._capture_one(self._forward, b, pool)
+                    self.narrow[2 * b : b * (2 + w)].fill_(self.pad_page)
+                graph, outs = self._capture_one(self._forward, key, pool)
+                self.logits[key], self.greedy[key], self.hidden[key] = outs
                 pool = graph.pool()
-                self.graphs[b] = graph
+                self.graphs[key] = graph
                 if self.drafter is not None:
-                    self.mtp_graphs[b], self.mtp_out[b] = self._capture_one(self._mtp_forward, b, pool)
+                    self.mtp_graphs[key], self.mtp_out[key] = self._capture_one(self._mtp_forward, key, pool)
             torch.cuda.synchronize()
         except Exception as e:  # capture errors come from any op or from torch itself
             for outputs in (self.graphs, self.logits, self.greedy, self.hidden, self.mtp_graphs, self.mtp_out):
@@ -169,16 +194,17 @@ class DecodeGraphs:
         """Replays the smallest bucket that holds ``n = len(input_ids)`` rows; returns their logits ``[n, V]`` and
         greedy tokens ``[n]``, views of the graph's outputs until its next replay. ``pending``: ``(rows, tokens)``,
         input ids already on the device, written over ``input_ids[rows]``; ``shift [n]``: positions each row moves
-        on, known on the device only (``shift_decode_rows``)."""
+        on, known on the device only (``shift_decode_rows``). The width replayed is the narrowest captured that holds
+        the longest of ``block_tables``."""
         n = len(input_ids)
-        b = self._load(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        key = self._load(input_ids, positions, slot_mapping, block_tables, seq_lens)
         if pending is not None:
             self.wide.index_copy_(0, *pending)
         if shift is not None:
-            shift_decode_rows(self.batch(b), shift, self.block_size)
-        self.graphs[b].replay()
-        self.last = b
-        return self.logits[b][:n], self.greedy[b][:n]
+            shift_decode_rows(self.batch(*key), shift, self.block_size)
+        self.graphs[key].replay()
+        self.last = key
+        return self.logits[key][:n], self.greedy[key][:n]
 
     def _load(
         self,
@@ -187,23 +213,26 @@ class DecodeGraphs:
         slot_mapping: list[int],
         block_tables: list[list[int]],
         seq_lens: list[int],
-    ) -> int:
-        """Copies ``n`` rows' inputs into the smallest bucket ``b >= n`` (padding rows after them); returns ``b``."""
+    ) -> tuple[int, int]:
+        """Copies ``n`` rows' inputs into the smallest bucket ``b >= n`` (padding rows after them), with block tables
+        as wide as the narrowest captured width that holds the longest of ``block_tables``; returns ``(b, width)``
+        (columns past a table's end         name page 0: a step masks what lies past its sequences' lengths)."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
+        longest = max(len(t) for t in block_tables)
+        width = next(w for w in self.widths if w >= longest)
         pad = [0] * (b - n)
         pin = self.wide.is_cuda
         wide = torch.tensor(input_ids + pad + slot_mapping + [-1] * (b - n), dtype=torch.int64, pin_memory=pin)
-        narrow = torch.zeros(b * (2 + self.max_blocks), dtype=torch.int32, pin_memory=pin)
+        narrow = torch.zeros(b * (2 + width), dtype=torch.int32, pin_memory=pin)
         narrow[: 2 * b] = torch.tensor(positions + pad + seq_lens + pad, dtype=torch.int32)
-        width = max(len(t) for t in block_tables)
-        table = narrow[2 * b :].view(b, self.max_blocks)
-        table[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        table = narrow[2 * b :].view(b, width)
+        table[:n, :longest] = torch.tensor([t + [0] * (longest - len(t)) for t in block_tables], dtype=torch.int32)
         if self.pad_page is not None:
             table[n:] = self.pad_page
         self.wide[: 2 * b].copy_(wide, non_blocking=True)  # pinned sources: the host allocator keeps them alive
         self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
-        return b
+        return b, width
 
     def run_mtp(
         self,
@@ -218,16 +247,16 @@ class DecodeGraphs:
         states, drafts and their probabilities of the ``n`` rows, views of the graph's outputs until its next
         replay."""
         n = next_ids.shape[0]
-        b = self.last if rows is None else self._load([0] * n, **rows)
+        key = self.last if rows is None else self._load([0] * n, **rows)
         if rows is not None and shift is not None:
-            shift_decode_rows(self.batch(b), shift, self.block_size)
+            shift_decode_rows(self.batch(*key), shift, self.block_size)
         self.mtp_in[:n].copy_(hidden)
         self.mtp_ids[:n].copy_(next_ids)
-        self.mtp_ids[n:b].zero_()
-        self.mtp_graphs[b].replay()
-        return tuple(t[:n] for t in self.mtp_out[b])
+        self.mtp_ids[n : key[0]].zero_()
+        self.mtp_graphs[key].replay()
+        return tuple(t[:n] for t in self.mtp_out[key])
 
     def replayed(self) -> tuple[torch.Tensor, ForwardBatch]:
         """The final normed states ``[b, H]`` of every row of the last replay, padding included, and its metadata
         (views of the graph's buffers until its next replay)."""
-        return self.hidden[self.last], self.batch(self.last)
+        return self.hidden[self.last], self.batch(*self.last)

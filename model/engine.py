@@ -288,6 +288,11 @@ class LLMEngine:
                 block_size=block_size,
                 drafter=drafter,
                 pad_page=pad_page,
+                widths=graph_capture.width_buckets(
+                    seq_pages, max_blocks - seq_pages, math.ceil(graph_capture.NARROWEST_TOKENS / block_size)
+                )
+                if owns_cache
+                else None,
             )
         self.runner = ModelRunner(
             model, self.kv_cache, self.allocator, graphs=graphs, index_cache=self.index_cache, drafter=drafter

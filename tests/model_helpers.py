@@ -322,29 +322,30 @@ class ReplayedForward:
     """Stands in for a captured CUDA graph off the GPU: ``replay`` runs the captured forward again over the same
     static inputs and writes its outputs into the tensors the capture returned, as a graph's replay does."""
 
-    def __init__(self, forward, b: int, out, replayed: list[int]):
-        self.forward, self.b, self.out, self.replayed = forward, b, out, replayed
+    def __init__(self, forward, key: tuple[int, int], out, replayed: list[tuple[int, int]]):
+        self.forward, self.key, self.out, self.replayed = forward, key, out, replayed
 
     def replay(self) -> None:
-        self.replayed.append(self.b)
-        for held, new in zip(self.out, self.forward(self.b)):
+        self.replayed.append(self.key)
+        for held, new in zip(self.out, self.forward(self.key)):
             held.copy_(new)
 
     def pool(self) -> None:
         return None
 
 
-def replay_graphs_on_cpu(monkeypatch) -> list[int]:
+def replay_graphs_on_cpu(monkeypatch) -> list[tuple[int, int]]:
     """Lets the engine take the CUDA-graph decode path (``cuda_graphs.DecodeGraphs``: buckets, static input buffers,
     padding rows, low-latency experts) on any device, each replay running the forward eagerly: what the graph path
-    computes, checked where no GPU is. Returns the list of buckets replayed, in order, that replays append to."""
+    computes, checked where no GPU is. Returns the list of (bucket, width) replayed, in order, that replays append
+    to."""
     from deepinfer.model import cuda_graphs
 
-    replayed: list[int] = []
+    replayed: list[tuple[int, int]] = []
 
-    def capture_one(self, forward, b, pool):
-        out = forward(b)
-        return ReplayedForward(forward, b, out, replayed), out
+    def capture_one(self, forward, key, pool):
+        out = forward(key)
+        return ReplayedForward(forward, key, out, replayed), out
 
     monkeypatch.setattr(cuda_graphs, "can_capture", lambda backend, device: True)
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture_one", capture_one)

@@ -50,7 +50,7 @@ def test_graph_decode_matches_eager(cuda_backend, tmp_path, arch, kv_format):
     eager_llm = LLM(ckpt, cuda_backend, enforce_eager=True, **common)
     graph_llm = LLM(ckpt, cuda_backend, **common)
     graphs = graph_llm.engine.runner.graphs
-    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8], "every bucket was captured"
+    assert graphs is not None and sorted({b for b, _ in graphs.graphs}) == [1, 2, 4, 8], "every bucket was captured"
     eager, graphed = eager_llm.generate(prompts, params), graph_llm.generate(prompts, params)
     common = []
     for e, g in zip(eager, graphed):
@@ -88,7 +88,7 @@ def test_batch_invariant_graph_decode_gives_the_eager_bits(cuda_backend, tmp_pat
     eager_llm = LLM(ckpt, cuda_backend, enforce_eager=True, async_scheduling=False, **common)
     graph_llm = LLM(ckpt, cuda_backend, **common)
     graphs = graph_llm.engine.runner.graphs
-    assert graphs is not None and graphs.invariant and sorted(graphs.graphs) == [1, 2, 4, 8]
+    assert graphs is not None and graphs.invariant and sorted({b for b, _ in graphs.graphs}) == [1, 2, 4, 8]
     replays, ahead = [], []
     run = graphs.run
     graphs.run = lambda **kw: (
@@ -111,20 +111,28 @@ def test_batch_invariant_graph_decode_gives_the_eager_bits(cuda_backend, tmp_pat
 def test_v4_graph_decode_gives_the_eager_bits(cuda_backend, tmp_path, monkeypatch):
     """DeepSeek-V4 (caches in state pages): in batch-invariant mode the captured decode graphs give, bit for bit,
     the tokens and log-probabilities of eager decoding, for a batch in a padded bucket (its padding rows on the
-    scratch page) and for a request alone (a bucket of one, whose hash-routed tokens may name an expert twice)."""
+    scratch page), for a request alone (a bucket of one, whose hash-routed tokens may name an expert twice) and
+    through graphs of several block-table widths."""
     import test_model_v4 as v4
 
+    from deepinfer.model import cuda_graphs
+
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    monkeypatch.setattr(cuda_graphs, "NARROWEST_TOKENS", 8)  # graphs of several block-table widths
     v4.v4_checkpoint(tmp_path, seed=3, **v4.CONFIGS["yarn"])
     prompts = v4.prompts(seed=8)
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True, logprobs=2)
-    common = dict(dtype="bfloat16", block_size=4, max_num_seqs=8, progress=False)
+    common = dict(dtype="bfloat16", block_size=4, max_num_seqs=8, max_model_len=256, progress=False)
     eager_llm = LLM(tmp_path, cuda_backend, enforce_eager=True, async_scheduling=False, **common)
     graph_llm = LLM(tmp_path, cuda_backend, **common)
     graphs = graph_llm.engine.runner.graphs
-    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8], "every bucket was captured"
+    assert graphs is not None and len(graphs.widths) == 3
+    assert sorted(graphs.graphs) == [(b, w) for b in (1, 2, 4, 8) for w in graphs.widths], "every bucket captured"
     assert graphs.pad_page == graph_llm.engine.allocator.num_blocks
     want = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager_llm.generate(prompts, params)]
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in graph_llm.generate(prompts, params)] == want
     (alone,) = graph_llm.generate([prompts[2]], params)
     assert (alone.outputs[0].token_ids, alone.outputs[0].logprobs) == want[2]
+    short = [prompts[2][:6]]  # decoded first in the narrowest width, then in the next
+    want = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager_llm.generate(short, params)]
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in graph_llm.generate(short, params)] == want

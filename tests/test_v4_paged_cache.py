@@ -21,6 +21,7 @@ from model_helpers import one_thread, replay_graphs_on_cpu  # noqa: F401 (autous
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer import dispatch
+from deepinfer.model import cuda_graphs
 from deepinfer.model.deepseek_v4 import V4State
 from deepinfer.selection import use
 from deepinfer.validation import value_checks
@@ -509,17 +510,26 @@ def test_graph_decode_steps_give_the_eager_bits(checkpoints, monkeypatch, deepin
 
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     replayed = replay_graphs_on_cpu(monkeypatch)
+    monkeypatch.setattr(cuda_graphs, "NARROWEST_TOKENS", 8)  # graphs of several block-table widths
     path, _ = checkpoints("yarn")
     ps = v4.prompts(seed=8)[:5]
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True, logprobs=2)
-    common = dict(max_num_seqs=8, async_scheduling=False)
+    common = dict(max_num_seqs=8, async_scheduling=False, max_model_len=256)
     eager = v4.serve(path, deepinfer_backend, deepinfer_device, enforce_eager=True, **common)
     graphs = v4.serve(path, deepinfer_backend, deepinfer_device, **common)
-    assert graphs.engine.runner.graphs is not None and sorted(graphs.engine.runner.graphs.graphs) == [1, 2, 4, 8]
+    captured = graphs.engine.runner.graphs
+    assert captured is not None and captured.widths == [37, 49, 97]  # 33 state pages + 4, 16 and 64 token pages
+    assert sorted(captured.graphs) == [(b, w) for b in (1, 2, 4, 8) for w in captured.widths]
     want = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager.generate(ps, params)]
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in graphs.generate(ps, params)] == want
-    assert 8 in replayed  # five rows and three padding rows (smaller buckets while prompts are still chunked in)
+    assert 8 in {b for b, _ in replayed}  # five rows and three padding rows (smaller buckets while prompts chunk in)
+    assert {w for _, w in replayed} == {49}, "the narrowest width that holds the tables (up to 16 token pages)"
     before = len(replayed)
     (alone,) = graphs.generate([ps[2]], params)
     assert (alone.outputs[0].token_ids, alone.outputs[0].logprobs) == want[2]
-    assert set(replayed[before:]) == {1}
+    assert {b for b, _ in replayed[before:]} == {1}
+    short = [ps[2][:6]]  # 6 to 21 tokens: 2 to 6 token pages, first in the narrowest width, then in the next
+    before = len(replayed)
+    want = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager.generate(short, params)]
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in graphs.generate(short, params)] == want
+    assert {w for _, w in replayed[before:]} == {37, 49}
