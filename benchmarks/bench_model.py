@@ -734,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--kv-format", choices=("bf16", "fp8_ds_mla"), default="bf16")
     p.add_argument("--model", choices=("v3", "v32", "v4"), default="v3", help="DeepSeek-V3, V3.2 or V4-Flash shapes")
+    p.add_argument(
+        "--max-model-len", type=int, help="the engine's longest context (default: what the decode steps need)"
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--batch-invariant", action="store_true", help="load and decode in batch-invariant mode")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -799,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
                 kv_format=args.kv_format,
                 num_blocks=blocks,
                 max_num_seqs=max_batch,
-                max_model_len=args.context + grow + 64,
+                max_model_len=args.max_model_len or args.context + grow + 64,
                 enforce_eager=args.enforce_eager,
             )
             graphs = llm.engine.runner.graphs is not None
