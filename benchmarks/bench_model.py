@@ -555,7 +555,7 @@ def replay_only(llm: LLM, batch: int):
     """The captured decode graph the last step, of ``batch`` rows, replayed (its inputs as that step left them), or
     None."""
     graphs = llm.engine.runner.graphs
-    if graphs is None or not graphs.fits(batch) or graphs.last not in graphs.graphs:
+    if graphs is None or not graphs.fits(batch) or graphs.last[0] != next(b for b in graphs.sizes if b >= batch):
         return None
     return graphs.graphs[graphs.last]
 

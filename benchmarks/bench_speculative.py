@@ -17,8 +17,10 @@ decoding's (in the default mode the logits' rounding depends on the rows a step 
 
 ``--profile`` (GPU) runs each configuration once more under the profiler and adds what the device does: its busy time
 (the union of its kernels and copies) and its operations per engine step, and the host-hidden bound, plain decoding's
-device time per generated token over this configuration's: the speed-up a host that kept the device always busy would
-give, which no scheduling change can pass.
+device time per generated token over this configuration's: the speed-up over plain decoding if the host kept the device
+busy in both, which no host or scheduling change can pass (against a plain decoding bound by its host, as the embedded
+model's is, the measured speed-up can exceed it). The profiled run includes the prompts' prefill, as the timed ones
+do.
 
 The embedded model's step is bound by launches, not by its weights. ``--cut LAYERS`` serves instead a
 DeepSeek-V3-shaped FP8 cut of that many layers with an MTP layer (``bench_model.py``'s random checkpoint, written to

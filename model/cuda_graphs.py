@@ -131,6 +131,18 @@ class DecodeGraphs:
         logits = self.model.compute_logits(hidden)
         return logits, greedy_tokens(logits), hidden
 
+    def _into(self, widest: tuple[int, int]):
+        """A forward whose outputs are copied into those of the bucket's widest graph (captured before it), so that
+        a bucket's widths hold one set of outputs: its logits are the largest tensors the graphs keep."""
+        held = (self.logits[widest], self.greedy[widest], self.hidden[widest])
+
+        def forward(key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            for out, new in zip(held, self._forward(key)):
+                out.copy_(new)
+            return held
+
+        return forward
+
     def _mtp_forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d, b = self.drafter, key[0]
         state = d.mtp.forward(self.mtp_in[:b], self.mtp_ids[:b], self.batch(*key), *d.caches)
@@ -159,7 +171,9 @@ class DecodeGraphs:
                 self.wide[b : 2 * b].fill_(-1)  # the warm-up runs write no cache slot
                 if self.pad_page is not None:  # nor any page but the scratch page
                     self.narrow[2 * b : b * (2 + w)].fill_(self.pad_page)
-                graph, outs = self._capture_one(self._forward, key, pool)
+                widest = (b, self.widths[-1])
+                forward = self._forward if w == widest[1] else self._into(widest)
+                graph, outs = self._capture_one(forward, key, pool)
                 self.logits[key], self.greedy[key], self.hidden[key] = outs
                 pool = graph.pool()
                 self.graphs[key] = graph
@@ -216,7 +230,7 @@ class DecodeGraphs:
     ) -> tuple[int, int]:
         """Copies ``n`` rows' inputs into the smallest bucket ``b >= n`` (padding rows after them), with block tables
         as wide as the narrowest captured width that holds the longest of ``block_tables``; returns ``(b, width)``
-        (columns past a table's end         name page 0: a step masks what lies past its sequences' lengths)."""
+        (columns past a table's end name page 0: a step masks what lies past its sequences' lengths)."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
         longest = max(len(t) for t in block_tables)

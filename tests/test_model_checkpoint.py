@@ -439,3 +439,7 @@ def test_the_router_runs_from_bf16_operands_only_where_its_fp32_weight_holds_bf1
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(router_logits(x.float(), kept), want, rtol=1e-5, atol=1e-5)  # fp32 activations
+    fp32 = torch.randn(64, 512, generator=g)  # a router no bf16 operand holds: its product stays fp32
+    torch.testing.assert_close(
+        router_logits(x, router_weight(fp32)), (x.double() @ fp32.double().T).float(), rtol=1e-4, atol=1e-4
+    )  # fp32 sums of 512 terms; bf16 operands would be off by about 0.1

@@ -45,6 +45,7 @@ def cases(shapes: str) -> list[Case]:
             _case(7, 4, 64, True, 4096, True),
             _case(5, 1, 64, True, 100, False),
             _case(9, 3, 32, False, 500, False),
+            _case(9, 20, 64, True, 4096, False),  # a second, partial block of heads
             _case(0, 4, 64, True, 64, False),
             _case(3, 0, 64, True, 64, False),
         ]
