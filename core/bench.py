@@ -664,20 +664,23 @@ def _small_op_cases(quick: bool) -> list[BenchCase]:
             t * experts * 4,
             {"torch composite": _reference_peer("moe_route")},
         ),
-        BenchCase(
-            "rope",
-            f"T={t} H=128 D=64 yarn",
-            lambda g: {
-                "x": g.randn(t, 128, 64),
-                "positions": g.randint(0, 4096, t),
-                "cos_sin_cache": rope_cos_sin_cache(64, 4096).to(g.device),
-                "interleaved": True,
-            },
-            6 * t * 128 * 64,
-            2 * t * 128 * 64 * 2,
-            {"torch composite": _reference_peer("rope")},
-        ),
     ]
+    for label, width in (("", 64), (" of 192 (MLA's query)", 192)):  # the model rotates the query's last 64 channels
+        out.append(
+            BenchCase(
+                "rope",
+                f"T={t} H=128 D=64{label}",
+                lambda g, width=width: {
+                    "x": g.randn(t, 128, width)[..., width - 64 :],
+                    "positions": g.randint(0, 4096, t),
+                    "cos_sin_cache": rope_cos_sin_cache(64, 4096).to(g.device),
+                    "interleaved": True,
+                },
+                6 * t * 128 * 64,
+                2 * t * 128 * 64 * 2,
+                {"torch composite": _reference_peer("rope")},
+            )
+        )
     return out
 
 
