@@ -11,6 +11,9 @@ import functools
 import json
 import os
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +123,28 @@ def test_backend_logprobs_match_the_reference(heldout_prompts, deepinfer_backend
     factor = 3 if os.environ.get("TRITON_INTERPRET") == "1" else 2
     assert err <= factor * ref_err + 0.01, (err, ref_err)
     assert abs(bits_per_token(got) - bits_per_token(exact)) < 0.01 * bits_per_token(exact)
+
+
+def test_the_training_script_writes_what_the_engine_serves(tmp_path):
+    """``training/train_embedded.py`` at a depth other than the shipped model's (a smoke run: 3 steps on 30 files):
+    both variants hold the MTP layer after the last of ``--layers`` layers, the engine serves them, and speculation
+    on the trained MTP layer changes no greedy token."""
+    script = Path(__file__).parents[1] / "training" / "train_embedded.py"
+    args = ["--out", tmp_path, "--max-files", "30", "--steps", "3", "--batch", "2", "--seq-len", "64", "--layers", "3"]
+    subprocess.run([sys.executable, script, *map(str, args)], check=True, capture_output=True, timeout=300)
+    record = json.loads((tmp_path / "training.json").read_text())
+    assert record["config"]["num_hidden_layers"] == 3 and record["hyperparameters"]["steps"] == 3
+    for variant in VARIANTS:
+        ckpt = Checkpoint.open(tmp_path / variant)
+        try:
+            assert ckpt.config.num_hidden_layers == 3
+            assert "model.layers.3.eh_proj.weight" in ckpt.mtp_keys
+            assert not any(k.startswith("model.layers.4.") for k in ckpt.tensors)
+        finally:
+            ckpt.close()
+    prompts = [[0, *range(40, 60)], [0, *range(300, 307)]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(tmp_path / "fp8", progress=False).generate(prompts, params)]
+    spec = LLM(tmp_path / "fp8", progress=False, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == plain
+    assert spec.last_stats["speculative"]["drafted"] > 0

@@ -1,6 +1,6 @@
 """Trains the embedded model (``deepinfer.model.embedded``) and writes its checkpoints and training record.
 
-    python training/train_embedded.py --out DIR [--minutes 5.5] [--steps N] [--seed 0]
+    python training/train_embedded.py --out DIR [--minutes 5.5] [--steps N] [--seed 0] [--layers 4]
 
 On one GPU. The corpus is the running interpreter's standard library (``stdlib_documents``: train split only); the
 tokenizer is a byte-level BPE of 4096 tokens trained on it with the ``tokenizers`` library; the model is
@@ -172,8 +172,8 @@ class MTPLayer(torch.nn.Module):
         return model.lm_head(self.norm(x))
 
 
-def build(device: str) -> tuple[DeepseekV3ForCausalLM, MTPLayer]:
-    config = DeepseekV3Config(**CONFIG)
+def build(device: str, config: dict) -> tuple[DeepseekV3ForCausalLM, MTPLayer]:
+    config = DeepseekV3Config(**config)
     model = DeepseekV3ForCausalLM._from_config(config, attn_implementation="sdpa", experts_implementation="grouped_mm")
     mtp = MTPLayer(model.config)
     mtp.apply(model._init_weights)
@@ -366,8 +366,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stdlib-python", default=platform.python_version(), help="the Python version of --stdlib")
     ap.add_argument("--batch", type=int, default=HPARAMS["batch"])
     ap.add_argument("--seq-len", type=int, default=HPARAMS["seq_len"])
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=CONFIG["num_hidden_layers"],
+        help="decoder layers before the MTP layer (the shipped model has 4; a deeper model makes its MTP layer a "
+        "smaller share of a decode step, as DeepSeek-V3's one of 61 is)",
+    )
     args = ap.parse_args(argv)
+    if args.layers < 2:
+        ap.error(f"--layers: expected at least 2 (a dense first layer, then MoE), got {args.layers}")
     hp = dict(HPARAMS, batch=args.batch, seq_len=args.seq_len)
+    config = dict(CONFIG, num_hidden_layers=args.layers)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.time()
     torch.manual_seed(args.seed)
@@ -391,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    model, mtp = build(device)
+    model, mtp = build(device, config)
     params = [p for p in [*model.parameters(), *mtp.parameters()] if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -452,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     uni_bits = unigram_bits(train, targets[targets != 0], VOCAB)  # begin-of-sentence targets excluded
     ln2 = math.log(2)
     record = {
-        "model": "deepinfer tiny-py: DeepseekV3ForCausalLM + one MTP layer",
+        "model": f"deepinfer tiny-py: DeepseekV3ForCausalLM of {args.layers} layers + one MTP layer",
         "corpus": {
             "source": "the .py files of the Python standard library (deepinfer.model.embedded.stdlib_documents)",
             "python": args.stdlib_python,
@@ -468,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             "validation_files": len(val_docs),
         },
         "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab": VOCAB, "bos": 0, "eos": 1},
-        "config": CONFIG,
+        "config": config,
         "hyperparameters": {
             **hp,
             "steps": total,
