@@ -16,6 +16,9 @@
 #                against the reference backend ($OUT/embedded_eval_cuda_sm100.json), then its tests on cuda_sm100
 #   speculative  speculative decoding's tests on cuda_sm100 (CUDA graphs, batch-invariant mode), then
 #                benchmarks/bench_speculative.py at batch 1, 16 and 64 ($OUT/speculative.json)
+#   speculative-deep [LAYERS [MINUTES]]  trains the embedded model LAYERS deep (default 24; MINUTES of training,
+#                default 3.5) into $OUT/deep, then bench_speculative.py on it at batch 1, 16 and 64
+#                ($OUT/speculative_deep.json): a model whose MTP layer is a small share of its step, as DeepSeek's is
 #   speculative-cut  bench_speculative.py on a DeepSeek-V3-shaped FP8 cut (2 layers and an MTP layer: a step bound by its
 #                weights) with drafts from plain decoding spoiled at 20%, batch 1, 16 and 64 ($OUT/speculative_cut.json)
 #   structured   benchmarks/bench_structured_output.py at batch 64: compile, mask fill and apply against a step
@@ -75,6 +78,13 @@ case ${1:-} in
       --tb=short 2>&1 | tail -15
     timeout 330 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --batches 1,16,64 --repeats 2 \
       --json "$OUT/speculative.json" 2>&1 | tail -30 ;;
+  speculative-deep)
+    timeout 330 python3 training/train_embedded.py --out "$OUT/deep" --layers "${2:-24}" --minutes "${3:-3.5}" 2>&1 \
+      | grep -v "Writing model\|^{\"step\"" | tail -25
+    timeout 240 python3 benchmarks/bench_speculative.py --model "$OUT/deep/bf16" --backend cuda_sm100 \
+      --batches 1,16,64 --specs 3:ahead,1:ahead,1,3/32:ahead --repeats 2 --json "$OUT/speculative_deep.json" 2>&1 \
+      | tail -40
+    rm -f "$OUT"/deep/*/model.safetensors ;;  # larger than what a device call brings back
   serving-check)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_caching.py --deepinfer-backend cuda_sm100 \
       --tb=short 2>&1 | tail -8
