@@ -589,6 +589,60 @@ def test_sparse_mla_reads_only_listed_slots():
     assert out.stdout.split("\n")[:4] == [fmt + row for fmt in ("bf16", "fp8_ds_mla") * 2]
 
 
+SPARSE_MLA_FP8_PAGES = """
+import torch, deepinfer
+from deepinfer import ops
+from deepinfer.conformance.cases import error
+from deepinfer.kv_cache import pack_fp8_ds_mla
+from deepinfer_cuda_sm100 import sparse_attention as sa
+
+copies = []
+copy = sa._bf16_copy
+sa._bf16_copy = lambda cache, table, *a: copies.append(table.flatten().tolist()) or copy(cache, table, *a)
+sa.SPARSE_TILE = dict(sa.SPARSE_TILE, BLOCK_N=16)
+sa.SPARSE_MIN_SPLIT, sa.num_sms = 16, lambda *_: 1000  # spans of 16 entries, merged
+g = torch.Generator().manual_seed(4)
+cache = deepinfer.allocate_kv_cache(8, 16, kv_lora_rank=512, rope_dim=64, kv_format="fp8_ds_mla", device="cpu")
+cache.view(torch.uint8).fill_(0xFF)  # NaN at every slot but the listed ones, listed pages' other slots included
+pages = [6, 1, 3]  # one sequence of 40 tokens: pages 6, 1 and 3 (8 slots of page 3)
+slots = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in pages])[:40]
+tokens = torch.randn(40, 576, generator=g).bfloat16()
+cache.view(128, -1)[slots] = pack_fp8_ds_mla(tokens, 512)
+indices = torch.full((12, 32), -1, dtype=torch.int32)
+for t in range(11):  # causal, up to 32 of its positions (token 11 lists nothing)
+    seen = torch.randperm(29 + t, generator=g)[:32]
+    indices[t, : seen.numel()] = slots[seen].int()
+indices[3] = indices[3][torch.randperm(32, generator=g)]  # -1 entries anywhere
+kw = dict(q=torch.randn(12, 16, 576, generator=g).bfloat16(), kv_cache=cache, indices=indices, softmax_scale=0.1,
+          kv_lora_rank=512)
+with deepinfer.use("reference"):
+    want = ops.sparse_mla(**kw)
+line = []
+for min_tokens, reuse in ((10**9, 4), (8, 4), (8, 9)):  # never; copied (384 entries, 48 slots); too little reuse
+    sa.FP8_COPY_MIN_TOKENS, sa.FP8_COPY_MIN_REUSE = min_tokens, reuse
+    with deepinfer.use("cuda_sm100"):
+        out, lse = ops.sparse_mla(**kw)
+    line += [len(copies), bool(out.isfinite().all()), error((out, lse), want) < 1e-2]
+    if min_tokens == 10**9:
+        direct = (out, lse)
+    else:
+        line.append(torch.equal(out, direct[0]) and torch.equal(lse, direct[1]))
+print(*line)
+print(copies)
+"""
+
+
+def test_sparse_mla_prefill_copies_listed_fp8_pages_to_bf16():
+    """A prefill-sized chunk over an fp8_ds_mla cache (default mode) attends over a bf16 copy of the pages its lists
+    name, each listed page once in page order, with the lists renumbered into the copy: the direct kernel's bits,
+    unlisted slots of copied pages (NaN) never read, -1 entries kept. A chunk below ``FP8_COPY_MIN_TOKENS`` or whose
+    lists name their pages' slots too few times (``FP8_COPY_MIN_REUSE``) reads the fp8 records directly."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", SPARSE_MLA_FP8_PAGES], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["0 True True 1 True True True 1 True True True", "[[1, 3, 6]]"]
+
+
 def setup_rank() -> None:
     deepinfer.use("cuda_sm100")
     from deepinfer_cuda_sm100 import moe

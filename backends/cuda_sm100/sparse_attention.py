@@ -20,7 +20,9 @@ index list]) gathers the cache rows of its slots ``BLOCK_N`` at a time, ``-1`` e
 ``-inf``, their values to zero: the cache at a slot no one listed may hold anything, NaN included), and keeps an
 online softmax in fp32 (exp2), the latent in two halves as ``mla_decode`` does. With one span per row it writes the
 output and lse itself and is batch-invariant; the default mode may split a row's list into spans when the grid is
-small, merged by ``mla_decode``'s merge kernel.
+small, merged by ``mla_decode``'s merge kernel. In the default mode, a prefill chunk over an fp8_ds_mla cache first
+dequantises the pages its lists name into a bf16 copy, each page once, and attends over the copy as a bf16 cache
+(``_bf16_pages``): the same bits, since e4m3 times a power-of-two scale is exact in bf16.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from deepinfer import Decline
 from deepinfer.index_cache import FP8_GROUP
 
 from ._triton import INTERPRET, PDL, cast, dot, next_pow2, num_sms, pdl_wait, placed, pow2_ceil, to_e4m3
-from .attention import _dequantize, _mla_merge_kernel, _rope_at
+from .attention import _bf16_copy, _dequantize, _mla_merge_kernel, _rope_at
 
 try:
     from . import sparse_mla_gluon
@@ -421,6 +423,15 @@ SPARSE_GRID_FILL, SPARSE_MIN_SPLIT = 1.0, 256
 # every bench row on an H100 (``benchmarks/NOTES.md``).
 SPARSE_MLA_GLUON = True
 LIST_CHUNK = 1024  # index entries read at a time to find where a row's list ends
+# Default mode, fp8_ds_mla cache: a chunk of at least FP8_COPY_MIN_TOKENS query tokens whose lists name each page they
+# touch at least FP8_COPY_MIN_REUSE entries per slot on average (the tokens of one prompt, each choosing among the
+# same cached tokens) has those pages dequantised once into a bf16 copy, which the kernel reads as a bf16 cache:
+# every program would otherwise dequantise every record it lists, and on an H100 the bf16 kernel runs a prefill
+# chunk 1.4x as fast (379 against 267 TFLOP/s at 8k tokens: benchmarks/NOTES.md, sparse attention). Counting the
+# pages synchronises with the host, so decode steps (fewer rows, each sequence's own pages) never count them, nor
+# does a step being captured into a CUDA graph.
+FP8_COPY_MIN_TOKENS = 512
+FP8_COPY_MIN_REUSE = 4
 
 
 @triton.jit
@@ -582,6 +593,34 @@ def _merge(part_out, part_lse, out, lse, n_splits: int, kv_lora_rank: int) -> No
         )
 
 
+def _bf16_pages(q, kv_cache, indices, kv_lora_rank: int):
+    """The pages of an fp8_ds_mla ``kv_cache`` that ``indices`` lists, dequantised into a bf16 cache of their own
+    ``[P, page, kv_lora_rank + rope_dim]`` (in page order; ``attention._bf16_copy``), and ``indices`` renumbered into
+    it (-1 kept); None where the chunk is too small or reads its pages too few times for the copy to pay
+    (``FP8_COPY_MIN_TOKENS``, ``FP8_COPY_MIN_REUSE``). A listed page's unlisted slots are copied too and never
+    read. Records of a multiple of 16 bytes only (DeepSeek's 656): the copy kernel reads them 16 bytes at a time."""
+    tokens, topk = indices.shape
+    if tokens < FP8_COPY_MIN_TOKENS or kv_cache.shape[2] % 16:
+        return None
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    pages, page = kv_cache.shape[:2]
+    flat = indices.reshape(-1).long()
+    listed = flat >= 0
+    at = torch.where(listed, flat // page + 1, 0)  # 0: no page (-1 entries)
+    used = torch.zeros(pages + 1, dtype=torch.int32, device=q.device).index_fill_(0, at, 1)
+    used[0] = 0
+    which = used[1:].nonzero().squeeze(1)  # the host learns how many pages are listed
+    if tokens * topk < FP8_COPY_MIN_REUSE * which.numel() * page:
+        return None
+    position = used.cumsum(0, dtype=torch.int32) - 1  # a listed page's place in the copy, at its index in `at`
+    renumbered = torch.where(listed, position[at].long() * page + flat % page, -1).to(torch.int32).view(tokens, topk)
+    table = which.to(torch.int32).view(1, -1)
+    count = torch.tensor([which.numel() * page], dtype=torch.int32, device=q.device)
+    copy, _ = _bf16_copy(kv_cache, table, count, kv_lora_rank, q.shape[2] - kv_lora_rank)
+    return copy.view(which.numel(), page, -1), renumbered
+
+
 def sparse_mla_gluon_kernel(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format):
     """``sparse_mla`` by ``sparse_mla_gluon``'s warp-specialized kernel (spans as the Triton kernel's default mode)."""
     tokens, heads, _ = q.shape
@@ -595,6 +634,9 @@ def sparse_mla_gluon_kernel(q, kv_cache, indices, *, softmax_scale, kv_lora_rank
     n_splits = triton.cdiv(topk, split)
     part_out, part_lse = _partials(out, lse, tokens, heads, n_splits, kv_lora_rank)
     fp8 = kv_format == "fp8_ds_mla"
+    copied = _bf16_pages(q, kv_cache, indices, kv_lora_rank) if fp8 else None
+    if copied is not None:
+        (kv_cache, indices), fp8 = copied, False
     sparse_mla_gluon.launch(q, kv_cache, indices, part_out, part_lse, softmax_scale, fp8, split, n_splits)
     _merge(part_out, part_lse, out, lse, n_splits, kv_lora_rank)
     return out, lse
@@ -629,6 +671,9 @@ def sparse_mla(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format, 
     n_splits = triton.cdiv(topk, split)
     part_out, part_lse = _partials(out, lse, tokens, heads, n_splits, kv_lora_rank)
     fp8 = kv_format == "fp8_ds_mla"
+    copied = _bf16_pages(q, kv_cache, indices, kv_lora_rank) if fp8 and not invariant else None
+    if copied is not None:
+        (kv_cache, indices), fp8 = copied, False
     flat = kv_cache.view(-1)
     _sparse_mla_kernel[(tokens, head_blocks, n_splits)](
         q,
