@@ -81,6 +81,7 @@ case ${1:-} in
   speculative-deep)
     timeout 330 python3 training/train_embedded.py --out "$OUT/deep" --layers "${2:-24}" --minutes "${3:-3.5}" 2>&1 \
       | grep -v "Writing model\|^{\"step\"" | tail -25
+    [ -f "$OUT/deep/bf16/model.safetensors" ] || { echo "no model trained"; exit 1; }
     timeout 240 python3 benchmarks/bench_speculative.py --model "$OUT/deep/bf16" --backend cuda_sm100 \
       --batches 1,16,64 --specs 3:ahead,1:ahead,3/32:ahead --repeats 2 --json "$OUT/speculative_deep.json" 2>&1 \
       | tail -40

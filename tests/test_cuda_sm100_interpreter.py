@@ -596,51 +596,78 @@ from deepinfer.conformance.cases import error
 from deepinfer.kv_cache import pack_fp8_ds_mla
 from deepinfer_cuda_sm100 import sparse_attention as sa
 
-copies = []
+copies, kept = [], []
 copy = sa._bf16_copy
-sa._bf16_copy = lambda cache, table, *a: copies.append(table.flatten().tolist()) or copy(cache, table, *a)
+
+
+def copying(cache, table, *args):  # records each copy's pages, then spoils the fp8 cache until the call returns
+    out = copy(cache, table, *args)
+    copies.append(table.tolist())
+    kept.append(cache.clone())
+    cache.view(torch.uint8).fill_(0xFF)
+    return out
+
+
+def attend(**kw):
+    out = ops.sparse_mla(**kw)
+    if kept:
+        kw["kv_cache"].copy_(kept.pop())
+    return out
+
+
+sa._bf16_copy = copying
 sa.SPARSE_TILE = dict(sa.SPARSE_TILE, BLOCK_N=16)
 sa.SPARSE_MIN_SPLIT, sa.num_sms = 16, lambda *_: 1000  # spans of 16 entries, merged
+sa.FP8_COPY_ROW_PAGES = 2  # the copy's pages in two rows of its grid
 g = torch.Generator().manual_seed(4)
-cache = deepinfer.allocate_kv_cache(8, 16, kv_lora_rank=512, rope_dim=64, kv_format="fp8_ds_mla", device="cpu")
-cache.view(torch.uint8).fill_(0xFF)  # NaN at every slot but the listed ones, listed pages' other slots included
-pages = [6, 1, 3]  # one sequence of 40 tokens: pages 6, 1 and 3 (8 slots of page 3)
-slots = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in pages])[:40]
-tokens = torch.randn(40, 576, generator=g).bfloat16()
-cache.view(128, -1)[slots] = pack_fp8_ds_mla(tokens, 512)
-indices = torch.full((12, 32), -1, dtype=torch.int32)
-for t in range(11):  # causal, up to 32 of its positions (token 11 lists nothing)
-    seen = torch.randperm(29 + t, generator=g)[:32]
-    indices[t, : seen.numel()] = slots[seen].int()
-indices[3] = indices[3][torch.randperm(32, generator=g)]  # -1 entries anywhere
-kw = dict(q=torch.randn(12, 16, 576, generator=g).bfloat16(), kv_cache=cache, indices=indices, softmax_scale=0.1,
-          kv_lora_rank=512)
-with deepinfer.use("reference"):
-    want = ops.sparse_mla(**kw)
-line = []
-for min_tokens, reuse in ((10**9, 4), (8, 4), (8, 9)):  # never; copied (384 entries, 48 slots); too little reuse
-    sa.FP8_COPY_MIN_TOKENS, sa.FP8_COPY_MIN_REUSE = min_tokens, reuse
-    with deepinfer.use("cuda_sm100"):
-        out, lse = ops.sparse_mla(**kw)
-    line += [len(copies), bool(out.isfinite().all()), error((out, lse), want) < 1e-2]
-    if min_tokens == 10**9:
-        direct = (out, lse)
-    else:
-        line.append(torch.equal(out, direct[0]) and torch.equal(lse, direct[1]))
-print(*line)
+pages = [6, 1, 3]  # one sequence of 80 tokens in pages of 32: 6, 1 and half of 3
+slots = torch.cat([torch.arange(p * 32, p * 32 + 32) for p in pages])[:80]
+indices = torch.full((24, 32), -1, dtype=torch.int32)
+for t in range(23):  # its last 24 tokens, causal: each lists 32 of the positions it sees (the last lists nothing)
+    indices[t] = slots[torch.randperm(57 + t, generator=g)[:32]].int()
+indices[3] = torch.where(torch.rand(32, generator=g) < 0.3, -1, indices[3])  # -1 entries anywhere
+for rope in (64, 48):  # 48: not a power of two, so never copied
+    cache = deepinfer.allocate_kv_cache(8, 32, kv_lora_rank=512, rope_dim=rope, kv_format="fp8_ds_mla", device="cpu")
+    cache.view(torch.uint8).fill_(0xFF)  # NaN at every slot but the listed ones, listed pages' other slots included
+    cache.view(256, -1)[slots] = pack_fp8_ds_mla(torch.randn(80, 512 + rope, generator=g).bfloat16(), 512)
+    kw = dict(q=torch.randn(24, 16, 512 + rope, generator=g).bfloat16(), kv_cache=cache, indices=indices,
+              softmax_scale=0.1, kv_lora_rank=512)
+    with deepinfer.use("reference"):
+        want = ops.sparse_mla(**kw)
+    line = [rope]
+    # never; copied (683 entries over 96 slots); too few entries per slot; nothing listed
+    for min_tokens, reuse, listed in ((10**9, 4, True), (8, 4, True), (8, 8, True), (8, 4, False)):
+        sa.FP8_COPY_MIN_TOKENS, sa.FP8_COPY_MIN_REUSE = min_tokens, reuse
+        with deepinfer.use("cuda_sm100"):
+            out, lse = attend(**(kw if listed else dict(kw, indices=torch.full_like(indices, -1))))
+        if not listed:
+            line += [len(copies), bool((out == 0).all() and (lse == float("-inf")).all())]
+            continue
+        line += [len(copies), bool(out.isfinite().all()), error((out, lse), want) < 1e-2]
+        if min_tokens == 10**9:
+            direct = (out, lse)
+        else:
+            line.append(torch.equal(out, direct[0]) and torch.equal(lse, direct[1]))
+    print(*line)
 print(copies)
 """
 
 
 def test_sparse_mla_prefill_copies_listed_fp8_pages_to_bf16():
     """A prefill-sized chunk over an fp8_ds_mla cache (default mode) attends over a bf16 copy of the pages its lists
-    name, each listed page once in page order, with the lists renumbered into the copy: the direct kernel's bits,
-    unlisted slots of copied pages (NaN) never read, -1 entries kept. A chunk below ``FP8_COPY_MIN_TOKENS`` or whose
-    lists name their pages' slots too few times (``FP8_COPY_MIN_REUSE``) reads the fp8 records directly."""
+    name, each listed page once in page order (here over two rows of the copy kernel's grid), with the lists
+    renumbered into the copy: the direct kernel's bits, unlisted slots of copied pages (NaN) never read, -1 entries
+    kept, and the fp8 records themselves not read once copied (the test spoils them until the call returns). A chunk
+    below ``FP8_COPY_MIN_TOKENS``, one whose lists name their pages' slots too few times (``FP8_COPY_MIN_REUSE``), one
+    that lists nothing and one whose rope part is not a power of two read the fp8 records directly."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", SPARSE_MLA_FP8_PAGES], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["0 True True 1 True True True 1 True True True", "[[1, 3, 6]]"]
+    assert out.stdout.split("\n")[:3] == [  # the number of copies so far, then each call's checks
+        "64 0 True True 1 True True True 1 True True True 1 True",
+        "48 1 True True 1 True True True 1 True True True 1 True",
+        "[[[1, 3], [6, 0]]]",
+    ]
 
 
 def setup_rank() -> None:

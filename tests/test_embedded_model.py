@@ -131,7 +131,8 @@ def test_the_training_script_writes_what_the_engine_serves(tmp_path):
     on the trained MTP layer changes no greedy token."""
     script = Path(__file__).parents[1] / "training" / "train_embedded.py"
     args = ["--out", tmp_path, "--max-files", "30", "--steps", "3", "--batch", "2", "--seq-len", "64", "--layers", "3"]
-    subprocess.run([sys.executable, script, *map(str, args)], check=True, capture_output=True, timeout=300)
+    run = subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
     record = json.loads((tmp_path / "training.json").read_text())
     assert record["config"]["num_hidden_layers"] == 3 and record["hyperparameters"]["steps"] == 3
     for variant in VARIANTS:

@@ -423,15 +423,18 @@ SPARSE_GRID_FILL, SPARSE_MIN_SPLIT = 1.0, 256
 # every bench row on an H100 (``benchmarks/NOTES.md``).
 SPARSE_MLA_GLUON = True
 LIST_CHUNK = 1024  # index entries read at a time to find where a row's list ends
-# Default mode, fp8_ds_mla cache: a chunk of at least FP8_COPY_MIN_TOKENS query tokens whose lists name each page they
-# touch at least FP8_COPY_MIN_REUSE entries per slot on average (the tokens of one prompt, each choosing among the
-# same cached tokens) has those pages dequantised once into a bf16 copy, which the kernel reads as a bf16 cache:
-# every program would otherwise dequantise every record it lists, and on an H100 the bf16 kernel runs a prefill
-# chunk 1.4x as fast (379 against 267 TFLOP/s at 8k tokens: benchmarks/NOTES.md, sparse attention). Counting the
-# pages synchronises with the host, so decode steps (fewer rows, each sequence's own pages) never count them, nor
-# does a step being captured into a CUDA graph.
+# Default mode, fp8_ds_mla cache: a chunk of at least FP8_COPY_MIN_TOKENS query tokens whose lists name the slots of
+# the pages they touch at least FP8_COPY_MIN_REUSE times each on average (the tokens of one prompt, each choosing among
+# the same cached tokens) has those pages dequantised once into a bf16 copy of at most FP8_COPY_MAX_BYTES, which the
+# kernel reads as a bf16 cache: every program would otherwise dequantise every record it lists, and on an H100 the
+# bf16 kernel runs a prefill chunk 1.4x as fast (379 against 267 TFLOP/s at 8k tokens: benchmarks/NOTES.md, sparse
+# attention). Counting the pages synchronises with the host, once per call: a step of fewer rows never counts them,
+# nor does one being captured into a CUDA graph; an eager step of as many decode or verification rows pays the
+# synchronisation and then reads its records directly.
 FP8_COPY_MIN_TOKENS = 512
 FP8_COPY_MIN_REUSE = 4
+FP8_COPY_MAX_BYTES = 1 << 30
+FP8_COPY_ROW_PAGES = 2048  # pages per row of the copy kernel's grid (its second axis holds at most 65,535 programs)
 
 
 @triton.jit
@@ -595,30 +598,40 @@ def _merge(part_out, part_lse, out, lse, n_splits: int, kv_lora_rank: int) -> No
 
 def _bf16_pages(q, kv_cache, indices, kv_lora_rank: int):
     """The pages of an fp8_ds_mla ``kv_cache`` that ``indices`` lists, dequantised into a bf16 cache of their own
-    ``[P, page, kv_lora_rank + rope_dim]`` (in page order; ``attention._bf16_copy``), and ``indices`` renumbered into
-    it (-1 kept); None where the chunk is too small or reads its pages too few times for the copy to pay
-    (``FP8_COPY_MIN_TOKENS``, ``FP8_COPY_MIN_REUSE``). A listed page's unlisted slots are copied too and never
-    read. Records of a multiple of 16 bytes only (DeepSeek's 656): the copy kernel reads them 16 bytes at a time."""
+    ``[P', page, kv_lora_rank + rope_dim]`` (the listed pages first, in page order; ``attention._bf16_copy``), and
+    ``indices`` renumbered into it (-1 kept); None where the copy would not pay or does not apply: too few query
+    tokens, too few listed entries per slot of the listed pages, more than ``FP8_COPY_MAX_BYTES``, a step being
+    captured, or a record the copy kernel does not read (a multiple of 16 bytes, power-of-two latent and rope parts,
+    as ``mla_supports`` requires; DeepSeek's 656-byte records are). A listed page's unlisted slots are copied too and
+    never read."""
     tokens, topk = indices.shape
-    if tokens < FP8_COPY_MIN_TOKENS or kv_cache.shape[2] % 16:
+    pages, page, width = kv_cache.shape
+    rope_dim = q.shape[2] - kv_lora_rank
+    shapes_ok = width % 16 == 0 and kv_lora_rank >= 32 and rope_dim >= 16
+    shapes_ok = shapes_ok and kv_lora_rank == next_pow2(kv_lora_rank) and rope_dim == next_pow2(rope_dim)
+    if tokens < FP8_COPY_MIN_TOKENS or not shapes_ok:
         return None
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    pages, page = kv_cache.shape[:2]
     flat = indices.reshape(-1).long()
     listed = flat >= 0
     at = torch.where(listed, flat // page + 1, 0)  # 0: no page (-1 entries)
     used = torch.zeros(pages + 1, dtype=torch.int32, device=q.device).index_fill_(0, at, 1)
     used[0] = 0
-    which = used[1:].nonzero().squeeze(1)  # the host learns how many pages are listed
-    if tokens * topk < FP8_COPY_MIN_REUSE * which.numel() * page:
+    entries, n = torch.stack([listed.sum(), used.sum()]).tolist()  # the host synchronisation
+    copy_bytes = n * page * 2 * (kv_lora_rank + rope_dim)
+    if not n or entries < FP8_COPY_MIN_REUSE * n * page or copy_bytes > FP8_COPY_MAX_BYTES:
         return None
     position = used.cumsum(0, dtype=torch.int32) - 1  # a listed page's place in the copy, at its index in `at`
     renumbered = torch.where(listed, position[at].long() * page + flat % page, -1).to(torch.int32).view(tokens, topk)
-    table = which.to(torch.int32).view(1, -1)
-    count = torch.tensor([which.numel() * page], dtype=torch.int32, device=q.device)
-    copy, _ = _bf16_copy(kv_cache, table, count, kv_lora_rank, q.shape[2] - kv_lora_rank)
-    return copy.view(which.numel(), page, -1), renumbered
+    row_pages = min(n, FP8_COPY_ROW_PAGES)
+    rows = triton.cdiv(n, row_pages)
+    table = torch.zeros(rows * row_pages, dtype=torch.int32, device=q.device)
+    table[:n] = used[1:].nonzero().squeeze(1).to(torch.int32)
+    row_starts = torch.arange(rows, dtype=torch.int32, device=q.device) * (row_pages * page)
+    counts = (n * page - row_starts).clamp(max=row_pages * page)  # the last row's unused pages are not written
+    copy, _ = _bf16_copy(kv_cache, table.view(rows, row_pages), counts, kv_lora_rank, rope_dim)
+    return copy.view(rows * row_pages, page, -1), renumbered
 
 
 def sparse_mla_gluon_kernel(q, kv_cache, indices, *, softmax_scale, kv_lora_rank, kv_format):
