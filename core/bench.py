@@ -502,7 +502,9 @@ def _dsa_cases(quick: bool) -> list[BenchCase]:
 
     heads, rank, rope, topk, page = (16, 512, 64, 64, 64) if quick else (128, 512, 64, 2048, 64)
     i_heads, i_dim = (8, 128) if quick else (64, 128)
-    decode = [(2, 1, 256)] if quick else [(64, 1, 8192), (64, 1, 131072), (64, 2, 8192), (128, 1, 8192)]
+    # (batch, queries per sequence, context); 128 x 2 is the shape of FlashMLA's published sparse decode figure
+    decode = [(64, 1, 8192), (64, 1, 131072), (64, 2, 8192), (128, 1, 8192), (128, 2, 8192)]
+    decode = [(2, 1, 256)] if quick else decode
     prefill = [] if quick else [(8192, 16384)]
     out: list[BenchCase] = []
     for fmt in ("bf16", "fp8_ds_mla"):
