@@ -44,6 +44,18 @@ def ptxas_report(ptx: str) -> str:
     return done.stdout + done.stderr
 
 
+def sass(ptx: str) -> str:
+    """The SM90 machine code of ``ptx`` as ``cuobjdump -sass`` lists it (both tools ship with Triton)."""
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.ptx"), "w") as f:
+            f.write(ptx)
+        subprocess.run([ptxas, "-arch=sm_90a", f.name, "-o", os.path.join(tmp, "k.cubin")], check=True)
+        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+        return subprocess.run([cuobjdump, "-sass", os.path.join(tmp, "k.cubin")], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
 def wgmma_serialized(report: str) -> bool:
     """Whether ``ptxas_report`` says ptxas made each wgmma instruction wait for the one before, for any reason: C7514
     (registers of a product used while it may still run), C7512 (too few registers for products in flight), ... That

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-from gluon_helpers import MAX_SHARED, compile_sm90, descriptor_type, ptxas_report, wgmma_serialized
+from gluon_helpers import MAX_SHARED, compile_sm90, descriptor_type, ptxas_report, sass, wgmma_serialized
 from triton.experimental.gluon import language as gl
 
 from deepinfer_cuda_sm100 import mla_gluon
@@ -48,9 +48,10 @@ def _fits_and_no_serialised_products(kernel) -> str:
     return report
 
 
-def _compile(kv_format: str, direct: bool, halves: bool):
+def _compile(kv_format: str, direct: bool, halves: bool, by_bits: bool = False):
     """The split kernel as ``launch_split`` specialises it for DeepSeek-V3's cache in ``kv_format``, 64-token pages;
-    ``direct``: one split, written to the bf16 output itself; ``halves``: one latent half of P x V per program."""
+    ``direct``: one split, written to the bf16 output itself; ``halves``: one latent half of P x V per program;
+    ``by_bits``: ``FP8_BY_BITS``."""
     cache_type, width, records = _records(kv_format)
     fp8 = kv_format == "fp8_ds_mla"
     signature = {"q_ptr": "*bf16", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
@@ -58,7 +59,7 @@ def _compile(kv_format: str, direct: bool, halves: bool):
     signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "n_splits"), "i32")
     signature["rope_desc"] = _descriptor(records, 64)
     constants = {"PAGE": 64, "SPLIT": 1024, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK, "DIRECT": direct}
-    constants |= {"HALVES": halves, "WIDTH": width, "EARLY_RELEASE": mla_gluon.EARLY_RELEASE}
+    constants |= {"HALVES": halves, "WIDTH": width, "EARLY_RELEASE": mla_gluon.EARLY_RELEASE, "FP8_BY_BITS": by_bits}
     if fp8:  # the rope part by TMA from the records seen as bf16, the latent dequantised by the kernel
         constants |= {"lat_desc": None, "RIGHT_REGS": mla_gluon.FP8_RIGHT_REGS, "FILL_REGS": mla_gluon.FP8_FILL_REGS}
     else:
@@ -88,16 +89,15 @@ def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_for
     _fits_and_no_serialised_products(kernel)
 
 
-@pytest.mark.parametrize("tokens", [64, mla_gluon.SCORES_TOKENS])
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_format, tokens):
+def _compile_scores(kv_format: str, tokens: int, by_bits: bool = False):
+    """The scores kernel as ``launch_scores_first`` specialises it, ``tokens`` a program."""
     cache_type, width, records = _records(kv_format)
     fp8 = kv_format == "fp8_ds_mla"
     signature = {"q_ptr": "*bf16", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
     signature |= {"rope_desc": _descriptor(records, 64), "scores_ptr": "*fp32", "maxima_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "reach"), "i32")
     constants = {"PAGE": 64, "WIDTH": width, "TOKENS": tokens, "FP8": fp8}
-    constants |= {"CHUNK": mla_gluon.SCORES_FP8_CHUNK, "PDL": True}
+    constants |= {"CHUNK": mla_gluon.SCORES_FP8_CHUNK, "PDL": True, "FP8_BY_BITS": by_bits}
     if fp8:  # the dequantised latent is also copied out, for the values kernel
         constants["lat_desc"] = None
         signature["latent_desc"] = _descriptor(torch.empty(4096, 512, dtype=torch.bfloat16), 256)
@@ -105,7 +105,14 @@ def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
         signature["lat_desc"] = _descriptor(records, 256)
         constants["latent_desc"] = None
     options = {"num_warps": 4, "enable_fp_fusion": True}
-    kernel = compile_sm90(mla_gluon._mla_scores_kernel, signature, constants, options)
+    return compile_sm90(mla_gluon._mla_scores_kernel, signature, constants, options)
+
+
+@pytest.mark.parametrize("tokens", [64, mla_gluon.SCORES_TOKENS])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_format, tokens):
+    fp8 = kv_format == "fp8_ds_mla"
+    kernel = _compile_scores(kv_format, tokens)
     ptx = kernel.asm["ptx"]
     # the split kernel's scores: [64 heads, 64 tokens] over 576 = 36 steps of k16, at one call site (fp8_ds_mla: the
     # next block is dequantised while the product runs) or two (bf16: the first block, then each next one, issued
@@ -178,3 +185,86 @@ def test_values_kernel_compiles_for_sm90_with_one_latent_part_per_program(kv_for
 def test_values_parts_halve_when_eight_would_not_fit_the_sms_at_once():
     assert mla_gluon.values_parts(16, 132) == 8  # one row, two head blocks, eight spans
     assert mla_gluon.values_parts(32, 132) == 4
+
+
+def _run_e4m3_bits_asm(words: list[int]) -> list[tuple[int, int]]:
+    """``mla_gluon.E4M3_BITS_ASM`` run on the CPU for each 32-bit input, by the PTX ISA's definitions of the three
+    instructions it uses (``prmt`` in its default mode, ``shl``, ``and``); returns its two outputs."""
+    lines = [line.strip().rstrip(";") for line in mla_gluon.E4M3_BITS_ASM.value.splitlines()]
+    body = [line.replace(",", " ").split() for line in lines if line and line[0] not in "{}."]
+    assert {op for op, *_ in body} == {"prmt.b32", "shl.b32", "and.b32"}, body
+    results = []
+    for word in words:
+        regs = {"$2": word}
+        for op, dst, *src in body:
+            value = lambda x, regs=regs: regs[x] if x in regs else int(x, 0)
+            if op == "prmt.b32":
+                a, b, selector = (value(x) for x in src)
+                source = (b << 32 | a).to_bytes(8, "little")
+                out = 0
+                for i in range(4):
+                    nibble = selector >> 4 * i & 0xF
+                    byte = source[nibble & 7]
+                    if nibble & 8:  # replicate the selected byte's sign bit
+                        byte = 0xFF if byte & 0x80 else 0
+                    out |= byte << 8 * i
+                regs[dst] = out
+            elif op == "shl.b32":
+                regs[dst] = value(src[0]) << value(src[1]) & 0xFFFFFFFF
+            else:
+                regs[dst] = value(src[0]) & value(src[1])
+        results.append((regs["$0"], regs["$1"]))
+    return results
+
+
+def test_e4m3_bits_asm_gives_each_byte_as_bf16_times_two_to_the_minus_120():
+    """The integer route of ``FP8_BY_BITS``, checked on the CPU: every e4m3 byte but NaN at each of the four positions
+    of a word becomes the bf16 of its value times 2^-120 (subnormals and -0 included), and the two bf16 multiplies of
+    ``_e4m3_times_scale`` then give exactly the fp32 route's bf16 over the scales an fp8_ds_mla cache can hold,
+    2^-22 to 2^120. The kernel's register packing (byte i of the word is element i; elements 0-1 in the first output,
+    low half first) is Triton's and is checked by the GPU's conformance."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    others = torch.randint(0, 256, (4, codes.numel()), generator=gen, dtype=torch.uint8)
+    got = torch.empty(4, codes.numel(), dtype=torch.int32)
+    for pos in range(4):
+        lanes = others.clone()
+        lanes[pos] = codes
+        words = [int.from_bytes(bytes(lanes[:, i].tolist()), "little") for i in range(codes.numel())]
+        outs = _run_e4m3_bits_asm(words)
+        got[pos] = torch.tensor([(outs[i][pos // 2] >> 16 * (pos % 2)) & 0xFFFF for i in range(len(words))])
+    bits = got.to(torch.int16).view(torch.bfloat16)
+    want = codes.view(torch.float8_e4m3fn).float()
+    for pos in range(4):
+        assert torch.equal(bits[pos].float() * 2.0**120, want), pos
+        assert torch.equal(torch.signbit(bits[pos].float()), torch.signbit(want)), pos  # -0 stays -0
+    for log_scale in range(-22, 121):
+        scale = torch.tensor(2.0**log_scale)
+        a = (torch.minimum(scale, torch.tensor(128.0)) * 2.0**120).to(torch.bfloat16)
+        b = torch.maximum(scale * 0.0078125, torch.tensor(1.0)).to(torch.bfloat16)
+        assert torch.equal(bits[0] * a * b, (want * scale).to(torch.bfloat16)), log_scale
+
+
+def test_fp8_kernels_by_bits_compile_without_the_fp32_route():
+    """With ``FP8_BY_BITS`` the fp8_ds_mla split, scores and sparse kernels still compile for SM90 with their products
+    asynchronous and no more spills, and their dequantisation has left the conversion instructions: no e4m3 unpack,
+    no f16 -> f32 (``HADD2.F32``), and a fraction of the ``F2FP`` packs (what is left converts scales and P)."""
+    from test_sparse_mla_gluon import _compile as compile_sparse
+
+    def spills(kernel) -> int:
+        return int(re.search(r"(\d+) bytes spill stores", ptxas_report(kernel.asm["ptx"])).group(1))
+
+    for build in (
+        lambda by_bits: _compile("fp8_ds_mla", False, False, by_bits),
+        lambda by_bits: _compile_scores("fp8_ds_mla", 64, by_bits),
+        lambda by_bits: compile_sparse("fp8_ds_mla", False, by_bits),
+    ):
+        before, after = build(False), build(True)
+        code = {k: sass(k.asm["ptx"]) for k in (before, after)}
+        assert "cvt.rn.f16x2.e4m3x2" in before.asm["ptx"] and "cvt.rn.f16x2.e4m3x2" not in after.asm["ptx"]
+        assert "prmt.b32" in after.asm["ptx"] and "mul.bf16" in after.asm["ptx"]
+        assert code[before].count("HADD2.F32") >= 256 and code[after].count("HADD2.F32") == 0
+        assert code[after].count("F2FP") * 4 < code[before].count("F2FP")
+        assert code[after].count("HMUL2.BF16") >= 256
+        assert spills(after) <= spills(before)
+        _fits_and_no_serialised_products(after)

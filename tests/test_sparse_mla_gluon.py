@@ -17,13 +17,13 @@ from gluon_helpers import MAX_SHARED, compile_sm90, ptxas_report, wgmma_serializ
 from deepinfer_cuda_sm100 import sparse_attention, sparse_mla_gluon
 
 
-def _compile(kv_format: str, direct: bool):
+def _compile(kv_format: str, direct: bool, by_bits: bool = False):
     fp8 = kv_format == "fp8_ds_mla"
     signature = {"q_ptr": "*bf16", "cache_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32"}
     signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
     signature |= dict.fromkeys(("H", "topk", "stride_qt", "stride_qh", "stride_it", "n_splits"), "i32")
     constants = {"WIDTH": 656 if fp8 else 576, "SPLIT": 2048 if direct else 512, "FP8": fp8, "DIRECT": direct}
-    constants |= {"CHUNK": sparse_mla_gluon.CHUNK}
+    constants |= {"CHUNK": sparse_mla_gluon.CHUNK, "FP8_BY_BITS": by_bits}
     constants |= {"RIGHT_REGS": sparse_mla_gluon.RIGHT_REGS, "FILL_REGS": sparse_mla_gluon.FILL_REGS}
     options = {"num_warps": 4, "enable_fp_fusion": True}
     return compile_sm90(sparse_mla_gluon._sparse_split_kernel, signature, constants, options)

@@ -62,6 +62,11 @@ FP8_CHUNK, FP8_RIGHT_REGS, FP8_FILL_REGS = 8, 160, 120
 # the tensor cores, rather than after both: the refill (the left half by TMA, or the whole stage by the fp8_ds_mla
 # filler once the second warpgroup is done too) gets S's time to land.
 EARLY_RELEASE = True
+# fp8_ds_mla: e4m3 bytes become bf16 by integer operations and two bf16 multiplies (``_e4m3_times_scale``) rather
+# than through fp32 by conversion instructions, which issue on a narrower pipe. The same bits; off until the GPU's
+# conformance and an A/B have run with it (benchmarks/NOTES.md, sparse attention).
+FP8_BY_BITS = False
+TWO_POW_120 = gl.constexpr(2.0**120)
 
 
 @gluon.jit
@@ -136,25 +141,65 @@ def _fp8_chunk(cache_ptr, page, n0, end, PAGE: gl.constexpr, WIDTH: gl.constexpr
     return c0, c1, s0, s1, s2, s3
 
 
+# ``_e4m3_bits`` for four bytes in $2: bytes 0-1 into $0, 2-3 into $1, each byte below a copy of its sign bit
+# (``prmt``'s sign-replicating selectors 8-b), shifted left by 4 and masked to bf16's sign, low 4 exponent bits and
+# top 3 mantissa bits.
+E4M3_BITS_ASM = gl.constexpr("""{
+    .reg .b32 lo, hi;
+    prmt.b32 lo, $2, 0, 0x9180;
+    prmt.b32 hi, $2, 0, 0xb3a2;
+    shl.b32 lo, lo, 4;
+    shl.b32 hi, hi, 4;
+    and.b32 $0, lo, 0x87f087f0;
+    and.b32 $1, hi, 0x87f087f0;
+}""")
+
+
 @gluon.jit
-def _dequantize_half(raw, s_lo, s_hi):
-    """e4m3 bytes [CHUNK, 256] (two 128-column groups) times their groups' scales, as bf16."""
+def _e4m3_bits(raw):
+    """Each e4m3 byte of ``raw`` (uint8) as the bf16 of its value times 2^-120, exactly: an e4m3 exponent field is
+    bf16's less 120 and e4m3 subnormals become bf16 subnormals, so the sign goes to bit 15 and the other seven bits
+    move up by 4. Six integer operations per four bytes. The e4m3 NaN pattern becomes a finite number (the cache
+    never holds one)."""
+    return gl.inline_asm_elementwise(E4M3_BITS_ASM, "=r,=r,r", [raw], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _e4m3_times_scale(raw, s_lo, s_hi):
+    """``_dequantize_half`` by ``_e4m3_bits`` and two bf16 multiplies per value: by min(scale, 2^7) x 2^120, then by
+    max(scale / 2^7, 1), each factor exact (the scales are powers of two) and neither overflowing, so every product
+    is exact where the fp32 route's is."""
     first = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, raw.type.layout)), 0) < GROUP
-    scale = gl.where(first, gl.expand_dims(s_lo, 1), gl.expand_dims(s_hi, 1))
-    return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
+    a_lo = gl.expand_dims((gl.minimum(s_lo, 128.0) * TWO_POW_120).to(gl.bfloat16), 1)
+    a_hi = gl.expand_dims((gl.minimum(s_hi, 128.0) * TWO_POW_120).to(gl.bfloat16), 1)
+    b_lo = gl.expand_dims(gl.maximum(s_lo * 0.0078125, 1.0).to(gl.bfloat16), 1)
+    b_hi = gl.expand_dims(gl.maximum(s_hi * 0.0078125, 1.0).to(gl.bfloat16), 1)
+    return _e4m3_bits(raw) * gl.where(first, a_lo, a_hi) * gl.where(first, b_lo, b_hi)
 
 
 @gluon.jit
-def _store_chunk(chunk, c0_s, c1_s, stage, r):
+def _dequantize_half(raw, s_lo, s_hi, BY_BITS: gl.constexpr):
+    """e4m3 bytes [CHUNK, 256] (two 128-column groups) times their groups' scales, as bf16 (``BY_BITS``: by
+    ``_e4m3_times_scale``, the same bits)."""
+    if BY_BITS:
+        return _e4m3_times_scale(raw, s_lo, s_hi)
+    else:
+        first = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, raw.type.layout)), 0) < GROUP
+        scale = gl.where(first, gl.expand_dims(s_lo, 1), gl.expand_dims(s_hi, 1))
+        return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
+
+
+@gluon.jit
+def _store_chunk(chunk, c0_s, c1_s, stage, r, BY_BITS: gl.constexpr):
     """A chunk from ``_fp8_chunk``, dequantised, into rows ``r + [0, CHUNK)`` of ``stage``."""
     c0, c1, s0, s1, s2, s3 = chunk
-    c0_s.index(stage).slice(r, c0.shape[0]).store(_dequantize_half(c0, s0, s1))
-    c1_s.index(stage).slice(r, c0.shape[0]).store(_dequantize_half(c1, s2, s3))
+    c0_s.index(stage).slice(r, c0.shape[0]).store(_dequantize_half(c0, s0, s1, BY_BITS))
+    c1_s.index(stage).slice(r, c0.shape[0]).store(_dequantize_half(c1, s2, s3, BY_BITS))
 
 
 @gluon.jit
 def _dequantize_fp8(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free,
-                    PAGE: gl.constexpr, WIDTH: gl.constexpr, CHUNK: gl.constexpr):  # fmt: skip
+                    PAGE: gl.constexpr, WIDTH: gl.constexpr, CHUNK: gl.constexpr, BY_BITS: gl.constexpr):  # fmt: skip
     """The third warpgroup, for an fp8_ds_mla cache: each block of the span into its stage once both other warpgroups
     are done with the stage's previous block, the latent dequantised to bf16 (zeros past the span), the rope part
     (bf16 already) by a TMA copy. Loads run two chunks ahead of the stores (registers hold three chunks), so that
@@ -171,14 +216,14 @@ def _dequantize_fp8(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_
             if i < n_blocks:
                 page, page_next, now, ahead = _fill_stage(
                     cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free,
-                    i, stage, page, page_next, now, ahead, PAGE, WIDTH, CHUNK,
+                    i, stage, page, page_next, now, ahead, PAGE, WIDTH, CHUNK, BY_BITS,
                 )  # fmt: skip
 
 
 @gluon.jit
 def _fill_stage(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, i,
                 stage: gl.constexpr, page, page_next, now, ahead, PAGE: gl.constexpr, WIDTH: gl.constexpr,
-                CHUNK: gl.constexpr):  # fmt: skip
+                CHUNK: gl.constexpr, BY_BITS: gl.constexpr):  # fmt: skip
     """Block ``i`` of the span (in page ``page``) into ``stage``, with the chunks ``now`` and ``ahead`` already loaded;
     returns the next block's and the one after's pages and their first two chunks."""
     n0 = start + i * BLOCK_N
@@ -191,7 +236,7 @@ def _fill_stage(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, r
             nxt = _fp8_chunk(cache_ptr, page, n0 + r + 2 * CHUNK, end, PAGE, WIDTH, CHUNK)
         else:
             nxt = _fp8_chunk(cache_ptr, page_next, n0 + r + 2 * CHUNK, end, PAGE, WIDTH, CHUNK)
-        _store_chunk(now, c0_s, c1_s, stage, r)
+        _store_chunk(now, c0_s, c1_s, stage, r, BY_BITS)
         now = ahead
         ahead = nxt
     fence_async_shared()
@@ -453,6 +498,7 @@ def _mla_split_kernel(
     DIRECT: gl.constexpr,
     HALVES: gl.constexpr,
     EARLY_RELEASE: gl.constexpr,
+    FP8_BY_BITS: gl.constexpr,
 ):
     """``attention._mla_split_kernel``'s contract (one (query row, 64 heads, KV split) per program). Launched with 4
     warps, to which the second warpgroup adds 4, and with ``FP8`` (an fp8_ds_mla cache at ``cache_ptr``, bytes;
@@ -523,7 +569,7 @@ def _mla_split_kernel(
                           rope_desc, table_row, part_out_ptr, start, end, row, pid_h, half, split, H, n_splits, PAGE,
                           FP8, HALVES)),
                 (_dequantize_fp8, (cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready,
-                                   left_ready, kv_free, PAGE, WIDTH, CHUNK)),
+                                   left_ready, kv_free, PAGE, WIDTH, CHUNK, FP8_BY_BITS)),
             ],
             [4, 4],
             [RIGHT_REGS, FILL_REGS],
@@ -587,6 +633,7 @@ def _mla_scores_kernel(
     FP8: gl.constexpr,
     CHUNK: gl.constexpr,
     PDL: gl.constexpr,
+    FP8_BY_BITS: gl.constexpr,
 ):
     """S = Q K^T (fp32, unscaled) of one (query row, 64 heads, ``TOKENS`` context tokens) per program: each visible
     64-token block's [64 heads, 64 tokens] tile at ``scores[row, head block, block]`` (row-major tiles; a partial last
@@ -622,7 +669,7 @@ def _mla_scores_kernel(
     full = (end - start) // BLOCK_N
     if FP8:
         _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, 0, PAGE, WIDTH,
-                          CHUNK)  # fmt: skip
+                          CHUNK, FP8_BY_BITS)  # fmt: skip
     else:
         for i in gl.static_range(2):
             first = _block_row(table_row, start, i, full, PAGE)
@@ -650,7 +697,7 @@ def _mla_scores_kernel(
             if j + 1 < n_blocks:  # the other stage held block j - 1, whose product is done
                 tma.store_wait(2)  # and whose copies are done
                 _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, right_ready, j + 1,
-                                  PAGE, WIDTH, CHUNK)  # fmt: skip
+                                  PAGE, WIDTH, CHUNK, FP8_BY_BITS)  # fmt: skip
             scores = warpgroup_mma_wait(0, deps=[scores])
             _store_block_scores(scores, scores_ptr, maxima_ptr, first_block + j, start + j * BLOCK_N, end, qk_scale)
         tma.store_wait(0)
@@ -681,7 +728,7 @@ def _store_block_scores(scores, scores_ptr, maxima_ptr, block, n0, end, qk_scale
 
 @gluon.jit
 def _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, kr_s, ready, i, PAGE: gl.constexpr,
-                      WIDTH: gl.constexpr, CHUNK: gl.constexpr):  # fmt: skip
+                      WIDTH: gl.constexpr, CHUNK: gl.constexpr, BY_BITS: gl.constexpr):  # fmt: skip
     """Block ``i`` of an fp8_ds_mla span into stage ``i % 2``: the latent dequantised to bf16 (zeros past ``end``),
     the rope part by a TMA copy that arrives on ``ready``."""
     n0 = start + i * BLOCK_N
@@ -690,7 +737,7 @@ def _dequantize_block(cache_ptr, rope_desc, table_row, start, end, c0_s, c1_s, k
     mbarrier.expect(ready.index(stage), rope_desc.block_type.nbytes)
     TMA_LOAD(rope_desc, [page * PAGE + n0 % PAGE, ROPE_AT], ready.index(stage), kr_s.index(stage))
     for r in gl.static_range(0, BLOCK_N, CHUNK):
-        _store_chunk(_fp8_chunk(cache_ptr, page, n0 + r, end, PAGE, WIDTH, CHUNK), c0_s, c1_s, stage, r)
+        _store_chunk(_fp8_chunk(cache_ptr, page, n0 + r, end, PAGE, WIDTH, CHUNK), c0_s, c1_s, stage, r, BY_BITS)
     fence_async_shared()
     BARRIER()
 
@@ -951,7 +998,7 @@ def launch_split(
         q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
         PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, DIRECT=n_splits == 1, HALVES=halves,
-        EARLY_RELEASE=EARLY_RELEASE,
+        EARLY_RELEASE=EARLY_RELEASE, FP8_BY_BITS=FP8_BY_BITS,
         **regs,
         num_warps=4, enable_fp_fusion=True,  # the FFMAs it was measured with (Triton 3.10 turns fusion off)
     )  # fmt: skip
@@ -997,7 +1044,7 @@ def launch_scores_first(
         _descriptor(latent, LH.value) if fp8 else None, softmax_scale, s_q, heads,
         q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), reach,
         PAGE=page, WIDTH=records.shape[1], TOKENS=tokens, FP8=fp8, CHUNK=SCORES_FP8_CHUNK, PDL=SCORES_FIRST_PDL,
-        num_warps=4, enable_fp_fusion=True,
+        FP8_BY_BITS=FP8_BY_BITS, num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
     probs = torch.empty_like(scores, dtype=torch.bfloat16)
     factors = torch.empty(maxima.shape[0] * 3, tile[0], dtype=torch.float32, device=q.device)

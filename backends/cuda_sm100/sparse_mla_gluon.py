@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import mla_gluon
 from ._gluon import ASYNC_COMMIT, ASYNC_LOAD, ASYNC_WAIT, BARRIER, REINTERPRET
 from .mla_gluon import (
     BLOCK_H,
@@ -187,7 +188,7 @@ def _block_scales(cache_ptr, idx_row, n0, end, WIDTH: gl.constexpr, first: gl.co
 
 
 @gluon.jit
-def _dequantize_in_place(raw, half, scales):
+def _dequantize_in_place(raw, half, scales, BY_BITS: gl.constexpr):
     """The block's e4m3 bytes in ``raw`` (a view of ``half``'s first bytes) read into registers, the warpgroup
     synchronised (every read done before any write), then written back into ``half`` as bf16 (``scales`` from
     ``_block_scales``)."""
@@ -197,15 +198,15 @@ def _dequantize_in_place(raw, half, scales):
     r2 = raw.slice(32, 16).load(lat)
     r3 = raw.slice(48, 16).load(lat)
     BARRIER()
-    half.slice(0, 16).store(_dequantize_half(r0, scales[0], scales[1]))
-    half.slice(16, 16).store(_dequantize_half(r1, scales[2], scales[3]))
-    half.slice(32, 16).store(_dequantize_half(r2, scales[4], scales[5]))
-    half.slice(48, 16).store(_dequantize_half(r3, scales[6], scales[7]))
+    half.slice(0, 16).store(_dequantize_half(r0, scales[0], scales[1], BY_BITS))
+    half.slice(16, 16).store(_dequantize_half(r1, scales[2], scales[3], BY_BITS))
+    half.slice(32, 16).store(_dequantize_half(r2, scales[4], scales[5], BY_BITS))
+    half.slice(48, 16).store(_dequantize_half(r3, scales[6], scales[7], BY_BITS))
 
 
 @gluon.jit
 def _fill_fp8(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free,
-              WIDTH: gl.constexpr, CHUNK: gl.constexpr):  # fmt: skip
+              WIDTH: gl.constexpr, CHUNK: gl.constexpr, BY_BITS: gl.constexpr):  # fmt: skip
     """The third warpgroup for an fp8_ds_mla cache: each block's records copied as stored by cp.async, the e4m3
     halves into the first bytes of their own stage halves and the rope part into place, a whole block in flight at
     once; then each half dequantised in place (the scales read from the records while the copies fly). The right
@@ -240,12 +241,12 @@ def _fill_fp8(cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, lef
                 slots = _block_slots(idx_row, n0 + BLOCK_N, end, CHUNK)
                 ASYNC_WAIT(1)
                 BARRIER()  # every thread's copies of the right half have landed
-                _dequantize_in_place(raw1, c1_s.index(stage), right_scales)
+                _dequantize_in_place(raw1, c1_s.index(stage), right_scales, BY_BITS)
                 fence_async_shared()
                 mbarrier.arrive(right_ready.index(stage), count=1)
                 ASYNC_WAIT(0)
                 BARRIER()
-                _dequantize_in_place(raw0, c0_s.index(stage), left_scales)
+                _dequantize_in_place(raw0, c0_s.index(stage), left_scales, BY_BITS)
                 fence_async_shared()
                 mbarrier.arrive(left_ready.index(stage), count=1)
 
@@ -327,6 +328,7 @@ def _sparse_split_kernel(
     RIGHT_REGS: gl.constexpr,
     FILL_REGS: gl.constexpr,
     DIRECT: gl.constexpr,
+    FP8_BY_BITS: gl.constexpr,
 ):
     """Heads ``64 program_id(1) + [0, 64)`` of query token ``program_id(0)`` over list entries ``SPLIT program_id(2) +
     [0, SPLIT)``: out [64, 512] and lse (natural log) at rows ``(t H + head) n_splits + split`` of ``part_out`` /
@@ -373,7 +375,7 @@ def _sparse_split_kernel(
             (_right, (p_s, a_s, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, p_ready, p_free, None, None,
                       idx_row, part_out_ptr, start, end, t, pid_h, 1, split, H, n_splits, 64, True, False)),
             (_fill_fp8, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
-                         CHUNK)) if FP8 else
+                         CHUNK, FP8_BY_BITS)) if FP8 else
             (_fill_async, (cache_ptr, idx_row, start, end, c0_s, c1_s, kr_s, right_ready, left_ready, kv_free, WIDTH,
                            CHUNK)),
         ],
@@ -412,6 +414,6 @@ def launch(q, kv_cache, indices, part_out, part_lse, softmax_scale, fp8: bool, s
         q, records, indices, part_out, part_lse, softmax_scale, heads, indices.shape[1],
         q.stride(0), q.stride(1), indices.stride(0), n_splits,
         WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=CHUNK,
-        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1,
+        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1, FP8_BY_BITS=mla_gluon.FP8_BY_BITS,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
