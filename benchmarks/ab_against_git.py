@@ -20,7 +20,7 @@ mla_decode: bf16 and fp8_ds_mla caches at B=64 ctx 4096, B=128 ctx 16384, B=32 c
 selects (``--set gemm.GROUPED_GLUON=True`` times the Gluon kernel of prefill rows against it). gemm_invariant: the FP8
 ``gemm`` kernel in batch-invariant mode (FP8 activations) at the DeepSeek-V3 projections, M = 128 and 4096.
 sparse_mla: ``deepinfer bench``'s cases, bf16 and fp8_ds_mla, decode at 8k context and an 8k-query prefill; ``--rev``
-swaps ``sparse_attention.py`` alone, so its Gluon kernel is A/B'd by ``--set
+swaps ``sparse_attention.py`` and its Triton kernels only, so its Gluon kernel is A/B'd by ``--set
 sparse_attention.sparse_mla_gluon=@OTHER``. Each line also says whether the two sides gave the same bits.
 """
 

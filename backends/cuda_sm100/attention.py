@@ -33,7 +33,6 @@ from deepinfer.kv_cache import FP8_GROUP, fp8_ds_mla_offsets
 
 from ._triton import INTERPRET, PDL, cdiv, device_type, next_pow2, num_sms, on_device, placed, tma_ready
 from .attention_triton import _bf16_copy_kernel, _mla_merge_kernel, _mla_split_kernel, _varlen_kernel, _write_kernel
-from .attention_triton import _dequantize as _dequantize  # sparse_attention imports it from here
 
 try:
     from . import mla_gluon

@@ -1,7 +1,7 @@
 """The Triton kernels of ``mla_decode`` (the split-KV kernel, the merge of its spans by lse, the bf16 copy of an
 fp8_ds_mla cache's rows), ``attention_varlen`` and ``write_kv_cache``: ``attention.py`` chooses their launch and
-launches them (its docstring describes the algorithms). ``sparse_attention.py`` reuses ``_dequantize`` and
-``_mla_merge_kernel``."""
+launches them (its docstring describes the algorithms). ``sparse_attention_triton.py`` reuses ``_dequantize``, and
+``sparse_attention.py`` ``_mla_merge_kernel``."""
 
 from __future__ import annotations
 
