@@ -54,9 +54,11 @@ from .mla_gluon import (
 )
 
 # Rows copied per step of the filling warpgroup, and registers per thread of the second and third warpgroups (the
-# first gets the rest of 512: its [64, 256] fp32 accumulator and S take most of it).
+# first gets the rest of 512: its [64, 256] fp32 accumulator and S take most of it). The fill holds no rows in
+# registers (cp.async), so 96 serve it; at 120 the first warpgroup kept 224 and spilled twice as often in its loop
+# (benchmarks/NOTES.md, sparse attention: 2026-12-07).
 CHUNK = 16
-RIGHT_REGS, FILL_REGS = 160, 120
+RIGHT_REGS, FILL_REGS = 160, 96
 LIST_CHUNK = gl.constexpr(1024)  # list entries read at a time to find where a span's list ends
 
 
