@@ -34,6 +34,12 @@ def _wgmma_shapes(ptx: str) -> list[str]:
     return re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
 
 
+def _assert_fp8_route(ptx: str, fp8: bool, by_bits: bool) -> None:
+    """The kernel dequantises e4m3 bytes (``fp8``) by the route ``FP8_BY_BITS`` selects, and only then."""
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (fp8 and not by_bits)
+    assert ("prmt.b32" in ptx and "0x9180" in ptx) == (fp8 and by_bits)
+
+
 def _first_line(ptx: str, pattern: str) -> int:
     """The PTX line number of the first match of ``pattern`` (a large number if none)."""
     return next((i for i, line in enumerate(ptx.split("\n")) if re.search(pattern, line.strip())), 1 << 30)
@@ -48,7 +54,7 @@ def _fits_and_no_serialised_products(kernel) -> str:
     return report
 
 
-def _compile(kv_format: str, direct: bool, halves: bool, by_bits: bool = False):
+def _compile(kv_format: str, direct: bool, halves: bool, by_bits: bool = mla_gluon.FP8_BY_BITS):
     """The split kernel as ``launch_split`` specialises it for DeepSeek-V3's cache in ``kv_format``, 64-token pages;
     ``direct``: one split, written to the bf16 output itself; ``halves``: one latent half of P x V per program;
     ``by_bits``: ``FP8_BY_BITS``."""
@@ -85,11 +91,11 @@ def test_split_kernel_compiles_for_sm90_with_scores_once_and_values_split(kv_for
     assert len(re.findall(r"warp_group_dot .* -> tensor<64x256xf32", kernel.asm["ttgir"])) == 2
     # the warpgroups are specialised: registers move to the first; with fp8_ds_mla a third one dequantises
     assert len(re.findall(r"setmaxnreg\.dec", ptx)) >= (2 if kv_format == "fp8_ds_mla" else 1)
-    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv_format == "fp8_ds_mla")
+    _assert_fp8_route(ptx, kv_format == "fp8_ds_mla", mla_gluon.FP8_BY_BITS)
     _fits_and_no_serialised_products(kernel)
 
 
-def _compile_scores(kv_format: str, tokens: int, by_bits: bool = False):
+def _compile_scores(kv_format: str, tokens: int, by_bits: bool = mla_gluon.FP8_BY_BITS):
     """The scores kernel as ``launch_scores_first`` specialises it, ``tokens`` a program."""
     cache_type, width, records = _records(kv_format)
     fp8 = kv_format == "fp8_ds_mla"
@@ -118,7 +124,7 @@ def test_scores_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
     # next block is dequantised while the product runs) or two (bf16: the first block, then each next one, issued
     # before the block before is stored)
     assert _wgmma_shapes(ptx) == ["m64n64k16"] * (36 if fp8 else 72)
-    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == fp8
+    _assert_fp8_route(ptx, fp8, mla_gluon.FP8_BY_BITS)
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == fp8
     report = _fits_and_no_serialised_products(kernel)
     assert re.search(r"\b0 bytes spill stores", report), report

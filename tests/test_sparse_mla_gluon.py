@@ -17,7 +17,7 @@ from gluon_helpers import MAX_SHARED, compile_sm90, ptxas_report, wgmma_serializ
 from deepinfer_cuda_sm100 import sparse_attention, sparse_mla_gluon
 
 
-def _compile(kv_format: str, direct: bool, by_bits: bool = False):
+def _compile(kv_format: str, direct: bool, by_bits: bool = sparse_mla_gluon.FP8_BY_BITS):
     fp8 = kv_format == "fp8_ds_mla"
     signature = {"q_ptr": "*bf16", "cache_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32"}
     signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
@@ -40,7 +40,8 @@ def test_sparse_kernel_compiles_for_sm90_with_the_split_kernels_products(kv_form
     # P x V: 64 entries = 4 steps of k16 on 256 latent columns, one call site in each of two warpgroups
     assert shapes.count("m64n256k16") == 8
     assert len(re.findall(r"setmaxnreg\.dec", ptx)) >= 2  # three warpgroups, registers moved to the first
-    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv_format == "fp8_ds_mla")
+    fp8 = kv_format == "fp8_ds_mla"
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (fp8 and not sparse_mla_gluon.FP8_BY_BITS)
     assert "cp.async.bulk.tensor" not in ptx  # every row gathered by pointer
     copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], (\w+)(, %r\d+)?;", ptx)
     # straight into the stages, both caches: 16-byte copies of a source size 0 where not listed

@@ -31,7 +31,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import mla_gluon
 from ._gluon import ASYNC_COMMIT, ASYNC_LOAD, ASYNC_WAIT, BARRIER, REINTERPRET
 from .mla_gluon import (
     BLOCK_H,
@@ -59,6 +58,9 @@ from .mla_gluon import (
 # (benchmarks/NOTES.md, sparse attention: 2026-12-07).
 CHUNK = 16
 RIGHT_REGS, FILL_REGS = 160, 96
+# ``mla_gluon.FP8_BY_BITS`` for this kernel's in-place dequantisation: the same bits, but 1.09-1.13x slower at 96
+# fill registers on an H100, and no faster than the fp32 route at 120 (benchmarks/NOTES.md, sparse attention).
+FP8_BY_BITS = False
 LIST_CHUNK = gl.constexpr(1024)  # list entries read at a time to find where a span's list ends
 
 
@@ -416,6 +418,6 @@ def launch(q, kv_cache, indices, part_out, part_lse, softmax_scale, fp8: bool, s
         q, records, indices, part_out, part_lse, softmax_scale, heads, indices.shape[1],
         q.stride(0), q.stride(1), indices.stride(0), n_splits,
         WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=CHUNK,
-        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1, FP8_BY_BITS=mla_gluon.FP8_BY_BITS,
+        RIGHT_REGS=RIGHT_REGS, FILL_REGS=FILL_REGS, DIRECT=n_splits == 1, FP8_BY_BITS=FP8_BY_BITS,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
