@@ -2,8 +2,8 @@
 on the same inputs, alternating the two several times, each checked against the reference before it is timed
 (worst-row relative error, as ``deepinfer bench`` reports).
 
-    python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm|gemm_invariant|sparse_mla [--rev HEAD] [--rounds 2]
-        [--eager]
+    python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm|gemm_invariant|sparse_mla|sparse_mla_gluon [--rev HEAD]
+        [--rounds 2] [--eager]
     python3 benchmarks/ab_against_git.py mla_decode --set attention.MLA_GLUON=False --set mla_gluon.FP8_FILL_REGS=112
 
 ``--set MODULE.NAME=VALUE[,...]`` compares the working tree against itself with those module constants of
@@ -19,9 +19,10 @@ mla_decode: bf16 and fp8_ds_mla caches at B=64 ctx 4096, B=128 ctx 16384, B=32 c
 1024 rows per expert, and 256 experts at 256 rows each (an 8k-token prefill chunk's top-8), by the kernel each call
 selects (``--set gemm.GROUPED_GLUON=True`` times the Gluon kernel of prefill rows against it). gemm_invariant: the FP8
 ``gemm`` kernel in batch-invariant mode (FP8 activations) at the DeepSeek-V3 projections, M = 128 and 4096.
-sparse_mla: ``deepinfer bench``'s cases, bf16 and fp8_ds_mla, decode at 8k context and an 8k-query prefill; ``--rev``
-swaps ``sparse_attention.py`` and its Triton kernels only, so its Gluon kernel is A/B'd by ``--set
-sparse_attention.sparse_mla_gluon=@OTHER``. Each line also says whether the two sides gave the same bits.
+sparse_mla: ``deepinfer bench``'s cases, bf16 and fp8_ds_mla, decode at 8k context and an 8k-query prefill, by the
+Triton kernel; ``--rev`` swaps ``sparse_attention.py`` and its Triton kernels. sparse_mla_gluon: the same cases by the
+Gluon kernel (GPU only), A/B'd by ``--set`` (its constants, or ``sparse_attention.sparse_mla_gluon=@OTHER``). Each
+line also says whether the two sides gave the same bits.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 # op -> (file under backends/cuda_sm100, its function)
 MODULES = {"mla_decode": ("attention", "mla_decode"), "grouped_gemm": ("gemm", "grouped_gemm"),
-           "gemm_invariant": ("gemm", "gemm_fp8"), "sparse_mla": ("sparse_attention", "sparse_mla")}  # fmt: skip
+           "gemm_invariant": ("gemm", "gemm_fp8"), "sparse_mla": ("sparse_attention", "sparse_mla"),
+           "sparse_mla_gluon": ("sparse_attention", "sparse_mla_gluon_kernel")}  # fmt: skip
 PROJECTIONS = [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]
 
 
@@ -182,7 +184,7 @@ def sparse_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
 
 
 CASES = {"mla_decode": mla_cases, "grouped_gemm": grouped_cases, "gemm_invariant": gemm_cases,
-         "sparse_mla": sparse_cases}  # fmt: skip
+         "sparse_mla": sparse_cases, "sparse_mla_gluon": sparse_cases}  # fmt: skip
 
 
 @contextlib.contextmanager
