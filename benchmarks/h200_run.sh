@@ -19,6 +19,9 @@
 #   speculative-deep [LAYERS [MINUTES]]  trains the embedded model LAYERS deep (default 24; MINUTES of training,
 #                default 3.5) into $OUT/deep, then bench_speculative.py on it at batch 1, 16 and 64
 #                ($OUT/speculative_deep.json): a model whose MTP layer is a small share of its step, as DeepSeek's is
+#   speculative-deep-train [LAYERS [MINUTES]]  the same training (default 24 layers, 8 minutes: near one call's limit)
+#                into $DEEP_DIR (default /tmp/deepinfer-deep), which outlives the call while the machine stays warm;
+#   speculative-deep-bench  then, in the next call on that machine, bench_speculative.py on it with --profile
 #   speculative-cut  bench_speculative.py on a DeepSeek-V3-shaped FP8 cut (2 layers and an MTP layer: a step bound by its
 #                weights) with drafts from plain decoding spoiled at 20%, batch 1, 16 and 64 ($OUT/speculative_cut.json)
 #   structured   benchmarks/bench_structured_output.py at batch 64: compile, mask fill and apply against a step
@@ -86,6 +89,16 @@ case ${1:-} in
       --batches 1,16,64 --specs 3:ahead,1:ahead,3/32:ahead --repeats 2 --json "$OUT/speculative_deep.json" 2>&1 \
       | tail -40
     rm -f "$OUT"/deep/*/model.safetensors ;;  # larger than what a device call brings back
+  speculative-deep-train)
+    rm -rf "${DEEP_DIR:=/tmp/deepinfer-deep}"
+    timeout 570 python3 training/train_embedded.py --out "$DEEP_DIR" --layers "${2:-24}" --minutes "${3:-8}" 2>&1 \
+      | grep -v "Writing model\|^{\"step\"" | tail -25
+    cp "$DEEP_DIR/training.json" "$OUT/" ;;
+  speculative-deep-bench)
+    [ -f "${DEEP_DIR:=/tmp/deepinfer-deep}/bf16/model.safetensors" ] || { echo "no trained model in $DEEP_DIR"; exit 1; }
+    timeout 540 python3 benchmarks/bench_speculative.py --model "$DEEP_DIR/bf16" --backend cuda_sm100 \
+      --batches 1,16,64 --specs 3:ahead,1:ahead,3/32:ahead --repeats 2 --profile --json "$OUT/speculative_deep.json" \
+      2>&1 | tail -40 ;;
   serving-check)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_caching.py --deepinfer-backend cuda_sm100 \
       --tb=short 2>&1 | tail -8
