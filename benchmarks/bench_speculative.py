@@ -16,7 +16,8 @@ decoding's (in the default mode the logits' rounding depends on the rows a step 
 ``DEEPINFER_BATCH_INVARIANT=1`` every request is identical).
 
 ``--profile`` (GPU) runs each configuration once more under the profiler and adds what the device does: its busy time
-(the union of its kernels and copies) and its operations per engine step, and the host-hidden bound, plain decoding's
+(the union of its kernels and copies) and its operations per engine step (and which of them a speculative step runs
+more or fewer of than plain decoding's), and the host-hidden bound, plain decoding's
 device time per generated token over this configuration's: the speed-up over plain decoding if the host kept the device
 busy in both, which no host or scheduling change can pass (against a plain decoding bound by its host, as the embedded
 model's is, the measured speed-up can exceed it). The profiled run includes the prompts' prefill, as the timed ones
@@ -44,6 +45,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -116,6 +118,21 @@ def main() -> None:
                 f"| {row['batch']} | {row['spec']} | {d['busy_us_per_step'] / 1e3:.3f} ms | "
                 f"{d['operations_per_step']:.0f} | {row['host_hidden_bound']:.2f}x |"
             )
+        print("\nDevice operations per step beyond plain decoding's, by kernel or copy (the largest differences):")
+        plain_ops = {r["batch"]: r["device"]["operations_by_name"] for r in rows if r["spec"] == "0" and "device" in r}
+        for row in sorted(rows, key=lambda r: (r["batch"], configs.index(r["spec"]))):
+            if row["spec"] != "0" and "device" in row and row["batch"] in plain_ops:
+                extra = extra_operations(row["device"], plain_ops[row["batch"]])
+                print(f"  batch {row['batch']}, {row['spec']}: {extra}")
+
+
+def extra_operations(device: dict, plain: dict, top: int = 12) -> str:
+    """The ``top`` largest differences in operations per step between ``device`` and plain decoding's ``plain``
+    (``operations_by_name``), as ``name +n`` (or ``-n``)."""
+    ops = device["operations_by_name"]
+    diff = {name: ops.get(name, 0.0) - plain.get(name, 0.0) for name in ops.keys() | plain.keys()}
+    largest = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]
+    return ", ".join(f"{name[:48]} {n:+.1f}" for name, n in largest if abs(n) >= 0.5)
 
 
 def write_cut(path: Path, layers: int, backend: str | None) -> Path:
@@ -231,7 +248,7 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
 
 def device_profile(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:
     """One more ``generate`` under the profiler: the device's busy time (``bench_model.device_timeline``) and its
-    operations (kernels and copies), per engine step and per generated token."""
+    operations (kernels and copies), per engine step and per generated token, in all and by name."""
     from bench_model import device_timeline
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -242,13 +259,14 @@ def device_profile(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> di
         torch.cuda.synchronize()
     steps = llm.engine.stats["steps"] - steps0
     line = device_timeline(prof, steps)
-    operations = sum(e.device_type() == DeviceType.CUDA for e in prof.profiler.kineto_results.events())
+    names = Counter(e.name() for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
     tokens = len(prompts) * sp.max_tokens
     return {
         "steps": steps,
         "busy_us_per_step": line["busy_us_per_step"],
-        "operations_per_step": operations / steps,
+        "operations_per_step": names.total() / steps,
         "busy_us_per_token": line["busy_us_per_step"] * steps / tokens,
+        "operations_by_name": {name: n / steps for name, n in names.most_common()},
     }
 
 
