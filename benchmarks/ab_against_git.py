@@ -225,6 +225,8 @@ def main() -> int:
         help="a side with these backend constants changed, in place of --rev (repeatable)",
     )
     args = parser.parse_args()
+    if args.op == "sparse_mla_gluon" and not args.set:
+        parser.error("sparse_mla_gluon: --rev swaps sparse_attention.py only, not the Gluon kernel's module; use --set")
     deepinfer.use("cuda_sm100")
     name, function = MODULES[args.op]
     tree = importlib.import_module(f"deepinfer_cuda_sm100.{name}")

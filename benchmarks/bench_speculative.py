@@ -118,12 +118,13 @@ def main() -> None:
                 f"| {row['batch']} | {row['spec']} | {d['busy_us_per_step'] / 1e3:.3f} ms | "
                 f"{d['operations_per_step']:.0f} | {row['host_hidden_bound']:.2f}x |"
             )
-        print("\nDevice operations per step beyond plain decoding's, by kernel or copy (the largest differences):")
         plain_ops = {r["batch"]: r["device"]["operations_by_name"] for r in rows if r["spec"] == "0" and "device" in r}
-        for row in sorted(rows, key=lambda r: (r["batch"], configs.index(r["spec"]))):
-            if row["spec"] != "0" and "device" in row and row["batch"] in plain_ops:
-                extra = extra_operations(row["device"], plain_ops[row["batch"]])
-                print(f"  batch {row['batch']}, {row['spec']}: {extra}")
+        compared = [r for r in rows if r["spec"] != "0" and "device" in r and r["batch"] in plain_ops]
+        if compared:
+            print("\nDevice operations per step beyond plain decoding's, by kernel or copy (the largest differences):")
+        for row in sorted(compared, key=lambda r: (r["batch"], configs.index(r["spec"]))):
+            extra = extra_operations(row["device"], plain_ops[row["batch"]])
+            print(f"  batch {row['batch']}, {row['spec']}: {extra}")
 
 
 def extra_operations(device: dict, plain: dict, top: int = 12) -> str:

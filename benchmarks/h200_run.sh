@@ -19,7 +19,7 @@
 #   speculative-deep [LAYERS [MINUTES]]  trains the embedded model LAYERS deep (default 24; MINUTES of training,
 #                default 3.5) into $OUT/deep, then bench_speculative.py on it at batch 1, 16 and 64
 #                ($OUT/speculative_deep.json): a model whose MTP layer is a small share of its step, as DeepSeek's is
-#   speculative-deep-train [LAYERS [MINUTES]]  the same training (default 24 layers, 8 minutes: near one call's limit)
+#   speculative-deep-train [LAYERS [MINUTES]]  the same training (default 24 layers, 7 minutes: near one call's limit)
 #                into $DEEP_DIR (default /tmp/deepinfer-deep), which outlives the call while the machine stays warm;
 #   speculative-deep-bench  then, in the next call on that machine, bench_speculative.py on it with --profile
 #   speculative-cut  bench_speculative.py on a DeepSeek-V3-shaped FP8 cut (2 layers and an MTP layer: a step bound by its
@@ -45,10 +45,11 @@
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 #   gluon-ws [sweep [M,...]]  the warp-specialized, persistent Gluon FP8 GEMM beside cuBLAS, bits checked: M = 4096
 #                on every projection, or over row counts where `gemm` takes it
-#   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm or gemm_invariant) at git REV (default HEAD) against
+#   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm, gemm_invariant or sparse_mla) at git REV (default HEAD) against
 #                the working tree; the device copy's .git can lag this machine's commits, so REV must be a commit it has
 #   ab-set OP SETTINGS...  same-run A/B of the working tree against itself with backend constants changed, one side
-#                per SETTINGS (MODULE.NAME=VALUE[,...], e.g. attention.MLA_GLUON=False)
+#                per SETTINGS (MODULE.NAME=VALUE[,...], e.g. attention.MLA_GLUON=False; OP sparse_mla_gluon: the Gluon
+#                sparse kernel)
 #   ep           two GPUs (nvidia-h200-x2): dispatch + combine over NCCL, then the model with its experts on both
 #   ep-check     one GPU: the multi-rank dispatch kernels checked by two ranks through Gloo with CUDA tensors
 #   gemm-invariant [--block-parts-max-m M]  what batch-invariant mode costs FP8 gemm at M = 1 ... 4096 (also with no
@@ -91,8 +92,9 @@ case ${1:-} in
     rm -f "$OUT"/deep/*/model.safetensors ;;  # larger than what a device call brings back
   speculative-deep-train)
     rm -rf "${DEEP_DIR:=/tmp/deepinfer-deep}"
-    timeout 570 python3 training/train_embedded.py --out "$DEEP_DIR" --layers "${2:-24}" --minutes "${3:-8}" 2>&1 \
+    timeout 570 python3 training/train_embedded.py --out "$DEEP_DIR" --layers "${2:-24}" --minutes "${3:-7}" 2>&1 \
       | grep -v "Writing model\|^{\"step\"" | tail -25
+    [ -f "$DEEP_DIR/bf16/model.safetensors" ] || { echo "no model trained"; exit 1; }
     cp "$DEEP_DIR/training.json" "$OUT/" ;;
   speculative-deep-bench)
     [ -f "${DEEP_DIR:=/tmp/deepinfer-deep}/bf16/model.safetensors" ] || { echo "no trained model in $DEEP_DIR"; exit 1; }

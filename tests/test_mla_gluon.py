@@ -244,10 +244,13 @@ def test_e4m3_bits_asm_gives_each_byte_as_bf16_times_two_to_the_minus_120():
     for pos in range(4):
         assert torch.equal(bits[pos].float() * 2.0**120, want), pos
         assert torch.equal(torch.signbit(bits[pos].float()), torch.signbit(want)), pos  # -0 stays -0
+    # the kernel's factors: 2^120 undoes the bits' bias (bf16's 127 less e4m3's 7); the scale splits at 2^7
+    split, inv, unbias = (c.value for c in (mla_gluon.SCALE_SPLIT, mla_gluon.INV_SCALE_SPLIT, mla_gluon.TWO_POW_120))
+    assert unbias == 2.0 ** (127 - 7) and split * inv == 1.0 and split * unbias <= 2.0**127
     for log_scale in range(-22, 121):
         scale = torch.tensor(2.0**log_scale)
-        a = (torch.minimum(scale, torch.tensor(128.0)) * 2.0**120).to(torch.bfloat16)
-        b = torch.maximum(scale * 0.0078125, torch.tensor(1.0)).to(torch.bfloat16)
+        a = (torch.minimum(scale, torch.tensor(split)) * unbias).to(torch.bfloat16)
+        b = torch.maximum(scale * inv, torch.tensor(1.0)).to(torch.bfloat16)
         assert torch.equal(bits[0] * a * b, (want * scale).to(torch.bfloat16)), log_scale
 
 

@@ -66,7 +66,9 @@ EARLY_RELEASE = True
 # than through fp32 by conversion instructions: the same bits, 1.02-1.05x faster on an H100 (benchmarks/NOTES.md,
 # sparse attention: 2026-12-07). The sparse kernel has a switch of its own (``sparse_mla_gluon.FP8_BY_BITS``).
 FP8_BY_BITS = True
+# ``_e4m3_times_scale``'s factors: the bits' 2^-120 undone, and the scale split at 2^7 so that neither factor overflows
 TWO_POW_120 = gl.constexpr(2.0**120)
+SCALE_SPLIT, INV_SCALE_SPLIT = gl.constexpr(128.0), gl.constexpr(1 / 128)
 
 
 @gluon.jit
@@ -170,10 +172,10 @@ def _e4m3_times_scale(raw, s_lo, s_hi):
     max(scale / 2^7, 1), each factor exact (the scales are powers of two) and neither overflowing, so every product
     is exact where the fp32 route's is."""
     first = gl.expand_dims(gl.arange(0, LH, layout=gl.SliceLayout(0, raw.type.layout)), 0) < GROUP
-    a_lo = gl.expand_dims((gl.minimum(s_lo, 128.0) * TWO_POW_120).to(gl.bfloat16), 1)
-    a_hi = gl.expand_dims((gl.minimum(s_hi, 128.0) * TWO_POW_120).to(gl.bfloat16), 1)
-    b_lo = gl.expand_dims(gl.maximum(s_lo * 0.0078125, 1.0).to(gl.bfloat16), 1)
-    b_hi = gl.expand_dims(gl.maximum(s_hi * 0.0078125, 1.0).to(gl.bfloat16), 1)
+    a_lo = gl.expand_dims((gl.minimum(s_lo, SCALE_SPLIT) * TWO_POW_120).to(gl.bfloat16), 1)
+    a_hi = gl.expand_dims((gl.minimum(s_hi, SCALE_SPLIT) * TWO_POW_120).to(gl.bfloat16), 1)
+    b_lo = gl.expand_dims(gl.maximum(s_lo * INV_SCALE_SPLIT, 1.0).to(gl.bfloat16), 1)
+    b_hi = gl.expand_dims(gl.maximum(s_hi * INV_SCALE_SPLIT, 1.0).to(gl.bfloat16), 1)
     return _e4m3_bits(raw) * gl.where(first, a_lo, a_hi) * gl.where(first, b_lo, b_hi)
 
 

@@ -59,7 +59,7 @@ from .mla_gluon import (
 CHUNK = 16
 RIGHT_REGS, FILL_REGS = 160, 96
 # ``mla_gluon.FP8_BY_BITS`` for this kernel's in-place dequantisation: the same bits, but 1.09-1.13x slower at 96
-# fill registers on an H100, and no faster than the fp32 route at 120 (benchmarks/NOTES.md, sparse attention).
+# fill registers on an H100, and at 120 no faster than the fp32 route at 96 (benchmarks/NOTES.md, sparse attention).
 FP8_BY_BITS = False
 LIST_CHUNK = gl.constexpr(1024)  # list entries read at a time to find where a span's list ends
 
