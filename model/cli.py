@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -95,7 +97,17 @@ def generate(args: argparse.Namespace, console: Console) -> int:
         raise
     if launch is not None:
         launch.close(barrier=True)
+        _leave(code)
     return code
+
+
+def _leave(code: int) -> None:
+    """Ends a torchrun rank whose run is done and whose process group is destroyed, without the interpreter's
+    finalisation: Gloo's worker threads can still hold tensors then, and releasing them while the interpreter is torn
+    down aborts the process ("terminate called without an active exception") after a run that ended well."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _generate(args, console: Console, prompts: list, params: SamplingParams, launch) -> int:
