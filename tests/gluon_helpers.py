@@ -33,27 +33,26 @@ def compile_sm90(kernel, signature: dict, constants: dict, options: dict):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def assemble(ptx: str, sass: bool = True) -> tuple[str, str]:
+    """What the ptxas Triton compiles SM90 kernels with says (``-v``) when it assembles ``ptx``, and (``sass``) the
+    machine code as ``cuobjdump -sass`` lists it (both tools ship with Triton; else "")."""
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.ptx"), "w") as f:
+            f.write(ptx)
+        cubin = os.path.join(tmp, "k.cubin")
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", cubin], capture_output=True, text=True,
+                              check=True)  # fmt: skip
+        if not sass:
+            return done.stdout + done.stderr, ""
+        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+        listing = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return done.stdout + done.stderr, listing
+
+
 def ptxas_report(ptx: str) -> str:
     """What the ptxas Triton compiles SM90 kernels with says (``-v``) when it assembles ``ptx``."""
-    ptxas = get_ptxas(90).path
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "k.ptx"), "w") as f:
-            f.write(ptx)
-        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True)  # fmt: skip
-    return done.stdout + done.stderr
-
-
-def sass(ptx: str) -> str:
-    """The SM90 machine code of ``ptx`` as ``cuobjdump -sass`` lists it (both tools ship with Triton)."""
-    ptxas = get_ptxas(90).path
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "k.ptx"), "w") as f:
-            f.write(ptx)
-        subprocess.run([ptxas, "-arch=sm_90a", f.name, "-o", os.path.join(tmp, "k.cubin")], check=True)
-        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
-        return subprocess.run([cuobjdump, "-sass", os.path.join(tmp, "k.cubin")], capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
+    return assemble(ptx, sass=False)[0]
 
 
 def wgmma_serialized(report: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-from gluon_helpers import MAX_SHARED, compile_sm90, descriptor_type, ptxas_report, sass, wgmma_serialized
+from gluon_helpers import MAX_SHARED, assemble, compile_sm90, descriptor_type, ptxas_report, wgmma_serialized
 from triton.experimental.gluon import language as gl
 
 from deepinfer_cuda_sm100 import mla_gluon
@@ -45,11 +45,11 @@ def _first_line(ptx: str, pattern: str) -> int:
     return next((i for i, line in enumerate(ptx.split("\n")) if re.search(pattern, line.strip())), 1 << 30)
 
 
-def _fits_and_no_serialised_products(kernel) -> str:
-    """Asserts that ``kernel`` fits an SM90 block's shared memory and that ptxas kept its products asynchronous;
-    returns what ptxas said."""
+def _fits_and_no_serialised_products(kernel, report: str | None = None) -> str:
+    """Asserts that ``kernel`` fits an SM90 block's shared memory and that ptxas kept its products asynchronous
+    (``report``: what ptxas said, when already assembled); returns what ptxas said."""
     assert kernel.metadata.shared <= MAX_SHARED
-    report = ptxas_report(kernel.asm["ptx"])
+    report = report if report is not None else ptxas_report(kernel.asm["ptx"])
     assert "Used" in report and not wgmma_serialized(report)
     return report
 
@@ -202,8 +202,8 @@ def _run_e4m3_bits_asm(words: list[int]) -> list[tuple[int, int]]:
     results = []
     for word in words:
         regs = {"$2": word}
+        value = lambda x, regs=regs: regs[x] if x in regs else int(x, 0)  # a register, or a literal
         for op, dst, *src in body:
-            value = lambda x, regs=regs: regs[x] if x in regs else int(x, 0)
             if op == "prmt.b32":
                 a, b, selector = (value(x) for x in src)
                 source = (b << 32 | a).to_bytes(8, "little")
@@ -260,8 +260,8 @@ def test_fp8_kernels_by_bits_compile_without_the_fp32_route():
     no f16 -> f32 (``HADD2.F32``), and a fraction of the ``F2FP`` packs (what is left converts scales and P)."""
     from test_sparse_mla_gluon import _compile as compile_sparse
 
-    def spills(kernel) -> int:
-        return int(re.search(r"(\d+) bytes spill stores", ptxas_report(kernel.asm["ptx"])).group(1))
+    def spills(report: str) -> int:
+        return int(re.search(r"(\d+) bytes spill stores", report).group(1))
 
     for build in (
         lambda by_bits: _compile("fp8_ds_mla", False, False, by_bits),
@@ -269,11 +269,11 @@ def test_fp8_kernels_by_bits_compile_without_the_fp32_route():
         lambda by_bits: compile_sparse("fp8_ds_mla", False, by_bits),
     ):
         before, after = build(False), build(True)
-        code = {k: sass(k.asm["ptx"]) for k in (before, after)}
+        (report_before, code_before), (report_after, code_after) = (assemble(k.asm["ptx"]) for k in (before, after))
         assert "cvt.rn.f16x2.e4m3x2" in before.asm["ptx"] and "cvt.rn.f16x2.e4m3x2" not in after.asm["ptx"]
         assert "prmt.b32" in after.asm["ptx"] and "mul.bf16" in after.asm["ptx"]
-        assert code[before].count("HADD2.F32") >= 256 and code[after].count("HADD2.F32") == 0
-        assert code[after].count("F2FP") * 4 < code[before].count("F2FP")
-        assert code[after].count("HMUL2.BF16") >= 256
-        assert spills(after) <= spills(before)
-        _fits_and_no_serialised_products(after)
+        assert code_before.count("HADD2.F32") >= 256 and code_after.count("HADD2.F32") == 0
+        assert code_after.count("F2FP") * 4 < code_before.count("F2FP")
+        assert code_after.count("HMUL2.BF16") >= 256
+        assert spills(report_after) <= spills(report_before)
+        _fits_and_no_serialised_products(after, report_after)
