@@ -68,6 +68,21 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -3
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+
+# train_deep DIR LAYERS MINUTES TIMEOUT: the embedded model LAYERS deep into DIR; fails where no model was written
+train_deep() {
+  timeout "$4" python3 training/train_embedded.py --out "$1" --layers "$2" --minutes "$3" 2>&1 \
+    | grep -v "Writing model\|^{\"step\"" | tail -25
+  [ -f "$1/bf16/model.safetensors" ] || { echo "no model trained in $1"; exit 1; }
+}
+# bench_deep DIR TIMEOUT [FLAG...]: bench_speculative.py on DIR's bf16 model at batch 1, 16 and 64
+bench_deep() {
+  local dir=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 benchmarks/bench_speculative.py --model "$dir/bf16" --backend cuda_sm100 --batches 1,16,64 \
+    --specs 3:ahead,1:ahead,3/32:ahead --repeats 2 --json "$OUT/speculative_deep.json" "$@" 2>&1 | tail -40
+}
+
 case ${1:-} in
   conformance)
     timeout 300 deepinfer conformance --backend cuda_sm100 --shapes full --report "$OUT/conformance_full.json" \
@@ -83,24 +98,16 @@ case ${1:-} in
     timeout 330 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --batches 1,16,64 --repeats 2 \
       --json "$OUT/speculative.json" 2>&1 | tail -30 ;;
   speculative-deep)
-    timeout 330 python3 training/train_embedded.py --out "$OUT/deep" --layers "${2:-24}" --minutes "${3:-3.5}" 2>&1 \
-      | grep -v "Writing model\|^{\"step\"" | tail -25
-    [ -f "$OUT/deep/bf16/model.safetensors" ] || { echo "no model trained"; exit 1; }
-    timeout 240 python3 benchmarks/bench_speculative.py --model "$OUT/deep/bf16" --backend cuda_sm100 \
-      --batches 1,16,64 --specs 3:ahead,1:ahead,3/32:ahead --repeats 2 --json "$OUT/speculative_deep.json" 2>&1 \
-      | tail -40
+    train_deep "$OUT/deep" "${2:-24}" "${3:-3.5}" 330
+    bench_deep "$OUT/deep" 240
     rm -f "$OUT"/deep/*/model.safetensors ;;  # larger than what a device call brings back
   speculative-deep-train)
     rm -rf "${DEEP_DIR:=/tmp/deepinfer-deep}"
-    timeout 570 python3 training/train_embedded.py --out "$DEEP_DIR" --layers "${2:-24}" --minutes "${3:-7}" 2>&1 \
-      | grep -v "Writing model\|^{\"step\"" | tail -25
-    [ -f "$DEEP_DIR/bf16/model.safetensors" ] || { echo "no model trained"; exit 1; }
+    train_deep "$DEEP_DIR" "${2:-24}" "${3:-7}" 570
     cp "$DEEP_DIR/training.json" "$OUT/" ;;
   speculative-deep-bench)
     [ -f "${DEEP_DIR:=/tmp/deepinfer-deep}/bf16/model.safetensors" ] || { echo "no trained model in $DEEP_DIR"; exit 1; }
-    timeout 540 python3 benchmarks/bench_speculative.py --model "$DEEP_DIR/bf16" --backend cuda_sm100 \
-      --batches 1,16,64 --specs 3:ahead,1:ahead,3/32:ahead --repeats 2 --profile --json "$OUT/speculative_deep.json" \
-      2>&1 | tail -40 ;;
+    bench_deep "$DEEP_DIR" 540 --profile ;;
   serving-check)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_caching.py --deepinfer-backend cuda_sm100 \
       --tb=short 2>&1 | tail -8
