@@ -19,8 +19,10 @@
 #   speculative-deep [LAYERS [MINUTES]]  trains the embedded model LAYERS deep (default 24; MINUTES of training,
 #                default 3.5) into $OUT/deep, then bench_speculative.py on it at batch 1, 16 and 64
 #                ($OUT/speculative_deep.json): a model whose MTP layer is a small share of its step, as DeepSeek's is
-#   speculative-deep-train [LAYERS [MINUTES]]  the same training (default 24 layers, 7 minutes: near one call's limit)
-#                into $DEEP_DIR (default /tmp/deepinfer-deep), which outlives the call while the machine stays warm;
+#   speculative-deep-train [LAYERS [MINUTES [DISTILL]]]  the same training (default 24 layers, 4.5 minutes), then
+#                DISTILL minutes (default 2.5; near one call's limit together) of the MTP layer alone trained to the
+#                model's own next-next token (train_embedded.py --distill-minutes), into $DEEP_DIR (default
+#                /tmp/deepinfer-deep), which outlives the call while the machine stays warm;
 #   speculative-deep-bench  then, in the next call on that machine, bench_speculative.py on it with --profile
 #   speculative-cut  bench_speculative.py on a DeepSeek-V3-shaped FP8 cut (2 layers and an MTP layer: a step bound by its
 #                weights) with drafts from plain decoding spoiled at 20%, batch 1, 16 and 64 ($OUT/speculative_cut.json)
@@ -69,9 +71,11 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -3
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
-# train_deep DIR LAYERS MINUTES TIMEOUT: the embedded model LAYERS deep into DIR; fails where no model was written
+# train_deep DIR LAYERS MINUTES TIMEOUT [DISTILL]: the embedded model LAYERS deep into DIR, then DISTILL minutes
+# (default 0) of MTP distillation; fails where no model was written
 train_deep() {
-  timeout "$4" python3 training/train_embedded.py --out "$1" --layers "$2" --minutes "$3" 2>&1 \
+  timeout "$4" python3 training/train_embedded.py --out "$1" --layers "$2" --minutes "$3" \
+    --distill-minutes "${5:-0}" 2>&1 \
     | grep -v "Writing model\|^{\"step\"" | tail -25
   [ -f "$1/bf16/model.safetensors" ] || { echo "no model trained in $1"; exit 1; }
 }
@@ -103,7 +107,7 @@ case ${1:-} in
     rm -f "$OUT"/deep/*/model.safetensors ;;  # larger than what a device call brings back
   speculative-deep-train)
     rm -rf "${DEEP_DIR:=/tmp/deepinfer-deep}"
-    train_deep "$DEEP_DIR" "${2:-24}" "${3:-7}" 570
+    train_deep "$DEEP_DIR" "${2:-24}" "${3:-4.5}" 570 "${4:-2.5}"
     cp "$DEEP_DIR/training.json" "$OUT/" ;;
   speculative-deep-bench)
     [ -f "${DEEP_DIR:=/tmp/deepinfer-deep}/bf16/model.safetensors" ] || { echo "no trained model in $DEEP_DIR"; exit 1; }

@@ -126,15 +126,18 @@ def test_backend_logprobs_match_the_reference(heldout_prompts, deepinfer_backend
 
 
 def test_the_training_script_writes_what_the_engine_serves(tmp_path):
-    """``training/train_embedded.py`` at a depth other than the shipped model's (a smoke run: 3 steps on 30 files):
-    both variants hold the MTP layer after the last of ``--layers`` layers, the engine serves them, and speculation
-    on the trained MTP layer changes no greedy token."""
+    """``training/train_embedded.py`` at a depth other than the shipped model's (a smoke run: 3 steps on 30 files,
+    then 2 of MTP distillation): both variants hold the MTP layer after the last of ``--layers`` layers, the engine
+    serves them, and speculation on the trained MTP layer changes no greedy token."""
     script = Path(__file__).parents[1] / "training" / "train_embedded.py"
     args = ["--out", tmp_path, "--max-files", "30", "--steps", "3", "--batch", "2", "--seq-len", "64", "--layers", "3"]
+    args += ["--distill-steps", "2"]
     run = subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     record = json.loads((tmp_path / "training.json").read_text())
     assert record["config"]["num_hidden_layers"] == 3 and record["hyperparameters"]["steps"] == 3
+    assert record["mtp_distillation"]["steps"] == 2
+    assert 0 <= record["heldout"]["mtp_agreement_before_distillation"] <= 1
     for variant in VARIANTS:
         ckpt = Checkpoint.open(tmp_path / variant)
         try:

@@ -1,6 +1,7 @@
 """Trains the embedded model (``deepinfer.model.embedded``) and writes its checkpoints and training record.
 
     python training/train_embedded.py --out DIR [--minutes 5.5] [--steps N] [--seed 0] [--layers 4]
+        [--distill-minutes M]
 
 On one GPU. The corpus is the running interpreter's standard library (``stdlib_documents``: train split only); the
 tokenizer is a byte-level BPE of 4096 tokens trained on it with the ``tokenizers`` library; the model is
@@ -16,6 +17,11 @@ cross-entropy plus 0.3 times the MTP's. Experts are balanced as DeepSeek-V3 does
 each step every router's ``e_score_correction_bias`` moves by ``bias_rate`` towards the mean load. A validation
 split of the training files (``is_validation``, never trained on) is scored every ``eval_every`` steps and the
 weights of the best score are kept: the corpus is small, and later epochs overfit it.
+
+``--distill-minutes`` adds a second phase for speculative decoding: the model frozen, the MTP layer alone is trained
+to the model's own distribution of each next-next token (KL divergence, ``distill_loss``), since verification
+accepts a draft when it is the model's choice, not the text's; the MTP weights of the best validation agreement are
+kept, and the record gives the held-out agreement before and after. The shipped model has no such phase.
 
 When ``--steps`` is not given, the step count is what fits ``--minutes``, measured on the first steps (the record
 keeps the count, so ``--steps`` reproduces the run). Writes into ``--out``: ``bf16/`` and ``fp8/`` (config.json,
@@ -107,6 +113,8 @@ HPARAMS = dict(
     mtp_loss_weight=0.3,
     bias_rate=1e-3,
     eval_every=100,
+    distill_lr=1e-3,
+    distill_warmup_steps=20,
     precision="bf16 autocast, fp32 master weights",
 )
 LICENCE = "Python Software Foundation License Version 2 (the standard library's source)"
@@ -218,6 +226,17 @@ def losses(model, mtp, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return main, extra
 
 
+def distill_loss(model, mtp, window: torch.Tensor) -> torch.Tensor:
+    """KL divergence (nats per position) of the MTP's distribution of ``t_{i+2}`` from the frozen model's own, which
+    it predicts at position ``i + 1``: what the MTP's drafts must match for verification to accept them."""
+    inp = window[:, :-1]
+    with torch.no_grad():
+        hidden = model.model(input_ids=inp).last_hidden_state
+        teacher = F.log_softmax(model.lm_head(hidden[:, 1:]).float(), dim=-1)
+    student = F.log_softmax(mtp(model, hidden[:, :-1], inp[:, 1:]).float(), dim=-1)
+    return F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+
+
 def lr_at(step: int, total: int, hp: dict) -> float:
     if step < hp["warmup_steps"]:
         return hp["lr"] * (step + 1) / hp["warmup_steps"]
@@ -233,6 +252,7 @@ def evaluate(model, mtp, stream: torch.Tensor, seq_len: int, batch: int) -> dict
     """Over ``stream`` cut into windows of ``seq_len + 1`` tokens (one shared): the summed NLL (nats) of every
     predicted token but begin-of-sentence, their count, the model's top-1 accuracy, and the MTP's top-1 agreement
     with the model's own next-next prediction and with the text."""
+    modes = model.training, mtp.training
     model.eval()
     mtp.eval()
     n = -(-(stream.numel() - 1) // seq_len)
@@ -255,8 +275,8 @@ def evaluate(model, mtp, stream: torch.Tensor, seq_len: int, batch: int) -> dict
         agree += (mtp_pred == pred[:, 1:]).sum().item()
         mtp_correct += (mtp_pred == tgt[:, 1:]).sum().item()
         mtp_count += mtp_pred.numel()
-    model.train()
-    mtp.train()
+    model.train(modes[0])
+    mtp.train(modes[1])
     return dict(
         nll_nats=nll,
         tokens=count,
@@ -352,6 +372,80 @@ def save(model, mtp, tok: Tokenizer, out: Path) -> dict[str, int]:
     return sizes
 
 
+# ---------------------------------------------------------------- training loop
+
+
+def train_phase(
+    modules, step_loss, score, data, hp, gen, load, *, minutes: float, steps: int | None, score_first: bool = False
+) -> dict:
+    """AdamW on the trainable parameters of ``modules`` over random windows of ``data``: ``step_loss(window)`` gives
+    the loss and the values to log; every ``eval_every`` steps (and before the first where ``score_first``)
+    ``score()`` gives a value to minimise and the values to log, and the modules' weights at the best score are
+    restored at the end. ``steps``, or what fits ``minutes`` (measured on steps 10 to 40). Returns the step count, the
+    kept step (0: the weights it started from), the seconds and the curves."""
+    device = data.device.type
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [dict(params=decay, weight_decay=hp["weight_decay"]), dict(params=no_decay, weight_decay=0.0)],
+        lr=hp["lr"],
+        betas=hp["betas"],
+        fused=device == "cuda",
+    )
+    total = steps or 10**9
+    curve, val_curve, best, step, timing_start = [], [], None, 0, None
+    if score_first:
+        value, scored = score()
+        val_curve.append(dict(step=0, **scored))
+        best = (0, value, [copy.deepcopy(m.state_dict()) for m in modules])
+    t_train = time.time()
+    while step < total:
+        starts = torch.randint(0, data.numel() - hp["seq_len"] - 1, (hp["batch"],), device=device, generator=gen)
+        window = data[starts[:, None] + torch.arange(hp["seq_len"] + 1, device=device)]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, hp)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss, logged = step_loss(window)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, hp["grad_clip"])
+        opt.step()
+        imbalance = load.update(hp["bias_rate"])
+        step += 1
+        if steps is None and step == 10:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            timing_start = time.time()
+        if steps is None and step == 40:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            per_step = (time.time() - timing_start) / 30
+            total = max(step + 1, int((minutes * 60 - (time.time() - t_train)) / per_step) + step)
+            print(f"{per_step * 1e3:.0f} ms a step: training {total} steps", flush=True)
+        if step % 25 == 0 or step == total:
+            row = dict(step=step, **{k: round(v.item(), 4) for k, v in logged.items()})
+            row.update(lr=round(lr_at(step - 1, total, hp), 6), expert_imbalance=round(imbalance, 2))
+            row["seconds"] = round(time.time() - t_train, 1)
+            curve.append(row)
+        if step % hp["eval_every"] == 0 or step == total:
+            value, scored = score()
+            row.update(scored)
+            val_curve.append(dict(step=step, **scored))
+            if best is None or value < best[1]:
+                best = (step, value, [copy.deepcopy(m.state_dict()) for m in modules])
+            print(json.dumps(row), flush=True)
+    for m, state in zip(modules, best[2]):
+        m.load_state_dict(state)
+    return dict(
+        steps=total,
+        kept_step=best[0],
+        seconds=round(time.time() - t_train, 1),
+        loss_curve=curve,
+        validation_curve=val_curve,
+    )
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -360,6 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=5.5, help="training time budget when --steps is not given")
     ap.add_argument("--steps", type=int, help="training steps (default: what fits --minutes)")
+    ap.add_argument(
+        "--distill-minutes",
+        type=float,
+        default=0.0,
+        help="then train the MTP layer alone, for this long, to the frozen model's own next-next-token distribution "
+        "(what speculative decoding's verification accepts); 0: no such phase, as for the shipped model",
+    )
+    ap.add_argument("--distill-steps", type=int, help="steps of that phase (default: what fits --distill-minutes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-files", type=int, help="train on the first N files only (a smoke test)")
     ap.add_argument("--stdlib", type=Path, help="the library root to read (default: this interpreter's)")
@@ -402,60 +504,49 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     model, mtp = build(device, config)
-    params = [p for p in [*model.parameters(), *mtp.parameters()] if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [dict(params=decay, weight_decay=hp["weight_decay"]), dict(params=no_decay, weight_decay=0.0)],
-        lr=hp["lr"],
-        betas=hp["betas"],
-        fused=device == "cuda",
-    )
     load = ExpertLoad([model, mtp])
     data = train.to(device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    total = args.steps or 10**9
-    curve, val_curve, best, step, timing_start = [], [], None, 0, None
-    t_train = time.time()
-    while step < total:
-        starts = torch.randint(0, data.numel() - hp["seq_len"] - 1, (hp["batch"],), device=device, generator=gen)
-        window = data[starts[:, None] + torch.arange(hp["seq_len"] + 1, device=device)]
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, hp)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            main_loss, mtp_loss = losses(model, mtp, window)
-        opt.zero_grad(set_to_none=True)
-        (main_loss + hp["mtp_loss_weight"] * mtp_loss).backward()
-        torch.nn.utils.clip_grad_norm_(params, hp["grad_clip"])
-        opt.step()
-        imbalance = load.update(hp["bias_rate"])
-        step += 1
-        if args.steps is None and step == 10:
-            if device == "cuda":
-                torch.cuda.synchronize()
-            timing_start = time.time()
-        if args.steps is None and step == 40:
-            if device == "cuda":
-                torch.cuda.synchronize()
-            per_step = (time.time() - timing_start) / 30
-            total = max(step + 1, int((args.minutes * 60 - (time.time() - t_train)) / per_step) + step)
-            print(f"{per_step * 1e3:.0f} ms a step: training {total} steps", flush=True)
-        if step % 25 == 0 or step == total:
-            row = dict(step=step, loss=round(main_loss.item(), 4), mtp_loss=round(mtp_loss.item(), 4))
-            row.update(lr=round(lr_at(step - 1, total, hp), 6), expert_imbalance=round(imbalance, 2))
-            row["seconds"] = round(time.time() - t_train, 1)
-            curve.append(row)
-        if step % hp["eval_every"] == 0 or step == total:
-            v = evaluate(model, mtp, val, hp["seq_len"], hp["batch"])
-            row["val_loss"] = round(v["nll_nats"] / v["tokens"], 4)
-            val_curve.append(dict(step=step, val_loss=row["val_loss"]))
-            if best is None or row["val_loss"] < best[1]:
-                best = (step, row["val_loss"], [copy.deepcopy(m.state_dict()) for m in (model, mtp)])
-            print(json.dumps(row), flush=True)
-    train_seconds = time.time() - t_train
-    best_step = best[0]
-    for m, state in zip((model, mtp), best[2]):
-        m.load_state_dict(state)
+
+    def main_step(window: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        main_loss, mtp_loss = losses(model, mtp, window)
+        return main_loss + hp["mtp_loss_weight"] * mtp_loss, dict(loss=main_loss, mtp_loss=mtp_loss)
+
+    def main_score() -> tuple[float, dict]:
+        v = evaluate(model, mtp, val, hp["seq_len"], hp["batch"])
+        return v["nll_nats"] / v["tokens"], dict(val_loss=round(v["nll_nats"] / v["tokens"], 4))
+
+    main_phase = train_phase(
+        [model, mtp], main_step, main_score, data, hp, gen, load, minutes=args.minutes, steps=args.steps
+    )
+    distilled = None
+    if args.distill_minutes or args.distill_steps:
+        before = evaluate(model, mtp, held, hp["seq_len"], hp["batch"])["mtp_agreement"]
+        model.eval()  # frozen: its routers count no load, so their biases stay
+        model.requires_grad_(False)
+        dhp = dict(hp, lr=hp["distill_lr"], warmup_steps=hp["distill_warmup_steps"])
+
+        def distill_score() -> tuple[float, dict]:
+            agreement = evaluate(model, mtp, val, hp["seq_len"], hp["batch"])["mtp_agreement"]
+            return -agreement, dict(val_mtp_agreement=round(agreement, 4))
+
+        def distill_step(window: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            kl = distill_loss(model, mtp, window)
+            return kl, dict(kl=kl)
+
+        distilled = train_phase(
+            [mtp],
+            distill_step,
+            distill_score,
+            data,
+            dhp,
+            gen,
+            load,
+            minutes=args.distill_minutes,
+            steps=args.distill_steps,
+            score_first=True,
+        )
+        distilled["heldout_mtp_agreement_before"] = before
 
     ev = evaluate(model, mtp, held, hp["seq_len"], hp["batch"])
     targets = held[1:]
@@ -481,14 +572,14 @@ def main(argv: list[str] | None = None) -> int:
         "config": config,
         "hyperparameters": {
             **hp,
-            "steps": total,
-            "kept_step": best_step,
+            "steps": main_phase["steps"],
+            "kept_step": main_phase["kept_step"],
             "seed": args.seed,
-            "tokens_seen": total * hp["batch"] * hp["seq_len"],
+            "tokens_seen": main_phase["steps"] * hp["batch"] * hp["seq_len"],
         },
         "hardware": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "software": {"torch": torch.__version__, "transformers": sys.modules["transformers"].__version__},
-        "train_seconds": round(train_seconds, 1),
+        "train_seconds": main_phase["seconds"],
         "heldout": {
             "bits_per_byte": ev["nll_nats"] / ln2 / held_bytes,
             "unigram_bits_per_byte": uni_bits / held_bytes,
@@ -499,9 +590,16 @@ def main(argv: list[str] | None = None) -> int:
             "how": f"non-overlapping windows of {hp['seq_len']} tokens over the held-out files, begin-of-sentence "
             "targets excluded, bf16 autocast",
         },
-        "loss_curve": curve,
-        "validation_curve": val_curve,
+        "loss_curve": main_phase["loss_curve"],
+        "validation_curve": main_phase["validation_curve"],
     }
+    if distilled:
+        record["mtp_distillation"] = dict(
+            how="the model frozen; the MTP layer alone trained to the model's own distribution of each next-next "
+            "token (distill_loss), the weights of the best validation agreement kept",
+            **{k: v for k, v in distilled.items() if k != "heldout_mtp_agreement_before"},
+        )
+        record["heldout"]["mtp_agreement_before_distillation"] = distilled["heldout_mtp_agreement_before"]
     record["weights_bytes"] = save(model, mtp, tok, args.out)
     (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: record[k] for k in ("heldout", "weights_bytes", "train_seconds")}, indent=1))
