@@ -16,8 +16,9 @@
 #                against the reference backend ($OUT/embedded_eval_cuda_sm100.json), then its tests on cuda_sm100
 #   speculative  speculative decoding's tests on cuda_sm100 (CUDA graphs, batch-invariant mode), then
 #                benchmarks/bench_speculative.py at batch 1, 16 and 64 ($OUT/speculative.json)
-#   speculative-deep [LAYERS [MINUTES]]  trains the embedded model LAYERS deep (default 24; MINUTES of training,
-#                default 3.5) into $OUT/deep, then bench_speculative.py on it at batch 1, 16 and 64
+#   speculative-deep [LAYERS [MINUTES [DISTILL]]]  trains the embedded model LAYERS deep (default 24; MINUTES of
+#                training, default 3.5, then DISTILL of MTP distillation, default 0) into $OUT/deep, then
+#                bench_speculative.py on it at batch 1, 16 and 64
 #                ($OUT/speculative_deep.json): a model whose MTP layer is a small share of its step, as DeepSeek's is
 #   speculative-deep-train [LAYERS [MINUTES [DISTILL]]]  the same training (default 24 layers, 4.5 minutes), then
 #                DISTILL minutes (default 2.5; near one call's limit together) of the MTP layer alone trained to the
@@ -102,7 +103,7 @@ case ${1:-} in
     timeout 330 python3 benchmarks/bench_speculative.py --backend cuda_sm100 --batches 1,16,64 --repeats 2 \
       --json "$OUT/speculative.json" 2>&1 | tail -30 ;;
   speculative-deep)
-    train_deep "$OUT/deep" "${2:-24}" "${3:-3.5}" 330
+    train_deep "$OUT/deep" "${2:-24}" "${3:-3.5}" 330 "${4:-0}"
     bench_deep "$OUT/deep" 240
     rm -f "$OUT"/deep/*/model.safetensors ;;  # larger than what a device call brings back
   speculative-deep-train)
