@@ -110,6 +110,7 @@ class DecodeGraphs:
             self.mtp_in = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.dtype, device=dev)
             self.mtp_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.last = (0, max_blocks)  # the (bucket, width) replayed last
+        self._shift_views: dict[tuple[int, int], ForwardBatch] = {}
         self.invariant = False  # the batch-invariant mode of the capture
 
     def batch(self, b: int, width: int | None = None) -> ForwardBatch:
@@ -215,10 +216,19 @@ class DecodeGraphs:
         if pending is not None:
             self.wide.index_copy_(0, *pending)
         if shift is not None:
-            shift_decode_rows(self.batch(*key), shift, self.block_size)
+            shift_decode_rows(self._shifted(key), shift, self.block_size)
         self.graphs[key].replay()
         self.last = key
+        if n == key[0]:
+            return self.logits[key], self.greedy[key]
         return self.logits[key][:n], self.greedy[key][:n]
+
+    def _shifted(self, key: tuple[int, int]) -> ForwardBatch:
+        """``batch(*key)``, made once: the views ``shift_decode_rows`` moves on in place (never handed to a forward,
+        whose derived tensors ``ForwardBatch`` keeps)."""
+        if key not in self._shift_views:
+            self._shift_views[key] = self.batch(*key)
+        return self._shift_views[key]
 
     def _load(
         self,
@@ -235,15 +245,18 @@ class DecodeGraphs:
         b = next(s for s in self.sizes if s >= n)
         longest = max(len(t) for t in block_tables)
         width = next(w for w in self.widths if w >= longest)
-        pad = [0] * (b - n)
         pin = self.wide.is_cuda
-        wide = torch.tensor(input_ids + pad + slot_mapping + [-1] * (b - n), dtype=torch.int64, pin_memory=pin)
-        narrow = torch.zeros(b * (2 + width), dtype=torch.int32, pin_memory=pin)
-        narrow[: 2 * b] = torch.tensor(positions + pad + seq_lens + pad, dtype=torch.int32)
-        table = narrow[2 * b :].view(b, width)
-        table[:n, :longest] = torch.tensor([t + [0] * (longest - len(t)) for t in block_tables], dtype=torch.int32)
-        if self.pad_page is not None:
-            table[n:] = self.pad_page
+        # filled through numpy views of the (pinned) host buffers: a handful of host tensor ops less per call
+        wide = torch.empty(2 * b, dtype=torch.int64, pin_memory=pin)
+        w = wide.numpy()
+        w[:n], w[n:b], w[b : b + n], w[b + n :] = input_ids, 0, slot_mapping, -1
+        narrow = torch.empty(b * (2 + width), dtype=torch.int32, pin_memory=pin)
+        a = narrow.numpy()
+        a[:n], a[n:b], a[b : b + n], a[b + n : 2 * b] = positions, 0, seq_lens, 0
+        table = a[2 * b :].reshape(b, width)
+        table[:n, :longest] = [t + [0] * (longest - len(t)) for t in block_tables]
+        table[:n, longest:] = 0
+        table[n:] = 0 if self.pad_page is None else self.pad_page
         self.wide[: 2 * b].copy_(wide, non_blocking=True)  # pinned sources: the host allocator keeps them alive
         self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
         return b, width
@@ -263,11 +276,14 @@ class DecodeGraphs:
         n = next_ids.shape[0]
         key = self.last if rows is None else self._load([0] * n, **rows)
         if rows is not None and shift is not None:
-            shift_decode_rows(self.batch(*key), shift, self.block_size)
+            shift_decode_rows(self._shifted(key), shift, self.block_size)
         self.mtp_in[:n].copy_(hidden)
         self.mtp_ids[:n].copy_(next_ids)
-        self.mtp_ids[n : key[0]].zero_()
+        if n < key[0]:
+            self.mtp_ids[n : key[0]].zero_()
         self.mtp_graphs[key].replay()
+        if n == key[0]:
+            return self.mtp_out[key]
         return tuple(t[:n] for t in self.mtp_out[key])
 
     def replayed(self) -> tuple[torch.Tensor, ForwardBatch]:

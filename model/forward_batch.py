@@ -63,8 +63,13 @@ def shift_decode_rows(fb: ForwardBatch, shift: torch.Tensor, block_size: int, se
     still running accepts drafts."""
     n = shift.shape[0]
     positions = fb.positions[:n]
-    positions += shift.to(positions.dtype)
-    fb.seq_lens[:n] += shift.to(fb.seq_lens.dtype)
+    moved = shift.to(positions.dtype)
+    positions += moved
+    fb.seq_lens[:n].add_(moved if fb.seq_lens.dtype == moved.dtype else shift.to(fb.seq_lens.dtype))
     p = positions.long()
-    pages = fb.block_table[:n].gather(1, (seq_pages + p // block_size)[:, None])[:, 0].long()
-    fb.slot_mapping[:n] = pages * block_size + p % block_size
+    page = p // block_size
+    if seq_pages:
+        page += seq_pages
+    pages = fb.block_table[:n].gather(1, page[:, None])[:, 0]
+    # slot = page * block_size + offset, in int64, written in place (each op here is a launch on the host's clock)
+    torch.add(p % block_size, pages, alpha=block_size, out=fb.slot_mapping[:n])

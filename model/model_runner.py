@@ -35,7 +35,7 @@ from .greedy import greedy_tokens
 from .sampling_params import step_seed, step_seeds
 from .scheduler import PrefillChunk, ScheduledBatch
 from .sequence import PENDING, Sequence
-from .speculative import MTPDrafter, accepted_counts, decode_metadata
+from .speculative import MTPDrafter, acceptance_rows, accepted_from, decode_metadata
 from .structured_output import allowed_tokens
 
 NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
@@ -117,12 +117,17 @@ class InFlight:
     first: list[int]
     src: torch.Tensor | None = None
     accepted: torch.Tensor | None = None
+    _last: tuple[torch.Tensor, torch.Tensor] | None = None  # (keys, their rows) of the last gather
 
     def key(self, i: int) -> int:
         return i if self.src is not None else self.first[i]
 
     def _rows(self, keys: torch.Tensor) -> torch.Tensor:
-        return keys if self.src is None else self.src.index_select(0, keys)
+        if self.src is None:
+            return keys
+        if self._last is None or self._last[0] is not keys:  # the gathers of one key tensor share its rows
+            self._last = (keys, self.src.index_select(0, keys))
+        return self._last[1]
 
     def tokens(self, keys: torch.Tensor) -> torch.Tensor:
         return self.previous.tokens.index_select(0, self._rows(keys))
@@ -321,20 +326,22 @@ class ModelRunner:
         moved: list[tuple[int, int]] = []
         if flying is not None and flying.accepted is not None:
             moved = [(i, flying.key(index[id(seq)])) for i, (seq, _) in enumerate(rows) if id(seq) in index]
-        parts = [at, which, first_draft, chain_at, [i for i, _ in moved], [f for _, f in moved]]
+        parts = [at + chain_at, which, first_draft, [i for i, _ in moved], [f for _, f in moved]]
         if not any(parts):
             return None, None
-        # one copy to the device for every index list
+        # one copy to the device for every index list (the rows of `at` and `chain_at` side by side: one index)
         packed = self._tensor([v for part in parts for v in part], torch.int64)
-        at_t, which_t, first_t, chain_t, moved_t, moved_which_t = packed.split([len(part) for part in parts])
-        rows_out, tokens = [at_t, chain_t], []
+        rows_t, which_t, first_t, moved_t, moved_which_t = packed.split([len(part) for part in parts])
+        tokens = []
         if at:
             taken = flying.tokens(which_t)
             if any(first_draft):
                 taken = torch.where(first_t.bool(), flying.draft_tokens(which_t), taken)
             tokens.append(taken)
         tokens += [chain_tokens for _, chain_tokens in drafts.chained]
-        carried = (torch.cat(rows_out), torch.cat(tokens)) if at or chain_at else None
+        carried = None
+        if at or chain_at:
+            carried = (rows_t, tokens[0] if len(tokens) == 1 else torch.cat(tokens))
         shift = None
         if moved:
             shift = flying.shifts(moved_which_t)
@@ -388,8 +395,10 @@ class ModelRunner:
             sample_logits = logits[: len(sample_rows)]
             allowed = self._apply_grammars(sample_logits, samplers)
             verify = sum(1 + len(s.drafts) for s in batch.decodes)  # sampler rows that are decode rows
-            if shift is not None:  # sampler rows' shifts (they count their positions in the seeds)
-                shift = torch.cat([shift[:verify], shift.new_zeros(len(samplers) - verify)])
+            if shift is not None and len(samplers) > verify:  # sampler rows' shifts (they count their positions in
+                shift = torch.cat([shift[:verify], shift.new_zeros(len(samplers) - verify)])  # the seeds)
+            elif shift is not None:
+                shift = shift[:verify]
             with deepinfer.value_checks(False):
                 step.tokens = self._sample(allowed, samplers, None if allowed is not sample_logits else greedy, shift)
                 step.tokens = step.tokens.to(torch.int64)
@@ -424,9 +433,7 @@ class ModelRunner:
         samplers = step.samplers
         first = [step.first_row[id(seq)] for seq in samplers]
         follow = [r + 1 if r + 1 < verify and samplers[r + 1] is seq else -1 for r, seq in enumerate(samplers)]
-        index = self._tensor([first, follow], torch.int64)
-        drafts = input_ids.index_select(0, index[1].clamp(min=0))
-        return accepted_counts(step.tokens, torch.where(index[1] >= 0, drafts, -1), index[0])
+        return accepted_from(step.tokens, input_ids, self._tensor(acceptance_rows(first, follow), torch.int64))
 
     def _draft(
         self,

@@ -132,6 +132,33 @@ def accepted_counts(tokens: torch.Tensor, next_inputs: torch.Tensor, first_rows:
     return counts.index_select(0, first_rows)
 
 
+def acceptance_rows(first: list[int], follow: list[int]) -> list[list[int]]:
+    """The host half of ``accepted_from``: per sampler row ``r`` of a step, from its sequence's first row
+    ``first[r]`` and the row whose input id is the draft it verifies (``follow[r]``, -1 after its sequence's last),
+    five rows of ints: ``first``, the row to read the draft from (0 where none), the row's offset in its sequence,
+    the break value where the draft matches (the row count ``S``: no break; the offset where there is no draft) and
+    ``S`` (the counts' initial value)."""
+    n = len(first)
+    within = [r - f for r, f in enumerate(first)]
+    return [
+        first,
+        [max(f, 0) for f in follow],
+        within,
+        [n if f >= 0 else w for f, w in zip(follow, within)],
+        [n] * n,
+    ]
+
+
+def accepted_from(tokens: torch.Tensor, inputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``accepted_counts`` with its index arithmetic done on the host (``acceptance_rows``, ``[5, S]`` int64 on the
+    device, consumed: its last row becomes the counts): the drafts are ``inputs[rows[1]]``; a row breaks the run of
+    accepted drafts at its offset unless its draft equals its token. Five device operations. Returns ``[S]`` int64."""
+    first, src, within, hit, counts = rows.unbind(0)
+    breaks = torch.where(tokens == inputs.index_select(0, src), hit, within)
+    counts.scatter_reduce_(0, first, breaks, "amin")
+    return counts.index_select(0, first)
+
+
 def confident_drafts(probs: list[float], threshold: float) -> int:
     """How many leading drafts to verify: those before the first whose probability is below ``threshold``."""
     n = 0
@@ -273,7 +300,8 @@ class MTPDrafter:
             meta = decode_metadata([(seqs[i], seqs[i].num_computed - 1 + m) for i in rows], self.allocator)
             if graphs is not None and graphs.replays_mtp(len(rows)):
                 state, tokens, probs = graphs.run_mtp(state, ids, meta, shift)
-                tokens, probs = tokens.clone(), probs.clone()  # the graph's outputs, overwritten by its next replay
+                # the graph's outputs, overwritten by its next replay (the probabilities are read only with `read`)
+                tokens, probs = tokens.clone(), probs.clone() if read else None
             else:
                 fb = decode_batch(meta, tensor)
                 fb.rows = [(seqs[i], p, 1) for i, p in zip(rows, meta["positions"])]
@@ -285,6 +313,8 @@ class MTPDrafter:
             chained.append((rows, tokens, probs))
             m += 1
             keep = [j for j, i in enumerate(rows) if limits[i] > m]
+            if not keep:  # the chain ends: nothing to carry to a next step
+                break
             if len(keep) == len(rows):  # (a graph's states: its next replay copies them in before it overwrites them)
                 ids = tokens
                 continue

@@ -22,7 +22,13 @@ from deepinfer.model import LLM, SamplingParams
 from deepinfer.model.sampling_params import step_seed, step_seeds
 from deepinfer.model.scheduler import Scheduler
 from deepinfer.model.sequence import PENDING
-from deepinfer.model.speculative import SpeculativeConfig, accepted_counts, confident_drafts
+from deepinfer.model.speculative import (
+    SpeculativeConfig,
+    acceptance_rows,
+    accepted_counts,
+    accepted_from,
+    confident_drafts,
+)
 
 CODE_PROMPTS = [
     "def fibonacci(n):",
@@ -374,6 +380,27 @@ def test_acceptance_and_confidence_counts():
     assert confident_drafts([0.9, 0.6, 0.2, 0.95], 0.5) == 2
     assert confident_drafts([0.1, 0.9], 0.5) == 0
     assert confident_drafts([0.1, 0.9], 0.0) == 2
+
+
+def test_accepted_from_host_rows_is_accepted_counts():
+    """The engine's form of the acceptance count (index arithmetic on the host, ``accepted_from``) gives
+    ``accepted_counts``' counts on random steps: sequences of 1 to 5 rows, drafts that match their row's token or
+    not."""
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.randint(1, 5) for _ in range(rng.randint(1, 6))]
+        first = [f for i, n in enumerate(sizes) for f in [sum(sizes[:i])] * n]
+        follow = [r + 1 if r + 1 < len(first) and first[r + 1] == f else -1 for r, f in enumerate(first)]
+        tokens = [rng.randrange(4) for _ in first]
+        inputs = [rng.randrange(4) for _ in first]
+        for r, f in enumerate(follow):  # most drafts right
+            if f >= 0 and rng.random() < 0.7:
+                inputs[f] = tokens[r]
+        tokens_t, inputs_t = torch.tensor(tokens), torch.tensor(inputs)
+        drafts = torch.tensor([inputs[f] if f >= 0 else -1 for f in follow])
+        want = accepted_counts(tokens_t, drafts, torch.tensor(first)).tolist()
+        rows = torch.tensor(acceptance_rows(first, follow))
+        assert accepted_from(tokens_t, inputs_t, rows).tolist() == want, (sizes, tokens, inputs)
 
 
 def test_device_seeds_are_the_host_seeds():
