@@ -186,8 +186,17 @@ class ModelRunner:
             cache[:, index] = pages.to(self.device)
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` (a list, or a list of equal lists) as a device tensor, without waiting for the device."""
         # through numpy: 3x faster than torch.tensor on the long lists of a prefill chunk (ids, positions, slots)
-        return torch.from_numpy(np.array(values, dtype=NUMPY_DTYPES[dtype])).to(self.device, non_blocking=True)
+        array = np.array(values, dtype=NUMPY_DTYPES[dtype])
+        if self.device.type != "cuda":
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+        # From pinned memory: a copy from pageable memory may first wait for the work queued on the stream (CUDA's
+        # API synchronisation rules), which would hold the host behind the step in flight. The host allocator keeps
+        # the pinned block until the copy is done.
+        host = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+        host.numpy()[...] = array
+        return host.to(self.device, non_blocking=True)
 
     def prepare(
         self, batch: ScheduledBatch, drafts: Drafts | None = None
