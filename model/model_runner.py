@@ -241,7 +241,7 @@ class ModelRunner:
                 cu_k.append(cu_k[-1] + ch.end)
             fb.cu_seqlens_q = self._tensor(cu_q, torch.int32)
             fb.cu_seqlens_k = self._tensor(cu_k, torch.int32)
-            fb.context_slots = torch.cat(ctx).to(self.device, non_blocking=True)
+            fb.context_slots = self._tensor(torch.cat(ctx).numpy(), torch.int64)
         fb.rows = _runs(decode_rows) + [(ch.seq, ch.start, ch.end - ch.start) for ch in prefills]
         fb.positions = self._tensor(pos, torch.int32)
         fb.slot_mapping = self._tensor(slots, torch.int64)
