@@ -20,8 +20,8 @@
 #                training, default 3.5, then DISTILL of MTP distillation, default 0) into $OUT/deep, then
 #                bench_speculative.py on it at batch 1, 16 and 64
 #                ($OUT/speculative_deep.json): a model whose MTP layer is a small share of its step, as DeepSeek's is
-#   speculative-deep-train [LAYERS [MINUTES [DISTILL]]]  the same training (default 24 layers, 4.5 minutes), then
-#                DISTILL minutes (default 2.5; near one call's limit together) of the MTP layer alone trained to the
+#   speculative-deep-train [LAYERS [MINUTES [DISTILL]]]  the same training (default 24 layers, 4.2 minutes), then
+#                DISTILL minutes (default 2.3; with the evaluations near one call's limit) of the MTP layer alone trained to the
 #                model's own next-next token (train_embedded.py --distill-minutes), into $DEEP_DIR (default
 #                /tmp/deepinfer-deep), which outlives the call while the machine stays warm;
 #   speculative-deep-bench  then, in the next call on that machine, bench_speculative.py on it with --profile
@@ -108,7 +108,7 @@ case ${1:-} in
     rm -f "$OUT"/deep/*/model.safetensors ;;  # larger than what a device call brings back
   speculative-deep-train)
     rm -rf "${DEEP_DIR:=/tmp/deepinfer-deep}"
-    train_deep "$DEEP_DIR" "${2:-24}" "${3:-4.5}" 570 "${4:-2.5}"
+    train_deep "$DEEP_DIR" "${2:-24}" "${3:-4.2}" 570 "${4:-2.3}"
     cp "$DEEP_DIR/training.json" "$OUT/" ;;
   speculative-deep-bench)
     [ -f "${DEEP_DIR:=/tmp/deepinfer-deep}/bf16/model.safetensors" ] || { echo "no trained model in $DEEP_DIR"; exit 1; }

@@ -72,7 +72,7 @@ class LaunchedStep:
     _prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
     draft_states: torch.Tensor | None = None  # speculative decoding: the MTP state of every sampler row
     draft_tokens: torch.Tensor | None = None  # ... its draft of the token after that row's token
-    accepted: torch.Tensor | None = None  # ... per sampler row, the drafts its sequence accepts (accepted_counts)
+    accepted: torch.Tensor | None = None  # ... per sampler row, the drafts its sequence accepts (accepted_from)
     first_row: dict[int, int] = field(default_factory=dict)  # id(seq) -> its first sampler row
     _host: dict[str, torch.Tensor] = field(default_factory=dict)  # device -> host copies in flight
     _ready: torch.Event | None = None  # recorded after those copies
@@ -186,9 +186,10 @@ class ModelRunner:
             cache[:, index] = pages.to(self.device)
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
-        """``values`` (a list, or a list of equal lists) as a device tensor, without waiting for the device."""
+        """``values`` (a list, a list of equal lists, or an array) as a device tensor, without waiting for the
+        device."""
         # through numpy: 3x faster than torch.tensor on the long lists of a prefill chunk (ids, positions, slots)
-        array = np.array(values, dtype=NUMPY_DTYPES[dtype])
+        array = np.asarray(values, dtype=NUMPY_DTYPES[dtype])
         if self.device.type != "cuda":
             return torch.from_numpy(array).to(self.device, non_blocking=True)
         # From pinned memory: a copy from pageable memory may first wait for the work queued on the stream (CUDA's
@@ -404,8 +405,9 @@ class ModelRunner:
             sample_logits = logits[: len(sample_rows)]
             allowed = self._apply_grammars(sample_logits, samplers)
             verify = sum(1 + len(s.drafts) for s in batch.decodes)  # sampler rows that are decode rows
-            if shift is not None and len(samplers) > verify:  # sampler rows' shifts (they count their positions in
-                shift = torch.cat([shift[:verify], shift.new_zeros(len(samplers) - verify)])  # the seeds)
+            # the sampler rows' shifts (they count their positions in the seeds); prompt rows do not move
+            if shift is not None and len(samplers) > verify:
+                shift = torch.cat([shift[:verify], shift.new_zeros(len(samplers) - verify)])
             elif shift is not None:
                 shift = shift[:verify]
             with deepinfer.value_checks(False):
@@ -437,7 +439,7 @@ class ModelRunner:
         return step
 
     def _accepted(self, step: LaunchedStep, input_ids: torch.Tensor, verify: int) -> torch.Tensor:
-        """Per sampler row, the drafts its sequence accepts (``accepted_counts``), on the device: the first
+        """Per sampler row, the drafts its sequence accepts (``accepted_from``), on the device: the first
         ``verify`` rows are the decode rows, where each sequence's rows after its first take its drafts as input."""
         samplers = step.samplers
         first = [step.first_row[id(seq)] for seq in samplers]

@@ -29,7 +29,7 @@ in the request that computed it, which can change how often drafts are accepted,
 Ahead of the host (``launch_ahead``; otherwise each speculative step waits for the one before). With asynchronous
 scheduling (``engine.py``) a step is then launched before the host reads the one in flight, so the host does not
 know how many drafts that step accepts, only how many it verifies. Everything that
-depends on it is computed on the device: per sequence the accepted count (``accepted_counts``), then the next step's
+depends on it is computed on the device: per sequence the accepted count (``accepted_from``), then the next step's
 input token (the correction or bonus token), first draft and MTP state (taken from the accepted row), its positions,
 cache slots and sequence lengths (the host's, moved on by the count: ``forward_batch.shift_decode_rows``) and its
 sampling seeds (``sampling_params.step_seeds``); the chained drafts stay on the device as the verification rows'

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_helpers import one_thread  # noqa: F401 (autouse fixture)
+from safetensors.torch import load_file
 
 from deepinfer.model import LLM, Checkpoint, SamplingParams
 from deepinfer.model.embedded import VARIANTS, checkpoint_dir, stdlib_documents, token_stream, windows
@@ -128,16 +129,22 @@ def test_backend_logprobs_match_the_reference(heldout_prompts, deepinfer_backend
 def test_the_training_script_writes_what_the_engine_serves(tmp_path):
     """``training/train_embedded.py`` at a depth other than the shipped model's (a smoke run: 3 steps on 30 files,
     then 2 of MTP distillation): both variants hold the MTP layer after the last of ``--layers`` layers, the engine
-    serves them, and speculation on the trained MTP layer changes no greedy token."""
+    serves them, and speculation on the trained MTP layer changes no greedy token. Distillation changes the MTP
+    layer only: the main model's tensors are those of the same run without it."""
     script = Path(__file__).parents[1] / "training" / "train_embedded.py"
-    args = ["--out", tmp_path, "--max-files", "30", "--steps", "3", "--batch", "2", "--seq-len", "64", "--layers", "3"]
-    args += ["--distill-steps", "2"]
-    run = subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
+    args = ["--max-files", "30", "--steps", "3", "--batch", "2", "--seq-len", "64", "--layers", "3"]
+    for out, extra in ((tmp_path, ["--distill-steps", "2"]), (tmp_path / "undistilled", [])):
+        cmd = [sys.executable, script, "--out", out, *args, *extra]
+        run = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
     record = json.loads((tmp_path / "training.json").read_text())
     assert record["config"]["num_hidden_layers"] == 3 and record["hyperparameters"]["steps"] == 3
     assert record["mtp_distillation"]["steps"] == 2
     assert 0 <= record["heldout"]["mtp_agreement_before_distillation"] <= 1
+    distilled, undistilled = (load_file(d / "bf16" / "model.safetensors") for d in (tmp_path, tmp_path / "undistilled"))
+    assert distilled.keys() == undistilled.keys()
+    main = [k for k in distilled if not k.startswith("model.layers.3.")]  # all but the MTP layer
+    assert len(main) > 20 and all(torch.equal(distilled[k], undistilled[k]) for k in main)
     for variant in VARIANTS:
         ckpt = Checkpoint.open(tmp_path / variant)
         try:

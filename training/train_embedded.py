@@ -1,7 +1,7 @@
 """Trains the embedded model (``deepinfer.model.embedded``) and writes its checkpoints and training record.
 
     python training/train_embedded.py --out DIR [--minutes 5.5] [--steps N] [--seed 0] [--layers 4]
-        [--distill-minutes M]
+        [--distill-minutes M | --distill-steps N]
 
 On one GPU. The corpus is the running interpreter's standard library (``stdlib_documents``: train split only); the
 tokenizer is a byte-level BPE of 4096 tokens trained on it with the ``tokenizers`` library; the model is
@@ -514,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def main_score() -> tuple[float, dict]:
         v = evaluate(model, mtp, val, hp["seq_len"], hp["batch"])
-        return v["nll_nats"] / v["tokens"], dict(val_loss=round(v["nll_nats"] / v["tokens"], 4))
+        val_loss = round(v["nll_nats"] / v["tokens"], 4)  # the kept step is the first of the best rounded loss
+        return val_loss, dict(val_loss=val_loss)
 
     main_phase = train_phase(
         [model, mtp], main_step, main_score, data, hp, gen, load, minutes=args.minutes, steps=args.steps
@@ -546,7 +547,6 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.distill_steps,
             score_first=True,
         )
-        distilled["heldout_mtp_agreement_before"] = before
 
     ev = evaluate(model, mtp, held, hp["seq_len"], hp["batch"])
     targets = held[1:]
@@ -593,13 +593,13 @@ def main(argv: list[str] | None = None) -> int:
         "loss_curve": main_phase["loss_curve"],
         "validation_curve": main_phase["validation_curve"],
     }
-    if distilled:
+    if distilled is not None:
         record["mtp_distillation"] = dict(
             how="the model frozen; the MTP layer alone trained to the model's own distribution of each next-next "
             "token (distill_loss), the weights of the best validation agreement kept",
-            **{k: v for k, v in distilled.items() if k != "heldout_mtp_agreement_before"},
+            **distilled,
         )
-        record["heldout"]["mtp_agreement_before_distillation"] = distilled["heldout_mtp_agreement_before"]
+        record["heldout"]["mtp_agreement_before_distillation"] = before
     record["weights_bytes"] = save(model, mtp, tok, args.out)
     (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: record[k] for k in ("heldout", "weights_bytes", "train_seconds")}, indent=1))
