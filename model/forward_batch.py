@@ -63,9 +63,8 @@ def shift_decode_rows(fb: ForwardBatch, shift: torch.Tensor, block_size: int, se
     still running accepts drafts."""
     n = shift.shape[0]
     positions = fb.positions[:n]
-    moved = shift.to(positions.dtype)
-    positions += moved
-    fb.seq_lens[:n].add_(moved if fb.seq_lens.dtype == moved.dtype else shift.to(fb.seq_lens.dtype))
+    positions += shift  # (in-place adds cast to the buffer's dtype in the same launch)
+    fb.seq_lens[:n] += shift
     p = positions.long()
     page = p // block_size
     if seq_pages:

@@ -405,11 +405,10 @@ class ModelRunner:
             sample_logits = logits[: len(sample_rows)]
             allowed = self._apply_grammars(sample_logits, samplers)
             verify = sum(1 + len(s.drafts) for s in batch.decodes)  # sampler rows that are decode rows
-            # the sampler rows' shifts (they count their positions in the seeds); prompt rows do not move
-            if shift is not None and len(samplers) > verify:
-                shift = torch.cat([shift[:verify], shift.new_zeros(len(samplers) - verify)])
-            elif shift is not None:
+            if shift is not None:  # the sampler rows' shifts (they count their positions in the seeds)
                 shift = shift[:verify]
+                if len(samplers) > verify:  # prompt rows do not move
+                    shift = torch.cat([shift, shift.new_zeros(len(samplers) - verify)])
             with deepinfer.value_checks(False):
                 step.tokens = self._sample(allowed, samplers, None if allowed is not sample_logits else greedy, shift)
                 step.tokens = step.tokens.to(torch.int64)

@@ -123,7 +123,8 @@ def accepted_counts(tokens: torch.Tensor, next_inputs: torch.Tensor, first_rows:
     step (``[S]`` each): ``tokens[r]``, the token the target sampled there; ``next_inputs[r]``, the draft the next
     row verifies (the input id of the sequence's next row) or -1 after its last; ``first_rows[r]``, its sequence's
     first row. A draft is accepted while every earlier one was and it equals the token sampled at the row before
-    it. Returns ``[S]`` int64: each row's sequence's count."""
+    it. Returns ``[S]`` int64: each row's sequence's count. The rule's plain statement; the engine computes it by
+    ``accepted_from``, which the tests hold to it."""
     n = tokens.shape[0]
     within = torch.arange(n, device=tokens.device) - first_rows
     breaks = torch.where(tokens == next_inputs, n, within)  # the last row always breaks: -1 is no token
