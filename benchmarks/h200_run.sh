@@ -21,9 +21,9 @@
 #                bench_speculative.py on it at batch 1, 16 and 64
 #                ($OUT/speculative_deep.json): a model whose MTP layer is a small share of its step, as DeepSeek's is
 #   speculative-deep-train [LAYERS [MINUTES [DISTILL]]]  the same training (default 24 layers, 4.2 minutes), then
-#                DISTILL minutes (default 2.3; with the evaluations near one call's limit) of the MTP layer alone trained to the
-#                model's own next-next token (train_embedded.py --distill-minutes), into $DEEP_DIR (default
-#                /tmp/deepinfer-deep), which outlives the call while the machine stays warm;
+#                DISTILL minutes (default 2.3; with the evaluations near one call's limit) of the MTP layer alone
+#                trained to the model's own next-next token (train_embedded.py --distill-minutes), into $DEEP_DIR
+#                (default /tmp/deepinfer-deep), which outlives the call while the machine stays warm;
 #   speculative-deep-bench  then, in the next call on that machine, bench_speculative.py on it with --profile
 #   speculative-cut  bench_speculative.py on a DeepSeek-V3-shaped FP8 cut (2 layers and an MTP layer: a step bound by its
 #                weights) with drafts from plain decoding spoiled at 20%, batch 1, 16 and 64 ($OUT/speculative_cut.json)
@@ -48,8 +48,9 @@
 #   gemm-tiles [S]  the FP8 gemm launch-shape sweep beside cuBLAS, stopped after S seconds (default 300)
 #   gluon-ws [sweep [M,...]]  the warp-specialized, persistent Gluon FP8 GEMM beside cuBLAS, bits checked: M = 4096
 #                on every projection, or over row counts where `gemm` takes it
-#   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm, gemm_invariant or sparse_mla) at git REV (default HEAD) against
-#                the working tree; the device copy's .git can lag this machine's commits, so REV must be a commit it has
+#   ab OP [REV]  same-run A/B of OP's kernel module (mla_decode, grouped_gemm, gemm_invariant or sparse_mla) at git
+#                REV (default HEAD) against the working tree; the device copy's .git can lag this machine's commits,
+#                so REV must be a commit it has
 #   ab-set OP SETTINGS...  same-run A/B of the working tree against itself with backend constants changed, one side
 #                per SETTINGS (MODULE.NAME=VALUE[,...], e.g. attention.MLA_GLUON=False; OP sparse_mla_gluon: the Gluon
 #                sparse kernel)
