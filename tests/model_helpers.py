@@ -347,7 +347,19 @@ def replay_graphs_on_cpu(monkeypatch) -> list[tuple[int, int]]:
         out = forward(key)
         return ReplayedForward(forward, key, out, replayed), out
 
+    from deepinfer.model import model_runner
+
+    launch = model_runner.ModelRunner.launch
+
+    def launch_copying(self, *args, **kwargs):
+        # a step's results are copied to the host when it is launched, as the GPU's queued copies are: the graphs'
+        # outputs they may be views of change with the next replay
+        step = launch(self, *args, **kwargs)
+        step._host = {name: value.clone() for name, value in step._host.items()}
+        return step
+
     monkeypatch.setattr(cuda_graphs, "can_capture", lambda backend, device: True)
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture_one", capture_one)
+    monkeypatch.setattr(model_runner.ModelRunner, "launch", launch_copying)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     return replayed

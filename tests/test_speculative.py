@@ -13,7 +13,12 @@ import random
 
 import pytest
 import torch
-from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+from model_helpers import (  # noqa: F401 (one_thread: autouse fixture)
+    one_thread,
+    random_prompts,
+    replay_graphs_on_cpu,
+    small_checkpoint,
+)
 
 import deepinfer
 from deepinfer import ops
@@ -174,6 +179,37 @@ def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
     assert [result(o) for o in outs] == plain[:2]
     for out in outs:  # per-request counts
         assert out.metrics["drafted"] >= out.metrics["accepted"] > 0
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{"num_speculative_tokens": 3, "launch_ahead": True}, {"num_speculative_tokens": 2}],
+    ids=["k3-ahead", "k2-waiting"],
+)
+def test_graph_path_keeps_every_token(invariant, monkeypatch, spec):
+    """The CUDA-graph decode path (``cuda_graphs.DecodeGraphs``: static buffers, the MTP graphs of the chain and of
+    the verification rows, positions moved on by what the step in flight accepts), each replay run eagerly on the
+    CPU: every token and log-probability is plain decoding's, in a batch and alone."""
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=1),
+        SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=7, logprobs=0),
+        SamplingParams(max_tokens=33, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=1.0, top_k=40, seed=123),
+    ]
+    prompts = CODE_PROMPTS[:4]
+    plain = [result(o) for o in LLM(progress=False, enforce_eager=True).generate(prompts, params)]
+    replayed = replay_graphs_on_cpu(monkeypatch)
+    llm = LLM(progress=False, max_num_seqs=4, speculative_config=spec)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.mtp_graphs
+    assert [result(o) for o in llm.generate(prompts, params)] == plain
+    assert 4 in {b for b, _ in replayed}
+    before = llm.engine.stats["steps_ahead"]
+    assert result(llm.generate(prompts[0], params[0])[0]) == plain[0]
+    ahead = llm.engine.stats["steps_ahead"] - before
+    assert ahead > 10 if spec.get("launch_ahead") else ahead == 0
+    stats = llm.last_stats["speculative"]
+    assert stats["mean_accepted_length"] > 1.4, stats
 
 
 def test_requests_first_scheduled_in_a_large_batch_never_speculate(invariant):
