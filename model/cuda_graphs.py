@@ -35,7 +35,7 @@ import torch
 import deepinfer
 
 from .deepseek_v3 import DeepseekV3
-from .forward_batch import ForwardBatch, shift_decode_rows
+from .forward_batch import ForwardBatch, moved_decode_rows
 from .greedy import greedy_tokens
 from .speculative import MTPDrafter
 
@@ -95,9 +95,13 @@ class DecodeGraphs:
             raise ValueError(f"widths {self.widths}: ascending, ending at max_blocks {max_blocks}")
         dev = kv_cache.device
         # Bucket b's inputs are the first elements of two buffers: [input_ids | slot_mapping] (b each) in `wide`,
-        # [positions | seq_lens | block_table (b x width)] in `narrow`, so one copy each fills them.
+        # [positions | seq_lens | shift | block_table (b x width)] in `narrow`, so one copy each fills them.
         self.wide = torch.zeros(2 * max_batch, dtype=torch.int64, device=dev)
-        self.narrow = torch.zeros(max_batch * (2 + max_blocks), dtype=torch.int32, device=dev)
+        self.narrow = torch.zeros(max_batch * (3 + max_blocks), dtype=torch.int32, device=dev)
+        # Speculative steps launched ahead: the graphs move their rows on by the shift (0 unless a step copies one
+        # in), as shift_decode_rows does eagerly, so that a step's shift costs the host one copy, not eight ops.
+        self.shifts = drafter is not None and drafter.config.launch_ahead
+        self.rows: dict[tuple[int, int], ForwardBatch] = {}  # the metadata each decode graph ran (moved on)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.greedy: dict[tuple[int, int], torch.Tensor] = {}
@@ -110,7 +114,6 @@ class DecodeGraphs:
             self.mtp_in = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.dtype, device=dev)
             self.mtp_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.last = (0, max_blocks)  # the (bucket, width) replayed last
-        self._shift_views: dict[tuple[int, int], ForwardBatch] = {}
         self.invariant = False  # the batch-invariant mode of the capture
 
     def batch(self, b: int, width: int | None = None) -> ForwardBatch:
@@ -121,14 +124,24 @@ class DecodeGraphs:
             positions=self.narrow[:b],
             slot_mapping=self.wide[b : 2 * b],
             num_decode=b,
-            block_table=self.narrow[2 * b : b * (2 + width)].view(b, width),
+            block_table=self.narrow[3 * b : b * (3 + width)].view(b, width),
             seq_lens=self.narrow[b : 2 * b],
             moe_mode="low_latency",
         )
 
+    def _shift(self, b: int) -> torch.Tensor:
+        return self.narrow[2 * b : 3 * b]
+
+    def _inputs(self, key: tuple[int, int]) -> ForwardBatch:
+        """The metadata a captured forward of ``key`` runs: ``batch(*key)``, moved on by the shift where steps are
+        launched ahead."""
+        fb = self.batch(*key)
+        return moved_decode_rows(fb, self._shift(key[0]), self.block_size) if self.shifts else fb
+
     def _forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = key[0]
-        hidden = self.model.forward(self.wide[:b], self.batch(*key), self.kv_caches, self.index_caches)
+        self.rows[key] = fb = self._inputs(key)
+        hidden = self.model.forward(self.wide[:b], fb, self.kv_caches, self.index_caches)
         logits = self.model.compute_logits(hidden)
         return logits, greedy_tokens(logits), hidden
 
@@ -146,7 +159,7 @@ class DecodeGraphs:
 
     def _mtp_forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d, b = self.drafter, key[0]
-        state = d.mtp.forward(self.mtp_in[:b], self.mtp_ids[:b], self.batch(*key), *d.caches)
+        state = d.mtp.forward(self.mtp_in[:b], self.mtp_ids[:b], self._inputs(key), *d.caches)
         return (state, *d.draft(state))
 
     def _capture_one(self, forward, key: tuple[int, int], pool):
@@ -171,7 +184,7 @@ class DecodeGraphs:
                 b, w = key
                 self.wide[b : 2 * b].fill_(-1)  # the warm-up runs write no cache slot
                 if self.pad_page is not None:  # nor any page but the scratch page
-                    self.narrow[2 * b : b * (2 + w)].fill_(self.pad_page)
+                    self.narrow[3 * b : b * (3 + w)].fill_(self.pad_page)
                 widest = (b, self.widths[-1])
                 forward = self._forward if w == widest[1] else self._into(widest)
                 graph, outs = self._capture_one(forward, key, pool)
@@ -182,7 +195,15 @@ class DecodeGraphs:
                     self.mtp_graphs[key], self.mtp_out[key] = self._capture_one(self._mtp_forward, key, pool)
             torch.cuda.synchronize()
         except Exception as e:  # capture errors come from any op or from torch itself
-            for outputs in (self.graphs, self.logits, self.greedy, self.hidden, self.mtp_graphs, self.mtp_out):
+            for outputs in (
+                self.graphs,
+                self.logits,
+                self.greedy,
+                self.hidden,
+                self.rows,
+                self.mtp_graphs,
+                self.mtp_out,
+            ):
                 outputs.clear()
             warnings.warn(f"CUDA graph capture of the decode step failed, decoding eagerly: {e}", stacklevel=2)
             return False
@@ -209,26 +230,25 @@ class DecodeGraphs:
         """Replays the smallest bucket that holds ``n = len(input_ids)`` rows; returns their logits ``[n, V]`` and
         greedy tokens ``[n]``, views of the graph's outputs until its next replay. ``pending``: ``(rows, tokens)``,
         input ids already on the device, written over ``input_ids[rows]``; ``shift [n]``: positions each row moves
-        on, known on the device only (``shift_decode_rows``). The width replayed is the narrowest captured that holds
-        the longest of ``block_tables``."""
+        on, known on the device only (``shift_decode_rows``; only where ``shifts``). The width replayed is the
+        narrowest captured that holds the longest of ``block_tables``."""
         n = len(input_ids)
         key = self._load(input_ids, positions, slot_mapping, block_tables, seq_lens)
         if pending is not None:
             self.wide.index_copy_(0, *pending)
         if shift is not None:
-            shift_decode_rows(self._shifted(key), shift, self.block_size)
+            self._shift_in(key[0], shift)
         self.graphs[key].replay()
         self.last = key
         if n == key[0]:
             return self.logits[key], self.greedy[key]
         return self.logits[key][:n], self.greedy[key][:n]
 
-    def _shifted(self, key: tuple[int, int]) -> ForwardBatch:
-        """``batch(*key)``, made once: the views ``shift_decode_rows`` moves on in place (never handed to a forward,
-        whose derived tensors ``ForwardBatch`` keeps)."""
-        if key not in self._shift_views:
-            self._shift_views[key] = self.batch(*key)
-        return self._shift_views[key]
+    def _shift_in(self, b: int, shift: torch.Tensor) -> None:
+        """Copies ``shift [n]`` in for the first ``n`` rows of bucket ``b`` (``_load`` zeroed every row's)."""
+        if not self.shifts:
+            raise RuntimeError("a shift for decode graphs captured without launch_ahead, which never move rows on")
+        self._shift(b)[: shift.shape[0]].copy_(shift)
 
     def _load(
         self,
@@ -250,10 +270,10 @@ class DecodeGraphs:
         wide = torch.empty(2 * b, dtype=torch.int64, pin_memory=pin)
         w = wide.numpy()
         w[:n], w[n:b], w[b : b + n], w[b + n :] = input_ids, 0, slot_mapping, -1
-        narrow = torch.empty(b * (2 + width), dtype=torch.int32, pin_memory=pin)
+        narrow = torch.empty(b * (3 + width), dtype=torch.int32, pin_memory=pin)
         a = narrow.numpy()
-        a[:n], a[n:b], a[b : b + n], a[b + n : 2 * b] = positions, 0, seq_lens, 0
-        table = a[2 * b :].reshape(b, width)
+        a[:n], a[n:b], a[b : b + n], a[b + n : 3 * b] = positions, 0, seq_lens, 0
+        table = a[3 * b :].reshape(b, width)
         table[:n, :longest] = [t + [0] * (longest - len(t)) for t in block_tables]
         table[:n, longest:] = 0
         table[n:] = 0 if self.pad_page is None else self.pad_page
@@ -276,7 +296,7 @@ class DecodeGraphs:
         n = next_ids.shape[0]
         key = self.last if rows is None else self._load([0] * n, **rows)
         if rows is not None and shift is not None:
-            shift_decode_rows(self._shifted(key), shift, self.block_size)
+            self._shift_in(key[0], shift)
         self.mtp_in[:n].copy_(hidden)
         self.mtp_ids[:n].copy_(next_ids)
         if n < key[0]:
@@ -287,6 +307,6 @@ class DecodeGraphs:
         return tuple(t[:n] for t in self.mtp_out[key])
 
     def replayed(self) -> tuple[torch.Tensor, ForwardBatch]:
-        """The final normed states ``[b, H]`` of every row of the last replay, padding included, and its metadata
-        (views of the graph's buffers until its next replay)."""
-        return self.hidden[self.last], self.batch(*self.last)
+        """The final normed states ``[b, H]`` of every row of the last replay, padding included, and the metadata it
+        ran (the graph's tensors until its next replay)."""
+        return self.hidden[self.last], self.rows[self.last]

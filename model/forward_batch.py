@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -65,10 +66,27 @@ def shift_decode_rows(fb: ForwardBatch, shift: torch.Tensor, block_size: int, se
     positions = fb.positions[:n]
     positions += shift  # (in-place adds cast to the buffer's dtype in the same launch)
     fb.seq_lens[:n] += shift
+    offset, pages = _slot_parts(fb.block_table[:n], positions, block_size, seq_pages)
+    torch.add(offset, pages, alpha=block_size, out=fb.slot_mapping[:n])  # (in place: each op is a launch)
+
+
+def moved_decode_rows(fb: ForwardBatch, shift: torch.Tensor, block_size: int) -> ForwardBatch:
+    """``fb``, whose rows are all decode rows, with every row moved on by ``shift [num_decode]`` positions, out of
+    place: ``shift_decode_rows``' arithmetic on new tensors, where a CUDA graph replays it over its static inputs
+    (replayed again, it moves nothing twice). Rows that do not move (``shift`` 0, padding rows among them) keep
+    their slots."""
+    positions, seq_lens = fb.positions + shift, fb.seq_lens + shift
+    offset, pages = _slot_parts(fb.block_table, positions, block_size, 0)
+    slots = torch.where(shift != 0, torch.add(offset, pages, alpha=block_size), fb.slot_mapping)
+    return dataclasses.replace(fb, positions=positions, seq_lens=seq_lens, slot_mapping=slots, _made={})
+
+
+def _slot_parts(block_table: torch.Tensor, positions: torch.Tensor, block_size: int, seq_pages: int):
+    """The cache slot of each row at ``positions``, ``offset + block_size * page``, as ``(offset, page)`` in int64:
+    the page is entry ``seq_pages + position // block_size`` of the row's block table."""
     p = positions.long()
     page = p // block_size
     if seq_pages:
         page += seq_pages
-    pages = fb.block_table[:n].gather(1, page[:, None])[:, 0]
-    # slot = page * block_size + offset, in int64, written in place (each op here is a launch on the host's clock)
-    torch.add(p % block_size, pages, alpha=block_size, out=fb.slot_mapping[:n])
+    pages = block_table.gather(1, page[:, None])[:, 0]
+    return p % block_size, pages
