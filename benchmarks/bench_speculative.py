@@ -3,7 +3,7 @@ length at each batch size, greedy, on the embedded model (or ``--model``) with p
 library files.
 
     python benchmarks/bench_speculative.py [--backend cuda_sm100] [--batches 1,16,64] [--specs 1,1:ahead,3,3@0.5]
-        [--max-tokens 128] [--repeats 3] [--profile] [--json OUT.json]
+        [--max-tokens 128] [--repeats 3] [--alone N] [--profile] [--json OUT.json]
 
 Each spec is ``k[@threshold][/batch][:ahead]`` (``num_speculative_tokens``, ``confidence_threshold``,
 ``disable_by_batch_size``; ``:ahead``: ``launch_ahead``, each speculative step launched before the host has read the one
@@ -13,7 +13,9 @@ one warm-up; the table gives the median tokens per second, the speed-up over pla
 the mean accepted length, the share of steps launched before the previous one's results were read (``steps_ahead``;
 confidence scheduling reads the drafts and runs synchronously) and the share of requests whose tokens equal plain
 decoding's (in the default mode the logits' rounding depends on the rows a step runs, so a near-tie can differ; with
-``DEEPINFER_BATCH_INVARIANT=1`` every request is identical).
+``DEEPINFER_BATCH_INVARIANT=1`` every request is identical). Batch 1 runs the first prompt, or with ``--alone N`` the
+first ``N`` prompts, each alone in turn: how many drafts a request accepts depends on its text, and one prompt is a
+sample of one.
 
 ``--profile`` (GPU) runs each configuration once more under the profiler and adds what the device does: its busy time
 (the union of its kernels and copies) and its operations per engine step (and which of them a speculative step runs
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import random
@@ -86,6 +89,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--alone", type=int, default=1, help="batch 1 runs this many prompts, each alone in turn (default: the first)"
+    )
     ap.add_argument("--cut", type=int, help="serve a DeepSeek-V3-shaped FP8 cut of this many layers (see above)")
     ap.add_argument(
         "--oracle-drafts", type=float, help="drafts from plain decoding, each spoiled with this probability"
@@ -184,7 +190,7 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
             async_scheduling=c != "sync",
         )
         if prompts is None:
-            prompts = make_prompts(llm, max(batches), args.prompt_len)
+            prompts = make_prompts(llm, max(*batches, args.alone), args.prompt_len)
             print(f"{llm.backend} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
             if args.oracle_drafts is not None:
                 outs = llm.generate(prompts, sp)
@@ -192,20 +198,25 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
         if continuations is not None and spec_config(c) is not None:
             oracle_drafts(llm, continuations, args.oracle_drafts, seed=len(c))
         for b in batches:
-            llm.generate(prompts[:b], sp)  # warm-up: compilation, graphs, caches
+            group = prompts[: args.alone if b == 1 else b]
+            llm.generate(group[:b], sp)  # warm-up: compilation, graphs, caches
             rates, stats, ahead = [], {}, 0.0
             for _ in range(args.repeats):
                 steps0, ahead0 = llm.engine.stats["steps"], llm.engine.stats["steps_ahead"]
+                spec0 = dataclasses.replace(llm.engine.spec_stats) if spec is not None else None
                 start = time.perf_counter()
-                outs = llm.generate(prompts[:b], sp)
+                outs = [o for i in range(0, len(group), b) for o in llm.generate(group[i : i + b], sp)]
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
-                rates.append(b * args.max_tokens / (time.perf_counter() - start))
-                stats = llm.last_stats.get("speculative", {})
+                rates.append(len(group) * args.max_tokens / (time.perf_counter() - start))
+                if spec0 is not None:
+                    now = llm.engine.spec_stats
+                    fields = ("drafted", "accepted", "verifications")
+                    stats = type(now)(*(getattr(now, f) - getattr(spec0, f) for f in fields)).as_dict()
                 ahead = (llm.engine.stats["steps_ahead"] - ahead0) / (llm.engine.stats["steps"] - steps0)
             tokens = [o.outputs[0].token_ids for o in outs]
             rate = statistics.median(rates)
-            device = device_profile(llm, prompts[:b], sp) if args.profile else None
+            device = device_profile(llm, group[:b], sp) if args.profile else None
             if c == "0":
                 plain[b] = (tokens, rate, device)
             per_step = stats["drafted"] / stats["verifications"] if stats.get("verifications") else 0.0
@@ -218,7 +229,7 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                     "mean_accepted_length": stats.get("mean_accepted_length", 1.0),
                     "drafts_per_verification": per_step,
                     "steps_ahead": ahead,
-                    "same_tokens": sum(t == p for t, p in zip(tokens, plain[b][0])) / b,
+                    "same_tokens": sum(t == p for t, p in zip(tokens, plain[b][0])) / len(group),
                     "runs": rates,
                 }
             )
@@ -233,6 +244,7 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                         {
                             "model": name,
                             "max_tokens": args.max_tokens,
+                            "alone": args.alone,
                             "oracle_drafts": args.oracle_drafts,
                             "batch_invariant": deepinfer.batch_invariant_enabled(),
                             "rows": rows,
