@@ -19,7 +19,7 @@ sample of one.
 
 ``--profile`` (GPU) runs each configuration once more under the profiler and adds what the device does: its busy time
 (the union of its kernels and copies) and its operations per engine step (and which of them a speculative step runs
-more or fewer of than plain decoding's), and the host-hidden bound, plain decoding's
+more or fewer of than plain decoding's, and spends more or less time in), and the host-hidden bound, plain decoding's
 device time per generated token over this configuration's: the speed-up over plain decoding if the host kept the device
 busy in both, which no host or scheduling change can pass (against a plain decoding bound by its host, as the embedded
 model's is, the measured speed-up can exceed it). The profiled run includes the prompts' prefill, as the timed ones
@@ -124,22 +124,22 @@ def main() -> None:
                 f"| {row['batch']} | {row['spec']} | {d['busy_us_per_step'] / 1e3:.3f} ms | "
                 f"{d['operations_per_step']:.0f} | {row['host_hidden_bound']:.2f}x |"
             )
-        plain_ops = {r["batch"]: r["device"]["operations_by_name"] for r in rows if r["spec"] == "0" and "device" in r}
-        compared = [r for r in rows if r["spec"] != "0" and "device" in r and r["batch"] in plain_ops]
-        if compared:
-            print("\nDevice operations per step beyond plain decoding's, by kernel or copy (the largest differences):")
-        for row in sorted(compared, key=lambda r: (r["batch"], configs.index(r["spec"]))):
-            extra = extra_operations(row["device"], plain_ops[row["batch"]])
-            print(f"  batch {row['batch']}, {row['spec']}: {extra}")
+        plain = {r["batch"]: r["device"] for r in rows if r["spec"] == "0" and "device" in r}
+        compared = [r for r in rows if r["spec"] != "0" and "device" in r and r["batch"] in plain]
+        for what, key, unit in (("operations", "operations_by_name", ""), ("time", "us_by_name", " us")):
+            if compared:
+                print(f"\nDevice {what} per step beyond plain decoding's, by kernel or copy (the largest differences):")
+            for row in sorted(compared, key=lambda r: (r["batch"], configs.index(r["spec"]))):
+                extra = extra_operations(row["device"][key], plain[row["batch"]][key], unit)
+                print(f"  batch {row['batch']}, {row['spec']}: {extra}")
 
 
-def extra_operations(device: dict, plain: dict, top: int = 12) -> str:
-    """The ``top`` largest differences in operations per step between ``device`` and plain decoding's ``plain``
-    (``operations_by_name``), as ``name +n`` (or ``-n``)."""
-    ops = device["operations_by_name"]
-    diff = {name: ops.get(name, 0.0) - plain.get(name, 0.0) for name in ops.keys() | plain.keys()}
+def extra_operations(device: dict, plain: dict, unit: str = "", top: int = 12) -> str:
+    """The ``top`` largest differences per step between ``device`` and plain decoding's ``plain`` (operations or
+    time by name), as ``name +n`` (or ``-n``)."""
+    diff = {name: device.get(name, 0.0) - plain.get(name, 0.0) for name in device.keys() | plain.keys()}
     largest = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]
-    return ", ".join(f"{name[:48]} {n:+.1f}" for name, n in largest if abs(n) >= 0.5)
+    return ", ".join(f"{name[:48]} {n:+.1f}{unit}" for name, n in largest if abs(n) >= 0.5)
 
 
 def write_cut(path: Path, layers: int, backend: str | None) -> Path:
@@ -261,7 +261,7 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
 
 def device_profile(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:
     """One more ``generate`` under the profiler: the device's busy time (``bench_model.device_timeline``) and its
-    operations (kernels and copies), per engine step and per generated token, in all and by name."""
+    operations (kernels and copies) and their time, per engine step and per generated token, in all and by name."""
     from bench_model import device_timeline
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -272,7 +272,11 @@ def device_profile(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> di
         torch.cuda.synchronize()
     steps = llm.engine.stats["steps"] - steps0
     line = device_timeline(prof, steps)
-    names = Counter(e.name() for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
+    events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA]
+    names = Counter(e.name() for e in events)
+    time_ns: Counter = Counter()
+    for e in events:
+        time_ns[e.name()] += e.duration_ns()
     tokens = len(prompts) * sp.max_tokens
     return {
         "steps": steps,
@@ -280,6 +284,7 @@ def device_profile(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> di
         "operations_per_step": names.total() / steps,
         "busy_us_per_token": line["busy_us_per_step"] * steps / tokens,
         "operations_by_name": {name: n / steps for name, n in names.most_common()},
+        "us_by_name": {name: t / 1e3 / steps for name, t in time_ns.most_common()},
     }
 
 
