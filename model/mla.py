@@ -89,7 +89,7 @@ class MLAttention:
         """The tokens' latent ``[c | k_pe]`` into the paged cache at ``batch.slot_mapping``."""
         w = self.w
         kv = linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
-        c = ops.rms_norm(kv[:, : self.rank].contiguous(), w["kv_a_layernorm.weight"], self.eps)[0]
+        c = ops.rms_norm(kv[:, : self.rank], w["kv_a_layernorm.weight"], self.eps)[0]
         k_pe = ops.rope(kv[:, None, self.rank :], batch.positions, self.cos_sin_cache, self.interleaved)
         latent = torch.cat([c, k_pe[:, 0]], dim=-1)
         ops.write_kv_cache(latent, kv_cache, batch.slot_mapping, kv_lora_rank=self.rank)

@@ -20,6 +20,7 @@ from . import probe
 def rms_norm_fused(x, w, eps, residual) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm`` through ``npu_rms_norm`` (no residual) or ``npu_add_rms_norm``."""
     npu = probe.torch_npu()
+    x = x.contiguous()  # (the operators' docs name no strides)
     if residual is None:
         return npu.npu_rms_norm(x, w, epsilon=eps)[0], x
     y, _, h = npu.npu_add_rms_norm(x, residual, w, epsilon=eps)

@@ -13,12 +13,12 @@ from ._triton import PDL, cast, next_pow2, pdl_wait, placed
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, H, x_stride, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    h = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         h = h + tl.load(res_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
         h = cast(h, h_ptr.dtype.element_ty)  # the residual stream is kept in x's dtype
@@ -31,9 +31,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, H, eps, HAS_RES: tl.co
 
 def rms_norm(x, w, eps, residual):
     hidden = x.shape[-1]
-    x2 = x.reshape(x.shape[:-1].numel(), hidden).contiguous()  # not -1: rows of no values are still rows
-    y = torch.empty_like(x2)
-    h = torch.empty_like(x2) if residual is not None else x2
+    x2 = x.reshape(x.shape[:-1].numel(), hidden)  # not -1: rows of no values are still rows
+    if x2.stride(-1) != 1:  # rows read at their own stride: a slice of wider rows is not copied
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(y) if residual is not None else x2
     res = residual.reshape(x2.shape).contiguous() if residual is not None else x2
     if x2.numel():
         _rms_norm_kernel[(x2.shape[0],)](
@@ -43,6 +45,7 @@ def rms_norm(x, w, eps, residual):
             y,
             h,
             hidden,
+            x2.stride(0),
             eps,
             HAS_RES=residual is not None,
             BLOCK=next_pow2(hidden),

@@ -7,16 +7,20 @@ import torch
 from .cases import BadInput, Case, Gen, rows_of, take_rows
 
 
-def _case(tokens: int, hidden: int, residual: bool, dtype=torch.bfloat16) -> Case:
+def _case(tokens: int, hidden: int, residual: bool, dtype=torch.bfloat16, gap: int = 0) -> Case:
+    """``gap`` > 0: x's rows are the first ``hidden`` columns of rows ``hidden + gap`` wide (a view, as MLA's latent
+    is of its projection)."""
+
     def make(g: Gen):
         return {
-            "x": g.randn(tokens, hidden, dtype=dtype, scale=3.0),
+            "x": g.randn(tokens, hidden + gap, dtype=dtype, scale=3.0)[:, :hidden],
             "w": g.randn(hidden, dtype=dtype),
             "eps": 1e-6,
             "residual": g.randn(tokens, hidden, dtype=dtype) if residual else None,
         }
 
     name = f"T={tokens} H={hidden} {'residual' if residual else 'plain'} {str(dtype).removeprefix('torch.')}"
+    name += f" rows of {hidden + gap}" if gap else ""
     return Case(
         "rms_norm",
         name,
@@ -54,6 +58,8 @@ def cases(shapes: str) -> list[Case]:
             _case(64, 512, True),
             _case(0, 64, True),
             _case(5, 64, True, torch.float32),
+            _case(7, 96, False, gap=32),
+            _case(6, 64, True, gap=16),
             _case(3, 0, True),
             _layer_norm_case(9, 128),
             _layer_norm_case(3, 40, torch.float32),
@@ -61,6 +67,7 @@ def cases(shapes: str) -> list[Case]:
             _layer_norm_case(3, 0),
         ]
     out = [_case(t, h, r) for t in (1, 128, 8192) for h in (7168, 1536, 512) for r in (False, True)]
+    out += [_case(t, 512, False, gap=64) for t in (4, 8192)]  # MLA's latent: 512 of the 576 columns projected
     return out + [_layer_norm_case(t, 128) for t in (1, 64, 8192)]
 
 
