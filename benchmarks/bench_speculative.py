@@ -10,12 +10,14 @@ Each spec is ``k[@threshold][/batch][:ahead]`` (``num_speculative_tokens``, ``co
 before, which otherwise it waits for), or ``sync``: plain decoding without asynchronous scheduling (what the overlap of
 host and device is worth). For every batch size, each configuration generates the same prompts ``--repeats`` times after
 one warm-up; the table gives the median tokens per second, the speed-up over plain decoding measured in the same run,
-the mean accepted length, the share of steps launched before the previous one's results were read (``steps_ahead``;
-confidence scheduling reads the drafts and runs synchronously) and the share of requests whose tokens equal plain
-decoding's (in the default mode the logits' rounding depends on the rows a step runs, so a near-tie can differ; with
-``DEEPINFER_BATCH_INVARIANT=1`` every request is identical). Batch 1 runs the first prompt, or with ``--alone N`` the
-first ``N`` prompts, each alone in turn: how many drafts a request accepts depends on its text, and one prompt is a
-sample of one.
+the time to the first token (the same requests run to one token, ``--repeats`` times: the prompts' prefill, with
+the MTP layer's pass over the prompt under speculation) and the decode rate after it (the other tokens over the rest
+of the time) with its speed-up, the mean accepted length, the share of steps launched before the previous one's
+results were read (``steps_ahead``; confidence scheduling reads the drafts and runs synchronously) and the share of
+requests whose tokens equal plain decoding's (in the default mode the logits' rounding depends on the rows a step
+runs, so a near-tie can differ; with ``DEEPINFER_BATCH_INVARIANT=1`` every request is identical). Batch 1 runs the
+first prompt, or with ``--alone N`` the first ``N`` prompts, each alone in turn: how many drafts a request accepts
+depends on its text, and one prompt is a sample of one.
 
 ``--profile`` (GPU) runs each configuration once more under the profiler and adds what the device does: its busy time
 (the union of its kernels and copies) and its operations per engine step (and which of them a speculative step runs
@@ -107,11 +109,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="deepinfer-spec-") as tmp, invariant:
         model = write_cut(Path(tmp), args.cut, args.backend) if args.cut else args.model or default_checkpoint()
         rows = measure(args, model, batches, configs)
-    print("| batch | spec | tokens/s | vs plain | mean accepted length | drafts / verification | steps ahead | same |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| batch | spec | tokens/s | vs plain | first token | decode tokens/s | vs plain | mean accepted length | "
+        "drafts / verification | steps ahead | same |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in sorted(rows, key=lambda r: (r["batch"], configs.index(r["spec"]))):
         print(
             f"| {row['batch']} | {row['spec']} | {row['tokens_per_s']:.0f} | {row['speedup']:.2f}x | "
+            f"{row['first_token_ms']:.1f} ms | {row['decode_tokens_per_s']:.0f} | {row['decode_speedup']:.2f}x | "
             f"{row['mean_accepted_length']:.2f} | {row['drafts_per_verification']:.2f} | "
             f"{100 * row['steps_ahead']:.0f}% | {100 * row['same_tokens']:.0f}% |"
         )
@@ -173,6 +179,7 @@ def oracle_drafts(llm: LLM, plain: dict[tuple, list[int]], spoil: float, seed: i
 def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> list[dict]:
     """Every configuration at every batch size, one configuration loaded at a time (plain decoding first)."""
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows: list[dict] = []
     plain: dict[int, tuple] = {}  # batch -> (tokens, tokens per second) of plain decoding
     prompts, continuations = None, None
@@ -216,9 +223,20 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                 ahead = (llm.engine.stats["steps_ahead"] - ahead0) / (llm.engine.stats["steps"] - steps0)
             tokens = [o.outputs[0].token_ids for o in outs]
             rate = statistics.median(rates)
+            # the same requests to their first token only: the prompts' prefill (and the MTP layer's pass over them)
+            firsts = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                for i in range(0, len(group), b):
+                    llm.generate(group[i : i + b], first_only)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                firsts.append(time.perf_counter() - start)
+            first = statistics.median(firsts)
+            decode = len(group) * (args.max_tokens - 1) / (len(group) * args.max_tokens / rate - first)
             device = device_profile(llm, group[:b], sp) if args.profile else None
             if c == "0":
-                plain[b] = (tokens, rate, device)
+                plain[b] = (tokens, rate, device, decode)
             per_step = stats["drafted"] / stats["verifications"] if stats.get("verifications") else 0.0
             rows.append(
                 {
@@ -226,6 +244,9 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                     "spec": c,
                     "tokens_per_s": rate,
                     "speedup": rate / plain[b][1],
+                    "first_token_ms": 1e3 * first / (len(group) // b),
+                    "decode_tokens_per_s": decode,
+                    "decode_speedup": decode / plain[b][3],
                     "mean_accepted_length": stats.get("mean_accepted_length", 1.0),
                     "drafts_per_verification": per_step,
                     "steps_ahead": ahead,
