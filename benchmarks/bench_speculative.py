@@ -3,7 +3,7 @@ length at each batch size, greedy, on the embedded model (or ``--model``) with p
 library files.
 
     python benchmarks/bench_speculative.py [--backend cuda_sm100] [--batches 1,16,64] [--specs 1,1:ahead,3,3@0.5]
-        [--max-tokens 128] [--repeats 3] [--alone N] [--profile] [--json OUT.json]
+        [--max-tokens 128] [--repeats 3] [--alone N] [--step-times] [--profile] [--json OUT.json]
 
 Each spec is ``k[@threshold][/batch][:ahead]`` (``num_speculative_tokens``, ``confidence_threshold``,
 ``disable_by_batch_size``; ``:ahead``: ``launch_ahead``, each speculative step launched before the host has read the one
@@ -18,6 +18,11 @@ requests whose tokens equal plain decoding's (in the default mode the logits' ro
 runs, so a near-tie can differ; with ``DEEPINFER_BATCH_INVARIANT=1`` every request is identical). Batch 1 runs the
 first prompt, or with ``--alone N`` the first ``N`` prompts, each alone in turn: how many drafts a request accepts
 depends on its text, and one prompt is a sample of one.
+
+``--step-times`` runs each configuration's requests once more with every engine step timed (one ``generate`` call
+per batch, or per request with ``--alone``): the first step of a call, which prefills its prompts, the median of the
+others and how much of it they spend blocked on the device (near 0 where the host sets the pace), steps per call, and
+the time a call spends outside any step.
 
 ``--profile`` (GPU) runs each configuration once more under the profiler and adds what the device does: its busy time
 (the union of its kernels and copies) and its operations per engine step (and which of them a speculative step runs
@@ -99,6 +104,7 @@ def main() -> None:
         "--oracle-drafts", type=float, help="drafts from plain decoding, each spoiled with this probability"
     )
     ap.add_argument("--profile", action="store_true", help="device busy time per step and the host-hidden bound (GPU)")
+    ap.add_argument("--step-times", action="store_true", help="where a request's time goes, step by step")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.profile and not torch.cuda.is_available():
@@ -121,6 +127,18 @@ def main() -> None:
             f"{row['mean_accepted_length']:.2f} | {row['drafts_per_verification']:.2f} | "
             f"{100 * row['steps_ahead']:.0f}% | {100 * row['same_tokens']:.0f}% |"
         )
+    if any("step_times" in row for row in rows):
+        print(
+            "\n| batch | spec | first step | other steps (median) | of it waiting for the device | steps per call | "
+            "outside the steps, per call |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for row in sorted(rows, key=lambda r: (r["batch"], configs.index(r["spec"]))):
+            t = row["step_times"]
+            print(
+                f"| {row['batch']} | {row['spec']} | {t['first_step_ms']:.2f} ms | {t['step_ms']:.3f} ms | "
+                f"{t['wait_ms']:.3f} ms | {t['steps_per_request']:.1f} | {t['outside_ms']:.2f} ms |"
+            )
     if any("device" in row for row in rows):
         print("\n| batch | spec | device busy per step | device operations per step | host-hidden bound |")
         print("|---|---|---|---|---|")
@@ -235,6 +253,7 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
             first = statistics.median(firsts)
             decode = len(group) * (args.max_tokens - 1) / (len(group) * args.max_tokens / rate - first)
             device = device_profile(llm, group[:b], sp) if args.profile else None
+            steps = step_times(llm, group, b, sp) if args.step_times else None
             if c == "0":
                 plain[b] = (tokens, rate, device, decode)
             per_step = stats["drafted"] / stats["verifications"] if stats.get("verifications") else 0.0
@@ -254,6 +273,8 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                     "runs": rates,
                 }
             )
+            if steps is not None:
+                rows[-1]["step_times"] = steps
             if device is not None:
                 rows[-1]["device"] = device
                 rows[-1]["host_hidden_bound"] = plain[b][2]["busy_us_per_token"] / device["busy_us_per_token"]
@@ -278,6 +299,56 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
+
+
+def step_times(llm: LLM, group: list[list[int]], b: int, sp: SamplingParams) -> dict:
+    """One more run of ``group`` (``b`` requests a call) with every engine step timed: the first step of each call
+    (it prefills the prompts), the median of the others and the median time they block on the device (reading a
+    step's results, ``LaunchedStep.result``: near 0 where the host sets the pace), steps per call, and the time a
+    call spends outside any step."""
+    from deepinfer.model.model_runner import LaunchedStep
+
+    engine, result = llm.engine, LaunchedStep.result
+    walls, waits, blocked = [], [], [0.0]
+
+    def timed_result(self):
+        start = time.perf_counter()
+        try:
+            return result(self)
+        finally:
+            blocked[0] += time.perf_counter() - start
+
+    def timed_step():
+        blocked[0], start = 0.0, time.perf_counter()
+        out = engine_step(engine)
+        walls.append(time.perf_counter() - start)
+        waits.append(blocked[0])
+        return out
+
+    firsts = []
+    engine_step = type(engine).step
+    engine.step, LaunchedStep.result = timed_step, timed_result
+    start = time.perf_counter()
+    try:
+        for i in range(0, len(group), b):
+            firsts.append(len(walls))
+            llm.generate(group[i : i + b], sp)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    finally:
+        del engine.step
+        LaunchedStep.result = result
+    total = time.perf_counter() - start
+    calls = len(firsts)
+    others = [i for i in range(len(walls)) if i not in set(firsts)]
+    return {
+        "first_step_ms": 1e3 * statistics.median(walls[i] for i in firsts),
+        "step_ms": 1e3 * statistics.median(walls[i] for i in others) if others else 0.0,
+        "wait_ms": 1e3 * statistics.median(waits[i] for i in others) if others else 0.0,
+        "steps_per_request": len(walls) / calls,
+        "outside_ms": 1e3 * (total - sum(walls)) / calls,
+        "walls_ms": [1e3 * w for w in walls],
+    }
 
 
 def device_profile(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:

@@ -24,8 +24,8 @@
 #                DISTILL minutes (default 2.3; with the evaluations near one call's limit) of the MTP layer alone
 #                trained to the model's own next-next token (train_embedded.py --distill-minutes), into $DEEP_DIR
 #                (default /tmp/deepinfer-deep), which outlives the call while the machine stays warm;
-#   speculative-deep-bench  then, in the next call on that machine, bench_speculative.py on it with --profile, batch 1
-#                over the first 8 prompts, each alone (--alone 8)
+#   speculative-deep-bench  then, in the next call on that machine, bench_speculative.py on it with --step-times and
+#                --profile, batch 1 over the first 8 prompts, each alone (--alone 8)
 #   speculative-cut  bench_speculative.py on a DeepSeek-V3-shaped FP8 cut (2 layers and an MTP layer: a step bound by its
 #                weights) with drafts from plain decoding spoiled at 20%, batch 1, 16 and 64 ($OUT/speculative_cut.json)
 #   structured   benchmarks/bench_structured_output.py at batch 64: compile, mask fill and apply against a step
@@ -114,7 +114,7 @@ case ${1:-} in
     cp "$DEEP_DIR/training.json" "$OUT/" ;;
   speculative-deep-bench)
     [ -f "${DEEP_DIR:=/tmp/deepinfer-deep}/bf16/model.safetensors" ] || { echo "no trained model in $DEEP_DIR"; exit 1; }
-    bench_deep "$DEEP_DIR" 540 --alone 8 --profile ;;
+    bench_deep "$DEEP_DIR" 540 --alone 8 --step-times --profile ;;
   serving-check)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_caching.py --deepinfer-backend cuda_sm100 \
       --tb=short 2>&1 | tail -8
