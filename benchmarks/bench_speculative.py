@@ -115,39 +115,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="deepinfer-spec-") as tmp, invariant:
         model = write_cut(Path(tmp), args.cut, args.backend) if args.cut else args.model or default_checkpoint()
         rows = measure(args, model, batches, configs)
-    print(
-        "| batch | spec | tokens/s | vs plain | first token | decode tokens/s | vs plain | mean accepted length | "
-        "drafts / verification | steps ahead | same |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in sorted(rows, key=lambda r: (r["batch"], configs.index(r["spec"]))):
-        print(
-            f"| {row['batch']} | {row['spec']} | {row['tokens_per_s']:.0f} | {row['speedup']:.2f}x | "
-            f"{row['first_token_ms']:.1f} ms | {row['decode_tokens_per_s']:.0f} | {row['decode_speedup']:.2f}x | "
-            f"{row['mean_accepted_length']:.2f} | {row['drafts_per_verification']:.2f} | "
-            f"{100 * row['steps_ahead']:.0f}% | {100 * row['same_tokens']:.0f}% |"
-        )
+    head = ["tokens/s", "vs plain", "first token", "decode tokens/s", "vs plain", "mean accepted length"]
+    table(rows, configs, [*head, "drafts / verification", "steps ahead", "same"], lambda row: [
+        f"{row['tokens_per_s']:.0f}", f"{row['speedup']:.2f}x", f"{row['first_token_ms']:.1f} ms",
+        f"{row['decode_tokens_per_s']:.0f}", f"{row['decode_speedup']:.2f}x", f"{row['mean_accepted_length']:.2f}",
+        f"{row['drafts_per_verification']:.2f}", f"{100 * row['steps_ahead']:.0f}%", f"{100 * row['same_tokens']:.0f}%",
+    ])  # fmt: skip
     if any("step_times" in row for row in rows):
-        print(
-            "\n| batch | spec | first step | other steps (median) | of it waiting for the device | steps per call | "
-            "outside the steps, per call |"
-        )
-        print("|---|---|---|---|---|---|---|")
-        for row in sorted(rows, key=lambda r: (r["batch"], configs.index(r["spec"]))):
-            t = row["step_times"]
-            print(
-                f"| {row['batch']} | {row['spec']} | {t['first_step_ms']:.2f} ms | {t['step_ms']:.3f} ms | "
-                f"{t['wait_ms']:.3f} ms | {t['steps_per_request']:.1f} | {t['outside_ms']:.2f} ms |"
-            )
+        head = ["first step", "other steps (median)", "of it waiting for the device", "steps per call"]
+        table(rows, configs, [*head, "outside the steps, per call"], lambda row: [
+            f"{row['step_times']['first_step_ms']:.2f} ms", f"{row['step_times']['step_ms']:.3f} ms",
+            f"{row['step_times']['wait_ms']:.3f} ms", f"{row['step_times']['steps_per_call']:.1f}",
+            f"{row['step_times']['outside_ms']:.2f} ms",
+        ])  # fmt: skip
     if any("device" in row for row in rows):
-        print("\n| batch | spec | device busy per step | device operations per step | host-hidden bound |")
-        print("|---|---|---|---|---|")
-        for row in sorted(rows, key=lambda r: (r["batch"], configs.index(r["spec"]))):
-            d = row["device"]
-            print(
-                f"| {row['batch']} | {row['spec']} | {d['busy_us_per_step'] / 1e3:.3f} ms | "
-                f"{d['operations_per_step']:.0f} | {row['host_hidden_bound']:.2f}x |"
-            )
+        head = ["device busy per step", "device operations per step", "host-hidden bound"]
+        table(rows, configs, head, lambda row: [
+            f"{row['device']['busy_us_per_step'] / 1e3:.3f} ms", f"{row['device']['operations_per_step']:.0f}",
+            f"{row['host_hidden_bound']:.2f}x",
+        ])  # fmt: skip
         plain = {r["batch"]: r["device"] for r in rows if r["spec"] == "0" and "device" in r}
         compared = [r for r in rows if r["spec"] != "0" and "device" in r and r["batch"] in plain]
         for what, key, unit in (("operations", "operations_by_name", ""), ("time", "us_by_name", " us")):
@@ -156,6 +142,15 @@ def main() -> None:
             for row in sorted(compared, key=lambda r: (r["batch"], configs.index(r["spec"]))):
                 extra = extra_operations(row["device"][key], plain[row["batch"]][key], unit)
                 print(f"  batch {row['batch']}, {row['spec']}: {extra}")
+
+
+def table(rows: list[dict], configs: list[str], head: list[str], cells) -> None:
+    """A markdown table of ``rows`` by batch size, then configuration: columns ``head`` after those two, ``cells(row)``
+    their values; blank line before it."""
+    print("\n| batch | spec | " + " | ".join(head) + " |")
+    print("|---" * (len(head) + 2) + "|")
+    for row in sorted(rows, key=lambda r: (r["batch"], configs.index(r["spec"]))):
+        print(f"| {row['batch']} | {row['spec']} | " + " | ".join(cells(row)) + " |")
 
 
 def extra_operations(device: dict, plain: dict, unit: str = "", top: int = 12) -> str:
@@ -345,7 +340,7 @@ def step_times(llm: LLM, group: list[list[int]], b: int, sp: SamplingParams) -> 
         "first_step_ms": 1e3 * statistics.median(walls[i] for i in firsts),
         "step_ms": 1e3 * statistics.median(walls[i] for i in others) if others else 0.0,
         "wait_ms": 1e3 * statistics.median(waits[i] for i in others) if others else 0.0,
-        "steps_per_request": len(walls) / calls,
+        "steps_per_call": len(walls) / calls,
         "outside_ms": 1e3 * (total - sum(walls)) / calls,
         "walls_ms": [1e3 * w for w in walls],
     }
