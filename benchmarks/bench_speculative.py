@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--step-times", action="store_true", help="where a request's time goes, step by step")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.alone < 1:
+        ap.error(f"--alone {args.alone}: at least 1")
     if args.profile and not torch.cuda.is_available():
         ap.error("--profile times the device: it needs a GPU")
     batches = [int(b) for b in args.batches.split(",")]
@@ -246,7 +248,8 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                     torch.cuda.synchronize()
                 firsts.append(time.perf_counter() - start)
             first = statistics.median(firsts)
-            decode = len(group) * (args.max_tokens - 1) / (len(group) * args.max_tokens / rate - first)
+            rest = len(group) * args.max_tokens / rate - first  # (not positive: too short a run to tell)
+            decode = len(group) * (args.max_tokens - 1) / rest if rest > 0 else float("nan")
             device = device_profile(llm, group[:b], sp) if args.profile else None
             steps = step_times(llm, group, b, sp) if args.step_times else None
             if c == "0":
@@ -276,7 +279,10 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
             print(f"  {c} at batch {b}: {rate:.0f} tokens/s", flush=True)
             if args.json:
                 with open(args.json, "w") as f:
-                    name = f"DeepSeek-V3-shaped cut of {args.cut} layers" if args.cut else args.model or EMBEDDED
+                    name = f"DeepSeek-V3-shaped cut of {args.cut} layers" if args.cut else EMBEDDED
+                    if args.model:  # (its name and shape, not where it lies on this machine)
+                        cfg = llm.config
+                        name = f"{Path(args.model).name}: {cfg.model_type}, {cfg.num_hidden_layers} layers"
                     json.dump(
                         {
                             "model": name,

@@ -3,7 +3,10 @@
 One graph per batch bucket (1, 2, 4, 8, then multiples of 16 up to ``max_batch``) is captured over static input
 buffers; a decode step of ``n`` sequences packs its inputs for the smallest bucket ``>= n`` on the host and copies
 them in with two transfers (int64 and int32 fields), copies in on the device the tokens that the previous step is
-still sampling (asynchronous scheduling, ``engine.py``), then replays the graph. Padding rows have ``seq_len`` 0
+still sampling (asynchronous scheduling, ``engine.py``), then replays the graph. With speculative steps launched
+ahead (``launch_ahead``) the graphs also move each row on by a shift a step copies in on the device (the drafts the
+step in flight accepts; zero otherwise), computing positions, lengths and slots from the static inputs inside the
+graph (``forward_batch.moved_decode_rows``). Padding rows have ``seq_len`` 0
 (``mla_decode`` returns zeros for them), slot -1 (``write_kv_cache`` skips them) and token 0; their logits are
 dropped. The captured forward dispatches experts in ``low_latency`` mode (fixed capacity, no host synchronisation)
 and computes the logits of every row and their greedy tokens (``greedy.py``); other sampling stays outside the
@@ -28,6 +31,7 @@ not captured with speculative decoding.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -308,5 +312,6 @@ class DecodeGraphs:
 
     def replayed(self) -> tuple[torch.Tensor, ForwardBatch]:
         """The final normed states ``[b, H]`` of every row of the last replay, padding included, and the metadata it
-        ran (the graph's tensors until its next replay)."""
-        return self.hidden[self.last], self.rows[self.last]
+        ran: tensors of the graphs' shared memory pool, valid until the next replay of any graph."""
+        rows = self.rows[self.last]
+        return self.hidden[self.last], dataclasses.replace(rows, _made=dict(rows._made))  # (a caller's own cache)

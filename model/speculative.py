@@ -31,11 +31,12 @@ scheduling (``engine.py``) a step is then launched before the host reads the one
 know how many drafts that step accepts, only how many it verifies. Everything that
 depends on it is computed on the device: per sequence the accepted count (``accepted_from``), then the next step's
 input token (the correction or bonus token), first draft and MTP state (taken from the accepted row), its positions,
-cache slots and sequence lengths (the host's, moved on by the count: ``forward_batch.shift_decode_rows``) and its
-sampling seeds (``sampling_params.step_seeds``); the chained drafts stay on the device as the verification rows'
-input ids. The scheduler gives each such sequence pages for every draft in flight being accepted
-(``Sequence.drafts_in_flight``), and a sequence that could end by length in the step in flight waits for it. The
-host learns what was accepted one step later, when it reads the step's tokens.
+cache slots and sequence lengths (the host's, moved on by the count: ``forward_batch.shift_decode_rows``, inside
+the decode graphs ``moved_decode_rows``) and its sampling seeds (``sampling_params.step_seeds``); the chained
+drafts stay on the device as the verification rows' input ids. The scheduler gives each such sequence pages for
+every draft in flight being accepted (``Sequence.drafts_in_flight``), and a sequence that could end by length in
+the step in flight waits for it. The host learns what was accepted one step later, when it reads the step's
+tokens.
 
 Confidence scheduling (``confidence_threshold``): a sequence verifies its drafts up to the first one the MTP layer
 gives a probability below the threshold, at most ``num_speculative_tokens``; 0 (the default) is fixed-``k``
