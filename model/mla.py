@@ -96,16 +96,12 @@ class MLAttention:
 
     def _decode(self, q_nope, q_pe, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         per_head, dtype = batch.rows_per_head(self.heads, batch.num_decode), q_nope.dtype
-        q_lat = ops.grouped_gemm(
-            q_nope.transpose(0, 1).contiguous(), self.w["w_uk"], masked_m=per_head, out_dtype=dtype
-        )
+        q_lat = ops.grouped_gemm(q_nope.transpose(0, 1), self.w["w_uk"], masked_m=per_head, out_dtype=dtype)
         q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1).unsqueeze(1)  # [b, 1, H, r + rope]
         o_lat, _ = ops.mla_decode(
             q, kv_cache, batch.block_table, batch.seq_lens, softmax_scale=self.softmax_scale, kv_lora_rank=self.rank
         )
-        o = ops.grouped_gemm(
-            o_lat[:, 0].transpose(0, 1).contiguous(), self.w["w_uv"], masked_m=per_head, out_dtype=dtype
-        )
+        o = ops.grouped_gemm(o_lat[:, 0].transpose(0, 1), self.w["w_uv"], masked_m=per_head, out_dtype=dtype)
         return o.transpose(0, 1)  # [b, H, v]
 
     def _prefill(self, q, batch: ForwardBatch, kv_cache) -> torch.Tensor:

@@ -393,7 +393,11 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, kernel: str | Non
     out = torch.empty(*a_data.shape[:-1], n, dtype=out_dtype, device=a_data.device)
     if rows == 0 or n == 0:
         return out
-    a2 = a_data.reshape(rows, k).contiguous()
+    # decode rows (masked, bf16, few): a view whose experts or rows are strided (its K contiguous) is read in place,
+    # without TMA, rather than copied first; larger tiles keep the copy and TMA
+    in_place = kernel == "triton-decode" and not fp8 and a_data.stride(-1) == 1 and not a_data.is_contiguous()
+    a2 = a_data if in_place else a_data.reshape(rows, k).contiguous()
+    stride_am, stride_ae = (a2.stride(1), a2.stride(0)) if in_place else (a2.stride(0), a2.stride(0) * a_data.shape[1])
     b = (w.data if fp8 else w).contiguous().view(experts * n, k)
     dummy = out  # stands in for the pointer arguments a launch does not read
     a_scale = a.scale.reshape(rows, -1).contiguous() if fp8 else dummy
@@ -404,7 +408,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, kernel: str | Non
     block_m, block_n = tile.block_m, tile.block_n
     block_k = FP8_BLOCK if fp8 else tile.block_k
     assert not fp8 or FP8_BLOCK % block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
-    tma = tma_ready(a2, b)
+    tma = not in_place and tma_ready(a2, b)
     if masked:
         grid_m, offsets = experts * triton.cdiv(a_data.shape[1], block_m), dummy
     else:  # at most one partial tile per expert
@@ -422,7 +426,8 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, kernel: str | Non
         k,
         a_data.shape[1] if masked else 0,
         grid_m,
-        a2.stride(0),
+        stride_am,
+        stride_ae if masked else 0,
         b.stride(0),
         n,
         MASKED=masked,

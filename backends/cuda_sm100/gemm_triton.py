@@ -280,6 +280,7 @@ def _grouped_gemm_kernel(
     max_m,
     GRID_M,
     stride_am,
+    stride_ae,
     stride_bn,
     stride_cm,
     MASKED: tl.constexpr,
@@ -296,7 +297,9 @@ def _grouped_gemm_kernel(
     Masked: M tile e * tiles_per_expert + t. Rows never cross experts. Programs walk ``GROUP_M`` M tiles (one
     expert's rows, mostly) down every column tile before the next ones, so those rows stay in L2 while the expert's
     weight streams past once (``tile_coords`` over ``GRID_M`` M tiles). Its prologue is ``_expert_rows``' with early
-    exits, kept inline until a GPU run shows the shared form compiles to the same speed."""
+    exits, kept inline until a GPU run shows the shared form compiles to the same speed. Masked, without TMA, expert
+    e's rows of A start ``stride_ae`` elements after expert e - 1's (``max_m * stride_am`` where A is contiguous; a
+    transposed view, e.g. heads of ``[tokens, heads, K]``, is read in place); C is always contiguous."""
     pdl_wait()
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if MASKED:
@@ -324,13 +327,20 @@ def _grouped_gemm_kernel(
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m, mask_n = offs_m < row_end, offs_n < N
+    if MASKED and not TMA:  # A's rows from expert e's own start (C's and the scales' rows stay offs_m)
+        a_src = a_src + e.to(tl.int64) * stride_ae
+        a_first = first
+        a_offs = first + tl.arange(0, BLOCK_M)
+    else:
+        a_first = row0
+        a_offs = offs_m
     # B is read as [E * N, K]: expert e's rows start at e * N (a tile past N reads the next expert's rows, which
     # only feed columns that are never stored)
     b_first = e.to(tl.int64) * N + pid_n * BLOCK_N
     b_block = e.to(tl.int64) * tl.cdiv(N, BLOCK_K) + pid_n * BLOCK_N // BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = _load_tile(a_src, row0, offs_m, mask_m, stride_am, k0, K, BLOCK_K, TMA)
+        a = _load_tile(a_src, a_first, a_offs, mask_m, stride_am, k0, K, BLOCK_K, TMA)
         b = _load_tile(b_src, b_first, b_first + tl.arange(0, BLOCK_N), mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         if FP8:
             part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)

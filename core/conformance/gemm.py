@@ -115,8 +115,13 @@ def _sub_contiguous(kw: dict, rows: list[int]):
     return {**take_rows(kw, ("a",), rows), "expert_offsets": offsets}, lambda o: rows_of(o, rows)
 
 
-def _grouped_case(experts: int, n: int, k: int, most: int, variant: str, layout: str, least: int = 0) -> Case:
-    """``least``: the fewest rows of each expert but the one with none (contiguous layout)."""
+def _grouped_case(
+    experts: int, n: int, k: int, most: int, variant: str, layout: str, least: int = 0, gap: int | None = None
+) -> Case:
+    """``least``: the fewest rows of each expert but the one with none (contiguous layout). ``gap`` (masked, bf16):
+    ``a`` is a view, expert e's rows the e-th of each row of a ``[max_m, E, K + gap]`` tensor, their first ``K``
+    columns: the heads of an attention layer's ``[tokens, heads, head_dim + rope]`` queries, as absorbed MLA reads
+    them."""
 
     def make(g: Gen):
         w = _weight(g, experts, n, k, fp8=variant.startswith("fp8"))
@@ -127,14 +132,17 @@ def _grouped_case(experts: int, n: int, k: int, most: int, variant: str, layout:
             return {"a": _act(g, sum(counts), k, variant=act), "w": w, "expert_offsets": offsets}
         masked = g.ints(0, most + 1, experts)
         masked[0], masked[-1] = 0, most  # an empty expert and a full one
+        if gap is not None:
+            a = g.randn(most, experts, k + gap, dtype=torch.bfloat16)[..., :k].transpose(0, 1)
         return {
-            "a": _act(g, experts, most, k, variant=act),
+            "a": a if gap is not None else _act(g, experts, most, k, variant=act),
             "w": w,
             "masked_m": torch.tensor(masked, dtype=torch.int32, device=g.device),
         }
 
     rows = f"rows {least}..{most}" if least else f"rows<={most}"
     name = f"{layout} E={experts} N={n} K={k} {rows} {variant}"
+    name += f" a: heads of rows {k + gap} wide" if gap is not None else ""
     tol = "fp8" if variant.startswith("fp8") else variant
     return _layout_case(layout, name, tol, make)
 
@@ -202,6 +210,7 @@ def cases(shapes: str) -> list[Case]:
             out += [_grouped_case(4, 96, 256, 9, v, lay) for v in ("bf16", "fp8w", "fp8")]
         out.append(_grouped_case(3, 200, 128, 17, "fp8", "contiguous"))
         out += [_grouped_case(3, 96, 256, 0, "bf16", lay) for lay in ("contiguous", "masked")]  # no rows at all
+        out += [_grouped_case(4, 96, 64, 9, "bf16", "masked", gap=gap) for gap in (0, 32)]
         # prefill's hundreds of rows per expert (a backend may take another kernel there), tiles cut by experts' ends
         out += [_grouped_case(3, 256, 256, 800, v, "contiguous", least=600) for v in ("fp8w", "fp8")]
         for lay in ("contiguous", "masked"):
@@ -223,6 +232,9 @@ def cases(shapes: str) -> list[Case]:
             if lay == "contiguous":  # a long prefill chunk's rows per expert
                 out.append(_grouped_case(32, n, k, 640, "fp8", lay, least=400))
         out += [_fp4_grouped_case(32, n, k, 256, lay) for n, k in V4_FLASH_EXPERTS]
+    # absorbed MLA at decode: the heads' queries into the latent (K 128 of 192 per head), its output out of it
+    out += [_grouped_case(128, 512, 128, m, "bf16", "masked", gap=64) for m in (4, 64)]
+    out += [_grouped_case(128, 128, 512, m, "bf16", "masked", gap=0) for m in (4, 64)]
     return out
 
 
