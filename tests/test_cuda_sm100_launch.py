@@ -133,7 +133,7 @@ def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
     tile = {"TMA": False, "FP32_DOT": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
     return {
         "_rms_norm_kernel": order(
-            norm._rms_norm_kernel, ["*bf16"] * 5 + ["i32", "fp32"], {"HAS_RES": True, "BLOCK": 8192}
+            norm._rms_norm_kernel, ["*bf16"] * 5 + ["i32", "i32", "fp32"], {"HAS_RES": True, "BLOCK": 8192}
         ),
         "_quantize_kernel": order(
             gemm._quantize_kernel,
