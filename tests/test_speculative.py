@@ -24,6 +24,7 @@ import deepinfer
 from deepinfer import ops
 from deepinfer.cli import main
 from deepinfer.model import LLM, SamplingParams
+from deepinfer.model.forward_batch import ForwardBatch, moved_decode_rows, shift_decode_rows
 from deepinfer.model.sampling_params import step_seed, step_seeds
 from deepinfer.model.scheduler import Scheduler
 from deepinfer.model.sequence import PENDING
@@ -437,6 +438,41 @@ def test_accepted_from_host_rows_is_accepted_counts():
         want = accepted_counts(tokens_t, drafts, torch.tensor(first)).tolist()
         rows = torch.tensor(acceptance_rows(first, follow))
         assert accepted_from(tokens_t, inputs_t, rows).tolist() == want, (sizes, tokens, inputs)
+
+
+def test_rows_moved_in_and_out_of_place_agree():
+    """``moved_decode_rows`` (inside the decode graphs) moves each row as ``shift_decode_rows`` does in place:
+    positions and lengths by the shift, the slot from the block table at the new position; rows that do not move
+    (padding rows, slot -1, among them) keep their slots, and its inputs are left as they were."""
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    rows, width, block = 9, 6, 4
+    table = torch.randint(0, 50, (rows, width), generator=g, dtype=torch.int32)
+    lens = torch.randint(1, block * (width - 2), (rows,), generator=g, dtype=torch.int32)
+    lens[-2:] = 0  # padding rows
+    positions = (lens - 1).clamp(min=0)
+    slots = (table.gather(1, (positions // block).long()[:, None])[:, 0] * block + positions % block).long()
+    slots[-2:] = -1
+    shift = torch.randint(0, 4, (rows,), generator=g, dtype=torch.int32)
+    shift[0], shift[1], shift[-2:] = 0, 3, 0  # a row that stays, one that moves, the padding rows
+    fb = ForwardBatch(positions=positions, slot_mapping=slots, num_decode=rows, block_table=table, seq_lens=lens)
+    before = [t.clone() for t in (positions, slots, lens)]
+    moved = moved_decode_rows(fb, shift, block)
+    assert all(torch.equal(a, b) for a, b in zip(before, (positions, slots, lens)))
+    eager = ForwardBatch(
+        positions=positions.clone(),
+        slot_mapping=slots.clone(),
+        num_decode=rows,
+        block_table=table,
+        seq_lens=lens.clone(),
+    )
+    still = shift == 0
+    shift_decode_rows(eager, shift, block)
+    assert torch.equal(moved.positions, eager.positions) and torch.equal(moved.seq_lens, eager.seq_lens)
+    assert torch.equal(moved.slot_mapping[~still], eager.slot_mapping[~still])
+    at = positions.long() + shift.long()  # the slot at the new position, from the block table
+    want = table.gather(1, (at // block)[:, None])[:, 0].long() * block + at % block
+    assert torch.equal(moved.slot_mapping[~still], want[~still])
+    assert torch.equal(moved.slot_mapping[still], slots[still]) and (moved.slot_mapping[-2:] == -1).all()
 
 
 def test_device_seeds_are_the_host_seeds():
