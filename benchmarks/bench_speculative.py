@@ -226,28 +226,15 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
             for _ in range(args.repeats):
                 steps0, ahead0 = llm.engine.stats["steps"], llm.engine.stats["steps_ahead"]
                 spec0 = dataclasses.replace(llm.engine.spec_stats) if spec is not None else None
-                start = time.perf_counter()
-                outs = [o for i in range(0, len(group), b) for o in llm.generate(group[i : i + b], sp)]
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                rates.append(len(group) * args.max_tokens / (time.perf_counter() - start))
+                outs, seconds = generate_in_turn(llm, group, b, sp)
+                rates.append(len(group) * args.max_tokens / seconds)
                 if spec0 is not None:
-                    now = llm.engine.spec_stats
-                    fields = ("drafted", "accepted", "verifications")
-                    stats = type(now)(*(getattr(now, f) - getattr(spec0, f) for f in fields)).as_dict()
+                    stats = llm.engine.spec_stats.since(spec0).as_dict()
                 ahead = (llm.engine.stats["steps_ahead"] - ahead0) / (llm.engine.stats["steps"] - steps0)
             tokens = [o.outputs[0].token_ids for o in outs]
             rate = statistics.median(rates)
             # the same requests to their first token only: the prompts' prefill (and the MTP layer's pass over them)
-            firsts = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                for i in range(0, len(group), b):
-                    llm.generate(group[i : i + b], first_only)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                firsts.append(time.perf_counter() - start)
-            first = statistics.median(firsts)
+            first = statistics.median(generate_in_turn(llm, group, b, first_only)[1] for _ in range(args.repeats))
             rest = len(group) * args.max_tokens / rate - first  # (not positive: too short a run to tell)
             decode = len(group) * (args.max_tokens - 1) / rest if rest > 0 else float("nan")
             device = device_profile(llm, group[:b], sp) if args.profile else None
@@ -300,6 +287,16 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
+
+
+def generate_in_turn(llm: LLM, group: list[list[int]], b: int, sp: SamplingParams) -> tuple[list, float]:
+    """``group``'s requests, ``b`` to a ``generate`` call, one call after another: their outputs and the seconds
+    all the calls took (the device's work included)."""
+    start = time.perf_counter()
+    outs = [o for i in range(0, len(group), b) for o in llm.generate(group[i : i + b], sp)]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return outs, time.perf_counter() - start
 
 
 def step_times(llm: LLM, group: list[list[int]], b: int, sp: SamplingParams) -> dict:

@@ -49,7 +49,7 @@ from .parallel import expert_parallel
 from .sampling_params import SamplingParams
 from .scheduler import PREEMPTION_MODES
 from .sequence import Sequence
-from .speculative import SpeculativeConfig, SpeculativeStats
+from .speculative import SpeculativeConfig
 from .streaming import RequestStream
 from .structured_output import Grammars
 from .tokenizer import Tokenizer
@@ -377,10 +377,7 @@ class LLM:
             self.last_stats["host_cache"] = engine.host_cache_stats
         texts = {id(st.seq): st.text for st in streams}
         if self.speculative_config is not None:
-            now = engine.spec_stats
-            self.last_stats["speculative"] = SpeculativeStats(
-                now.drafted - spec0.drafted, now.accepted - spec0.accepted, now.verifications - spec0.verifications
-            ).as_dict()
+            self.last_stats["speculative"] = engine.spec_stats.since(spec0).as_dict()
         return [self._output(group, [texts.get(id(s)) for s in group]) for group in groups]
 
     def stream(

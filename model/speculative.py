@@ -187,6 +187,12 @@ class SpeculativeStats:
     def mean_accepted_length(self) -> float:
         return 1 + self.accepted / self.verifications if self.verifications else 0.0
 
+    def since(self, earlier: SpeculativeStats) -> SpeculativeStats:
+        """The counts added after ``earlier`` (a copy of these counts, taken before)."""
+        return SpeculativeStats(
+            self.drafted - earlier.drafted, self.accepted - earlier.accepted, self.verifications - earlier.verifications
+        )
+
     def as_dict(self) -> dict[str, float]:
         return {
             "drafted": self.drafted,

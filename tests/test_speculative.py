@@ -180,6 +180,8 @@ def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
     assert [result(o) for o in outs] == plain[:2]
     for out in outs:  # per-request counts
         assert out.metrics["drafted"] >= out.metrics["accepted"] > 0
+    last = llm.last_stats["speculative"]  # this call's counts only, after the calls before
+    assert [last["drafted"], last["accepted"]] == [sum(o.metrics[k] for o in outs) for k in ("drafted", "accepted")]
 
 
 @pytest.mark.parametrize(
