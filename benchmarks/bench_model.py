@@ -572,6 +572,8 @@ def bench_ours(
     loop_steps: int = 0,
     timeline: bool = False,
 ) -> list[dict]:
+    """Each batch's decode step timed, then (after every timing: once the profiler has run, the process's launches
+    stay slower) its kernel profile, host profile and engine-step timeline where asked."""
     timer = Timer(llm.device)
     rows = []
     for b in batches:
@@ -583,15 +585,10 @@ def bench_ours(
         times = [timer.time(lambda batch=batch: llm.engine.runner.execute(batch)) for _ in range(steps)]
         graph = replay_only(llm, b)
         replay = statistics.median(timer.time(graph.replay) for _ in range(steps)) if graph else None
-        kernels = kernel_profile(llm, batch) if profile else None
-        hosts = host_profile(llm, batch) if host else None
         loop = {"sync": [], "async": []}
         for _ in range(2 if loop_steps else 0):  # alternated: sync, async, sync, async
             for mode in loop:
                 loop[mode].append(engine_steps(llm, seqs, loop_steps, async_scheduling=mode == "async"))
-        lines = None
-        if timeline:
-            lines = {mode: engine_steps(llm, seqs, 20, mode == "async", timeline=True) for mode in ("sync", "async")}
         for s in seqs:
             llm.engine.allocator.release(s)
         ms = statistics.median(times)
@@ -609,22 +606,34 @@ def bench_ours(
                 "bytes_per_step": need,
                 "experts_selected_per_moe_layer": used,
                 "step_ms_all": times,
-                **({"kernels": kernels} if kernels else {}),
-                **({"host_profile": hosts} if hosts else {}),
                 **({"engine_step_ms": loop} if loop_steps else {}),
-                **({"engine_timeline": lines} if lines else {}),
             }
         )
-        if kernels and getattr(llm.config, "sparse_attention", False):
-            total = sum(k["us"] for k in kernels)
-            share = sum(k["us"] for k in kernels if any(w in k["kernel"].lower() for w in INDEXER_KERNELS))
-            rows[-1]["indexer_kernel_share"] = share / total if total else None
-            log(f"    indexer kernels: {share:.0f} of {total:.0f} us of kernel time ({100 * share / total:.0f}%)")
         log(f"  ours batch {b}: {ms:.2f} ms/step, {b / ms * 1e3:.0f} tok/s, {100 * roof_ms / ms:.0f}% of roofline")
         if replay is not None:
             log(f"    of which the graph's replay alone: {replay:.2f} ms (the rest: host inputs, sampling, read-back)")
         if loop_steps:
             log(f"    engine steps, ms each: sync {loop['sync']}, async {loop['async']}")
+    for b, row in zip(batches, rows) if profile or host or timeline else ():
+        seqs = fake_context(llm, b, context, seed=b)
+        batch = ScheduledBatch(decodes=seqs)
+        llm.engine.runner.execute(batch)
+        kernels = kernel_profile(llm, batch) if profile else None
+        hosts = host_profile(llm, batch) if host else None
+        lines = None
+        if timeline:
+            lines = {mode: engine_steps(llm, seqs, 20, mode == "async", timeline=True) for mode in ("sync", "async")}
+        for s in seqs:
+            llm.engine.allocator.release(s)
+        row.update({"kernels": kernels} if kernels else {})
+        row.update({"host_profile": hosts} if hosts else {})
+        row.update({"engine_timeline": lines} if lines else {})
+        log(f"  batch {b}, profiled:")
+        if kernels and getattr(llm.config, "sparse_attention", False):
+            total = sum(k["us"] for k in kernels)
+            share = sum(k["us"] for k in kernels if any(w in k["kernel"].lower() for w in INDEXER_KERNELS))
+            row["indexer_kernel_share"] = share / total if total else None
+            log(f"    indexer kernels: {share:.0f} of {total:.0f} us of kernel time ({100 * share / total:.0f}%)")
         for mode, t in (lines or {}).items():
             log(
                 f"    {mode} engine steps under the profiler, per step: device busy {t['busy_us_per_step']:.0f} us, "

@@ -299,25 +299,19 @@ def step_timeline(llm: LLM, batch: ScheduledBatch) -> dict:
     return line
 
 
-def time_step(llm: LLM, batch: ScheduledBatch, steps: int, profile: bool) -> tuple[float, list[float], dict]:
-    """Median ms of ``steps`` steps of ``batch`` (after two untimed), every time, and with ``profile`` the kernel
-    profile and timeline of one more."""
+def time_step(llm: LLM, batch: ScheduledBatch, steps: int) -> tuple[float, list[float]]:
+    """Median ms of ``steps`` steps of ``batch`` (after two untimed), and every time."""
     timer = Timer(llm.device)
     for _ in range(2):
         llm.engine.runner.execute(batch)
     times = [timer.time(lambda: llm.engine.runner.execute(batch)) for _ in range(steps)]
-    extra = {}
-    if profile and llm.device.type == "cuda":
-        extra = {"kernels": kernel_profile(llm, batch), "timeline": step_timeline(llm, batch)}
-    return statistics.median(times), times, extra
+    return statistics.median(times), times
 
 
-def measure(
-    llm: LLM, name: str, batch: ScheduledBatch, chunks, decodes, peaks, bandwidth, steps: int, profile: bool
-) -> dict:
+def measure(llm: LLM, name: str, batch: ScheduledBatch, chunks, decodes, peaks, bandwidth, steps: int) -> dict:
     """One step's row: its time, tokens per second, FLOPs and roofline."""
     log(f"{name}:")
-    ms, times, extra = time_step(llm, batch, steps, profile)
+    ms, times = time_step(llm, batch, steps)
     flops = step_flops(llm, chunks, decodes)
     roof_ms = (flops["fp8"] / peaks["fp8"] + flops["bf16"] / peaks["bf16"]) * 1e3
     need = step_bytes(llm, chunks, decodes)
@@ -336,17 +330,24 @@ def measure(
         "bytes": need,
         "bytes_ms": need / bandwidth * 1e3,
         "step_ms_all": times,
-        **extra,
     }
     log(
         f"  {ms:.2f} ms, {row['tokens_per_s']:.0f} tokens/s, {row['tflop_per_s']:.0f} TFLOP/s; roofline "
         f"{roof_ms:.2f} ms ({row['roofline_pct']:.0f}%), bytes alone {row['bytes_ms']:.2f} ms"
     )
-    if "kernels" in extra:  # what the issue's table keeps beside each step: launches, and time off the device
-        row["launches"] = sum(k["calls"] for k in extra["kernels"] if not k["kernel"].startswith(("Memcpy", "Memset")))
-        row["kernel_ms"] = sum(k["us"] for k in extra["kernels"]) / 1e3
-        log(f"  {row['launches']} launches, {row['kernel_ms']:.2f} ms of kernels: {ms - row['kernel_ms']:.2f} ms not")
     return row
+
+
+def add_profile(row: dict, llm: LLM, batch: ScheduledBatch) -> None:
+    """The kernel profile and timeline of one more step of ``row``'s case, and what the issue's table keeps beside
+    each step: launches, and time off the device."""
+    log(f"{row['case']}, profiled:")
+    llm.engine.runner.execute(batch)
+    row["kernels"], row["timeline"] = kernel_profile(llm, batch), step_timeline(llm, batch)
+    row["launches"] = sum(k["calls"] for k in row["kernels"] if not k["kernel"].startswith(("Memcpy", "Memset")))
+    row["kernel_ms"] = sum(k["us"] for k in row["kernels"]) / 1e3
+    off = row["step_ms"] - row["kernel_ms"]
+    log(f"  {row['launches']} launches, {row['kernel_ms']:.2f} ms of kernels: {off:.2f} ms not")
 
 
 def time_to_first_token(llm: LLM, prompt_len: int, repeats: int, seed: int) -> dict:
@@ -367,6 +368,24 @@ def time_to_first_token(llm: LLM, prompt_len: int, repeats: int, seed: int) -> d
     s = statistics.median(times)
     log(f"time to first token, {prompt_len}-token prompt: {s * 1e3:.0f} ms ({prompt_len / s:.0f} prompt tokens/s)")
     return {"prompt_tokens": prompt_len, "seconds": s, "seconds_all": times, "prompt_tokens_per_s": prompt_len / s}
+
+
+def each_case(llm: LLM, args, starts: list[int], run) -> None:
+    """``run(llm, name, batch, chunks, decodes)`` for each case (the chunks at ``starts``, then the mixed step), its
+    sequences released after."""
+    for start in starts:
+        seq = prompt_sequence(llm, f"chunk{start}", start + args.chunk, start, seed=start)
+        batch = ScheduledBatch(prefills=[PrefillChunk(seq, start, start + args.chunk)])
+        run(llm, f"chunk of {args.chunk} at start {start}", batch, [(start, args.chunk)], [])
+        llm.engine.allocator.release(seq)
+    if args.mixed_chunk and args.mixed_decodes:
+        seqs = fake_context(llm, args.mixed_decodes, args.context, seed=args.seed)
+        seq = prompt_sequence(llm, "mixed", args.mixed_chunk, 0, seed=7)
+        batch = ScheduledBatch(decodes=seqs, prefills=[PrefillChunk(seq, 0, args.mixed_chunk)])
+        name = f"chunk of {args.mixed_chunk} + {args.mixed_decodes} decodes at context {args.context}"
+        run(llm, name, batch, [(0, args.mixed_chunk)], [args.context] * args.mixed_decodes)
+        for s in [*seqs, seq]:
+            llm.engine.allocator.release(s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,27 +460,14 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=False,
             progress=False,
         )
-        alloc = llm.engine.allocator
         with deepinfer.use(backend):
-            for start in starts:
-                seq = prompt_sequence(llm, f"chunk{start}", start + args.chunk, start, seed=start)
-                batch = ScheduledBatch(prefills=[PrefillChunk(seq, start, start + args.chunk)])
-                chunks = [(start, args.chunk)]
-                name = f"chunk of {args.chunk} at start {start}"
-                rows.append(measure(llm, name, batch, chunks, [], peaks, bandwidth, args.steps, args.profile))
-                alloc.release(seq)
-            if args.mixed_chunk and args.mixed_decodes:
-                seqs = fake_context(llm, args.mixed_decodes, args.context, seed=args.seed)
-                seq = prompt_sequence(llm, "mixed", args.mixed_chunk, 0, seed=7)
-                batch = ScheduledBatch(decodes=seqs, prefills=[PrefillChunk(seq, 0, args.mixed_chunk)])
-                name = f"chunk of {args.mixed_chunk} + {args.mixed_decodes} decodes at context {args.context}"
-                decodes = [args.context] * args.mixed_decodes
-                chunks = [(0, args.mixed_chunk)]
-                rows.append(measure(llm, name, batch, chunks, decodes, peaks, bandwidth, args.steps, args.profile))
-                for s in [*seqs, seq]:
-                    alloc.release(s)
+            each_case(llm, args, starts, lambda *case: rows.append(measure(*case, peaks, bandwidth, args.steps)))
             if args.ttft_prompt:
                 ttft = time_to_first_token(llm, args.ttft_prompt, args.ttft_repeats, args.seed)
+            # profiles after every timing: once the profiler has run, the process's launches stay slower
+            if args.profile and llm.device.type == "cuda":
+                profiled = iter(rows)
+                each_case(llm, args, starts, lambda llm, name, batch, *_: add_profile(next(profiled), llm, batch))
         del llm
         gc.collect()
     finally:

@@ -24,7 +24,9 @@ per batch, or per request with ``--alone``): the first step of a call, which pre
 others and how much of it they spend blocked on the device (near 0 where the host sets the pace), steps per call, and
 the time a call spends outside any step.
 
-``--profile`` (GPU) runs each configuration once more under the profiler and adds what the device does: its busy time
+``--profile`` (GPU) loads each configuration once more after every timed run (once the profiler has run, the
+process's launches stay slower: the tokens per second, first-token and step times of any configuration measured
+after it would be skewed) and runs it under the profiler, adding what the device does: its busy time
 (the union of its kernels and copies) and its operations per engine step (and which of them a speculative step runs
 more or fewer of than plain decoding's, and spends more or less time in), and the host-hidden bound, plain decoding's
 device time per generated token over this configuration's: the speed-up over plain decoding if the host kept the device
@@ -192,13 +194,16 @@ def oracle_drafts(llm: LLM, plain: dict[tuple, list[int]], spoil: float, seed: i
 
 
 def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> list[dict]:
-    """Every configuration at every batch size, one configuration loaded at a time (plain decoding first)."""
+    """Every configuration at every batch size, one configuration loaded at a time (plain decoding first); with
+    ``--profile``, each loaded once more for its profiles after every timed run: once the profiler has run, the
+    process's launches stay slower, which would skew the timings that came after it."""
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows: list[dict] = []
-    plain: dict[int, tuple] = {}  # batch -> (tokens, tokens per second) of plain decoding
+    plain: dict[int, tuple] = {}  # batch -> (tokens, tokens per second, decode rate) of plain decoding
     prompts, continuations = None, None
-    for c in configs:
+
+    def load(c: str) -> LLM:
         spec = spec_config(c)
         if spec is not None and args.oracle_drafts is not None:
             spec["launch_ahead"] = False  # (the oracle's drafts are set on the host)
@@ -211,14 +216,24 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
             speculative_config=spec,
             async_scheduling=c != "sync",
         )
+        if continuations is not None and spec is not None:
+            oracle_drafts(llm, continuations, args.oracle_drafts, seed=len(c))
+        return llm
+
+    def unload() -> None:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    for c in configs:
+        spec = spec_config(c)
+        llm = load(c)
         if prompts is None:
             prompts = make_prompts(llm, max(*batches, args.alone), args.prompt_len)
             print(f"{llm.backend} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
             if args.oracle_drafts is not None:
                 outs = llm.generate(prompts, sp)
                 continuations = {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, outs)}
-        if continuations is not None and spec_config(c) is not None:
-            oracle_drafts(llm, continuations, args.oracle_drafts, seed=len(c))
         for b in batches:
             group = prompts[: args.alone if b == 1 else b]
             llm.generate(group[:b], sp)  # warm-up: compilation, graphs, caches
@@ -237,10 +252,8 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
             first = statistics.median(generate_in_turn(llm, group, b, first_only)[1] for _ in range(args.repeats))
             rest = len(group) * args.max_tokens / rate - first  # (not positive: too short a run to tell)
             decode = len(group) * (args.max_tokens - 1) / rest if rest > 0 else float("nan")
-            device = device_profile(llm, group[:b], sp) if args.profile else None
-            steps = step_times(llm, group, b, sp) if args.step_times else None
             if c == "0":
-                plain[b] = (tokens, rate, device, decode)
+                plain[b] = (tokens, rate, decode)
             per_step = stats["drafted"] / stats["verifications"] if stats.get("verifications") else 0.0
             rows.append(
                 {
@@ -250,7 +263,7 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                     "speedup": rate / plain[b][1],
                     "first_token_ms": 1e3 * first / (len(group) // b),
                     "decode_tokens_per_s": decode,
-                    "decode_speedup": decode / plain[b][3],
+                    "decode_speedup": decode / plain[b][2],
                     "mean_accepted_length": stats.get("mean_accepted_length", 1.0),
                     "drafts_per_verification": per_step,
                     "steps_ahead": ahead,
@@ -258,35 +271,49 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                     "runs": rates,
                 }
             )
-            if steps is not None:
-                rows[-1]["step_times"] = steps
-            if device is not None:
-                rows[-1]["device"] = device
-                rows[-1]["host_hidden_bound"] = plain[b][2]["busy_us_per_token"] / device["busy_us_per_token"]
+            if args.step_times:
+                rows[-1]["step_times"] = step_times(llm, group, b, sp)
             print(f"  {c} at batch {b}: {rate:.0f} tokens/s", flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    name = f"DeepSeek-V3-shaped cut of {args.cut} layers" if args.cut else EMBEDDED
-                    if args.model:  # (its name and shape, not where it lies on this machine)
-                        cfg = llm.config
-                        name = f"{Path(args.model).name}: {cfg.model_type}, {cfg.num_hidden_layers} layers"
-                    json.dump(
-                        {
-                            "model": name,
-                            "max_tokens": args.max_tokens,
-                            "alone": args.alone,
-                            "oracle_drafts": args.oracle_drafts,
-                            "batch_invariant": deepinfer.batch_invariant_enabled(),
-                            "rows": rows,
-                        },
-                        f,
-                        indent=1,
-                    )
+            write_json(args, llm, rows)
         del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        unload()
+    if args.profile:
+        device: dict[tuple[str, int], dict] = {}
+        for c in configs:
+            llm = load(c)
+            for b in batches:
+                llm.generate(prompts[:b], sp)  # warm-up
+                device[c, b] = profiled = device_profile(llm, prompts[:b], sp)
+                row = next(r for r in rows if (r["spec"], r["batch"]) == (c, b))
+                row["device"] = profiled
+                row["host_hidden_bound"] = device["0", b]["busy_us_per_token"] / profiled["busy_us_per_token"]
+            write_json(args, llm, rows)
+            del llm
+            unload()
     return rows
+
+
+def write_json(args, llm: LLM, rows: list[dict]) -> None:
+    """The rows so far into ``--json`` (if given), with the model's name and shape (not where it lies)."""
+    if not args.json:
+        return
+    name = f"DeepSeek-V3-shaped cut of {args.cut} layers" if args.cut else EMBEDDED
+    if args.model:
+        cfg = llm.config
+        name = f"{Path(args.model).name}: {cfg.model_type}, {cfg.num_hidden_layers} layers"
+    with open(args.json, "w") as f:
+        json.dump(
+            {
+                "model": name,
+                "max_tokens": args.max_tokens,
+                "alone": args.alone,
+                "oracle_drafts": args.oracle_drafts,
+                "batch_invariant": deepinfer.batch_invariant_enabled(),
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
 
 
 def generate_in_turn(llm: LLM, group: list[list[int]], b: int, sp: SamplingParams) -> tuple[list, float]:
