@@ -6,7 +6,8 @@ them in with two transfers (int64 and int32 fields), copies in on the device the
 still sampling (asynchronous scheduling, ``engine.py``), then replays the graph. With speculative steps launched
 ahead (``launch_ahead``) the graphs also move each row on by a shift a step copies in on the device (the drafts the
 step in flight accepts; zero otherwise), computing positions, lengths and slots from the static inputs inside the
-graph (``forward_batch.moved_decode_rows``). Padding rows have ``seq_len`` 0
+graph (``forward_batch.moved_decode_rows``). A short prompt's chunk replays them as decode rows too, one row per
+token (``scheduler.PrefillChunk.short``). Padding rows have ``seq_len`` 0
 (``mla_decode`` returns zeros for them), slot -1 (``write_kv_cache`` skips them) and token 0; their logits are
 dropped. The captured forward dispatches experts in ``low_latency`` mode (fixed capacity, no host synchronisation)
 and computes the logits of every row and their greedy tokens (``greedy.py``); other sampling stays outside the

@@ -56,6 +56,10 @@ from .speculative import MTPDrafter, SpeculativeConfig, SpeculativeStats
 from .structured_output import matcher_error
 
 DEFAULT_CACHE_BYTES = 1 << 30
+# With decode graphs, prompt chunks that end within this many tokens run as decode rows (PrefillChunk.short), inside
+# the graphs: a short prompt's prefill is one replay instead of an eager forward's launches (thousands for a deep
+# model, each costing the host more than the device). The graphs cover at least this many rows.
+SHORT_PROMPT_TOKENS = 128
 
 
 def index_format_for(cfg, kv_format: str) -> str | None:
@@ -277,8 +281,10 @@ class LLMEngine:
                 host_positions=owns_cache,
             )
         graphs = None
+        short = 0 if owns_cache else SHORT_PROMPT_TOKENS  # (a state-page model's decode rows hold one sequence each)
         if want_graphs:
-            rows = max_num_seqs * (1 + lookahead)  # a verification step runs 1 + drafts rows per sequence
+            # a verification step runs 1 + drafts rows per sequence; a short prompt, one row per token
+            rows = max(max_num_seqs * (1 + lookahead), short)
             graphs = DecodeGraphs(
                 model,
                 self.kv_cache,
@@ -313,6 +319,7 @@ class LLMEngine:
             swap_in=self.runner.swap_in,
             lookahead=lookahead,
             max_model_len=self.max_model_len,
+            decode_row_tokens=short if self.runner.graphs is not None else 0,
         )
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self._ids = count()
@@ -550,10 +557,10 @@ class LLMEngine:
             seq.num_computed += 1
         for chunk in batch.prefills:
             seq = chunk.seq
-            if chunk.start == seq.num_cached_tokens and seq.num_preemptions == 0 and not chunk.decode_rows:
+            if chunk.start == seq.num_cached_tokens and seq.num_preemptions == 0 and not chunk.recomputed:
                 self.stats["cached_prompt_tokens"] += seq.num_cached_tokens  # its first chunk: admitted now
             seq.num_computed = chunk.end
-            if not chunk.decode_rows:
+            if not chunk.recomputed:
                 self.stats["prefilled_tokens"] += chunk.end - chunk.start
             # prefix caching: its full prompt pages are registered once queued (later steps read them after)
             self.allocator.register(seq, min(chunk.end, seq.num_prompt_tokens), state_tokens=chunk.end)

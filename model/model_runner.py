@@ -372,7 +372,7 @@ class ModelRunner:
         decode_rows = _decode_rows(batch)
         use_graph = (
             self.graphs is not None
-            and not batch.prefills
+            and all(ch.decode_rows for ch in batch.prefills)
             and self.graphs.fits(len(decode_rows))
             and self.graphs.invariant == deepinfer.batch_invariant_enabled()
         )
@@ -387,6 +387,9 @@ class ModelRunner:
             )
             hidden, fb = self.graphs.replayed()
             input_ids = self.graphs.wide
+            if rows != list(range(len(rows))):  # a chunk's rows: its last one samples, prompt rows may score
+                index = self._tensor(rows, torch.int64)
+                logits, greedy = logits.index_select(0, index), greedy.index_select(0, index[: len(sample_rows)])
         else:
             input_ids, fb, shift = self.prepare(batch, drafts)
             with deepinfer.value_checks(False):

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import deepinfer
+
 from .block_manager import BlockAllocator
 from .sequence import Sequence, Status
 
@@ -44,19 +46,27 @@ PREEMPTION_MODES = ("swap", "recompute")
 @dataclass
 class PrefillChunk:
     """Tokens ``[start, end)`` of ``seq`` to compute this step: prompt tokens (prefill), or tokens the sequence
-    generated before it was preempted by recomputation (``decode_rows``)."""
+    generated before it was preempted by recomputation (``recomputed``). ``short``: a prompt chunk that ends within
+    the scheduler's ``decode_row_tokens``."""
 
     seq: Sequence
     start: int
     end: int
+    short: bool = False
+
+    @property
+    def recomputed(self) -> bool:
+        """Generated tokens computed again after preemption by recomputation."""
+        return self.start >= self.seq.num_prompt_tokens
 
     @property
     def decode_rows(self) -> bool:
-        """Generated tokens computed again after preemption by recomputation. They go through the decode path, one
-        row per token (each attending to the cache up to itself, which this step's earlier rows write first), as
-        they did when they were decoded: the prefill path rounds differently, and its cache entries and logits
-        would differ from those the request had before it was preempted."""
-        return self.start >= self.seq.num_prompt_tokens
+        """Whether the chunk goes through the decode path, one row per token (each attending to the cache up to
+        itself, which this step's earlier rows write first). Recomputed tokens do, as they did when they were
+        decoded: the prefill path rounds differently, and its cache entries and logits would differ from those the
+        request had before it was preempted. Short chunks do so that they run inside the decode step's CUDA graphs,
+        one replay instead of an eager forward's launches."""
+        return self.short or self.recomputed
 
 
 @dataclass
@@ -88,6 +98,7 @@ class Scheduler:
         swap_in: Callable[[Any, list[int]], None] | None = None,
         lookahead: int = 0,
         max_model_len: int | None = None,
+        decode_row_tokens: int = 0,
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
@@ -106,6 +117,7 @@ class Scheduler:
         )
         self.preemption_mode, self._swap_out, self._swap_in = preemption_mode, swap_out, swap_in
         self.lookahead, self.max_model_len = lookahead, max_model_len
+        self.decode_row_tokens = decode_row_tokens
         self.waiting: list[Sequence] = []  # each list is kept in arrival order
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -124,6 +136,14 @@ class Scheduler:
         prompt is prefilled (a chunk never holds both prompt and generated tokens), or the last token."""
         last = seq.num_prompt_tokens if seq.num_computed < seq.num_prompt_tokens else seq.num_tokens
         return min((seq.num_computed // self.chunk_size + 1) * self.chunk_size, last)
+
+    def _chunk(self, seq: Sequence, end: int) -> PrefillChunk:
+        """The chunk of ``seq`` from what it has computed to ``end``: short (``PrefillChunk.short``) where it ends
+        within ``decode_row_tokens`` (its positions alone decide, never what runs beside it), except in
+        batch-invariant mode, which keeps the prefill path: a request's bits then do not depend on whether the engine
+        captured decode graphs."""
+        short = end <= self.decode_row_tokens and not deepinfer.batch_invariant_enabled()
+        return PrefillChunk(seq, seq.num_computed, end, short)
 
     def finish(self, seq: Sequence) -> None:
         """Takes a finished sequence out and frees its pages."""
@@ -219,7 +239,7 @@ class Scheduler:
             if end - seq.num_computed > budget or not self.allocator.can_grow(seq, end):
                 break
             self.allocator.grow(seq, end)
-            batch.prefills.append(PrefillChunk(seq, seq.num_computed, end))
+            batch.prefills.append(self._chunk(seq, end))
             scheduled.add(id(seq))
             budget -= end - seq.num_computed
 
@@ -236,7 +256,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             _insert(self.running, seq)
             self.allocator.grow(seq, end)
-            batch.prefills.append(PrefillChunk(seq, seq.num_computed, end))
+            batch.prefills.append(self._chunk(seq, end))
             scheduled.add(id(seq))
             budget -= end - seq.num_computed
         return batch

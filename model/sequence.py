@@ -22,8 +22,9 @@ class Sequence:
     its cache pages (``block_table``) and what it has produced so far.
 
     The model must compute tokens ``[num_computed, len(token_ids))`` before it can sample the next one. Prompt
-    tokens always go through prefill (in chunks); generated tokens always go through decode: one at a time, or
-    after preemption by recomputation several in one step, one row each (``PrefillChunk.decode_rows``).
+    tokens go through prefill (in chunks), a short prompt's through decode rows (``PrefillChunk.short``); generated
+    tokens always go through decode: one at a time, or after preemption by recomputation several in one step, one
+    row each (``PrefillChunk.decode_rows``).
     """
 
     def __init__(

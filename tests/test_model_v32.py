@@ -333,3 +333,26 @@ def test_v32_mtp_layer_is_recognised_with_its_indexer(tmp_path):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"indexer\.wk\.weight"):
         Checkpoint.open(path)
+
+
+def test_short_prompts_as_decode_rows(tmp_path, monkeypatch):
+    """A short prompt run as decode rows (``PrefillChunk.short``, as the engine runs them inside its decode graphs;
+    here eagerly, the graphs off), each row's indexer over its own prefix, far longer than ``index_topk``: greedy
+    tokens and log-probabilities, the prompt's included, agree with the prefill path's in fp32."""
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    path = v32_checkpoint(tmp_path, seed=21)
+    prompts = random_prompts(BASE["vocab_size"], [57, 23], seed=22)
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=0, prompt_logprobs=0)
+    want = LLM(path, "reference", dtype="float32", enforce_eager=True, progress=False).generate(prompts, params)
+    llm = LLM(path, "reference", dtype="float32", enforce_eager=True, progress=False)
+    llm.engine.scheduler.decode_row_tokens = 128
+    launch, short = llm.engine.runner.launch, []
+    llm.engine.runner.launch = lambda batch, *a, **k: (
+        short.extend(c.short for c in batch.prefills) or launch(batch, *a, **k)
+    )
+    got = llm.generate(prompts, params)
+    assert short == [True, True]
+    for g, e in zip(got, want):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert g.outputs[0].logprobs == pytest.approx(e.outputs[0].logprobs, abs=1e-4)
+        assert g.prompt_logprobs[1:] == pytest.approx(e.prompt_logprobs[1:], abs=1e-4)

@@ -24,6 +24,7 @@ import deepinfer
 from deepinfer import ops
 from deepinfer.cli import main
 from deepinfer.model import LLM, SamplingParams
+from deepinfer.model.engine import SHORT_PROMPT_TOKENS
 from deepinfer.model.forward_batch import ForwardBatch, moved_decode_rows, shift_decode_rows
 from deepinfer.model.sampling_params import step_seed, step_seeds
 from deepinfer.model.scheduler import Scheduler
@@ -213,6 +214,41 @@ def test_graph_path_keeps_every_token(invariant, monkeypatch, spec):
     assert ahead > 10 if spec.get("launch_ahead") else ahead == 0
     stats = llm.last_stats["speculative"]
     assert stats["mean_accepted_length"] > 1.4, stats
+
+
+@pytest.mark.parametrize("spec", [None, {"num_speculative_tokens": 2, "launch_ahead": True}], ids=["plain", "k2-ahead"])
+def test_short_prompts_replay_the_decode_graphs(monkeypatch, spec):
+    """Outside batch-invariant mode, a prompt chunk ending within ``SHORT_PROMPT_TOKENS`` runs as decode rows inside
+    the decode graphs (each replay run eagerly on the CPU, an fp32 model), its MTP pass too: tokens, their
+    log-probabilities and the prompt's agree with an eager engine's prefill path, alone and beside a longer prompt
+    (whose step stays eager, the short chunk as decode rows beside its prefill)."""
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    short, long_ = random_prompts(4096, [37, SHORT_PROMPT_TOKENS + 9], seed=5)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, prompt_logprobs=1),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=3, logprobs=0),
+    ]
+    want = LLM(progress=False, dtype="float32", enforce_eager=True, speculative_config=spec)
+    assert want.engine.scheduler.decode_row_tokens == 0
+    replayed = replay_graphs_on_cpu(monkeypatch)
+    llm = LLM(progress=False, dtype="float32", max_num_seqs=2, speculative_config=spec)
+    assert llm.engine.scheduler.decode_row_tokens == SHORT_PROMPT_TOKENS
+    assert llm.engine.runner.graphs.sizes[-1] >= SHORT_PROMPT_TOKENS
+
+    def close(got, expected):
+        for g, e in zip(got, expected):
+            a, b = g.outputs[0], e.outputs[0]
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+            assert [sorted(t) for t in a.top_logprobs or []] == [sorted(t) for t in b.top_logprobs or []]
+            if e.prompt_logprobs is not None:
+                assert g.prompt_logprobs[1:] == pytest.approx(e.prompt_logprobs[1:], abs=1e-4)
+
+    for p in params:
+        replayed.clear()
+        close(llm.generate([short], p), want.generate([short], p))
+        assert replayed[0][0] >= len(short)  # the prompt's step replayed a bucket of its rows
+    close(llm.generate([short, long_], params), want.generate([short, long_], params))
 
 
 def test_requests_first_scheduled_in_a_large_batch_never_speculate(invariant):
