@@ -7,11 +7,10 @@ still sampling (asynchronous scheduling, ``engine.py``), then replays the graph.
 ahead (``launch_ahead``) the graphs also move each row on by a shift a step copies in on the device (the drafts the
 step in flight accepts; zero otherwise), computing positions, lengths and slots from the static inputs inside the
 graph (``forward_batch.moved_decode_rows``). A short prompt's chunk replays them as decode rows too, one row per
-token (``scheduler.PrefillChunk.short``). Padding rows have ``seq_len`` 0
-(``mla_decode`` returns zeros for them), slot -1 (``write_kv_cache`` skips them) and token 0; their logits are
-dropped. The captured forward dispatches experts in ``low_latency`` mode (fixed capacity, no host synchronisation)
-and computes the logits of every row and their greedy tokens (``greedy.py``); other sampling stays outside the
-graph.
+token (``scheduler.PrefillChunk.short``). Padding rows have ``seq_len`` 0 (``mla_decode`` returns zeros for them,
+``indexer_topk`` keeps no slot), slot -1 (``write_kv_cache`` skips them) and token 0; their logits are dropped.
+The captured forward dispatches experts in ``low_latency`` mode (fixed capacity, no host synchronisation) and
+computes the logits of every row and their greedy tokens (``greedy.py``); other sampling stays outside the graph.
 
 The graphs hold the kernels of the mode that was on at capture, default or batch-invariant: they are replayed only
 in that mode. In batch-invariant mode a row's bits do not depend on the bucket, the padding or the dispatch mode, so

@@ -281,7 +281,9 @@ class LLMEngine:
                 host_positions=owns_cache,
             )
         graphs = None
-        short = 0 if owns_cache else SHORT_PROMPT_TOKENS  # (a state-page model's decode rows hold one sequence each)
+        # short prompts as decode rows: not for a state-page model (its graphs hold one row per sequence), nor for
+        # graphs captured in batch-invariant mode (which keeps the prefill path)
+        short = 0 if owns_cache or deepinfer.batch_invariant_enabled() else SHORT_PROMPT_TOKENS
         if want_graphs:
             # a verification step runs 1 + drafts rows per sequence; a short prompt, one row per token
             rows = max(max_num_seqs * (1 + lookahead), short)

@@ -3,8 +3,8 @@
 The paged cache of all layers is one tensor ``[layers, num_blocks, block_size, width]`` (``kv_caches[l]`` is layer
 ``l``'s cache as the ops take it); a sparse-attention model's indexer keys live in a second such tensor on the same
 pages (``index_caches``). Decode rows come first in the packed batch (the decodes, then the tokens of chunks of
-``decode_rows``, one row each), then the prefill chunks. A decode-only step replays a captured CUDA graph when the
-backend supports them (``cuda_graphs.py``).
+``decode_rows``, one row each), then the prefill chunks. A step of decode rows only replays a captured CUDA graph
+when the backend supports them (``cuda_graphs.py``).
 
 A step is launched (``launch``: inputs, forward, sampling and log-probabilities queued on the device, the tokens'
 copy to the host started) and its result read later (``LaunchedStep.result``), so the engine can launch the next
@@ -370,11 +370,16 @@ class ModelRunner:
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
         rows = sample_rows + [r for _, r, _ in prompt_rows]
         decode_rows = _decode_rows(batch)
+        graphs = self.graphs
+        # chunks of decode rows put several rows of one sequence in a step: not in a state-page model's graphs
+        chunks = not batch.prefills or (
+            graphs is not None and all(ch.decode_rows for ch in batch.prefills) and graphs.pad_page is None
+        )
         use_graph = (
-            self.graphs is not None
-            and all(ch.decode_rows for ch in batch.prefills)
-            and self.graphs.fits(len(decode_rows))
-            and self.graphs.invariant == deepinfer.batch_invariant_enabled()
+            graphs is not None
+            and chunks
+            and graphs.fits(len(decode_rows))
+            and graphs.invariant == deepinfer.batch_invariant_enabled()
         )
         greedy = None  # the graph's greedy tokens, taken inside it
         carried, shift = self.carried(batch, decode_rows, drafts) if use_graph else (None, None)
@@ -387,7 +392,7 @@ class ModelRunner:
             )
             hidden, fb = self.graphs.replayed()
             input_ids = self.graphs.wide
-            if rows != list(range(len(rows))):  # a chunk's rows: its last one samples, prompt rows may score
+            if rows != list(range(len(decode_rows))):  # with chunks: a chunk's last row samples, others may score
                 index = self._tensor(rows, torch.int64)
                 logits, greedy = logits.index_select(0, index), greedy.index_select(0, index[: len(sample_rows)])
         else:
@@ -401,7 +406,7 @@ class ModelRunner:
         mtp = self.drafter is not None and (bool(batch.prefills) or self.drafter.any_speculates(batch.decodes))
         if not rows:
             if mtp:  # the MTP layer's cache entries of these prompt rows
-                self._draft(step, batch, hidden, fb, [])
+                self._draft(step, batch, hidden, fb, [], use_graph and self.graphs.replays_mtp(hidden.shape[0]))
             return step
         host = {}
         if samplers:

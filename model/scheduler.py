@@ -142,7 +142,7 @@ class Scheduler:
         within ``decode_row_tokens`` (its positions alone decide, never what runs beside it), except in
         batch-invariant mode, which keeps the prefill path: a request's bits then do not depend on whether the engine
         captured decode graphs."""
-        short = end <= self.decode_row_tokens and not deepinfer.batch_invariant_enabled()
+        short = end <= min(self.decode_row_tokens, seq.num_prompt_tokens) and not deepinfer.batch_invariant_enabled()
         return PrefillChunk(seq, seq.num_computed, end, short)
 
     def finish(self, seq: Sequence) -> None:

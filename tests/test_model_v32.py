@@ -47,6 +47,7 @@ from model_helpers import (  # noqa: F401 (one_thread: autouse fixture)
     hf_checkpoint,
     one_thread,
     random_prompts,
+    replay_graphs_on_cpu,
     round_bf16,
     round_fp8_ds_mla,
 )
@@ -335,24 +336,25 @@ def test_v32_mtp_layer_is_recognised_with_its_indexer(tmp_path):
         Checkpoint.open(path)
 
 
-def test_short_prompts_as_decode_rows(tmp_path, monkeypatch):
-    """A short prompt run as decode rows (``PrefillChunk.short``, as the engine runs them inside its decode graphs;
-    here eagerly, the graphs off), each row's indexer over its own prefix, far longer than ``index_topk``: greedy
-    tokens and log-probabilities, the prompt's included, agree with the prefill path's in fp32."""
+def test_short_prompts_in_the_decode_graphs(tmp_path, monkeypatch):
+    """A short prompt (``engine.SHORT_PROMPT_TOKENS``; far longer than ``index_topk``, so the indexer selects) runs as
+    decode rows inside the decode graphs (each replay run eagerly on the CPU; padding rows are padding sequences of
+    the indexer), each row's indexer over its own prefix: greedy tokens and log-probabilities, the prompt's
+    included, agree with an eager engine's prefill path in fp32."""
     monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
     path = v32_checkpoint(tmp_path, seed=21)
     prompts = random_prompts(BASE["vocab_size"], [57, 23], seed=22)
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=0, prompt_logprobs=0)
     want = LLM(path, "reference", dtype="float32", enforce_eager=True, progress=False).generate(prompts, params)
-    llm = LLM(path, "reference", dtype="float32", enforce_eager=True, progress=False)
-    llm.engine.scheduler.decode_row_tokens = 128
-    launch, short = llm.engine.runner.launch, []
-    llm.engine.runner.launch = lambda batch, *a, **k: (
-        short.extend(c.short for c in batch.prefills) or launch(batch, *a, **k)
-    )
-    got = llm.generate(prompts, params)
-    assert short == [True, True]
-    for g, e in zip(got, want):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids
-        assert g.outputs[0].logprobs == pytest.approx(e.outputs[0].logprobs, abs=1e-4)
-        assert g.prompt_logprobs[1:] == pytest.approx(e.prompt_logprobs[1:], abs=1e-4)
+    replayed = replay_graphs_on_cpu(monkeypatch)
+    llm = LLM(path, "reference", dtype="float32", max_num_seqs=2, progress=False)
+    assert llm.engine.scheduler.decode_row_tokens > max(map(len, prompts))
+    for prompt, expected in zip(prompts, want):
+        replayed.clear()
+        got = llm.generate([prompt], params)[0]
+        assert replayed[0][0] >= len(prompt)  # the prompt's step replayed a bucket of its rows
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert got.outputs[0].logprobs == pytest.approx(expected.outputs[0].logprobs, abs=1e-4)
+        assert got.prompt_logprobs[1:] == pytest.approx(expected.prompt_logprobs[1:], abs=1e-4)
+    got = llm.generate(prompts, params)  # both at once: one step of 80 rows (a bucket of 80)
+    assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in want]

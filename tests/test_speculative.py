@@ -249,6 +249,10 @@ def test_short_prompts_replay_the_decode_graphs(monkeypatch, spec):
         close(llm.generate([short], p), want.generate([short], p))
         assert replayed[0][0] >= len(short)  # the prompt's step replayed a bucket of its rows
     close(llm.generate([short, long_], params), want.generate([short, long_], params))
+    # chunks of 16: a short prompt's first chunks sample nothing, beside the other request's decode rows
+    chunked = LLM(progress=False, dtype="float32", max_num_seqs=2, speculative_config=spec, prefill_chunk_size=16)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    close(chunked.generate([long_, short], greedy), want.generate([long_, short], greedy))
 
 
 def test_requests_first_scheduled_in_a_large_batch_never_speculate(invariant):

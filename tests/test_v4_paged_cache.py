@@ -534,3 +534,25 @@ def test_graph_decode_steps_give_the_eager_bits(checkpoints, monkeypatch, deepin
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in graphs.generate(short, params)] == want
     narrowest = [37 if -(-(p + 1) // 4) <= 4 else 49 for p in range(6, 21)]  # the narrowest width that holds each
     assert [w for _, w in replayed[before:]] == narrowest
+
+
+def test_recomputed_rows_keep_the_eager_bits_beside_graphs(
+    checkpoints, monkeypatch, deepinfer_backend, deepinfer_device
+):
+    """Recompute preemption on an engine with decode graphs: a recomputed request's rows of generated tokens (several
+    of one sequence in a step) run eagerly, since DeepSeek-V4's graphs hold one row per sequence; in batch-invariant
+    mode every request keeps the tokens and log-probabilities of an eager engine with room for all."""
+    from deepinfer.model import SamplingParams
+
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    replay_graphs_on_cpu(monkeypatch)
+    path, _ = checkpoints("yarn")
+    ps = v4.prompts(8)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=0)
+    eager = v4.serve(path, deepinfer_backend, deepinfer_device, enforce_eager=True)
+    want = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager.generate(ps, params)]
+    pages = 2 * v4.state_pages(path) + 12
+    tight = v4.serve(path, deepinfer_backend, deepinfer_device, num_blocks=pages, preemption_mode="recompute")
+    assert tight.engine.runner.graphs is not None
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in tight.generate(ps, params)] == want
+    assert tight.engine.num_preemptions > 0

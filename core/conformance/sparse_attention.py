@@ -217,6 +217,7 @@ def cases(shapes: str) -> list[Case]:
             _topk_case([1, 1, 10, 2, 0], [37, 5, 40, 19, 7], 4, 32, 8, 16, "bf16"),
             _topk_case([1, 3, 1], [70, 3, 130], 8, 128, 16, 64, "fp8_ds_index"),
             _topk_case([1, 1, 1], [20, 1, 9], 2, 64, 32, 16, "bf16"),  # topk above every context: padding
+            _topk_case([1, 2, 1], [20, 0, 9], 4, 32, 8, 16, "bf16"),  # a padding sequence (no cached token)
             _topk_case([12, 1, 5], [60, 33, 5], 4, 32, 6, 16, "bf16", integer=True),
             _topk_case([1, 6], [50, 90], 4, 128, 10, 16, "fp8_ds_index", integer=True),
             _sparse_case(7, 4, 16, [40, 9, 70], 16, "bf16", 128, 64),

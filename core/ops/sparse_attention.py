@@ -68,7 +68,8 @@ def indexer_topk(
     index_cache: ``[num_blocks, block_size, width]`` indexer keys (``write_index_cache``).
     block_table: ``[B, max_blocks]`` int32 page ids; cu_seqlens_q: ``[B+1]`` int32 offsets of each sequence's
         queries in ``q`` (nondecreasing from 0 to ``T``); seq_lens: ``[B]`` int32 tokens in the cache for each
-        sequence, including its ``L_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` new ones (``L_b <= seq_lens[b]``).
+        sequence, including its ``L_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` new ones (``L_b <= seq_lens[b]``),
+        or 0: a padding sequence (a CUDA graph's padding rows), whose queries see nothing.
 
     Query ``i`` of sequence ``b`` sees positions ``p < seq_lens[b] - L_b + i + 1`` (causal) and scores each
     ``I[p] = sum_h weights[h] * relu(q[h] . k[p])`` in fp32 over the key as cached. It keeps the ``min(topk,
@@ -105,12 +106,12 @@ def indexer_topk(
     if value_checks_enabled(q) and batch:
         c.nondecreasing_offsets("cu_seqlens_q", cu_seqlens_q, tokens)
         check_pages(c, index_cache, block_table, seq_lens)
-        short = (seq_lens < cu_seqlens_q[1:] - cu_seqlens_q[:-1]).nonzero()
+        short = ((seq_lens < cu_seqlens_q[1:] - cu_seqlens_q[:-1]) & (seq_lens != 0)).nonzero()
         if short.numel():
             b = int(short[0, 0])
             raise c.fail(
                 "seq_lens",
-                "at least as many cached tokens as new queries per sequence",
+                "at least as many cached tokens as new queries per sequence, or 0 (a padding sequence)",
                 f"sequence {b}: {int(seq_lens[b])} cached, {int(cu_seqlens_q[b + 1] - cu_seqlens_q[b])} queries",
             )
     return call(

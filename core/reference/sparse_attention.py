@@ -60,7 +60,7 @@ def indexer_topk(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b, n in enumerate(lens):
         start, stop = cu[b], cu[b + 1]
-        if stop == start:
+        if stop == start or n == 0:  # no queries, or a padding sequence: nothing to keep
             continue
         slots = sequence_slots(block_table[b], n, block_size)
         keys = read_keys(index_cache, slots, head_dim)
