@@ -13,6 +13,10 @@ from deepinfer import Decline, QTensor
 
 from .probe import interpreting
 
+# Fused multiply-adds by default, as every kernel here was measured and checked with: Triton 3.10 turns them off
+# where a launch does not say (3.9 warns). Where a launch must not fuse it says so (``enable_fp_fusion=False``).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
 # The Triton interpreter has no bf16 arithmetic, so kernels take an fp32 path for dot products there (see ``dot``);
 # on a GPU the same kernels feed bf16/fp8 to the tensor cores.
 INTERPRET = interpreting()
