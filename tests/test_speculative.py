@@ -119,15 +119,22 @@ def test_random_checkpoint_tokens_identical_with_and_without_speculation(mtp_che
     assert alone == [plain[i] for i in (0, 1, 5)], "a request alone with speculation differs from the batch"
 
 
-def test_sparse_attention_model_keeps_every_token(invariant, tmp_path):
-    """DeepSeek-V3.2: the MTP layer's indexer keeps its own layer of the indexer-key cache."""
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_sparse_attention_model_keeps_every_token(invariant, tmp_path, monkeypatch, graphs):
+    """DeepSeek-V3.2: the MTP layer's indexer keeps its own layer of the indexer-key cache; through the decode graphs
+    too (each replay run eagerly on the CPU: the drafts launched ahead, the graphs' padding rows padding sequences
+    of the indexer)."""
     v32 = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_n_heads=8, index_topk=6)
     ckpt = small_checkpoint(tmp_path, seed=5, num_nextn_predict_layers=1, index_head_dim=32, **v32)
     prompts, params = requests(8, random.Random(1), 258)
     plain = [result(o) for o in LLM(ckpt, block_size=8, progress=False).generate(prompts, params)]
-    llm = LLM(ckpt, block_size=8, progress=False, speculative_config={"num_speculative_tokens": 2})
+    spec = {"num_speculative_tokens": 2, "launch_ahead": graphs}
+    replayed = replay_graphs_on_cpu(monkeypatch) if graphs else []
+    llm = LLM(ckpt, block_size=8, max_num_seqs=8, progress=False, speculative_config=spec)
+    assert (llm.engine.runner.graphs is not None) == graphs
     assert [result(o) for o in llm.generate(prompts, params)] == plain
     assert llm.last_stats["speculative"]["drafted"] > 20
+    assert bool(replayed) == graphs
 
 
 @pytest.mark.parametrize(
