@@ -1,6 +1,7 @@
 """CUDA graphs of the decode step, for backends whose ``BackendSpec.capabilities`` contain ``cuda_graphs``.
 
-One graph per batch bucket (1, 2, 4, 8, then multiples of 16 up to ``max_batch``) is captured over static input
+One graph per batch bucket (1, 2, 4, 8, then multiples of 16 up to ``max_batch``, then a few up to a short prompt's
+rows: ``buckets``) is captured over static input
 buffers; a decode step of ``n`` sequences packs its inputs for the smallest bucket ``>= n`` on the host and copies
 them in with two transfers (int64 and int32 fields), copies in on the device the tokens that the previous step is
 still sampling (asynchronous scheduling, ``engine.py``), then replays the graph. With speculative steps launched
@@ -63,18 +64,22 @@ def width_buckets(state_pages: int, token_pages: int, least: int) -> list[int]:
     return [state_pages + t for t in reversed(out)]
 
 
-def buckets(max_batch: int) -> list[int]:
-    """Batch sizes that get a graph: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_batch`` (which is always one)."""
+def buckets(max_batch: int, prompt_rows: int = 0) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_batch`` (which is always one); then, for
+    a short prompt's rows, powers of two from 32 and ``prompt_rows`` itself (fewer buckets where rows are only a
+    prompt's: a few padding rows cost less than a graph's outputs)."""
     out = [b for b in (1, 2, 4, 8) if b < max_batch]
     out += list(range(16, max_batch, 16))
-    return sorted({*out, max_batch})
+    out += [b for b in (32, 64, 128, 256, 512) if max_batch < b < prompt_rows]
+    return sorted({*out, max_batch, max(max_batch, prompt_rows)})
 
 
 class DecodeGraphs:
     """Captured decode steps of ``model`` over ``kv_cache`` (and ``index_cache``, for sparse attention) for batches
-    up to ``max_batch`` sequences of up to ``max_blocks`` pages each; ``pad_page``: the scratch page of padding rows
-    (models whose caches are state pages); ``widths``: the block-table widths captured (``width_buckets``; default
-    ``max_blocks`` alone). Graphs and their outputs are keyed by (batch bucket, width)."""
+    up to ``max_batch`` rows (and up to ``prompt_rows``, a short prompt's) of up to ``max_blocks`` pages each;
+    ``pad_page``: the scratch page of padding rows (models whose caches are state pages); ``widths``: the block-table
+    widths captured (``width_buckets``; default ``max_blocks`` alone). Graphs and their outputs are keyed by (batch
+    bucket, width)."""
 
     def __init__(
         self,
@@ -88,11 +93,13 @@ class DecodeGraphs:
         drafter: MTPDrafter | None = None,
         pad_page: int | None = None,
         widths: list[int] | None = None,
+        prompt_rows: int = 0,
     ):
         self.model, self.drafter, self.block_size, self.pad_page = model, drafter, block_size, pad_page
         self.kv_caches = list(kv_cache.unbind(0))
         self.index_caches = list(index_cache.unbind(0)) if index_cache is not None else None
-        self.sizes = buckets(max_batch)
+        self.sizes = buckets(max_batch, prompt_rows)
+        max_batch = self.sizes[-1]
         self.max_blocks = max_blocks
         self.widths = widths or [max_blocks]
         if self.widths[-1] != max_blocks or self.widths != sorted(self.widths):

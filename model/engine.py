@@ -285,13 +285,12 @@ class LLMEngine:
         # graphs captured in batch-invariant mode (which keeps the prefill path)
         short = 0 if owns_cache or deepinfer.batch_invariant_enabled() else SHORT_PROMPT_TOKENS
         if want_graphs:
-            # a verification step runs 1 + drafts rows per sequence; a short prompt, one row per token
-            rows = max(max_num_seqs * (1 + lookahead), short)
             graphs = DecodeGraphs(
                 model,
                 self.kv_cache,
                 self.index_cache,
-                max_batch=rows,
+                max_batch=max_num_seqs * (1 + lookahead),  # a verification step runs 1 + drafts rows per sequence
+                prompt_rows=short,  # a short prompt, one row per token
                 max_blocks=max_blocks,
                 block_size=block_size,
                 drafter=drafter,
