@@ -392,7 +392,7 @@ class ModelRunner:
             )
             hidden, fb = self.graphs.replayed()
             input_ids = self.graphs.wide
-            if rows != list(range(len(decode_rows))):  # with chunks: a chunk's last row samples, others may score
+            if batch.prefills and rows != list(range(len(decode_rows))):  # a chunk's last row samples, others may score
                 index = self._tensor(rows, torch.int64)
                 logits, greedy = logits.index_select(0, index), greedy.index_select(0, index[: len(sample_rows)])
         else:
