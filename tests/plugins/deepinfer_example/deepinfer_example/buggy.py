@@ -60,6 +60,8 @@ def indexer_topk(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, *
     for b, n in enumerate(lens):
         for t in range(cu[b], cu[b + 1]):
             visible = n - (cu[b + 1] - cu[b]) + (t - cu[b]) + 1
+            if visible <= 0:  # a padding sequence's queries keep nothing
+                continue
             slots = sequence_slots(block_table[b], visible, block_size)
             keys = read_keys(index_cache, slots, q.shape[2])
             scores = (q[t].float() @ keys.T).relu().T @ weights[t]
