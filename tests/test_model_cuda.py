@@ -49,6 +49,8 @@ def test_graph_decode_matches_eager(cuda_backend, tmp_path, arch, kv_format):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
     common = dict(kv_format=kv_format, block_size=16, max_num_seqs=8, progress=False)
     eager_llm = LLM(ckpt, cuda_backend, enforce_eager=True, **common)
+    # the prompts run as decode rows in both (in the graphs, and eagerly here), so that only the decode path differs
+    eager_llm.engine.scheduler.decode_row_tokens = SHORT_PROMPT_TOKENS
     graph_llm = LLM(ckpt, cuda_backend, **common)
     graphs = graph_llm.engine.runner.graphs
     # every bucket was captured: up to 8 sequences, and up to a short prompt's rows (SHORT_PROMPT_TOKENS)
