@@ -370,16 +370,12 @@ class ModelRunner:
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
         rows = sample_rows + [r for _, r, _ in prompt_rows]
         decode_rows = _decode_rows(batch)
-        graphs = self.graphs
-        # chunks of decode rows put several rows of one sequence in a step: not in a state-page model's graphs
-        chunks = not batch.prefills or (
-            graphs is not None and all(ch.decode_rows for ch in batch.prefills) and graphs.pad_page is None
-        )
         use_graph = (
-            graphs is not None
-            and chunks
-            and graphs.fits(len(decode_rows))
-            and graphs.invariant == deepinfer.batch_invariant_enabled()
+            self.graphs is not None
+            # chunks of decode rows put several rows of one sequence in a step: not in a state-page model's graphs
+            and (not batch.prefills or (all(ch.decode_rows for ch in batch.prefills) and self.graphs.pad_page is None))
+            and self.graphs.fits(len(decode_rows))
+            and self.graphs.invariant == deepinfer.batch_invariant_enabled()
         )
         greedy = None  # the graph's greedy tokens, taken inside it
         carried, shift = self.carried(batch, decode_rows, drafts) if use_graph else (None, None)
