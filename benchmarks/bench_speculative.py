@@ -236,7 +236,7 @@ def measure(args, model: str | Path, batches: list[int], configs: list[str]) -> 
                 continuations = {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, outs)}
         for b in batches:
             group = prompts[: args.alone if b == 1 else b]
-            llm.generate(group[:b], sp)  # warm-up: compilation, graphs, caches
+            generate_in_turn(llm, group, b, sp)  # warm-up over the timed requests: compilation, caches, allocations
             rates, stats, ahead = [], {}, 0.0
             for _ in range(args.repeats):
                 steps0, ahead0 = llm.engine.stats["steps"], llm.engine.stats["steps_ahead"]
