@@ -40,8 +40,8 @@ def router_weight(gate: torch.Tensor) -> torch.Tensor:
 
 def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``[T, E]`` fp32 logits ``x @ gate.T`` for ``x [T, H]``, its terms each exact in fp32: from bf16 operands
-    where both are bf16 (``router_weight``), else in fp32."""
-    if x.dtype == gate.dtype == torch.bfloat16:
+    where both are bf16 (``router_weight``), else against the fp32 weight (``gemm`` takes a bf16 ``x`` as it is)."""
+    if x.dtype == gate.dtype == torch.bfloat16 or gate.dtype == torch.float32:
         return ops.gemm(x, gate, out_dtype=torch.float32)
     return ops.gemm(x.float(), gate.float(), out_dtype=torch.float32)
 

@@ -229,8 +229,11 @@ def test_gemm_validation(mutation, data):
     elif mutation == "fp8_k":  # a K that is no multiple of 128, with scales of the matching logical shape
         kw["w"] = d.fp8(n, k - d.int(1, 127), block=(128, 128))
         kw["a"] = d.randn(m, kw["w"].shape[1], dtype=torch.bfloat16)
-    elif mutation == "dtype_mismatch":
-        kw["a"] = a.to(d.pick([t for t in FLOATS if t != dtype]))
+    elif mutation == "dtype_mismatch":  # (a bf16 / fp16 activation meets an fp32 weight: not a mismatch)
+        if dtype == torch.float32:
+            kw["w"] = w.to(d.pick([torch.bfloat16, torch.float16]))
+        else:
+            kw["a"] = a.to(d.pick([t for t in FLOATS if t != dtype]))
     elif mutation == "fp8_a_float_w":
         kw["a"] = d.fp8(m, 128, block=(1, 128))
         kw["w"] = d.randn(n, 128, dtype=dtype)
@@ -957,8 +960,10 @@ def test_messages_name_dtypes_and_ranges_in_one_format():
         by_list.value
     )
     with pytest.raises(InputError) as by_operand:
-        ops.gemm(x, torch.zeros(8, 64, dtype=torch.float32), out_dtype=torch.bfloat16)
-    assert "expected dtype torch.bfloat16 (the dtype of 'a'), got dtype torch.float32" in str(by_operand.value)
+        ops.gemm(x, torch.zeros(8, 64, dtype=torch.float16), out_dtype=torch.bfloat16)
+    assert "expected dtype torch.bfloat16 (the dtype of 'a') or torch.float32, got dtype torch.float16" in str(
+        by_operand.value
+    )
     with pytest.raises(InputError) as by_range:
         ops.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), -1.0)
     assert str(by_range.value) == "rms_norm: argument 'eps': expected a number >= 0.0, got -1.0"

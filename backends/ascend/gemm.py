@@ -183,11 +183,12 @@ def gemm_quant_matmul_supports(a, w, *, out_dtype, bias) -> bool | Decline:
 
 def gemm_torch(a, w, *, out_dtype, bias) -> torch.Tensor:
     """``a @ w.T`` with plain torch on the device: ``F.linear`` when the output dtype is the input's (one rounding
-    of an fp32 accumulation), fp32 otherwise; FP8 operands are dequantised first (the A2/A3 path)."""
+    of an fp32 accumulation) when both operands have it too, fp32 otherwise; FP8 operands are dequantised first (the
+    A2/A3 path)."""
     if isinstance(w, QTensor):
         act = a if isinstance(a, QTensor) else quantize_rows_torch(a, BLOCK, w.scale_format)
         out = act.dequantize() @ w.dequantize().T
-    elif out_dtype == a.dtype:
+    elif out_dtype == a.dtype == w.dtype:
         return torch.nn.functional.linear(a, w, None if bias is None else bias.to(a.dtype))
     else:
         out = a.float() @ w.float().T

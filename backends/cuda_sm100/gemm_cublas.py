@@ -172,7 +172,9 @@ def gemm_cublas(a, w, *, out_dtype, bias):
     """cuBLAS through torch, fp32 accumulation (split-K partials included); not batch-invariant (cuBLAS picks
     algorithms by shape). An fp32 result is never rounded to the input dtype on the way: bf16 / fp16 operands go
     straight into an fp32 result where torch can (logits over a large vocabulary: no fp32 copy of the weight each
-    call), else through fp32 copies of the operands."""
+    call), else through fp32 copies of the operands (a bf16 / fp16 ``a`` against an fp32 ``w`` too)."""
+    if a.dtype != w.dtype:
+        a = a.float()
     if out_dtype == torch.float32 and a.dtype != torch.float32:
         if a.dtype == w.dtype and _mm_widens():
             out = torch.mm(a, w.t(), out_dtype=torch.float32)

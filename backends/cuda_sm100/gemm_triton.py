@@ -107,10 +107,13 @@ def _gemm_kernel(
             part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
             scales = _block_scales(as_ptr, bs_ptr, offs_m, mask_m, pid_n * BLOCK_N // BLOCK_K, k0, K, BLOCK_K)
             acc = acc + part * scales[:, None]
-        elif TF32X3:
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="tf32x3")
         else:
-            acc = dot(a, tl.trans(b), acc, FP32_DOT)
+            if a.dtype != b.dtype:  # a bf16 / fp16 activation against an fp32 weight: its values, exactly, in fp32
+                a = a.to(tl.float32)
+            if TF32X3:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="tf32x3")
+            else:
+                acc = dot(a, tl.trans(b), acc, FP32_DOT)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if SPLIT_K > 1:

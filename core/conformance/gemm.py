@@ -69,7 +69,9 @@ def _quantize_case(m: int, k: int, fmt: str, experts: int = 0, nans: int = 0) ->
 
 
 def _gemm_case(m: int, n: int, k: int, variant: str, *, bias: bool = False, ue8m0: bool = False) -> Case:
-    """variant: bf16 | fp32 | fp8w (bf16 activation, FP8 weight) | fp8 (both FP8)."""
+    """variant: bf16 | fp32 | bf16-fp32 (bf16 activation, fp32 weight) | fp8w (bf16 activation, FP8 weight) | fp8
+    (both FP8)."""
+    fp32_w = variant in ("fp32", "bf16-fp32")
 
     def make(g: Gen):
         w = _weight(
@@ -78,18 +80,18 @@ def _gemm_case(m: int, n: int, k: int, variant: str, *, bias: bool = False, ue8m
             k,
             fp8=variant.startswith("fp8"),
             ue8m0=ue8m0,
-            dtype=torch.float32 if variant == "fp32" else torch.bfloat16,
+            dtype=torch.float32 if fp32_w else torch.bfloat16,
         )
         a = _act(g, m, k, variant="fp8" if variant == "fp8" else ("fp32" if variant == "fp32" else "bf16"), ue8m0=ue8m0)
         b = g.randn(n, dtype=a.dtype if isinstance(a, torch.Tensor) else torch.bfloat16) if bias else None
-        fp32_out = {"out_dtype": torch.float32} if variant == "fp32" else {}  # as the router's logits are taken
+        fp32_out = {"out_dtype": torch.float32} if fp32_w else {}  # as the router's logits are taken
         return {"a": a, "w": w, "bias": b, **fp32_out}
 
     name = f"M={m} N={n} K={k} {variant}" + (" bias" if bias else "") + (" ue8m0" if ue8m0 else "")
     return Case(
         "gemm",
         name,
-        "fp8" if variant.startswith("fp8") else variant,
+        "fp8" if variant.startswith("fp8") else ("fp32" if fp32_w else variant),
         make,
         sub_batch=lambda kw, rows: (take_rows(kw, ("a",), rows), lambda o: rows_of(o, rows)),
         batch=lambda kw: kw["a"].shape[0],
@@ -195,6 +197,10 @@ def cases(shapes: str) -> list[Case]:
         out += [
             _gemm_case(9, 64, 128, "fp32"),
             _gemm_case(5, 96, 2304, "fp32"),  # K long enough for a backend to split it
+            # a router whose weight is fp32 (the embedded model's) at a decode step's and a verification's rows, and
+            # past the few rows a backend may take another kernel for
+            *[_gemm_case(m, 8, 256, v) for m in (1, 4, 16, 17) for v in ("fp32", "bf16-fp32")],
+            _gemm_case(3, 200, 384, "bf16-fp32", bias=True),
             _gemm_case(0, 96, 256, "bf16"),
             _gemm_case(0, 96, 256, "fp8w"),
             _gemm_case(5, 0, 256, "bf16"),
@@ -225,7 +231,7 @@ def cases(shapes: str) -> list[Case]:
         for m in (1, 128, 4096):
             out += [_gemm_case(m, n, k, v) for v in ("bf16", "fp8w", "fp8")]
     out += [_gemm_case(77, 7168, 2048, "fp8", ue8m0=True), _gemm_case(0, 7168, 2048, "fp8w")]
-    out += [_gemm_case(m, 256, 7168, "fp32") for m in (1, 64, 4096)]  # the MoE router's logits
+    out += [_gemm_case(m, 256, 7168, v) for m in (1, 4, 64, 4096) for v in ("fp32", "bf16-fp32")]  # the router
     for lay in ("contiguous", "masked"):
         for n, k in [(4096, 7168), (7168, 2048)]:
             out += [_grouped_case(32, n, k, 256, v, lay) for v in ("bf16", "fp8")]

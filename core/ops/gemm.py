@@ -25,8 +25,9 @@ def _check_fp8_k(c: Check, arg: str, k: int) -> None:
         raise c.fail(arg, f"K (last dim) a multiple of the FP8 block {FP8_BLOCK}", f"K = {k}")
 
 
-def _check_activation(c: Check, a, w, *, ndim: int) -> None:
-    """``a`` against weight ``w`` (already checked): dtype pairing and K."""
+def _check_activation(c: Check, a, w, *, ndim: int, widen: bool = False) -> None:
+    """``a`` against weight ``w`` (already checked): dtype pairing and K. ``widen``: a bf16 / fp16 ``a`` may meet an
+    fp32 ``w``."""
     k = w.shape[-1]
     if isinstance(a, QTensor):
         c.qtensor("a", a, block=ACT_BLOCK, ndim=ndim)
@@ -37,7 +38,10 @@ def _check_activation(c: Check, a, w, *, ndim: int) -> None:
         if isinstance(w, QTensor):
             _check_fp8_k(c, "a", a.shape[-1])
         elif a.dtype != w.dtype:
-            raise c.fail("w", f"dtype {a.dtype} (the dtype of 'a')", f"dtype {w.dtype}")
+            widens = widen and a.dtype in (torch.bfloat16, torch.float16)
+            if not (widens and w.dtype == torch.float32):
+                expected = f"dtype {a.dtype} (the dtype of 'a')" + (" or torch.float32" if widens else "")
+                raise c.fail("w", expected, f"dtype {w.dtype}")
     if a.shape[-1] != k:
         raise c.fail("a", f"K = {k} in the last dim (the K of 'w')", f"shape {list(a.shape)}")
 
@@ -71,6 +75,8 @@ def gemm(
 
     Operand combinations:
     - ``a`` and ``w`` float tensors of the same dtype (bf16, fp16 or fp32);
+    - ``a`` bf16 or fp16, ``w`` fp32: ``a``'s values multiply the fp32 weight as they are (a router whose weight is
+      not a bf16 value, without an fp32 copy of the activations first);
     - ``a`` float, ``w`` FP8 ``QTensor`` with ``(128, 128)`` scales ``[ceil(N/128), K/128]``: ``a`` is quantised
       inside per ``(1, 128)`` with the weight's scale format; ``K % 128 == 0``;
     - ``a`` FP8 ``QTensor`` with ``(1, 128)`` scales ``[M, K/128]``, ``w`` FP8 as above.
@@ -83,7 +89,7 @@ def gemm(
         _check_fp8_k(c, "w", w.shape[1])
     else:
         c.tensor("w", w, dtypes=FLOAT_DTYPES, ndim=2)
-    _check_activation(c, a, w, ndim=2)
+    _check_activation(c, a, w, ndim=2, widen=True)
     c.choice("out_dtype", out_dtype, FLOAT_DTYPES)
     if bias is not None:
         c.tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(w.shape[0],))
