@@ -130,7 +130,7 @@ def test_sparse_attention_model_keeps_every_token(invariant, tmp_path, monkeypat
     plain = [result(o) for o in LLM(ckpt, block_size=8, progress=False).generate(prompts, params)]
     spec = {"num_speculative_tokens": 2, "launch_ahead": graphs}
     replayed = replay_graphs_on_cpu(monkeypatch) if graphs else []
-    llm = LLM(ckpt, block_size=8, max_num_seqs=8, progress=False, speculative_config=spec)
+    llm = LLM(ckpt, block_size=8, max_num_seqs=8, progress=False, speculative_config=spec, enforce_eager=not graphs)
     assert (llm.engine.runner.graphs is not None) == graphs
     assert [result(o) for o in llm.generate(prompts, params)] == plain
     assert llm.last_stats["speculative"]["drafted"] > 20
@@ -224,11 +224,13 @@ def test_graph_path_keeps_every_token(invariant, monkeypatch, spec):
 
 
 @pytest.mark.parametrize("spec", [None, {"num_speculative_tokens": 2, "launch_ahead": True}], ids=["plain", "k2-ahead"])
-def test_short_prompts_replay_the_decode_graphs(monkeypatch, spec):
+def test_short_prompts_replay_the_decode_graphs(monkeypatch, spec, deepinfer_backend):
     """Outside batch-invariant mode, a prompt chunk ending within ``SHORT_PROMPT_TOKENS`` runs as decode rows inside
     the decode graphs (each replay run eagerly on the CPU, an fp32 model), its MTP pass too: tokens, their
     log-probabilities and the prompt's agree with an eager engine's prefill path, alone and beside a longer prompt
-    (whose step stays eager, the short chunk as decode rows beside its prefill)."""
+    (whose step stays eager, the short chunk as decode rows beside its prefill). Within 1e-4 on the reference; a
+    GPU backend's decode and prefill kernels differ by more (3.8e-4 measured on an H100): within 2e-3 there."""
+    tol = 1e-4 if deepinfer_backend == "reference" else 2e-3
     monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
     short, long_ = random_prompts(4096, [37, SHORT_PROMPT_TOKENS + 9], seed=5)
     params = [
@@ -246,10 +248,10 @@ def test_short_prompts_replay_the_decode_graphs(monkeypatch, spec):
         for g, e in zip(got, expected):
             a, b = g.outputs[0], e.outputs[0]
             assert a.token_ids == b.token_ids
-            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+            assert a.logprobs == pytest.approx(b.logprobs, abs=tol)
             assert [sorted(t) for t in a.top_logprobs or []] == [sorted(t) for t in b.top_logprobs or []]
             if e.prompt_logprobs is not None:
-                assert g.prompt_logprobs[1:] == pytest.approx(e.prompt_logprobs[1:], abs=1e-4)
+                assert g.prompt_logprobs[1:] == pytest.approx(e.prompt_logprobs[1:], abs=tol)
 
     for p in params:
         replayed.clear()

@@ -17,7 +17,7 @@ Products with an fp32 weight (the router's logits; a bf16 / fp16 activation is t
 batch-invariantly as three tf32 tensor-core products (tf32x3: each operand's tf32 high part times the other's, plus
 both high-low cross terms; close to fp32) with one fixed tile, and split K into spans whose number is set by K alone,
 added in span order: no row count enters a row's arithmetic there either. In default mode cuBLAS runs them, except at
-a few rows, where one tile of FMAs is a single launch (``FEW_ROWS_FP32_TILE``).
+a few rows of a short K, where the tf32x3 tile is a single launch (``FEW_ROWS_FP32_MAX_M``).
 
 This file holds the ops' entry points, their ``supports`` and the Triton kernels' launch choice (tiles, splits over
 K, grouped layouts); the kernels themselves are in ``gemm_triton.py``, cuBLAS's products and the probes of whether
@@ -165,10 +165,10 @@ def _tile(m: int, n: int, k: int, fp8: bool, invariant: bool, swap: bool | None 
 FP32_TILE, FP32_SPAN, MAX_FP32_SPANS = Tile(64, 32, 4, 4, block_k=32, tf32x3=True), 512, 16
 
 
-# fp32 weights at a few rows (default mode): one unsplit tile of FMAs on the CUDA cores. A router's product at 2-16
-# rows is one launch, where cuBLAS takes an SGEMM and a split-K reduction (and at one row a GEMV after an fp32 copy
-# of the activations); weights past FEW_ROWS_FP32_MAX_WEIGHT elements leave too few programs for one tile.
-FEW_ROWS_FP32_TILE, FEW_ROWS_FP32_MAX_M, FEW_ROWS_FP32_MAX_WEIGHT = Tile(16, 32, 4, 2, block_k=64), 16, 1 << 16
+# fp32 weights at 2 to FEW_ROWS_FP32_MAX_M rows in default mode: the tf32x3 tile where K is one span (one launch,
+# 5.9 us at the embedded model's router against cuBLAS's SGEMM and split-K sum, 7.8 us; a GEMV at one row, 3.8 us,
+# and longer K stay with cuBLAS: benchmarks/NOTES.md, gemm — the router at a few rows).
+FEW_ROWS_FP32_MAX_M = 16
 
 
 def _fp32_tile(k: int) -> Tile:
@@ -302,21 +302,15 @@ def gemm_triton(a, w, *, out_dtype, bias):
     return _launch_gemm(a.contiguous(), w.contiguous(), out, None, None, bias, invariant=True, tile=tile)
 
 
-def gemm_fp32_few_rows(a, w, *, out_dtype, bias):
-    """An fp32 weight at up to ``FEW_ROWS_FP32_MAX_M`` rows: ``FEW_ROWS_FP32_TILE`` (default mode)."""
-    out = torch.empty(a.shape[0], w.shape[0], dtype=out_dtype, device=a.device)
-    return _launch_gemm(a.contiguous(), w.contiguous(), out, None, None, bias, invariant=False, tile=FEW_ROWS_FP32_TILE)
-
-
 def fp32_few_rows_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     if not (answer := triton_dense_supports(a, w, out_dtype=out_dtype, bias=bias)):
         return answer
     if w.dtype != torch.float32:
         return Decline(f"w is {w.dtype}, not float32")
-    if a.shape[0] > FEW_ROWS_FP32_MAX_M:
-        return Decline(f"{a.shape[0]} rows > {FEW_ROWS_FP32_MAX_M}")
-    if w.numel() > FEW_ROWS_FP32_MAX_WEIGHT:
-        return Decline(f"w has {w.numel()} elements > {FEW_ROWS_FP32_MAX_WEIGHT}")
+    if not 2 <= a.shape[0] <= FEW_ROWS_FP32_MAX_M:
+        return Decline(f"{a.shape[0]} rows, not 2 to {FEW_ROWS_FP32_MAX_M}")
+    if _fp32_tile(w.shape[1]).split_k > 1:
+        return Decline(f"K = {w.shape[1]} > {FP32_SPAN}: more than one span")
     return True
 
 

@@ -57,7 +57,7 @@ def _mla_decode_impls(attention) -> list[OpImpl]:
 def _gemm_impls(gemm, gemm_cublas) -> list[OpImpl]:
     """cuBLAS and the Triton kernels, in the order tried: FP8 weights by cuBLAS from ``CUBLAS_FP8_MIN_M`` rows, else
     by the swapped Triton kernel up to ``SWAP_MAX_M`` rows, else by the tiled one; dense ones by cuBLAS, else Triton
-    (fp32 weights at up to ``FEW_ROWS_FP32_MAX_M`` rows by Triton's few-row tile first).
+    (fp32 weights at a few rows of one K span by the Triton kernel first).
     The ``-unsplit`` ones are the batch-invariant variants (no split over K; cuBLAS only where it gave their bits).
     The Gluon kernels of ``gemm_gluon`` come before all of them."""
     fp8, fp8_unsplit = partial(gemm.gemm_fp8, invariant=False), partial(gemm.gemm_fp8, invariant=True)
@@ -72,7 +72,7 @@ def _gemm_impls(gemm, gemm_cublas) -> list[OpImpl]:
               priority=2),
         _impl("gemm", "triton-fp8", partial(fp8, swap=False), gemm.fp8_supports, invariant=False, priority=1),
         _impl("gemm", "triton-fp8-unsplit", partial(fp8_unsplit, swap=False), gemm.fp8_supports, priority=1),
-        _impl("gemm", "triton-fp32-few-rows", gemm.gemm_fp32_few_rows, gemm.fp32_few_rows_supports, invariant=False,
+        _impl("gemm", "triton-fp32-few-rows", gemm.gemm_triton, gemm.fp32_few_rows_supports, invariant=False,
               priority=2),
         _impl("gemm", "cublas", gemm_cublas.gemm_cublas, gemm_cublas.cublas_supports, invariant=False, priority=1),
         _impl("gemm", "cublas-unsplit", gemm_cublas.gemm_cublas, gemm_cublas.cublas_invariant_supports, priority=1),
