@@ -414,8 +414,10 @@ class ModelRunner:
                 if len(samplers) > verify:  # prompt rows do not move
                     shift = torch.cat([shift, shift.new_zeros(len(samplers) - verify)])
             with deepinfer.value_checks(False):
-                step.tokens = self._sample(allowed, samplers, None if allowed is not sample_logits else greedy, shift)
-                step.tokens = step.tokens.to(torch.int64)
+                tokens = self._sample(allowed, samplers, None if allowed is not sample_logits else greedy, shift)
+            # the graph's greedy tokens are its output, which the next replay of any graph (one memory pool) may
+            # overwrite: a step launched after this one reads this step's own copy
+            step.tokens = tokens.to(torch.int64, copy=tokens is greedy)
             host["tokens"] = step.tokens
             for r, seq in enumerate(samplers):
                 step.first_row.setdefault(id(seq), r)

@@ -322,16 +322,27 @@ def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]
 
 class ReplayedForward:
     """Stands in for a captured CUDA graph off the GPU: ``replay`` runs the captured forward again over the same
-    static inputs and writes its outputs into the tensors the capture returned, as a graph's replay does."""
+    static inputs and writes its outputs into the tensors the capture returned, as a graph's replay does.
 
-    def __init__(self, forward, key: tuple[int, int], out, replayed: list[tuple[int, int]]):
+    Graphs captured into one memory pool may keep their outputs where a graph captured before them keeps its
+    temporaries, so a replay may overwrite the outputs of every graph captured after it: ``replay`` fills those
+    with garbage (NaN, or an integer no index reaches), so that a reader of a stale output fails here too."""
+
+    def __init__(self, forward, key: tuple[int, int], out, replayed: list[tuple[int, int]], captured: list):
         self.forward, self.key, self.out, self.replayed = forward, key, out, replayed
+        self.captured, self.order = captured, len(captured)
+        captured.append(self)
 
     def replay(self) -> None:
         self.replayed.append(self.key)
         with deepinfer.value_checks(False):  # as a graph's replay: the engine's forward checks no values
             for held, new in zip(self.out, self.forward(self.key)):
                 held.copy_(new)
+        mine = {t.data_ptr() for t in self.out}
+        for graph in self.captured[self.order + 1 :]:
+            for t in graph.out:
+                if t.data_ptr() not in mine:
+                    t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).max)
 
     def pool(self) -> None:
         return None
@@ -345,11 +356,12 @@ def replay_graphs_on_cpu(monkeypatch) -> list[tuple[int, int]]:
     from deepinfer.model import cuda_graphs
 
     replayed: list[tuple[int, int]] = []
+    captured: list[ReplayedForward] = []
 
     def capture_one(self, forward, key, pool):
         with deepinfer.value_checks(False):  # as the capture's warm-up runs
             out = forward(key)
-        return ReplayedForward(forward, key, out, replayed), out
+        return ReplayedForward(forward, key, out, replayed, captured), out
 
     from deepinfer.model import model_runner
 

@@ -412,8 +412,10 @@ def test_a_step_launched_ahead_preempts_no_sequence_in_flight(invariant, monkeyp
         return preempt(self, seq)
 
     monkeypatch.setattr(Scheduler, "_preempt", spy)
+    replayed = replay_graphs_on_cpu(monkeypatch)
     llm = LLM(speculative_config={"num_speculative_tokens": 2, "launch_ahead": True}, **kw)
     outs = [result(o) for o in llm.generate(prompts, params)]
+    assert replayed
     assert len(preempted) >= 3, preempted
     assert not [p for p in preempted if p[1] or p[2] == PENDING], f"sequences preempted in flight: {preempted}"
     assert llm.engine.stats["steps_ahead"] > llm.engine.stats["steps"] / 2
