@@ -239,7 +239,8 @@ class DecodeGraphs:
         shift: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the smallest bucket that holds ``n = len(input_ids)`` rows; returns their logits ``[n, V]`` and
-        greedy tokens ``[n]``, views of the graph's outputs until its next replay. ``pending``: ``(rows, tokens)``,
+        greedy tokens ``[n]``, views of the graph's outputs: valid until the next replay of this graph or of one
+        captured before it (one memory pool; ``ReplayedForward`` in the tests). ``pending``: ``(rows, tokens)``,
         input ids already on the device, written over ``input_ids[rows]``; ``shift [n]``: positions each row moves
         on, known on the device only (``shift_decode_rows``; only where ``shifts``). The width replayed is the
         narrowest captured that holds the longest of ``block_tables``."""
@@ -302,8 +303,8 @@ class DecodeGraphs:
         """The MTP pass from a graph: over the rows of the last replay (``rows`` None: ``hidden`` and ``next_ids``
         have that bucket's rows, padding included), or over ``n = len(next_ids)`` new decode rows whose metadata
         ``rows`` gives (``run``'s keywords but ``input_ids``), moved on by ``shift`` as in ``run``. Returns the
-        states, drafts and their probabilities of the ``n`` rows, views of the graph's outputs until its next
-        replay."""
+        states, drafts and their probabilities of the ``n`` rows, views of the graph's outputs, valid as ``run``'s
+        are."""
         n = next_ids.shape[0]
         key = self.last if rows is None else self._load([0] * n, **rows)
         if rows is not None and shift is not None:

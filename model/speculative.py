@@ -308,7 +308,7 @@ class MTPDrafter:
             meta = decode_metadata([(seqs[i], seqs[i].num_computed - 1 + m) for i in rows], self.allocator)
             if graphs is not None and graphs.replays_mtp(len(rows)):
                 state, tokens, probs = graphs.run_mtp(state, ids, meta, shift)
-                # the graph's outputs, overwritten by its next replay (the probabilities are read only with `read`)
+                # the graph's outputs, overwritten by later replays (the probabilities are read only with `read`)
                 tokens, probs = tokens.clone(), probs.clone() if read else None
             else:
                 fb = decode_batch(meta, tensor)

@@ -329,6 +329,7 @@ class ReplayedForward:
     with garbage (NaN, or an integer no index reaches), so that a reader of a stale output fails here too."""
 
     def __init__(self, forward, key: tuple[int, int], out, replayed: list[tuple[int, int]], captured: list):
+        """``captured``: the graphs of this one's pool so far, in capture order (this one is appended)."""
         self.forward, self.key, self.out, self.replayed = forward, key, out, replayed
         self.captured, self.order = captured, len(captured)
         captured.append(self)
@@ -356,12 +357,12 @@ def replay_graphs_on_cpu(monkeypatch) -> list[tuple[int, int]]:
     from deepinfer.model import cuda_graphs
 
     replayed: list[tuple[int, int]] = []
-    captured: list[ReplayedForward] = []
+    pools: dict[int, list[ReplayedForward]] = {}  # per engine's graphs (one pool each), in capture order
 
     def capture_one(self, forward, key, pool):
         with deepinfer.value_checks(False):  # as the capture's warm-up runs
             out = forward(key)
-        return ReplayedForward(forward, key, out, replayed, captured), out
+        return ReplayedForward(forward, key, out, replayed, pools.setdefault(id(self), [])), out
 
     from deepinfer.model import model_runner
 

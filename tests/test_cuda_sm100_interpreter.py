@@ -163,6 +163,28 @@ def test_fp8_gemms_read_unaligned_operands():
     assert out.stdout.split("\n")[:2] == ["True False", "True True True True True"]
 
 
+K_ZERO = """
+import torch
+import deepinfer
+from deepinfer import ops
+from deepinfer.dispatch import last_resolution
+deepinfer.use("cuda_sm100")
+bias = torch.randn(8)
+for rows in (3, 64):  # the few-row tile (default mode), then the batch-invariant kernel's tile
+    a, w = torch.zeros(rows, 0, dtype=torch.bfloat16), torch.zeros(8, 0)
+    out = ops.gemm(a, w, out_dtype=torch.float32, bias=bias)
+    print(last_resolution("gemm")[0].provider, torch.equal(out, bias.expand(rows, 8)))
+"""
+
+
+def test_an_fp32_weight_over_no_columns_gives_the_bias():
+    """An fp32 weight with K = 0 (an empty sum) gives the bias on the Triton tiles too: one span, not zero spans."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", K_ZERO], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["triton-fp32-few-rows True", "triton True"]
+
+
 MASKED_SWAPPED = """
 import torch
 from deepinfer import QTensor

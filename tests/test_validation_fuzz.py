@@ -204,7 +204,9 @@ def test_gemm_validation(mutation, data):
     k = 128 * d.int(1, 2) if fp8_w else d.int(1, 40)
     dtype = d.pick(FLOATS)
     w = draw_weight(d, n, k, fp8=fp8_w, dtype=dtype)
-    a = draw_activation(d, m, k, fp8_w=fp8_w, dtype=dtype)
+    # an fp32 weight meets a bf16 / fp16 activation too (a router's product)
+    a_dtype = d.pick(FLOATS) if dtype == torch.float32 and not fp8_w else dtype
+    a = draw_activation(d, m, k, fp8_w=fp8_w, dtype=a_dtype)
     bias = d.randn(n, dtype=d.pick(FLOATS)) if d(st.booleans(), label="bias") else None
     kw = dict(a=a, w=w, out_dtype=d.pick(FLOATS), bias=bias)
     if mutation == "a_type":
@@ -231,7 +233,7 @@ def test_gemm_validation(mutation, data):
         kw["a"] = d.randn(m, kw["w"].shape[1], dtype=torch.bfloat16)
     elif mutation == "dtype_mismatch":  # (a bf16 / fp16 activation meets an fp32 weight: not a mismatch)
         if dtype == torch.float32:
-            kw["w"] = w.to(d.pick([torch.bfloat16, torch.float16]))
+            kw["w"] = w.to(d.pick([t for t in (torch.bfloat16, torch.float16) if t != a_dtype]))
         else:
             kw["a"] = a.to(d.pick([t for t in FLOATS if t != dtype]))
     elif mutation == "fp8_a_float_w":

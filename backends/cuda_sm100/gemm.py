@@ -173,7 +173,7 @@ FEW_ROWS_FP32_MAX_M = 16
 
 def _fp32_tile(k: int) -> Tile:
     """The fp32 launch: ``FP32_TILE`` with a split over K whose span count depends on K alone."""
-    return FP32_TILE._replace(split_k=min(triton.cdiv(k, FP32_SPAN), MAX_FP32_SPANS))
+    return FP32_TILE._replace(split_k=max(1, min(triton.cdiv(k, FP32_SPAN), MAX_FP32_SPANS)))  # K = 0: one span
 
 
 def _unsplit_tile(m: int, n: int, k: int) -> Tile:

@@ -209,8 +209,8 @@ def cublas_invariant_supports(a, w, *, out_dtype, bias) -> bool | Decline:
         return answer
     if bias is not None:
         return Decline("a bias is given")
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        return Decline(f"a is {a.dtype}, expected bfloat16 or float16")
+    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype:
+        return Decline(f"a is {a.dtype} and w {w.dtype}, expected both bfloat16 or both float16")
     if a.shape[0] < CUBLAS_DENSE_INVARIANT_MIN_M:
         return Decline(f"{a.shape[0]} rows < {CUBLAS_DENSE_INVARIANT_MIN_M}")
     m = a.shape[0]
