@@ -3,7 +3,8 @@ length at each batch size, greedy, on the embedded model (or ``--model``) with p
 library files.
 
     python benchmarks/bench_speculative.py [--backend cuda_sm100] [--batches 1,16,64] [--specs 1,1:ahead,3,3@0.5]
-        [--max-tokens 128] [--repeats 3] [--alone N] [--step-times] [--profile] [--json OUT.json]
+        [--max-tokens 128] [--repeats 3] [--alone N] [--step-times] [--profile] [--set MODULE.NAME=VALUE,...]
+        [--json OUT.json]
 
 Each spec is ``k[@threshold][/batch][:ahead]`` (``num_speculative_tokens``, ``confidence_threshold``,
 ``disable_by_batch_size``; ``:ahead``: ``launch_ahead``, each speculative step launched before the host has read the one
@@ -23,6 +24,10 @@ depends on its text, and one prompt is a sample of one.
 per batch, or per request with ``--alone``): the first step of a call, which prefills its prompts, the median of the
 others and how much of it they spend blocked on the device (near 0 where the host sets the pace), steps per call, and
 the time a call spends outside any step.
+
+``--set`` changes module constants of the ``cuda_sm100`` backend for the whole run, as ``ab_against_git.py --set``
+does (e.g. ``--set gemm.FEW_ROWS_FP32_MAX_M=0``: the router's few-row tile off): an A/B is two runs, one per side,
+and the JSON records the setting.
 
 ``--profile`` (GPU) loads each configuration once more after every timed run (once the profiler has run, the
 process's launches stay slower: the tokens per second, first-token and step times of any configuration measured
@@ -107,6 +112,7 @@ def main() -> None:
     )
     ap.add_argument("--profile", action="store_true", help="device busy time per step and the host-hidden bound (GPU)")
     ap.add_argument("--step-times", action="store_true", help="where a request's time goes, step by step")
+    ap.add_argument("--set", help="cuda_sm100 module constants for the run: MODULE.NAME=VALUE[,...]")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.alone < 1:
@@ -116,7 +122,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     configs = ["0", *args.specs.split(",")]
     invariant = deepinfer.batch_invariant(True) if args.oracle_drafts is not None else contextlib.nullcontext()
-    with tempfile.TemporaryDirectory(prefix="deepinfer-spec-") as tmp, invariant:
+    settings = contextlib.nullcontext()
+    if args.set:
+        from ab_against_git import settings as backend_settings
+
+        settings = backend_settings(args.set)
+    with tempfile.TemporaryDirectory(prefix="deepinfer-spec-") as tmp, invariant, settings:
         model = write_cut(Path(tmp), args.cut, args.backend) if args.cut else args.model or default_checkpoint()
         rows = measure(args, model, batches, configs)
     head = ["tokens/s", "vs plain", "first token", "decode tokens/s", "vs plain", "mean accepted length"]
@@ -308,6 +319,7 @@ def write_json(args, llm: LLM, rows: list[dict]) -> None:
                 "alone": args.alone,
                 "oracle_drafts": args.oracle_drafts,
                 "batch_invariant": deepinfer.batch_invariant_enabled(),
+                "settings": args.set,
                 "rows": rows,
             },
             f,
