@@ -176,7 +176,7 @@ def gemm_cublas(a, w, *, out_dtype, bias):
     if a.dtype != w.dtype:
         a = a.float()
     if out_dtype == torch.float32 and a.dtype != torch.float32:
-        if a.dtype == w.dtype and _mm_widens():
+        if _mm_widens():
             out = torch.mm(a, w.t(), out_dtype=torch.float32)
             return out if bias is None else out + bias.float()
         a, w = a.float(), w.float()
