@@ -2,9 +2,9 @@
 (a bf16 cross-check against transformers, chunked against unchunked prefill, the embedded trained model's
 log-probabilities of held-out text against the reference backend, a short prompt as decode rows in the decode
 graphs), in a child process (the interpreter
-must be chosen before triton is imported). Every op runs on its Triton kernel except the router's fp32 GEMM, which
-the backend leaves to cuBLAS on the device and so to the reference here. The whole model suite runs on the device
-with ``--deepinfer-backend cuda_sm100``."""
+must be chosen before triton is imported). Every op runs on its Triton kernel, the products the backend leaves to
+cuBLAS on the device included (the router's fp32 GEMM among them). The whole model suite runs on the device with
+``--deepinfer-backend cuda_sm100``."""
 
 from __future__ import annotations
 
