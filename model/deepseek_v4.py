@@ -443,10 +443,11 @@ class V4Attention:
         out = ops.sparse_attention_sinks(q, torch.cat(pool), indices, w["attn_sink"], softmax_scale=d**-0.5)
         out = _rope_tail_back(out, pos, self.table, self.rd)
         g = cfg.o_groups
-        grouped = out.reshape(t, g, -1).transpose(0, 1).contiguous()
         per_group = torch.full((g,), t, dtype=torch.int32, device=x.device)
-        o = ops.grouped_gemm(grouped, w["wo_a"], masked_m=per_group, out_dtype=x.dtype)
-        return linear(o.transpose(0, 1).reshape(t, -1), w["wo_b.weight"])
+        o = torch.empty(t, g, w["wo_a"].shape[1], dtype=x.dtype, device=x.device)  # wo_b's rows, written in place
+        grouped = out.reshape(t, g, -1).transpose(0, 1)
+        ops.grouped_gemm(grouped, w["wo_a"], masked_m=per_group, out_dtype=x.dtype, out=o.transpose(0, 1))
+        return linear(o.view(t, -1), w["wo_b.weight"])
 
     def _choose(self, index_q, keys, key_start, key_count, max_count: int | None = None) -> torch.Tensor:
         """The lightning indexer's choice among each query's range of ``keys`` (``index_q``: its queries and head

@@ -101,8 +101,17 @@ class MLAttention:
         o_lat, _ = ops.mla_decode(
             q, kv_cache, batch.block_table, batch.seq_lens, softmax_scale=self.softmax_scale, kv_lora_rank=self.rank
         )
-        o = ops.grouped_gemm(o_lat[:, 0].transpose(0, 1), self.w["w_uv"], masked_m=per_head, out_dtype=dtype)
-        return o.transpose(0, 1)  # [b, H, v]
+        return self._values(o_lat[:, 0], per_head, dtype)
+
+    def _values(self, o_lat: torch.Tensor, per_head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The heads' values ``[T, H, v]`` from their latent outputs ``o_lat [T, H, r]`` (``w_uv`` per head), in
+        the row-major layout ``o_proj`` reads: written there by ``grouped_gemm`` rather than transposed after."""
+        t, heads_first, w_uv = o_lat.shape[0], o_lat.transpose(0, 1), self.w["w_uv"]
+        if t == 1:  # [H, 1, v] is already that layout
+            return ops.grouped_gemm(heads_first, w_uv, masked_m=per_head, out_dtype=dtype).transpose(0, 1)
+        o = torch.empty(t, self.heads, self.v_dim, dtype=dtype, device=o_lat.device)
+        ops.grouped_gemm(heads_first, w_uv, masked_m=per_head, out_dtype=dtype, out=o.transpose(0, 1))
+        return o
 
     def _prefill(self, q, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         ctx = gather_latent(kv_cache, batch.context_slots, self.rank, q.dtype)

@@ -213,7 +213,7 @@ def _rows(a, experts: int, masked_m):
     return a.reshape(-1, a.shape[-1]), counts
 
 
-def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tensor:
+def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> torch.Tensor:
     """``grouped_gemm`` through ``npu_grouped_matmul`` (single x, single weight, single y)."""
     npu = probe.torch_npu()
     experts, n, _ = w.shape
@@ -222,12 +222,12 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tens
         counts = torch.diff(expert_offsets.long())
     m = flat.shape[0]
     if m == 0:
-        out = torch.zeros(0, n, dtype=out_dtype, device=w.device)
+        y = torch.zeros(0, n, dtype=out_dtype, device=w.device)
     elif isinstance(w, QTensor):
         act = _activation(flat, w.scale_format)
         # The Python API has no group_sizes: G-B's [1, 128, 128] is inferred from the scale shapes (README 7).
         # x must be contiguous, the weight contiguous or a transposed contiguous tensor.
-        out = npu.npu_grouped_matmul(
+        y = npu.npu_grouped_matmul(
             [act.data.contiguous()],
             [w.data.contiguous().transpose(1, 2)],  # [E, K, N] as a transposed view of the core's [E, N, K]
             scale=[w.scale.contiguous().transpose(1, 2)],  # [E, K/128, ceil(N/128)], transposed like the weight
@@ -239,7 +239,7 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tens
             output_dtype=out_dtype,
         )[0]
     else:
-        out = npu.npu_grouped_matmul(
+        y = npu.npu_grouped_matmul(
             [flat.contiguous()],
             [w.contiguous().transpose(1, 2)],
             group_list=counts,
@@ -247,10 +247,10 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tens
             group_type=0,
             split_item=3,
         )[0].to(out_dtype)
-    return out if masked_m is None else out.view(experts, -1, n)
+    return y if masked_m is None else y.view(experts, -1, n)
 
 
-def grouped_gemm_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+def grouped_gemm_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> bool | Decline:
     if isinstance(w, FP4Tensor):
         return Decline("w is an FP4Tensor")
     if not (answer := _gmm_fits(a, w, w, expert_offsets, masked_m)):
@@ -263,14 +263,14 @@ def grouped_gemm_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> b
     return True
 
 
-def grouped_gemm_fp4_gmm(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tensor:
+def grouped_gemm_fp4_gmm(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> torch.Tensor:
     """``grouped_gemm`` of an ``FP4Tensor`` weight: decoded to ``a``'s dtype in plain torch (exact), then the dense
     ``npu_grouped_matmul`` of ``grouped_gemm_gmm``."""
     dense = w.dequantize(a.dtype)
     return grouped_gemm_gmm(a, dense, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
 
 
-def grouped_gemm_fp4_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+def grouped_gemm_fp4_gmm_supports(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> bool | Decline:
     """An ``FP4Tensor`` weight against a bf16 or fp32 activation (an fp16 copy could not hold every value)."""
     if not isinstance(w, FP4Tensor):
         return Decline("w is not an FP4Tensor")
@@ -290,7 +290,7 @@ def _gmm_fits(a, w, w_data, expert_offsets, masked_m) -> bool | Decline:
     return True
 
 
-def grouped_gemm_torch(a, w, *, expert_offsets, masked_m, out_dtype) -> torch.Tensor:
+def grouped_gemm_torch(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> torch.Tensor:
     """One matmul per expert in fp32 (FP8 and FP4 operands dequantised)."""
     experts, n, _ = w.shape
     if isinstance(w, QTensor) and not isinstance(a, QTensor):

@@ -389,7 +389,7 @@ def grouped_kernel(a, w, *, masked_m, invariant: bool, expert_offsets=None, out_
     return "triton"
 
 
-def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, kernel: str | None = None):
+def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, out=None, kernel: str | None = None):
     """``ops.grouped_gemm`` by ``kernel`` (one of ``GROUPED_KERNELS``; None: ``grouped_kernel``'s choice in the
     current mode)."""
     if kernel is None:
@@ -410,7 +410,8 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, kernel: str | Non
     masked_m = masked_m.contiguous() if masked else None
     expert_offsets = expert_offsets.contiguous() if expert_offsets is not None else None
     rows = a_data.shape[0] * a_data.shape[1] if masked else a_data.shape[0]
-    out = torch.empty(*a_data.shape[:-1], n, dtype=out_dtype, device=a_data.device)
+    if out is None:
+        out = torch.empty(*a_data.shape[:-1], n, dtype=out_dtype, device=a_data.device)
     if rows == 0 or n == 0:
         return out
     # decode rows (masked, bf16, few): a view whose experts or rows are strided (its K contiguous) is read in place,
@@ -436,7 +437,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, kernel: str | Non
     _grouped_gemm_kernel[(grid_m * triton.cdiv(n, block_n),)](
         TensorDescriptor.from_tensor(a2, [block_m, block_k]) if tma else a2,
         TensorDescriptor.from_tensor(b, [block_n, block_k]) if tma else b,
-        out.view(rows, n),
+        out,
         a_scale,
         b_scale,
         offsets,
@@ -449,7 +450,8 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, kernel: str | Non
         stride_am,
         stride_ae if masked else 0,
         b.stride(0),
-        n,
+        out.stride(-2),
+        out.stride(0) if masked else 0,
         MASKED=masked,
         FP8=fp8,
         TMA=tma,
@@ -467,7 +469,8 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, kernel: str | Non
 
 
 def _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts: int, n: int, max_m: int):
-    """``_grouped_masked_swapped_kernel`` on A ``[E * max_m, K]`` FP8, B ``[E * N, K]`` FP8 into ``out``."""
+    """``_grouped_masked_swapped_kernel`` on A ``[E * max_m, K]`` FP8, B ``[E * N, K]`` FP8 into ``out``
+    ``[E, max_m, N]`` (any strides but the last)."""
     tile = MASKED_SWAPPED_TILE
     k = a2.shape[1]
     tma = tma_ready(a2, b)
@@ -475,7 +478,7 @@ def _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts: int
     _grouped_masked_swapped_kernel[(min(pairs, MASKED_PROGRAMS_PER_SM * num_sms()),)](
         TensorDescriptor.from_tensor(a2, [tile.block_m, FP8_BLOCK]) if tma else a2,
         TensorDescriptor.from_tensor(b, [tile.block_n, FP8_BLOCK]) if tma else b,
-        out.view(-1, n),
+        out,
         a_scale,
         b_scale,
         masked_m,
@@ -485,7 +488,8 @@ def _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts: int
         max_m,
         a2.stride(0),
         b.stride(0),
-        n,
+        out.stride(1),
+        out.stride(0),
         TMA=tma,
         FP32_DOT=INTERPRET,
         BLOCK_M=tile.block_m,
@@ -499,7 +503,7 @@ def _grouped_masked_swapped(a2, b, out, a_scale, b_scale, masked_m, experts: int
     return out
 
 
-def grouped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+def grouped_supports(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> bool | Decline:
     if isinstance(w, FP4Tensor):
         return Decline("w is an FP4Tensor")
     a_data = a.data if isinstance(a, QTensor) else a
@@ -508,7 +512,7 @@ def grouped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Dec
     return placed(a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m)
 
 
-def grouped_gluon_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+def grouped_gluon_supports(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> bool | Decline:
     """``gemm_gluon_grouped.supports``, with a Triton that has Gluon's Hopper language, while ``GROUPED_GLUON`` is
     on."""
     try:
@@ -519,7 +523,7 @@ def grouped_gluon_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool
     return Decline("gemm.GROUPED_GLUON is off") if answer and not GROUPED_GLUON else answer
 
 
-def grouped_masked_swapped_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+def grouped_masked_swapped_supports(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> bool | Decline:
     """``grouped_supports`` for an FP8 weight in the masked layout, up to ``MASKED_SWAPPED_MAX_M`` rows per
     expert."""
     if not isinstance(w, QTensor):
@@ -531,7 +535,7 @@ def grouped_masked_swapped_supports(a, w, *, expert_offsets, masked_m, out_dtype
     return grouped_supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
 
 
-def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+def grouped_decode_supports(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> bool | Decline:
     """``grouped_supports`` for a dense weight in the masked layout at up to ``DECODE_TILE_MAX_M`` rows per expert."""
     if isinstance(w, (QTensor, FP4Tensor)):
         return Decline(f"w is an {'FP8 QTensor' if isinstance(w, QTensor) else 'FP4Tensor'}")
@@ -560,7 +564,7 @@ FP4_TILE_FEW = Tile(16, 64, 2, 3)
 FP4_FEW_ROWS = 16
 
 
-def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype, tile=FP4_TILE, scaled=None):
+def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype, out=None, tile=FP4_TILE, scaled=None):
     """``ops.grouped_gemm`` of a bf16 or fp32 activation against an ``FP4Tensor`` weight, by
     ``_grouped_gemm_fp4_kernel`` with ``tile``; ``scaled``: its ``tl.dot_scaled`` path, by default for bf16
     activations on devices without the ``fp4`` capability (SM90, and the interpreter)."""
@@ -608,7 +612,7 @@ def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype, tile=FP4_TILE
     return out
 
 
-def grouped_fp4_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+def grouped_fp4_supports(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> bool | Decline:
     """An ``FP4Tensor`` weight against a bf16 or fp32 activation (fp16 could not hold every weight value exactly)."""
     if not isinstance(w, FP4Tensor):
         return Decline("w is not an FP4Tensor")
@@ -617,7 +621,7 @@ def grouped_fp4_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool |
     return placed(a=a, w=w.data, expert_offsets=expert_offsets, masked_m=masked_m)
 
 
-def grouped_fp4_few_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+def grouped_fp4_few_supports(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> bool | Decline:
     """``grouped_fp4_supports``, for decode: the masked layout (its programs past an expert's rows return at once),
     or at most ``FP4_FEW_ROWS`` rows per expert on average."""
     ok = grouped_fp4_supports(a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
@@ -629,7 +633,7 @@ def grouped_fp4_few_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bo
     return True
 
 
-def grouped_fp4_native(a, w, *, expert_offsets, masked_m, out_dtype):
+def grouped_fp4_native(a, w, *, expert_offsets, masked_m, out_dtype, out=None):
     """``grouped_gemm_fp4`` through ``tl.dot_scaled`` (tcgen05 products on SM100), 128 x 128 tiles."""
     return grouped_gemm_fp4(
         a, w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype, tile=FP4_TILE_SM100, scaled=True
@@ -645,7 +649,7 @@ FP4_TCGEN05 = False
 FP4_TILE_SM100 = Tile(128, 128, 4, 3)
 
 
-def grouped_fp4_native_supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+def grouped_fp4_native_supports(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> bool | Decline:
     """An ``FP4Tensor`` weight and a bf16 activation on a device with the ``fp4`` capability (compute capability
     10.x), while ``FP4_TCGEN05`` is on."""
     if not isinstance(w, FP4Tensor):

@@ -230,7 +230,7 @@ def tile_table(expert_offsets: torch.Tensor, rows: int, tile_rows: int) -> tuple
     return table, max_tiles
 
 
-def grouped_gemm(a, w: QTensor, *, expert_offsets, masked_m, out_dtype) -> torch.Tensor:
+def grouped_gemm(a, w: QTensor, *, expert_offsets, masked_m, out_dtype, out=None) -> torch.Tensor:
     """``ops.grouped_gemm``, contiguous layout, bf16 result: a bf16 ``a`` is quantised first (as ``gemm.grouped_gemm``
     does)."""
     if masked_m is not None or expert_offsets is None or out_dtype != torch.bfloat16:
@@ -253,7 +253,7 @@ def grouped_gemm(a, w: QTensor, *, expert_offsets, masked_m, out_dtype) -> torch
     return out
 
 
-def supports(a, w, *, expert_offsets, masked_m, out_dtype) -> bool | Decline:
+def supports(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> bool | Decline:
     """An SM90 GPU; the contiguous layout with at least ``MIN_ROWS_PER_EXPERT`` rows per expert on average; a
     contiguous e4m3 (128, 128)-scaled weight [E, N, K] with N and K multiples of 128; a 2-D bf16 or (1, 128)-scaled
     e4m3 activation; a bf16 result."""

@@ -286,6 +286,7 @@ def _grouped_gemm_kernel(
     stride_ae,
     stride_bn,
     stride_cm,
+    stride_ce,
     MASKED: tl.constexpr,
     FP8: tl.constexpr,
     TMA: tl.constexpr,
@@ -302,7 +303,9 @@ def _grouped_gemm_kernel(
     weight streams past once (``tile_coords`` over ``GRID_M`` M tiles). Its prologue is ``_expert_rows``' with early
     exits, kept inline until a GPU run shows the shared form compiles to the same speed. Masked, without TMA, expert
     e's rows of A start ``stride_ae`` elements after expert e - 1's (``max_m * stride_am`` where A is contiguous; a
-    transposed view, e.g. heads of ``[tokens, heads, K]``, is read in place); C is always contiguous."""
+    transposed view, e.g. heads of ``[tokens, heads, K]``, is read in place). C's rows are ``stride_cm`` apart;
+    masked, expert e's rows start ``stride_ce`` elements after expert e - 1's (``max_m * stride_cm`` where C is
+    contiguous), so C may be such a view too."""
     pdl_wait()
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if MASKED:
@@ -330,13 +333,17 @@ def _grouped_gemm_kernel(
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m, mask_n = offs_m < row_end, offs_n < N
-    if MASKED and not TMA:  # A's rows from expert e's own start (C's and the scales' rows stay offs_m)
+    if MASKED and not TMA:  # A's rows from expert e's own start (the scales' rows stay offs_m)
         a_src = a_src + e.to(tl.int64) * stride_ae
         a_first = first
         a_offs = first + tl.arange(0, BLOCK_M)
     else:
         a_first = row0
         a_offs = offs_m
+    if MASKED:
+        c_rows = e.to(tl.int64) * stride_ce + (first + tl.arange(0, BLOCK_M)).to(tl.int64) * stride_cm
+    else:
+        c_rows = offs_m * stride_cm
     # B is read as [E * N, K]: expert e's rows start at e * N (a tile past N reads the next expert's rows, which
     # only feed columns that are never stored)
     b_first = e.to(tl.int64) * N + pid_n * BLOCK_N
@@ -351,7 +358,7 @@ def _grouped_gemm_kernel(
         else:
             acc = dot(a, tl.trans(b), acc, FP32_DOT)
     tl.store(
-        c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
+        c_ptr + c_rows[:, None] + offs_n[None, :],
         cast(acc, c_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_n[None, :],
     )
@@ -372,6 +379,7 @@ def _grouped_masked_swapped_kernel(
     stride_am,
     stride_bn,
     stride_cm,
+    stride_ce,
     TMA: tl.constexpr,
     FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -406,8 +414,9 @@ def _grouped_masked_swapped_kernel(
         acc = _swapped_product(a_src, b_src, as_ptr, bs_ptr, row0, offs_m, mask_m, stride_am, b_first,
                                b_first + tl.arange(0, BLOCK_N), mask_n, stride_bn, b_block, 0, K, K, TMA, FP32_DOT,
                                BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        c_rows = e.to(tl.int64) * stride_ce + (offs_m - first) * stride_cm  # C's rows as in _grouped_gemm_kernel
         tl.store(
-            c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None],
+            c_ptr + c_rows[None, :] + offs_n[:, None],
             cast(acc, c_ptr.dtype.element_ty),
             mask=mask_n[:, None] & mask_m[None, :],
         )

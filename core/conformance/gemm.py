@@ -109,21 +109,60 @@ def _expert_of_rows(offsets: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(counts.numel()), counts)
 
 
-def _sub_contiguous(kw: dict, rows: list[int]):
+def _sub_contiguous(kw: dict, rows: list[int], names: tuple[str, ...] = ("a",)):
     experts = _expert_of_rows(kw["expert_offsets"])[rows]
     counts = torch.bincount(experts, minlength=kw["expert_offsets"].numel() - 1)
     offsets = torch.zeros_like(kw["expert_offsets"])
     offsets[1:] = counts.cumsum(0).to(offsets.device)
-    return {**take_rows(kw, ("a",), rows), "expert_offsets": offsets}, lambda o: rows_of(o, rows)
+    return {**take_rows(kw, names, rows), "expert_offsets": offsets}, lambda o: rows_of(o, rows)
+
+
+def _out_view(shape: tuple[int, ...], dtype: torch.dtype, device, pad: int) -> torch.Tensor:
+    """A NaN-filled ``out`` of ``shape`` that is a view: masked ``[E, max_m, N]`` as the heads of a
+    ``[max_m, E, N + pad]`` buffer (absorbed MLA's ``[tokens, heads, v]`` values, as ``o_proj`` reads them),
+    contiguous ``[M, N]`` as the first ``N`` columns of ``[M, N + pad]``."""
+    *lead, n = shape
+    if len(lead) == 2:
+        return torch.full((lead[1], lead[0], n + pad), torch.nan, dtype=dtype, device=device)[..., :n].transpose(0, 1)
+    return torch.full((*lead, n + pad), torch.nan, dtype=dtype, device=device)[:, :n]
+
+
+def _run_into(pad: int, masked: bool):
+    """A ``run`` that hands the op a fresh ``out`` view (``_out_view``) each call, so that no two runs share one,
+    and fails unless the op returns that ``out``; a row left unwritten stays NaN and fails the comparison."""
+
+    def run(op, kw: dict):
+        out = _out_view(tuple(kw["out"].shape), kw["out"].dtype, kw["out"].device, pad)
+        returned = []
+
+        def call(**kwargs):
+            returned.append(op(**kwargs))
+            return returned[-1]
+
+        kw = {**kw, "out": out}
+        result = run_masked(call, kw) if masked else call(**kw)
+        if returned[0] is not out:
+            raise AssertionError("grouped_gemm returned another tensor than 'out'")
+        return result
+
+    return run
 
 
 def _grouped_case(
-    experts: int, n: int, k: int, most: int, variant: str, layout: str, least: int = 0, gap: int | None = None
+    experts: int,
+    n: int,
+    k: int,
+    most: int,
+    variant: str,
+    layout: str,
+    least: int = 0,
+    gap: int | None = None,
+    into: int | None = None,
 ) -> Case:
     """``least``: the fewest rows of each expert but the one with none (contiguous layout). ``gap`` (masked, bf16):
     ``a`` is a view, expert e's rows the e-th of each row of a ``[max_m, E, K + gap]`` tensor, their first ``K``
     columns: the heads of an attention layer's ``[tokens, heads, head_dim + rope]`` queries, as absorbed MLA reads
-    them."""
+    them. ``into``: the result goes into ``out``, a view of a wider buffer (``_out_view`` with this padding)."""
 
     def make(g: Gen):
         w = _weight(g, experts, n, k, fp8=variant.startswith("fp8"))
@@ -131,35 +170,56 @@ def _grouped_case(
         if layout == "contiguous":
             counts = _contiguous_counts(g, experts, most, least)
             offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=g.device)
-            return {"a": _act(g, sum(counts), k, variant=act), "w": w, "expert_offsets": offsets}
-        masked = g.ints(0, most + 1, experts)
-        masked[0], masked[-1] = 0, most  # an empty expert and a full one
-        if gap is not None:
-            a = g.randn(most, experts, k + gap, dtype=torch.bfloat16)[..., :k].transpose(0, 1)
-        return {
-            "a": a if gap is not None else _act(g, experts, most, k, variant=act),
-            "w": w,
-            "masked_m": torch.tensor(masked, dtype=torch.int32, device=g.device),
-        }
+            kw = {"a": _act(g, sum(counts), k, variant=act), "w": w, "expert_offsets": offsets}
+        else:
+            masked = g.ints(0, most + 1, experts)
+            masked[0], masked[-1] = 0, most  # an empty expert and a full one
+            if gap is not None:
+                a = g.randn(most, experts, k + gap, dtype=torch.bfloat16)[..., :k].transpose(0, 1)
+            kw = {
+                "a": a if gap is not None else _act(g, experts, most, k, variant=act),
+                "w": w,
+                "masked_m": torch.tensor(masked, dtype=torch.int32, device=g.device),
+            }
+        if into is not None:
+            a_rows = (kw["a"].data if isinstance(kw["a"], QTensor) else kw["a"]).shape[:-1]
+            kw["out"] = _out_view((*a_rows, n), torch.bfloat16, g.device, into)
+        return kw
 
     rows = f"rows {least}..{most}" if least else f"rows<={most}"
     name = f"{layout} E={experts} N={n} K={k} {rows} {variant}"
     name += f" a: heads of rows {k + gap} wide" if gap is not None else ""
+    name += f" out: rows {n + into} wide" if into is not None else ""
     tol = "fp8" if variant.startswith("fp8") else variant
-    return _layout_case(layout, name, tol, make)
+    return _layout_case(layout, name, tol, make, into)
 
 
-def _layout_case(layout: str, name: str, tol: str, make) -> Case:
-    """A ``grouped_gemm`` case of ``layout`` (``contiguous`` or ``masked``), its sub-batches taken by rows."""
+def _layout_case(layout: str, name: str, tol: str, make, into: int | None = None) -> Case:
+    """A ``grouped_gemm`` case of ``layout`` (``contiguous`` or ``masked``), its sub-batches taken by rows
+    (``into``: with ``out`` as ``_grouped_case`` says)."""
     if layout == "contiguous":
-        return Case("grouped_gemm", name, tol, make, sub_batch=_sub_contiguous, batch=lambda kw: kw["a"].shape[0])
+        names = ("a",) if into is None else ("a", "out")
+        return Case(
+            "grouped_gemm",
+            name,
+            tol,
+            make,
+            run=None if into is None else _run_into(into, masked=False),
+            sub_batch=lambda kw, rows: _sub_contiguous(kw, rows, names),
+            batch=lambda kw: kw["a"].shape[0],
+        )
+
+    def sub_batch(kw, rows):
+        sub, select = take_masked_rows(kw, "a", rows)
+        return ({**sub, "out": select(kw["out"])} if into is not None else sub), select
+
     return Case(
         "grouped_gemm",
         name,
         tol,
         make,
-        run=run_masked,
-        sub_batch=lambda kw, rows: take_masked_rows(kw, "a", rows),
+        run=run_masked if into is None else _run_into(into, masked=True),
+        sub_batch=sub_batch,
         batch=lambda kw: kw["a"].shape[1],
     )
 
@@ -217,6 +277,10 @@ def cases(shapes: str) -> list[Case]:
         out.append(_grouped_case(3, 200, 128, 17, "fp8", "contiguous"))
         out += [_grouped_case(3, 96, 256, 0, "bf16", lay) for lay in ("contiguous", "masked")]  # no rows at all
         out += [_grouped_case(4, 96, 64, 9, "bf16", "masked", gap=gap) for gap in (0, 32)]
+        # into ``out``, a view of a wider buffer: both layouts, each kernel family a backend may take
+        out += [_grouped_case(4, 96, 64, 9, "bf16", "masked", gap=32, into=pad) for pad in (0, 24)]
+        out += [_grouped_case(3, 96, 256, 70, v, "masked", into=8) for v in ("bf16", "fp8w")]
+        out += [_grouped_case(4, 96, 256, 9, v, "contiguous", into=8) for v in ("bf16", "fp8")]
         # prefill's hundreds of rows per expert (a backend may take another kernel there), tiles cut by experts' ends
         out += [_grouped_case(3, 256, 256, 800, v, "contiguous", least=600) for v in ("fp8w", "fp8")]
         for lay in ("contiguous", "masked"):
@@ -240,7 +304,9 @@ def cases(shapes: str) -> list[Case]:
         out += [_fp4_grouped_case(32, n, k, 256, lay) for n, k in V4_FLASH_EXPERTS]
     # absorbed MLA at decode: the heads' queries into the latent (K 128 of 192 per head), its output out of it
     out += [_grouped_case(128, 512, 128, m, "bf16", "masked", gap=64) for m in (4, 64)]
-    out += [_grouped_case(128, 128, 512, m, "bf16", "masked", gap=0) for m in (4, 64)]
+    out += [_grouped_case(128, 128, 512, m, "bf16", "masked", gap=0, into=0) for m in (4, 64)]
+    # DeepSeek-V4-Flash's grouped output projection (wo_a: 8 groups of 4096 into 1024), into wo_b's rows
+    out += [_grouped_case(8, 1024, 4096, m, "fp8w", "masked", into=0) for m in (4, 64)]
     return out
 
 
@@ -256,6 +322,11 @@ def bad_inputs() -> list[BadInput]:
         """A valid FP4 call (2 experts, N = 32, K = 64, contiguous) with ``over`` replacing arguments."""
         offsets = torch.tensor([0, 2, 4], dtype=torch.int32, device=g.device)
         return {"a": g.randn(4, 64), "w": fp4_weight(g, 2, 32, 64), "expert_offsets": offsets, **over}
+
+    def grouped_kw(g: Gen):
+        """A valid bf16 call (2 experts, N = 32, K = 128, contiguous, 4 rows)."""
+        offsets = torch.tensor([0, 2, 4], dtype=torch.int32, device=g.device)
+        return {"a": g.randn(4, 128), "w": g.randn(2, 32, 128), "expert_offsets": offsets}
 
     def fp4_parts(g: Gen, data=None, scale=None) -> FP4Tensor:
         w = fp4_weight(g, 2, 32, 64)
@@ -387,6 +458,30 @@ def bad_inputs() -> list[BadInput]:
             "FP4: 2-D weight",
             "w.data",
             lambda g: fp4_kw(g, w=fp4_weight(g, 32, 64)),
+        ),
+        BadInput(
+            "grouped_gemm",
+            "out of the wrong shape",
+            "out",
+            lambda g: {**grouped_kw(g), "out": g.randn(4, 33)},
+        ),
+        BadInput(
+            "grouped_gemm",
+            "out of another dtype than out_dtype",
+            "out",
+            lambda g: {**grouped_kw(g), "out": g.randn(4, 32, dtype=torch.float32)},
+        ),
+        BadInput(
+            "grouped_gemm",
+            "out with a strided last dim",
+            "out",
+            lambda g: {**grouped_kw(g), "out": g.randn(4, 64)[:, ::2]},
+        ),
+        BadInput(
+            "grouped_gemm",
+            "out in the memory of a",
+            "out",
+            lambda g: (lambda kw: {**kw, "out": kw["a"][:, :32]})(grouped_kw(g)),
         ),
         BadInput(
             "grouped_gemm",

@@ -104,6 +104,7 @@ def grouped_gemm(
     expert_offsets: torch.Tensor | None = None,
     masked_m: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One GEMM per expert: rows of expert ``e`` times ``w[e] [N, K]`` transposed. Exactly one layout keyword:
 
@@ -119,6 +120,12 @@ def grouped_gemm(
     ``K % 32 == 0``). ``a`` may be an FP8 ``QTensor`` ``(1, 128)`` when ``w`` is FP8, or float (then quantised
     inside, as in ``gemm``). Against an ``FP4Tensor``, ``a`` is a float tensor (bf16, fp16 or fp32) used as given:
     the result is ``a`` times the weight's exact values (``FP4Tensor.dequantize``), accumulated in fp32.
+
+    ``out``: where given, the result is written into it and it is returned. It has the result's shape, ``out_dtype``
+    and ``a``'s device, its last dim contiguous and any other strides (e.g. the heads of a ``[rows, heads, N]``
+    buffer, transposed), and it must not share memory with ``a`` or ``w``. In the masked layout its rows at or past
+    ``masked_m[e]`` are unspecified afterwards, as in a returned result. Backends may write it directly; where one
+    returns another tensor, the op copies that into ``out``.
     """
     c = Check("grouped_gemm")
     if (expert_offsets is None) == (masked_m is None):
@@ -154,4 +161,15 @@ def grouped_gemm(
         if value_checks_enabled(masked_m):
             c.values_in_range("masked_m", masked_m, 0, a.shape[1], what="row counts")
     c.same_device(a=a_data, w=w.data if isinstance(w, (QTensor, FP4Tensor)) else w)
-    return call("grouped_gemm", a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype)
+    if out is not None:
+        c.tensor("out", out, dtypes=(out_dtype,), shape=(*a.shape[:-1], w.shape[1]))
+        if out.stride(-1) != 1 and out.shape[-1] > 1:
+            raise c.fail("out", "its last dim contiguous (stride 1)", f"strides {list(out.stride())}")
+        c.same_device(a=a_data, out=out)
+        for name, t in (("a", a_data), ("w", w.data if isinstance(w, (QTensor, FP4Tensor)) else w)):
+            if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                raise c.fail("out", f"memory apart from '{name}'", f"a view of the memory of '{name}'")
+    result = call(
+        "grouped_gemm", a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype, out=out
+    )
+    return result if out is None or result is out else out.copy_(result)

@@ -29,7 +29,7 @@ def gemm(a, w, *, out_dtype, bias):
     return out.to(out_dtype)
 
 
-def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype):
+def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, out=None):
     af, wf = _as_fp32(a, w)
     if masked_m is not None:
         out = torch.zeros(*af.shape[:2], wf.shape[1], dtype=torch.float32, device=af.device)
