@@ -519,8 +519,9 @@ def unused_rows(layout, recv_shape) -> torch.Tensor | None:
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_dispatch_identity_combine(g, mode, fp8):
     """Dispatch then combine with an identity expert gives sum_k w[t, k] x[t] over the valid pairs (zeros for a
-    token with none); rows past masked_m hold NaN and are never read; normal mode groups rows by ascending expert
-    then token, low_latency holds each expert's pairs in its first masked_m rows."""
+    token with none); rows past masked_m, and the skipped pairs' rows of normal mode, hold NaN and are never read;
+    normal mode groups rows by ascending expert then token, one row per skipped pair last (id -1, weight 0, in the
+    last expert's range), low_latency holds each expert's pairs in its first masked_m rows."""
     tokens, k, num_experts, hidden = 11, 3, 5, 256
     x = randn(g, tokens, hidden, dtype=torch.bfloat16)
     if fp8:
@@ -532,12 +533,17 @@ def test_dispatch_identity_combine(g, mode, fp8):
     xv = x_values(x)
     rv = x_values(recv_x)
     if mode == "normal":
-        assert torch.equal(layout.expert_offsets, torch.cat([torch.zeros(1), counts.cumsum(0)]).to(torch.int32))
-        assert layout.masked_m is None and rv.shape == (len(pairs), hidden)
-        assert torch.equal(rv, xv[[t for _, t, _ in pairs]])
-        assert recv_ids.tolist() == [e for e, _, _ in pairs]
-        assert recv_w.tolist() == [float(weights[t, j]) for _, t, j in pairs]
+        skipped = tokens * k - len(pairs)
+        assert skipped > 0  # the routing skips some pairs
+        offsets = torch.cat([torch.zeros(1), counts.cumsum(0)]).to(torch.int32)
+        offsets[-1] = tokens * k
+        assert torch.equal(layout.expert_offsets, offsets)
+        assert layout.masked_m is None and rv.shape == (tokens * k, hidden)
+        assert torch.equal(rv[: len(pairs)], xv[[t for _, t, _ in pairs]])
+        assert recv_ids.tolist() == [e for e, _, _ in pairs] + [-1] * skipped
+        assert recv_w.tolist() == [float(weights[t, j]) for _, t, j in pairs] + [0.0] * skipped
         y = rv.float()
+        y[len(pairs) :] = math.nan
     else:
         assert layout.expert_offsets is None and torch.equal(layout.masked_m, counts.to(torch.int32))
         assert rv.shape[0] == num_experts and rv.shape[2] == hidden

@@ -146,6 +146,7 @@ class AscendHandle(LocalHandle):
 
     src_to_dst: torch.Tensor | None = None
     lost: torch.Tensor | None = None
+    received: torch.Tensor | None = None  # normal mode: the rows holding pairs (device scalar), the rest skipped
 
 
 def _row_bytes(x) -> torch.Tensor:
@@ -204,9 +205,8 @@ def _route(npu, x, ids, *, num_experts: int, mode: str, capacity: int):
     moved, rows, counts, _ = npu.npu_moe_init_routing_v2(
         _row_bytes(x), ids, active_num=tokens * k, drop_pad_mode=0, **common
     )
-    if mode == "normal":
-        total = int(counts.sum())  # normal mode returns exactly the valid rows: one host sync
-        return moved[:total], rows, counts, (total,)
+    if mode == "normal":  # every pair's row, the skipped ones' unspecified: no host sync
+        return moved, rows, counts, (tokens * k,)
     # low_latency, capacity >= T (or 0): place the expert-sorted rows into [E, capacity] on the device
     pairs = tokens * k
     row = torch.arange(pairs, device=ids.device)
@@ -240,6 +240,7 @@ def ep_dispatch_init_routing(x, ids, weights, *, num_experts, group, mode, capac
     if mode == "normal":
         offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
         offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+        offsets[-1] = n_rows  # the skipped pairs' rows close the last expert's range
         layout, overflow = ExpertLayout(expert_offsets=offsets), None
     else:
         layout, overflow = ExpertLayout(masked_m=counts.clamp(max=capacity).to(torch.int32)), lost.any()
@@ -252,6 +253,7 @@ def ep_dispatch_init_routing(x, ids, weights, *, num_experts, group, mode, capac
         weights=weights,
         src_to_dst=rows.to(torch.int32),
         lost=lost,
+        received=counts.sum() if mode == "normal" else None,
     )
     return recv_x, recv_ids, recv_w, layout, handle
 
@@ -311,13 +313,13 @@ def ep_combine_finalize(y, handle) -> torch.Tensor:
     k = handle.weights.shape[1]
     scales = handle.weights.to(y.dtype)  # the op takes scales in the dtype of the rows
     if handle.mode == "normal":
-        rows = y.reshape(-1, hidden)
-        pairs = tokens * k
         # Dropless modes take (T * k, H) rows and no -1 (doc's value range; its example code would accept -1):
-        # skipped pairs point at zero padding rows (README assumption 11).
-        if rows.shape[0] < pairs:
-            rows = torch.cat([rows, rows.new_zeros(pairs - rows.shape[0], hidden)])
-        src = torch.where(handle.src_to_dst >= 0, handle.src_to_dst, y.shape[0]).to(torch.int32)
+        # skipped pairs point at the last row, zeroed with the other rows past the received ones, which hold the
+        # skipped pairs' unspecified rows (README assumption 11).
+        pairs = tokens * k
+        held = torch.arange(pairs, device=y.device) < handle.received
+        rows = torch.where(held[:, None], y.reshape(pairs, hidden), torch.zeros((), dtype=y.dtype, device=y.device))
+        src = torch.where(handle.src_to_dst >= 0, handle.src_to_dst, pairs - 1).to(torch.int32)
         return npu.npu_moe_finalize_routing(rows, None, None, None, scales, src, None, drop_pad_mode=2)
     out = npu.npu_moe_finalize_routing(y, None, None, None, scales, handle.src_to_dst, None, drop_pad_mode=3)
     return torch.where(handle.lost[:, None], torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)

@@ -193,20 +193,17 @@ def _dispatch_normal(x, ids, weights, num_experts: int):
     sorted_ids = keys[order]
     counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
     counts.scatter_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts[:num_experts], 0)]).int()
-    received = int(valid.sum())  # the output size: the one host synchronisation of this mode
-    rank = torch.arange(flat.numel(), device=device)
-    rows = torch.where(rank < received, rank, -1)
-    recv_x = _move_rows(x, (order // k).to(torch.int32), rows.to(torch.int32), (received,))
-    target = torch.where(rows >= 0, rows, received)  # skipped pairs land in a spare last entry
-    recv_ids = torch.full((received + 1,), -1, dtype=torch.int32, device=device)
-    recv_w = torch.zeros(received + 1, dtype=torch.float32, device=device)
-    recv_ids[target] = sorted_ids.to(torch.int32)
-    recv_w[target] = weights.reshape(-1)[order]
-    pair_rows = torch.empty(flat.numel(), dtype=torch.int32, device=device)
-    pair_rows[order] = rows.to(torch.int32)
-    handle = GpuHandle(tokens, "normal", (received,), pair_rows=pair_rows.view(tokens, k), weights=weights.contiguous())
-    return recv_x, recv_ids[:received], recv_w[:received], ExpertLayout(expert_offsets=offsets), handle
+    pairs = flat.numel()  # every pair gets a row (skipped ones last, in the last expert's range): no host sync
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts[: num_experts - 1], 0), counts.new_full((1,), pairs)])
+    rank = torch.arange(pairs, device=device, dtype=torch.int32)
+    recv_x = _move_rows(x, (order // k).to(torch.int32), rank, (pairs,))
+    kept = sorted_ids < num_experts
+    recv_ids = torch.where(kept, sorted_ids, -1).to(torch.int32)
+    recv_w = torch.where(kept, weights.reshape(-1)[order], 0.0)
+    pair_rows = torch.empty(pairs, dtype=torch.int32, device=device)
+    pair_rows[order] = torch.where(kept, rank, -1)
+    handle = GpuHandle(tokens, "normal", (pairs,), pair_rows=pair_rows.view(tokens, k), weights=weights.contiguous())
+    return recv_x, recv_ids, recv_w, ExpertLayout(expert_offsets=offsets.int()), handle
 
 
 def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placement=None):

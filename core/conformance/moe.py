@@ -114,15 +114,17 @@ def _ep_kwargs(g: Gen, tokens: int, hidden: int, experts: int, top_k: int, fp8: 
 
 
 def _valid_rows(out):
-    """Zeroes what ep_dispatch leaves unspecified (rows past masked_m in low-latency mode)."""
+    """Zeroes what ep_dispatch leaves unspecified: rows past masked_m in low-latency mode, the skipped pairs' rows
+    (id -1) in normal mode."""
     recv_x, recv_ids, recv_w, layout, _ = out
     if layout.masked_m is None:
-        return recv_x, recv_ids, recv_w, layout
-    cap = recv_ids.shape[1]
-    valid = torch.arange(cap, device=recv_ids.device)[None, :] < layout.masked_m[:, None].long()
+        valid = recv_ids >= 0
+    else:
+        cap = recv_ids.shape[1]
+        valid = torch.arange(cap, device=recv_ids.device)[None, :] < layout.masked_m[:, None].long()
 
     def keep(t):
-        v = valid.reshape(*valid.shape, *([1] * (t.dim() - 2)))
+        v = valid.reshape(*valid.shape, *([1] * (t.dim() - valid.dim())))
         return torch.where(v, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
     if isinstance(recv_x, QTensor):

@@ -388,9 +388,12 @@ def ep_dispatch(
     process is the case of one source rank. Replicated experts are routed by ``ExpertPlacement.route``.
 
     Modes (the received rows are exactly what ``grouped_gemm`` takes, through ``layout``):
-    - ``normal``: ``recv_x [M, H]`` (M = pairs this rank receives), ``layout.expert_offsets [E_local+1]``. With
-      several ranks: the counts go first (one fixed-size exchange), then the rows; sizing the receive buffer
-      synchronises with the host once. Rows may differ per rank (T may be 0 on some, M may be 0 on some).
+    - ``normal``: ``recv_x [M, H]``, ``layout.expert_offsets [E_local+1]`` ending at M. One process: ``M = T * k``
+      and no host synchronisation: the received pairs, then one row for each skipped pair (-1 in ``ids``), counted
+      in the last local expert's range; those rows hold unspecified data, id -1 and weight 0 (``grouped_gemm``
+      multiplies them to no use; ``ep_combine`` never reads them). Several ranks: M = the pairs this rank receives;
+      the counts go first (one fixed-size exchange), then the rows; sizing the receive buffer synchronises with the
+      host once. Rows may differ per rank (T may be 0 on some, M may be 0 on some).
     - ``low_latency``: fixed capacity, no host synchronisation, fixed-size exchanges (usable under CUDA graphs once
       warmed up, with value checks off as they are during capture). ``recv_x [E_local, max_m, H]`` with
       ``max_m = world * capacity``, ``layout.masked_m [E_local]``; rows at or past ``masked_m[e]`` are unspecified.

@@ -76,20 +76,23 @@ def _take_rows(x, index: torch.Tensor):
 
 
 def _dispatch_local(x, ids, weights, *, num_experts):
-    """One process, normal mode, experts in id order: a permutation of the pairs by expert."""
+    """One process, normal mode, experts in id order: a permutation of all ``T * k`` pairs by expert, the skipped
+    ones last (in the last expert's range, id -1, weight 0; their rows here copies of their tokens)."""
     tokens, k = ids.shape
     flat_ids = ids.reshape(-1).long()
     valid = flat_ids >= 0
     # Pairs sorted by expert, then by source token (a stable sort of the flat (t, j) order).
-    order = torch.sort(torch.where(valid, flat_ids, num_experts), stable=True).indices[: int(valid.sum())]
+    order = torch.sort(torch.where(valid, flat_ids, num_experts), stable=True).indices
     counts = torch.bincount(flat_ids[valid], minlength=num_experts).to(torch.int32)
     recv_x = _take_rows(x, order // k)
-    rows = torch.arange(order.numel(), device=ids.device)
+    kept = valid[order]
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
     offsets[1:] = counts.cumsum(0)
-    recv_ids, recv_w = flat_ids[order].to(torch.int32), weights.reshape(-1)[order]
-    pair_rows = torch.full((tokens * k,), -1, dtype=torch.int64, device=ids.device)
-    pair_rows[order] = rows
+    offsets[-1] = order.numel()
+    recv_ids = torch.where(kept, flat_ids[order], -1).to(torch.int32)
+    recv_w = torch.where(kept, weights.reshape(-1)[order], 0.0)
+    pair_rows = torch.empty(tokens * k, dtype=torch.int64, device=ids.device)
+    pair_rows[order] = torch.where(kept, torch.arange(order.numel(), device=ids.device), -1)
     handle = LocalHandle(tokens, "normal", (order.numel(),), pair_rows=pair_rows.view(tokens, k), weights=weights)
     return recv_x, recv_ids, recv_w, ExpertLayout(expert_offsets=offsets), handle
 
@@ -109,7 +112,8 @@ def ep_dispatch(x, ids, weights, *, num_experts, group, mode, capacity, placemen
     to_local[to_global.long()] = torch.arange(num_experts, dtype=torch.int32, device=ids.device)
     local_ids = to_local[torch.where(ids >= 0, ids.long(), num_experts)]
     recv_x, recv_local, recv_w, layout, handle = _dispatch_local(x, local_ids, weights, num_experts=num_experts)
-    return recv_x, to_global[recv_local.long()], recv_w, layout, handle
+    recv_ids = torch.where(recv_local >= 0, to_global[recv_local.long().clamp_min(0)], -1)
+    return recv_x, recv_ids, recv_w, layout, handle
 
 
 def ep_combine(y, handle):
