@@ -138,12 +138,15 @@ def check_layout(out, p: Problem, placement: ExpertPlacement, rank: int, mode: s
         offsets = [0]
         for lst in lists:
             offsets.append(offsets[-1] + len(lst))
+        # one process: a row for every pair, the skipped ones last in the last expert's range (id -1, weight 0)
+        skipped = p.ids[rank].numel() - len(flat) if placement.world_size == 1 else 0
+        offsets[-1] += skipped
         assert layout.masked_m is None and layout.expert_offsets.dtype == torch.int32
         assert layout.expert_offsets.tolist() == offsets
         data, ids, ws = _expected_rows(p, flat, width)
-        assert torch.equal(row_bytes(recv_x), data), "received rows differ"
-        assert recv_ids.dtype == torch.int32 and recv_ids.tolist() == ids
-        assert recv_w.tolist() == ws
+        assert torch.equal(row_bytes(recv_x)[: len(flat)], data), "received rows differ"
+        assert recv_ids.dtype == torch.int32 and recv_ids.tolist() == ids + [-1] * skipped
+        assert recv_w.tolist() == ws + [0.0] * skipped
         return
     max_m = placement.world_size * capacity
     assert layout.expert_offsets is None
@@ -159,13 +162,15 @@ def check_layout(out, p: Problem, placement: ExpertPlacement, rank: int, mode: s
 
 
 def expert(recv_x, recv_ids, layout, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """A stand-in expert (each scales its rows by its own factor); rows past masked_m become NaN, so reading one
-    anywhere shows."""
+    """A stand-in expert (each scales its rows by its own factor); rows past masked_m, and the skipped pairs' rows
+    of one process's normal mode, become NaN, so reading one anywhere shows."""
     x = recv_x.dequantize() if isinstance(recv_x, QTensor) else recv_x.float()
     y = (x * (1.0 + recv_ids.clamp_min(0).float().unsqueeze(-1) / 8.0)).to(dtype)
     if layout.masked_m is not None:
         unused = torch.arange(y.shape[1])[None, :] >= layout.masked_m[:, None]
         y[unused] = float("nan")
+    else:
+        y[recv_ids < 0] = float("nan")
     return y
 
 
