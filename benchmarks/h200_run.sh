@@ -26,6 +26,11 @@
 #                (default /tmp/deepinfer-deep), which outlives the call while the machine stays warm;
 #   speculative-deep-bench  then, in the next call on that machine, bench_speculative.py on it with --step-times and
 #                --profile, batch 1 over the first 8 prompts, each alone (--alone 8)
+#   speculative-deep-distill [DISTILL]  after `speculative-deep-train LAYERS MINUTES 0` (a joint training near a whole
+#                call, no distillation), in the next call on that machine: DISTILL minutes (default 3) of MTP
+#                distillation of that model (train_embedded.py --distill-from) into $DEEP_DIR/distilled, then
+#                bench_speculative.py at batch 1 over 8 prompts alone (k=3 and k=1 ahead, --step-times) and at batches
+#                16 and 64 ($OUT/speculative_deep_alone.json, $OUT/speculative_deep_batches.json)
 #   speculative-cut  bench_speculative.py on a DeepSeek-V3-shaped FP8 cut (2 layers and an MTP layer: a step bound by its
 #                weights) with drafts from plain decoding spoiled at 20%, batch 1, 16 and 64 ($OUT/speculative_cut.json)
 #   structured   benchmarks/bench_structured_output.py at batch 64: compile, mask fill and apply against a step
@@ -112,6 +117,17 @@ case ${1:-} in
     rm -rf "${DEEP_DIR:=/tmp/deepinfer-deep}"
     train_deep "$DEEP_DIR" "${2:-24}" "${3:-4.2}" 570 "${4:-2.3}"
     cp "$DEEP_DIR/training.json" "$OUT/" ;;
+  speculative-deep-distill)
+    [ -f "${DEEP_DIR:=/tmp/deepinfer-deep}/bf16/model.safetensors" ] || { echo "no trained model in $DEEP_DIR"; exit 1; }
+    timeout 330 python3 training/train_embedded.py --out "$DEEP_DIR/distilled" --distill-from "$DEEP_DIR" \
+      --distill-minutes "${2:-3}" 2>&1 | grep -v "Writing model\|^{\"step\"" | tail -8
+    cp "$DEEP_DIR/distilled/training.json" "$OUT/"
+    timeout 100 python3 benchmarks/bench_speculative.py --model "$DEEP_DIR/distilled/bf16" --backend cuda_sm100 \
+      --batches 1 --alone 8 --specs 3:ahead,1:ahead --repeats 3 --step-times --json "$OUT/speculative_deep_alone.json" \
+      2>&1 | tail -12
+    timeout 100 python3 benchmarks/bench_speculative.py --model "$DEEP_DIR/distilled/bf16" --backend cuda_sm100 \
+      --batches 16,64 --specs 3:ahead,3/32:ahead --repeats 2 --json "$OUT/speculative_deep_batches.json" 2>&1 \
+      | tail -12 ;;
   speculative-deep-bench)
     [ -f "${DEEP_DIR:=/tmp/deepinfer-deep}/bf16/model.safetensors" ] || { echo "no trained model in $DEEP_DIR"; exit 1; }
     bench_deep "$DEEP_DIR" 540 --alone 8 --step-times --profile ;;

@@ -169,7 +169,7 @@ def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
         ),
         "_grouped_masked_swapped_kernel": order(
             gemm._grouped_masked_swapped_kernel,
-            [*fp8_operands, "*i32"] + ["i32"] * 7,
+            [*fp8_operands, "*i32"] + ["i32"] * 8,
             {**tile, "BLOCK_E": 256},
         ),
         # DeepSeek-V3.2's sparse attention at its shapes: 64 indexer heads of 128 over an fp8_ds_index cache (132-byte

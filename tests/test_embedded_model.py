@@ -159,3 +159,33 @@ def test_the_training_script_writes_what_the_engine_serves(tmp_path):
     spec = LLM(tmp_path / "fp8", progress=False, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == plain
     assert spec.last_stats["speculative"]["drafted"] > 0
+
+
+def test_distillation_from_an_earlier_run_reads_back_its_model(tmp_path):
+    """``--distill-from``: an earlier run's model read back from its bf16 checkpoint and written again without a
+    distillation phase gives the same checkpoints bit for bit (the loader inverts the writer, MTP layer and
+    per-expert keys included); with 2 distillation steps, only the MTP layer's tensors may change (they do unless
+    the read-back weights scored best), and the record keeps the earlier run's joint training."""
+    script = Path(__file__).parents[1] / "training" / "train_embedded.py"
+    common = ["--max-files", "30", "--batch", "2", "--seq-len", "64"]
+    first, again, distilled = tmp_path / "first", tmp_path / "again", tmp_path / "distilled"
+    for out, extra in (
+        (first, ["--steps", "3", "--layers", "3"]),
+        (again, ["--distill-from", first]),
+        (distilled, ["--distill-from", first, "--distill-steps", "2"]),
+    ):
+        cmd = [sys.executable, script, "--out", out, *common, *extra]
+        run = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+    for variant in VARIANTS:
+        a, b = (load_file(d / variant / "model.safetensors") for d in (first, again))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), variant
+    a, c = (load_file(d / "bf16" / "model.safetensors") for d in (first, distilled))
+    mtp = [k for k in a if k.startswith("model.layers.3.")]
+    assert len(mtp) > 10 and all(torch.equal(a[k], c[k]) for k in a if k not in mtp)
+    record, earlier = (json.loads((d / "training.json").read_text()) for d in (distilled, first))
+    assert record["mtp_distillation"]["steps"] == 2 and "joint_training" in record
+    changed = any(not torch.equal(a[k], c[k]) for k in mtp)
+    assert changed == (record["mtp_distillation"]["kept_step"] != 0)
+    assert record["hyperparameters"] == earlier["hyperparameters"]
+    assert record["loss_curve"] == earlier["loss_curve"]

@@ -630,13 +630,16 @@ def test_ep_dispatch_combine_validation(mutation, data):
     def check(res):
         nonlocal lead
         recv_x, recv_ids, recv_w, layout, handle = res
-        valid_pairs = int((ids >= 0).sum())
-        lead = (valid_pairs,) if mode == "normal" else (experts, capacity if capacity is not None else tokens)
+        # one process, normal mode: a row per pair, the skipped ones (id -1, weight 0) last
+        lead = (tokens * k,) if mode == "normal" else (experts, capacity if capacity is not None else tokens)
         assert tuple(recv_x.shape) == (*lead, hidden) and isinstance(recv_x, QTensor) == fp8
         assert is_tensor(recv_ids, lead, torch.int32) and is_tensor(recv_w, lead, torch.float32)
         offsets, masked = layout.expert_offsets, layout.masked_m
         if mode == "normal":
             assert masked is None and is_tensor(offsets, (experts + 1,), torch.int32)
+            valid_pairs = int((ids >= 0).sum())
+            assert int(offsets[-1]) == tokens * k and bool((recv_ids[:valid_pairs] >= 0).all())
+            assert bool((recv_ids[valid_pairs:] == -1).all()) and bool((recv_w[valid_pairs:] == 0).all())
         else:
             assert offsets is None and is_tensor(masked, (experts,), torch.int32)
         assert isinstance(handle, DispatchHandle)

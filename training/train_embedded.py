@@ -1,7 +1,7 @@
 """Trains the embedded model (``deepinfer.model.embedded``) and writes its checkpoints and training record.
 
     python training/train_embedded.py --out DIR [--minutes 5.5] [--steps N] [--seed 0] [--layers 4]
-        [--distill-minutes M | --distill-steps N]
+        [--distill-minutes M | --distill-steps N] [--distill-from EARLIER_OUT]
 
 On one GPU. The corpus is the running interpreter's standard library (``stdlib_documents``: train split only); the
 tokenizer is a byte-level BPE of 4096 tokens trained on it with the ``tokenizers`` library; the model is
@@ -22,6 +22,8 @@ weights of the best score are kept: the corpus is small, and later epochs overfi
 to the model's own distribution of each next-next token (KL divergence, ``distill_loss``), since verification
 accepts a draft when it is the model's choice, not the text's; the MTP weights of the best validation agreement are
 kept, and the record gives the held-out agreement before and after. The shipped model has no such phase.
+``--distill-from`` runs that phase alone on the model an earlier run wrote (read back from its bf16 weights, with its
+tokenizer and hyper-parameters), so that a longer joint training and the distillation each fit a device call.
 
 When ``--steps`` is not given, the step count is what fits ``--minutes``, measured on the first steps (the record
 keeps the count, so ``--steps`` reproduces the run). Writes into ``--out``: ``bf16/`` and ``fp8/`` (config.json,
@@ -372,6 +374,44 @@ def save(model, mtp, tok: Tokenizer, out: Path) -> dict[str, int]:
     return sizes
 
 
+def from_hub_names(module: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    """Loads ``module``'s state from ``tensors`` under ``prefix`` + its own names, its fused expert tensors from the
+    per-expert keys ``block_tensors`` writes (the inverse of that split)."""
+    state = {}
+    for name in module.state_dict():
+        head, _, leaf = name.rpartition("mlp.experts.")
+        if leaf == "gate_up_proj":
+            state[name] = torch.stack(
+                [torch.cat([tensors[f"{prefix}{head}mlp.experts.{e}.{w}_proj.weight"] for w in ("gate", "up")])
+                 for e in range(_experts(tensors, prefix + head))]
+            )  # fmt: skip
+        elif leaf == "down_proj":
+            n = _experts(tensors, prefix + head)
+            state[name] = torch.stack([tensors[f"{prefix}{head}mlp.experts.{e}.down_proj.weight"] for e in range(n)])
+        else:
+            state[name] = tensors[prefix + name]
+    module.load_state_dict({k: v.float() for k, v in state.items()})
+
+
+def _experts(tensors: dict, prefix: str) -> int:
+    return sum(1 for k in tensors if k.startswith(prefix + "mlp.experts.") and k.endswith(".down_proj.weight"))
+
+
+def load_trained(out: Path, device: str) -> tuple[DeepseekV3ForCausalLM, MTPLayer, Tokenizer, dict]:
+    """The model, MTP layer, tokenizer and record that an earlier run wrote into ``out``, read back from its
+    ``bf16/`` checkpoint (``save``'s inverse; the weights as their bf16 values, the router's fp32)."""
+    record = json.loads((out / "training.json").read_text())
+    model, mtp = build("cpu", record["config"])
+    tensors = load_file(str(out / "bf16" / "model.safetensors"))
+    from_hub_names(model, tensors, "")
+    p = f"model.layers.{model.config.num_hidden_layers}."
+    from_hub_names(mtp.block, tensors, p)
+    for norm, key in ((mtp.enorm, "enorm"), (mtp.hnorm, "hnorm"), (mtp.norm, "shared_head.norm")):
+        norm.load_state_dict({"weight": tensors[f"{p}{key}.weight"].float()})
+    mtp.eh_proj.load_state_dict({"weight": tensors[f"{p}eh_proj.weight"].float()})
+    return model.to(device), mtp.to(device), Tokenizer.from_file(str(out / "bf16" / "tokenizer.json")), record
+
+
 # ---------------------------------------------------------------- training loop
 
 
@@ -462,6 +502,12 @@ def main(argv: list[str] | None = None) -> int:
         "(what speculative decoding's verification accepts); 0: no such phase, as for the shipped model",
     )
     ap.add_argument("--distill-steps", type=int, help="steps of that phase (default: what fits --distill-minutes)")
+    ap.add_argument(
+        "--distill-from",
+        type=Path,
+        help="skip the joint training: read the model an earlier run wrote into this directory (its bf16 weights, "
+        "tokenizer and record), then distill (a longer main phase than one device call allows, in two)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-files", type=int, help="train on the first N files only (a smoke test)")
     ap.add_argument("--stdlib", type=Path, help="the library root to read (default: this interpreter's)")
@@ -483,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.time()
     torch.manual_seed(args.seed)
+    prior = None
+    if args.distill_from:
+        model, mtp, tok, prior = load_trained(args.distill_from, device)
+        config = prior["config"]
+        hp.update({k: prior["hyperparameters"][k] for k in HPARAMS})
 
     train_docs, held_docs = stdlib_documents("train", args.stdlib), stdlib_documents("heldout", args.stdlib)
     if args.max_files:
@@ -492,7 +543,10 @@ def main(argv: list[str] | None = None) -> int:
     corpus_hash = hashlib.sha256()
     for d in train_docs + val_docs + held_docs:
         corpus_hash.update(d.path.encode() + b"\0" + d.text.encode() + b"\0")
-    tok = train_tokenizer([d.text for d in train_docs])
+    if prior is None:
+        tok = train_tokenizer([d.text for d in train_docs])
+    elif prior["corpus"]["sha256"] != corpus_hash.hexdigest():
+        raise SystemExit(f"--distill-from {args.distill_from}: trained on another corpus (its sha256 differs)")
     train = token_stream(tok, [d.text for d in train_docs])
     held = token_stream(tok, [d.text for d in held_docs])
     val = token_stream(tok, [d.text for d in val_docs])
@@ -503,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    model, mtp = build(device, config)
+    if prior is None:
+        model, mtp = build(device, config)
     load = ExpertLoad([model, mtp])
     data = train.to(device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -517,9 +572,15 @@ def main(argv: list[str] | None = None) -> int:
         val_loss = round(v["nll_nats"] / v["tokens"], 4)  # the kept step is the first of the best rounded loss
         return val_loss, dict(val_loss=val_loss)
 
-    main_phase = train_phase(
-        [model, mtp], main_step, main_score, data, hp, gen, load, minutes=args.minutes, steps=args.steps
-    )
+    if prior is None:
+        main_phase = train_phase(
+            [model, mtp], main_step, main_score, data, hp, gen, load, minutes=args.minutes, steps=args.steps
+        )
+    else:
+        main_phase = {k: prior["hyperparameters"][k] for k in ("steps", "kept_step", "seed")}
+        main_phase.update(
+            seconds=prior["train_seconds"], loss_curve=prior["loss_curve"], validation_curve=prior["validation_curve"]
+        )
     distilled = None
     if args.distill_minutes or args.distill_steps:
         before = evaluate(model, mtp, held, hp["seq_len"], hp["batch"])["mtp_agreement"]
@@ -574,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
             **hp,
             "steps": main_phase["steps"],
             "kept_step": main_phase["kept_step"],
-            "seed": args.seed,
+            "seed": main_phase.get("seed", args.seed),
             "tokens_seen": main_phase["steps"] * hp["batch"] * hp["seq_len"],
         },
         "hardware": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
@@ -593,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
         "loss_curve": main_phase["loss_curve"],
         "validation_curve": main_phase["validation_curve"],
     }
+    if prior is not None:
+        record["joint_training"] = f"read back from the bf16 weights of an earlier run ({args.distill_from.name})"
     if distilled is not None:
         record["mtp_distillation"] = dict(
             how="the model frozen; the MTP layer alone trained to the model's own distribution of each next-next "

@@ -292,6 +292,7 @@ def _gmm_fits(a, w, w_data, expert_offsets, masked_m) -> bool | Decline:
 
 def grouped_gemm_torch(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> torch.Tensor:
     """One matmul per expert in fp32 (FP8 and FP4 operands dequantised)."""
+    del out  # a new result: the op copies it into `out`
     experts, n, _ = w.shape
     if isinstance(w, QTensor) and not isinstance(a, QTensor):
         a = quantize_rows_torch(a, BLOCK, w.scale_format)

@@ -315,7 +315,8 @@ def ep_combine_finalize(y, handle) -> torch.Tensor:
     if handle.mode == "normal":
         # Dropless modes take (T * k, H) rows and no -1 (doc's value range; its example code would accept -1):
         # skipped pairs point at the last row, zeroed with the other rows past the received ones, which hold the
-        # skipped pairs' unspecified rows (README assumption 11).
+        # skipped pairs' unspecified rows (README assumption 11). The zeroing is a pass over y on every call, where
+        # the host does not know whether any pair was skipped: untimed (no Ascend device here).
         pairs = tokens * k
         held = torch.arange(pairs, device=y.device) < handle.received
         rows = torch.where(held[:, None], y.reshape(pairs, hidden), torch.zeros((), dtype=y.dtype, device=y.device))

@@ -568,6 +568,7 @@ def grouped_gemm_fp4(a, w, *, expert_offsets, masked_m, out_dtype, out=None, til
     """``ops.grouped_gemm`` of a bf16 or fp32 activation against an ``FP4Tensor`` weight, by
     ``_grouped_gemm_fp4_kernel`` with ``tile``; ``scaled``: its ``tl.dot_scaled`` path, by default for bf16
     activations on devices without the ``fp4`` capability (SM90, and the interpreter)."""
+    del out  # a new result: the op copies it into `out`
     if scaled is None:
         scaled = a.dtype == torch.bfloat16 and "fp4" not in _capabilities()
     experts, n, k = w.shape

@@ -233,6 +233,7 @@ def tile_table(expert_offsets: torch.Tensor, rows: int, tile_rows: int) -> tuple
 def grouped_gemm(a, w: QTensor, *, expert_offsets, masked_m, out_dtype, out=None) -> torch.Tensor:
     """``ops.grouped_gemm``, contiguous layout, bf16 result: a bf16 ``a`` is quantised first (as ``gemm.grouped_gemm``
     does)."""
+    del out  # a new result: the op copies it into `out`
     if masked_m is not None or expert_offsets is None or out_dtype != torch.bfloat16:
         raise ValueError("gemm_gluon_grouped serves the contiguous layout with a bf16 result only (see supports)")
     qa = _as_fp8(a, w)

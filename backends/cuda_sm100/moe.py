@@ -1,10 +1,10 @@
 """``moe_route`` (fused group-limited top-k), the one-process ``ep_dispatch`` / ``ep_combine``, the index work and
 row copies of the core's multi-rank normal-mode ``ep_dispatch``, and the weighted sum of its ``ep_combine``.
 
-``normal`` dispatch sorts (token, expert) pairs by expert on the device and moves rows with a gather kernel; it
-needs the number of valid pairs on the host (the output size). ``low_latency`` dispatch has fixed shapes and no host
-synchronisation: one program per expert lays out that expert's rows, then one program per pair copies its row (three
-launches in all, for the decode steps that CUDA graphs replay). Combine sums each token's k rows in slot order in
+``normal`` dispatch sorts (token, expert) pairs by expert on the device and moves rows with a gather kernel, a row
+for every pair (the skipped ones last), so nothing is read on the host. ``low_latency`` dispatch has fixed shapes
+too: one program per expert lays out that expert's rows, then one program per pair copies its row (three launches in
+all, for the decode steps that CUDA graphs replay). Combine sums each token's k rows in slot order in
 fp32 (batch-invariant), one kernel for the one-process handle, for the rows a multi-rank normal-mode combine brings
 back and for its per-rank partial sums. Over a process group, normal mode keeps the core's protocol and exchanges
 (``ep.dispatch_normal``) and replaces its torch index work with three kernels: the sender counts its pairs and

@@ -117,32 +117,29 @@ def _sub_contiguous(kw: dict, rows: list[int], names: tuple[str, ...] = ("a",)):
     return {**take_rows(kw, names, rows), "expert_offsets": offsets}, lambda o: rows_of(o, rows)
 
 
-def _out_view(shape: tuple[int, ...], dtype: torch.dtype, device, pad: int) -> torch.Tensor:
-    """A NaN-filled ``out`` of ``shape`` that is a view: masked ``[E, max_m, N]`` as the heads of a
-    ``[max_m, E, N + pad]`` buffer (absorbed MLA's ``[tokens, heads, v]`` values, as ``o_proj`` reads them),
+def _out_view(shape: tuple[int, ...], dtype: torch.dtype, device, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-filled buffer and an ``out`` of ``shape`` that is a view of it: masked ``[E, max_m, N]`` as the heads of
+    a ``[max_m, E, N + pad]`` buffer (absorbed MLA's ``[tokens, heads, v]`` values, as ``o_proj`` reads them),
     contiguous ``[M, N]`` as the first ``N`` columns of ``[M, N + pad]``."""
     *lead, n = shape
     if len(lead) == 2:
-        return torch.full((lead[1], lead[0], n + pad), torch.nan, dtype=dtype, device=device)[..., :n].transpose(0, 1)
-    return torch.full((*lead, n + pad), torch.nan, dtype=dtype, device=device)[:, :n]
+        buffer = torch.full((lead[1], lead[0], n + pad), torch.nan, dtype=dtype, device=device)
+        return buffer, buffer[..., :n].transpose(0, 1)
+    buffer = torch.full((*lead, n + pad), torch.nan, dtype=dtype, device=device)
+    return buffer, buffer[:, :n]
 
 
 def _run_into(pad: int, masked: bool):
-    """A ``run`` that hands the op a fresh ``out`` view (``_out_view``) each call, so that no two runs share one,
-    and fails unless the op returns that ``out``; a row left unwritten stays NaN and fails the comparison."""
+    """A ``run`` that hands the op a fresh ``out`` view (``_out_view``) each call, so that no two runs share one:
+    a row left unwritten stays NaN and fails the comparison, and a write past ``out`` into the buffer's padding
+    raises."""
 
     def run(op, kw: dict):
-        out = _out_view(tuple(kw["out"].shape), kw["out"].dtype, kw["out"].device, pad)
-        returned = []
-
-        def call(**kwargs):
-            returned.append(op(**kwargs))
-            return returned[-1]
-
+        buffer, out = _out_view(tuple(kw["out"].shape), kw["out"].dtype, kw["out"].device, pad)
         kw = {**kw, "out": out}
-        result = run_masked(call, kw) if masked else call(**kw)
-        if returned[0] is not out:
-            raise AssertionError("grouped_gemm returned another tensor than 'out'")
+        result = run_masked(op, kw) if masked else op(**kw)
+        if pad and not bool(buffer[..., -pad:].isnan().all()):
+            raise AssertionError("grouped_gemm wrote outside 'out' (into the padding of its buffer)")
         return result
 
     return run
@@ -183,7 +180,7 @@ def _grouped_case(
             }
         if into is not None:
             a_rows = (kw["a"].data if isinstance(kw["a"], QTensor) else kw["a"]).shape[:-1]
-            kw["out"] = _out_view((*a_rows, n), torch.bfloat16, g.device, into)
+            kw["out"] = _out_view((*a_rows, n), torch.bfloat16, g.device, into)[1]
         return kw
 
     rows = f"rows {least}..{most}" if least else f"rows<={most}"
@@ -277,8 +274,9 @@ def cases(shapes: str) -> list[Case]:
         out.append(_grouped_case(3, 200, 128, 17, "fp8", "contiguous"))
         out += [_grouped_case(3, 96, 256, 0, "bf16", lay) for lay in ("contiguous", "masked")]  # no rows at all
         out += [_grouped_case(4, 96, 64, 9, "bf16", "masked", gap=gap) for gap in (0, 32)]
-        # into ``out``, a view of a wider buffer: both layouts, each kernel family a backend may take
+        # into ``out``, a view of a wider buffer: both layouts, dense and FP8 weights, no rows at all
         out += [_grouped_case(4, 96, 64, 9, "bf16", "masked", gap=32, into=pad) for pad in (0, 24)]
+        out += [_grouped_case(3, 96, 256, 0, "bf16", lay, into=8) for lay in ("contiguous", "masked")]
         out += [_grouped_case(3, 96, 256, 70, v, "masked", into=8) for v in ("bf16", "fp8w")]
         out += [_grouped_case(4, 96, 256, 9, v, "contiguous", into=8) for v in ("bf16", "fp8")]
         # prefill's hundreds of rows per expert (a backend may take another kernel there), tiles cut by experts' ends
@@ -476,6 +474,12 @@ def bad_inputs() -> list[BadInput]:
             "out with a strided last dim",
             "out",
             lambda g: {**grouped_kw(g), "out": g.randn(4, 64)[:, ::2]},
+        ),
+        BadInput(
+            "grouped_gemm",
+            "out whose rows share memory",
+            "out",
+            lambda g: {**grouped_kw(g), "out": g.randn(1, 32).expand(4, 32)},
         ),
         BadInput(
             "grouped_gemm",

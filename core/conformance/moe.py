@@ -114,10 +114,11 @@ def _ep_kwargs(g: Gen, tokens: int, hidden: int, experts: int, top_k: int, fp8: 
 
 
 def _valid_rows(out):
-    """Zeroes what ep_dispatch leaves unspecified: rows past masked_m in low-latency mode, the skipped pairs' rows
-    (id -1) in normal mode."""
+    """Zeroes what ep_dispatch leaves unspecified: rows past masked_m in low-latency mode; in normal mode the data of
+    the skipped pairs' rows (their ids and weights, -1 and 0, are compared as they are)."""
     recv_x, recv_ids, recv_w, layout, _ = out
-    if layout.masked_m is None:
+    normal = layout.masked_m is None
+    if normal:
         valid = recv_ids >= 0
     else:
         cap = recv_ids.shape[1]
@@ -132,7 +133,7 @@ def _valid_rows(out):
         recv_x = QTensor(data, keep(recv_x.scale), recv_x.block, recv_x.scale_format)
     else:
         recv_x = keep(recv_x)
-    return recv_x, keep(recv_ids), keep(recv_w), layout
+    return (recv_x, recv_ids, recv_w, layout) if normal else (recv_x, keep(recv_ids), keep(recv_w), layout)
 
 
 def _expert_outputs(recv_x, recv_ids) -> torch.Tensor:

@@ -166,10 +166,13 @@ def grouped_gemm(
         if out.stride(-1) != 1 and out.shape[-1] > 1:
             raise c.fail("out", "its last dim contiguous (stride 1)", f"strides {list(out.stride())}")
         c.same_device(a=a_data, out=out)
+        if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
+            raise c.fail("out", "no two elements in one place (no stride 0)", f"strides {list(out.stride())}")
         for name, t in (("a", a_data), ("w", w.data if isinstance(w, (QTensor, FP4Tensor)) else w)):
-            if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            if out.numel() and t.numel() and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
                 raise c.fail("out", f"memory apart from '{name}'", f"a view of the memory of '{name}'")
-    result = call(
-        "grouped_gemm", a=a, w=w, expert_offsets=expert_offsets, masked_m=masked_m, out_dtype=out_dtype, out=out
-    )
-    return result if out is None or result is out else out.copy_(result)
+    layout = {"expert_offsets": expert_offsets, "masked_m": masked_m}
+    if out is None:  # implementations see `out` only where it is given
+        return call("grouped_gemm", a=a, w=w, **layout, out_dtype=out_dtype)
+    result = call("grouped_gemm", a=a, w=w, **layout, out_dtype=out_dtype, out=out)
+    return result if result is out else out.copy_(result)

@@ -500,7 +500,8 @@ def ep_combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     accumulated in fp32 and returned in y's dtype (zeros for a token with no valid expert).
 
     y: the expert outputs in the received layout of ``handle`` (``[M, H']`` or ``[E_local, max_m, H']``); rows past
-    ``masked_m`` are never read. Its hidden size may differ from the dispatched one (the same on every rank).
+    ``masked_m``, and the skipped pairs' rows of one process's normal mode, are never read. Its hidden size may
+    differ from the dispatched one (the same on every rank).
 
     Several ranks: a collective over the dispatch's group (every rank calls it, in dispatch order, with y of the same
     dtype and hidden size, in the same batch-invariant mode). Each rank sums, per source token, the weighted rows of
