@@ -194,31 +194,20 @@ def _grouped_case(
 def _layout_case(layout: str, name: str, tol: str, make, into: int | None = None) -> Case:
     """A ``grouped_gemm`` case of ``layout`` (``contiguous`` or ``masked``), its sub-batches taken by rows
     (``into``: with ``out`` as ``_grouped_case`` says)."""
-    if layout == "contiguous":
+    masked = layout == "masked"
+    if masked:
+
+        def sub_batch(kw, rows):
+            sub, select = take_masked_rows(kw, "a", rows)
+            return ({**sub, "out": select(kw["out"])} if into is not None else sub), select
+
+        run = run_masked if into is None else _run_into(into, masked=True)
+    else:
         names = ("a",) if into is None else ("a", "out")
-        return Case(
-            "grouped_gemm",
-            name,
-            tol,
-            make,
-            run=None if into is None else _run_into(into, masked=False),
-            sub_batch=lambda kw, rows: _sub_contiguous(kw, rows, names),
-            batch=lambda kw: kw["a"].shape[0],
-        )
-
-    def sub_batch(kw, rows):
-        sub, select = take_masked_rows(kw, "a", rows)
-        return ({**sub, "out": select(kw["out"])} if into is not None else sub), select
-
-    return Case(
-        "grouped_gemm",
-        name,
-        tol,
-        make,
-        run=run_masked if into is None else _run_into(into, masked=True),
-        sub_batch=sub_batch,
-        batch=lambda kw: kw["a"].shape[1],
-    )
+        sub_batch = lambda kw, rows: _sub_contiguous(kw, rows, names)
+        run = None if into is None else _run_into(into, masked=False)
+    rows_dim = 1 if masked else 0
+    return Case("grouped_gemm", name, tol, make, run=run, sub_batch=sub_batch, batch=lambda kw: kw["a"].shape[rows_dim])
 
 
 def _fp4_grouped_case(experts: int, n: int, k: int, most: int, layout: str, dtype=torch.bfloat16) -> Case:
