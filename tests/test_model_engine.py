@@ -15,7 +15,7 @@ from model_helpers import SMALL, one_thread, random_prompts, small_checkpoint  #
 import deepinfer
 from deepinfer.model import LLM, RequestError, SamplingParams
 from deepinfer.model.block_manager import BlockAllocator
-from deepinfer.model.greedy import greedy_tokens
+from deepinfer.model.greedy import ONE_PASS_VOCAB, greedy_tokens
 from deepinfer.model.sequence import Sequence
 
 
@@ -411,12 +411,14 @@ def test_backend_is_pinned_per_llm(ckpt, deepinfer_device):
 
 
 def test_greedy_tokens_are_the_first_maximum_of_each_row():
-    for vocab in (1, 7, 64, 1000, 4099):  # shorter than, equal to and not a multiple of the pieces
+    # one pass, and in pieces past ONE_PASS_VOCAB: rows shorter than, equal to and not a multiple of the pieces
+    for vocab in (1, 7, 64, 1000, 4099, ONE_PASS_VOCAB + 1, 129280):
         logits = torch.randn(3, vocab)
         assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1)), vocab
-    tied = torch.zeros(2, 300)
-    tied[0, [5, 200]] = 3.0  # ties in different pieces: the first wins; an all-equal row gives 0
-    assert greedy_tokens(tied).tolist() == [5, 0]
+    for vocab in (300, 40000):
+        tied = torch.zeros(2, vocab)
+        tied[0, [5, vocab - 100]] = 3.0  # ties far apart (in different pieces): the first wins; all equal gives 0
+        assert greedy_tokens(tied).tolist() == [5, 0], vocab
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
