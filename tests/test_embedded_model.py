@@ -167,10 +167,10 @@ def test_distillation_from_an_earlier_run_reads_back_its_model(tmp_path):
     per-expert keys included); with 2 distillation steps, only the MTP layer's tensors may change (they do unless
     the read-back weights scored best), and the record keeps the earlier run's joint training."""
     script = Path(__file__).parents[1] / "training" / "train_embedded.py"
-    common = ["--max-files", "30", "--batch", "2", "--seq-len", "64"]
+    common = ["--max-files", "30"]
     first, again, distilled = tmp_path / "first", tmp_path / "again", tmp_path / "distilled"
     for out, extra in (
-        (first, ["--steps", "3", "--layers", "3"]),
+        (first, ["--steps", "3", "--layers", "3", "--batch", "2", "--seq-len", "64"]),
         (again, ["--distill-from", first]),
         (distilled, ["--distill-from", first, "--distill-steps", "2"]),
     ):
@@ -187,5 +187,8 @@ def test_distillation_from_an_earlier_run_reads_back_its_model(tmp_path):
     assert record["mtp_distillation"]["steps"] == 2 and "joint_training" in record
     changed = any(not torch.equal(a[k], c[k]) for k in mtp)
     assert changed == (record["mtp_distillation"]["kept_step"] != 0)
-    assert record["hyperparameters"] == earlier["hyperparameters"]
+    assert record["hyperparameters"] == earlier["hyperparameters"] and record["model"] == earlier["model"]
+    cmd = [sys.executable, script, "--out", tmp_path / "bad", "--distill-from", first, "--layers", "5"]
+    run = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--layers: the earlier run's, with --distill-from" in run.stderr
     assert record["loss_curve"] == earlier["loss_curve"]

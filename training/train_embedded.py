@@ -492,7 +492,7 @@ def train_phase(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--minutes", type=float, default=5.5, help="training time budget when --steps is not given")
+    ap.add_argument("--minutes", type=float, help="training time budget when --steps is not given (default 5.5)")
     ap.add_argument("--steps", type=int, help="training steps (default: what fits --minutes)")
     ap.add_argument(
         "--distill-minutes",
@@ -506,26 +506,31 @@ def main(argv: list[str] | None = None) -> int:
         "--distill-from",
         type=Path,
         help="skip the joint training: read the model an earlier run wrote into this directory (its bf16 weights, "
-        "tokenizer and record), then distill (a longer main phase than one device call allows, in two)",
+        "tokenizer and record, whose hyper-parameters it keeps), then distill (a longer main phase than one device "
+        "call allows, in two)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-files", type=int, help="train on the first N files only (a smoke test)")
     ap.add_argument("--stdlib", type=Path, help="the library root to read (default: this interpreter's)")
     ap.add_argument("--stdlib-python", default=platform.python_version(), help="the Python version of --stdlib")
-    ap.add_argument("--batch", type=int, default=HPARAMS["batch"])
-    ap.add_argument("--seq-len", type=int, default=HPARAMS["seq_len"])
+    ap.add_argument("--batch", type=int, help=f"sequences a step (default {HPARAMS['batch']})")
+    ap.add_argument("--seq-len", type=int, help=f"tokens a sequence (default {HPARAMS['seq_len']})")
     ap.add_argument(
         "--layers",
         type=int,
-        default=CONFIG["num_hidden_layers"],
-        help="decoder layers before the MTP layer (the shipped model has 4; a deeper model makes its MTP layer a "
-        "smaller share of a decode step, as DeepSeek-V3's one of 61 is)",
+        help="decoder layers before the MTP layer (default 4, the shipped model's; a deeper model makes its MTP layer "
+        "a smaller share of a decode step, as DeepSeek-V3's one of 61 is)",
     )
     args = ap.parse_args(argv)
-    if args.layers < 2:
-        ap.error(f"--layers: expected at least 2 (a dense first layer, then MoE), got {args.layers}")
-    hp = dict(HPARAMS, batch=args.batch, seq_len=args.seq_len)
-    config = dict(CONFIG, num_hidden_layers=args.layers)
+    joint = {"--minutes": args.minutes, "--steps": args.steps, "--layers": args.layers}
+    joint |= {"--batch": args.batch, "--seq-len": args.seq_len}
+    if args.distill_from and (given := [name for name, value in joint.items() if value is not None]):
+        ap.error(f"{', '.join(given)}: the earlier run's, with --distill-from")
+    layers = args.layers if args.layers is not None else CONFIG["num_hidden_layers"]
+    if layers < 2:
+        ap.error(f"--layers: expected at least 2 (a dense first layer, then MoE), got {layers}")
+    hp = dict(HPARAMS, batch=args.batch or HPARAMS["batch"], seq_len=args.seq_len or HPARAMS["seq_len"])
+    config = dict(CONFIG, num_hidden_layers=layers)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.time()
     torch.manual_seed(args.seed)
@@ -574,7 +579,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if prior is None:
         main_phase = train_phase(
-            [model, mtp], main_step, main_score, data, hp, gen, load, minutes=args.minutes, steps=args.steps
+            [model, mtp],
+            main_step,
+            main_score,
+            data,
+            hp,
+            gen,
+            load,
+            minutes=5.5 if args.minutes is None else args.minutes,
+            steps=args.steps,
         )
     else:
         main_phase = {k: prior["hyperparameters"][k] for k in ("steps", "kept_step", "seed")}
@@ -614,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     uni_bits = unigram_bits(train, targets[targets != 0], VOCAB)  # begin-of-sentence targets excluded
     ln2 = math.log(2)
     record = {
-        "model": f"deepinfer tiny-py: DeepseekV3ForCausalLM of {args.layers} layers + one MTP layer",
+        "model": f"deepinfer tiny-py: DeepseekV3ForCausalLM of {config['num_hidden_layers']} layers + one MTP layer",
         "corpus": {
             "source": "the .py files of the Python standard library (deepinfer.model.embedded.stdlib_documents)",
             "python": args.stdlib_python,
