@@ -374,41 +374,23 @@ def save(model, mtp, tok: Tokenizer, out: Path) -> dict[str, int]:
     return sizes
 
 
-def from_hub_names(module: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> None:
-    """Loads ``module``'s state from ``tensors`` under ``prefix`` + its own names, its fused expert tensors from the
-    per-expert keys ``block_tensors`` writes (the inverse of that split)."""
-    state = {}
-    for name in module.state_dict():
-        head, _, leaf = name.rpartition("mlp.experts.")
-        if leaf == "gate_up_proj":
-            state[name] = torch.stack(
-                [torch.cat([tensors[f"{prefix}{head}mlp.experts.{e}.{w}_proj.weight"] for w in ("gate", "up")])
-                 for e in range(_experts(tensors, prefix + head))]
-            )  # fmt: skip
-        elif leaf == "down_proj":
-            n = _experts(tensors, prefix + head)
-            state[name] = torch.stack([tensors[f"{prefix}{head}mlp.experts.{e}.down_proj.weight"] for e in range(n)])
-        else:
-            state[name] = tensors[prefix + name]
-    module.load_state_dict({k: v.float() for k, v in state.items()})
-
-
-def _experts(tensors: dict, prefix: str) -> int:
-    return sum(1 for k in tensors if k.startswith(prefix + "mlp.experts.") and k.endswith(".down_proj.weight"))
-
-
 def load_trained(out: Path, device: str) -> tuple[DeepseekV3ForCausalLM, MTPLayer, Tokenizer, dict]:
     """The model, MTP layer, tokenizer and record that an earlier run wrote into ``out``, read back from its
-    ``bf16/`` checkpoint (``save``'s inverse; the weights as their bf16 values, the router's fp32)."""
+    ``bf16/`` checkpoint (``save``'s inverse: each tensor copied into the view of a parameter that ``block_tensors``
+    and ``mtp_tensors`` name it by; the weights as their bf16 values, the router's fp32)."""
     record = json.loads((out / "training.json").read_text())
     model, mtp = build("cpu", record["config"])
     tensors = load_file(str(out / "bf16" / "model.safetensors"))
-    from_hub_names(model, tensors, "")
-    p = f"model.layers.{model.config.num_hidden_layers}."
-    from_hub_names(mtp.block, tensors, p)
-    for norm, key in ((mtp.enorm, "enorm"), (mtp.hnorm, "hnorm"), (mtp.norm, "shared_head.norm")):
-        norm.load_state_dict({"weight": tensors[f"{p}{key}.weight"].float()})
-    mtp.eh_proj.load_state_dict({"weight": tensors[f"{p}eh_proj.weight"].float()})
+    config = model.config
+    targets = {k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.")}
+    for i, block in enumerate(model.model.layers):
+        targets.update(block_tensors(block, f"model.layers.{i}.", config))
+    targets.update(mtp_tensors(mtp, config.num_hidden_layers, config))
+    if targets.keys() != tensors.keys():
+        raise SystemExit(f"{out}: keys other than this script writes: {sorted(targets.keys() ^ tensors.keys())}")
+    with torch.no_grad():
+        for name, t in targets.items():
+            t.copy_(tensors[name])
     return model.to(device), mtp.to(device), Tokenizer.from_file(str(out / "bf16" / "tokenizer.json")), record
 
 
