@@ -126,16 +126,21 @@ def test_backend_logprobs_match_the_reference(heldout_prompts, deepinfer_backend
     assert abs(bits_per_token(got) - bits_per_token(exact)) < 0.01 * bits_per_token(exact)
 
 
+def train(out: Path, *args) -> subprocess.CompletedProcess:
+    """``training/train_embedded.py --out OUT ARGS...`` in a process of its own."""
+    script = Path(__file__).parents[1] / "training" / "train_embedded.py"
+    cmd = [sys.executable, script, "--out", out, *args]
+    return subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300)
+
+
 def test_the_training_script_writes_what_the_engine_serves(tmp_path):
     """``training/train_embedded.py`` at a depth other than the shipped model's (a smoke run: 3 steps on 30 files,
     then 2 of MTP distillation): both variants hold the MTP layer after the last of ``--layers`` layers, the engine
     serves them, and speculation on the trained MTP layer changes no greedy token. Distillation changes the MTP
     layer only: the main model's tensors are those of the same run without it."""
-    script = Path(__file__).parents[1] / "training" / "train_embedded.py"
     args = ["--max-files", "30", "--steps", "3", "--batch", "2", "--seq-len", "64", "--layers", "3"]
     for out, extra in ((tmp_path, ["--distill-steps", "2"]), (tmp_path / "undistilled", [])):
-        cmd = [sys.executable, script, "--out", out, *args, *extra]
-        run = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300)
+        run = train(out, *args, *extra)
         assert run.returncode == 0, run.stderr
     record = json.loads((tmp_path / "training.json").read_text())
     assert record["config"]["num_hidden_layers"] == 3 and record["hyperparameters"]["steps"] == 3
@@ -166,7 +171,6 @@ def test_distillation_from_an_earlier_run_reads_back_its_model(tmp_path):
     distillation phase gives the same checkpoints bit for bit (the loader inverts the writer, MTP layer and
     per-expert keys included); with 2 distillation steps, only the MTP layer's tensors may change (they do unless
     the read-back weights scored best), and the record keeps the earlier run's joint training."""
-    script = Path(__file__).parents[1] / "training" / "train_embedded.py"
     common = ["--max-files", "30"]
     first, again, distilled = tmp_path / "first", tmp_path / "again", tmp_path / "distilled"
     for out, extra in (
@@ -174,8 +178,7 @@ def test_distillation_from_an_earlier_run_reads_back_its_model(tmp_path):
         (again, ["--distill-from", first]),
         (distilled, ["--distill-from", first, "--distill-steps", "2"]),
     ):
-        cmd = [sys.executable, script, "--out", out, *common, *extra]
-        run = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300)
+        run = train(out, *common, *extra)
         assert run.returncode == 0, run.stderr
     for variant in VARIANTS:
         a, b = (load_file(d / variant / "model.safetensors") for d in (first, again))
@@ -188,7 +191,6 @@ def test_distillation_from_an_earlier_run_reads_back_its_model(tmp_path):
     changed = any(not torch.equal(a[k], c[k]) for k in mtp)
     assert changed == (record["mtp_distillation"]["kept_step"] != 0)
     assert record["hyperparameters"] == earlier["hyperparameters"] and record["model"] == earlier["model"]
-    cmd = [sys.executable, script, "--out", tmp_path / "bad", "--distill-from", first, "--layers", "5"]
-    run = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300)
+    run = train(tmp_path / "bad", "--distill-from", first, "--layers", "5")
     assert run.returncode == 2 and "--layers: the earlier run's, with --distill-from" in run.stderr
     assert record["loss_curve"] == earlier["loss_curve"]
