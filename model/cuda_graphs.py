@@ -316,7 +316,7 @@ class DecodeGraphs:
         self.mtp_graphs[key].replay()
         if n == key[0]:
             return self.mtp_out[key]
-        return tuple(t[:n] for t in self.mtp_out[key])
+        return tuple(None if t is None else t[:n] for t in self.mtp_out[key])
 
     def replayed(self) -> tuple[torch.Tensor, ForwardBatch]:
         """The final normed states ``[b, H]`` of every row of the last replay, padding included, and the metadata it

@@ -53,11 +53,12 @@ class StepResult:
     """sampled: the new tokens of every sequence that produced some (one, or one per verification row under
     speculative decoding); prompt: per sequence, ``(position, logprob, top)`` of prompt tokens whose
     log-probability this step computed; drafts: under speculative decoding, per sequence and sampled token, the
-    MTP layer's ``(row of LaunchedStep.draft_states, draft of the token after it, its probability)``."""
+    MTP layer's ``(row of LaunchedStep.draft_states, draft of the token after it, its probability)``, the
+    probability None where no confidence threshold asks for it."""
 
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     prompt: dict[int, list[tuple[int, float, dict[int, float] | None]]] = field(default_factory=dict)
-    drafts: dict[int, list[tuple[int, int, float]]] = field(default_factory=dict)
+    drafts: dict[int, list[tuple[int, int, float | None]]] = field(default_factory=dict)
     accepted: dict[int, int] = field(default_factory=dict)
 
 
@@ -89,7 +90,9 @@ class LaunchedStep:
                 lp, top = by_row.get(i, (None, None))
                 out.sampled.setdefault(id(seq), []).append(SampledToken(token, lp, top))
             if "draft_tokens" in host:
-                drafts = zip(range(len(tokens)), host["draft_tokens"].tolist(), host["draft_probs"].tolist())
+                draft_tokens = host["draft_tokens"].tolist()
+                probs = host["draft_probs"].tolist() if "draft_probs" in host else [None] * len(draft_tokens)
+                drafts = zip(range(len(tokens)), draft_tokens, probs)
                 for seq, draft in zip(self.samplers, drafts):
                     out.drafts.setdefault(id(seq), []).append(draft)
             if "accepted" in host:
@@ -473,12 +476,15 @@ class ModelRunner:
         if sample_rows:  # each sampler row's sampled token
             next_ids.index_copy_(0, index, step.tokens)
         if graphed:  # the rows of the decode graph just replayed
-            step.draft_states, tokens, probs = (t.index_select(0, index) for t in self.graphs.run_mtp(hidden, next_ids))
+            outs = self.graphs.run_mtp(hidden, next_ids)
+            step.draft_states, tokens, probs = (None if t is None else t.index_select(0, index) for t in outs)
         else:
             with deepinfer.value_checks(False):
                 step.draft_states, tokens, probs = self.drafter.run(hidden, next_ids, fb, index)
         step.draft_tokens = tokens
-        return {"draft_tokens": tokens, "draft_probs": probs} if sample_rows else {}
+        if not sample_rows:
+            return {}
+        return {"draft_tokens": tokens} if probs is None else {"draft_tokens": tokens, "draft_probs": probs}
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """``logits`` (one row per sampler row of ``seqs``: a sequence with drafts has one per verification row)

@@ -58,11 +58,12 @@ class Sequence:
         self.num_registered_pages = 0
         self.num_cached_tokens = 0
         # Speculative decoding (speculative.py): the drafts this step verifies; the MTP layer's draft of the token
-        # after the last one, with its probability, and the MTP state behind it (on the device); counts.
+        # after the last one, with its probability (None without a confidence threshold), and the MTP state behind
+        # it (on the device); counts.
         self.drafts: list[int] = []
         self.max_drafts = 0  # the scheduler's room for drafts this step
         self.drafts_in_flight = 0  # drafts of the step still running, whose acceptance the host learns after it
-        self.next_draft: tuple[int, float] | None = None
+        self.next_draft: tuple[int, float | None] | None = None
         self.draft_state: Any = None
         self.num_drafted = self.num_accepted = 0
         # None until first scheduled; False when that step held at least ``disable_by_batch_size`` sequences: it

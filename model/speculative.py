@@ -228,17 +228,19 @@ class MTPDrafter:
     def run(self, hidden, next_ids, batch, sample_rows):
         """The MTP pass over every row of a forward (``hidden [T, H]``: the main model's final states; ``next_ids
         [T]``: the token after each row) -> for the rows ``sample_rows``: the MTP states ``[S, H]``, their draft
-        tokens ``[S]`` int64 and the drafts' probabilities ``[S]`` fp32, on the device."""
+        tokens ``[S]`` int64 and the drafts' probabilities (``draft``), on the device."""
         state = self.mtp.forward(hidden, next_ids, batch, *self.caches)
         state = state.index_select(0, sample_rows)
         return (state, *self.draft(state))
 
     def draft(self, state):
-        """The MTP layer's greedy drafts ``[N]`` and their probabilities ``[N]`` from its states ``[N, H]``."""
+        """The MTP layer's greedy drafts ``[N]`` from its states ``[N, H]``, and their probabilities ``[N]`` fp32
+        where confidence scheduling reads them (None without a threshold: two launches a draft saved)."""
         logits = self.mtp.compute_logits(state)
         tokens = greedy_tokens(logits)
-        probs = torch.softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-        return tokens, probs
+        if not self.config.confidence_threshold:
+            return tokens, None
+        return tokens, torch.softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
 
     def limit(self, seq) -> int:
         """Drafts ``seq`` may verify this step: ``num_speculative_tokens``, fewer where the scheduler gave it less
@@ -296,7 +298,7 @@ class MTPDrafter:
         for seq in seqs:
             seq.drafts = []
             has = seq.speculates is not False and (id(seq) in flies or seq.next_draft is not None)
-            ok = has and (cap is None or len(seqs) < cap) and (not read or seq.next_draft[1] >= threshold)
+            ok = has and (cap is None or len(seqs) < cap) and (not threshold or seq.next_draft[1] >= threshold)
             limits.append(self.limit(seq) if ok else 0)
         first = [PENDING if id(s) in flies else s.next_draft[0] if n else None for s, n in zip(seqs, limits)]
         rows = [i for i, n in enumerate(limits) if n > 1]
@@ -309,7 +311,7 @@ class MTPDrafter:
             if graphs is not None and graphs.replays_mtp(len(rows)):
                 state, tokens, probs = graphs.run_mtp(state, ids, meta, shift)
                 # the graph's outputs, overwritten by later replays (the probabilities are read only with `read`)
-                tokens, probs = tokens.clone(), probs.clone() if read else None
+                tokens, probs = tokens.clone(), probs.clone() if probs is not None and read else None
             else:
                 fb = decode_batch(meta, tensor)
                 fb.rows = [(seqs[i], p, 1) for i, p in zip(rows, meta["positions"])]
@@ -335,10 +337,12 @@ class MTPDrafter:
             return [(rows, tokens) for rows, tokens, _ in chained]
         drafts = [[s.next_draft] if n else [] for s, n in zip(seqs, limits)]
         for step_rows, tokens, probs in chained:
-            for i, t, p in zip(step_rows, tokens.tolist(), probs.tolist()):
+            probs = [None] * len(step_rows) if probs is None else probs.tolist()
+            for i, t, p in zip(step_rows, tokens.tolist(), probs):
                 drafts[i].append((t, p))
         for seq, n, d in zip(seqs, limits, drafts):
-            n = min(n, confident_drafts([p for _, p in d], threshold))
+            if threshold:
+                n = min(n, confident_drafts([p for _, p in d], threshold))
             seq.drafts = [t for t, _ in d[:n]]
         return []
 

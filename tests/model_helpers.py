@@ -338,11 +338,12 @@ class ReplayedForward:
         self.replayed.append(self.key)
         with deepinfer.value_checks(False):  # as a graph's replay: the engine's forward checks no values
             for held, new in zip(self.out, self.forward(self.key)):
-                held.copy_(new)
-        mine = {t.data_ptr() for t in self.out}
+                if held is not None:  # an output the forward does not compute (draft probabilities)
+                    held.copy_(new)
+        mine = {t.data_ptr() for t in self.out if t is not None}
         for graph in self.captured[self.order + 1 :]:
             for t in graph.out:
-                if t.data_ptr() not in mine:
+                if t is not None and t.data_ptr() not in mine:
                     t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).max)
 
     def pool(self) -> None:
