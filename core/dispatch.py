@@ -40,8 +40,9 @@ from .qtensor import FP4Tensor, QTensor
 from .records import OpImpl, TransientDecline, verdict
 
 MAX_CHOICES = 4096  # remembered choices; shapes vary (prefill chunk lengths), so the cache is emptied when full
-# A ``supports`` may test a pointer's alignment up to this many bytes (TMA copies want 16).
-POINTER_ALIGNMENT = 256
+# A ``supports`` may test a pointer's alignment up to this many bytes (TMA copies want 16). Not more: CPU allocations
+# are 64-byte aligned, so a larger modulus would tell apart calls the supports answer alike (layer after layer).
+POINTER_ALIGNMENT = 64
 
 _invariant_override: list[bool] = []
 _warned: set[tuple[str, str]] = set()
