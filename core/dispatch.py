@@ -6,16 +6,17 @@ reference runs and a ``FallbackWarning`` is shown once per (backend, op), or ``N
 implementations declared batch-invariant are considered. ``explain`` and ``explain_call`` say, without running
 a kernel, which implementation a call takes and why the ones before it declined (``deepinfer info --ops``).
 
-The choice cache. Inside ``cached_choices()`` (the engine enters it for each step it launches) ``resolve``
-remembers its choice per call signature, so that the many calls of one step with equal signatures (a layer's ops,
-layer after layer) ask the ``supports`` once. The key is the op, the backend's name, whether batch-invariant mode is
-on, and each argument by name: a tensor by its type, dtype, shape, strides, device and ``data_ptr() %
-POINTER_ALIGNMENT``; a ``QTensor`` / ``FP4Tensor`` by its data and scale tensors, its block and scale format and the
-type of ``prepared``; a tuple or list by its items; a bool, int, float, str, None, dtype or device by its type and
-value. A call with any other argument (a process group, a handle, an expert placement) is not remembered, nor is a
-choice made past a ``TransientDecline``, nor one of a backend's only implementation of an op (its
-``supports`` costs about what a key does). Everything else a ``supports`` reads (module constants, the
-environment, the device's properties) must not change inside the block: the outermost block starts and ends with an
+The choice cache. Inside ``cached_choices()`` (the engine enters it for each step it launches) ``resolve`` remembers
+its choice per call signature, so that the many calls of one step with equal signatures (a layer's ops, layer after
+layer) ask the ``supports`` once. The key is the op, the backend's name, whether batch-invariant mode is on, and
+each argument by name: a tensor (a ``torch.Tensor`` or ``Parameter``; no other subclass) by its type, dtype, shape,
+strides, device and ``data_ptr() % POINTER_ALIGNMENT``; a ``QTensor`` / ``FP4Tensor`` by its data and scale tensors,
+its block and scale format and the type of ``prepared``; a tuple or list by its items; a bool, int, float, str,
+None, dtype or device by its type and value. A call with any other argument (a process group, a handle, an expert
+placement) is not remembered, nor is a choice made past a ``TransientDecline``, nor one of a backend's only
+implementation of an op (its ``supports`` costs about what a key does). A ``supports`` never reads tensor values
+(``OpImpl.supports``); everything else it reads (module constants, the environment, the device's properties) must
+not change inside the block, which is process-wide, not per thread: the outermost block starts and ends with an
 empty cache, so a change between steps (a test's monkeypatch, a benchmark's ``--set``) is always seen; code that
 changes such a thing inside a block calls ``clear_choice_cache()`` (``registry.reload`` does). Outside any block
 nothing is remembered. A remembered fallback still raises under ``DEEPINFER_STRICT=1`` and warns as above;
