@@ -43,7 +43,7 @@ import torch
 from tile_variants import make
 
 import deepinfer
-from deepinfer import QTensor, bench, ops
+from deepinfer import QTensor, bench, dispatch, ops
 from deepinfer.conformance.cases import Gen, error
 from deepinfer.kv_cache import kv_format_of
 from deepinfer.qtensor import quantize_blocks, quantize_rows
@@ -190,7 +190,8 @@ CASES = {"mla_decode": mla_cases, "grouped_gemm": grouped_cases, "gemm_invariant
 @contextlib.contextmanager
 def settings(spec: str):
     """Module constants of the backend changed for the duration: ``"attention.MLA_GLUON=False,..."``; ``@OTHER``
-    stands for the backend's module OTHER."""
+    stands for the backend's module OTHER. On entry and exit, implementation choices an enclosing
+    ``dispatch.cached_choices()`` block remembered are forgotten."""
     old = []
     for item in filter(None, re.split(r",(?![^()]*\))", spec)):  # (commas inside a tuple value stay)
         name, value = item.split("=", 1)
@@ -204,11 +205,13 @@ def settings(spec: str):
             if hasattr(old[-1][2], "_fields") and isinstance(new, tuple):  # a record such as a Tile, by its fields
                 new = type(old[-1][2])(*new)
             setattr(module, attr, new)
+    dispatch.clear_choice_cache()
     try:
         yield
     finally:
         for module, attr, value in reversed(old):
             setattr(module, attr, value)
+        dispatch.clear_choice_cache()
 
 
 def main() -> int:

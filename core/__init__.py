@@ -11,7 +11,7 @@ from .errors import BackendError, DeepInferError, FallbackWarning, InputError, N
 from .hookspecs import hookimpl
 from .kv_cache import allocate_kv_cache
 from .qtensor import FP4Tensor, QTensor
-from .records import BackendSpec, Decline, OpImpl
+from .records import BackendSpec, Decline, OpImpl, TransientDecline
 from .selection import available_backends, current_backend, use
 from .validation import value_checks
 
@@ -29,6 +29,7 @@ __all__ = [
     "OpImpl",
     "PluginError",
     "QTensor",
+    "TransientDecline",
     "allocate_kv_cache",
     "available_backends",
     "batch_invariant",

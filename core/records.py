@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
@@ -52,9 +52,18 @@ class Decline:
     SMs"``); ``deepinfer info --ops --shapes`` shows it beside the implementation."""
 
     reason: str
+    transient: ClassVar[bool] = False  # True on a TransientDecline (not a field: each field slows every decline)
 
     def __bool__(self) -> bool:
         return False
+
+
+@dataclass(frozen=True)
+class TransientDecline(Decline):
+    """A ``Decline`` that may turn into a yes for the same arguments later in the process (it waits on a probe that
+    cannot run yet): dispatch does not remember a choice made past it (``dispatch.cached_choices``)."""
+
+    transient: ClassVar[bool] = True
 
 
 def verdict(answer: object) -> tuple[bool, str]:
@@ -79,7 +88,9 @@ class OpImpl:
         instead of ``False`` says why (``deepinfer info --ops --shapes`` lists it); a plain ``False`` still works.
         ``None`` means it supports everything valid. A backend may register several kernels of one op as separate
         implementations, each declining where an earlier one should run or where it cannot: the first that accepts
-        is the kernel that runs.
+        is the kernel that runs. Its answer may depend on the arguments' metadata (dtypes, shapes, strides, devices,
+        pointer alignment), on Python values and on the process's settings, never on tensor values: dispatch
+        remembers it per call signature during an engine step (``dispatch.cached_choices``).
     batch_invariant: for a given row, ``fn`` returns bitwise the same result whatever else is in the batch and
         on every run. Only such implementations are used under ``DEEPINFER_BATCH_INVARIANT=1``.
     priority: higher is tried first among one backend's implementations of an op.

@@ -181,10 +181,12 @@ def get() -> Registry:
 
 
 def reload() -> Registry:
-    """Forgets the loaded plugins and the backend selection cache, then loads again (for tests and tools)."""
+    """Forgets the loaded plugins, the backend selection cache and the remembered implementation choices, then
+    loads again (for tests and tools)."""
     global _REGISTRY
-    from . import selection
+    from . import dispatch, selection
 
     _REGISTRY = None
     selection.clear_cache()
+    dispatch.clear_choice_cache()
     return get()

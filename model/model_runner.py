@@ -14,7 +14,9 @@ device from the previous launch.
 The forward and the sampling run without the ops' value checks (``deepinfer.value_checks(False)``): the page tables,
 slots, positions and sequence lengths come from the allocator and the scheduler, the expert ids and offsets from the
 backend's own ops, and the sampling parameters were checked by ``SamplingParams``. Each check would wait for the
-device, several times per layer in an eager step.
+device, several times per layer in an eager step. ``launch`` and ``propose`` run inside
+``deepinfer.dispatch.cached_choices()``: the implementation of each op call signature is chosen once per step, not at
+every layer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 import deepinfer
-from deepinfer import ops
+from deepinfer import dispatch, ops
 
 from .block_manager import BlockAllocator
 from .cuda_graphs import DecodeGraphs
@@ -307,7 +309,8 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.admit([*batch.decodes, *(c.seq for c in batch.prefills)])
             if self.drafter.any_speculates(batch.decodes):  # (a sequence that does not speculate never has drafts)
-                drafts.chained = self.drafter.propose(batch.decodes, self._tensor, self.graphs, drafts.flying)
+                with dispatch.cached_choices():
+                    drafts.chained = self.drafter.propose(batch.decodes, self._tensor, self.graphs, drafts.flying)
         return drafts
 
     def carried(
@@ -368,6 +371,10 @@ class ModelRunner:
         """Queues ``batch``'s forward, sampling and log-probabilities on the device and starts copying what the host
         needs, without waiting for the device. ``previous``: the step launched before, whose tokens are still
         pending; ``drafts``: what ``propose`` made for this step (speculative decoding)."""
+        with dispatch.cached_choices():  # a step's many calls of equal signatures choose their implementation once
+            return self._launch(batch, previous, drafts)
+
+    def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None, drafts: Drafts | None) -> LaunchedStep:
         if drafts is None:
             drafts = Drafts(self.in_flight(batch, previous))
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)

@@ -13,6 +13,7 @@ import torch
 from model_helpers import SMALL, one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse)
 
 import deepinfer
+from deepinfer import dispatch
 from deepinfer.model import LLM, RequestError, SamplingParams
 from deepinfer.model.block_manager import BlockAllocator
 from deepinfer.model.greedy import ONE_PASS_VOCAB, greedy_tokens
@@ -401,6 +402,24 @@ def test_the_forward_runs_without_value_checks(make, monkeypatch):
     assert seen and not any(seen)
     with pytest.raises(deepinfer.InputError, match="positions"):
         deepinfer.ops.rope(torch.randn(1, 2, 8), torch.tensor([16]), torch.randn(16, 8))
+
+
+def test_each_step_chooses_its_implementations_inside_cached_choices(make, monkeypatch):
+    """The engine launches each step inside ``dispatch.cached_choices()`` (an implementation chosen once per call
+    signature in the step): every op call of a generate resolves there, and nothing stays remembered after it."""
+    llm = make(max_num_seqs=2)
+    depths = []
+    resolve = dispatch.resolve
+
+    def recording(op, kwargs, backend=None):
+        depths.append(dispatch._cache_depth[0])
+        return resolve(op, kwargs, backend)
+
+    monkeypatch.setattr(dispatch, "resolve", recording)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.8, seed=1)
+    llm.generate(random_prompts(258, [3, 6], seed=1), params)
+    assert depths and all(depths)
+    assert not dispatch._choices
 
 
 def test_backend_is_pinned_per_llm(ckpt, deepinfer_device):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from deepinfer import Decline, QTensor
+from deepinfer import Decline, QTensor, TransientDecline
 from deepinfer.qtensor import quantize_blocks
 
 from ._triton import INTERPRET, num_sms, placed
@@ -94,26 +94,29 @@ def cublas_fp8_supports(a, w, *, out_dtype, bias) -> bool | Decline:
         return answer
     if not hasattr(F, "scaled_mm"):
         return Decline("this torch has no scaled_mm")
-    if not _cublas_fp8_ready():
-        return Decline("cuBLAS's block-scaled FP8 product is not known to agree here")
+    if not (ready := _cublas_fp8_ready()):
+        why = "cuBLAS's block-scaled FP8 product is not known to agree here"
+        return (TransientDecline if ready is None else Decline)(why)
     return True
 
 
-def _cublas_fp8_ready() -> bool:
+def _cublas_fp8_ready() -> bool | None:
+    """``_cublas_fp8_agrees()``; None inside a CUDA graph capture where it was not asked yet (it is never asked for
+    the first time there)."""
     if _cublas_fp8_agrees.cache_info().currsize or not torch.cuda.is_current_stream_capturing():
         return _cublas_fp8_agrees()
-    return False  # never ask for the first time inside a CUDA graph capture
+    return None
 
 
 _cublas_answers: dict[tuple, bool] = {}  # per key (FP8 or dense product): whether cuBLAS gave the Triton bits
 
 
-def _cublas_agreed(key: tuple, probe: Callable[[], bool]) -> bool:
-    """``probe()``'s answer for ``key``, asked once; never asked for the first time inside a CUDA graph capture
-    (declined there)."""
+def _cublas_agreed(key: tuple, probe: Callable[[], bool]) -> bool | None:
+    """``probe()``'s answer for ``key``, asked once; None inside a CUDA graph capture where it was not asked yet (it
+    is never asked for the first time there)."""
     if key not in _cublas_answers:
         if torch.cuda.is_current_stream_capturing():
-            return False
+            return None
         _cublas_answers[key] = probe()
     return _cublas_answers[key]
 
@@ -129,8 +132,10 @@ def cublas_fp8_invariant_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     if not answer:
         return answer
     m = (a.data if isinstance(a, QTensor) else a).shape[0]
-    if not _cublas_agreed((m, *w.shape, w.data.device.index or 0), lambda: _cublas_gives_unsplit_bits(m, w)):
-        return Decline(f"at {m} rows cuBLAS does not give the unsplit kernel's bits (or was not asked yet)")
+    agreed = _cublas_agreed((m, *w.shape, w.data.device.index or 0), lambda: _cublas_gives_unsplit_bits(m, w))
+    if not agreed:
+        why = f"at {m} rows cuBLAS does not give the unsplit kernel's bits (or was not asked yet)"
+        return (TransientDecline if agreed is None else Decline)(why)
     return True
 
 
@@ -215,8 +220,10 @@ def cublas_invariant_supports(a, w, *, out_dtype, bias) -> bool | Decline:
         return Decline(f"{a.shape[0]} rows < {CUBLAS_DENSE_INVARIANT_MIN_M}")
     m = a.shape[0]
     key = ("dense", m, *w.shape, a.dtype, out_dtype, w.device.index or 0)
-    if not _cublas_agreed(key, lambda: _cublas_gives_triton_bits(m, w, out_dtype)):
-        return Decline(f"at {m} rows cuBLAS does not give the Triton tile's bits (or was not asked yet)")
+    agreed = _cublas_agreed(key, lambda: _cublas_gives_triton_bits(m, w, out_dtype))
+    if not agreed:
+        why = f"at {m} rows cuBLAS does not give the Triton tile's bits (or was not asked yet)"
+        return (TransientDecline if agreed is None else Decline)(why)
     return True
 
 
