@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
@@ -52,7 +52,6 @@ class Decline:
     SMs"``); ``deepinfer info --ops --shapes`` shows it beside the implementation."""
 
     reason: str
-    transient: ClassVar[bool] = False  # True on a TransientDecline (not a field: each field slows every decline)
 
     def __bool__(self) -> bool:
         return False
@@ -62,8 +61,6 @@ class Decline:
 class TransientDecline(Decline):
     """A ``Decline`` that may turn into a yes for the same arguments later in the process (it waits on a probe that
     cannot run yet): dispatch does not remember a choice made past it (``dispatch.cached_choices``)."""
-
-    transient: ClassVar[bool] = True
 
 
 def verdict(answer: object) -> tuple[bool, str]:

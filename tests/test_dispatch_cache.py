@@ -16,7 +16,7 @@ import torch
 from fake_plugins import backend_module
 
 import deepinfer
-from deepinfer import QTensor, dispatch, registry
+from deepinfer import QTensor, TransientDecline, dispatch, registry
 from deepinfer.errors import FallbackWarning, NotSupportedError
 from deepinfer.qtensor import quantize_blocks, quantize_rows
 
@@ -380,8 +380,8 @@ def test_cublas_declines_an_unasked_row_count_inside_graph_capture_transiently(m
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     w, a = torch.randn(96, 512).bfloat16(), torch.randn(256, 512).bfloat16()
     dense = lambda: gemm_cublas.cublas_invariant_supports(a, w, out_dtype=torch.bfloat16, bias=None)
-    assert not dense() and dense().transient
+    assert not dense() and isinstance(dense(), TransientDecline)
     gemm_cublas._cublas_answers[("dense", 256, 96, 512, torch.bfloat16, torch.bfloat16, 0)] = False
-    assert not dense() and not dense().transient
+    assert not dense() and not isinstance(dense(), TransientDecline)
     fp8 = gemm_cublas.cublas_fp8_supports(a, quantize_blocks(w.float()), out_dtype=torch.bfloat16, bias=None)
-    assert not fp8 and fp8.transient == (gemm_cublas._cublas_fp8_agrees.cache_info().currsize == 0)
+    assert not fp8 and isinstance(fp8, TransientDecline) == (gemm_cublas._cublas_fp8_agrees.cache_info().currsize == 0)
