@@ -6,7 +6,7 @@ reference runs and a ``FallbackWarning`` is shown once per (backend, op), or ``N
 implementations declared batch-invariant are considered. ``explain`` and ``explain_call`` say, without running
 a kernel, which implementation a call takes and why the ones before it declined (``deepinfer info --ops``).
 
-The choice cache. Inside ``cached_choices()`` (the engine enters it for each step it launches) ``resolve`` remembers
+The choice cache. Inside ``cached_choices()`` (the engine opens one for each step it launches) ``resolve`` remembers
 its choice per call signature, so that the many calls of one step with equal signatures (a layer's ops, layer after
 layer) ask the ``supports`` once. The key is the op, the backend's name, whether batch-invariant mode is on, and
 each argument by name: a tensor (a ``torch.Tensor`` or ``Parameter``; no other subclass) by its type, dtype, shape,
@@ -15,10 +15,11 @@ its block and scale format and the type of ``prepared``; a tuple or list by its 
 None, dtype or device by its type and value. A call with any other argument (a process group, a handle, an expert
 placement) is not remembered, nor is a choice made past a ``TransientDecline``, nor one of a backend's only
 implementation of an op (its ``supports`` costs about what a key does). A ``supports`` never reads tensor values
-(``OpImpl.supports``); everything else it reads (module constants, the environment, the device's properties) must
-not change inside the block, which is process-wide, not per thread: the outermost block starts and ends with an
-empty cache, so a change between steps (a test's monkeypatch, a benchmark's ``--set``) is always seen; code that
-changes such a thing inside a block calls ``clear_choice_cache()`` (``registry.reload`` does). Outside any block
+(``OpImpl.supports``), nor a tensor's identity or full address; everything else it reads (module constants, the
+environment, the device's properties) must not change inside the block. Blocks and their choices are per thread: a
+thread's outermost block starts and ends with an empty cache, so a change between steps (a test's monkeypatch, a
+benchmark's ``--set``) is always seen; code that changes such a thing inside a block calls ``clear_choice_cache()``
+(``registry.reload`` does, for its thread). Outside any block
 nothing is remembered. A remembered fallback still raises under ``DEEPINFER_STRICT=1`` and warns as above;
 ``explain`` and ``explain_call`` always ask every ``supports``. The cache holds at most ``MAX_CHOICES`` entries and
 is emptied when full.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,8 +51,18 @@ _invariant_override: list[bool] = []
 _warned: set[tuple[str, str]] = set()
 _last: dict[str, tuple[OpImpl, bool]] = {}
 _intercepted: list[tuple[str, str | None]] = []  # (op, backend) whose next call explain_call answers instead
-_choices: dict[tuple, OpImpl | None] = {}  # call key -> the implementation chosen; None: the reference fallback
-_cache_depth = [0]  # cached_choices() blocks entered and not left
+
+
+class _ChoiceCache(threading.local):
+    """One thread's remembered choices (call key -> the implementation chosen; None: the reference fallback) and its
+    ``cached_choices()`` blocks entered and not left."""
+
+    def __init__(self) -> None:
+        self.choices: dict[tuple, OpImpl | None] = {}
+        self.depth = 0
+
+
+_cache = _ChoiceCache()
 _UNSEEN = object()
 
 
@@ -83,20 +95,21 @@ def reference_impl(op: str) -> OpImpl:
 def cached_choices() -> Iterator[None]:
     """Inside the block ``resolve`` remembers its choices (the module docstring's contract); the outermost block
     starts and ends with an empty cache."""
-    if not _cache_depth[0]:
-        _choices.clear()
-    _cache_depth[0] += 1
+    if not _cache.depth:
+        _cache.choices.clear()
+    _cache.depth += 1
     try:
         yield
     finally:
-        _cache_depth[0] -= 1
-        if not _cache_depth[0]:
-            _choices.clear()
+        _cache.depth -= 1
+        if not _cache.depth:
+            _cache.choices.clear()
 
 
 def clear_choice_cache() -> None:
-    """Forgets every remembered choice: for code that changes what a ``supports`` reads inside ``cached_choices``."""
-    _choices.clear()
+    """Forgets this thread's remembered choices: for code that changes what a ``supports`` reads inside
+    ``cached_choices``."""
+    _cache.choices.clear()
 
 
 class _Unkeyable(Exception):
@@ -116,12 +129,12 @@ def _items_key(items: tuple | list) -> tuple:
 
 
 def _qtensor_key(q: QTensor) -> tuple:
-    fields = _tensor_key(q.data), _tensor_key(q.scale), _arg_key(q.block), _arg_key(q.scale_format)
+    fields = _arg_key(q.data), _arg_key(q.scale), _arg_key(q.block), _arg_key(q.scale_format)
     return QTensor, *fields, type(q.prepared)
 
 
 def _fp4_key(q: FP4Tensor) -> tuple:
-    return FP4Tensor, _tensor_key(q.data), _tensor_key(q.scale), type(q.prepared)
+    return FP4Tensor, _arg_key(q.data), _arg_key(q.scale), type(q.prepared)
 
 
 # By exact type: a tensor subclass other than a Parameter may answer these questions its own way.
@@ -147,7 +160,7 @@ def _choice_key(op: str, backend: str, invariant: bool, kwargs: dict[str, Any]) 
     """What the choice for this call depends on (the module docstring); None where an argument has no key."""
     try:
         return op, backend, invariant, tuple(kwargs), tuple(map(_arg_key, kwargs.values()))
-    except Exception:  # _Unkeyable, or a tensor without storage (no data_ptr): asked every time, as before
+    except (_Unkeyable, RuntimeError):  # or a tensor without storage (no data_ptr): asked every time, as before
         return None
 
 
@@ -197,14 +210,14 @@ def resolve(op: str, kwargs: dict[str, Any], backend: str | None = None) -> tupl
     invariant = batch_invariant_enabled()
     impls = registry.get().impls_for(name, op)
     # a lone implementation's supports costs about what a key does: only choices between several are remembered
-    key = _choice_key(op, name, invariant, kwargs) if _cache_depth[0] and len(impls) > 1 else None
-    impl = _UNSEEN if key is None else _choices.get(key, _UNSEEN)
+    key = _choice_key(op, name, invariant, kwargs) if _cache.depth and len(impls) > 1 else None
+    impl = _UNSEEN if key is None else _cache.choices.get(key, _UNSEEN)
     if impl is _UNSEEN:
         impl, remember = _walk(impls, invariant, kwargs, key is not None)
         if remember:
-            if len(_choices) >= MAX_CHOICES:
-                _choices.clear()
-            _choices[key] = impl
+            if len(_cache.choices) >= MAX_CHOICES:
+                _cache.choices.clear()
+            _cache.choices[key] = impl
     return (impl, False) if impl is not None else _fall_back(op, name, invariant)
 
 

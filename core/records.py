@@ -86,8 +86,9 @@ class OpImpl:
         ``None`` means it supports everything valid. A backend may register several kernels of one op as separate
         implementations, each declining where an earlier one should run or where it cannot: the first that accepts
         is the kernel that runs. Its answer may depend on the arguments' metadata (dtypes, shapes, strides, devices,
-        pointer alignment), on Python values and on the process's settings, never on tensor values: dispatch
-        remembers it per call signature during an engine step (``dispatch.cached_choices``).
+        pointer alignment up to 64 bytes), on Python values and on the process's settings, never on tensor values or
+        a tensor's full address: dispatch remembers it per call signature during an engine step
+        (``dispatch.cached_choices``).
     batch_invariant: for a given row, ``fn`` returns bitwise the same result whatever else is in the batch and
         on every run. Only such implementations are used under ``DEEPINFER_BATCH_INVARIANT=1``.
     priority: higher is tried first among one backend's implementations of an op.

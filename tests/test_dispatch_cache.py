@@ -181,7 +181,7 @@ def test_nothing_is_remembered_outside_a_block(fake_c, monkeypatch):
     assert resolved(BASE) == ("picky", False)
     monkeypatch.setattr(fake_c, "MAX_ROWS", 2)
     assert resolved(BASE) == ("plain", False)
-    assert not dispatch._choices
+    assert not dispatch._cache.choices
 
 
 def test_an_inner_block_keeps_the_outer_blocks_choices(fake_c):
@@ -193,7 +193,7 @@ def test_an_inner_block_keeps_the_outer_blocks_choices(fake_c):
             assert len(fake_c.ASKED) == asked
         resolved(BASE)
         assert len(fake_c.ASKED) == asked
-    assert not dispatch._choices
+    assert not dispatch._cache.choices
 
 
 def test_a_choice_made_past_a_transient_decline_is_not_remembered(fake_c):
@@ -214,7 +214,7 @@ def test_a_call_with_an_argument_the_key_cannot_describe_is_asked_every_time(fak
         assert resolved(marked) == ("odd", False)
         Marker.ok = False
         assert resolved(marked) == explained(marked) == ("plain", False)
-        assert not dispatch._choices
+        assert not dispatch._cache.choices
 
 
 def test_registry_reload_forgets_the_choices(fake_c, monkeypatch):
@@ -231,7 +231,7 @@ def test_the_cache_is_bounded(fake_c, monkeypatch):
         for rows in range(4, 16):
             kwargs = args(at(0, (rows, 64)))
             assert resolved(kwargs) == explained(kwargs)
-            assert len(dispatch._choices) <= 4
+            assert len(dispatch._cache.choices) <= 4
 
 
 def test_a_remembered_fallback_warns_once_and_raises_under_strict_every_time(plugins, monkeypatch):
@@ -264,6 +264,14 @@ def test_keys_describe_quantised_tensors_containers_and_values():
     assert dispatch._choice_key("op", "b", False, {"v": (1, [2, torch.float32])}) is not None
     assert dispatch._choice_key("op", "b", False, {"v": object()}) is None
     assert dispatch._choice_key("op", "b", False, {"v": [torch.float32, object()]}) is None
+    # the op and the backend are part of it, and a quantised tensor's scale layout and prepared form
+    call = {"a": a, "w": w, "bias": None}
+    assert key(**call) != dispatch._choice_key("grouped_gemm", "b", False, call)
+    assert key(**call) != dispatch._choice_key("gemm", "c", False, call)
+    wide = quantize_blocks(torch.randn(256, 256))
+    by_columns = QTensor(wide.data, wide.scale.t().contiguous().t(), wide.block)
+    assert key(a=a, w=wide, bias=None) != key(a=a, w=by_columns, bias=None)
+    assert key(a=a, w=w, bias=None) != key(a=a, w=QTensor(w.data, w.scale, w.block, prepared=object()), bias=None)
 
 
 # --- cuda_sm100's gemm and mla_decode kernels, as an SM90 GPU of 132 SMs sees them (the tensors stay on the CPU) -----
@@ -355,7 +363,7 @@ def test_cuda_sm100_remembered_choices_are_the_uncached_walks(sm90):
                         impl, fallback = dispatch.resolve(op, kwargs, "cuda_sm100")
                         assert (impl, fallback) == (want.impl, want.status == "fallback"), (op, label, invariant)
                     taken[(invariant, op, *label)] = want.impl.provider
-        assert len(dispatch._choices) > 100
+        assert len(dispatch._cache.choices) > 100
     assert len(set(taken.values())) >= 10
     assert any(taken[(False, *call)] != taken[(True, *call)] for call in {k[1:] for k in taken})
     shapes = [(m, k) for m in (1, 4, 16, 64, 200, 384, 512, 1024, 1100) for k in (512, 1536)]
