@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 import deepinfer
+from deepinfer import dispatch
 from deepinfer.index_cache import allocate_index_cache
 from deepinfer.validation import Check
 
@@ -545,12 +546,13 @@ class LLMEngine:
         truncated, self.scheduler.truncated = self.scheduler.truncated, []
         finished.extend(truncated)
         before = previous.step if previous is not None else None
-        drafts = self.runner.propose(batch, before) if batch else None
-        if self.sync is not None:
-            self._check_step(batch, truncated)
-        if not batch:
-            return None
-        step = self.runner.launch(batch, before, drafts)
+        with dispatch.cached_choices():  # the draft chain and the step share their choices of implementation
+            drafts = self.runner.propose(batch, before) if batch else None
+            if self.sync is not None:
+                self._check_step(batch, truncated)
+            if not batch:
+                return None
+            step = self.runner.launch(batch, before, drafts)
         if self.allocator.host is not None:
             self.allocator.host.launched()
         self.stats["steps"] += 1

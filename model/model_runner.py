@@ -15,8 +15,8 @@ The forward and the sampling run without the ops' value checks (``deepinfer.valu
 slots, positions and sequence lengths come from the allocator and the scheduler, the expert ids and offsets from the
 backend's own ops, and the sampling parameters were checked by ``SamplingParams``. Each check would wait for the
 device, several times per layer in an eager step. ``launch`` and ``propose`` run inside
-``deepinfer.dispatch.cached_choices()``: the implementation of each op call signature is chosen once per step, not at
-every layer.
+``deepinfer.dispatch.cached_choices()`` (the engine opens one block around both): the implementation of each op call
+signature is chosen once per step, not at every layer.
 """
 
 from __future__ import annotations

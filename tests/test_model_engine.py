@@ -404,22 +404,30 @@ def test_the_forward_runs_without_value_checks(make, monkeypatch):
         deepinfer.ops.rope(torch.randn(1, 2, 8), torch.tensor([16]), torch.randn(16, 8))
 
 
-def test_each_step_chooses_its_implementations_inside_cached_choices(make, monkeypatch):
+@pytest.mark.parametrize("speculative", [False, True])
+def test_each_step_chooses_its_implementations_inside_cached_choices(make, monkeypatch, tmp_path, speculative):
     """The engine launches each step inside ``dispatch.cached_choices()`` (an implementation chosen once per call
-    signature in the step): every op call of a generate resolves there, and nothing stays remembered after it."""
-    llm = make(max_num_seqs=2)
+    signature in the step): every op call of a generate resolves there, the MTP layer's draft chain included, and
+    nothing stays remembered after it."""
+    if speculative:
+        mtp = small_checkpoint(tmp_path, seed=11, num_nextn_predict_layers=1)
+        llm = make(mtp, max_num_seqs=2, speculative_config={"num_speculative_tokens": 3})
+    else:
+        llm = make(max_num_seqs=2)
     depths = []
     resolve = dispatch.resolve
 
     def recording(op, kwargs, backend=None):
-        depths.append(dispatch._cache_depth[0])
+        depths.append(dispatch._cache.depth)
         return resolve(op, kwargs, backend)
 
     monkeypatch.setattr(dispatch, "resolve", recording)
-    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.8, seed=1)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=1)
     llm.generate(random_prompts(258, [3, 6], seed=1), params)
     assert depths and all(depths)
-    assert not dispatch._choices
+    assert not dispatch._cache.choices
+    if speculative:
+        assert llm.last_stats["speculative"]["drafted"] > 0  # the draft chain ran
 
 
 def test_backend_is_pinned_per_llm(ckpt, deepinfer_device):
