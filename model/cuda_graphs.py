@@ -118,9 +118,10 @@ class DecodeGraphs:
         self.greedy: dict[tuple[int, int], torch.Tensor] = {}
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}  # the final normed states of every row (the MTP reads)
         # Speculative decoding: the MTP pass over a bucket's rows, a graph of its own over the same metadata buffers
-        # and two inputs of its own, the states and the next tokens; outputs (states, drafts, their probabilities).
+        # and two inputs of its own, the states and the next tokens; outputs (states, drafts, their probabilities:
+        # None without a confidence threshold, MTPDrafter.draft).
         self.mtp_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.mtp_out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.mtp_out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         if drafter is not None:
             self.mtp_in = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.dtype, device=dev)
             self.mtp_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -168,7 +169,7 @@ class DecodeGraphs:
 
         return forward
 
-    def _mtp_forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _mtp_forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         d, b = self.drafter, key[0]
         state = d.mtp.forward(self.mtp_in[:b], self.mtp_ids[:b], self._inputs(key), *d.caches)
         return (state, *d.draft(state))
@@ -299,12 +300,12 @@ class DecodeGraphs:
         next_ids: torch.Tensor,
         rows: dict | None = None,
         shift: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The MTP pass from a graph: over the rows of the last replay (``rows`` None: ``hidden`` and ``next_ids``
         have that bucket's rows, padding included), or over ``n = len(next_ids)`` new decode rows whose metadata
         ``rows`` gives (``run``'s keywords but ``input_ids``), moved on by ``shift`` as in ``run``. Returns the
-        states, drafts and their probabilities of the ``n`` rows, views of the graph's outputs, valid as ``run``'s
-        are."""
+        states, drafts and their probabilities (None without a confidence threshold) of the ``n`` rows, views of the
+        graph's outputs, valid as ``run``'s are."""
         n = next_ids.shape[0]
         key = self.last if rows is None else self._load([0] * n, **rows)
         if rows is not None and shift is not None:

@@ -194,13 +194,18 @@ def test_trained_model_accepts_drafts_and_keeps_every_token(invariant, spec):
 
 @pytest.mark.parametrize(
     "spec",
-    [{"num_speculative_tokens": 3, "launch_ahead": True}, {"num_speculative_tokens": 2}],
-    ids=["k3-ahead", "k2-waiting"],
+    [
+        {"num_speculative_tokens": 3, "launch_ahead": True},
+        {"num_speculative_tokens": 2},
+        {"num_speculative_tokens": 3, "confidence_threshold": 0.3},
+    ],
+    ids=["k3-ahead", "k2-waiting", "k3-confident"],
 )
 def test_graph_path_keeps_every_token(invariant, monkeypatch, spec):
     """The CUDA-graph decode path (``cuda_graphs.DecodeGraphs``: static buffers, the MTP graphs of the chain and of
-    the verification rows, positions moved on by what the step in flight accepts), each replay run eagerly on the
-    CPU: every token and log-probability is plain decoding's, in a batch and alone."""
+    the verification rows, positions moved on by what the step in flight accepts; the drafts' probabilities only
+    under a confidence threshold), each replay run eagerly on the CPU: every token and log-probability is plain
+    decoding's, in a batch and alone."""
     params = [
         SamplingParams(max_tokens=40, temperature=0.0, logprobs=1),
         SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=7, logprobs=0),

@@ -19,7 +19,7 @@ import threading
 
 import pytest
 import torch
-from model_helpers import one_thread, small_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+from model_helpers import one_thread, replay_graphs_on_cpu, small_checkpoint  # noqa: F401 (one_thread: autouse)
 
 import deepinfer
 from deepinfer.model import LLM, RequestError, SamplingParams
@@ -129,21 +129,26 @@ def test_a_dict_is_taken_as_structured_outputs_params():
     assert params.structured_outputs == StructuredOutputsParams(regex="[0-9]+")
 
 
-def test_speculative_decoding_keeps_every_constrained_token(llm, deepinfer_backend, deepinfer_device):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_speculative_decoding_keeps_every_constrained_token(
+    llm, deepinfer_backend, deepinfer_device, graphs, monkeypatch
+):
     """With MTP drafts verified under the grammar (each verification row masked by what the grammar allows after
     the drafts before it, the matcher rolled back), constrained requests take the tokens they take without
-    speculation, and still validate."""
-    spec = LLM(
-        None,
-        deepinfer_backend,
-        device=deepinfer_device,
-        progress=False,
-        speculative_config={"num_speculative_tokens": 3},
-    )
+    speculation, and still validate; also through the CUDA-graph decode path (each replay run eagerly), whose MTP
+    graphs compute no draft probabilities without a confidence threshold while the drafts are read on the host."""
+    replayed = replay_graphs_on_cpu(monkeypatch) if graphs else []
     cases = [("json", 0.0), ("regex", 1.0), ("choice", 0.0), ("json", 1.0), ("regex", 0.0), ("choice", 1.0)]
     requests = [(k, PROMPTS[i % 4], constrained(k, i, temperature=t)) for i, (k, t) in enumerate(cases)]
     prompts, params = [p for _, p, _ in requests], [sp for _, _, sp in requests]
-    with deepinfer.batch_invariant():
+    with deepinfer.batch_invariant():  # (graphs replay in the mode they were captured in)
+        spec = LLM(
+            None,
+            deepinfer_backend,
+            device=deepinfer_device,
+            progress=False,
+            speculative_config={"num_speculative_tokens": 3},
+        )
         plain = llm.generate(prompts, params)
         fast = spec.generate(prompts, params)
     for (kind, _, _), a, b in zip(requests, plain, fast):
@@ -151,6 +156,7 @@ def test_speculative_decoding_keeps_every_constrained_token(llm, deepinfer_backe
         check(kind, b.outputs[0].text)
     stats = spec.last_stats["speculative"]
     assert stats["accepted"] > 0 and stats["drafted"] > stats["accepted"], stats
+    assert bool(replayed) == graphs
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
