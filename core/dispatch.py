@@ -19,10 +19,9 @@ implementation of an op (its ``supports`` costs about what a key does). A ``supp
 environment, the device's properties) must not change inside the block. Blocks and their choices are per thread: a
 thread's outermost block starts and ends with an empty cache, so a change between steps (a test's monkeypatch, a
 benchmark's ``--set``) is always seen; code that changes such a thing inside a block calls ``clear_choice_cache()``
-(``registry.reload`` does, for its thread). Outside any block
-nothing is remembered. A remembered fallback still raises under ``DEEPINFER_STRICT=1`` and warns as above;
-``explain`` and ``explain_call`` always ask every ``supports``. The cache holds at most ``MAX_CHOICES`` entries and
-is emptied when full.
+(``registry.reload`` does, for its thread). Outside any block nothing is remembered. A remembered fallback still
+raises under ``DEEPINFER_STRICT=1`` and warns as above; ``explain`` and ``explain_call`` always ask every
+``supports``. The cache holds at most ``MAX_CHOICES`` entries and is emptied when full.
 """
 
 from __future__ import annotations
