@@ -43,6 +43,12 @@ def _concat_rows(parts: list, dtype: torch.dtype) -> torch.Tensor | QTensor:
     return torch.cat([p.dequantize(dtype) if isinstance(p, QTensor) else p for p in parts])
 
 
+def _stack_keeps_format(parts: list) -> bool:
+    """Whether ``_concat_rows`` stacks ``parts`` without dequantising any (all float, or all FP8 in whole blocks)."""
+    fp8 = [isinstance(p, QTensor) for p in parts]
+    return not any(fp8) or (all(fp8) and all(p.shape[0] % p.block[0] == 0 for p in parts[:-1]))
+
+
 class WeightLoader:
     """Reads checkpoint tensors one at a time onto the device, assembles them, and prepares each once."""
 
@@ -242,15 +248,27 @@ def _load_layer(ckpt: Checkpoint, loader: WeightLoader, ep: ExpertParallel, laye
     for name in layout:
         if name.startswith(a + "indexer."):
             put(name, loader.raw(name))
+    # the two low-rank projections of the hidden state, stacked into one product (MLAttention._down) where neither
+    # has a bias and stacking keeps their format; None: stacked, not put apart
+    down = [f"{a}q_a_proj.weight", f"{a}kv_a_proj_with_mqa.weight"]
+    read = {}
+    if down[0] in layout and not any(n.removesuffix("weight") + "bias" in layout for n in down):
+        read = {n: loader.raw(n) for n in down}
+        if _stack_keeps_format(list(read.values())):
+            put(f"{a}qkv_a_proj.weight", _concat_rows(list(read.values()), loader.dtype))
+            read = dict.fromkeys(down)
     for lin in ATTN_LINEARS:
         name = f"{a}{lin}.weight"
-        if name in layout:
-            w = loader.raw(name)
-            if lin == "kv_b_proj":
-                w_uk, w_uv = _absorbed(cfg, w, loader.dtype)
-                put(f"{a}w_uk", w_uk)
-                put(f"{a}w_uv", w_uv)
-            put(name, w)
+        if name not in layout:
+            continue
+        w = read[name] if name in read else loader.raw(name)
+        if w is None:
+            continue
+        if lin == "kv_b_proj":
+            w_uk, w_uv = _absorbed(cfg, w, loader.dtype)
+            put(f"{a}w_uk", w_uk)
+            put(f"{a}w_uv", w_uv)
+        put(name, w)
     m = p + "mlp."
     if not cfg.is_moe_layer(layer):
         put(m + "gate_up_proj.weight", loader.fused([m + "gate_proj.weight", m + "up_proj.weight"]))

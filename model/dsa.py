@@ -119,9 +119,10 @@ class SparseMLAttention(MLAttention):
 
     def forward(self, x, batch: ForwardBatch, kv_cache, index_cache=None) -> torch.Tensor:
         t, w = x.shape[0], self.w
-        q, q_resid = self._query(x)
+        qa, kv = self._down(x)
+        q, q_resid = self._query(x, qa)
         q_pe = ops.rope(q[..., self.nope :], batch.positions, self.cos_sin_cache, self.interleaved)
-        self._write_latent(x, batch, kv_cache)
+        self._write_latent(kv, batch, kv_cache)
         indices = self.indexer.forward(x, q_resid, batch, index_cache)
 
         per_head, dtype = batch.rows_per_head(self.heads, t), x.dtype

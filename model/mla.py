@@ -40,7 +40,8 @@ class MLAttention:
     """One layer's attention. ``weights``: the layer's prepared op weights by checkpoint name below
     ``self_attn.`` (``q_proj.weight`` or ``q_a_proj.weight`` / ``q_a_layernorm.weight`` / ``q_b_proj.weight``,
     ``kv_a_proj_with_mqa.weight``, ``kv_a_layernorm.weight``, ``kv_b_proj.weight``, ``o_proj.weight``, optional
-    ``*.bias``), plus ``w_uk [H, r, nope]`` and ``w_uv [H, v, r]``."""
+    ``*.bias``), plus ``w_uk [H, r, nope]`` and ``w_uv [H, v, r]``; ``qkv_a_proj.weight`` (``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` stacked, as the loader fuses them where neither has a bias) stands for the two."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, cos_sin_cache: torch.Tensor, softmax_scale: float):
         self.heads = cfg.num_attention_heads
@@ -52,15 +53,28 @@ class MLAttention:
         self.softmax_scale = softmax_scale
         self.w = weights
 
-    def _query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The per-head queries ``[T, H, nope + rope]`` (rope not yet applied), and the normed low-rank query
-        ``q_resid`` they come from (None without ``q_lora_rank``)."""
+    def _down(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The hidden states' low-rank query ``[T, q_lora_rank]`` (None without ``q_lora_rank``) and latent
+        ``[T, kv_lora_rank + rope]``, not yet normed: one product where the loader fused the two weights."""
+        w = self.w
+        if "qkv_a_proj.weight" in w:
+            both = linear(x, w["qkv_a_proj.weight"])
+            split = both.shape[1] - self.rank - self.rope_dim
+            return both[:, :split], both[:, split:]
+        kv = linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
+        if "q_proj.weight" in w:
+            return None, kv
+        return linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias")), kv
+
+    def _query(self, x: torch.Tensor, qa: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The per-head queries ``[T, H, nope + rope]`` (rope not yet applied) from the hidden states ``x`` or, with
+        ``q_lora_rank``, their low-rank query ``qa`` (``_down``), and the normed low-rank query ``q_resid`` they
+        come from (None without ``q_lora_rank``)."""
         w = self.w
         q_resid = None
-        if "q_proj.weight" in w:
+        if qa is None:
             q = linear(x, w["q_proj.weight"])
         else:
-            qa = linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias"))
             q_resid = ops.rms_norm(qa, w["q_a_layernorm.weight"], self.eps)[0]
             q = linear(q_resid, w["q_b_proj.weight"])
         return q.view(x.shape[0], self.heads, self.nope + self.rope_dim), q_resid
@@ -69,11 +83,12 @@ class MLAttention:
         """The layer's attention output ``[T, hidden]``; writes the tokens' latents into ``kv_cache``
         (``index_cache``: unused, for the signature of sparse attention layers)."""
         t, w = x.shape[0], self.w
-        q, _ = self._query(x)
+        qa, kv = self._down(x)
+        q, _ = self._query(x, qa)
         q_nope = q[..., : self.nope]
         q_pe = ops.rope(q[..., self.nope :], batch.positions, self.cos_sin_cache, self.interleaved)
 
-        self._write_latent(x, batch, kv_cache)
+        self._write_latent(kv, batch, kv_cache)
 
         nd = batch.num_decode
         parts = []
@@ -85,10 +100,10 @@ class MLAttention:
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return linear(out.reshape(t, self.heads * self.v_dim), w["o_proj.weight"], w.get("o_proj.bias"))
 
-    def _write_latent(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> None:
-        """The tokens' latent ``[c | k_pe]`` into the paged cache at ``batch.slot_mapping``."""
+    def _write_latent(self, kv: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> None:
+        """The tokens' latent ``[c | k_pe]`` into the paged cache at ``batch.slot_mapping``, from ``_down``'s
+        un-normed latent ``kv``."""
         w = self.w
-        kv = linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
         c = ops.rms_norm(kv[:, : self.rank], w["kv_a_layernorm.weight"], self.eps)[0]
         k_pe = ops.rope(kv[:, None, self.rank :], batch.positions, self.cos_sin_cache, self.interleaved)
         latent = torch.cat([c, k_pe[:, 0]], dim=-1)

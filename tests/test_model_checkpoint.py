@@ -18,9 +18,11 @@ import torch
 from model_helpers import fp8_copy, hf_checkpoint, one_thread, random_prompts, small_checkpoint  # noqa: F401
 from safetensors.torch import load_file, save_file
 
+from deepinfer import QTensor
 from deepinfer.model import LLM, Checkpoint, CheckpointError, ModelConfig, SamplingParams, expected_layout
 from deepinfer.model import deepseek_v3 as ds
 from deepinfer.model.checkpoint import model_layout_size, mtp_layer_keys
+from deepinfer.qtensor import quantize_blocks
 
 FILE = "model.safetensors"
 
@@ -278,6 +280,22 @@ def test_fp8_checkpoint_loads_as_block_scaled_weights(fp8):
     w13 = model.layers[1][3].w13
     assert w13.data.dtype == torch.float8_e4m3fn and tuple(w13.scale.shape) == (8, 2, 1)  # [E, 2I/128, H/128]
     assert model.layers[0][3].w13.block == (128, 128)
+    # q_a_proj (128 rows: whole blocks) and kv_a_proj_with_mqa stacked into one FP8 product, neither kept apart
+    attn = model.layers[0][1].w
+    qkv_a = attn["qkv_a_proj.weight"]
+    assert isinstance(qkv_a, QTensor) and qkv_a.shape[0] == 128 + 128 + ckpt.config.qk_rope_head_dim
+    assert "q_a_proj.weight" not in attn and "kv_a_proj_with_mqa.weight" not in attn
+
+
+def test_low_rank_projections_are_stacked_only_where_their_format_stays():
+    """``q_a_proj`` over ``kv_a_proj_with_mqa`` in one product: float weights always; FP8 weights where the first
+    ends on a whole 128-row block (else they stay apart, rather than be dequantised to stack)."""
+    fp8 = lambda rows: quantize_blocks(torch.randn(rows, 256))
+    kv = fp8(576)
+    assert ds._stack_keeps_format([torch.randn(1536, 256), torch.randn(576, 256)])
+    assert ds._stack_keeps_format([fp8(1536), kv])
+    assert not ds._stack_keeps_format([fp8(48), kv])
+    assert not ds._stack_keeps_format([torch.randn(1536, 256), kv])
 
 
 def test_fp8_scale_missing_or_misshaped(fp8, tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ from . import gemm, probe
 ACL_FORMAT_FRACTAL_NZ = 29
 NZ_LINEAR_SUFFIXES = (
     "q_a_proj.weight",
+    "qkv_a_proj.weight",
     "q_b_proj.weight",
     "q_proj.weight",
     "kv_a_proj_with_mqa.weight",
