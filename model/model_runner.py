@@ -14,9 +14,9 @@ device from the previous launch.
 The forward and the sampling run without the ops' value checks (``deepinfer.value_checks(False)``): the page tables,
 slots, positions and sequence lengths come from the allocator and the scheduler, the expert ids and offsets from the
 backend's own ops, and the sampling parameters were checked by ``SamplingParams``. Each check would wait for the
-device, several times per layer in an eager step. ``launch`` and ``propose`` run inside
-``deepinfer.dispatch.cached_choices()`` (the engine opens one block around both): the implementation of each op call
-signature is chosen once per step, not at every layer.
+device, several times per layer in an eager step. ``launch`` runs inside ``deepinfer.dispatch.cached_choices()``, and
+the engine opens one block around a step's ``propose`` and ``launch``: the implementation of each op call signature is
+chosen once per step, not at every layer.
 """
 
 from __future__ import annotations
@@ -309,8 +309,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.admit([*batch.decodes, *(c.seq for c in batch.prefills)])
             if self.drafter.any_speculates(batch.decodes):  # (a sequence that does not speculate never has drafts)
-                with dispatch.cached_choices():
-                    drafts.chained = self.drafter.propose(batch.decodes, self._tensor, self.graphs, drafts.flying)
+                drafts.chained = self.drafter.propose(batch.decodes, self._tensor, self.graphs, drafts.flying)
         return drafts
 
     def carried(
