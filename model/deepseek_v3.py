@@ -37,16 +37,20 @@ ATTN_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_pr
 def _concat_rows(parts: list, dtype: torch.dtype) -> torch.Tensor | QTensor:
     """Weights concatenated along dim 0: FP8 QTensors whose row counts are whole 128-blocks stay FP8; any other
     mix is dequantised to ``dtype``."""
-    if all(isinstance(p, QTensor) for p in parts) and all(p.shape[0] % p.block[0] == 0 for p in parts[:-1]):
+    if _stacks_as_fp8(parts):
         data, scale = torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts])
         return QTensor(data, scale, parts[0].block, parts[0].scale_format)
     return torch.cat([p.dequantize(dtype) if isinstance(p, QTensor) else p for p in parts])
 
 
+def _stacks_as_fp8(parts: list) -> bool:
+    """Whether ``parts`` are all FP8, every one but the last in whole row blocks (their scales then stack too)."""
+    return all(isinstance(p, QTensor) for p in parts) and all(p.shape[0] % p.block[0] == 0 for p in parts[:-1])
+
+
 def _stack_keeps_format(parts: list) -> bool:
     """Whether ``_concat_rows`` stacks ``parts`` without dequantising any (all float, or all FP8 in whole blocks)."""
-    fp8 = [isinstance(p, QTensor) for p in parts]
-    return not any(fp8) or (all(fp8) and all(p.shape[0] % p.block[0] == 0 for p in parts[:-1]))
+    return _stacks_as_fp8(parts) or not any(isinstance(p, QTensor) for p in parts)
 
 
 class WeightLoader:
