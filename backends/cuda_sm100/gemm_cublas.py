@@ -95,9 +95,14 @@ def cublas_fp8_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     if not hasattr(F, "scaled_mm"):
         return Decline("this torch has no scaled_mm")
     if not (ready := _cublas_fp8_ready()):
-        why = "cuBLAS's block-scaled FP8 product is not known to agree here"
-        return (TransientDecline if ready is None else Decline)(why)
+        return _refused(ready, "cuBLAS's block-scaled FP8 product is not known to agree here")
     return True
+
+
+def _refused(answer: bool | None, why: str) -> Decline:
+    """The decline of a probe's ``answer`` (``_cublas_fp8_ready``, ``_cublas_agreed``): transient where the probe has
+    not been asked yet (None), for good where it said no."""
+    return (TransientDecline if answer is None else Decline)(why)
 
 
 def _cublas_fp8_ready() -> bool | None:
@@ -134,8 +139,7 @@ def cublas_fp8_invariant_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     m = (a.data if isinstance(a, QTensor) else a).shape[0]
     agreed = _cublas_agreed((m, *w.shape, w.data.device.index or 0), lambda: _cublas_gives_unsplit_bits(m, w))
     if not agreed:
-        why = f"at {m} rows cuBLAS does not give the unsplit kernel's bits (or was not asked yet)"
-        return (TransientDecline if agreed is None else Decline)(why)
+        return _refused(agreed, f"at {m} rows cuBLAS does not give the unsplit kernel's bits (or was not asked yet)")
     return True
 
 
@@ -222,8 +226,7 @@ def cublas_invariant_supports(a, w, *, out_dtype, bias) -> bool | Decline:
     key = ("dense", m, *w.shape, a.dtype, out_dtype, w.device.index or 0)
     agreed = _cublas_agreed(key, lambda: _cublas_gives_triton_bits(m, w, out_dtype))
     if not agreed:
-        why = f"at {m} rows cuBLAS does not give the Triton tile's bits (or was not asked yet)"
-        return (TransientDecline if agreed is None else Decline)(why)
+        return _refused(agreed, f"at {m} rows cuBLAS does not give the Triton tile's bits (or was not asked yet)")
     return True
 
 
