@@ -207,26 +207,36 @@ class BlockAllocator:
         per_align = align // self.block_size
         whole = (len(pages) + in_host) // per_align * per_align
         pages = pages[:whole]
+        # the host tier's part takes free pages, those left after these: the whole prefix stays in whole aligns
+        free = self.num_free - sum(b in self._free for b in pages)
+        whole = min(whole, (len(pages) + free) // per_align * per_align)
+        pages = pages[:whole]
         for b in pages:
             if b in self._free:
                 del self._free[b]
             self._refs[b] = self._refs.get(b, 0) + 1
         wanted = keys[len(pages) : whole]
-        if wanted:  # device pages for the host tier's part, while free ones last
-            pages += self._load(wanted[: min(len(wanted), self.num_free) // per_align * per_align], per_align)
+        if wanted:  # device pages for the host tier's part
+            pages += self._load(wanted, len(pages), per_align)
+            whole = len(pages) // per_align * per_align
+            self.free(pages[whole:])  # the host tier held too little to complete the device part's last align
+            pages = pages[:whole]
         seq.block_table = pages
         seq.num_registered_pages = len(pages)
         return len(pages) * self.block_size
 
-    def _load(self, keys: list[PageKey], per_align: int) -> list[int]:
-        """Fresh pages holding the host tier's copies of ``keys`` (registered under them, one reference each), a
-        multiple of ``per_align`` of them: every later step reads them after their copies (``HostPageCache.fence``)."""
+    def _load(self, keys: list[PageKey], before: int, per_align: int) -> list[int]:
+        """Fresh pages holding the host tier's copies of the first of ``keys`` (registered under them, one
+        reference each): all of them unless the host tier is smaller than the load, then as many as make ``before``
+        pages (the device's part of the prefix) and them a multiple of ``per_align`` (none where no number does).
+        Every later step reads them after their copies (``HostPageCache.fence``)."""
         self.host.touch(keys)  # the evictions that free these pages copy others out: these keys are dropped last
         fresh = self.allocate(len(keys))
         held = 0
         while held < len(keys) and keys[held] in self.host:  # all, unless the host tier is smaller than the load
             held += 1
-        held = held // per_align * per_align
+        if held < len(keys):
+            held = max(0, (before + held) // per_align * per_align - before)
         self.free(fresh[held:])
         for key, page in zip(keys[:held], fresh):
             self.host.load(key, page)
