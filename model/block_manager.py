@@ -22,7 +22,11 @@ With state pages (``seq_pages``: DeepSeek-V4's windows and unfinished compressor
 prefix) a prefix is reusable only at a point where its state was kept: when a sequence's computed prompt reaches a
 multiple of ``reuse_tokens`` (the page size and every compression rate divide it, so every entry of the pages
 before it is written), its token pages are registered and a copy of its state pages is kept as a **snapshot**
-under the key of its last page (``copy_pages`` copies pages on the device, in order with the steps). ``match`` then
+under the key of its last page (``copy_pages`` copies pages on the device, in order with the steps). A token page
+there holds compressed entries whose windows may end in the pages after it (where the page size is not a multiple
+of a rate: V4-Flash's pages of 64 tokens and its rate of 128), so its key covers the tokens up to the end of its
+group of ``reuse_tokens`` tokens (``page_keys``): two prompts that differ only after a page's end, within its
+group, never share that page. ``match`` then
 gives a prompt the token pages of its longest prefix that ends at a snapshot, and fresh state pages holding a copy
 of it. Snapshot pages are free pages like registered ones: handing one out forgets the whole snapshot on the
 device. With a host tier every page of the snapshot is first copied there (page ``i`` of the snapshot under
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
 
 PageKey = tuple  # (key of the previous page or None, the page's tokens)
 SNAPSHOT = "state"  # marks a snapshot's pages in the page -> key map (a page key starts with None or a key)
+PARTIAL = "partial"  # starts the key of a page whose group of ``reuse_tokens`` does not end in the prompt
 
 
 def snapshot_key(key: PageKey, i: int) -> tuple:
@@ -174,7 +179,24 @@ class BlockAllocator:
     # --- prefix caching ---
 
     def page_keys(self, seq: Sequence, num_pages: int) -> list[PageKey]:
-        """The keys of ``seq``'s first ``num_pages`` pages (each chained to the one before), kept on ``seq``."""
+        """The keys of ``seq``'s first ``num_pages`` full pages: each page's tokens chained to the key of the page
+        before (kept on ``seq``). With state pages a token page also holds compressed entries whose windows end in
+        the pages after it (an entry lives in the page of its window's first token), so its contents depend on the
+        tokens up to the end of its group of ``reuse_tokens`` tokens, a multiple of every rate: its key is then the
+        chained key of its group's last page and its place in the group, and a page whose group does not end within
+        the prompt gets a key that is never registered (``PARTIAL``)."""
+        if not self.seq_pages:
+            return self._chained_keys(seq, num_pages)
+        per = self.reuse_tokens // self.block_size
+        complete = min(seq.num_prompt_tokens // self.reuse_tokens * per, -(-num_pages // per) * per)
+        chained = self._chained_keys(seq, max(num_pages, complete))
+        return [
+            (chained[i // per * per + per - 1], i % per) if i < complete else (PARTIAL, chained[i])
+            for i in range(num_pages)
+        ]
+
+    def _chained_keys(self, seq: Sequence, num_pages: int) -> list[PageKey]:
+        """The chained keys of ``seq``'s first ``num_pages`` pages (``page_keys`` without state pages)."""
         keys = seq.page_keys
         bs = self.block_size
         while len(keys) < num_pages:
