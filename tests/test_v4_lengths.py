@@ -13,7 +13,7 @@ import pytest
 import test_model_v4 as v4
 import torch
 from model_helpers import one_thread  # noqa: F401 (autouse fixture)
-from test_hunt_v4_prefix_groups import FLASH_RATES
+from test_v4_prefix_groups import FLASH_RATES
 
 from deepinfer.model import LLM, SamplingParams
 from deepinfer.model.errors import RequestError
