@@ -36,10 +36,11 @@ class SamplingParams:
     where a draw falls close to the boundary between two tokens, or two logits tie for greedy, a request can take
     another token in another batch and continue differently from there, as in vLLM.
     stop_token_ids: generation ends after any of these; the model's ``eos_token_id`` ends it too unless
-    ``ignore_eos``. stop: strings that end generation when they appear in the generated text, which then ends
-    before the string (``finish_reason`` ``stop``, ``stop_reason`` the string), or after it with
-    ``include_stop_str_in_output``; a single string is a list of one. logprobs: None for none; ``k >= 0`` returns
-    the log-probability of each generated token (and the ``k`` most likely tokens with theirs when ``k > 0``).
+    ``ignore_eos``. stop: strings that end generation when they appear in the generated text (of several, the one
+    the text completes first, however many tokens a step adds), which then ends before the string
+    (``finish_reason`` ``stop``, ``stop_reason`` the string), or after it with ``include_stop_str_in_output``; a
+    single string is a list of one. logprobs: None for none; ``k >= 0`` returns the log-probability of each
+    generated token (and the ``k`` most likely tokens with theirs when ``k > 0``).
     prompt_logprobs: the same for the prompt tokens (the first prompt token has none). Log-probabilities come from
     the model's raw logits (log_softmax before temperature, filtering or a structured-output mask), as vLLM computes
     them by default.
