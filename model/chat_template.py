@@ -107,24 +107,33 @@ class ChatTemplate:
             return None
         return cls(source, bos, eos, origin)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, /, **kwargs: Any) -> str:
         """The prompt text of ``messages`` (each a dict with a ``role`` string and a ``content`` string, a list of
-        text parts, or None); ``ChatTemplateError`` for messages of another shape or a template that fails."""
+        text parts, or None); ``ChatTemplateError`` for messages of another shape or a template that fails on
+        them (whatever the exception: a message's extra fields and ``kwargs`` are the client's values).
+
+        ``kwargs`` are more template variables (a request's ``chat_template_kwargs``); as in vLLM and Hugging Face's
+        ``apply_chat_template`` they override the defaults, ``add_generation_prompt`` and the ``bos_token`` and
+        ``eos_token`` included. Only ``messages`` cannot be given twice: that is a ``ChatTemplateError``."""
+        if "messages" in kwargs:
+            raise ChatTemplateError("chat_template_kwargs cannot set 'messages': send them as the request's messages")
         msgs = [normalize_message(m, i) for i, m in enumerate(messages)]
         if not msgs:
             raise ChatTemplateError("messages must hold at least one message")
+        variables = {
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **kwargs,
+        }
         try:
-            return self._template.render(
-                messages=msgs,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                **kwargs,
-            )
+            return self._template.render(messages=msgs, **variables)
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the chat template ({self.origin}) failed on these messages: {e}") from e
+        except Exception as e:  # a TemplateError, or a TypeError etc. on values of the request's own making
+            raise ChatTemplateError(
+                f"the chat template ({self.origin}) failed on these messages: {type(e).__name__}: {e}"
+            ) from e
 
 
 def normalize_message(message: Any, index: int) -> dict:

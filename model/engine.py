@@ -50,7 +50,7 @@ from .errors import RequestError
 from .host_cache import HostPageCache
 from .model_runner import LaunchedStep, ModelRunner, StepResult
 from .parallel import RankSync, fingerprint
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, seed_int64
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PENDING, Sequence, Status
 from .speculative import MTPDrafter, SpeculativeConfig, SpeculativeStats
@@ -427,7 +427,7 @@ class LLMEngine:
                 f"{(self.allocator.num_blocks - self.allocator.seq_pages) * self.allocator.block_size}"
             )
         arrival = next(self._ids)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seed = seed_int64(params.seed) if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(str(arrival) if request_id is None else request_id, arrival, prompt_ids, params, seed, prompt)
         seq.matcher = matcher
         self.scheduler.add(seq)

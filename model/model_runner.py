@@ -526,11 +526,12 @@ class ModelRunner:
                 [[s.seed for s in seqs], [s.num_generated + i for s, i in _row_offsets(seqs)]], torch.int64
             )
             seeds = step_seeds(rows[0], rows[1] + shift)
+        vocab = logits.shape[1]  # a top_k of the vocabulary or more keeps every token: it is off (and fits int32)
         return ops.sample(
             logits,
             self._tensor([float(p.temperature) for p in params], torch.float32),
             self._tensor([float(p.top_p) for p in params], torch.float32),
-            self._tensor([p.top_k for p in params], torch.int32),
+            self._tensor([0 if p.top_k >= vocab else p.top_k for p in params], torch.int32),
             seeds,
         )
 

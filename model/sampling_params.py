@@ -26,19 +26,21 @@ class SamplingParams:
     max_tokens: tokens to generate at most; a sequence also stops at the context length (``LLM.max_model_len``,
     prompt included), with finish reason ``length`` either way. temperature: 0 is greedy (the first index of the
     highest logit), and so is any temperature below ``SAMPLING_EPS`` (1e-5; it is set to 0); otherwise logits are
-    divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off) filter the distribution as
-    ``deepinfer.ops.sample`` documents. seed: the random draw of a request's ``i``-th token depends only on this
-    seed and ``i``, never on what else is batched with it (None: a fresh random seed). With
+    divided by it. top_p in (0, 1] (1: off) and top_k (0 or -1: off; so is any k of the vocabulary size or more,
+    which keeps every token) filter the distribution as ``deepinfer.ops.sample`` documents. seed: any int (only its
+    value modulo 2**64 counts); the random draw of a request's ``i``-th token depends only on this seed and ``i``,
+    never on what else is batched with it (None: a fresh random seed). With
     batch-invariant ops (``DEEPINFER_BATCH_INVARIANT=1`` on a backend that declares them) the logits do not depend
     on the batch either, so a request's tokens and log-probabilities are bitwise the same alone and in any batch. In
     the default mode the logits' rounding depends on the batch (kernels pick their tiling by the number of rows), so
     where a draw falls close to the boundary between two tokens, or two logits tie for greedy, a request can take
     another token in another batch and continue differently from there, as in vLLM.
     stop_token_ids: generation ends after any of these; the model's ``eos_token_id`` ends it too unless
-    ``ignore_eos``. stop: strings that end generation when they appear in the generated text, which then ends
-    before the string (``finish_reason`` ``stop``, ``stop_reason`` the string), or after it with
-    ``include_stop_str_in_output``; a single string is a list of one. logprobs: None for none; ``k >= 0`` returns
-    the log-probability of each generated token (and the ``k`` most likely tokens with theirs when ``k > 0``).
+    ``ignore_eos``. stop: strings that end generation when they appear in the generated text (of several, the one
+    the text completes first, however many tokens a step adds), which then ends before the string
+    (``finish_reason`` ``stop``, ``stop_reason`` the string), or after it with ``include_stop_str_in_output``; a
+    single string is a list of one. logprobs: None for none; ``k >= 0`` returns the log-probability of each
+    generated token (and the ``k`` most likely tokens with theirs when ``k > 0``).
     prompt_logprobs: the same for the prompt tokens (the first prompt token has none). Log-probabilities come from
     the model's raw logits (log_softmax before temperature, filtering or a structured-output mask), as vLLM computes
     them by default.
@@ -146,6 +148,12 @@ def step_seed(seed: int, step: int) -> int:
 
 def _signed(c: int) -> int:
     return c - (1 << 64) if c >> 63 else c
+
+
+def seed_int64(seed: int) -> int:
+    """``seed`` modulo 2**64 as a signed 64-bit int: ``step_seed`` gives it the same seeds as ``seed`` (it only
+    counts the seed modulo 2**64), and it fits the int64 tensors of ``step_seeds``."""
+    return _signed(seed & ((1 << 64) - 1))
 
 
 def step_seeds(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

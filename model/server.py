@@ -9,14 +9,16 @@ pages freed.
 Request fields are OpenAI's, with vLLM's extra fields where a vLLM user would send them: ``max_tokens`` (chat also
 ``max_completion_tokens``; default 16 for completions, the rest of the context for chat), ``temperature``,
 ``top_p``, ``seed``, ``stop`` (strings), ``logprobs`` (completions: an int; chat: a bool with ``top_logprobs``),
-``stream_options.include_usage``, ``n`` (up to 128 completions a prompt), and ``top_k``, ``stop_token_ids``,
-``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output``; structured output by ``response_format``
-(``json_object`` or ``json_schema``), ``structured_outputs`` (``{"json"|"regex"|"grammar"|"choice": ...}``) or
-``guided_json``/``guided_regex``/``guided_grammar``/``guided_choice`` (compiled off the engine loop; a choice whose
-grammar refuses its sampled token ends with ``finish_reason`` ``error``, the grammar's message in ``stop_reason``).
+``stream_options.include_usage`` (and ``continuous_usage_stats``: every chunk with its choice's usage so far),
+``n`` (up to 128 completions a prompt), and ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
+``include_stop_str_in_output``; structured output by ``response_format`` (``json_object`` or ``json_schema``),
+``structured_outputs`` (``{"json"|"regex"|"grammar"|"choice": ...}``) or ``guided_json``/``guided_regex``/
+``guided_grammar``/``guided_choice`` (compiled off the engine loop; a choice whose grammar refuses its sampled token
+ends with ``finish_reason`` ``error``, the grammar's message in ``stop_reason``).
 A field the engine does not implement with a value other than its neutral one (``presence_penalty``,
 ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``min_tokens``, ``best_of``, ``suffix``, ``echo``,
-``tools``) is refused rather than ignored.
+``tools``, and vLLM's ``min_p``, ``use_beam_search``, ``prompt_logprobs``, ``truncate_prompt_tokens``, a per-request
+``chat_template`` and the others of ``UNIMPLEMENTED_FIELDS``) is refused rather than ignored.
 ``usage`` reports prompt, completion and cached prompt tokens (``prompt_tokens_details.cached_tokens``).
 
 Every bad request gets an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status
@@ -60,6 +62,25 @@ log = logging.getLogger("deepinfer.serve")
 
 MAX_LOGPROBS = 20  # top log-probabilities per token at most, as vLLM's default max_logprobs
 DEFAULT_COMPLETION_TOKENS = 16
+# Fields of vLLM's (and OpenAI's) requests that this server does not implement and that a body's extra fields would
+# otherwise drop without a word, each with its neutral values: any other value is refused.
+UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
+    "min_p": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "prompt_embeds": (None,),
+    "chat_template": (None,),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+}
 
 
 class APIError(Exception):
@@ -274,6 +295,10 @@ class OpenAIServer:
         for name, bad in refused.items():
             if bad:
                 raise APIError(f"{name}={getattr(body, name)!r} is not supported by this server", 400, name)
+        extra = body.model_extra or {}
+        for name, neutral in UNIMPLEMENTED_FIELDS.items():
+            if extra.get(name) not in neutral:
+                raise APIError(f"{name}={extra[name]!r} is not supported by this server", 400, name)
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise APIError(f"at most {MAX_LOGPROBS} log-probabilities per token, got {logprobs}", 400, "logprobs")
         try:
@@ -340,6 +365,14 @@ class OpenAIServer:
         limit = self.llm.max_model_len
         if n_prompt == 0:
             raise APIError(f"the {what} is empty", 400)
+        if max_tokens is None and n_prompt >= limit:  # no room left for even one token
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your request has {n_prompt} "
+                f"input tokens ({what}), which leaves no room for the completion. Please reduce the length of the "
+                f"{what}.",
+                400,
+                what,
+            )
         if max_tokens is None:
             max_tokens = limit - n_prompt
         if n_prompt + max_tokens > limit or max_tokens < 1:
@@ -376,6 +409,13 @@ class OpenAIServer:
     def token_text(self, token: int) -> str:
         tok = self.llm.tokenizer
         return tok.decode([token], skip_special_tokens=False) if tok is not None else str(token)
+
+
+def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The ``usage`` of one streamed chunk with ``stream_options.continuous_usage_stats``: its choice's prompt and
+    the tokens generated for that choice so far (vLLM's continuous usage)."""
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
 
 
 def _usage(finals: dict[int, StreamDelta], n: int) -> dict:
@@ -600,12 +640,16 @@ def build_app(server: OpenAIServer) -> FastAPI:
             return {**base, "choices": choices, "usage": _usage(finals, body.n)}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        continuous = include_usage and body.stream_options.continuous_usage_stats
+        prompt_counts = [len(ids) for ids, _ in encoded for _ in range(body.n)]
 
         async def events():
             finals: dict[int, StreamDelta] = {}
             offsets = [0] * len(streams)
+            generated = [0] * len(streams)
             try:
                 async for i, d in deltas:
+                    generated[i] += len(d.token_ids)
                     lp = None
                     if want_logprobs:
                         lp = logprobs_of(d.token_ids, d.logprobs or [], d.top_logprobs or [], offsets[i])
@@ -619,7 +663,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
                     }
                     if d.finished:
                         finals[i] = d
-                    yield _sse({**base, "choices": [choice], "usage": None})
+                    usage = _running_usage(prompt_counts[i], generated[i]) if continuous else None
+                    yield _sse({**base, "choices": [choice], "usage": usage})
                 if include_usage:
                     yield _sse({**base, "choices": [], "usage": _usage(finals, body.n)})
             except APIError as e:
@@ -699,10 +744,12 @@ def build_app(server: OpenAIServer) -> FastAPI:
             return {**base, "object": "chat.completion", "choices": choices, "usage": usage}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        continuous = include_usage and body.stream_options.continuous_usage_stats
         chunk = {**base, "object": "chat.completion.chunk"}
 
         async def events():
             finals: dict[int, StreamDelta] = {}
+            generated = [0] * len(streams)
             try:
                 for i in range(len(streams)):
                     first = {
@@ -711,8 +758,10 @@ def build_app(server: OpenAIServer) -> FastAPI:
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                    yield _sse({**chunk, "choices": [first], "usage": None})
+                    usage = _running_usage(len(ids), 0) if continuous else None
+                    yield _sse({**chunk, "choices": [first], "usage": usage})
                 async for i, d in deltas:
+                    generated[i] += len(d.token_ids)
                     if d.finished:
                         finals[i] = d
                     choice = {
@@ -724,7 +773,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
                         "finish_reason": d.finish_reason if d.finished else None,
                         "stop_reason": d.stop_reason if d.finished else None,
                     }
-                    yield _sse({**chunk, "choices": [choice], "usage": None})
+                    usage = _running_usage(len(ids), generated[i]) if continuous else None
+                    yield _sse({**chunk, "choices": [choice], "usage": usage})
                 if include_usage:
                     yield _sse({**chunk, "choices": [], "usage": _usage(finals, body.n)})
             except APIError as e:

@@ -5,9 +5,10 @@ strings applied.
 tokens read back since the previous one (never a token still being sampled) and the text they add. Text is decoded
 from all generated tokens each time, and characters that may still change are held back: a trailing incomplete
 UTF-8 sequence (decoded as U+FFFD) and, while the request has stop strings, the last ``len(longest stop) - 1``
-characters, which could be the start of a stop string. When a stop string appears, the text ends before it (or after
-it with ``include_stop_str_in_output``), the request is ended in the engine at once (its pages freed) with
-``finish_reason="stop"`` and ``stop_reason`` the string, as vLLM reports it.
+characters, which could be the start of a stop string. When a stop string appears (of several, the one the text
+completes first), the text ends before it (or after it with ``include_stop_str_in_output``), the request is ended in
+the engine at once (its pages freed) with ``finish_reason="stop"`` and ``stop_reason`` the string, as vLLM reports
+it.
 """
 
 from __future__ import annotations
@@ -110,13 +111,17 @@ class RequestStream:
         return text
 
     def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """The earliest stop string in ``text`` that starts at or after the part already searched (less the
-        longest stop string, which may straddle it)."""
+        """The stop string of ``text`` that ends first (of two ending together, the one that starts first), looked
+        for from the part already searched less the longest stop string (which may straddle it); with its offset.
+
+        The one that ends first is the one the text met first, character by character: so the cut depends on the
+        text alone, never on how many tokens a step added (one, or several with speculative decoding) nor on where
+        the tokens' boundaries fall."""
         start = max(0, self._searched - self.hold)
         best = None
         for stop in self.stop:
             at = text.find(stop, start)
-            if at >= 0 and (best is None or at < best[0]):
+            if at >= 0 and (best is None or (at + len(stop), at) < (best[0] + len(best[1]), best[0])):
                 best = (at, stop)
         self._searched = len(text)
         return best
