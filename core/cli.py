@@ -7,8 +7,10 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
@@ -80,11 +82,21 @@ def _choices_table(backend: str, shapes: str, device: str | None, only: list[str
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    for flag, needs in (("--shapes", "--ops"), ("--only", "--shapes"), ("--device", "--shapes")):
+        if getattr(args, flag[2:]) and not getattr(args, needs[2:]):  # it would be ignored
+            return _bad_flag(flag, f"it together with {needs} (alone it changes nothing)", getattr(args, flag[2:]))
     if args.backend and registry.get().lookup(args.backend) is None:
         reg = registry.get()
         return _bad_flag(
             "--backend", f"an installed backend or alias ({', '.join([*reg.backends, *reg.aliases])})", args.backend
         )
+    if args.only and set(args.only.split(",")) - set(OP_NAMES):
+        return _bad_flag("--only", f"ops among {', '.join(OP_NAMES)}", args.only)
+    if args.device:
+        for name in registry.get().backends:  # as the table below: a backend's device type (npu) is registered
+            registry.get().probe(name)
+        if (bad := _bad_device(args.device)) is not None:
+            return bad
     console.print(_backends_table())
     try:
         spec, how = selection.resolve()
@@ -93,8 +105,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     except DeepInferError as e:
         console.print(f"[red]No backend can be selected:[/red] {escape(str(e))}")
         shown = "reference"
-    if args.only and set(args.only.split(",")) - set(OP_NAMES):
-        return _bad_flag("--only", f"ops among {', '.join(OP_NAMES)}", args.only)
     if args.ops:
         console.print(_ops_table(args.backend or shown))
         if args.shapes:
@@ -159,6 +169,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     from .conformance.runner import all_bad_inputs, all_cases, run_conformance
 
     selection.require(args.backend, f"--backend {args.backend}")
+    if (bad := _bad_device(args.device)) is not None:
+        return bad
     only = args.ops.split(",") if args.ops else None
     if only:
         unknown = sorted(set(only) - set(OP_NAMES))
@@ -209,14 +221,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if only and set(only) - set(known):
         return _bad_flag("--ops", f"ops among {', '.join(known)}", args.ops)
     chosen = use(args.backend, source=f"--backend {args.backend}") if args.backend else contextlib.nullcontext()
-    with chosen, console.status("benchmarking") as status:
-        result = bench.run_bench(
-            quick=args.quick,
-            only_ops=only,
-            progress=lambda msg: status.update(escape(msg)),
-            on_case=lambda partial: bench.save(partial, args.json, None, ""),  # kept if the run is stopped early
-            device=args.device,
-        )
+    with chosen:
+        if (bad := _bad_device(args.device)) is not None:  # once the backend, and so its device type, is loaded
+            return bad
+        with console.status("benchmarking") as status:
+            result = bench.run_bench(
+                quick=args.quick,
+                only_ops=only,
+                progress=lambda msg: status.update(escape(msg)),
+                on_case=lambda partial: bench.save(partial, args.json, None, ""),  # kept if the run is stopped early
+                device=args.device,
+            )
     where = result["environment"].get("gpu", result["device"])
     table = Table(title=f"deepinfer bench on {where} ({result['backend']})", title_justify="left")
     header = ("op", "case", "implementation", "ms eager", "ms graph", "TFLOP/s", "GB/s", "% roofline", "rel. error")
@@ -293,6 +308,44 @@ def _finite(expected: str, ok: Callable[[float], bool]) -> Callable[[str], float
     return _checked(float, expected, lambda v: math.isfinite(v) and ok(v))
 
 
+def _output_file(text: str) -> str:
+    """An argparse ``type`` for a file a command writes when it is done: its directory must exist and be writable
+    (and the path must not be a directory), checked before any work, so that a long run never ends in a traceback
+    from ``open``. Nothing is created here."""
+    path = Path(text)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        why = "it is a directory"
+    elif not parent.is_dir():
+        why = f"no directory {str(parent)!r}"
+    elif not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        why = "not writable"
+    else:
+        return text
+    raise argparse.ArgumentTypeError(f"expected a file path that can be written, got {text!r} ({why})")
+
+
+def _device_problem(device: str) -> str | None:
+    """Why the inputs cannot be put on torch device ``device`` here (torch cannot parse it, or cannot allocate on
+    it), or None. Called once the backend is resolved, so that a backend's device type (``npu``) is registered."""
+    import torch
+
+    try:
+        torch.empty(0, device=torch.device(device))
+    except Exception as e:  # RuntimeError (bad string, bad index), AssertionError (torch built without it), ...
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None
+
+
+def _bad_device(device: str | None) -> int | None:
+    """``_bad_flag``'s status for a ``--device`` that cannot hold the inputs, or None when it can (or is unset)."""
+    why = _device_problem(device) if device else None
+    if why is None:
+        return None
+    short = why if len(why) <= 80 else why[:77] + "..."
+    return _bad_flag("--device", f"a torch device this process can allocate on, e.g. cpu or cuda:0 ({short})", device)
+
+
 def _bad_flag(flag: str, expected: str, got: str) -> int:
     console.print(
         f"[red]error:[/red] argument {flag}: expected {escape(expected)}, got {escape(repr(got))}", soft_wrap=True
@@ -328,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
         "on any failure.",
     )
     conf.add_argument("--backend", required=True, help="backend name or alias")
-    conf.add_argument("--report", help="write the JSON report to this file")
+    conf.add_argument("--report", type=_output_file, help="write the JSON report to this file")
     conf.add_argument(
         "--shapes",
         choices=("small", "full"),
@@ -358,9 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement (no ceilings, no roofline)"
     )
-    bench.add_argument("--json", help="write all numbers to this JSON file (rewritten after every case)")
+    bench.add_argument(
+        "--json", type=_output_file, help="write all numbers to this JSON file (rewritten after every case)"
+    )
     bench.add_argument("--device", help="torch device of the inputs (default: the backend's; cpu: Triton interpreter)")
-    bench.add_argument("--results", help="append a dated section to this markdown file (e.g. benchmarks/RESULTS.md)")
+    bench.add_argument(
+        "--results", type=_output_file, help="append a dated section to this markdown file (e.g. benchmarks/RESULTS.md)"
+    )
     bench.set_defaults(fn=cmd_bench)
 
     gen = sub.add_parser(

@@ -118,6 +118,19 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
         (["conformance"], "--backend"),
         (["bench", "--quick", "--ops", "bogus"], "--ops"),
         (["info", "--ops", "--backend", "bogus"], "--backend"),
+        # a device torch cannot parse or allocate on, refused before any case runs
+        (["conformance", "--backend", "reference", "--ops", "rms_norm", "--device", "bogus"], "--device"),
+        (["bench", "--quick", "--ops", "rms_norm", "--device", "bogus"], "--device"),
+        (["info", "--ops", "--shapes", "small", "--only", "rms_norm", "--device", "bogus"], "--device"),
+        # an output file that cannot be written, refused before the run rather than a traceback after it
+        (["conformance", "--backend", "reference", "--report", "/nonexistent-dir/report.json"], "--report"),
+        (["conformance", "--backend", "reference", "--report", "."], "--report"),  # a directory
+        (["bench", "--quick", "--json", "/nonexistent-dir/bench.json"], "--json"),
+        (["bench", "--quick", "--results", "/nonexistent-dir/RESULTS.md"], "--results"),
+        # a flag that would be ignored without the one it refines
+        (["info", "--shapes", "small"], "--shapes"),
+        (["info", "--ops", "--only", "rms_norm"], "--only"),
+        (["info", "--ops", "--device", "cpu"], "--device"),
     ],
 )
 def test_every_bad_flag_is_a_one_line_error(argv, flag, tiny, capsys):
