@@ -428,7 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
         "completion with its finish reason, then a tokens/s summary.",
     )
     gen.add_argument("--model", help="checkpoint directory (default: the small embedded model the package ships)")
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt (repeatable; default, without --prompt or --batch: 'The capital of France is')",
+    )
     gen.add_argument("--batch", help="a file of prompts, one per line (a line holding a JSON list of ints: token ids)")
     gen.add_argument(
         "--max-tokens",

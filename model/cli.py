@@ -32,7 +32,9 @@ SMALL_HIDDEN = 1024
 
 
 def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
-    """``--prompt`` values, then the lines of ``--batch`` (a JSON list of ints is a token-id prompt)."""
+    """``--prompt`` values, then the non-blank lines of ``--batch`` (a JSON list of ints is a token-id prompt);
+    ``DEFAULT_PROMPT`` when neither flag is given. A ``--batch`` file with no prompt, and no ``--prompt`` beside
+    it, is a ``RequestError`` (not the default prompt in its place)."""
     prompts: list[str | list[int]] = list(args.prompt or [])
     if args.batch:
         try:
@@ -51,6 +53,8 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
                     prompts.append(ids)
                     continue
             prompts.append(line)
+        if not prompts:
+            raise RequestError(f"--batch {args.batch}: expected a file of prompts, one per line, got no prompt in it")
     return prompts or [DEFAULT_PROMPT]
 
 

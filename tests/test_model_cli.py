@@ -70,6 +70,18 @@ def test_generate_batch_file_token_ids_and_sampling(tmp_path, capsys):
     assert capsys.readouterr().out.split("\n")[:10] == first.split("\n")[:10], "same seed, same text"
 
 
+@pytest.mark.parametrize("text", ["", "\n  \n\n"])
+def test_a_batch_file_without_prompts_is_an_error_not_the_default_prompt(tmp_path, capsys, text):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text(text)
+    assert model_cli.read_prompts(argparse.Namespace(prompt=["x = 1"], batch=str(batch))) == ["x = 1"]
+    assert cli.main(["generate", "--batch", str(batch), "--max-tokens", "1"]) == 2
+    out = capsys.readouterr().out
+    (line,) = [ln for ln in out.splitlines() if ln.strip()]
+    assert line.startswith("error: --batch") and "no prompt" in line, line
+    assert "France" not in out
+
+
 def test_generate_reports_a_bad_checkpoint(tmp_path, capsys):
     assert cli.main(["generate", "--model", str(tmp_path / "nowhere")]) == 2
     assert "config.json: not found" in capsys.readouterr().out
