@@ -615,6 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _names_a_flag(e: DeepInferError, args: argparse.Namespace) -> bool:
+    """Whether ``e`` reports a bad value of one argument (``arg``, ``expected``, ``actual``), not of an op, that this
+    command line gave by a flag of the same name."""
+    arg = getattr(e, "arg", None)
+    return not hasattr(e, "op") and hasattr(e, "expected") and isinstance(arg, str) and arg in vars(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -626,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         return 2
     except DeepInferError as e:
+        if _names_a_flag(e, args):  # expert parallelism's ParallelError (argument, expected, actual; no op)
+            return _bad_flag("--" + e.arg.replace("_", "-"), e.expected, e.actual)
         console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT (128 + 2), one line instead of a traceback

@@ -126,6 +126,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
         (["generate", "--dtype", "float16"], "--dtype"),
         (["generate", "--eplb-window-size", "0"], "--eplb-window-size"),
         (["generate", "--eplb-rebalance-layers-per-chunk", "0"], "--eplb-rebalance-layers-per-chunk"),
+        (["generate", "--enable-eplb", "--num-redundant-experts", "3"], "--num-redundant-experts"),  # no --ep
         (["conformance", "--backend", "reference", "--ops", "gemm,bogus"], "--ops"),
         (["conformance"], "--backend"),
         (["bench", "--quick", "--ops", "bogus"], "--ops"),
