@@ -90,7 +90,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         return _bad_flag(
             "--backend", f"an installed backend or alias ({', '.join([*reg.backends, *reg.aliases])})", args.backend
         )
-    if args.only and set(args.only.split(",")) - set(OP_NAMES):
+    if args.only is not None and set(args.only.split(",")) - set(OP_NAMES):  # "" names no op: not all
         return _bad_flag("--only", f"ops among {', '.join(OP_NAMES)}", args.only)
     if args.device:
         for name in registry.get().backends:  # as the table below: a backend's device type (npu) is registered
@@ -108,7 +108,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.ops:
         console.print(_ops_table(args.backend or shown))
         if args.shapes:
-            only = args.only.split(",") if args.only else None
+            only = args.only.split(",") if args.only is not None else None
             console.print(_choices_table(args.backend or shown, args.shapes, args.device, only))
     return 0
 
@@ -171,8 +171,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     selection.require(args.backend, f"--backend {args.backend}")
     if (bad := _bad_device(args.device)) is not None:
         return bad
-    only = args.ops.split(",") if args.ops else None
-    if only:
+    only = args.ops.split(",") if args.ops is not None else None  # "" names no op: an error below, not all
+    if only is not None:
         unknown = sorted(set(only) - set(OP_NAMES))
         if unknown:
             return _bad_flag("--ops", f"ops among {', '.join(OP_NAMES)}", args.ops)
@@ -216,9 +216,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
     from .selection import use
 
-    only = args.ops.split(",") if args.ops else None
+    only = args.ops.split(",") if args.ops is not None else None  # "" names no op: an error, not all
     known = sorted({c.op for c in bench.cases(args.quick)})
-    if only and set(only) - set(known):
+    if only is not None and set(only) - set(known):
         return _bad_flag("--ops", f"ops among {', '.join(known)}", args.ops)
     chosen = use(args.backend, source=f"--backend {args.backend}") if args.backend else contextlib.nullcontext()
     with chosen:

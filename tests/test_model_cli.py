@@ -140,6 +140,10 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
         (["conformance", "--backend", "reference", "--report", "."], "--report"),  # a directory
         (["bench", "--quick", "--json", "/nonexistent-dir/bench.json"], "--json"),
         (["bench", "--quick", "--results", "/nonexistent-dir/RESULTS.md"], "--results"),
+        # an empty list of ops names none (a shell variable left empty), not all of them
+        (["conformance", "--backend", "reference", "--ops", ""], "--ops"),
+        (["bench", "--quick", "--ops", ""], "--ops"),
+        (["info", "--ops", "--shapes", "small", "--only", ""], "--only"),
         # a flag that would be ignored without the one it refines
         (["info", "--shapes", "small"], "--shapes"),
         (["info", "--ops", "--only", "rms_norm"], "--only"),
