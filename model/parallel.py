@@ -95,8 +95,13 @@ def check_ep(
                 f"a count that makes the {num_experts} routed experts plus the redundant ones a multiple of ep={ep}",
                 str(redundant),
             )
+        fill = ep - num_experts % ep  # the fewest redundant experts that make the slots divide evenly
         raise ParallelError(
-            arg, f"a divisor of the model's {num_experts} routed experts (every rank holds as many)", str(ep)
+            arg,
+            f"a divisor of the model's {num_experts} routed experts (every rank holds as many), or redundant "
+            f"experts making up the difference (enable_eplb=True and num_redundant_experts {fill}, {fill + ep}, "
+            "...)",
+            str(ep),
         )
     return ep
 

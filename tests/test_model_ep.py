@@ -451,6 +451,7 @@ def test_check_ep_names_argument_expected_and_actual():
         ((2, 32, None), "initialised torch.distributed process group of 2 ranks", "no process group"),
         ((2, 32, 4), "(4 ranks)", "2"),
         ((3, 32, 3), "a divisor of the model's 32 routed experts", "3"),
+        ((3, 32, 3), "enable_eplb=True and num_redundant_experts 1, 4, ...", "3"),  # 33 slots: 11 per rank
         ((2, 0, 2), "without routed experts", "2"),
     ]
     for args, expected, actual in cases:
