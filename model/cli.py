@@ -134,6 +134,11 @@ def _generate(args, console: Console, prompts: list, params: SamplingParams, lau
         eplb_window_size=getattr(args, "eplb_window_size", 1000),
         eplb_rebalance_layers_per_chunk=getattr(args, "eplb_rebalance_layers_per_chunk", 1),
     )
+    if llm.tokenizer is None and any(isinstance(p, str) for p in prompts):  # the LLM's error names no flag
+        raise RequestError(
+            f"text prompts need a tokenizer.json in {llm.path}; give token ids as lines of a --batch file, each a "
+            "JSON list of ints (--prompt is always text)"
+        )
     if llm.device.type == "cpu" and llm.config.hidden_size <= SMALL_HIDDEN:
         torch.set_num_threads(1)  # small matrices gain nothing from more threads and lose much when cores are busy
     try:

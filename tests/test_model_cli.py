@@ -82,6 +82,18 @@ def test_a_batch_file_without_prompts_is_an_error_not_the_default_prompt(tmp_pat
     assert "France" not in out
 
 
+def test_text_prompts_without_a_tokenizer_name_the_flag_for_token_ids(tmp_path, capsys):
+    path = write_checkpoint(tmp_path / "no_tokenizer")
+    (path / "tokenizer.json").unlink()
+    assert cli.main(["generate", "--model", str(path), "--prompt", "[1, 2, 3]", "--max-tokens", "1"]) == 2
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert line.startswith("error: text prompts need a tokenizer.json") and "--batch" in line, line
+    batch = tmp_path / "ids.txt"
+    batch.write_text("[1, 2, 3]\n")
+    assert cli.main(["generate", "--model", str(path), "--batch", str(batch), "--max-tokens", "1"]) == 0
+    assert "[1, 2, 3] -> [" in capsys.readouterr().out
+
+
 def test_generate_reports_a_bad_checkpoint(tmp_path, capsys):
     assert cli.main(["generate", "--model", str(tmp_path / "nowhere")]) == 2
     assert "config.json: not found" in capsys.readouterr().out
