@@ -181,7 +181,11 @@ class LLMEngine:
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         owns_cache = getattr(cfg, "owns_cache", False)
         if kv_format == "fp8_ds_mla" and not owns_cache and cfg.kv_lora_rank % 128:
-            raise ValueError(f"kv_format fp8_ds_mla needs kv_lora_rank % 128 == 0, got {cfg.kv_lora_rank}")
+            raise c.fail(
+                "kv_format",
+                f"bf16 for kv_lora_rank {cfg.kv_lora_rank} (fp8_ds_mla needs a multiple of 128)",
+                repr(kv_format),
+            )
         page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers, model.dtype.itemsize)
         lookahead = spec.num_speculative_tokens if spec is not None else 0
         # DeepSeek-V4: each sequence also holds state pages (its windows), first in its block table

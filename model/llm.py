@@ -194,6 +194,15 @@ class LLM:
                         "a checkpoint holding its MTP layers (mtp.0.*) for method 'mtp'",
                         f"none in {self.path}",
                     )
+                rank = getattr(self.config, "kv_lora_rank", None)
+                if kv_format == "fp8_ds_mla" and not getattr(self.config, "owns_cache", False) and rank % 128:
+                    raise InputError(  # FlashMLA's FP8 record scales the latent in groups of 128
+                        "LLM",
+                        "kv_format",
+                        f"bf16 for a model whose kv_lora_rank is not a multiple of 128 ({rank}, "
+                        f"{self.path / 'config.json'}); fp8_ds_mla needs one",
+                        kv_format,
+                    )
                 elem = self.dtype.itemsize
                 page_bytes = cache_page_bytes(self.config, kv_format, block_size, mtp_layers, elem)
                 least, pages = "one cache page", 1

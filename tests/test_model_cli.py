@@ -94,6 +94,20 @@ def test_text_prompts_without_a_tokenizer_name_the_flag_for_token_ids(tmp_path, 
     assert "[1, 2, 3] -> [" in capsys.readouterr().out
 
 
+def test_fp8_cache_for_a_latent_not_in_groups_of_128_names_the_flag(tmp_path, capsys):
+    from model_helpers import small_checkpoint
+
+    path = small_checkpoint(tmp_path / "rank32")  # kv_lora_rank 32
+    with pytest.raises(InputError, match=r"LLM: argument 'kv_format': expected bf16 .*kv_lora_rank.*\(32,"):
+        LLM(path, "reference", kv_format="fp8_ds_mla", progress=False)
+    for command in ("generate", "serve"):  # refused before the server starts
+        assert cli.main([command, "--model", str(path), "--kv-format", "fp8_ds_mla"]) == 2
+        out = capsys.readouterr().out
+        assert "Traceback" not in out
+        (line,) = [ln for ln in out.splitlines() if ln.strip()]
+        assert line.startswith("error: argument --kv-format: expected bf16") and "multiple of 128" in line, line
+
+
 def test_generate_reports_a_bad_checkpoint(tmp_path, capsys):
     assert cli.main(["generate", "--model", str(tmp_path / "nowhere")]) == 2
     assert "config.json: not found" in capsys.readouterr().out
