@@ -394,7 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch device for the inputs (default: the backend's; e.g. cpu for the "
         "Triton interpreter or a test double)",
     )
-    conf.add_argument("--seed", type=int, help="random seed (default: fresh each run; printed)")
+    conf.add_argument(
+        "--seed",
+        type=_checked(int, "an int in [-2**63, 2**63)", lambda v: -(2**63) <= v < 2**63),  # torch's seeds, less offsets
+        help="random seed (default: fresh each run; printed)",
+    )
     conf.add_argument("--note", help="free text stored in the report (e.g. 'emulated')")
     conf.add_argument("-v", "--verbose", action="store_true", help="list every check, not only the failing ones")
     conf.set_defaults(fn=cmd_conformance)

@@ -155,6 +155,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
         (["generate", "--enable-eplb", "--num-redundant-experts", "3"], "--num-redundant-experts"),  # no --ep
         (["conformance", "--backend", "reference", "--ops", "gemm,bogus"], "--ops"),
         (["conformance"], "--backend"),
+        (["conformance", "--backend", "reference", "--ops", "rms_norm", "--seed", str(2**63)], "--seed"),
         (["bench", "--quick", "--ops", "bogus"], "--ops"),
         (["info", "--ops", "--backend", "bogus"], "--backend"),
         # a device torch cannot parse or allocate on, refused before any case runs
