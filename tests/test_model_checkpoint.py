@@ -229,6 +229,32 @@ def test_corrupt_header(base, tmp_path, monkeypatch):
     refused(path, "corrupt safetensors header", str(path / FILE), monkeypatch=monkeypatch)
 
 
+def bf16_entry(start: int, shape=(1,), dtype="BF16") -> dict:
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": [start, start + 2]}
+
+
+@pytest.mark.parametrize(
+    "header, data_bytes, fragments",
+    [
+        ({"a": bf16_entry(0, dtype=["BF16"])}, 2, ["'a'", "a dtype that is not a string"]),
+        ({"a": bf16_entry(0, shape=(True,))}, 2, ["'a'", "negative or non-integer sizes"]),
+        ({"a": bf16_entry(0), "b": bf16_entry(0)}, 2, ["'b' starts at byte 0 of the data, expected 2", "overlaps"]),
+        ({"a": bf16_entry(2)}, 4, ["'a' starts at byte 2 of the data, expected 0", "leaves bytes 0 .. 2 unused"]),
+    ],
+)
+def test_malformed_safetensors_header_is_refused_before_any_weight_is_read(
+    base, tmp_path, monkeypatch, header, data_bytes, fragments
+):
+    """A header that safetensors itself would refuse when the file is opened (a dtype that is not a string, a
+    bool for a size, tensors whose bytes overlap or leave a gap) is refused when the headers are checked, naming
+    the file and the tensor, not when the weights are read."""
+    path = variant(base, tmp_path / "x")
+    raw = json.dumps(header).encode()
+    bad = path / "extra.safetensors"
+    bad.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(data_bytes))
+    refused(path, str(bad), "corrupt header", *fragments, monkeypatch=monkeypatch)
+
+
 def test_wrong_architecture(base, tmp_path, monkeypatch):
     path = variant(
         base, tmp_path / "x", config=lambda c: c.update(model_type="llama", architectures=["LlamaForCausalLM"])
