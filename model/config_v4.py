@@ -172,6 +172,8 @@ class V4Config:
         if raw.get("model_type") != "deepseek_v4":
             raise fail(f"model_type {raw.get('model_type')!r} is not deepseek_v4")
         archs = raw.get("architectures") or []
+        if not isinstance(archs, list):
+            raise fail(f"field 'architectures' must be a list of class names, got {archs!r}")
         if archs and "DeepseekV4ForCausalLM" not in archs:
             raise fail(f"architectures {archs} do not include DeepseekV4ForCausalLM")
         if get("hidden_act", str, "silu") != "silu":
@@ -327,7 +329,8 @@ def _v4_quantization(qc: Any, expert_dtype: Any, fail) -> dict[str, str] | None:
         raise fail(f"unsupported quantization quant_method={qc.get('quant_method')!r} (supported: fp8)")
     if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
         raise fail("FP8 checkpoints must use fmt e4m3 and activation_scheme dynamic")
-    if list(qc.get("weight_block_size") or []) != [128, 128]:
+    block = qc.get("weight_block_size")
+    if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
         raise fail(f"unsupported weight_block_size={qc.get('weight_block_size')!r} (supported: [128, 128])")
     scale_fmt = qc.get("scale_fmt") or "fp32"
     if scale_fmt not in ("fp32", "ue8m0"):
@@ -363,10 +366,15 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
     yarn["rope_type"] = "yarn"
     yarn["attention_factor"] = yarn.get("attention_factor") or 1.0  # V4 never scales cos / sin
     original = yarn.get("original_max_position_embeddings")
-    if not isinstance(original, int) or original <= 0:
-        raise fail("yarn rope scaling needs original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise fail(f"yarn rope scaling needs original_max_position_embeddings (an int > 0), got {original!r}")
     if yarn.get("factor") is None:
-        yarn["factor"] = raw.get("max_position_embeddings", original) / original
+        longest = raw.get("max_position_embeddings")
+        longest = original if longest is None else longest
+        if isinstance(longest, bool) or not isinstance(longest, int) or longest <= 0:
+            what = "yarn rope scaling without 'factor' needs max_position_embeddings"
+            raise fail(f"{what} (an int > 0), got {longest!r}")
+        yarn["factor"] = longest / original
     _finite(fail, "yarn rope scaling field 'factor'", yarn["factor"], positive=True)
     for name in ("beta_fast", "beta_slow"):
         if yarn.get(name) is not None:

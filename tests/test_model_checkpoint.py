@@ -267,6 +267,7 @@ def test_wrong_architecture(base, tmp_path, monkeypatch):
     [
         ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": 128}, "weight_block_size=128"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
     ],
 )
@@ -442,6 +443,12 @@ def yarn(**fields):
         (yarn(factor=math.inf), ["yarn", "'factor'", "a finite number > 0", "got inf"]),
         (yarn(beta_fast=math.nan), ["yarn", "'beta_fast'", "got nan"]),
         (yarn(mscale_all_dim="x"), ["yarn", "'mscale_all_dim'", "got 'x'"]),
+        (yarn(original_max_position_embeddings=True), ["original_max_position_embeddings", "got True"]),
+        (
+            lambda c: (c["rope_scaling"].pop("factor"), c.update(max_position_embeddings="4096")),
+            ["without 'factor' needs max_position_embeddings", "got '4096'"],
+        ),
+        ({"architectures": "DeepseekV3ForCausalLM"}, ["'architectures'", "a list", "got 'DeepseekV3ForCausalLM'"]),
         ({"num_experts_per_tok": 0}, ["num_experts_per_tok", "[1,", "got 0"]),
         ({"eos_token_id": "x"}, ["'eos_token_id'", "an int >= 0, a list of them or null", "got 'x'"]),
         ({"eos_token_id": [1, 2.5]}, ["'eos_token_id'", "got [1, 2.5]"]),

@@ -339,6 +339,19 @@ def test_config_reads_transformers_and_legacy_fields():
         ({"swiglu_limit": float("nan")}, "swiglu_limit"),
         ({"n_shared_experts": 2}, "n_shared_experts"),
         ({"rope_parameters": {"rope_type": "longrope"}}, "compress rope type"),
+        ({"architectures": 5}, "'architectures' must be a list of class names, got 5"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": 128}}, "weight_block_size=128"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": True, "factor": 2}},
+            "original_max_position_embeddings .an int > 0., got True",
+        ),
+        (
+            {
+                "rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 16},
+                "max_position_embeddings": "x",
+            },
+            "without 'factor' needs max_position_embeddings .an int > 0., got 'x'",
+        ),
     ],
 )
 def test_bad_configs_are_refused(change, message):
