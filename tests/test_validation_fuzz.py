@@ -987,4 +987,4 @@ def test_messages_name_dtypes_and_ranges_in_one_format():
     )
     with pytest.raises(InputError) as by_range:
         ops.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), -1.0)
-    assert str(by_range.value) == "rms_norm: argument 'eps': expected a number >= 0.0, got -1.0"
+    assert str(by_range.value) == "rms_norm: argument 'eps': expected a finite number >= 0.0, got -1.0"
