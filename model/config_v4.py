@@ -157,6 +157,9 @@ class V4Config:
         def fail(what: str) -> CheckpointError:
             return CheckpointError(f"{source}: {what}")
 
+        if not isinstance(raw, dict):
+            raise fail(f"expected a JSON object, got {type(raw).__name__}")
+
         def get(name: str, kind: type, default: Any = None, *, required: bool = False):
             if raw.get(name) is None:
                 if required:
@@ -564,10 +567,14 @@ class V4CacheLayout:
 
 
 def is_v4_checkpoint(path: str | Path) -> bool:
-    """Whether ``path/config.json`` declares ``model_type: deepseek_v4`` (False when it cannot be read: the other
-    loader then reports what is wrong)."""
+    """Whether ``path/config.json`` declares ``model_type: deepseek_v4`` (False when it cannot be read, or is not a
+    regular file, which is never opened: a FIFO would block the read; the other loader then reports what is
+    wrong)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return False
     try:
-        raw = json.loads((Path(path) / "config.json").read_text())
+        raw = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     return isinstance(raw, dict) and raw.get("model_type") == "deepseek_v4"
@@ -755,6 +762,8 @@ class V4Checkpoint:
         path = Path(path)
         if config is None:
             file = path / "config.json"
+            if file.exists() and not file.is_file():  # a FIFO would block the read
+                raise CheckpointError(f"{file}: not a regular file")
             try:
                 raw = json.loads(file.read_text())
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

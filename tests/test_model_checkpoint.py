@@ -363,6 +363,33 @@ def test_a_weights_file_that_is_not_a_regular_file_is_refused_without_opening_it
     assert str(path / FILE) in str(error) and "not a regular file" in str(error), error
 
 
+def test_a_config_json_that_is_a_fifo_is_refused_without_opening_it(base, tmp_path):
+    """``LLM`` first asks whether config.json declares DeepSeek-V4; a FIFO there would block that read until a writer
+    comes. It is refused as not a regular file instead (in a thread, so that a regression fails rather than hangs)."""
+    path = variant(base, tmp_path / "x")
+    (path / "config.json").unlink()
+    os.mkfifo(path / "config.json")
+    outcome: list[BaseException | None] = []
+
+    def load():
+        try:
+            LLM(path, progress=False)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    if thread.is_alive():
+        os.close(os.open(path / "config.json", os.O_WRONLY | os.O_NONBLOCK))  # the reader sees end of file
+        thread.join(timeout=30)
+        pytest.fail("loading a checkpoint whose config.json is a FIFO blocked")
+    (error,) = outcome
+    assert isinstance(error, CheckpointError), error
+    assert str(path / "config.json") in str(error) and "not a regular file" in str(error), error
+
+
 ABSURD = """
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))

@@ -360,6 +360,11 @@ def test_bad_configs_are_refused(change, message):
         V4Config.from_dict(raw)
 
 
+def test_a_config_that_is_not_a_json_object_is_refused():
+    with pytest.raises(CheckpointError, match="expected a JSON object, got list"):
+        V4Config.from_dict([{"model_type": "deepseek_v4"}])
+
+
 @pytest.mark.parametrize("damage", ["missing", "misshaped", "unexpected", "float table"])
 def test_damaged_checkpoints_are_refused_before_loading(damage, checkpoints, tmp_path):
     path, _ = checkpoints("plain")
