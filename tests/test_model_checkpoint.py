@@ -480,6 +480,8 @@ def yarn(**fields):
         ({"eos_token_id": "x"}, ["'eos_token_id'", "an int >= 0, a list of them or null", "got 'x'"]),
         ({"eos_token_id": [1, 2.5]}, ["'eos_token_id'", "got [1, 2.5]"]),
         ({"n_shared_experts": -1}, ["'n_shared_experts'", ">= 0", "got -1"]),
+        ({"eos_token_id": [1, 258]}, ["'eos_token_id'", "below vocab_size (258)", "got [258]"]),
+        ({"bos_token_id": -5}, ["'bos_token_id'", "null or a token id in [0, 258)", "got -5"]),
         (
             {
                 "model_type": "deepseek_v32",

@@ -340,6 +340,8 @@ def test_config_reads_transformers_and_legacy_fields():
         ({"n_shared_experts": 2}, "n_shared_experts"),
         ({"rope_parameters": {"rope_type": "longrope"}}, "compress rope type"),
         ({"architectures": 5}, "'architectures' must be a list of class names, got 5"),
+        ({"eos_token_id": 10**6}, "'eos_token_id' must hold token ids below vocab_size"),
+        ({"bos_token_id": -1}, "'bos_token_id' must be null or a token id in"),
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": 128}}, "weight_block_size=128"),
         (
             {"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": True, "factor": 2}},
