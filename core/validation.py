@@ -141,13 +141,17 @@ class Check:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise self.fail(arg, f"an int >= {minimum}", repr(value))
 
-    def number(self, arg: str, value, *, low: float | None = None, high: float | None = None) -> None:
+    def number(
+        self, arg: str, value, *, low: float | None = None, high: float | None = None, finite: bool = False
+    ) -> None:
+        """An int or float (never NaN) in ``[low, high]``; with ``finite``, never infinite either (an epsilon or a
+        scale of infinity would make every result zero or infinite)."""
+        what = "a finite number" if finite else "a number"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(arg, "a number", repr(value))
-        if value != value or (low is not None and value < low) or (high is not None and value > high):  # NaN
-            raise self.fail(
-                arg, "a number" + ("" if low is None and high is None else f" {_range(low, high)}"), repr(value)
-            )
+            raise self.fail(arg, what, repr(value))
+        bad = value != value or (finite and value in (math.inf, -math.inf))  # NaN, or infinity where finite
+        if bad or (low is not None and value < low) or (high is not None and value > high):
+            raise self.fail(arg, what + ("" if low is None and high is None else f" {_range(low, high)}"), repr(value))
 
     def positive_number(self, arg: str, value) -> None:
         """A finite number > 0 (a scale: zero, infinity or NaN would make every result meaningless)."""

@@ -266,13 +266,16 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object): {e}") from e
     data_bytes = size - 8 - n
     tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
     end_max = 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            if not all(isinstance(s, int) and s >= 0 for s in (*shape, start, end)):
+            if not isinstance(dtype, str):
+                raise ValueError("a dtype that is not a string")
+            if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in (*shape, start, end)):
                 raise ValueError("negative or non-integer sizes")
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: corrupt header entry for tensor {name!r}: {info!r} ({e})") from e
@@ -290,11 +293,21 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                 f"{data_bytes} bytes of data"
             )
         end_max = max(end_max, end)
+        spans.append((start, end, name))
         tensors[name] = TensorInfo(file, dtype, shape)
     if end_max != data_bytes:
         raise CheckpointError(
             f"{file}: corrupt: the header describes {end_max} bytes of data but the file holds {data_bytes}"
         )
+    # As safetensors itself requires when the file is opened: the tensors' bytes tile the data, in offset order,
+    # with no gap and no overlap (checked here, so that the file is refused before any weight is read).
+    at = 0
+    for start, end, name in sorted(spans):
+        if start != at:
+            what = "it overlaps the tensor before it" if start < at else f"it leaves bytes {at} .. {start} unused"
+            where = f"tensor {name!r} starts at byte {start} of the data, expected {at}"
+            raise CheckpointError(f"{file}: corrupt header: {where} ({what})")
+        at = end
     return tensors
 
 

@@ -124,6 +124,8 @@ class ModelConfig:
             return CheckpointError(f"{source}: {what}")
 
         archs = raw.get("architectures") or []
+        if not isinstance(archs, list):
+            raise fail(f"field 'architectures' must be a list of class names, got {archs!r}")
         model_type = raw.get("model_type")
         if model_type not in MODEL_TYPES or (archs and ARCHITECTURES[model_type] not in archs):
             supported = ", ".join(f"model_type {t!r} with {a}" for t, a in ARCHITECTURES.items())
@@ -230,6 +232,12 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
+        vocab = self.vocab_size  # a token id past the vocabulary is never sampled nor embedded
+        bad_eos = [e for e in self.eos_token_ids if e >= vocab]
+        if bad_eos:
+            raise fail(f"field 'eos_token_id' must hold token ids below vocab_size ({vocab}), got {bad_eos}")
+        if self.bos_token_id is not None and not 0 <= self.bos_token_id < vocab:
+            raise fail(f"field 'bos_token_id' must be null or a token id in [0, {vocab}), got {self.bos_token_id}")
         for name in ("rms_norm_eps", "routed_scaling_factor"):  # a bad one fails the first forward, or gives NaN
             _finite(fail, f"field {name!r}", getattr(self, name), positive=True)
         limits = (
@@ -301,11 +309,16 @@ def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
     yarn = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
     yarn["rope_type"] = "yarn"
     original = yarn.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
-    if not isinstance(original, int) or original <= 0:
-        raise fail("yarn rope scaling needs original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise fail(f"yarn rope scaling needs original_max_position_embeddings (an int > 0), got {original!r}")
     yarn["original_max_position_embeddings"] = original
     if yarn.get("factor") is None:  # transformers: the ratio of the context lengths
-        yarn["factor"] = raw.get("max_position_embeddings", original) / original
+        longest = raw.get("max_position_embeddings")
+        longest = original if longest is None else longest
+        if isinstance(longest, bool) or not isinstance(longest, int) or longest <= 0:
+            what = "yarn rope scaling without 'factor' needs max_position_embeddings"
+            raise fail(f"{what} (an int > 0), got {longest!r}")
+        yarn["factor"] = longest / original
     _finite(fail, "yarn rope scaling field 'factor'", yarn["factor"], positive=True)
     for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
         if yarn.get(name) is not None:
@@ -341,7 +354,7 @@ def _quantization(qc: Any, fail) -> Fp8Config | None:
     if scheme != "dynamic":
         raise fail(f"unsupported activation_scheme={scheme!r} (supported: dynamic)")
     block = qc.get("weight_block_size")
-    if block is None or list(block) != list(FP8_BLOCK):
+    if not isinstance(block, (list, tuple)) or list(block) != list(FP8_BLOCK):
         raise fail(f"unsupported weight_block_size={block!r} (supported: [128, 128])")
     scale_fmt = qc.get("scale_fmt") or "fp32"
     if scale_fmt not in ("fp32", "ue8m0"):

@@ -157,6 +157,9 @@ class V4Config:
         def fail(what: str) -> CheckpointError:
             return CheckpointError(f"{source}: {what}")
 
+        if not isinstance(raw, dict):
+            raise fail(f"expected a JSON object, got {type(raw).__name__}")
+
         def get(name: str, kind: type, default: Any = None, *, required: bool = False):
             if raw.get(name) is None:
                 if required:
@@ -172,6 +175,8 @@ class V4Config:
         if raw.get("model_type") != "deepseek_v4":
             raise fail(f"model_type {raw.get('model_type')!r} is not deepseek_v4")
         archs = raw.get("architectures") or []
+        if not isinstance(archs, list):
+            raise fail(f"field 'architectures' must be a list of class names, got {archs!r}")
         if archs and "DeepseekV4ForCausalLM" not in archs:
             raise fail(f"architectures {archs} do not include DeepseekV4ForCausalLM")
         if get("hidden_act", str, "silu") != "silu":
@@ -292,6 +297,12 @@ class V4Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
+        vocab = self.vocab_size  # a token id past the vocabulary is never sampled nor embedded
+        bad_eos = [e for e in self.eos_token_ids if e >= vocab]
+        if bad_eos:
+            raise fail(f"field 'eos_token_id' must hold token ids below vocab_size ({vocab}), got {bad_eos}")
+        if self.bos_token_id is not None and not 0 <= self.bos_token_id < vocab:
+            raise fail(f"field 'bos_token_id' must be null or a token id in [0, {vocab}), got {self.bos_token_id}")
         for name in ("rms_norm_eps", "routed_scaling_factor", "swiglu_limit"):
             _finite(fail, f"field {name!r}", getattr(self, name), positive=True)
         _finite(fail, "field 'hc_eps'", self.hc_eps)
@@ -327,7 +338,8 @@ def _v4_quantization(qc: Any, expert_dtype: Any, fail) -> dict[str, str] | None:
         raise fail(f"unsupported quantization quant_method={qc.get('quant_method')!r} (supported: fp8)")
     if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
         raise fail("FP8 checkpoints must use fmt e4m3 and activation_scheme dynamic")
-    if list(qc.get("weight_block_size") or []) != [128, 128]:
+    block = qc.get("weight_block_size")
+    if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
         raise fail(f"unsupported weight_block_size={qc.get('weight_block_size')!r} (supported: [128, 128])")
     scale_fmt = qc.get("scale_fmt") or "fp32"
     if scale_fmt not in ("fp32", "ue8m0"):
@@ -363,10 +375,15 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
     yarn["rope_type"] = "yarn"
     yarn["attention_factor"] = yarn.get("attention_factor") or 1.0  # V4 never scales cos / sin
     original = yarn.get("original_max_position_embeddings")
-    if not isinstance(original, int) or original <= 0:
-        raise fail("yarn rope scaling needs original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise fail(f"yarn rope scaling needs original_max_position_embeddings (an int > 0), got {original!r}")
     if yarn.get("factor") is None:
-        yarn["factor"] = raw.get("max_position_embeddings", original) / original
+        longest = raw.get("max_position_embeddings")
+        longest = original if longest is None else longest
+        if isinstance(longest, bool) or not isinstance(longest, int) or longest <= 0:
+            what = "yarn rope scaling without 'factor' needs max_position_embeddings"
+            raise fail(f"{what} (an int > 0), got {longest!r}")
+        yarn["factor"] = longest / original
     _finite(fail, "yarn rope scaling field 'factor'", yarn["factor"], positive=True)
     for name in ("beta_fast", "beta_slow"):
         if yarn.get(name) is not None:
@@ -556,10 +573,14 @@ class V4CacheLayout:
 
 
 def is_v4_checkpoint(path: str | Path) -> bool:
-    """Whether ``path/config.json`` declares ``model_type: deepseek_v4`` (False when it cannot be read: the other
-    loader then reports what is wrong)."""
+    """Whether ``path/config.json`` declares ``model_type: deepseek_v4`` (False when it cannot be read, or is not a
+    regular file, which is never opened: a FIFO would block the read; the other loader then reports what is
+    wrong)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return False
     try:
-        raw = json.loads((Path(path) / "config.json").read_text())
+        raw = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     return isinstance(raw, dict) and raw.get("model_type") == "deepseek_v4"
@@ -747,6 +768,8 @@ class V4Checkpoint:
         path = Path(path)
         if config is None:
             file = path / "config.json"
+            if file.exists() and not file.is_file():  # a FIFO would block the read
+                raise CheckpointError(f"{file}: not a regular file")
             try:
                 raw = json.loads(file.read_text())
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -229,6 +229,32 @@ def test_corrupt_header(base, tmp_path, monkeypatch):
     refused(path, "corrupt safetensors header", str(path / FILE), monkeypatch=monkeypatch)
 
 
+def bf16_entry(start: int, shape=(1,), dtype="BF16") -> dict:
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": [start, start + 2]}
+
+
+@pytest.mark.parametrize(
+    "header, data_bytes, fragments",
+    [
+        ({"a": bf16_entry(0, dtype=["BF16"])}, 2, ["'a'", "a dtype that is not a string"]),
+        ({"a": bf16_entry(0, shape=(True,))}, 2, ["'a'", "negative or non-integer sizes"]),
+        ({"a": bf16_entry(0), "b": bf16_entry(0)}, 2, ["'b' starts at byte 0 of the data, expected 2", "overlaps"]),
+        ({"a": bf16_entry(2)}, 4, ["'a' starts at byte 2 of the data, expected 0", "leaves bytes 0 .. 2 unused"]),
+    ],
+)
+def test_malformed_safetensors_header_is_refused_before_any_weight_is_read(
+    base, tmp_path, monkeypatch, header, data_bytes, fragments
+):
+    """A header that safetensors itself would refuse when the file is opened (a dtype that is not a string, a
+    bool for a size, tensors whose bytes overlap or leave a gap) is refused when the headers are checked, naming
+    the file and the tensor, not when the weights are read."""
+    path = variant(base, tmp_path / "x")
+    raw = json.dumps(header).encode()
+    bad = path / "extra.safetensors"
+    bad.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(data_bytes))
+    refused(path, str(bad), "corrupt header", *fragments, monkeypatch=monkeypatch)
+
+
 def test_wrong_architecture(base, tmp_path, monkeypatch):
     path = variant(
         base, tmp_path / "x", config=lambda c: c.update(model_type="llama", architectures=["LlamaForCausalLM"])
@@ -241,6 +267,7 @@ def test_wrong_architecture(base, tmp_path, monkeypatch):
     [
         ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": 128}, "weight_block_size=128"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
     ],
 )
@@ -336,6 +363,33 @@ def test_a_weights_file_that_is_not_a_regular_file_is_refused_without_opening_it
     assert str(path / FILE) in str(error) and "not a regular file" in str(error), error
 
 
+def test_a_config_json_that_is_a_fifo_is_refused_without_opening_it(base, tmp_path):
+    """``LLM`` first asks whether config.json declares DeepSeek-V4; a FIFO there would block that read until a writer
+    comes. It is refused as not a regular file instead (in a thread, so that a regression fails rather than hangs)."""
+    path = variant(base, tmp_path / "x")
+    (path / "config.json").unlink()
+    os.mkfifo(path / "config.json")
+    outcome: list[BaseException | None] = []
+
+    def load():
+        try:
+            LLM(path, progress=False)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    if thread.is_alive():
+        os.close(os.open(path / "config.json", os.O_WRONLY | os.O_NONBLOCK))  # the reader sees end of file
+        thread.join(timeout=30)
+        pytest.fail("loading a checkpoint whose config.json is a FIFO blocked")
+    (error,) = outcome
+    assert isinstance(error, CheckpointError), error
+    assert str(path / "config.json") in str(error) and "not a regular file" in str(error), error
+
+
 ABSURD = """
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))
@@ -416,10 +470,18 @@ def yarn(**fields):
         (yarn(factor=math.inf), ["yarn", "'factor'", "a finite number > 0", "got inf"]),
         (yarn(beta_fast=math.nan), ["yarn", "'beta_fast'", "got nan"]),
         (yarn(mscale_all_dim="x"), ["yarn", "'mscale_all_dim'", "got 'x'"]),
+        (yarn(original_max_position_embeddings=True), ["original_max_position_embeddings", "got True"]),
+        (
+            lambda c: (c["rope_scaling"].pop("factor"), c.update(max_position_embeddings="4096")),
+            ["without 'factor' needs max_position_embeddings", "got '4096'"],
+        ),
+        ({"architectures": "DeepseekV3ForCausalLM"}, ["'architectures'", "a list", "got 'DeepseekV3ForCausalLM'"]),
         ({"num_experts_per_tok": 0}, ["num_experts_per_tok", "[1,", "got 0"]),
         ({"eos_token_id": "x"}, ["'eos_token_id'", "an int >= 0, a list of them or null", "got 'x'"]),
         ({"eos_token_id": [1, 2.5]}, ["'eos_token_id'", "got [1, 2.5]"]),
         ({"n_shared_experts": -1}, ["'n_shared_experts'", ">= 0", "got -1"]),
+        ({"eos_token_id": [1, 258]}, ["'eos_token_id'", "below vocab_size (258)", "got [258]"]),
+        ({"bos_token_id": -5}, ["'bos_token_id'", "null or a token id in [0, 258)", "got -5"]),
         (
             {
                 "model_type": "deepseek_v32",

@@ -339,12 +339,32 @@ def test_config_reads_transformers_and_legacy_fields():
         ({"swiglu_limit": float("nan")}, "swiglu_limit"),
         ({"n_shared_experts": 2}, "n_shared_experts"),
         ({"rope_parameters": {"rope_type": "longrope"}}, "compress rope type"),
+        ({"architectures": 5}, "'architectures' must be a list of class names, got 5"),
+        ({"eos_token_id": 10**6}, "'eos_token_id' must hold token ids below vocab_size"),
+        ({"bos_token_id": -1}, "'bos_token_id' must be null or a token id in"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": 128}}, "weight_block_size=128"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": True, "factor": 2}},
+            "original_max_position_embeddings .an int > 0., got True",
+        ),
+        (
+            {
+                "rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 16},
+                "max_position_embeddings": "x",
+            },
+            "without 'factor' needs max_position_embeddings .an int > 0., got 'x'",
+        ),
     ],
 )
 def test_bad_configs_are_refused(change, message):
     raw = {"model_type": "deepseek_v4", **BASE, **CONFIGS["plain"], **change}
     with pytest.raises(CheckpointError, match=message):
         V4Config.from_dict(raw)
+
+
+def test_a_config_that_is_not_a_json_object_is_refused():
+    with pytest.raises(CheckpointError, match="expected a JSON object, got list"):
+        V4Config.from_dict([{"model_type": "deepseek_v4"}])
 
 
 @pytest.mark.parametrize("damage", ["missing", "misshaped", "unexpected", "float table"])

@@ -694,6 +694,9 @@ def test_rms_norm_validation(mutation, data):
     expect(ops.rms_norm, kw, mutation, check)
 
 
+V3_YARN_FIELDS = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}
+
+
 @pytest.mark.parametrize(
     ("args", "arg"),
     [
@@ -703,11 +706,24 @@ def test_rms_norm_validation(mutation, data):
         ((64, 8, math.inf), "base"),
         ((64, 8, 0.0), "base"),
         ((64, 8, 10000.0, {"rope_type": "linear", "factor": 2.0}), "scaling"),
+        ((64, 8, 10000.0, [("rope_type", "yarn")]), "scaling"),
+        ((64, 8, 10000.0, {"rope_type": "yarn", "original_max_position_embeddings": 4}), "scaling"),
+        ((64, 8, 10000.0, {"rope_type": "yarn", "factor": 4.0}), "scaling"),
+        ((64, 8, 10000.0, {"rope_type": "yarn", "factor": 0, "original_max_position_embeddings": 4}), "scaling"),
+        ((64, 8, 10000.0, {"rope_type": "yarn", "factor": -2, "original_max_position_embeddings": 4}), "scaling"),
+        ((64, 8, 10000.0, {"rope_type": "yarn", "factor": math.nan, "original_max_position_embeddings": 4}), "scaling"),
+        ((64, 8, 10000.0, {"rope_type": "yarn", "factor": "4", "original_max_position_embeddings": 4}), "scaling"),
+        ((64, 8, 10000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}), "scaling"),
+        ((64, 8, 10000.0, {**V3_YARN_FIELDS, "beta_fast": -1.0}), "scaling"),
+        ((64, 8, 10000.0, {**V3_YARN_FIELDS, "mscale": math.nan, "mscale_all_dim": 1.0}), "scaling"),
+        ((64, 8, 10000.0, {**V3_YARN_FIELDS, "attention_factor": -1.0}), "scaling"),
+        ((64, 8, 1.0, V3_YARN_FIELDS), "base"),
     ],
 )
 def test_rope_table_rejects_arguments_that_give_no_table(args, arg):
     """A rotary dim of 0 (an empty table), an odd one, no positions, a base that makes every angle 0 or NaN, an
-    unknown scaling: InputError naming the argument, never a table."""
+    unknown scaling, a scaling that is not a dict, YaRN fields missing or giving a NaN, infinite or negative table
+    (or dividing by log(base) = 0): InputError naming the argument, never a table or a KeyError."""
     with pytest.raises(InputError) as raised:
         ops.rope_cos_sin_cache(*args)
     assert raised.value.arg == arg
@@ -971,4 +987,4 @@ def test_messages_name_dtypes_and_ranges_in_one_format():
     )
     with pytest.raises(InputError) as by_range:
         ops.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), -1.0)
-    assert str(by_range.value) == "rms_norm: argument 'eps': expected a number >= 0.0, got -1.0"
+    assert str(by_range.value) == "rms_norm: argument 'eps': expected a finite number >= 0.0, got -1.0"

@@ -282,6 +282,18 @@ def bad_inputs() -> list[BadInput]:
             "routed_scaling_factor",
             lambda g: hashed(g, routed_scaling_factor=-1.0),
         ),
+        BadInput(
+            "moe_route_hash",
+            "infinite scaling",
+            "routed_scaling_factor",
+            lambda g: hashed(g, routed_scaling_factor=float("inf")),
+        ),
+        BadInput(
+            "moe_route",
+            "infinite scaling",
+            "routed_scaling_factor",
+            lambda g: route(g, routed_scaling_factor=float("inf")),
+        ),
         BadInput("ep_dispatch", "int64 ids", "ids", lambda g: disp(g, ids=disp(g)["ids"].long())),
         BadInput(
             "ep_dispatch",

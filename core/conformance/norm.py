@@ -95,6 +95,15 @@ def bad_inputs() -> list[BadInput]:
         ),
         BadInput("rms_norm", "negative eps", "eps", lambda g: {"x": g.randn(4, 64), "w": g.randn(64), "eps": -1.0}),
         BadInput(
+            "rms_norm", "infinite eps", "eps", lambda g: {"x": g.randn(4, 64), "w": g.randn(64), "eps": float("inf")}
+        ),
+        BadInput(
+            "layer_norm",
+            "infinite eps",
+            "eps",
+            lambda g: {"x": g.randn(4, 64), "w": g.randn(64), "b": g.randn(64), "eps": float("inf")},
+        ),
+        BadInput(
             "layer_norm",
             "bias of the wrong size",
             "b",

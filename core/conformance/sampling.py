@@ -129,6 +129,13 @@ def cases(shapes: str) -> list[Case]:
     ]
 
 
+def _logits_with(g: Gen, values: list[float]) -> torch.Tensor:
+    """``[4, 32]`` logits whose row 2 starts with ``values`` (a whole row of them for 32)."""
+    logits = g.randn(4, 32, dtype=torch.float32)
+    logits[2, : len(values)] = torch.tensor(values, device=g.device)
+    return logits
+
+
 def bad_inputs() -> list[BadInput]:
     def kw(g: Gen, **over):
         return {**_kwargs(g, 4, 32), **over}
@@ -144,6 +151,9 @@ def bad_inputs() -> list[BadInput]:
             lambda g: kw(g, temperature=torch.tensor([1.0, -1.0, 0.0, 1.0], device=g.device)),
         ),
         BadInput("sample", "top_p of 0", "top_p", lambda g: kw(g, top_p=torch.zeros(4, device=g.device))),
+        BadInput("sample", "a NaN logit", "logits", lambda g: kw(g, logits=_logits_with(g, [float("nan")]))),
+        BadInput("sample", "a +inf logit", "logits", lambda g: kw(g, logits=_logits_with(g, [float("inf")]))),
+        BadInput("sample", "a row all -inf", "logits", lambda g: kw(g, logits=_logits_with(g, [-float("inf")] * 32))),
         BadInput(
             "sample", "int64 top_k", "top_k", lambda g: kw(g, top_k=torch.zeros(4, dtype=torch.int64, device=g.device))
         ),

@@ -340,6 +340,17 @@ def bad_inputs() -> list[BadInput]:
         ),
         BadInput(
             "indexer_topk",
+            "queries but no sequence",
+            "cu_seqlens_q",
+            lambda g: topk(
+                g,
+                block_table=torch.zeros(0, 2, dtype=i32, device=g.device),
+                cu_seqlens_q=torch.zeros(1, dtype=i32, device=g.device),
+                seq_lens=torch.zeros(0, dtype=i32, device=g.device),
+            ),
+        ),
+        BadInput(
+            "indexer_topk",
             "cu_seqlens_q not ending at T",
             "cu_seqlens_q",
             lambda g: topk(g, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=i32, device=g.device)),

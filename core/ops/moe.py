@@ -160,7 +160,7 @@ def moe_route(
     for selection only. Experts form ``n_group`` equal groups; a group scores the sum of its top-2 ``b`` (its max for
     softmax scoring); the ``topk_group`` best groups stay, the others are masked out; the ``top_k`` best ``b``
     among the kept experts are chosen. Weights are the unbiased ``s`` of the chosen experts, divided by their sum
-    (+1e-20) when ``renormalize``, then times ``routed_scaling_factor``.
+    (+1e-20) when ``renormalize``, then times ``routed_scaling_factor`` (a finite number >= 0).
 
     Returns ``weights [T, top_k]`` fp32 and ``ids [T, top_k]`` int32. The order of the k entries of a row is
     unspecified (the (id, weight) pairs are the result).
@@ -186,7 +186,7 @@ def moe_route(
     c.positive_int("top_k", top_k)
     if top_k > topk_group * group_size:
         raise c.fail("top_k", f"at most topk_group * experts per group = {topk_group * group_size}", str(top_k))
-    c.number("routed_scaling_factor", routed_scaling_factor, low=0.0)
+    c.number("routed_scaling_factor", routed_scaling_factor, low=0.0, finite=True)
     return call(
         "moe_route",
         logits=logits,
@@ -214,8 +214,8 @@ def moe_route_hash(
 
     logits: ``[T, E]`` fp32 router logits; expert_ids: ``[T, k]`` int32 in ``[0, E)``, the experts of each token.
     ``s`` is the score of ``scoring`` as in ``moe_route`` (default ``sqrtsoftplus``); the weights are ``s`` at the
-    given experts, divided by their sum (+1e-20) when ``renormalize``, then times ``routed_scaling_factor``. An expert
-    listed twice in a row counts twice. There is no bias and no selection.
+    given experts, divided by their sum (+1e-20) when ``renormalize``, then times ``routed_scaling_factor`` (a finite
+    number >= 0). An expert listed twice in a row counts twice. There is no bias and no selection.
 
     Returns ``weights [T, k]`` fp32 and ``ids [T, k]`` int32: ``ids`` equals ``expert_ids`` entry for entry and
     ``weights[t, j]`` belongs to ``ids[t, j]``, so the order is the caller's and the result is fully determined.
@@ -228,7 +228,7 @@ def moe_route_hash(
         raise c.fail("expert_ids", "at least one expert per token", f"shape {list(expert_ids.shape)}")
     c.same_device(logits=logits, expert_ids=expert_ids)
     c.choice("scoring", scoring, SCORINGS)
-    c.number("routed_scaling_factor", routed_scaling_factor, low=0.0)
+    c.number("routed_scaling_factor", routed_scaling_factor, low=0.0, finite=True)
     if value_checks_enabled(expert_ids):
         c.values_in_range("expert_ids", expert_ids, 0, num_experts - 1, what="expert ids")
     return call(

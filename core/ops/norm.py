@@ -15,7 +15,7 @@ def rms_norm(
 
     x: ``[..., H]`` float; w: ``[H]`` float; residual: like x or None. ``h = x + residual`` (or ``x``), rounded to
     x's dtype; ``y = h / sqrt(mean(h^2) + eps) * w`` computed in fp32 from the rounded ``h`` and returned in x's
-    dtype. Returns ``(y, h)``: ``h`` is the new residual stream.
+    dtype. eps: a finite number >= 0. Returns ``(y, h)``: ``h`` is the new residual stream.
     """
     c = Check("rms_norm")
     c.tensor("x", x, dtypes=FLOAT_DTYPES)
@@ -24,7 +24,7 @@ def rms_norm(
     c.tensor("w", w, dtypes=FLOAT_DTYPES, shape=(x.shape[-1],))
     if residual is not None:
         c.tensor("residual", residual, dtypes=(x.dtype,), shape=tuple(x.shape))
-    c.number("eps", eps, low=0.0)
+    c.number("eps", eps, low=0.0, finite=True)
     c.same_device(x=x, w=w, residual=residual)
     return call("rms_norm", x=x, w=w, eps=float(eps), residual=residual)
 
@@ -33,7 +33,7 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) ->
     """LayerNorm over the last dim (DeepSeek-V3.2's indexer-key norm).
 
     x: ``[..., H]`` float; w, b: ``[H]`` float. ``y = (x - mean(x)) / sqrt(var(x) + eps) * w + b`` with the biased
-    variance, computed in fp32 and returned in x's dtype.
+    variance, computed in fp32 and returned in x's dtype. eps: a finite number >= 0.
     """
     c = Check("layer_norm")
     c.tensor("x", x, dtypes=FLOAT_DTYPES)
@@ -41,6 +41,6 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) ->
         raise c.fail("x", "at least 1 dim", "a 0-d tensor")
     c.tensor("w", w, dtypes=FLOAT_DTYPES, shape=(x.shape[-1],))
     c.tensor("b", b, dtypes=FLOAT_DTYPES, shape=(x.shape[-1],))
-    c.number("eps", eps, low=0.0)
+    c.number("eps", eps, low=0.0, finite=True)
     c.same_device(x=x, w=w, b=b)
     return call("layer_norm", x=x, w=w, b=b, eps=float(eps))

@@ -33,6 +33,41 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict)
     return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
 
 
+def _finite(value, *, positive: bool) -> bool:
+    """A finite int or float (and > 0 with ``positive``); bools are not numbers here."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+    return finite and (value > 0 or not positive)
+
+
+def _check_yarn(c: Check, scaling: dict, base: float) -> None:
+    """The YaRN fields ``rope_cos_sin_cache`` reads, each usable: ``factor`` and
+    ``original_max_position_embeddings`` present, and no field that makes the table NaN, infinite or negative."""
+    factor = scaling.get("factor")
+    if not _finite(factor, positive=True):
+        raise c.fail("scaling", "yarn 'factor' a finite number > 0", repr(factor))
+    original = scaling.get("original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise c.fail("scaling", "yarn 'original_max_position_embeddings' an int >= 1", repr(original))
+    for name in ("beta_fast", "beta_slow"):  # 0 (falsy) reads as the default, as transformers does
+        value = scaling.get(name)
+        if value is not None and not (_finite(value, positive=True) or value == 0):
+            raise c.fail("scaling", f"yarn {name!r} None, 0 (the default) or a finite number > 0", repr(value))
+    for name in ("mscale", "mscale_all_dim"):
+        value = scaling.get(name)
+        if value is not None and not _finite(value, positive=False):
+            raise c.fail("scaling", f"yarn {name!r} None or a finite number", repr(value))
+    value = scaling.get("attention_factor")
+    if value is not None and not (_finite(value, positive=True) or value == 0):
+        raise c.fail("scaling", "yarn 'attention_factor' None, 0 (computed) or a finite number > 0", repr(value))
+    if base == 1:
+        raise c.fail("base", "a base other than 1 under yarn (its ramp divides by log(base))", repr(base))
+
+
 def rope_cos_sin_cache(
     rotary_dim: int, max_position: int, base: float = 10000.0, scaling: dict | None = None
 ) -> torch.Tensor:
@@ -44,8 +79,11 @@ def rope_cos_sin_cache(
     ``mscale_all_dim``, ``attention_factor``, ``truncate`` True): frequencies blended between interpolated and
     original by YaRN's ramp, cos/sin times the attention factor, as transformers computes them.
 
-    rotary_dim: an even int >= 2; max_position: an int >= 1; base: a finite number > 0. ``InputError`` otherwise,
-    and for a scaling type other than ``default`` or ``yarn``.
+    rotary_dim: an even int >= 2; max_position: an int >= 1; base: a finite number > 0 (and not 1 under YaRN).
+    ``InputError`` otherwise, for a scaling that is not a dict, for a scaling type other than ``default`` or
+    ``yarn``, and under YaRN for a missing or non-finite ``factor`` (or one <= 0), an
+    ``original_max_position_embeddings`` that is not an int >= 1, or a non-finite optional field (``beta_fast`` and
+    ``beta_slow`` and ``attention_factor`` also >= 0, 0 reading as the default).
     """
     c = Check("rope_cos_sin_cache")
     c.positive_int("rotary_dim", rotary_dim, minimum=2)
@@ -53,10 +91,13 @@ def rope_cos_sin_cache(
         raise c.fail("rotary_dim", "an even int", repr(rotary_dim))
     c.positive_int("max_position", max_position)
     c.positive_number("base", base)
+    if scaling is not None and not isinstance(scaling, dict):
+        raise c.fail("scaling", "None or a dict", type(scaling).__name__)
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     attention_factor = 1.0
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "yarn":
+        _check_yarn(c, scaling, base)
         inv_freq = _yarn_inv_freq(inv_freq, rotary_dim, base, scaling)
         factor, mscale, mscale_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
         attention_factor = scaling.get("attention_factor") or (

@@ -24,7 +24,9 @@ def sample(
 
     A row's token depends only on its logits, its parameters and its seed: never on the other rows, the batch
     size or earlier calls. The same seed gives the same token on every run of one backend; backends may use
-    different random streams. The token always lies in the kept set. Returns ``[B]`` int32.
+    different random streams. The token always lies in the kept set. Logits are finite or ``-inf`` (a forbidden
+    token), with at least one finite logit in every row: NaN, ``+inf`` or a row all ``-inf`` is an ``InputError``
+    while value checks run. Returns ``[B]`` int32.
     """
     c = Check("sample")
     c.tensor("logits", logits, dtypes=FLOAT_DTYPES, ndim=2)
@@ -37,13 +39,20 @@ def sample(
     c.index("seeds", seeds, dtype=torch.int64, length=batch)
     c.same_device(logits=logits, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds)
     if value_checks_enabled(logits) and batch:
-        bad_temperature, bad_top_p, bad_top_k = torch.stack(  # one host synchronisation for the three checks
+        bad_temperature, bad_top_p, bad_top_k, bad_logit, no_token = torch.stack(  # one host synchronisation
             [
                 ((temperature < 0) | ~torch.isfinite(temperature)).any(),
                 (~((top_p > 0) & (top_p <= 1))).any(),  # NaN fails too
                 (top_k < 0).any(),
+                (torch.isnan(logits) | (logits == float("inf"))).any(),
+                (~torch.isfinite(logits)).all(dim=1).any(),
             ]
         ).tolist()
+        if bad_logit:
+            raise c.fail("logits", "finite values or -inf (a forbidden token)", "NaN or +inf")
+        if no_token:
+            row = int((~torch.isfinite(logits)).all(dim=1).nonzero()[0, 0])
+            raise c.fail("logits", "at least one finite logit in every row", f"row {row} all -inf")
         if bad_temperature:
             raise c.fail("temperature", "finite values >= 0", f"{temperature.tolist()[:8]}")
         if bad_top_p:

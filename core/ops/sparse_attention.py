@@ -103,8 +103,9 @@ def indexer_topk(
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
     )
-    if value_checks_enabled(q) and batch:
+    if value_checks_enabled(q):  # with no sequence, the offsets still have to end at T (no query left over)
         c.nondecreasing_offsets("cu_seqlens_q", cu_seqlens_q, tokens)
+    if value_checks_enabled(q) and batch:
         check_pages(c, index_cache, block_table, seq_lens)
         short = ((seq_lens < cu_seqlens_q[1:] - cu_seqlens_q[:-1]) & (seq_lens != 0)).nonzero()
         if short.numel():
