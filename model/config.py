@@ -232,12 +232,7 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
-        vocab = self.vocab_size  # a token id past the vocabulary is never sampled nor embedded
-        bad_eos = [e for e in self.eos_token_ids if e >= vocab]
-        if bad_eos:
-            raise fail(f"field 'eos_token_id' must hold token ids below vocab_size ({vocab}), got {bad_eos}")
-        if self.bos_token_id is not None and not 0 <= self.bos_token_id < vocab:
-            raise fail(f"field 'bos_token_id' must be null or a token id in [0, {vocab}), got {self.bos_token_id}")
+        _special_tokens(fail, self.vocab_size, self.eos_token_ids, self.bos_token_id)
         for name in ("rms_norm_eps", "routed_scaling_factor"):  # a bad one fails the first forward, or gives NaN
             _finite(fail, f"field {name!r}", getattr(self, name), positive=True)
         limits = (
@@ -328,6 +323,16 @@ def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
     if yarn.get("truncate") is False:
         raise fail("yarn with truncate=false is not supported")
     return float(theta), yarn
+
+
+def _special_tokens(fail, vocab: int, eos_ids: list[int], bos_id: int | None) -> None:
+    """Refuses an ``eos_token_id`` at or past ``vocab`` (never sampled: requests would run to ``max_tokens``) and a
+    ``bos_token_id`` outside the vocabulary (never embedded)."""
+    bad_eos = [e for e in eos_ids if e >= vocab]
+    if bad_eos:
+        raise fail(f"field 'eos_token_id' must hold token ids below vocab_size ({vocab}), got {bad_eos}")
+    if bos_id is not None and not 0 <= bos_id < vocab:
+        raise fail(f"field 'bos_token_id' must be null or a token id in [0, {vocab}), got {bos_id}")
 
 
 def _finite(fail, what: str, value: Any, *, positive: bool = False) -> None:

@@ -45,7 +45,7 @@ from safetensors import safe_open
 from deepinfer.qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, QTensor, fp4_from_fp32_scales
 
 from .checkpoint import FLOAT_KINDS, INDEX_FILE, TensorInfo, find_files, read_header
-from .config import MAX_POSITIONS, MAX_ROUTED_EXPERTS, _finite
+from .config import MAX_POSITIONS, MAX_ROUTED_EXPERTS, _finite, _special_tokens
 from .errors import CheckpointError
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -297,12 +297,7 @@ class V4Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise fail(f"field {name!r} must be positive, got {getattr(self, name)}")
-        vocab = self.vocab_size  # a token id past the vocabulary is never sampled nor embedded
-        bad_eos = [e for e in self.eos_token_ids if e >= vocab]
-        if bad_eos:
-            raise fail(f"field 'eos_token_id' must hold token ids below vocab_size ({vocab}), got {bad_eos}")
-        if self.bos_token_id is not None and not 0 <= self.bos_token_id < vocab:
-            raise fail(f"field 'bos_token_id' must be null or a token id in [0, {vocab}), got {self.bos_token_id}")
+        _special_tokens(fail, self.vocab_size, self.eos_token_ids, self.bos_token_id)
         for name in ("rms_norm_eps", "routed_scaling_factor", "swiglu_limit"):
             _finite(fail, f"field {name!r}", getattr(self, name), positive=True)
         _finite(fail, "field 'hc_eps'", self.hc_eps)

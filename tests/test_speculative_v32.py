@@ -14,19 +14,13 @@ import random
 
 import pytest
 from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+from test_model_batch_invariance import V32 as V32_MODEL
 
 import deepinfer
 from deepinfer.model import LLM, SamplingParams
 from deepinfer.model.speculative import MTPDrafter
 
-V32 = dict(
-    architectures=["DeepseekV32ForCausalLM"],
-    model_type="deepseek_v32",
-    index_n_heads=8,
-    index_head_dim=32,
-    index_topk=6,
-    num_nextn_predict_layers=1,
-)
+V32 = V32_MODEL | dict(num_nextn_predict_layers=1)
 KW = dict(dtype="float32", block_size=8, prefill_chunk_size=16, max_num_batched_tokens=64, progress=False)
 
 

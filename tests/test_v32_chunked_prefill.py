@@ -7,17 +7,11 @@ from __future__ import annotations
 
 import pytest
 from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+from test_model_batch_invariance import V32
 
 import deepinfer
 from deepinfer.model import LLM, SamplingParams
 
-V32 = dict(
-    architectures=["DeepseekV32ForCausalLM"],
-    model_type="deepseek_v32",
-    index_n_heads=8,
-    index_head_dim=32,
-    index_topk=6,
-)
 FP8 = dict(kv_lora_rank=128, index_head_dim=128)  # the FP8 records group 128 values under one scale
 
 

@@ -7,19 +7,13 @@ from __future__ import annotations
 
 import pytest
 from model_helpers import one_thread, random_prompts, small_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+from test_model_batch_invariance import V32
 
 import deepinfer
 from deepinfer.model import LLM, SamplingParams
 from deepinfer.model.scheduler import Scheduler
 
-V32_FP8 = dict(
-    architectures=["DeepseekV32ForCausalLM"],
-    model_type="deepseek_v32",
-    index_n_heads=8,
-    index_head_dim=128,
-    index_topk=6,
-    kv_lora_rank=128,
-)
+V32_FP8 = V32 | dict(index_head_dim=128, kv_lora_rank=128)  # the FP8 records group 128 values under one scale
 
 
 def result(out) -> tuple:
