@@ -307,14 +307,7 @@ def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
     if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
         raise fail(f"yarn rope scaling needs original_max_position_embeddings (an int > 0), got {original!r}")
     yarn["original_max_position_embeddings"] = original
-    if yarn.get("factor") is None:  # transformers: the ratio of the context lengths
-        longest = raw.get("max_position_embeddings")
-        longest = original if longest is None else longest
-        if isinstance(longest, bool) or not isinstance(longest, int) or longest <= 0:
-            what = "yarn rope scaling without 'factor' needs max_position_embeddings"
-            raise fail(f"{what} (an int > 0), got {longest!r}")
-        yarn["factor"] = longest / original
-    _finite(fail, "yarn rope scaling field 'factor'", yarn["factor"], positive=True)
+    _yarn_factor(fail, yarn, raw, original)
     for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
         if yarn.get(name) is not None:
             _finite(fail, f"yarn rope scaling field {name!r}", yarn[name])
@@ -323,6 +316,19 @@ def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
     if yarn.get("truncate") is False:
         raise fail("yarn with truncate=false is not supported")
     return float(theta), yarn
+
+
+def _yarn_factor(fail, yarn: dict, raw: dict, original: int) -> None:
+    """Sets YaRN's ``factor`` where the config leaves it out (as transformers: the ratio of ``max_position_embeddings``
+    to ``original``); refuses one that is not a finite number > 0."""
+    if yarn.get("factor") is None:
+        longest = raw.get("max_position_embeddings")
+        longest = original if longest is None else longest
+        if isinstance(longest, bool) or not isinstance(longest, int) or longest <= 0:
+            what = "yarn rope scaling without 'factor' needs max_position_embeddings"
+            raise fail(f"{what} (an int > 0), got {longest!r}")
+        yarn["factor"] = longest / original
+    _finite(fail, "yarn rope scaling field 'factor'", yarn["factor"], positive=True)
 
 
 def _special_tokens(fail, vocab: int, eos_ids: list[int], bos_id: int | None) -> None:

@@ -45,7 +45,7 @@ from safetensors import safe_open
 from deepinfer.qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, QTensor, fp4_from_fp32_scales
 
 from .checkpoint import FLOAT_KINDS, INDEX_FILE, TensorInfo, find_files, read_header
-from .config import MAX_POSITIONS, MAX_ROUTED_EXPERTS, _finite, _special_tokens
+from .config import MAX_POSITIONS, MAX_ROUTED_EXPERTS, _finite, _special_tokens, _yarn_factor
 from .errors import CheckpointError
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -372,14 +372,7 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
     original = yarn.get("original_max_position_embeddings")
     if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
         raise fail(f"yarn rope scaling needs original_max_position_embeddings (an int > 0), got {original!r}")
-    if yarn.get("factor") is None:
-        longest = raw.get("max_position_embeddings")
-        longest = original if longest is None else longest
-        if isinstance(longest, bool) or not isinstance(longest, int) or longest <= 0:
-            what = "yarn rope scaling without 'factor' needs max_position_embeddings"
-            raise fail(f"{what} (an int > 0), got {longest!r}")
-        yarn["factor"] = longest / original
-    _finite(fail, "yarn rope scaling field 'factor'", yarn["factor"], positive=True)
+    _yarn_factor(fail, yarn, raw, original)
     for name in ("beta_fast", "beta_slow"):
         if yarn.get(name) is not None:
             _finite(fail, f"yarn rope scaling field {name!r}", yarn[name])

@@ -350,8 +350,14 @@ def test_the_engine_drafts_what_the_mtp_layer_computes_alone(checkpoints, monkey
     assert len(seen) > 10 and sum(len(d) for *_, d in seen) > 30
     model = load(path, deepinfer_backend, None)
     model.use_pages(8, mtp_layers=1, drafts=3)
+    assert_drafts_are_the_layers(model, seen, deepinfer_backend)
+
+
+def assert_drafts_are_the_layers(model, seen: list, backend: str) -> None:
+    """Each ``(tokens, computed, drafts)`` the engine proposed is what ``model``'s MTP layer gives run alone: the
+    model over the ``computed + 1`` tokens, then the layer's first draft and its chained ones."""
     mtp = model.mtp[0]
-    with use(deepinfer_backend):
+    with use(backend):
         for tokens, computed, drafts in seen:
             x = torch.tensor(tokens[: computed + 1], device=model.device)
             st = model.new_state()
@@ -364,4 +370,4 @@ def test_the_engine_drafts_what_the_mtp_layer_computes_alone(checkpoints, monkey
                 ids = torch.tensor(got[-1:], device=model.device)
                 state = mtp.forward(state, ids, model.batch([st], ids, [1]), None)
                 got.append(int(mtp.compute_logits(state).argmax()))
-            assert got == drafts, (tokens, computed)
+            assert got == drafts, (len(tokens), computed)

@@ -16,7 +16,14 @@ import pytest
 import test_model_v4 as v4
 import torch
 from model_helpers import one_thread  # noqa: F401 (autouse fixture)
-from test_speculative_v4 import add_mtp, load, mtp_oracle, oracle_mtp_logprobs, our_mtp_logprobs
+from test_speculative_v4 import (
+    add_mtp,
+    assert_drafts_are_the_layers,
+    load,
+    mtp_oracle,
+    oracle_mtp_logprobs,
+    our_mtp_logprobs,
+)
 from test_v4_prefix_groups import FLASH_RATES
 
 from deepinfer.model import LLM, SamplingParams
@@ -125,19 +132,5 @@ def test_hca_mtp_drafts_are_what_the_layer_computes_alone(flash_mtp, monkeypatch
     assert len(seen) > 5 and any(c < 128 <= c + len(d) for _, c, d in seen), "drafts across the HCA window's end"
     model = load(flash_mtp, deepinfer_backend, None)
     model.use_pages(16, mtp_layers=1, drafts=3)
-    mtp = model.mtp[0]
-    assert mtp.block[1].kind == v4.HCA
-    with use(deepinfer_backend):
-        for tokens, computed, drafts in seen:
-            x = torch.tensor(tokens[: computed + 1], device=model.device)
-            st = model.new_state()
-            streams = model.forward(x, model.batch([st], x, [len(x)]))
-            st.length = 0
-            state = mtp.forward(streams[:-1], x[1:], model.batch([st], x[1:], [len(x) - 1]), None)[-1:]
-            got = [int(mtp.compute_logits(state).argmax())]
-            for j in range(1, len(drafts)):  # chained: the layer's own state and its last draft, one row further
-                st.length = computed - 1 + j
-                ids = torch.tensor(got[-1:], device=model.device)
-                state = mtp.forward(state, ids, model.batch([st], ids, [1]), None)
-                got.append(int(mtp.compute_logits(state).argmax()))
-            assert got == drafts, (len(tokens), computed)
+    assert model.mtp[0].block[1].kind == v4.HCA
+    assert_drafts_are_the_layers(model, seen, deepinfer_backend)
