@@ -509,12 +509,19 @@ class Checkpoint:
             raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
 
     def read(self, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | QTensor:
-        """Tensor ``name`` on ``device``: FP8 weights as a ``QTensor`` (block (128, 128), scales fp32), any other
-        as a ``dtype`` tensor."""
+        """Tensor ``name`` on ``device``: FP8 weights as a ``QTensor`` (block (128, 128), scales fp32; a NaN or
+        infinite scale is a ``CheckpointError``), any other as a ``dtype`` tensor."""
         if self.is_fp8(name):
             fp8 = self.config.fp8
             data = self._raw(name).to(device)
-            scale = self._raw(name + SCALE_SUFFIX).to(device=device, dtype=torch.float32)
+            scale = self._raw(name + SCALE_SUFFIX).float()
+            if not bool(torch.isfinite(scale).all()):  # every value of such a block would be NaN or inf
+                bad = scale[~torch.isfinite(scale)][0].item()
+                raise CheckpointError(
+                    f"{self.tensors[name + SCALE_SUFFIX].file}: tensor {name + SCALE_SUFFIX!r} holds a scale of {bad}, "
+                    "expected finite scales"
+                )
+            scale = scale.to(device)
             out: torch.Tensor | QTensor = QTensor(data, scale, fp8.block, fp8.scale_format)
         else:
             out = self._raw(name).to(device=device, dtype=dtype)

@@ -334,6 +334,19 @@ def test_fp8_scale_missing_or_misshaped(fp8, tmp_path, monkeypatch):
     refused(no_config, "is FP8 but config.json has no fp8 quantization_config", monkeypatch=monkeypatch)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_fp8_scale_that_is_not_finite_is_refused(fp8, tmp_path, value):
+    """A NaN or infinite block scale would make every value of its block NaN or inf: the load names the tensor."""
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
+
+    def spoil(tensors):
+        scale = tensors[name].clone()
+        scale.view(-1)[-1] = value
+        tensors[name] = scale
+
+    refused(variant(fp8, tmp_path / "x", spoil), name, f"a scale of {value}", "expected finite scales")
+
+
 def test_a_weights_file_that_is_not_a_regular_file_is_refused_without_opening_it(base, tmp_path):
     """A ``*.safetensors`` symlink to a FIFO would block ``open`` until a writer comes: it is refused first. The load
     runs in a thread, so that a regression fails here (a writer is then connected to unblock it) instead of hanging."""
