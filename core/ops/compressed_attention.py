@@ -22,8 +22,7 @@ def compress_kv(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tenso
     kv[w, s, d]`` (the softmax runs over the ``S`` slots of a window, per channel, in fp32).
 
     kv: ``[W, S, D]`` float; gate: ``[W, S, D]`` float (``-inf`` marks an empty slot, whose weight is 0; every
-    window needs a finite gate in each channel; NaN, ``+inf`` or a channel of a window all ``-inf`` is an
-    ``InputError`` while value checks run); position_bias: ``[S, D]`` fp32, the learned per-slot bias.
+    window needs a finite gate in each channel); position_bias: ``[S, D]`` fp32, the learned per-slot bias.
     The weights are rounded to kv's dtype before the weighted sum (as transformers does), which is accumulated in
     fp32. Returns ``[W, D]`` in kv's dtype.
     """
@@ -35,15 +34,6 @@ def compress_kv(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tenso
     c.tensor("gate", gate, dtypes=FLOAT_DTYPES, shape=(windows, slots, dim))
     c.tensor("position_bias", position_bias, dtypes=(torch.float32,), shape=(slots, dim))
     c.same_device(kv=kv, gate=gate, position_bias=position_bias)
-    if value_checks_enabled(gate) and gate.numel():
-        bad_value, empty_channel = torch.stack(  # one host synchronisation for both
-            [(torch.isnan(gate) | (gate == float("inf"))).any(), (gate == float("-inf")).all(dim=1).any()]
-        ).tolist()
-        if bad_value:
-            raise c.fail("gate", "finite values or -inf (an empty slot)", "NaN or +inf")
-        if empty_channel:
-            w, d = (gate == float("-inf")).all(dim=1).nonzero()[0].tolist()
-            raise c.fail("gate", "a finite gate in every channel of every window", f"window {w} channel {d} all -inf")
     return call("compress_kv", kv=kv, gate=gate, position_bias=position_bias)
 
 
