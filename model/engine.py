@@ -39,6 +39,7 @@ import torch
 
 import deepinfer
 from deepinfer import dispatch
+from deepinfer.errors import InputError
 from deepinfer.index_cache import allocate_index_cache
 from deepinfer.validation import Check
 
@@ -69,6 +70,16 @@ def index_format_for(cfg, kv_format: str) -> str | None:
     if not cfg.sparse_attention:
         return None
     return "fp8_ds_index" if kv_format == "fp8_ds_mla" and cfg.index_head_dim % 128 == 0 else "bf16"
+
+
+def check_kv_format(cfg, kv_format: str, who: str, where: str = "") -> None:
+    """An ``InputError`` from ``who`` unless ``kv_format`` fits ``cfg``: ``fp8_ds_mla`` scales the latent in groups of
+    128, so it needs a ``kv_lora_rank`` that is a multiple of 128 (a model that lays out its own pages, DeepSeek-V4,
+    checks its own). ``where``: the config's place, for the message."""
+    rank = getattr(cfg, "kv_lora_rank", None)
+    if kv_format == "fp8_ds_mla" and not getattr(cfg, "owns_cache", False) and rank % 128:
+        expected = f"bf16 for a model whose kv_lora_rank is not a multiple of 128 ({rank}{where}); fp8_ds_mla needs one"
+        raise InputError(who, "kv_format", expected, repr(kv_format))
 
 
 def cache_page_bytes(cfg, kv_format: str, block_size: int, mtp_layers: int = 0, elem_bytes: int = 2) -> int:
@@ -180,12 +191,7 @@ class LLMEngine:
             )
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         owns_cache = getattr(cfg, "owns_cache", False)
-        if kv_format == "fp8_ds_mla" and not owns_cache and cfg.kv_lora_rank % 128:
-            raise c.fail(
-                "kv_format",
-                f"bf16 for kv_lora_rank {cfg.kv_lora_rank} (fp8_ds_mla needs a multiple of 128)",
-                repr(kv_format),
-            )
+        check_kv_format(cfg, kv_format, "LLMEngine")
         page_bytes = cache_page_bytes(cfg, kv_format, block_size, mtp_layers, model.dtype.itemsize)
         lookahead = spec.num_speculative_tokens if spec is not None else 0
         # DeepSeek-V4: each sequence also holds state pages (its windows), first in its block table

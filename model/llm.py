@@ -41,7 +41,7 @@ from .config_v4 import V4Checkpoint, is_v4_checkpoint
 from .deepseek_v3 import DeepseekV3
 from .deepseek_v4 import DeepseekV4
 from .embedded import default_checkpoint
-from .engine import LLMEngine, cache_page_bytes
+from .engine import LLMEngine, cache_page_bytes, check_kv_format
 from .eplb import ExpertLoadBalancer, nodes_of
 from .errors import RequestError
 from .outputs import CompletionOutput, RequestOutput
@@ -194,15 +194,7 @@ class LLM:
                         "a checkpoint holding its MTP layers (mtp.0.*) for method 'mtp'",
                         f"none in {self.path}",
                     )
-                rank = getattr(self.config, "kv_lora_rank", None)
-                if kv_format == "fp8_ds_mla" and not getattr(self.config, "owns_cache", False) and rank % 128:
-                    raise InputError(  # FlashMLA's FP8 record scales the latent in groups of 128
-                        "LLM",
-                        "kv_format",
-                        f"bf16 for a model whose kv_lora_rank is not a multiple of 128 ({rank}, "
-                        f"{self.path / 'config.json'}); fp8_ds_mla needs one",
-                        kv_format,
-                    )
+                check_kv_format(self.config, kv_format, "LLM", f", {self.path / 'config.json'}")
                 elem = self.dtype.itemsize
                 page_bytes = cache_page_bytes(self.config, kv_format, block_size, mtp_layers, elem)
                 least, pages = "one cache page", 1

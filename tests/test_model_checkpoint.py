@@ -347,6 +347,30 @@ def test_fp8_scale_that_is_not_finite_is_refused(fp8, tmp_path, value):
     refused(variant(fp8, tmp_path / "x", spoil), name, f"a scale of {value}", "expected finite scales")
 
 
+def raised_beside_a_fifo(run, fifo: Path, what: str) -> BaseException | None:
+    """What ``run`` raises (None if nothing), run in a thread: where it blocks reading ``fifo`` (a regression), a
+    writer is connected so that the reader sees end of file and returns, and the test fails as ``what`` blocked
+    instead of hanging."""
+    outcome: list[BaseException | None] = []
+
+    def target():
+        try:
+            run()
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(timeout=30)
+        pytest.fail(f"{what} blocked")
+    (error,) = outcome
+    return error
+
+
 def test_a_weights_file_that_is_not_a_regular_file_is_refused_without_opening_it(base, tmp_path):
     """A ``*.safetensors`` symlink to a FIFO would block ``open`` until a writer comes: it is refused first. The load
     runs in a thread, so that a regression fails here (a writer is then connected to unblock it) instead of hanging."""
@@ -355,23 +379,7 @@ def test_a_weights_file_that_is_not_a_regular_file_is_refused_without_opening_it
     os.mkfifo(fifo)
     (path / FILE).unlink()
     (path / FILE).symlink_to(fifo)
-    outcome: list[BaseException | None] = []
-
-    def load():
-        try:
-            Checkpoint.open(path)
-            outcome.append(None)
-        except BaseException as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=load, daemon=True)
-    thread.start()
-    thread.join(timeout=30)
-    if thread.is_alive():
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the reader sees end of file and returns
-        thread.join(timeout=30)
-        pytest.fail("opening a checkpoint whose weights are a FIFO blocked")
-    (error,) = outcome
+    error = raised_beside_a_fifo(lambda: Checkpoint.open(path), fifo, "opening a checkpoint whose weights are a FIFO")
     assert isinstance(error, CheckpointError), error
     assert str(path / FILE) in str(error) and "not a regular file" in str(error), error
 
@@ -382,23 +390,10 @@ def test_a_config_json_that_is_a_fifo_is_refused_without_opening_it(base, tmp_pa
     path = variant(base, tmp_path / "x")
     (path / "config.json").unlink()
     os.mkfifo(path / "config.json")
-    outcome: list[BaseException | None] = []
-
-    def load():
-        try:
-            LLM(path, progress=False)
-            outcome.append(None)
-        except BaseException as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=load, daemon=True)
-    thread.start()
-    thread.join(timeout=30)
-    if thread.is_alive():
-        os.close(os.open(path / "config.json", os.O_WRONLY | os.O_NONBLOCK))  # the reader sees end of file
-        thread.join(timeout=30)
-        pytest.fail("loading a checkpoint whose config.json is a FIFO blocked")
-    (error,) = outcome
+    fifo = path / "config.json"
+    error = raised_beside_a_fifo(
+        lambda: LLM(path, progress=False), fifo, "loading a checkpoint whose config.json is a FIFO"
+    )
     assert isinstance(error, CheckpointError), error
     assert str(path / "config.json") in str(error) and "not a regular file" in str(error), error
 

@@ -333,15 +333,7 @@ def test_the_engine_drafts_what_the_mtp_layer_computes_alone(checkpoints, monkey
     recomputed from the sequence's tokens on pages of its own: a broken MTP path in the engine fails here even
     though verification keeps the output tokens right."""
     path, _ = checkpoints("yarn")
-    seen = []
-    propose = MTPDrafter.propose
-
-    def recorded(self, seqs, *a, **k):
-        out = propose(self, seqs, *a, **k)
-        seen.extend((list(s.token_ids), s.num_computed, list(s.drafts)) for s in seqs if s.drafts)
-        return out
-
-    monkeypatch.setattr(MTPDrafter, "propose", recorded)
+    seen = recorded_drafts(monkeypatch)
     rng = random.Random(5)
     prompts = [[rng.randrange(2, 160) for _ in range(rng.randint(3, 25))] for _ in range(4)]
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
@@ -351,6 +343,20 @@ def test_the_engine_drafts_what_the_mtp_layer_computes_alone(checkpoints, monkey
     model = load(path, deepinfer_backend, None)
     model.use_pages(8, mtp_layers=1, drafts=3)
     assert_drafts_are_the_layers(model, seen, deepinfer_backend)
+
+
+def recorded_drafts(monkeypatch) -> list[tuple[list[int], int, list[int]]]:
+    """A list that collects ``(tokens, computed, drafts)`` of every sequence ``MTPDrafter.propose`` gives drafts."""
+    seen = []
+    propose = MTPDrafter.propose
+
+    def recorded(self, seqs, *a, **k):
+        out = propose(self, seqs, *a, **k)
+        seen.extend((list(s.token_ids), s.num_computed, list(s.drafts)) for s in seqs if s.drafts)
+        return out
+
+    monkeypatch.setattr(MTPDrafter, "propose", recorded)
+    return seen
 
 
 def assert_drafts_are_the_layers(model, seen: list, backend: str) -> None:

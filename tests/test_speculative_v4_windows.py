@@ -23,6 +23,7 @@ from test_speculative_v4 import (
     mtp_oracle,
     oracle_mtp_logprobs,
     our_mtp_logprobs,
+    recorded_drafts,
 )
 from test_v4_prefix_groups import FLASH_RATES
 
@@ -114,15 +115,7 @@ def test_drafts_rejected_where_they_close_a_window_keep_every_token(
 
 
 def test_hca_mtp_drafts_are_what_the_layer_computes_alone(flash_mtp, monkeypatch, deepinfer_backend):
-    seen = []
-    propose = MTPDrafter.propose
-
-    def recorded(self, seqs, *a, **k):
-        out = propose(self, seqs, *a, **k)
-        seen.extend((list(s.token_ids), s.num_computed, list(s.drafts)) for s in seqs if s.drafts)
-        return out
-
-    monkeypatch.setattr(MTPDrafter, "propose", recorded)
+    seen = recorded_drafts(monkeypatch)
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 160, (n,), generator=g).tolist() for n in (120,)]
