@@ -304,8 +304,6 @@ def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
     yarn = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
     yarn["rope_type"] = "yarn"
     original = yarn.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
-    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
-        raise fail(f"yarn rope scaling needs original_max_position_embeddings (an int > 0), got {original!r}")
     yarn["original_max_position_embeddings"] = original
     _yarn_factor(fail, yarn, raw, original)
     for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
@@ -318,9 +316,12 @@ def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
     return float(theta), yarn
 
 
-def _yarn_factor(fail, yarn: dict, raw: dict, original: int) -> None:
-    """Sets YaRN's ``factor`` where the config leaves it out (as transformers: the ratio of ``max_position_embeddings``
-    to ``original``); refuses one that is not a finite number > 0."""
+def _yarn_factor(fail, yarn: dict, raw: dict, original: Any) -> None:
+    """Refuses an ``original`` (``original_max_position_embeddings``) that is not an int > 0; sets YaRN's ``factor``
+    where the config leaves it out (as transformers: the ratio of ``max_position_embeddings`` to ``original``);
+    refuses one that is not a finite number > 0."""
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise fail(f"yarn rope scaling needs original_max_position_embeddings (an int > 0), got {original!r}")
     if yarn.get("factor") is None:
         longest = raw.get("max_position_embeddings")
         longest = original if longest is None else longest

@@ -370,8 +370,6 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
     yarn["rope_type"] = "yarn"
     yarn["attention_factor"] = yarn.get("attention_factor") or 1.0  # V4 never scales cos / sin
     original = yarn.get("original_max_position_embeddings")
-    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
-        raise fail(f"yarn rope scaling needs original_max_position_embeddings (an int > 0), got {original!r}")
     _yarn_factor(fail, yarn, raw, original)
     for name in ("beta_fast", "beta_slow"):
         if yarn.get(name) is not None:
