@@ -62,9 +62,19 @@ log = logging.getLogger("deepinfer.serve")
 
 MAX_LOGPROBS = 20  # top log-probabilities per token at most, as vLLM's default max_logprobs
 DEFAULT_COMPLETION_TOKENS = 16
-# Fields of vLLM's (and OpenAI's) requests that this server does not implement and that a body's extra fields would
-# otherwise drop without a word, each with its neutral values: any other value is refused.
+# Fields of OpenAI's and vLLM's requests that this server does not implement, each with its neutral values: any other
+# value is refused rather than ignored (the request's declared fields, and the extra ones a body would otherwise drop
+# without a word).
 UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "min_tokens": (None, 0),
+    "best_of": (None, 1),
+    "suffix": (None,),
+    "echo": (None, False),
+    "tools": (None, []),
     "min_p": (None, 0),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
@@ -281,24 +291,10 @@ class OpenAIServer:
 
     def sampling_params(self, body: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters of a request; ``APIError`` for a field that is invalid or not implemented."""
-        refused = {
-            "presence_penalty": bool(body.presence_penalty),
-            "frequency_penalty": bool(body.frequency_penalty),
-            "repetition_penalty": body.repetition_penalty not in (None, 1.0),
-            "logit_bias": bool(body.logit_bias),
-            "min_tokens": body.min_tokens != 0,
-            "best_of": getattr(body, "best_of", None) not in (None, 1),
-            "suffix": getattr(body, "suffix", None) is not None,
-            "echo": getattr(body, "echo", False),
-            "tools": bool(getattr(body, "tools", None)),
-        }
-        for name, bad in refused.items():
-            if bad:
-                raise APIError(f"{name}={getattr(body, name)!r} is not supported by this server", 400, name)
-        extra = body.model_extra or {}
         for name, neutral in UNIMPLEMENTED_FIELDS.items():
-            if extra.get(name) not in neutral:
-                raise APIError(f"{name}={extra[name]!r} is not supported by this server", 400, name)
+            value = getattr(body, name, None)  # a declared field, or an extra one (None where absent)
+            if value not in neutral:
+                raise APIError(f"{name}={value!r} is not supported by this server", 400, name)
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise APIError(f"at most {MAX_LOGPROBS} log-probabilities per token, got {logprobs}", 400, "logprobs")
         try:

@@ -130,15 +130,31 @@ def test_a_prompt_that_fills_the_context_is_refused_by_its_length(served):
         ("allowed_token_ids", [1, 2]),
         ("chat_template", "{{ messages }}"),
         ("continue_final_message", True),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -0.5),
+        ("repetition_penalty", 1.2),
+        ("logit_bias", {"1": 5}),
+        ("min_tokens", 2),
+        ("tools", [{"type": "function"}]),
+        ("best_of", 2),
+        ("echo", True),
     ],
 )
-def test_unimplemented_vllm_fields_are_refused_unless_neutral(served, field, value):
+def test_unimplemented_fields_are_refused_unless_neutral(served, field, value):
     url = served[1]
     body = {"messages": HI, "max_tokens": 2, field: value}
     resp = httpx.post(url + "/v1/chat/completions", json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == field
-    neutral = {"min_p": 0, "use_beam_search": False}.get(field)
+    neutral = {
+        "min_p": 0,
+        "use_beam_search": False,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0,
+        "repetition_penalty": 1.0,
+    }
+    neutral |= {"logit_bias": {}, "min_tokens": 0, "tools": [], "best_of": 1, "echo": False}
+    neutral = neutral.get(field)
     assert httpx.post(url + "/v1/chat/completions", json={**body, field: neutral}).status_code == 200
 
 
