@@ -351,6 +351,7 @@ class Scheduler:
         self.running.remove(seq)
         self.num_preemptions += 1
         seq.num_preemptions += 1
+        seq.drafts = []  # it verifies none until it decodes again (a recomputed sequence resumes as a prefill)
         if self.preemption_mode == "swap":
             seq.swapped = self._swap_out(seq.block_table)
             seq.swapped_pages = len(seq.block_table)
