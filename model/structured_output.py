@@ -66,7 +66,8 @@ class StructuredOutputsParams:
                 raise RequestError(f"structured output: invalid json_schema: not JSON: {e}") from e
             if isinstance(schema, dict):  # no free whitespace (a model can wander off into it) unless the schema asks
                 schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
-            return "json_schema", json.dumps(schema, sort_keys=True)
+            # keys in the schema's order: llguidance generates an object's properties in the order they are declared
+            return "json_schema", json.dumps(schema)
         if self.regex is not None:
             return "regex", self.regex
         if self.grammar is not None:
