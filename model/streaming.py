@@ -6,9 +6,10 @@ tokens read back since the previous one (never a token still being sampled) and 
 from all generated tokens each time, and characters that may still change are held back: a trailing incomplete
 UTF-8 sequence (decoded as U+FFFD) and, while the request has stop strings, the last ``len(longest stop) - 1``
 characters, which could be the start of a stop string. When a stop string appears (of several, the one the text
-completes first), the text ends before it (or after it with ``include_stop_str_in_output``), the request is ended in
-the engine at once (its pages freed) with ``finish_reason="stop"`` and ``stop_reason`` the string, as vLLM reports
-it.
+completes first), the text ends before it (or after it with ``include_stop_str_in_output``), the request's tokens
+end with the one that completes it (a step that added more, under speculative decoding, has those dropped), and the
+request is ended in the engine at once (its pages freed) with ``finish_reason="stop"`` and ``stop_reason`` the string,
+as vLLM reports it.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class RequestStream:
             if hit is not None:
                 where, stop = hit
                 text = text[: where + len(stop)] if self.include_stop else text[:where]
+                ready = self._trim_after(ids[:ready], where + len(stop))
                 if not done:
                     engine.abort(seq, "stop", stop)
                 else:
@@ -101,6 +103,22 @@ class RequestStream:
             delta.num_generated = len(seq.generated_ids)
             delta.num_cached_tokens = seq.num_cached_tokens
         return delta
+
+    def _trim_after(self, ids: list[int], end: int) -> int:
+        """The fewest of ``ids`` (the tokens read back, past those already handed out) whose text reaches offset
+        ``end``, where a stop string ends; the sequence's tokens (and log-probabilities) after them are dropped. A step
+        that adds several tokens (speculative decoding) can add some after the one that completes the stop string;
+        decoding one token a step, the request ends with that one."""
+        keep = len(ids)
+        for j in range(self.sent_tokens + 1, len(ids)):
+            if len(self._visible_text(ids[:j], final=False)) >= end:
+                keep = j
+                break
+        seq = self.seq
+        del seq.token_ids[seq.num_prompt_tokens + keep :]
+        del seq.logprobs[keep:]
+        del seq.top_logprobs[keep:]
+        return keep
 
     def _visible_text(self, ids: list[int], final: bool) -> str:
         if self.tokenizer is None:

@@ -4,7 +4,8 @@ over the embedded model.
 The cut depends on the generated text alone: of several stop strings it is the one the text completes first,
 however many tokens each step adds (one, or several with speculative decoding) and wherever the tokens' boundaries
 fall; a stop string that straddles a token boundary, or the boundary between two streamed chunks, ends the text just
-before it (after it with ``include_stop_str_in_output``), streamed or whole, with nothing past it sent.
+before it (after it with ``include_stop_str_in_output``), streamed or whole, with nothing past it sent; its tokens
+and log-probabilities end with the token that completes it, as decoding one token a step ends them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 from test_server import NUM_BLOCKS, llm_kwargs, running_server, wait_idle
 
+import deepinfer
 from deepinfer.model import LLM, SamplingParams
 from deepinfer.model.sequence import Sequence, Status
 from deepinfer.model.streaming import RequestStream
@@ -95,6 +97,30 @@ def test_speculative_decoding_cuts_the_text_where_decoding_one_token_a_step_does
     want = [o.outputs[0].text for o in llm.generate([PROMPT] * len(stops), params)]
     assert [o.outputs[0].text for o in spec.generate([PROMPT] * len(stops), params)] == want
     assert spec.engine.spec_stats.accepted > 0
+
+
+def test_speculative_decoding_ends_the_tokens_where_decoding_one_token_a_step_does(llm, generated, pytestconfig):
+    """A step that accepts drafts adds several tokens: those after the one that completes the stop string are not
+    part of the output (its tokens, log-probabilities and length are those of a run without speculation)."""
+    _, text, ends = generated
+    spec = LLM(
+        None,
+        pytestconfig.getoption("deepinfer_backend") or "reference",
+        progress=False,
+        speculative_config={"num_speculative_tokens": 3},
+        **llm_kwargs(),
+    )
+    stops = [text[e - 2 : e] for e in ends[1:-1] if text.find(text[e - 2 : e]) == e - 2]
+    assert len(stops) >= 10, text
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=s, logprobs=1) for s in stops]
+    with deepinfer.batch_invariant():  # (log-probabilities bitwise, whatever rows a step runs)
+        want = [o.outputs[0] for o in llm.generate([PROMPT] * len(stops), params)]
+        got = [o.outputs[0] for o in spec.generate([PROMPT] * len(stops), params)]
+    assert spec.engine.spec_stats.accepted > 0
+    for stop, a, b in zip(stops, want, got):
+        assert (b.text, b.finish_reason, b.stop_reason) == (a.text, "stop", stop)
+        assert b.token_ids == a.token_ids, stop
+        assert b.logprobs == a.logprobs and b.top_logprobs == a.top_logprobs, stop
 
 
 def test_stops_across_token_and_chunk_boundaries_streamed_and_whole(llm, generated):
