@@ -27,9 +27,9 @@ from .errors import RequestError
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one constraint. json: a JSON schema (a dict, or its JSON text), generated with the separators alone
-    between tokens (llguidance's ``whitespace_flexible`` off, unless the schema's own ``x-guidance`` says
-    otherwise); regex: the whole generated text matches it; grammar: a Lark or GBNF grammar; choice: the text is one
-    of these strings."""
+    between tokens (llguidance's ``whitespace_flexible`` off, unless the schema's own ``x-guidance`` turns it on;
+    its other options there are kept); regex: the whole generated text matches it; grammar: a Lark or GBNF grammar;
+    choice: the text is one of these strings."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -64,8 +64,9 @@ class StructuredOutputsParams:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
             except ValueError as e:
                 raise RequestError(f"structured output: invalid json_schema: not JSON: {e}") from e
-            if isinstance(schema, dict):  # no free whitespace (a model can wander off into it) unless the schema asks
-                schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
+            options = schema.get("x-guidance", {}) if isinstance(schema, dict) else None
+            if isinstance(options, dict):  # no free whitespace (a model can wander off into it) unless the schema asks
+                schema = {**schema, "x-guidance": {"whitespace_flexible": False, **options}}
             # keys in the schema's order: llguidance generates an object's properties in the order they are declared
             return "json_schema", json.dumps(schema)
         if self.regex is not None:
