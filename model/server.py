@@ -35,7 +35,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from .async_engine import AsyncEngine, EngineDeadError, FinishedRequest
@@ -510,6 +510,23 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+async def _event_stream(chunks: AsyncGenerator[dict], deltas: AsyncGenerator) -> AsyncIterator[str]:
+    """A streamed response's server-sent events: each of ``chunks``, then ``[DONE]``. The stream has started, so an
+    error is reported in it as an error body; ``chunks`` and ``deltas`` (what it reads) are closed however it ends."""
+    try:
+        async for chunk in chunks:
+            yield _sse(chunk)
+    except APIError as e:
+        yield _sse(error_body(e.message, e.kind, e.status))
+    except Exception as e:
+        log.exception("stream failed")
+        yield _sse(error_body(f"{type(e).__name__}: {e}", "internal_error", 500))
+    finally:
+        await chunks.aclose()
+        await deltas.aclose()
+    yield "data: [DONE]\n\n"
+
+
 def build_app(server: OpenAIServer) -> FastAPI:
     """The FastAPI application of ``server``. Its shutdown stops the engine thread."""
 
@@ -639,40 +656,31 @@ def build_app(server: OpenAIServer) -> FastAPI:
         continuous = include_usage and body.stream_options.continuous_usage_stats
         prompt_counts = [len(ids) for ids, _ in encoded for _ in range(body.n)]
 
-        async def events():
+        async def chunks():
             finals: dict[int, StreamDelta] = {}
             offsets = [0] * len(streams)
             generated = [0] * len(streams)
-            try:
-                async for i, d in deltas:
-                    generated[i] += len(d.token_ids)
-                    lp = None
-                    if want_logprobs:
-                        lp = logprobs_of(d.token_ids, d.logprobs or [], d.top_logprobs or [], offsets[i])
-                    offsets[i] += len(d.text)
-                    choice = {
-                        "index": i,
-                        "text": d.text,
-                        "logprobs": lp,
-                        "finish_reason": d.finish_reason if d.finished else None,
-                        "stop_reason": d.stop_reason if d.finished else None,
-                    }
-                    if d.finished:
-                        finals[i] = d
-                    usage = _running_usage(prompt_counts[i], generated[i]) if continuous else None
-                    yield _sse({**base, "choices": [choice], "usage": usage})
-                if include_usage:
-                    yield _sse({**base, "choices": [], "usage": _usage(finals, body.n)})
-            except APIError as e:
-                yield _sse(error_body(e.message, e.kind, e.status))
-            except Exception as e:  # the stream has started: report in it
-                log.exception("stream failed")
-                yield _sse(error_body(f"{type(e).__name__}: {e}", "internal_error", 500))
-            finally:
-                await deltas.aclose()
-            yield "data: [DONE]\n\n"
+            async for i, d in deltas:
+                generated[i] += len(d.token_ids)
+                lp = None
+                if want_logprobs:
+                    lp = logprobs_of(d.token_ids, d.logprobs or [], d.top_logprobs or [], offsets[i])
+                offsets[i] += len(d.text)
+                choice = {
+                    "index": i,
+                    "text": d.text,
+                    "logprobs": lp,
+                    "finish_reason": d.finish_reason if d.finished else None,
+                    "stop_reason": d.stop_reason if d.finished else None,
+                }
+                if d.finished:
+                    finals[i] = d
+                usage = _running_usage(prompt_counts[i], generated[i]) if continuous else None
+                yield {**base, "choices": [choice], "usage": usage}
+            if include_usage:
+                yield {**base, "choices": [], "usage": _usage(finals, body.n)}
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(_event_stream(chunks(), deltas), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -743,46 +751,37 @@ def build_app(server: OpenAIServer) -> FastAPI:
         continuous = include_usage and body.stream_options.continuous_usage_stats
         chunk = {**base, "object": "chat.completion.chunk"}
 
-        async def events():
+        async def chunks():
             finals: dict[int, StreamDelta] = {}
             generated = [0] * len(streams)
-            try:
-                for i in range(len(streams)):
-                    first = {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    usage = _running_usage(len(ids), 0) if continuous else None
-                    yield _sse({**chunk, "choices": [first], "usage": usage})
-                async for i, d in deltas:
-                    generated[i] += len(d.token_ids)
-                    if d.finished:
-                        finals[i] = d
-                    choice = {
-                        "index": i,
-                        "delta": {"content": d.text} if d.text or not d.finished else {},
-                        "logprobs": logprobs_of(d.token_ids, d.logprobs or [], d.top_logprobs or [])
-                        if body.logprobs
-                        else None,
-                        "finish_reason": d.finish_reason if d.finished else None,
-                        "stop_reason": d.stop_reason if d.finished else None,
-                    }
-                    usage = _running_usage(len(ids), generated[i]) if continuous else None
-                    yield _sse({**chunk, "choices": [choice], "usage": usage})
-                if include_usage:
-                    yield _sse({**chunk, "choices": [], "usage": _usage(finals, body.n)})
-            except APIError as e:
-                yield _sse(error_body(e.message, e.kind, e.status))
-            except Exception as e:  # the stream has started: report in it
-                log.exception("stream failed")
-                yield _sse(error_body(f"{type(e).__name__}: {e}", "internal_error", 500))
-            finally:
-                await deltas.aclose()
-            yield "data: [DONE]\n\n"
+            for i in range(len(streams)):
+                first = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                usage = _running_usage(len(ids), 0) if continuous else None
+                yield {**chunk, "choices": [first], "usage": usage}
+            async for i, d in deltas:
+                generated[i] += len(d.token_ids)
+                if d.finished:
+                    finals[i] = d
+                choice = {
+                    "index": i,
+                    "delta": {"content": d.text} if d.text or not d.finished else {},
+                    "logprobs": logprobs_of(d.token_ids, d.logprobs or [], d.top_logprobs or [])
+                    if body.logprobs
+                    else None,
+                    "finish_reason": d.finish_reason if d.finished else None,
+                    "stop_reason": d.stop_reason if d.finished else None,
+                }
+                usage = _running_usage(len(ids), generated[i]) if continuous else None
+                yield {**chunk, "choices": [choice], "usage": usage}
+            if include_usage:
+                yield {**chunk, "choices": [], "usage": _usage(finals, body.n)}
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(_event_stream(chunks(), deltas), media_type="text/event-stream")
 
     return app
 
