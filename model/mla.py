@@ -23,6 +23,10 @@ from deepinfer.kv_cache import read_tokens
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 
+# The epsilon of the low-rank query's and the latent's norms (q_a_layernorm, kv_a_layernorm): DeepSeek's inference
+# code and transformers build them with the RMSNorm default whatever rms_norm_eps says (that one is the layer norms').
+LATENT_NORM_EPS = 1e-6
+
 
 def linear(x: torch.Tensor, w: torch.Tensor | QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` through ``deepinfer.ops.gemm``, returned in x's dtype."""
@@ -47,7 +51,7 @@ class MLAttention:
         self.heads = cfg.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
-        self.eps = cfg.rms_norm_eps
+        self.eps = LATENT_NORM_EPS
         self.interleaved = cfg.rope_interleave
         self.cos_sin_cache = cos_sin_cache
         self.softmax_scale = softmax_scale

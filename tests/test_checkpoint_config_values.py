@@ -1,0 +1,53 @@
+"""Config values the other cross-checks leave at their defaults, against transformers on tiny random checkpoints it
+writes: deepinfer's prompt log-probabilities (fp32 activations, bf16 latent cache) within 1e-2 nats of transformers'
+fp32 model over a cache holding the latent in bf16 (``model_helpers.LatentPrecisionCache``).
+
+``rms_norm_eps``: transformers (as DeepSeek's own inference code) gives the layer norms and the final norm that
+epsilon, but the norms of the low-rank query and of the latent (``q_a_layernorm``, ``kv_a_layernorm``) keep their
+default of 1e-6 whatever the config says. DeepSeek-V3's own checkpoints set 1e-6, where the two agree; others
+(Moonlight: 1e-5) do not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_helpers import hf_checkpoint, load_oracle, one_thread, oracle_logprobs, random_prompts  # noqa: F401
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+from deepinfer.model import LLM, SamplingParams
+
+TOL = 1e-2
+# index_topk above every prompt's length: the indexer keeps every token, so its selection (discrete, checked by
+# test_model_v32) cannot differ.
+V32 = dict(index_n_heads=4, index_head_dim=32, index_topk=64)
+
+
+def _oracle(path, family: str):
+    if family == "v3":
+        return load_oracle(path)
+    return DeepseekV32ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+
+
+def _max_prompt_error(path, family: str, backend, device) -> float:
+    oracle = _oracle(path, family)
+    prompts = random_prompts(oracle.config.vocab_size, [6, 23, 40], seed=2)
+    llm = LLM(path, backend, device=device, dtype="float32", block_size=8, progress=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    worst = 0.0
+    for p, o in zip(prompts, outs):
+        lp = oracle_logprobs(oracle, p, kv_format="bf16")
+        worst = max(worst, *(abs(lp[j - 1, p[j]].item() - o.prompt_logprobs[j]) for j in range(1, len(p))))
+    return worst
+
+
+@pytest.mark.parametrize("family", ["v3", "v32"])
+@pytest.mark.parametrize("eps", [1e-2, 1e-5])
+def test_rms_norm_eps_reaches_the_layer_norms_only(family, eps, tmp_path, deepinfer_backend, deepinfer_device):
+    classes = {} if family == "v3" else {"classes": (DeepseekV32Config, DeepseekV32ForCausalLM)}
+    extra = {} if family == "v3" else V32
+    path = hf_checkpoint(tmp_path, 5, **classes, **extra, rms_norm_eps=eps)
+    err = _max_prompt_error(path, family, deepinfer_backend, deepinfer_device)
+    assert err < TOL, f"prompt log-probabilities differ from transformers' by up to {err:.3g} (rms_norm_eps {eps})"
