@@ -264,6 +264,11 @@ class ModelConfig:
                 )
             if not self.qk_rope_head_dim <= self.index_head_dim:
                 raise fail(f"index_head_dim ({self.index_head_dim}) must hold the rope part ({self.qk_rope_head_dim})")
+            if not self.rope_interleave:  # transformers' DeepseekV32 has no such field and rotates interleaved pairs
+                raise fail(
+                    "field 'rope_interleave' must be true for deepseek_v32 (its attention rotates interleaved pairs), "
+                    "got false"
+                )
         if self.qk_rope_head_dim % 2:
             raise fail(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.first_k_dense_replace < self.num_hidden_layers and self.n_routed_experts > 0:

@@ -15,7 +15,7 @@ import torch
 from model_helpers import hf_checkpoint, load_oracle, one_thread, oracle_logprobs, random_prompts  # noqa: F401
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-from deepinfer.model import LLM, SamplingParams
+from deepinfer.model import LLM, CheckpointError, SamplingParams
 
 TOL = 1e-2
 # index_topk above every prompt's length: the indexer keeps every token, so its selection (discrete, checked by
@@ -51,3 +51,13 @@ def test_rms_norm_eps_reaches_the_layer_norms_only(family, eps, tmp_path, deepin
     path = hf_checkpoint(tmp_path, 5, **classes, **extra, rms_norm_eps=eps)
     err = _max_prompt_error(path, family, deepinfer_backend, deepinfer_device)
     assert err < TOL, f"prompt log-probabilities differ from transformers' by up to {err:.3g} (rms_norm_eps {eps})"
+
+
+def test_deepseek_v32_with_half_split_rope_is_refused(tmp_path):
+    """transformers' DeepseekV32 has no ``rope_interleave``: its attention rotates interleaved pairs whatever the
+    config says (its indexer the half-split layout). A config asking for half-split attention rope describes another
+    model: refused, naming the field, rather than served with the other rotation."""
+    path = hf_checkpoint(tmp_path, 5, (DeepseekV32Config, DeepseekV32ForCausalLM), **V32, rope_interleave=False)
+    with pytest.raises(CheckpointError) as e:
+        LLM(path, "reference", dtype="float32", progress=False)
+    assert "rope_interleave" in str(e.value) and "deepseek_v32" in str(e.value)
