@@ -221,10 +221,13 @@ class V4Config:
         mtp_types = (list(types[n : n + nextn]) + [SLIDING] * nextn)[:nextn]  # legacy compress_ratios list them
 
         head_dim = get("head_dim", int, 512)
-        rope_dim = raw.get("qk_rope_head_dim")
-        if rope_dim is None:
-            factor = get("partial_rotary_factor", float, 64 / 512)
+        # As transformers: partial_rotary_factor where given; else the legacy qk_rope_head_dim; else 64 of 512.
+        factor = get("partial_rotary_factor", float)
+        if factor is not None:
+            _finite(fail, "field 'partial_rotary_factor'", factor, positive=True)
             rope_dim = int(head_dim * factor)
+        else:
+            rope_dim = get("qk_rope_head_dim", int, int(head_dim * 64 / 512))
         theta, c_theta, c_scaling = _v4_rope(raw, fail)
         eos = raw.get("eos_token_id", 1)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -1,11 +1,14 @@
-"""Config values the other cross-checks leave at their defaults, against transformers on tiny random checkpoints it
-writes: deepinfer's prompt log-probabilities (fp32 activations, bf16 latent cache) within 1e-2 nats of transformers'
-fp32 model over a cache holding the latent in bf16 (``model_helpers.LatentPrecisionCache``).
+"""Config values the other cross-checks leave at their defaults, read as transformers reads them.
 
-``rms_norm_eps``: transformers (as DeepSeek's own inference code) gives the layer norms and the final norm that
-epsilon, but the norms of the low-rank query and of the latent (``q_a_layernorm``, ``kv_a_layernorm``) keep their
-default of 1e-6 whatever the config says. DeepSeek-V3's own checkpoints set 1e-6, where the two agree; others
-(Moonlight: 1e-5) do not.
+Served: deepinfer's prompt log-probabilities (fp32 activations, bf16 latent cache) within 1e-2 nats of transformers'
+fp32 model, on tiny random checkpoints it writes, over a cache holding the latent in bf16
+(``model_helpers.LatentPrecisionCache``). ``rms_norm_eps``: transformers (as DeepSeek's own inference code) gives the
+layer norms and the final norm that epsilon, but the norms of the low-rank query and of the latent
+(``q_a_layernorm``, ``kv_a_layernorm``) keep their default of 1e-6 whatever the config says. DeepSeek-V3's own
+checkpoints set 1e-6, where the two agree; others (Moonlight: 1e-5) do not.
+
+Read: fields whose meaning transformers' config classes settle (a DeepSeek-V4 config's rope width), compared with
+what those classes make of the same fields; and fields no transformers model honours, refused.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 from model_helpers import hf_checkpoint, load_oracle, one_thread, oracle_logprobs, random_prompts  # noqa: F401
-from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+from transformers import DeepseekV4Config, DeepseekV32Config, DeepseekV32ForCausalLM
 
 from deepinfer.model import LLM, CheckpointError, SamplingParams
+from deepinfer.model.config_v4 import V4Config
 
 TOL = 1e-2
 # index_topk above every prompt's length: the indexer keeps every token, so its selection (discrete, checked by
@@ -61,3 +65,38 @@ def test_deepseek_v32_with_half_split_rope_is_refused(tmp_path):
     with pytest.raises(CheckpointError) as e:
         LLM(path, "reference", dtype="float32", progress=False)
     assert "rope_interleave" in str(e.value) and "deepseek_v32" in str(e.value)
+
+
+V4_FIELDS = dict(
+    vocab_size=160,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=32,
+    q_lora_rank=48,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=4,
+    index_head_dim=16,
+)
+
+
+@pytest.mark.parametrize(
+    "rope_fields",
+    [
+        {"partial_rotary_factor": 0.25, "qk_rope_head_dim": 16},
+        {"partial_rotary_factor": 0.5, "qk_rope_head_dim": 8},
+        {"qk_rope_head_dim": 16},
+        {"partial_rotary_factor": 0.25},
+        {},
+    ],
+)
+def test_v4_rope_width_is_read_as_transformers_reads_it(rope_fields):
+    """transformers' DeepseekV4Config takes ``partial_rotary_factor`` where it is given and the legacy
+    ``qk_rope_head_dim`` only without it; a config holding both (disagreeing) rotates as many channels there."""
+    raw = {"model_type": "deepseek_v4", **V4_FIELDS, **rope_fields}
+    theirs = DeepseekV4Config(**V4_FIELDS, **rope_fields).qk_rope_head_dim
+    assert V4Config.from_dict(raw).qk_rope_head_dim == theirs
