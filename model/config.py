@@ -287,20 +287,16 @@ class ModelConfig:
 
 
 def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, yarn parameters or None)`` from either the hub's ``rope_scaling`` or ``rope_parameters``."""
-    params = raw.get("rope_parameters")
-    scaling = raw.get("rope_scaling")
-    theta = raw.get("rope_theta")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", theta)
-        if scaling is None:
-            scaling = params
+    """``(rope_theta, yarn parameters or None)`` from either the hub's ``rope_scaling`` or ``rope_parameters``, read
+    as transformers reads them: ``rope_scaling``, where given, stands for ``rope_parameters``; a ``rope_theta`` in it
+    wins over the top-level one; a top-level ``original_max_position_embeddings`` wins over the one in it."""
+    scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise fail(f"rope_scaling / rope_parameters must be an object or null, got {scaling!r}")
+    scaling = scaling or {}
+    theta = scaling.get("rope_theta", raw.get("rope_theta"))
     theta = 10000.0 if theta is None else theta
     _finite(fail, "rope_theta", theta, positive=True)
-    if scaling is None:
-        return float(theta), None
-    if not isinstance(scaling, dict):
-        raise fail(f"rope_scaling must be an object or null, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         return float(theta), None
@@ -308,6 +304,8 @@ def _rope(raw: dict[str, Any], fail) -> tuple[float, dict[str, Any] | None]:
         raise fail(f"rope scaling type {kind!r} is not supported (default or yarn)")
     yarn = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
     yarn["rope_type"] = "yarn"
+    if raw.get("original_max_position_embeddings") is not None:
+        yarn["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     original = yarn.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
     yarn["original_max_position_embeddings"] = original
     _yarn_factor(fail, yarn, raw, original)

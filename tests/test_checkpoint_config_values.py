@@ -13,12 +13,16 @@ what those classes make of the same fields; and fields no transformers model hon
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from model_helpers import hf_checkpoint, load_oracle, one_thread, oracle_logprobs, random_prompts  # noqa: F401
-from transformers import DeepseekV4Config, DeepseekV32Config, DeepseekV32ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV4Config, DeepseekV32Config, DeepseekV32ForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
-from deepinfer.model import LLM, CheckpointError, SamplingParams
+from deepinfer import ops
+from deepinfer.model import LLM, CheckpointError, ModelConfig, SamplingParams
 from deepinfer.model.config_v4 import V4Config
 
 TOL = 1e-2
@@ -100,3 +104,48 @@ def test_v4_rope_width_is_read_as_transformers_reads_it(rope_fields):
     raw = {"model_type": "deepseek_v4", **V4_FIELDS, **rope_fields}
     theirs = DeepseekV4Config(**V4_FIELDS, **rope_fields).qk_rope_head_dim
     assert V4Config.from_dict(raw).qk_rope_head_dim == theirs
+
+
+V3_FIELDS = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=512,
+)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale_all_dim": 1.0}
+POSITIONS = 256
+
+
+@pytest.mark.parametrize(
+    "rope_fields",
+    [
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}, "rope_scaling": YARN},
+        {"rope_scaling": YARN | {"rope_theta": 500.0}, "rope_theta": 20000.0},
+        {"rope_parameters": YARN | {"rope_theta": 500.0}, "original_max_position_embeddings": 1024},
+        {
+            "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+            "original_max_position_embeddings": 1024,
+        },
+        {"rope_scaling": YARN, "rope_theta": 500.0},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}},
+        {"rope_theta": 500.0},
+    ],
+)
+def test_v3_rope_fields_are_read_as_transformers_reads_them(rope_fields):
+    """The rotary table (base, YaRN's frequencies and cos/sin factor) and the attention's softmax scale as
+    transformers' DeepseekV3 builds them from the hub's ``rope_scaling`` / ``rope_theta`` and its own
+    ``rope_parameters``, in any mix of the two."""
+    ours = ModelConfig.from_dict({"model_type": "deepseek_v3", **V3_FIELDS, **rope_fields})
+    theirs = DeepseekV3Config(**V3_FIELDS, **copy.deepcopy(rope_fields))  # transformers edits the dicts it is given
+    cos, sin = DeepseekV3RotaryEmbedding(theirs)(torch.zeros(1), torch.arange(POSITIONS)[None])
+    half = ours.qk_rope_head_dim // 2
+    table = ops.rope_cos_sin_cache(ours.qk_rope_head_dim, POSITIONS, ours.rope_theta, ours.rope_scaling)
+    torch.testing.assert_close(table, torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=1), rtol=1e-5, atol=1e-5)
+    scale = ops.mla_softmax_scale(ours.qk_head_dim, ours.rope_scaling)
+    assert scale == pytest.approx(DeepseekV3Attention(theirs, 0).scaling, rel=1e-9)
