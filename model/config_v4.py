@@ -349,10 +349,11 @@ def _v4_quantization(qc: Any, expert_dtype: Any, fail) -> dict[str, str] | None:
 
 
 def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | None]:
-    """``(main theta, compress theta, compress YaRN parameters or None)``."""
-    rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    """``(main theta, compress theta, compress YaRN parameters or None)``. As in transformers, the hub's
+    ``rope_scaling``, where given, stands for ``rope_parameters``."""
+    rp = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(rp, dict):
-        raise fail(f"rope_parameters must be an object, got {rp!r}")
+        raise fail(f"rope_scaling / rope_parameters must be an object, got {rp!r}")
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         main, compress = rp["main"], dict(rp["compress"])
     else:

@@ -20,6 +20,7 @@ import torch
 from model_helpers import hf_checkpoint, load_oracle, one_thread, oracle_logprobs, random_prompts  # noqa: F401
 from transformers import DeepseekV3Config, DeepseekV4Config, DeepseekV32Config, DeepseekV32ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
 from deepinfer import ops
 from deepinfer.model import LLM, CheckpointError, ModelConfig, SamplingParams
@@ -149,3 +150,33 @@ def test_v3_rope_fields_are_read_as_transformers_reads_them(rope_fields):
     torch.testing.assert_close(table, torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=1), rtol=1e-5, atol=1e-5)
     scale = ops.mla_softmax_scale(ours.qk_head_dim, ours.rope_scaling)
     assert scale == pytest.approx(DeepseekV3Attention(theirs, 0).scaling, rel=1e-9)
+
+
+V4_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize(
+    "rope_fields",
+    [
+        {"rope_parameters": {"rope_type": "default"}, "rope_scaling": V4_YARN},
+        {"rope_parameters": V4_YARN, "rope_scaling": V4_YARN | {"factor": 2.0}},
+        {"rope_scaling": V4_YARN, "rope_theta": 500.0, "compress_rope_theta": 3000.0},
+        {"rope_parameters": V4_YARN, "original_max_position_embeddings": 1024},
+        {"rope_parameters": V4_YARN},
+        {"rope_theta": 500.0},
+    ],
+)
+def test_v4_rope_fields_are_read_as_transformers_reads_them(rope_fields):
+    """The main and the compressed branches' rotary tables as transformers' DeepseekV4RotaryEmbedding builds them
+    from ``rope_parameters`` and the hub's ``rope_scaling``, in any mix of the two."""
+    ours = V4Config.from_dict({"model_type": "deepseek_v4", **V4_FIELDS, **rope_fields})
+    rotary = DeepseekV4RotaryEmbedding(DeepseekV4Config(**V4_FIELDS, **copy.deepcopy(rope_fields)))
+    positions = torch.arange(POSITIONS)[None]
+    for kind, theta, scaling in (
+        ("main", ours.rope_theta, None),
+        ("compress", ours.compress_rope_theta, ours.compress_rope_scaling),
+    ):
+        cos, sin = rotary(torch.zeros(1), positions, layer_type=kind)
+        table = ops.rope_cos_sin_cache(ours.qk_rope_head_dim, POSITIONS, theta, scaling)
+        theirs = torch.cat([cos[0], sin[0]], dim=1)
+        assert torch.allclose(table, theirs, rtol=1e-5, atol=1e-5), f"{kind}: {(table - theirs).abs().max()}"
