@@ -149,6 +149,14 @@ class ModelConfig:
                 raise fail(f"field {name!r} must be {kind.__name__}, got {value!r}")
             return value
 
+        def moe(name: str, kind: type, null: Any):
+            """A routing field: transformers' default where config.json leaves it out (DeepSeek-V3's, ``d``), ``null``
+            where it is null (DeepSeek-V2's reading: no groups, no shared or routed experts, no dense layers)."""
+            if name not in raw:
+                return getattr(d, name)
+            value = get(name, kind, allow_none=True)
+            return null if value is None else value
+
         d = cls()
         heads = get("num_attention_heads", int, required=True)
         kv_heads = get("num_key_value_heads", int, heads)
@@ -182,21 +190,21 @@ class ModelConfig:
             moe_intermediate_size=get("moe_intermediate_size", int, d.moe_intermediate_size),
             num_hidden_layers=get("num_hidden_layers", int, required=True),
             num_attention_heads=heads,
-            n_shared_experts=get("n_shared_experts", int, 0) or 0,
-            n_routed_experts=get("n_routed_experts", int, 0) or 0,
-            routed_scaling_factor=get("routed_scaling_factor", float, 1.0),
+            n_shared_experts=moe("n_shared_experts", int, 0),
+            n_routed_experts=moe("n_routed_experts", int, 0),
+            routed_scaling_factor=moe("routed_scaling_factor", float, 1.0),
             kv_lora_rank=get("kv_lora_rank", int, required=True),
-            q_lora_rank=get("q_lora_rank", int, None, allow_none=True),
+            q_lora_rank=get("q_lora_rank", int, d.q_lora_rank, allow_none=True),
             qk_rope_head_dim=get("qk_rope_head_dim", int, required=True),
             v_head_dim=get("v_head_dim", int, required=True),
             qk_nope_head_dim=get("qk_nope_head_dim", int, required=True),
-            n_group=get("n_group", int, 1) or 1,
-            topk_group=get("topk_group", int, 1) or 1,
-            num_experts_per_tok=get("num_experts_per_tok", int, 1),
-            first_k_dense_replace=get("first_k_dense_replace", int, 0) or 0,
-            norm_topk_prob=bool(get("norm_topk_prob", bool, False)),
+            n_group=moe("n_group", int, 1) or 1,
+            topk_group=moe("topk_group", int, 1) or 1,
+            num_experts_per_tok=moe("num_experts_per_tok", int, 1),
+            first_k_dense_replace=moe("first_k_dense_replace", int, 0),
+            norm_topk_prob=bool(moe("norm_topk_prob", bool, False)),
             scoring_func=scoring,
-            max_position_embeddings=get("max_position_embeddings", int, 4096),
+            max_position_embeddings=get("max_position_embeddings", int, d.max_position_embeddings if sparse else 4096),
             rms_norm_eps=get("rms_norm_eps", float, 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

@@ -180,3 +180,31 @@ def test_v4_rope_fields_are_read_as_transformers_reads_them(rope_fields):
         table = ops.rope_cos_sin_cache(ours.qk_rope_head_dim, POSITIONS, theta, scaling)
         theirs = torch.cat([cos[0], sin[0]], dim=1)
         assert torch.allclose(table, theirs, rtol=1e-5, atol=1e-5), f"{kind}: {(table - theirs).abs().max()}"
+
+
+# Each differs from both transformers' default and DeepSeek-V2's reading, so that leaving it out shows which is taken.
+ROUTING_FIELDS = dict(
+    n_routed_experts=16,
+    n_shared_experts=2,
+    routed_scaling_factor=1.5,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=3,
+    first_k_dense_replace=1,
+    norm_topk_prob=False,
+    q_lora_rank=48,
+    moe_intermediate_size=32,
+    max_position_embeddings=8192,
+)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v32"])
+@pytest.mark.parametrize("left_out", list(ROUTING_FIELDS))
+def test_fields_a_config_leaves_out_take_transformers_defaults(model_type, left_out):
+    """A config.json without one of these fields is read with the default transformers' config class of its
+    ``model_type`` gives it (DeepSeek-V3's values, not DeepSeek-V2's)."""
+    sparse = model_type == "deepseek_v32"
+    fields = {k: v for k, v in (V3_FIELDS | ROUTING_FIELDS | (V32 if sparse else {})).items() if k != left_out}
+    theirs = (DeepseekV32Config if sparse else DeepseekV3Config)(**fields)
+    ours = ModelConfig.from_dict({"model_type": model_type, **fields})
+    assert getattr(ours, left_out) == getattr(theirs, left_out)
