@@ -835,6 +835,14 @@ class V4Checkpoint:
         except Exception as e:
             raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
         self.bytes_read += t.numel() * t.element_size()
+        if key.endswith("gate.tid2eid"):  # the ops index the experts with these ids, unchecked in the engine's forward
+            experts = self.config.n_routed_experts
+            bad = t[(t < 0) | (t >= experts)]
+            if bad.numel():
+                raise CheckpointError(
+                    f"{info.file}: tensor {name!r} holds expert id {int(bad[0])}, expected ids in [0, {experts}) "
+                    f"(n_routed_experts = {experts})"
+                )
         if scale is not None:
             self.bytes_read += scale.numel() * scale.element_size()
             t = dequantize(t.to(device), scale.to(device))
