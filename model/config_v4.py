@@ -739,6 +739,14 @@ def normalise(name: str) -> str:
     return ALIASES.get(name, name)
 
 
+def _check_scales(file: Path, name: str, scale: torch.Tensor) -> None:
+    """Refuses a NaN or infinite scale (every value of its block would be NaN or infinite), naming the tensor."""
+    s = scale.float()
+    if not bool(torch.isfinite(s).all()):
+        bad = s[~torch.isfinite(s)][0].item()
+        raise CheckpointError(f"{file}: tensor {name!r} holds a scale of {bad}, expected finite scales")
+
+
 @dataclass
 class V4Checkpoint:
     """A checked DeepSeek-V4 checkpoint directory. ``names``: normalised name -> name in the files, the
@@ -844,6 +852,7 @@ class V4Checkpoint:
                     f"(n_routed_experts = {experts})"
                 )
         if scale is not None:
+            _check_scales(self.tensors[name + SCALE_SUFFIX].file, name + SCALE_SUFFIX, scale)
             self.bytes_read += scale.numel() * scale.element_size()
             t = dequantize(t.to(device), scale.to(device))
         return t.to(device=device, dtype=dtype or t.dtype)
@@ -860,6 +869,7 @@ class V4Checkpoint:
             return None
         fmt = self.config.quantization["scale_fmt"] if self.config.quantization else "fp32"
         scale = self._get(name + SCALE_SUFFIX)
+        _check_scales(self.tensors[name + SCALE_SUFFIX].file, name + SCALE_SUFFIX, scale)
         s = scale.float()  # exact from fp32, bf16 and ue8m0
         if fmt == "ue8m0" and not _powers_of_two(s):
             return None
@@ -898,6 +908,7 @@ class V4Checkpoint:
             data, scale = handle.get_tensor(name), handle.get_tensor(name + SCALE_SUFFIX)
         except Exception as e:
             raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
+        _check_scales(self.tensors[name + SCALE_SUFFIX].file, name + SCALE_SUFFIX, scale)
         weight = FP4Tensor(data, scale) if scale.dtype == UE8M0_DTYPE else fp4_from_fp32_scales(data, scale)
         if weight is None:
             return None
