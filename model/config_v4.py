@@ -836,12 +836,9 @@ class V4Checkpoint:
         weight dequantised (``dequantize``)."""
         name = self.names[key]
         info = self.tensors[name]
-        handle = self._handle(info)
-        try:
-            t = handle.get_tensor(name)
-            scale = handle.get_tensor(name + SCALE_SUFFIX) if info.dtype in ("F8_E4M3", "I8") else None
-        except Exception as e:
-            raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
+        t = self._get(name)
+        # the scales by their own file: a sharded checkpoint may hold them in another shard than the weight
+        scale = self._get(name + SCALE_SUFFIX) if info.dtype in ("F8_E4M3", "I8") else None
         self.bytes_read += t.numel() * t.element_size()
         if key.endswith("gate.tid2eid"):  # the ops index the experts with these ids, unchecked in the engine's forward
             experts = self.config.n_routed_experts
@@ -903,11 +900,7 @@ class V4Checkpoint:
         info = self.tensors[name]
         if info.dtype != "I8":
             return None
-        handle = self._handle(info)
-        try:
-            data, scale = handle.get_tensor(name), handle.get_tensor(name + SCALE_SUFFIX)
-        except Exception as e:
-            raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {e}") from e
+        data, scale = self._get(name), self._get(name + SCALE_SUFFIX)  # each from its own shard
         _check_scales(self.tensors[name + SCALE_SUFFIX].file, name + SCALE_SUFFIX, scale)
         weight = FP4Tensor(data, scale) if scale.dtype == UE8M0_DTYPE else fp4_from_fp32_scales(data, scale)
         if weight is None:
