@@ -279,7 +279,7 @@ class ModelConfig:
                 )
         if self.qk_rope_head_dim % 2:
             raise fail(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
-        if self.first_k_dense_replace < self.num_hidden_layers and self.n_routed_experts > 0:
+        if any(self.is_moe_layer(i) for i in range(self.num_hidden_layers)):  # by mlp_layer_types where listed
             e, g = self.n_routed_experts, self.n_group
             if e % g:
                 raise fail(f"field 'n_group' must divide n_routed_experts ({e}), got {g}")

@@ -208,3 +208,19 @@ def test_fields_a_config_leaves_out_take_transformers_defaults(model_type, left_
     theirs = (DeepseekV32Config if sparse else DeepseekV3Config)(**fields)
     ours = ModelConfig.from_dict({"model_type": model_type, **fields})
     assert getattr(ours, left_out) == getattr(theirs, left_out)
+
+
+@pytest.mark.parametrize(
+    "routing, fragment",
+    [
+        ({"n_group": 3}, "'n_group' must divide n_routed_experts"),
+        ({"topk_group": 5}, "'topk_group' must lie in"),
+        ({"num_experts_per_tok": 9}, "'num_experts_per_tok' must lie in"),
+    ],
+)
+def test_routing_of_moe_layers_listed_in_mlp_layer_types_is_checked_at_load(routing, fragment):
+    """DeepSeek-V3.2's ``mlp_layer_types`` decides which layers are MoE, whatever ``first_k_dense_replace`` says;
+    the routing of those layers is checked when config.json is read, not left to fail in the first forward."""
+    fields = V3_FIELDS | ROUTING_FIELDS | V32 | {"first_k_dense_replace": 2, "mlp_layer_types": ["dense", "sparse"]}
+    with pytest.raises(CheckpointError, match=fragment):
+        ModelConfig.from_dict({"model_type": "deepseek_v32", **fields, **routing})
