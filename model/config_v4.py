@@ -362,7 +362,9 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
         compress["rope_theta"] = raw.get("compress_rope_theta", 160000.0)
     if main.get("rope_type", main.get("type", "default")) != "default":
         raise fail(f"the main rope must be of type default, got {main.get('rope_type')!r}")
-    theta, c_theta = main.get("rope_theta", 10000.0), compress.get("rope_theta", 160000.0)
+    top = raw.get("rope_theta")  # a nested dict without a base takes the top-level one, as in transformers
+    top = 10000.0 if top is None else top
+    theta, c_theta = main.get("rope_theta", top), compress.get("rope_theta", top)
     _finite(fail, "rope_theta", theta, positive=True)
     _finite(fail, "compress_rope_theta", c_theta, positive=True)
     kind = compress.get("rope_type", compress.get("type", "default"))
@@ -373,7 +375,9 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
     yarn = {k: v for k, v in compress.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
     yarn["rope_type"] = "yarn"
     yarn["attention_factor"] = yarn.get("attention_factor") or 1.0  # V4 never scales cos / sin
-    original = yarn.get("original_max_position_embeddings")
+    # transformers' default where the config leaves it out: the model's own length
+    original = yarn.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 1048576)
+    yarn["original_max_position_embeddings"] = original
     _yarn_factor(fail, yarn, raw, original)
     for name in ("beta_fast", "beta_slow"):
         if yarn.get(name) is not None:

@@ -163,6 +163,30 @@ V4_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings
         {"rope_scaling": V4_YARN, "rope_theta": 500.0, "compress_rope_theta": 3000.0},
         {"rope_parameters": V4_YARN, "original_max_position_embeddings": 1024},
         {"rope_parameters": V4_YARN},
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+        {"rope_scaling": {"type": "yarn", "factor": 4.0}, "max_position_embeddings": 2048},
+        {
+            "rope_parameters": {
+                "main": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
+                "compress": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "attention_factor": 1.0,
+                    "partial_rotary_factor": 0.25,
+                },
+            },
+            "partial_rotary_factor": 0.25,
+            "max_position_embeddings": 2048,
+        },
+        {
+            "rope_parameters": {
+                "main": {"rope_type": "default", "partial_rotary_factor": 0.25},
+                "compress": {"rope_type": "default", "partial_rotary_factor": 0.25},
+            },
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 500.0,
+            "compress_rope_theta": 3000.0,
+        },
         {"rope_theta": 500.0},
     ],
 )
