@@ -7,8 +7,12 @@ layer norms and the final norm that epsilon, but the norms of the low-rank query
 (``q_a_layernorm``, ``kv_a_layernorm``) keep their default of 1e-6 whatever the config says. DeepSeek-V3's own
 checkpoints set 1e-6, where the two agree; others (Moonlight: 1e-5) do not.
 
-Read: fields whose meaning transformers' config classes settle (a DeepSeek-V4 config's rope width), compared with
-what those classes make of the same fields; and fields no transformers model honours, refused.
+Read: fields whose meaning transformers' classes settle, compared with what those classes make of the same
+config: the rotary tables (and DeepSeek-V3's softmax scale) from any mix of the hub's ``rope_scaling`` /
+``rope_theta`` and transformers' ``rope_parameters``, DeepSeek-V4's rope width, and the routing fields a config
+leaves out. Refused when config.json is read, naming the field: a DeepSeek-V3.2 config asking for half-split
+attention rope (which transformers' DeepseekV32 does not have), and impossible routing for the MoE layers that
+``mlp_layer_types`` lists.
 """
 
 from __future__ import annotations
