@@ -418,7 +418,7 @@ class Checkpoint:
             if name in mtp_layout:
                 self.mtp_keys.append(name)
         expert_kinds: dict[str, set[bool]] = {}
-        for n in layout:
+        for n in expected:  # the multi-token-prediction layers' experts are stacked alike
             if ".mlp.experts." in n and n in self.tensors:
                 expert_kinds.setdefault(n.split(".")[2], set()).add(self.tensors[n].dtype == "F8_E4M3")
         for layer, kinds in expert_kinds.items():

@@ -1,6 +1,6 @@
-"""Checkpoint tensors whose shapes and dtypes are right but whose values the model cannot use: refused when they
-are read, with a ``CheckpointError`` naming the file, the tensor, the value and what was expected, before a
-request is served.
+"""Checkpoint tensors each of the right shape and a usable dtype, but whose values, or dtypes together, the model
+cannot use: refused with a ``CheckpointError`` naming the tensor (or layer) and what was expected, before a request
+is served.
 
 DeepSeek-V4's hash-routed layers take each token's experts from ``gate.tid2eid [vocab, k]``: an id outside
 ``[0, n_routed_experts)`` names no expert, and an op indexing with it reads out of bounds (an error on the CPU,
@@ -8,18 +8,27 @@ other memory on a GPU where the engine's forward checks no values).
 
 A NaN or infinite block scale of a quantised DeepSeek-V4 weight (fp32, or the ue8m0 byte 255) makes every value of
 its block NaN or infinite, and every log-probability NaN; refused as DeepSeek-V3's are (``test_model_checkpoint``).
+
+The routed experts of a layer are stacked into one tensor, so they must all be FP8 or all float: a
+multi-token-prediction layer whose experts mix the two is refused when the checkpoint is opened, as a decoder
+layer's are.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import test_model_v4 as v4
 import torch
-from model_helpers import one_thread  # noqa: F401 (autouse fixture)
+from model_helpers import fp8_copy, hf_checkpoint, one_thread  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file, save_file
 
-from deepinfer.model import LLM
+from deepinfer.model import LLM, Checkpoint, ModelConfig
+from deepinfer.model.checkpoint import mtp_layer_keys
 from deepinfer.model.errors import CheckpointError
+from deepinfer.qtensor import quantize_blocks
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +99,25 @@ def test_v4_block_scale_that_is_not_finite_is_refused(v4_quantised, tmp_path, ex
         LLM(path, "reference", dtype="float32", progress=False)
     message = str(e.value)
     assert name in message and "expected finite scales" in message
+
+
+def test_mtp_layer_whose_experts_mix_fp8_and_float_is_refused_at_open(tmp_path):
+    shapes = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, q_lora_rank=128, kv_lora_rank=128)
+    src = hf_checkpoint(tmp_path / "bf16", 4, num_hidden_layers=2, v_head_dim=32, **shapes)
+    path = fp8_copy(src, tmp_path / "fp8", tmp_path / "oracle")[0]
+    cfg = ModelConfig.from_dir(path)
+    layer = cfg.num_hidden_layers
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for name, e in mtp_layer_keys(dataclasses.replace(cfg, num_nextn_predict_layers=1), layer).items():
+        if not e.optional:
+            tensors[name] = (0.1 * torch.randn(e.shape, generator=g)).to(torch.bfloat16)
+    expert = f"model.layers.{layer}.mlp.experts.0."
+    for w in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):  # expert 0 in FP8, the others bf16
+        q = quantize_blocks(tensors[expert + w].float())
+        tensors[expert + w], tensors[expert + w + "_scale_inv"] = q.data, q.scale
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"routed experts of layer {layer} mix FP8 and float"):
+        Checkpoint.open(path)
