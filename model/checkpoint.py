@@ -328,6 +328,12 @@ def find_files(path: Path) -> list[Path]:
             if not (path / name).exists():
                 raise CheckpointError(f"{index}: refers to {name}, which is missing from {path}")
             check_regular_file(path / name, (path / name).stat().st_mode)
+        single = path / "model.safetensors"
+        if single.exists() and single.name not in files:  # transformers would load that one and not the index's
+            raise CheckpointError(
+                f"{path}: holds both {single.name} and {INDEX_FILE}, which does not list it: two checkpoints in one "
+                f"directory (transformers loads {single.name}); keep one"
+            )
         return [path / n for n in files]
     files = sorted(path.glob("*.safetensors"))
     if not files:
