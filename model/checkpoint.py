@@ -311,6 +311,24 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+def read_tensors(path: Path) -> dict[str, TensorInfo]:
+    """Every tensor of a checkpoint directory by name, from its files' headers (each checked by ``read_header``); a
+    name in two files, or an index entry naming the wrong file or no tensor, is a ``CheckpointError``."""
+    tensors: dict[str, TensorInfo] = {}
+    for file in find_files(path):
+        for name, info in read_header(file).items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file} and {file}")
+            tensors[name] = info
+    index = path / INDEX_FILE
+    if index.is_file():  # find_files has checked that it reads as an index
+        for name, file in json.loads(index.read_text())["weight_map"].items():
+            if name not in tensors or tensors[name].file.name != file:
+                where = f"it is in {tensors[name].file}" if name in tensors else "no file holds it"
+                raise CheckpointError(f"{index}: maps tensor {name!r} to {file} but {where}")
+    return tensors
+
+
 def find_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint directory (from the index when there is one)."""
     if not path.is_dir():
@@ -385,19 +403,7 @@ class Checkpoint:
     def open(cls, path: str | Path, config: ModelConfig | None = None) -> Checkpoint:
         path = Path(path)
         config = config or ModelConfig.from_dir(path)
-        files = find_files(path)
-        tensors: dict[str, TensorInfo] = {}
-        for file in files:
-            for name, info in read_header(file).items():
-                if name in tensors:
-                    raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file} and {file}")
-                tensors[name] = info
-        index = path / INDEX_FILE
-        if index.is_file():
-            for name, file in json.loads(index.read_text())["weight_map"].items():
-                if name not in tensors or tensors[name].file.name != file:
-                    where = f"it is in {tensors[name].file}" if name in tensors else "no file holds it"
-                    raise CheckpointError(f"{index}: maps tensor {name!r} to {file} but {where}")
+        tensors = read_tensors(path)
         _check_counts(path, config, tensors)
         expected = expected_layout(config)
         layout = {n: e for n, e in expected.items() if not e.mtp}

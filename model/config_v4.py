@@ -44,7 +44,7 @@ from safetensors import safe_open
 
 from deepinfer.qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, QTensor, fp4_from_fp32_scales
 
-from .checkpoint import FLOAT_KINDS, INDEX_FILE, TensorInfo, find_files, read_header
+from .checkpoint import FLOAT_KINDS, TensorInfo, read_tensors
 from .config import MAX_POSITIONS, MAX_ROUTED_EXPERTS, _finite, _special_tokens, _yarn_factor
 from .errors import CheckpointError
 
@@ -777,17 +777,7 @@ class V4Checkpoint:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise CheckpointError(f"{file}: cannot be read as JSON: {e}") from e
             config = V4Config.from_dict(raw, source=str(file))
-        tensors: dict[str, TensorInfo] = {}
-        for file in find_files(path):
-            for name, info in read_header(file).items():
-                if name in tensors:
-                    raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file} and {file}")
-                tensors[name] = info
-        index = path / INDEX_FILE
-        if index.is_file():
-            for name, file in json.loads(index.read_text())["weight_map"].items():
-                if name not in tensors or tensors[name].file.name != file:
-                    raise CheckpointError(f"{index}: maps tensor {name!r} to {file} but no such tensor is there")
+        tensors = read_tensors(path)
         want, want_mtp = expected_layout(config), mtp_layout(config)
         names: dict[str, str] = {}
         mtp: list[str] = []
