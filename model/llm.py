@@ -45,7 +45,7 @@ from .engine import LLMEngine, cache_page_bytes, check_kv_format
 from .eplb import ExpertLoadBalancer, nodes_of
 from .errors import RequestError
 from .outputs import CompletionOutput, RequestOutput
-from .parallel import expert_parallel
+from .parallel import RankSync, expert_parallel
 from .sampling_params import SamplingParams
 from .scheduler import PREEMPTION_MODES
 from .sequence import Sequence
@@ -179,6 +179,20 @@ class LLM:
                     num_redundant_experts=num_redundant_experts,
                     num_groups=getattr(self.config, "n_group", 1) or 1,
                 )
+                if self.ep.world_size > 1:  # the load balancer's collectives run at steps its settings decide
+                    RankSync(self.ep.group, self.device).check(
+                        "engine start",
+                        {
+                            "expert load balancing settings": (
+                                enable_eplb,
+                                num_redundant_experts,
+                                eplb_window_size,
+                                eplb_step_interval,
+                                eplb_rebalance_layers_per_chunk,
+                                nodes_of(self.ep.world_size),
+                            )
+                        },
+                    )
                 mtp_layers = 1 if self.speculative_config is not None else 0
                 if mtp_layers and not self.config.num_nextn_predict_layers:
                     raise InputError(

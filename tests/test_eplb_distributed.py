@@ -269,7 +269,41 @@ def sc_moves(rank: int, world: int) -> list[int]:
     return received
 
 
-SCENARIOS = {"generate": sc_generate, "moves": sc_moves, "failed_plan": sc_failed_plan}
+DIFFERING_SETTINGS = {  # per case, the last rank's load balancing settings; the others use the first entry's
+    "same": dict(enable_eplb=True, num_redundant_experts=2, eplb_step_interval=INTERVAL),
+    "enable_eplb": dict(enable_eplb=False, eplb_step_interval=INTERVAL),
+    "eplb_step_interval": dict(enable_eplb=True, num_redundant_experts=2, eplb_step_interval=INTERVAL + 1),
+    "eplb_window_size": dict(
+        enable_eplb=True, num_redundant_experts=2, eplb_step_interval=INTERVAL, eplb_window_size=3
+    ),
+    "eplb_rebalance_layers_per_chunk": dict(
+        enable_eplb=True, num_redundant_experts=2, eplb_step_interval=INTERVAL, eplb_rebalance_layers_per_chunk=None
+    ),
+}
+
+
+def sc_divergent_settings(rank: int, world: int, path) -> dict:
+    """The last rank builds the LLM with one load balancing setting unlike the others' (which decide at which steps
+    the balancer's collectives run): every rank raises at construction, before any step could wait on a peer."""
+    from deepinfer.model.errors import RankDivergenceError
+
+    out = {}
+    for case, theirs in DIFFERING_SETTINGS.items():
+        kw = theirs if rank == world - 1 else DIFFERING_SETTINGS["same"]
+        try:
+            build(path, world, **kw)
+            out[case] = "built"
+        except RankDivergenceError as e:
+            out[case] = str(e)
+    return out
+
+
+SCENARIOS = {
+    "generate": sc_generate,
+    "moves": sc_moves,
+    "failed_plan": sc_failed_plan,
+    "divergent_settings": sc_divergent_settings,
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -385,3 +419,10 @@ def test_rebalanced_placement_spreads_the_hot_expert(ranks, world):
         placements, tables, done = payload["after_now"]
         assert done and placements == got[0]["after_now"][0] and all(ok for _, ok in tables)
         assert not payload["checked_after"][1], f"rank {rank}: (layer, slot, expert) wrong after rebalance_experts()"
+
+
+def test_ranks_with_different_load_balancing_settings_raise_at_construction(ranks):
+    for rank, out in enumerate(ranks(2, "divergent_settings")):
+        assert out.pop("same") == "built", f"rank {rank}"
+        for case, message in out.items():
+            assert "expert load balancing settings" in message and "engine start" in message, (rank, case, message)
