@@ -122,6 +122,11 @@ def expert_parallel(
     the nodes of the launch."""
     import torch.distributed as dist
 
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        if dist.is_available() and isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+            # what torch.distributed.new_group returns on a rank outside the group
+            raise ParallelError("ep_group", "a process group this process belongs to", "a group without it")
+        raise ParallelError("ep_group", "a torch.distributed ProcessGroup or None (the default group)", repr(group))
     ready = dist.is_available() and dist.is_initialized()
     if group is None and ready and ep not in (None, 1):
         group = dist.group.WORLD

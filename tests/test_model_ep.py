@@ -465,6 +465,30 @@ def test_llm_ep_without_process_group(ckpt):
         build(ckpt, 2)
 
 
+def test_ep_group_that_is_not_a_process_group_is_named(ckpt):
+    """Before any process group exists, and with one: a clear error about ``ep_group`` whatever ``ep`` is, and one
+    saying so for a group this process is not in."""
+    import torch.distributed as dist
+
+    def refused(expected: str = "ProcessGroup", actual: str = "'group 1'", ep_group="group 1", **kw):
+        with pytest.raises(ParallelError) as err:
+            build(ckpt, ep_group=ep_group, **kw)
+        assert err.value.arg == "ep_group" and expected in err.value.expected, err.value
+        assert err.value.actual == actual
+
+    refused(ep=2)
+    refused(ep=None)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        refused(ep=1)
+        refused(ep=None)
+        # torch.distributed.new_group's answer on a rank outside the new group
+        outside = dist.GroupMember.NON_GROUP_MEMBER
+        refused("belongs to", "a group without it", ep=2, ep_group=outside)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_init_from_torchrun_environment_errors():
     assert init_from_torchrun(None, device_type="cpu", env={}) is None
     assert init_from_torchrun(1, device_type="cpu", env={"WORLD_SIZE": "1", "RANK": "0"}) is None
