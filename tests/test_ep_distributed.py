@@ -185,6 +185,39 @@ def sc_ll_fp8_replicas(rank: int, world: int) -> None:
     _run_and_check(p, rank, "low_latency", capacity=fitting_capacity(p, placement, 9), placement=placement)
 
 
+def sc_ll_batch_invariant(rank: int, world: int) -> None:
+    """Top-8 over replicated experts (repeated and skipped slots, a rank without tokens) in low-latency mode: in
+    batch-invariant mode the combine gives one process's bits, for bf16 and fp32 expert outputs, as the normal mode
+    does (a decode step replayed from a CUDA graph dispatches this way); outside it, per-rank partial sums."""
+    g = _gen("ll_invariant")
+    num_experts = 4 * world
+    p = random_problem(g, token_counts(g, world, 12, empty_rank=world - 1), num_experts, 8, 64, repeat=0.2)
+    placement = _replica_placement(world, num_experts)
+    capacity = fitting_capacity(p, placement, 12)
+    grp = torch.distributed.group.WORLD
+    got = []  # every collective first, then the checks: a failing rank leaves none waiting
+    for invariant in (True, False):
+        with deepinfer.batch_invariant(invariant):
+            out = ep_dispatch(p.xs[rank], p.ids[rank], p.weights[rank], num_experts=num_experts, group=grp,
+                              mode="low_latency", capacity=capacity, placement=placement)  # fmt: skip
+            for dtype in (torch.float32, torch.bfloat16):
+                got.append((invariant, dtype, out, ep_combine(expert(out[0], out[1], out[3], dtype), out[4])))
+    for invariant, dtype, out, combined in got:
+        check_layout(out, p, placement, rank, "low_latency", capacity)
+        ref = reference_out(p, rank, dtype)
+        assert combined.dtype == dtype and combined.shape == ref.shape
+        if invariant:
+            assert torch.equal(combined, ref), (dtype, (combined.float() - ref.float()).abs().max())
+        else:
+            tol = 1e-5 if dtype == torch.float32 else 2**-7
+            torch.testing.assert_close(combined, ref, rtol=tol, atol=1e-5)
+
+
+def sc_ll_overflow_poisons_batch_invariant(rank: int, world: int) -> None:
+    with deepinfer.batch_invariant():
+        sc_ll_overflow_poisons(rank, world)
+
+
 def sc_all_empty(rank: int, world: int) -> None:
     p = random_problem(_gen("empty"), [0] * world, 2 * world, 2, 128)
     _run_and_check(p, rank, "normal")
@@ -255,9 +288,11 @@ SCENARIOS = {
         sc_single_copy,
         sc_ll_bf16,
         sc_ll_fp8_replicas,
+        sc_ll_batch_invariant,
         sc_all_empty,
         sc_ll_overflow_raises,
         sc_ll_overflow_poisons,
+        sc_ll_overflow_poisons_batch_invariant,
         sc_bad_arguments,
     )
 }

@@ -506,10 +506,11 @@ def ep_combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     Several ranks: a collective over the dispatch's group (every rank calls it, in dispatch order, with y of the same
     dtype and hidden size, in the same batch-invariant mode). Each rank sums, per source token, the weighted rows of
     its own experts (fp32) and sends that fp32 partial sum back; the source adds the partial sums in rank order, so
-    the result differs from one process by fp32 reassociation only. Exception, ``normal`` mode in batch-invariant
-    mode, or where the fp32 partial sums could be more bytes than y's rows (bf16 y with more than k/2 ranks): each
-    row goes back to its source, which forms ``weight * row`` in fp32 and sums the k products in fp32 with the
-    arithmetic of one process. A source token that lost a row to capacity overflow gets NaN (see ``ep_dispatch``).
+    the result differs from one process by fp32 reassociation only. Exception, batch-invariant mode (either mode),
+    or in ``normal`` mode where the fp32 partial sums could be more bytes than y's rows (bf16 y with more than k/2
+    ranks): each row goes back to its source, which forms ``weight * row`` in fp32 and sums the k products in fp32
+    with the arithmetic of one process. A source token that lost a row to capacity overflow gets NaN (see
+    ``ep_dispatch``).
 
     """
     c = Check("ep_combine")

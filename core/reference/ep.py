@@ -33,8 +33,10 @@ low_latency mode
     rank (so capacity overflow is known everywhere alike) and scatters its own pairs into ``[E_local, world *
     capacity, H]`` (a backend may do that with its own kernels: ``dispatch_low_latency``'s ``place``).
     ``ep_combine`` sums, per source token, the weighted rows of the local experts (fp32) and one
-    ``all_to_all_single`` of fixed size returns those partial sums; the source adds them in rank order. No host
-    synchronisation and no data-dependent shape anywhere. One process runs the same code without the exchanges.
+    ``all_to_all_single`` of fixed size returns those partial sums; the source adds them in rank order. In
+    batch-invariant mode the exchange of fixed size returns each pair's row instead, and the source sums ``weight *
+    row`` over the k slots with the arithmetic of the one-process reference. No host synchronisation and no
+    data-dependent shape anywhere. One process runs the same code without the exchanges.
 """
 
 from __future__ import annotations
@@ -558,7 +560,11 @@ class LowLatencyHandle(DispatchHandle):
     """group; capacity: token slots per rank; rows: ``[S, k]`` layout row (flat over ``[E_local, max_m]``) of each
     pair of the gathered routing held here (any value elsewhere: never read); mine: ``[S, k]`` whether the pair is
     held here; weights: ``[S, k]`` its weight where held here, else 0; lost: ``[T]`` this rank's tokens that lost a
-    row."""
+    row.
+
+    For a combine that returns one row per pair (batch-invariant mode over several ranks; None where the dispatch did
+    not make them): pair_rank ``[T, k]`` int64, the rank holding each pair of this rank's tokens (-1 for a skipped
+    pair); pair_weights ``[T, k]`` fp32, their routing weights (0 where skipped)."""
 
     group: object = None
     capacity: int = 0
@@ -566,6 +572,8 @@ class LowLatencyHandle(DispatchHandle):
     mine: torch.Tensor = None
     weights: torch.Tensor = None
     lost: torch.Tensor = None
+    pair_rank: torch.Tensor = None
+    pair_weights: torch.Tensor = None
 
 
 @dataclass(frozen=True)
@@ -664,6 +672,8 @@ def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, 
     placed = place(g_x, g_ids, g_w, payload, tab, me, world, per_rank, max_m)  # g_ids, g_w: [slots, k]
     n_local = len(placement.local_experts[me])
     lead = (n_local, max_m)
+    token = torch.arange(tokens * k, device=dev) // k
+    valid, owner, _ = _destinations(tab, ids.reshape(-1).long(), me, token)  # place's rule for this rank's pairs
     handle = LowLatencyHandle(
         tokens,
         "low_latency",
@@ -675,6 +685,8 @@ def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, 
         mine=placed.mine,
         weights=torch.where(placed.mine, g_w, 0.0),
         lost=placed.lost[me * per_rank : me * per_rank + tokens],
+        pair_rank=torch.where(valid, owner, -1).view(tokens, k),
+        pair_weights=torch.where(ids >= 0, weights, 0.0),
     )
     return (
         payload.assemble(placed.parts, n_local * max_m, lead),
@@ -686,10 +698,15 @@ def dispatch_low_latency(x, ids, weights, *, group, placement: ExpertPlacement, 
 
 
 def combine_low_latency(y: torch.Tensor, handle: LowLatencyHandle, weighted_sum=weighted_gather_sum) -> torch.Tensor:
-    """``ep_combine`` of a low-latency dispatch (``weighted_sum``: as ``combine_normal``'s)."""
+    """``ep_combine`` of a low-latency dispatch (``weighted_sum``: as ``combine_normal``'s). Over several ranks each
+    rank sums the weighted rows of its experts per source token (fp32) and the source adds those partial sums in
+    rank order; in batch-invariant mode each row goes back to its source instead, which adds the k products in slot
+    order with the arithmetic of one process (``combine_pairs_low_latency``)."""
     import torch.distributed as dist
 
     _, world = group_rank_size(handle.group)
+    if world > 1 and batch_invariant_enabled() and handle.pair_rank is not None:
+        return combine_pairs_low_latency(y, handle, weighted_sum)
     hidden, dev = y.shape[-1], y.device
     partial = torch.empty(handle.mine.shape[0], hidden, dtype=torch.float32, device=dev)  # this rank's share
     rows = torch.where(handle.mine, handle.rows, -1)
@@ -702,3 +719,31 @@ def combine_low_latency(y: torch.Tensor, handle: LowLatencyHandle, weighted_sum=
         out = partial
     out = torch.where(handle.lost.unsqueeze(-1), torch.nan, out)
     return out.to(y.dtype)
+
+
+def combine_pairs_low_latency(y: torch.Tensor, handle: LowLatencyHandle, weighted_sum=weighted_gather_sum):
+    """``ep_combine`` of a low-latency dispatch over several ranks that returns one row per pair: every rank sends
+    each gathered slot's k rows (zero words for pairs held elsewhere) back to the slot's source in one fixed-size
+    ``all_to_all_single``; the source takes each of its pairs' rows from the rank holding it (``pair_rank``) and sums
+    ``weight * row`` over the k slots in slot order, as one process does. No host synchronisation."""
+    import torch.distributed as dist
+
+    _, world = group_rank_size(handle.group)
+    hidden, dev = y.shape[-1], y.device
+    slots, k = handle.mine.shape
+    word = _word(hidden * y.element_size())
+    rows = _words(y.reshape(-1, hidden), word)  # [E_local * max_m, words]
+    send = torch.zeros(slots, k, rows.shape[1], dtype=word, device=dev)
+    if rows.shape[0]:
+        held = rows[torch.where(handle.mine, handle.rows, 0)]
+        send = torch.where(handle.mine.unsqueeze(-1), held, send)
+    back = torch.empty_like(send)
+    dist.all_to_all_single(back, send, group=handle.group)  # block s (rank s's token slots) goes to rank s
+    tokens = handle.num_tokens
+    back = back.view(world, handle.capacity, k, rows.shape[1])[:, :tokens]
+    owner = handle.pair_rank.clamp_min(0).view(1, tokens, k, 1).expand(1, tokens, k, rows.shape[1])
+    pairs = back.gather(0, owner).view(tokens * k, rows.shape[1]).view(y.dtype)  # [T * k, H]
+    index = torch.where(handle.pair_rank >= 0, torch.arange(tokens * k, device=dev).view(tokens, k), -1)
+    out = torch.empty(tokens, hidden, dtype=y.dtype, device=dev)
+    weighted_sum(pairs.contiguous(), index.contiguous(), handle.pair_weights.contiguous(), out)
+    return torch.where(handle.lost.unsqueeze(-1), torch.nan, out)
