@@ -126,8 +126,7 @@ class SparseMLAttention(MLAttention):
         indices = self.indexer.forward(x, q_resid, batch, index_cache)
 
         per_head, dtype = batch.rows_per_head(self.heads, t), x.dtype
-        q_lat = ops.grouped_gemm(q[..., : self.nope].transpose(0, 1), w["w_uk"], masked_m=per_head, out_dtype=dtype)
-        q_abs = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, r + rope]
+        q_abs = self._absorbed_query(q[..., : self.nope], q_pe, per_head)
         o_lat, _ = ops.sparse_mla(q_abs, kv_cache, indices, softmax_scale=self.softmax_scale, kv_lora_rank=self.rank)
         o = self._values(o_lat, per_head, dtype)
         return linear(o.reshape(t, self.heads * self.v_dim), w["o_proj.weight"], w.get("o_proj.bias"))

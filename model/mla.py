@@ -113,10 +113,19 @@ class MLAttention:
         latent = torch.cat([c, k_pe[:, 0]], dim=-1)
         ops.write_kv_cache(latent, kv_cache, batch.slot_mapping, kv_lora_rank=self.rank)
 
+    def _absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor, per_head: torch.Tensor) -> torch.Tensor:
+        """The absorbed queries ``[T, H, r + rope]``: ``w_uk``'s product of ``q_nope [T, H, nope]`` written straight
+        into the latent columns (a ``torch.cat`` of the parts read the product transposed, at a fraction of the copy
+        bandwidth), ``q_pe [T, H, rope]`` copied beside it."""
+        q = torch.empty(*q_nope.shape[:2], self.rank + self.rope_dim, dtype=q_nope.dtype, device=q_nope.device)
+        latent = q[..., : self.rank].transpose(0, 1)
+        ops.grouped_gemm(q_nope.transpose(0, 1), self.w["w_uk"], masked_m=per_head, out_dtype=q.dtype, out=latent)
+        q[..., self.rank :] = q_pe
+        return q
+
     def _decode(self, q_nope, q_pe, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         per_head, dtype = batch.rows_per_head(self.heads, batch.num_decode), q_nope.dtype
-        q_lat = ops.grouped_gemm(q_nope.transpose(0, 1), self.w["w_uk"], masked_m=per_head, out_dtype=dtype)
-        q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1).unsqueeze(1)  # [b, 1, H, r + rope]
+        q = self._absorbed_query(q_nope, q_pe, per_head).unsqueeze(1)  # [b, 1, H, r + rope]
         o_lat, _ = ops.mla_decode(
             q, kv_cache, batch.block_table, batch.seq_lens, softmax_scale=self.softmax_scale, kv_lora_rank=self.rank
         )
