@@ -169,6 +169,9 @@ def test_double_rejects_documented_misuse(npu):
         gmm([a], [gw], group_list=torch.tensor([2, 2]), group_list_type=1, group_type=0, split_item=3)
     with pytest.raises(reject, match="not supported on Ascend 950"):
         gmm([a], [gw], group_list=torch.tensor([[0, 2], [1, 3]]), group_list_type=2, group_type=0, split_item=3)
+    with pytest.raises(reject, match="length 1"):
+        gmm([a], [gw[:1]], group_list=torch.tensor([5]), group_list_type=1, group_type=0, split_item=3)
+    gmm([a], [gw[:1]], group_list=torch.tensor([5]), group_list_type=0, group_type=0, split_item=3)
 
     with pytest.raises(reject, match="col_block_size"):
         npu.npu_dynamic_block_quant(a, dst_type=torch.float8_e4m3fn, col_block_size=64)
@@ -342,6 +345,22 @@ def test_grouped_gemm_uses_counts_and_a_transposed_weight(npu):
     (call,) = calls(npu, "npu_grouped_matmul")
     assert call["group_list_type"] == 1 and call["weight_transposed"] and call["dtype"] == torch.float8_e4m3fn
     assert rel_err(out, reference(ops.grouped_gemm, a, w, expert_offsets=offsets)) < 1e-2
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_gemm_of_one_expert_passes_a_cumulative_group_list(npu, masked):
+    # npu_grouped_matmul refuses a count list (group_list_type 1) of length 1; one group's cumsum is its count
+    w = torch.randn(1, 64, 128, dtype=torch.bfloat16)
+    if masked:
+        a, kw = torch.randn(1, 5, 128, dtype=torch.bfloat16), {"masked_m": torch.tensor([3], dtype=torch.int32)}
+    else:
+        a, kw = torch.randn(5, 128, dtype=torch.bfloat16), {"expert_offsets": torch.tensor([0, 5], dtype=torch.int32)}
+    out = ops.grouped_gemm(a, w, **kw)
+    assert served_by("grouped_gemm") == "torch_npu.npu_grouped_matmul"
+    (call,) = calls(npu, "npu_grouped_matmul")
+    assert call["group_list_type"] == 0
+    ref = reference(ops.grouped_gemm, a, w, **kw)
+    assert rel_err(out[..., :3, :] if masked else out, ref[..., :3, :] if masked else ref) < 1e-2
 
 
 def test_masked_grouped_gemm_needs_no_host_counts(npu):

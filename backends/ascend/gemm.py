@@ -13,10 +13,11 @@ Fused operators (torch_npu; the Ascend 950 modes from the aclnnQuantMatmulV5 / a
   values per power-of-two E8M0 scale, ``npu_dynamic_mx_quant``), ``group_sizes=[1, 1, 32]``. Lossy: see
   ``MX_TOLERANCE``.
 - ``grouped_gemm`` -> ``npu_grouped_matmul`` with one x, one ``[E, K, N]`` weight (a transposed view of the
-  core's ``[E, N, K]``), ``group_list`` of per-expert counts (``group_list_type`` 1), ``split_item`` 3; FP8 in G-B
-  mode with ``per_token_scale [M, K/128]`` and ``scale [E, K/128, ceil(N/128)]`` (transposed view). The masked
-  layout is run as E groups of ``max_m`` rows each (rows past ``masked_m`` are computed and left unspecified),
-  so it needs no host synchronisation.
+  core's ``[E, N, K]``), ``group_list`` of per-expert counts (``group_list_type`` 1; the docs refuse a count list
+  of length 1, so one expert's count goes as its cumsum, type 0), ``split_item`` 3; FP8 in G-B mode with
+  ``per_token_scale [M, K/128]`` and ``scale [E, K/128, ceil(N/128)]`` (transposed view). The masked layout is
+  run as E groups of ``max_m`` rows each (rows past ``masked_m`` are computed and left unspecified), so it needs
+  no host synchronisation.
 - ``grouped_gemm`` with FP4 expert weights (``FP4Tensor``: e2m1 pairs a byte, one ue8m0 scale per 32 values of a
   row): the documented ``npu_grouped_matmul`` takes no such weight (its int4 weights are antiquantised integers with
   a scale and an offset per group, not e2m1 codes), so the weight is decoded in plain torch to the activation's dtype
@@ -220,6 +221,8 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> 
     flat, counts = _rows(a, experts, masked_m)
     if counts is None:
         counts = torch.diff(expert_offsets.long())
+    # The docs refuse a count list (group_list_type 1) of length 1; for one group its cumsum (type 0) is the same.
+    list_type = 1 if experts > 1 else 0
     m = flat.shape[0]
     if m == 0:
         y = torch.zeros(0, n, dtype=out_dtype, device=w.device)
@@ -233,7 +236,7 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> 
             scale=[w.scale.contiguous().transpose(1, 2)],  # [E, K/128, ceil(N/128)], transposed like the weight
             per_token_scale=[act.scale.contiguous()],
             group_list=counts,
-            group_list_type=1,  # per-expert counts
+            group_list_type=list_type,  # per-expert counts (cumulative for a single expert)
             group_type=0,  # grouped along m
             split_item=3,  # one output tensor
             output_dtype=out_dtype,
@@ -243,7 +246,7 @@ def grouped_gemm_gmm(a, w, *, expert_offsets, masked_m, out_dtype, out=None) -> 
             [flat.contiguous()],
             [w.contiguous().transpose(1, 2)],
             group_list=counts,
-            group_list_type=1,
+            group_list_type=list_type,
             group_type=0,
             split_item=3,
         )[0].to(out_dtype)

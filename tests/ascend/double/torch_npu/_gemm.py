@@ -210,8 +210,9 @@ def npu_grouped_matmul(
 ) -> list[torch.Tensor]:
     """Grouped matmul (TEST DOUBLE), emulating the single-x / single-weight / single-y m-grouped case:
     ``x [M, K]``, ``weight [E, K, N]`` (contiguous or a transposed view of ``[E, N, K]``), ``group_list [E]`` int64
-    (type 0 cumsum, 1 counts). bf16/fp16/fp32 without quantisation; FP8 ``G-B`` on a 950 with
-    ``per_token_scale [M, ceil(K/128)]`` and ``scale [E, ceil(K/128), ceil(N/128)]`` transposed like the weight."""
+    (type 0 cumsum, 1 counts; the docs refuse a count list of length 1). bf16/fp16/fp32 without quantisation; FP8
+    ``G-B`` on a 950 with ``per_token_scale [M, ceil(K/128)]`` and ``scale [E, ceil(K/128), ceil(N/128)]``
+    transposed like the weight."""
     op = "npu_grouped_matmul"
     unused = {
         "bias": bias,
@@ -242,6 +243,7 @@ def npu_grouped_matmul(
     experts, k, n = w.shape
     require(a.shape[1] == k, op, f"x must be (M, {k})")
     require(group_list.shape[0] == experts and experts <= 1024, op, "group_list needs one entry per group, <= 1024")
+    require(group_list_type != 1 or experts != 1, op, "group_list_type 1 (counts) takes no group_list of length 1")
     counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
     require(bool((counts >= 0).all()), op, "group sizes must be non-negative (cumsum nondecreasing)")
     require(int(counts.sum()) == a.shape[0], op, "the group sizes must add up to the first dim of x")
