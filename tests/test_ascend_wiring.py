@@ -487,6 +487,32 @@ def test_rms_norm_with_residual_returns_the_sum_from_npu_add_rms_norm(npu):
     assert rel_err(y, reference(ops.rms_norm, x, w[0], 1e-6, res)[0]) < 1e-2
 
 
+def test_rms_norm_of_a_vector_gives_npu_rms_norm_two_dims(npu):
+    # npu_rms_norm takes x of 2 to 8 dims (npu_add_rms_norm 1 to 8); the contract allows a 1-D x
+    x, w = torch.randn(64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    y, h = ops.rms_norm(x, w, 1e-6)
+    assert served_by("rms_norm") == "torch_npu.npu_(add_)rms_norm"
+    assert calls(npu, "npu_rms_norm")[-1]["dims"] == 2 and y.shape == x.shape and h is x
+    assert rel_err(y, reference(ops.rms_norm, x, w, 1e-6)[0]) < 1e-2
+
+
+def test_double_npu_rms_norm_follows_its_own_dims_dtypes_and_empty_rules(npu):
+    reject = npu.DocumentedRejection
+    with pytest.raises(reject, match="2 to 8 dims"):
+        npu.npu_rms_norm(torch.randn(8), torch.ones(8))
+    y, rstd = npu.npu_rms_norm(torch.randn(3, 8, dtype=torch.bfloat16), torch.ones(8))  # fp32 gamma: documented
+    assert y.dtype == torch.bfloat16 and rstd.shape == (3, 1) and rstd.dtype == torch.float32
+    y, rstd = npu.npu_rms_norm(torch.randn(0, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16))
+    assert y.shape == (0, 8) and rstd.shape == (0, 1)
+    with pytest.raises(reject, match="dtype of x"):
+        npu.npu_rms_norm(torch.randn(3, 8), torch.ones(8, dtype=torch.bfloat16))
+    with pytest.raises(reject, match="dtype of x"):
+        npu.npu_add_rms_norm(*(torch.randn(3, 8, dtype=torch.bfloat16) for _ in range(2)), torch.ones(8))
+    with pytest.raises(reject, match="empty"):
+        npu.npu_add_rms_norm(*(torch.randn(0, 8) for _ in range(2)), torch.ones(8))
+    npu.npu_add_rms_norm(torch.randn(8), torch.randn(8), torch.ones(8))  # 1-D is documented here
+
+
 def test_sample_is_per_row_and_deterministic(npu):
     logits = torch.randn(6, 50)
     temp = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.5, 0.9])

@@ -3,8 +3,10 @@
 
 ``npu_add_rms_norm(x1, x2, gamma, epsilon)`` returns ``(y, rstd, x1 + x2)``: the sum comes back in the input
 dtype and is the new residual stream ``h``. The docs do not say whether the norm is taken of the rounded sum (the
-core's contract) or of the fp32 sum; the difference is below one bf16 rounding of ``y``. gamma must have the dtype
-of x and the operators take no empty tensors, so other cases run plain torch.
+core's contract) or of the fp32 sum; the difference is below one bf16 rounding of ``y``. ``npu_rms_norm`` takes x of
+2 to 8 dims, so a 1-D x goes in as one row. gamma of another dtype than x (which ``npu_add_rms_norm`` refuses;
+``npu_rms_norm`` takes an fp32 one for an fp16/bf16 x) and empty x (which ``npu_add_rms_norm`` refuses) run plain
+torch.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ def rms_norm_fused(x, w, eps, residual) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm`` through ``npu_rms_norm`` (no residual) or ``npu_add_rms_norm``."""
     npu = probe.torch_npu()
     x = x.contiguous()  # (the operators' docs name no strides)
-    if residual is None:
-        return npu.npu_rms_norm(x, w, epsilon=eps)[0], x
+    if residual is None:  # npu_rms_norm takes x of 2 to 8 dims (npu_add_rms_norm also 1)
+        return npu.npu_rms_norm(x.view(1, -1) if x.dim() == 1 else x, w, epsilon=eps)[0].view(x.shape), x
     y, _, h = npu.npu_add_rms_norm(x, residual, w, epsilon=eps)
     return y, h
 

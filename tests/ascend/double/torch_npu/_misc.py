@@ -1,7 +1,8 @@
 """TEST DOUBLE of torch_npu's small fused operators (norms, rotary, SwiGLU) and the in-place scatter.
 
-Contracts (op-plugin docs): ``npu_rms_norm`` / ``npu_add_rms_norm`` (gamma in the dtype of x, no empty tensors;
-the add result is returned in the input dtype), ``npu_rotary_mul`` (``x * r1 + rotate(x) * r2`` with ``half`` or
+Contracts (op-plugin docs): ``npu_rms_norm`` (x of 2 to 8 dims, empty tensors allowed, gamma in the dtype of x or
+fp32 for an fp16/bf16 x), ``npu_add_rms_norm`` (x of 1 to 8 dims, gamma in the dtype of x, no empty tensors; the
+add result is returned in the input dtype), ``npu_rotary_mul`` (``x * r1 + rotate(x) * r2`` with ``half`` or
 ``interleave`` rotation; for a TND input the coefficients are ``T1D``), ``npu_swiglu`` (``silu(first half) *
 second half``), ``npu_scatter_nd_update_`` (in place; int8 but not uint8 data).
 """
@@ -21,19 +22,33 @@ def _rms(h: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor
     return h * rstd * gamma.float(), rstd
 
 
+def _check_gamma(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
+    require(1 <= gamma.dim() <= x.dim(), op, "gamma covers 1 to all of x's dims")
+    require(tuple(gamma.shape) == tuple(x.shape[x.dim() - gamma.dim() :]), op, "gamma must match x's trailing dims")
+
+
 def _check_norm(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
     dtype_in(x, FLOATS, op, "x")
     require(x.numel() > 0, op, "empty tensors are not supported")
     require(1 <= x.dim() <= 8, op, "x must have 1 to 8 dims")
     require(gamma.dtype == x.dtype, op, "gamma must have the dtype of x")
-    require(tuple(gamma.shape) == tuple(x.shape[x.dim() - gamma.dim() :]), op, "gamma must match x's trailing dims")
+    _check_gamma(op, x, gamma)
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm (TEST DOUBLE): returns ``(y, rstd fp32)``."""
+    """RMSNorm (TEST DOUBLE): returns ``(y, rstd fp32)``; rstd has x's leading dims (those gamma does not cover)
+    and ones for the rest. Unlike ``npu_add_rms_norm``, the docs take x of 2 to 8 dims, allow empty tensors, and
+    pair an fp16/bf16 x with a gamma of its dtype or fp32."""
     op = "npu_rms_norm"
-    _check_norm(op, x, gamma)
-    record(op, dtype=x.dtype)
+    dtype_in(x, FLOATS, op, "x")
+    require(2 <= x.dim() <= 8, op, "x (self) must have 2 to 8 dims")
+    require(
+        gamma.dtype == x.dtype or (gamma.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)),
+        op,
+        "gamma must have the dtype of x, or float32 for a float16/bfloat16 x",
+    )
+    _check_gamma(op, x, gamma)
+    record(op, dtype=x.dtype, gamma_dtype=gamma.dtype, dims=x.dim())
     y, rstd = _rms(x.float(), gamma, epsilon)
     return y.to(x.dtype), rstd
 
