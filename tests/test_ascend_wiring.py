@@ -280,13 +280,14 @@ def test_fp8_ds_mla_record_order_is_converted_for_torch_npu():
     assert torch.equal(from_ascend_records(ascend[None])[0], record)
 
 
-def test_quantized_sparse_attention_reads_the_converted_records(npu, monkeypatch):
+@pytest.mark.parametrize("heads", [4, 48])  # the operator's current docs list Q_N 48 besides powers of two
+def test_quantized_sparse_attention_reads_the_converted_records(npu, monkeypatch, heads):
     """The npu_kv_quant_sparse_flash_attention wiring: all positions selected equals dense mla_decode."""
     from deepinfer_ascend import attention
 
     lens = [40, 17]
     cache, table = _paged(lens, 16, "fp8_ds_mla")
-    q = torch.randn(2, 2, 4, 576, dtype=torch.bfloat16)
+    q = torch.randn(2, 2, heads, 576, dtype=torch.bfloat16)
     seq = torch.tensor(lens, dtype=torch.int32)
     positions = torch.arange(48).expand(2, 2, 48)
     indices = torch.where(positions < seq[:, None, None], positions, -1).flip(-1)  # -1 first: the backend reorders

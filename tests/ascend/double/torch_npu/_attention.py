@@ -20,6 +20,7 @@ FIA = "npu_fused_infer_attention_score_v2"
 HALF = (torch.float16, torch.bfloat16)
 MLA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 MASK_SIZE = 2048
+KVQ_SFA_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 128)  # the quantised sparse operator's documented Q_N (48 too)
 
 
 def _check_optimized_mask(op: str, mask: torch.Tensor | None) -> None:
@@ -299,6 +300,9 @@ def npu_kv_quant_sparse_flash_attention(
     quant_scale_repo_mode: int = 1,
     tile_size: int = 128,
     rope_head_dim: int = 64,
+    key_dtype=None,
+    value_dtype=None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse MLA-absorb attention over per-tile quantised 656-byte KV records (TEST DOUBLE).
 
@@ -307,6 +311,8 @@ def npu_kv_quant_sparse_flash_attention(
     sequence (``sparse_block_size`` 1), valid entries first, then -1. Returns ``[B, S1, N, 512]``.
     """
     op = KVQ_SFA
+    not_emulated(key_dtype is not None or value_dtype is not None, op, "hifloat8 keys and values (key/value_dtype)")
+    not_emulated(sinks is not None, op, "sinks")
     require(key_quant_mode == 2 and value_quant_mode == 2, op, "key/value_quant_mode must be 2 (per_tile)")
     require(attention_mode == 2, op, "attention_mode must be 2 (MLA-absorb)")
     require(quant_scale_repo_mode == 1, op, "quant_scale_repo_mode must be 1 (combine)")
@@ -328,7 +334,7 @@ def npu_kv_quant_sparse_flash_attention(
     )
     batch, s1, heads, d = query.shape
     require(d == NOPE + ROPE, op, f"the D of query must be 576 (512 + 64), got {d}")
-    require(heads in MLA_HEADS, op, f"Q_N must be one of {MLA_HEADS}")
+    require(heads in KVQ_SFA_HEADS, op, f"Q_N must be one of {KVQ_SFA_HEADS}")
     require(
         key.dim() == 4 and key.shape[2] == 1 and key.shape[3] == RECORD_BYTES,
         op,
