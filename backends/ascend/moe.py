@@ -3,10 +3,11 @@
 Fused operators (torch_npu, op-plugin docs):
 - ``moe_route`` -> ``npu_moe_gating_top_k(logits, k, bias, k_group, group_count, group_select_mode, renorm=0,
   norm_type, routed_scaling_factor, eps=1e-20)``. We follow the doc's "equivalent computation logic": norm_type 1 is
-  sigmoid and then renormalises by ``sum + eps``, 0 is softmax without renormalisation (the parameter table
-  says the opposite; the example and the logic agree with us). Group scores: top-2 sum (mode 1, sigmoid) or max
-  (mode 0, softmax). Sigmoid without renormalisation has no fused form; softmax with it is renormalised after.
-  DeepSeek-V4's ``sqrtsoftplus`` scores have no documented ``norm_type``: plain torch.
+  sigmoid and then renormalises by ``sum + eps``, 0 is softmax without renormalisation (the English doc's
+  parameter table says the opposite; the Chinese one, the example and the logic agree with us). Group scores:
+  top-2 sum (mode 1, sigmoid) or max (mode 0, softmax). Sigmoid without renormalisation has no fused form;
+  softmax with it is renormalised after. DeepSeek-V4's ``sqrtsoftplus`` scores have no documented ``norm_type``:
+  plain torch.
 - ``moe_route_hash`` (experts given per token): plain torch, a gather of the scores; no operator takes the experts.
 - ``ep_dispatch`` -> ``npu_moe_init_routing_v2``: a stable sort of the (token, k) pairs by expert (ids outside
   ``[0, E)``, i.e. -1, are left out), gather indices (``row_idx_type`` 0) and per-expert counts

@@ -1,8 +1,8 @@
 """TEST DOUBLE of torch_npu's MoE routing operators, in plain torch on the CPU.
 
 - ``npu_moe_gating_top_k``: follows the doc's "equivalent computation logic" (norm_type 0 softmax, 1 sigmoid and
-  renormalise; group score = max (mode 0) or top-2 sum (mode 1); stable ordering), not the parameter table, which
-  swaps the meaning of norm_type.
+  renormalise; group score = max (mode 0) or top-2 sum (mode 1); stable ordering), not the English doc's parameter
+  table, which swaps the meaning of norm_type (the Chinese doc's table agrees with the logic).
 - ``npu_moe_init_routing_v2``: stable sort of the (token, k) pairs by expert; ids outside the active expert range
   are left out; dropless (``drop_pad_mode`` 0) or padded to ``expert_capacity`` per expert (1).
 - ``npu_moe_finalize_routing``: ``out[i] = skip1 + skip2 + sum_k scales[i, k] * (rows[src_to_dst[.]] + bias)``;
