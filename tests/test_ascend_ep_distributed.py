@@ -179,12 +179,12 @@ def sc_ll_fp8_repeats(rank: int, world: int) -> None:
     _run_and_check(p, rank, "low_latency", capacity=capacity, via=MC2)
 
 
-def sc_ll_reference_combine(rank: int, world: int) -> None:
-    """A hidden size combine_v2 does not take (> 7168): the reference low-latency combine on the MC2 handle."""
+def sc_ll_wide_combine(rank: int, world: int) -> None:
+    """A hidden size above 7168: combine_v2 takes H up to 8192 on A3, as dispatch_v2 does."""
     g = _gen("ll_wide")
-    p = random_problem(g, token_counts(g, world, 3), 2 * world, 2, 7296 // 8 * 8, repeat=0.3)
+    p = random_problem(g, token_counts(g, world, 3), 2 * world, 2, 7296, repeat=0.3)
     capacity = fitting_capacity(p, ExpertPlacement.contiguous(p.num_experts, world), 3)
-    _run_and_check(p, rank, "low_latency", capacity=capacity, via=(MC2_DISPATCH, "reference (fallback)"))
+    _run_and_check(p, rank, "low_latency", capacity=capacity, via=MC2)
 
 
 def sc_all_empty(rank: int, world: int) -> None:
@@ -281,7 +281,7 @@ SCENARIOS = {
         sc_normal_fp32_outputs_fall_back,
         sc_ll_bf16,
         sc_ll_fp8_repeats,
-        sc_ll_reference_combine,
+        sc_ll_wide_combine,
         sc_all_empty,
         sc_declined_placement_runs_reference,
         sc_declined_small_buffer_runs_reference,

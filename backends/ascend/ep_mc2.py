@@ -30,7 +30,7 @@ Every decision to use MC2 is taken from arguments the core requires to be the sa
 expert count, placement, mode, capacity, hidden size, payload kind), plus k, assumed the same on every rank, so no
 rank can take MC2 while another takes the reference collectives. The handles returned are the reference's
 ``NormalHandle`` / ``LowLatencyHandle`` filled from local information, so the reference ``ep_combine`` can take
-over for expert outputs ``combine_v2`` cannot take (fp32, hidden size > 7168).
+over for expert outputs ``combine_v2`` cannot take (fp32, hidden size > 8192).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ BS_LIMIT = 512
 K_LIMIT = 16
 WORLD_RANGE = (2, 384)
 EXPERT_LIMIT = 512
-H_MIN, H_MAX_DISPATCH, H_MAX_COMBINE = 1024, 8192, 7168
+H_MIN, H_MAX_DISPATCH, H_MAX_COMBINE = 1024, 8192, 8192
 _INF = torch.iinfo(torch.int64).max
 
 
@@ -591,7 +591,7 @@ def _finish_low_latency(x, ids, wire, received, plan, group, name, me, world, nu
 
 
 def ep_combine_mc2_supports(y, handle) -> bool | Decline:
-    """The handle came from the MC2 dispatch and ``combine_v2`` takes these rows: bf16/fp16, hidden size <= 7168
+    """The handle came from the MC2 dispatch and ``combine_v2`` takes these rows: bf16/fp16, hidden size <= 8192
     (smaller ones are zero-padded to 1024), an HCCL buffer the docs' formula accepts."""
     if not isinstance(handle, (Mc2NormalHandle, Mc2LowLatencyHandle)) or handle.mc2 is None:
         return Decline("handle did not come from the MC2 dispatch")
