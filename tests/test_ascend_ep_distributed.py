@@ -165,6 +165,14 @@ def sc_normal_fp32_outputs_fall_back(rank: int, world: int) -> None:
     _run_and_check(p, rank, "normal", y_dtype=torch.float32, via=(MC2_DISPATCH, "reference (fallback)"))
 
 
+def sc_normal_many_experts(rank: int, world: int) -> None:
+    """More than 512 experts: both MC2 operators take up to 1024 (A3)."""
+    g = _gen("normal_many")
+    with _env(DEEPINFER_ASCEND_MC2_MAX_BS="4"):
+        p = random_problem(g, token_counts(g, world, 6), 320 * world, 2, 128)
+        _run_and_check(p, rank, "normal", via=MC2)
+
+
 def sc_ll_bf16(rank: int, world: int) -> None:
     g = _gen("ll_bf16")
     with _env(DEEPINFER_ASCEND_MC2_MAX_BS="8"):
@@ -279,6 +287,7 @@ SCENARIOS = {
         sc_normal_fp8,
         sc_normal_skewed_repeats,
         sc_normal_fp32_outputs_fall_back,
+        sc_normal_many_experts,
         sc_ll_bf16,
         sc_ll_fp8_repeats,
         sc_ll_wide_combine,

@@ -53,11 +53,11 @@ DEFAULT_MAX_BS = 256
 BUFFER_ENV = "HCCL_BUFFSIZE"  # MB per communicator (CANN); 200 when unset
 DEFAULT_BUFFER_MB = 200
 
-# Documented ranges (A3; the stricter of dispatch_v2 and combine_v2 where they differ).
+# Documented ranges (A3; dispatch_v2 and combine_v2 give the same ones from torch_npu 7.2.0 on).
 BS_LIMIT = 512
 K_LIMIT = 16
-WORLD_RANGE = (2, 384)
-EXPERT_LIMIT = 512
+WORLD_RANGE = (2, 768)
+EXPERT_LIMIT = 1024
 H_MIN, H_MAX_DISPATCH, H_MAX_COMBINE = 1024, 8192, 8192
 _INF = torch.iinfo(torch.int64).max
 
@@ -294,8 +294,8 @@ def _group_world(group) -> int:
 
 
 def ep_dispatch_mc2_supports(x, ids, weights, *, num_experts, group, mode, capacity, placement) -> bool | Decline:
-    """MC2 runs for a group of 2 to 384 ranks on a chip with the ``ep_mc2`` capability, the contiguous placement
-    with E a multiple of the world size and E <= 512, 0 < k <= 16, rows of at most 8192 columns on the wire and an
+    """MC2 runs for a group of 2 to 768 ranks on a chip with the ``ep_mc2`` capability, the contiguous placement
+    with E a multiple of the world size and E <= 1024, 0 < k <= 16, rows of at most 8192 columns on the wire and an
     HCCL buffer the docs' formula accepts. Only arguments the same on every rank are read."""
     world = _group_world(group)
     if not WORLD_RANGE[0] <= world <= WORLD_RANGE[1]:

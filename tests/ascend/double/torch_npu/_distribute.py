@@ -20,8 +20,8 @@ What the double emulates, and what it rejects (``DocumentedRejection``):
   ``max BS * ep_world_size``, and the same in every call on one communicator ("the same in every layer");
   ``quant_mode`` 0 or 2 (2 is not emulated); ``scales`` absent in mode 0; ``expert_scales`` unsupported on A3.
 - combine: expand_x ``(A, H)`` bf16/fp16 with the dispatch's A, ``1024 <= H <= 8192``; ``expert_ids`` and
-  ``ep_send_counts`` exactly the dispatch's; ``expert_scales`` ``(BS, K)`` fp32; ``ep_world_size <= 384``,
-  ``moe_expert_num <= 512``; ``expand_scales`` unsupported on A3.
+  ``ep_send_counts`` exactly the dispatch's; ``expert_scales`` ``(BS, K)`` fp32; ``ep_world_size <= 768``,
+  ``moe_expert_num <= 1024``; ``expand_scales`` unsupported on A3.
 - Shared experts, a TP domain, ``x_active_mask``, elastic scaling, special (zero / copy / const) experts and
   communication quantisation raise ``NotEmulated``: the backend must not use them.
 
@@ -314,10 +314,9 @@ def npu_moe_distribute_combine_v2(
     require(expand_x.dim() == 2, op, "expand_x must be 2-D (A, H)")
     hidden = expand_x.shape[1]
     require(1024 <= hidden <= 8192, op, "H must be in [1024, 8192]")
-    require(2 <= ep_world_size <= 384, op, "ep_world_size must be in [2, 384]")
-    require(1 <= moe_expert_num <= 512, op, "moe_expert_num must be in [1, 512]")
+    require(2 <= ep_world_size <= 768, op, "ep_world_size must be in [2, 768]")
+    require(1 <= moe_expert_num <= 1024, op, "moe_expert_num must be in [1, 1024]")
     require(moe_expert_num % ep_world_size == 0, op, "moe_expert_num % (ep_world_size - shared_expert_rank_num) == 0")
-    require(moe_expert_num <= 1280, op, "moe_expert_num / ep_world_size * ep_world_size must be <= 1280")
     require(
         assist_info_for_combine.dtype == torch.int32 and assist_info_for_combine.dim() == 1,
         op,
