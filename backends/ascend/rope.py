@@ -37,6 +37,6 @@ def rope_rotary_mul_supports(x, positions, cos_sin_cache, interleaved) -> bool |
         return answer
     if x.shape[2] >= 896:
         return Decline(f"x's head dim {x.shape[2]} >= 896")
-    if x.shape[1] >= 1000:
+    if x.shape[1] >= 1000:  # interleave's "B * N < 1000" has no B for TND: read as N < 1000 (README 12)
         return Decline(f"x has {x.shape[1]} heads >= 1000")
     return True

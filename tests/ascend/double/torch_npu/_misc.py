@@ -80,7 +80,7 @@ def npu_rotary_mul(
     require(rotary_mode in ("half", "interleave"), op, "rotary_mode is 'half' or 'interleave'")
     t, n, d = input.shape
     require(d % 2 == 0 and d < 896, op, "D must be even and below 896")
-    require(n < 1000, op, "N must be below 1000")
+    require(n < 1000, op, "N must be below 1000")  # interleave's "B * N < 1000" names no B for TND (assumed N)
     layouts = {"T1D": (t, 1, d)} if rotary_mode == "interleave" else {"T1D": (t, 1, d), "TND": (t, n, d)}
     require(
         tuple(r1.shape) in layouts.values() and r2.shape == r1.shape,
