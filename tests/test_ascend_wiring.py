@@ -414,6 +414,15 @@ def test_moe_route_maps_scoring_to_the_documented_norm_type(npu):
     assert torch.allclose(w.gather(1, ids.argsort(-1)), rw.gather(1, rids.argsort(-1)), atol=1e-5)
 
 
+def test_moe_route_over_two_experts_runs_the_composite(npu):
+    # npu_moe_gating_top_k wants more than 2 experts per group, one group included
+    logits = torch.randn(5, 2)
+    w, ids = ops.moe_route(logits, None, top_k=1)
+    assert served_by("moe_route") == "torch-composite" and not calls(npu, "npu_moe_gating_top_k")
+    rw, rids = reference(ops.moe_route, logits, None, top_k=1)
+    assert torch.equal(ids, rids) and torch.allclose(w, rw)
+
+
 def _routing(tokens: int, experts: int, k: int):
     ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)]).int()
     ids[0, 0] = -1

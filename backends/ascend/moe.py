@@ -84,7 +84,8 @@ def moe_route_gating_supports(
         return answer
     if experts > 2048:
         return Decline(f"logits has {experts} experts > 2048")
-    if n_group != 1 and not (per_group > 2 and -(-per_group // 32) * 32 * n_group <= 2048):
+    # The docs' group rule holds for one group too: more than 2 experts per group, aligned to 32 within 2048.
+    if not (per_group > 2 and -(-per_group // 32) * 32 * n_group <= 2048):
         return Decline(f"n_group {n_group}: groups of {per_group} experts, expected > 2 and <= 2048 padded to 32")
     if scoring == "sqrtsoftplus":  # norm_type is documented for softmax (0) and sigmoid (1) only
         return Decline("scoring 'sqrtsoftplus' has no norm_type")
