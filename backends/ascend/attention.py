@@ -135,7 +135,8 @@ def mla_decode_fia(
         block_size=block_size,
         return_softmax_lse=True,  # the v1 doc excludes lse in MLA mode, the v2 doc does not (README assumption 1)
     )
-    lse = lse.reshape(batch, heads, s_q).transpose(1, 2).float()  # docs: (B, Q_N, Q_S, 1)
+    # docs: (B, Q_N, Q_S, 1); read as the lse of the scaled scores (README assumption 1)
+    lse = lse.reshape(batch, heads, s_q).transpose(1, 2).float()
     sees = _sees_any(seq_lens, s_q)
     out = torch.where(sees[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     lse = torch.where(sees[:, :, None], lse, torch.full((), float("-inf"), device=lse.device))
