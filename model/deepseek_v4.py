@@ -64,7 +64,7 @@ from deepinfer.qtensor import FP4_GROUP, UE8M0_DTYPE, FP4Tensor, QTensor
 from .config_v4 import CSA, HCA, SLIDING, V4CacheLayout, V4Checkpoint, V4Config
 from .forward_batch import ForwardBatch
 from .mla import linear
-from .moe import ExpertParallel, router_logits, router_weight
+from .moe import ExpertParallel, quantised_for, routed_experts, router_logits, router_weight
 from .mtp import V4MTPLayer
 
 
@@ -633,31 +633,20 @@ class V4MoE:
             self.load.index_add_(0, ids.reshape(-1).long(), ones.reshape(-1))
         if mode == "low_latency" and self.repeats > 1:
             capacity = (x.shape[0] if capacity is None else capacity) * self.repeats
-        routed = x
-        if isinstance(self.w13, QTensor):  # quantised once per token, not once per (token, expert) row received
-            routed = ops.quantize_fp8(x, block=self.w13.block[1], scale_format=self.w13.scale_format)
-        recv, _, _, layout, handle = ops.ep_dispatch(
-            routed,
+        out = routed_experts(
+            x,
             ids,
             weights,
+            self.w13,
+            self.w2,
+            self.ep,
             num_experts=cfg.n_routed_experts,
-            group=self.ep.group,
             mode=mode,
             capacity=capacity,
-            placement=self.ep.placement,
+            limit=limit,
         )
-        groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m}
-        h = ops.grouped_gemm(recv, self.w13, out_dtype=x.dtype, **groups)
-        a = ops.silu_and_mul(h, masked_m=layout.masked_m, limit=limit, **_quantised_for(self.w2))
-        out = ops.ep_combine(ops.grouped_gemm(a, self.w2, out_dtype=x.dtype, **groups), handle)
-        shared = ops.silu_and_mul(linear(x, self.s13), limit=limit, **_quantised_for(self.s2))
+        shared = ops.silu_and_mul(linear(x, self.s13), limit=limit, **quantised_for(self.s2))
         return out + ops.gemm(shared, self.s2, out_dtype=x.dtype)
-
-
-def _quantised_for(w) -> dict:
-    """``silu_and_mul``'s arguments for the input of ``w``: for an FP8 weight the activation quantised from the fp32
-    product in the weight's scale format (as the DeepSeek-V3 model does), for a float one none."""
-    return {"quantize": True, "scale_format": w.scale_format} if isinstance(w, QTensor) else {}
 
 
 class DeepseekV4:

@@ -92,6 +92,47 @@ class ExpertParallel:
         return all_gather_rows(layer(start, end, capacity), share, num_tokens, self.group)
 
 
+def quantised_for(w) -> dict:
+    """``silu_and_mul``'s arguments for the input of ``w``: for an FP8 weight the activation quantised from the fp32
+    product in the weight's scale format, for a float one none."""
+    return {"quantize": True, "scale_format": w.scale_format} if isinstance(w, QTensor) else {}
+
+
+def routed_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13,
+    w2,
+    ep: ExpertParallel,
+    *,
+    num_experts: int,
+    mode: str,
+    capacity: int | None,
+    limit: float | None = None,
+) -> torch.Tensor:
+    """``[T, H]``: each token of ``x [T, H]`` through the SwiGLU experts ``ids [T, k]`` picked, weighted by
+    ``weights [T, k]`` and summed: dispatched to the ranks holding them (``ep``), the stacked experts ``w13`` / ``w2``
+    applied by ``grouped_gemm``, combined back. ``limit``: the SwiGLU clamp (DeepSeek-V4's ``swiglu_limit``)."""
+    routed = x
+    if isinstance(w13, QTensor):  # quantised once per token, not once per (token, expert) row received
+        routed = ops.quantize_fp8(x, block=w13.block[1], scale_format=w13.scale_format)
+    recv, _, _, layout, handle = ops.ep_dispatch(
+        routed,
+        ids,
+        weights,
+        num_experts=num_experts,
+        group=ep.group,
+        mode=mode,
+        capacity=capacity,
+        placement=ep.placement,
+    )
+    groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m}
+    h = ops.grouped_gemm(recv, w13, out_dtype=x.dtype, **groups)
+    a = ops.silu_and_mul(h, masked_m=layout.masked_m, limit=limit, **quantised_for(w2))
+    return ops.ep_combine(ops.grouped_gemm(a, w2, out_dtype=x.dtype, **groups), handle)
+
+
 def _swiglu(x: torch.Tensor, w13, w2) -> torch.Tensor:
     h = linear(x, w13)
     if isinstance(w2, QTensor):
@@ -163,26 +204,9 @@ class MoE:
         )
         if counted is not None and ids.numel():  # on the device, no host synchronisation
             self.load.index_add_(0, ids.reshape(-1).long(), counted.repeat_interleave(ids.shape[1]))
-        routed = x
-        if isinstance(self.w13, QTensor):  # quantised once per token, not once per (token, expert) row received
-            routed = ops.quantize_fp8(x, block=self.w13.block[1], scale_format=self.w13.scale_format)
-        recv, _, _, layout, handle = ops.ep_dispatch(
-            routed,
-            ids,
-            weights,
-            num_experts=cfg.n_routed_experts,
-            group=self.ep.group,
-            mode=mode,
-            capacity=capacity,
-            placement=self.ep.placement,
+        out = routed_experts(
+            x, ids, weights, self.w13, self.w2, self.ep, num_experts=cfg.n_routed_experts, mode=mode, capacity=capacity
         )
-        groups = {"expert_offsets": layout.expert_offsets, "masked_m": layout.masked_m}
-        h = ops.grouped_gemm(recv, self.w13, out_dtype=x.dtype, **groups)
-        if isinstance(self.w2, QTensor):
-            a = ops.silu_and_mul(h, quantize=True, scale_format=self.w2.scale_format, masked_m=layout.masked_m)
-        else:
-            a = ops.silu_and_mul(h, masked_m=layout.masked_m)
-        out = ops.ep_combine(ops.grouped_gemm(a, self.w2, out_dtype=x.dtype, **groups), handle)
         if self.shared is not None:
             out = out + _swiglu(x, self.shared.w13, self.shared.w2)
         return out
