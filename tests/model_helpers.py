@@ -284,9 +284,10 @@ def token_logprobs(lp: torch.Tensor, tokens: list[int]) -> list[float | None]:
     return [None] + [lp[j - 1, tokens[j]].item() for j in range(1, len(tokens))]
 
 
-# 32 experts: the reference moe_route takes torch's sigmoid over all T x E logits at once, and torch's CPU loop rounds
-# its scalar tail differently from its vector body (32 floats per step with AVX-512), so unless E is a multiple of 32 a
-# row's routing weights depend on T (a core bug, reported); with 32 experts every row is whole vector steps.
+# 32 experts: outside batch-invariant mode the reference moe_route takes torch's sigmoid over all T x E logits at once,
+# and torch's CPU loop rounds its scalar tail differently from its vector body (32 floats per step with AVX-512), so
+# unless E is a multiple of 32 a row's routing weights depend on T (batch-invariant mode scores each row alone); with
+# 32 experts every row is whole vector steps.
 SMALL = dict(
     hidden_size=64,
     intermediate_size=96,
