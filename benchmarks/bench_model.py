@@ -453,17 +453,30 @@ def experts_selected(llm: LLM, batch: ScheduledBatch) -> list[int]:
     return used
 
 
+def launches_dependent(backend: str) -> bool:
+    """Whether ``backend``'s kernels start before the kernel ahead of them ends (cuda_sm100's programmatic dependent
+    launch, on unless ``DEEPINFER_CUDA_PDL=0``): a profile's time for such a kernel includes its wait for that one."""
+    if backend != "cuda_sm100":
+        return False
+    from deepinfer_cuda_sm100._triton import PDL
+
+    return PDL
+
+
 def kernel_profile(llm: LLM, batch: ScheduledBatch, top: int = 15) -> list[dict]:
-    """GPU time per kernel name over one decode step as the engine runs it (graph replay included), largest first."""
+    """GPU time per kernel name over one decode step as the engine runs it (graph replay included), largest first
+    (on a CPU, the dry run's, host time per op of its own)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    gpu = llm.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
         llm.engine.runner.execute(batch)
-        torch.cuda.synchronize()
+        if gpu:
+            torch.cuda.synchronize()
     kernels = [
-        {"kernel": e.key[:90], "us": e.device_time_total, "calls": e.count}
+        {"kernel": e.key[:90], "us": e.device_time_total if gpu else e.self_cpu_time_total, "calls": e.count}
         for e in prof.key_averages()
-        if e.device_time_total > 0
+        if (e.device_time_total if gpu else e.self_cpu_time_total) > 0
     ]
     kernels.sort(key=lambda k: -k["us"])
     for k in kernels[:top]:
@@ -618,6 +631,8 @@ def bench_ours(
         seqs = fake_context(llm, b, context, seed=b)
         batch = ScheduledBatch(decodes=seqs)
         llm.engine.runner.execute(batch)
+        waits = " (kernel times include waits for the kernel ahead: DEEPINFER_CUDA_PDL=0 for their own)"
+        log(f"  batch {b}, profiled{waits if profile and launches_dependent(llm.backend) else ''}:")
         kernels = kernel_profile(llm, batch) if profile else None
         hosts = host_profile(llm, batch) if host else None
         lines = None
@@ -628,7 +643,6 @@ def bench_ours(
         row.update({"kernels": kernels} if kernels else {})
         row.update({"host_profile": hosts} if hosts else {})
         row.update({"engine_timeline": lines} if lines else {})
-        log(f"  batch {b}, profiled:")
         if kernels and getattr(llm.config, "sparse_attention", False):
             total = sum(k["us"] for k in kernels)
             share = sum(k["us"] for k in kernels if any(w in k["kernel"].lower() for w in INDEXER_KERNELS))
