@@ -101,15 +101,21 @@ def running_server(llm: LLM, **kw):
         sock.close()
 
 
+def embedded_server(backend: str, **kw):
+    """(server state, base URL) of a server over the embedded model (``llm_kwargs``, ``running_server``'s ``kw``),
+    torch on one thread while it runs: the body of a module's ``served`` fixture."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    llm = LLM(None, backend, progress=False, **llm_kwargs())
+    with running_server(llm, **kw) as running:
+        yield running
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def served(deepinfer_backend_name):
     """(server state, base URL) of a server running on a free port for the whole module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    llm = LLM(None, deepinfer_backend_name, progress=False, **llm_kwargs())
-    with running_server(llm, chat_template=TEMPLATE) as running:
-        yield running
-    torch.set_num_threads(threads)
+    yield from embedded_server(deepinfer_backend_name, chat_template=TEMPLATE)
 
 
 @pytest.fixture

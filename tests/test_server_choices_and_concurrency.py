@@ -13,10 +13,7 @@ import concurrent.futures
 
 import openai
 import pytest
-import torch
-from test_server import NUM_BLOCKS, PROMPTS, llm_kwargs, running_server, wait_idle
-
-from deepinfer.model import LLM
+from test_server import NUM_BLOCKS, PROMPTS, embedded_server, wait_idle
 
 try:  # the HTTP client the openai package is built on
     import httpx2 as httpx
@@ -26,12 +23,7 @@ except ImportError:
 
 @pytest.fixture(scope="module")
 def served(pytestconfig):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    llm = LLM(None, pytestconfig.getoption("deepinfer_backend") or "reference", progress=False, **llm_kwargs())
-    with running_server(llm) as running:
-        yield running
-    torch.set_num_threads(threads)
+    yield from embedded_server(pytestconfig.getoption("deepinfer_backend") or "reference")
 
 
 @pytest.fixture

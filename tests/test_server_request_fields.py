@@ -15,10 +15,8 @@ import threading
 
 import openai
 import pytest
-import torch
-from test_server import MAX_LEN, NUM_BLOCKS, TEMPLATE, llm_kwargs, running_server, wait_idle
+from test_server import MAX_LEN, NUM_BLOCKS, TEMPLATE, embedded_server, wait_idle
 
-from deepinfer.model import LLM
 from deepinfer.model.chat_template import ChatTemplate, ChatTemplateError
 
 try:  # the HTTP client the openai package is built on
@@ -33,12 +31,7 @@ HI_TEXT = "<｜begin▁of▁sentence｜># user: hi\n# assistant:"  # TEMPLATE's 
 @pytest.fixture(scope="module")
 def served(pytestconfig):
     """(server state, base URL) of a server over the embedded model with ``test_server.TEMPLATE``."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    llm = LLM(None, pytestconfig.getoption("deepinfer_backend") or "reference", progress=False, **llm_kwargs())
-    with running_server(llm, chat_template=TEMPLATE) as running:
-        yield running
-    torch.set_num_threads(threads)
+    yield from embedded_server(pytestconfig.getoption("deepinfer_backend") or "reference", chat_template=TEMPLATE)
 
 
 @pytest.fixture

@@ -83,15 +83,15 @@ def test_the_stop_met_first_ends_the_text_however_many_tokens_a_step_adds(llm, g
             assert streamed_cut(llm.tokenizer, ids, [long, short], per_step) == (text[:cut], short), per_step
 
 
+def speculative_llm(pytestconfig, drafts: int) -> LLM:
+    """The embedded model as the ``llm`` fixture serves it, proposing ``drafts`` tokens a step by its MTP layer."""
+    backend = pytestconfig.getoption("deepinfer_backend") or "reference"
+    return LLM(None, backend, progress=False, speculative_config={"num_speculative_tokens": drafts}, **llm_kwargs())
+
+
 def test_speculative_decoding_cuts_the_text_where_decoding_one_token_a_step_does(llm, generated, pytestconfig):
     _, text, ends = generated
-    spec = LLM(
-        None,
-        pytestconfig.getoption("deepinfer_backend") or "reference",
-        progress=False,
-        speculative_config={"num_speculative_tokens": 2},
-        **llm_kwargs(),
-    )
+    spec = speculative_llm(pytestconfig, 2)
     stops = [list(pair[:2]) for pair in overlapping_pairs(text, ends)]
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=s) for s in stops]
     want = [o.outputs[0].text for o in llm.generate([PROMPT] * len(stops), params)]
@@ -103,13 +103,7 @@ def test_speculative_decoding_ends_the_tokens_where_decoding_one_token_a_step_do
     """A step that accepts drafts adds several tokens: those after the one that completes the stop string are not
     part of the output (its tokens, log-probabilities and length are those of a run without speculation)."""
     _, text, ends = generated
-    spec = LLM(
-        None,
-        pytestconfig.getoption("deepinfer_backend") or "reference",
-        progress=False,
-        speculative_config={"num_speculative_tokens": 3},
-        **llm_kwargs(),
-    )
+    spec = speculative_llm(pytestconfig, 3)
     stops = [text[e - 2 : e] for e in ends[1:-1] if text.find(text[e - 2 : e]) == e - 2]
     assert len(stops) >= 10, text
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=s, logprobs=1) for s in stops]
