@@ -403,6 +403,56 @@ def test_mla_decode_spans_fill_the_grid_and_ignore_rows_when_invariant():
     assert {lo, hi} <= picked and len(picked) > 3, picked
 
 
+def test_mla_decode_folds_a_short_last_span_where_the_grid_has_waves():
+    """Default mode folds a last span of at most ``FOLD_SHARE`` of a span into the spans before it, in whole 64-token
+    blocks, where the grid has more programs than SMs; below that, and in batch-invariant mode, it never folds. The
+    spans always cover the context, each span but the last full."""
+    from deepinfer_cuda_sm100 import attention
+
+    sms, cdiv = 132, lambda a, b: -(-a // b)
+    # 256 rows of 128 heads at a 4k context and one more page: one span, no partials and no merge
+    assert attention._spans(512, 4096 + 64, sms, invariant=False) == (4096 + 64, 1)
+    assert attention._spans(512, 4096 + 64, sms, invariant=True) == (attention.SPLIT_TOKENS, 3)
+    assert attention._spans(16, 4096 + 64, sms, invariant=False) == (1024, 5)  # 80 programs: one wave
+    folded = 0
+    for programs in (1, 16, 64, 128, 256, 512):
+        for context in (64, 1024, 4160, 5120, 8256, 16448, 131072 + 64):
+            split = attention._split_tokens(programs, context, sms, invariant=False)
+            span, n = attention._spans(programs, context, sms, invariant=False)
+            assert span % 64 == 0 and (n - 1) * span < context <= n * span, (programs, context, span, n)
+            tail = context - (cdiv(context, split) - 1) * split
+            fold = programs * cdiv(context, split) > sms and tail <= attention.FOLD_SHARE * split and context > split
+            assert (span, n) != (split, cdiv(context, split)) if fold else (span, n) == (split, cdiv(context, split))
+            folded += fold
+    assert folded > 3
+
+
+MLA_FOLDED = """
+from deepinfer.conformance.attention import _mla_case
+from deepinfer.conformance.runner import check_case
+from deepinfer_cuda_sm100 import attention
+
+spans, pick = set(), attention._spans
+attention._split_tokens = lambda *a: 256
+attention._spans = lambda *a: spans.add((a[-1], pick(*a))) or pick(*a)
+for fmt, s_q in (("bf16", 1), ("fp8_ds_mla", 2)):  # 17 pages of 64 in the table: spans of 256, the last of 64
+    results = check_case(_mla_case(3, s_q, 16, (1025, 1088), 64, fmt), "cuda_sm100", seed=7, device="cpu")
+    print(fmt, [(r.check, r.status) for r in results if r.impl == "cuda_sm100/triton-split"])
+print(sorted(spans))
+"""
+
+
+def test_mla_decode_folded_spans_match_the_reference():
+    """Spans folded to a length that is no power of two (four of 320 tokens, five blocks each, for five of 256)
+    attend within the conformance tolerance of the reference, in both cache formats, one and two queries a row,
+    contiguous and strided inputs; batch-invariant mode keeps its spans."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", MLA_FOLDED], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    ok = "[('accuracy', 'pass'), ('strided', 'pass')]"
+    assert out.stdout.split("\n")[:3] == [f"bf16 {ok}", f"fp8_ds_mla {ok}", "[(False, (320, 4)), (True, (256, 5))]"]
+
+
 MLA_TMA_PATHS = """
 import torch, deepinfer
 from deepinfer import ops

@@ -62,9 +62,11 @@ def _compile(kv_format: str, direct: bool, halves: bool, by_bits: bool = mla_glu
     fp8 = kv_format == "fp8_ds_mla"
     signature = {"q_ptr": "*bf16", "cache_ptr": cache_type, "table_ptr": "*i32", "seq_lens_ptr": "*i32"}
     signature |= {"part_out_ptr": "*bf16" if direct else "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32"}
-    signature |= dict.fromkeys(("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "n_splits"), "i32")
+    signature |= dict.fromkeys(
+        ("S_q", "H", "stride_qb", "stride_qs", "stride_qh", "stride_table", "n_splits", "span"), "i32"
+    )
     signature["rope_desc"] = _descriptor(records, 64)
-    constants = {"PAGE": 64, "SPLIT": 1024, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK, "DIRECT": direct}
+    constants = {"PAGE": 64, "FP8": fp8, "CHUNK": mla_gluon.FP8_CHUNK, "DIRECT": direct}
     constants |= {"HALVES": halves, "WIDTH": width, "EARLY_RELEASE": mla_gluon.EARLY_RELEASE, "FP8_BY_BITS": by_bits}
     if fp8:  # the rope part by TMA from the records seen as bf16, the latent dequantised by the kernel
         constants |= {"lat_desc": None, "RIGHT_REGS": mla_gluon.FP8_RIGHT_REGS, "FILL_REGS": mla_gluon.FP8_FILL_REGS}

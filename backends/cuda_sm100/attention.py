@@ -49,6 +49,11 @@ SPLIT_TOKENS = 2048
 # longer span is taken, in programs per multiprocessor. benchmarks/NOTES.md, mla_decode, has the measurements
 # (2026-12-01 — the fp8_ds_mla cache in the Gluon kernel; spans landed).
 MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, GRID_FILL = 4096, 64, 0.5
+# Default mode, where the grid is more than one program per multiprocessor: a last span of at most this share of a
+# span is folded into the spans before it. Its programs would wait for a multiprocessor, then read a few blocks and
+# write their rows' partials for the merge (at a 4k-token context plus the tokens decoded since: 2 spans, the second
+# of a few blocks).
+FOLD_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,19 @@ def _split_tokens(programs_per_split: int, context: int, sms: int, invariant: bo
     return split
 
 
+def _spans(programs_per_split: int, context: int, sms: int, invariant: bool) -> tuple[int, int]:
+    """The KV spans covering ``context`` tokens, as (tokens per span, spans): ``_split_tokens``' spans, the last folded
+    into the others (each lengthened by whole blocks) where ``FOLD_SHARE`` says so."""
+    split = _split_tokens(programs_per_split, context, sms, invariant)
+    n = cdiv(context, split)
+    tail = context - (n - 1) * split
+    if invariant or n == 1 or programs_per_split * n <= sms or tail > FOLD_SHARE * split:
+        return split, n
+    block = MLA_TILE.block_n
+    span = cdiv(cdiv(context, n - 1), block) * block
+    return span, cdiv(context, span)
+
+
 def _rope_at(kv_lora_rank: int, fp8: bool) -> int:
     """The rope part's first column in a cache record, bf16 units: after the latent, and in an fp8_ds_mla record
     after its e4m3 bytes and fp32 scales."""
@@ -146,8 +164,7 @@ def mla_grid(q, kv_cache, block_table, kv_lora_rank: int, kv_format: str, invari
     head_blocks = cdiv(heads, block_h)
     context = block_table.shape[1] * page
     sms = num_sms(q.device.index or 0)
-    split = _split_tokens(batch * s_q * head_blocks, context, sms, invariant)
-    n_splits = cdiv(context, split)
+    split, n_splits = _spans(batch * s_q * head_blocks, context, sms, invariant)
     fp8 = kv_format == "fp8_ds_mla"
     records = kv_cache.view(-1, kv_cache.shape[2])  # one row per cached token
     rope_records = records.view(torch.bfloat16) if fp8 else records
@@ -266,6 +283,7 @@ def mla_decode(
             q.stride(2),
             block_table.stride(0),
             n_splits,
+            split,
             L=kv_lora_rank,
             R=rope_dim,
             WIDTH=kv_cache.shape[2],
@@ -274,7 +292,6 @@ def mla_decode(
             GH=_half_groups(kv_lora_rank),
             FP8=fp8,
             TMA=tma,
-            SPLIT=split,
             BLOCK_H=grid.block_h,
             FP32_DOT=INTERPRET,
             DIRECT=n_splits == 1,

@@ -118,6 +118,7 @@ def _mla_split_kernel(
     stride_qh,
     stride_table,
     n_splits,
+    span,
     L: tl.constexpr,
     R: tl.constexpr,
     WIDTH: tl.constexpr,
@@ -126,7 +127,6 @@ def _mla_split_kernel(
     GH: tl.constexpr,
     FP8: tl.constexpr,
     TMA: tl.constexpr,
-    SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
@@ -139,8 +139,8 @@ def _mla_split_kernel(
     b = row // S_q
     s = row % S_q
     limit = tl.load(seq_lens_ptr + b) - S_q + s + 1  # positions < limit are visible to this query
-    start = split * SPLIT
-    end = tl.minimum(start + SPLIT, limit)
+    start = split * span
+    end = tl.minimum(start + span, limit)
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     part = (row.to(tl.int64) * H + heads) * n_splits + split

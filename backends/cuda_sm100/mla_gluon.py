@@ -490,9 +490,9 @@ def _mla_split_kernel(
     stride_qh,
     stride_table,
     n_splits,
+    span,
     PAGE: gl.constexpr,
     WIDTH: gl.constexpr,
-    SPLIT: gl.constexpr,
     FP8: gl.constexpr,
     RIGHT_REGS: gl.constexpr,
     FILL_REGS: gl.constexpr,
@@ -522,8 +522,8 @@ def _mla_split_kernel(
     b = row // S_q
     s = row % S_q
     limit = _visible_limit(seq_lens_ptr, row, S_q)
-    start = split * SPLIT
-    end = gl.minimum(start + SPLIT, limit)
+    start = split * span
+    end = gl.minimum(start + span, limit)
     if start >= end:
         _empty_span(part_out_ptr, part_lse_ptr, row, pid_h, split, H, n_splits, DIRECT)
         return
@@ -998,8 +998,8 @@ def launch_split(
     batch, s_q, heads, _ = q.shape
     _mla_split_kernel[(batch * s_q, -(-heads // BLOCK_H.value) * (2 if halves else 1), n_splits)](
         q, *descriptors, records, block_table, seq_lens, part_out, part_lse, softmax_scale, s_q, heads,
-        q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits,
-        PAGE=page, WIDTH=records.shape[1], SPLIT=split, FP8=fp8, CHUNK=FP8_CHUNK, DIRECT=n_splits == 1, HALVES=halves,
+        q.stride(0), q.stride(1), q.stride(2), block_table.stride(0), n_splits, split,
+        PAGE=page, WIDTH=records.shape[1], FP8=fp8, CHUNK=FP8_CHUNK, DIRECT=n_splits == 1, HALVES=halves,
         EARLY_RELEASE=EARLY_RELEASE, FP8_BY_BITS=FP8_BY_BITS,
         **regs,
         num_warps=4, enable_fp_fusion=True,  # the FFMAs it was measured with (Triton 3.10 turns fusion off)
