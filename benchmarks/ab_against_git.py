@@ -14,15 +14,15 @@ saved beside it (not committed) as the other side of a kernel A/B.
 
 Device time from CUDA graphs (``--eager``: eager medians, host work included). Under the Triton interpreter
 (``TRITON_INTERPRET=1``, no GPU) it runs one small shape per case and times eagerly, which checks the script itself.
-mla_decode: bf16 and fp8_ds_mla caches at B=64 ctx 4096, B=128 ctx 16384, B=32 ctx 1024 (H=128, latent 512 + rope
-64, page 64). grouped_gemm: FP8 activations, gate/up 7168 -> 4096 and down 2048 -> 7168, 32 experts at 8, 128, 512 and
-1024 rows per expert, and 256 experts at 256 rows each (an 8k-token prefill chunk's top-8), by the kernel each call
-selects (``--set gemm.GROUPED_GLUON=True`` times the Gluon kernel of prefill rows against it). gemm_invariant: the FP8
-``gemm`` kernel in batch-invariant mode (FP8 activations) at the DeepSeek-V3 projections, M = 128 and 4096.
-sparse_mla: ``deepinfer bench``'s cases, bf16 and fp8_ds_mla, decode at 8k context and an 8k-query prefill, by the
-Triton kernel; ``--rev`` swaps ``sparse_attention.py`` and its Triton kernels. sparse_mla_gluon: the same cases by the
-Gluon kernel (GPU only), A/B'd by ``--set`` (its constants, or ``sparse_attention.sparse_mla_gluon=@OTHER``). Each
-line also says whether the two sides gave the same bits.
+mla_decode: bf16 and fp8_ds_mla caches at B=64 ctx 4096, B=64 and 256 ctx 4160 (a 4k context and the tokens decoded
+since), B=128 ctx 16384, B=32 ctx 1024 (H=128, latent 512 + rope 64, page 64). grouped_gemm: FP8 activations, gate/up
+7168 -> 4096 and down 2048 -> 7168, 32 experts at 8, 128, 512 and 1024 rows per expert, and 256 experts at 256 rows each
+(an 8k-token prefill chunk's top-8), by the kernel each call selects (``--set gemm.GROUPED_GLUON=True`` times the Gluon
+kernel of prefill rows against it). gemm_invariant: the FP8 ``gemm`` kernel in batch-invariant mode (FP8 activations) at
+the DeepSeek-V3 projections, M = 128 and 4096. sparse_mla: ``deepinfer bench``'s cases, bf16 and fp8_ds_mla, decode at
+8k context and an 8k-query prefill, by the Triton kernel; ``--rev`` swaps ``sparse_attention.py`` and its Triton
+kernels. sparse_mla_gluon: the same cases by the Gluon kernel (GPU only), A/B'd by ``--set`` (its constants, or
+``sparse_attention.sparse_mla_gluon=@OTHER``). Each line also says whether the two sides gave the same bits.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def _load_at(rev: str, name: str, rewrite: dict[str, str]):
 
 
 def mla_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
-    heads, shapes = (128, [(64, 4096), (128, 16384), (32, 1024)]) if ON_GPU else (16, [(2, 192)])
+    heads, shapes = (
+        (128, [(64, 4096), (64, 4160), (256, 4160), (128, 16384), (32, 1024)]) if ON_GPU else (16, [(2, 192)])
+    )
     for fmt in ("bf16", "fp8_ds_mla"):
         for batch, ctx in shapes:
             # lengths short of the table's reach by up to 100 tokens, so spans end inside a page
