@@ -83,6 +83,7 @@ def _load_at(rev: str, name: str, rewrite: dict[str, str]):
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"{name}_at_rev", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where dataclasses look up the module's names
     spec.loader.exec_module(module)
     return module
 
