@@ -453,6 +453,50 @@ def test_mla_decode_folded_spans_match_the_reference():
     assert out.stdout.split("\n")[:3] == [f"bf16 {ok}", f"fp8_ds_mla {ok}", "[(False, (320, 4)), (True, (256, 5))]"]
 
 
+GROUPED_STRIDED = """
+import torch, deepinfer
+from deepinfer import ops
+from deepinfer.conformance.cases import error
+from deepinfer_cuda_sm100 import gemm
+
+blocks, pick = [], gemm.TensorDescriptor.from_tensor
+gemm.TensorDescriptor.from_tensor = lambda t, block: blocks.append(len(block)) or pick(t, block)
+g = torch.Generator().manual_seed(3)
+w = torch.randn(3, 64, 128, generator=g).bfloat16() * 128**-0.5
+for tokens in (80, 40):  # the 64-row tile (3-D copies of the view), then the decode tile (pointer loads of it)
+    q = torch.randn(tokens, 3, 192, generator=g).bfloat16()
+    a = q[..., :128].transpose(0, 1)  # [heads, tokens, 128]: rows 3 x 192 elements apart, heads 192
+    masked = torch.tensor([tokens, tokens - 7, 0], dtype=torch.int32)
+    rows = torch.arange(tokens)[None, :] < masked[:, None]  # the rows the contract defines
+    with deepinfer.use("reference"):
+        want = ops.grouped_gemm(a, w, masked_m=masked, out_dtype=torch.bfloat16)[rows]
+    outs = []
+    with deepinfer.use("cuda_sm100"):
+        for in_place in (True, False):
+            gemm.STRIDED_A_TMA, blocks[:] = in_place, []
+            outs.append(ops.grouped_gemm(a, w, masked_m=masked, out_dtype=torch.bfloat16)[rows])
+            print(tokens, in_place, sorted(set(blocks)), error(outs[-1], want) < 1e-2)
+    print(torch.equal(*outs))
+"""
+
+
+def test_grouped_gemm_reads_strided_masked_views_in_place():
+    """Masked bf16 ``grouped_gemm`` over a view strided by rows and experts (absorbed MLA's per-head queries): at the
+    64-row tile it is read in place by 3-D TMA copies, at decode rows by pointer loads; within the conformance
+    tolerance of the reference, and the same bits as a contiguous copy of the view read by 2-D copies."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", GROUPED_STRIDED], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:6] == [
+        "80 True [2, 3] True",
+        "80 False [2] True",
+        "True",
+        "40 True [] True",
+        "40 False [] True",
+        "True",
+    ]
+
+
 MLA_TMA_PATHS = """
 import torch, deepinfer
 from deepinfer import ops

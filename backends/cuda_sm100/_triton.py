@@ -65,10 +65,14 @@ def num_sms(index: int = 0) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether each 2-D tensor can be read by TMA copies: rows contiguous, base and row stride 16-byte aligned."""
+def tma_ready(*tensors: torch.Tensor, dims: int = 2) -> bool:
+    """Whether each ``dims``-D tensor can be read by TMA copies: its last dimension contiguous, its base and other
+    strides 16-byte aligned."""
     return all(
-        t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+        t.dim() == dims
+        and t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
         for t in tensors
     )
 

@@ -373,6 +373,9 @@ MASKED_PROGRAMS_PER_SM = 4
 # serves every supported call.
 GROUPED_KERNELS = ("gluon-ws", "triton-masked-swapped", "triton-decode", "triton")
 GROUPED_GLUON = True
+# Masked bf16 operands strided by rows or experts (absorbed MLA's per-head products) read in place by 3-D TMA copies
+# at the larger tiles, instead of copied to a contiguous operand first.
+STRIDED_A_TMA = True
 
 
 def grouped_kernel(a, w, *, masked_m, invariant: bool, expert_offsets=None, out_dtype=torch.bfloat16) -> str:
@@ -414,10 +417,12 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, out=None, kernel:
         out = torch.empty(*a_data.shape[:-1], n, dtype=out_dtype, device=a_data.device)
     if rows == 0 or n == 0:
         return out
-    # decode rows (masked, bf16, few): a view whose experts or rows are strided (its K contiguous) is read in place,
-    # without TMA, rather than copied first; larger tiles keep the copy and TMA
-    in_place = kernel == "triton-decode" and not fp8 and a_data.stride(-1) == 1 and not a_data.is_contiguous()
-    a2 = a_data if in_place else a_data.reshape(rows, k).contiguous()
+    # a masked bf16 view whose experts or rows are strided (its K contiguous; absorbed MLA's per-head products) is
+    # read in place rather than copied first: at decode rows by pointer loads, at larger tiles by 3-D TMA copies
+    strided = masked and not fp8 and a_data.stride(-1) == 1 and not a_data.is_contiguous()
+    in_place = kernel == "triton-decode" and strided
+    a3d = kernel == "triton" and strided and STRIDED_A_TMA and tma_ready(a_data, dims=3)
+    a2 = a_data if in_place or a3d else a_data.reshape(rows, k).contiguous()
     stride_am, stride_ae = (a2.stride(1), a2.stride(0)) if in_place else (a2.stride(0), a2.stride(0) * a_data.shape[1])
     b = (w.data if fp8 else w).contiguous().view(experts * n, k)
     dummy = out  # stands in for the pointer arguments a launch does not read
@@ -429,13 +434,13 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, out=None, kernel:
     block_m, block_n = tile.block_m, tile.block_n
     block_k = FP8_BLOCK if fp8 else tile.block_k
     assert not fp8 or FP8_BLOCK % block_n == 0, "an FP8 tile lies inside one 128-column weight-scale block"
-    tma = not in_place and tma_ready(a2, b)
+    tma = not in_place and (a3d or tma_ready(a2)) and tma_ready(b)
     if masked:
         grid_m, offsets = experts * triton.cdiv(a_data.shape[1], block_m), dummy
     else:  # at most one partial tile per expert
         grid_m, offsets = triton.cdiv(rows, block_m) + experts, expert_offsets
     _grouped_gemm_kernel[(grid_m * triton.cdiv(n, block_n),)](
-        TensorDescriptor.from_tensor(a2, [block_m, block_k]) if tma else a2,
+        TensorDescriptor.from_tensor(a2, [1, block_m, block_k] if a3d else [block_m, block_k]) if tma else a2,
         TensorDescriptor.from_tensor(b, [block_n, block_k]) if tma else b,
         out,
         a_scale,
@@ -455,6 +460,7 @@ def grouped_gemm(a, w, *, expert_offsets, masked_m, out_dtype, out=None, kernel:
         MASKED=masked,
         FP8=fp8,
         TMA=tma,
+        A3D=a3d and tma,
         FP32_DOT=INTERPRET,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

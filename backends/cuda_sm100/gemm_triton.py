@@ -290,6 +290,7 @@ def _grouped_gemm_kernel(
     MASKED: tl.constexpr,
     FP8: tl.constexpr,
     TMA: tl.constexpr,
+    A3D: tl.constexpr,
     FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -305,7 +306,8 @@ def _grouped_gemm_kernel(
     e's rows of A start ``stride_ae`` elements after expert e - 1's (``max_m * stride_am`` where A is contiguous; a
     transposed view, e.g. heads of ``[tokens, heads, K]``, is read in place). C's rows are ``stride_cm`` apart;
     masked, expert e's rows start ``stride_ce`` elements after expert e - 1's (``max_m * stride_cm`` where C is
-    contiguous), so C may be such a view too."""
+    contiguous), so C may be such a view too. ``A3D`` (masked, TMA): A is read by 3-D copies of an ``[E, max_m,
+    K]`` view with any row and expert strides (its K contiguous), in place."""
     pdl_wait()
     pid_m, pid_n = tile_coords(tl.program_id(0), GRID_M * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if MASKED:
@@ -350,7 +352,10 @@ def _grouped_gemm_kernel(
     b_block = e.to(tl.int64) * tl.cdiv(N, BLOCK_K) + pid_n * BLOCK_N // BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = _load_tile(a_src, a_first, a_offs, mask_m, stride_am, k0, K, BLOCK_K, TMA)
+        if A3D:
+            a = a_src.load([e.to(tl.int32), first.to(tl.int32), k0]).reshape(BLOCK_M, BLOCK_K)
+        else:
+            a = _load_tile(a_src, a_first, a_offs, mask_m, stride_am, k0, K, BLOCK_K, TMA)
         b = _load_tile(b_src, b_first, b_first + tl.arange(0, BLOCK_N), mask_n, stride_bn, k0, K, BLOCK_K, TMA)
         if FP8:
             part = dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT)
