@@ -2,8 +2,8 @@
 on the same inputs, alternating the two several times, each checked against the reference before it is timed
 (worst-row relative error, as ``deepinfer bench`` reports).
 
-    python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm|gemm_invariant|sparse_mla|sparse_mla_gluon [--rev HEAD]
-        [--rounds 2] [--eager]
+    python3 benchmarks/ab_against_git.py mla_decode|grouped_gemm|grouped_gemm_absorbed|gemm_invariant|sparse_mla|
+        sparse_mla_gluon [--rev HEAD] [--rounds 2] [--eager]
     python3 benchmarks/ab_against_git.py mla_decode --set attention.MLA_GLUON=False --set mla_gluon.FP8_FILL_REGS=112
 
 ``--set MODULE.NAME=VALUE[,...]`` compares the working tree against itself with those module constants of
@@ -18,10 +18,11 @@ mla_decode: bf16 and fp8_ds_mla caches at B=64 ctx 4096, B=64 and 256 ctx 4160 (
 since), B=128 ctx 16384, B=32 ctx 1024 (H=128, latent 512 + rope 64, page 64). grouped_gemm: FP8 activations, gate/up
 7168 -> 4096 and down 2048 -> 7168, 32 experts at 8, 128, 512 and 1024 rows per expert, and 256 experts at 256 rows each
 (an 8k-token prefill chunk's top-8), by the kernel each call selects (``--set gemm.GROUPED_GLUON=True`` times the Gluon
-kernel of prefill rows against it). gemm_invariant: the FP8 ``gemm`` kernel in batch-invariant mode (FP8 activations) at
-the DeepSeek-V3 projections, M = 128 and 4096. sparse_mla: ``deepinfer bench``'s cases, bf16 and fp8_ds_mla, decode at
-8k context and an 8k-query prefill, by the Triton kernel; ``--rev`` swaps ``sparse_attention.py`` and its Triton
-kernels. sparse_mla_gluon: the same cases by the Gluon kernel (GPU only), A/B'd by ``--set`` (its constants, or
+kernel of prefill rows against it), and absorbed MLA's per-head bf16 products over strided views at 64 and 256 rows.
+gemm_invariant: the FP8 ``gemm`` kernel in batch-invariant mode (FP8 activations) at the DeepSeek-V3 projections, M =
+128 and 4096. sparse_mla: ``deepinfer bench``'s cases, bf16 and fp8_ds_mla, decode at 8k context and an 8k-query
+prefill, by the Triton kernel; ``--rev`` swaps ``sparse_attention.py`` and its Triton kernels. sparse_mla_gluon: the
+same cases by the Gluon kernel (GPU only), A/B'd by ``--set`` (its constants, or
 ``sparse_attention.sparse_mla_gluon=@OTHER``). Each line also says whether the two sides gave the same bits.
 """
 
@@ -52,6 +53,7 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 # op -> (file under backends/cuda_sm100, its function)
 MODULES = {"mla_decode": ("attention", "mla_decode"), "grouped_gemm": ("gemm", "grouped_gemm"),
+           "grouped_gemm_absorbed": ("gemm", "grouped_gemm"),
            "gemm_invariant": ("gemm", "gemm_fp8"), "sparse_mla": ("sparse_attention", "sparse_mla"),
            "sparse_mla_gluon": ("sparse_attention", "sparse_mla_gluon_kernel")}  # fmt: skip
 PROJECTIONS = [(24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (2112, 7168)]
@@ -152,6 +154,25 @@ def grouped_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
             yield f"E={experts} N={n} K={k} rows/expert={m}", sets, flops, lambda out, ref=ref: error(out, ref)
 
 
+def absorbed_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
+    """Absorbed MLA's per-head bf16 products at decode (DeepSeek-V3: 128 heads): ``w_uk`` over the queries' nope
+    parts and ``w_uv`` over the latent outputs, each read as a view strided by rows and heads, as the model passes
+    them (``model/mla.py``)."""
+    heads, batches = (128, [64, 256]) if ON_GPU else (3, [70])
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    for name, n, k, width in (("w_uk", 512, 128, 192), ("w_uv", 128, 512, 512)):
+        w = (torch.randn(heads, n, k, device=DEVICE, generator=gen) * k**-0.5).bfloat16()
+        for t in batches:
+            masked = torch.full((heads,), t, device=DEVICE, dtype=torch.int32)
+            views = [torch.randn(t, heads, width, device=DEVICE, generator=gen).bfloat16() for _ in range(3)]
+            sets = [{"a": v[..., :k].transpose(0, 1), "w": w, "expert_offsets": None, "masked_m": masked,
+                     "out_dtype": torch.bfloat16} for v in views]  # fmt: skip
+            with deepinfer.use("reference"):
+                ref = ops.grouped_gemm(sets[0]["a"], w, masked_m=masked, out_dtype=torch.bfloat16)
+            flops = 2 * heads * t * n * k
+            yield f"absorbed {name} H={heads} rows={t} (strided)", sets, flops, lambda out, ref=ref: error(out, ref)
+
+
 def gemm_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
     shapes, rows = (PROJECTIONS, [128, 4096]) if ON_GPU else ([(256, 4096)], [70])
     for n, k in shapes:
@@ -186,8 +207,8 @@ def sparse_cases() -> Iterator[tuple[str, list[dict], float, Callable]]:
         yield case.name, sets, case.flops, lambda out, ref=ref: error(out[0], ref)
 
 
-CASES = {"mla_decode": mla_cases, "grouped_gemm": grouped_cases, "gemm_invariant": gemm_cases,
-         "sparse_mla": sparse_cases, "sparse_mla_gluon": sparse_cases}  # fmt: skip
+CASES = {"mla_decode": mla_cases, "grouped_gemm": grouped_cases, "grouped_gemm_absorbed": absorbed_cases,
+         "gemm_invariant": gemm_cases, "sparse_mla": sparse_cases, "sparse_mla_gluon": sparse_cases}  # fmt: skip
 
 
 @contextlib.contextmanager
