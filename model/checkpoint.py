@@ -416,6 +416,8 @@ class Checkpoint:
         expected = {**layout, **mtp_layout}
         seen: set[str] = set()
         for name, info in sorted(self.tensors.items()):
+            if self._empty_shared_expert(name.removesuffix(SCALE_SUFFIX)):
+                continue
             if name.endswith(SCALE_SUFFIX):
                 weight = name[: -len(SCALE_SUFFIX)]
                 if weight not in expected or expected[weight].kind != LINEAR:
@@ -456,6 +458,17 @@ class Checkpoint:
                 f"{cfg.num_nextn_predict_layers}, so a checkpoint holds all its MTP layers, complete, or none "
                 "(does num_hidden_layers match the weights?)"
             )
+
+    def _empty_shared_expert(self, name: str) -> bool:
+        """Whether ``name`` is a shared expert's weight with no elements where config.json has ``n_shared_experts:
+        0``: transformers builds that expert with an intermediate size of 0 and writes its empty weights."""
+        info = self.tensors.get(name)
+        return (
+            self.config.n_shared_experts == 0
+            and ".mlp.shared_experts." in name
+            and info is not None
+            and 0 in info.shape
+        )
 
     def _described(self) -> str:
         cfg = self.config

@@ -6,6 +6,7 @@ fp32 model, on tiny random checkpoints it writes, over a cache holding the laten
 layer norms and the final norm that epsilon, but the norms of the low-rank query and of the latent
 (``q_a_layernorm``, ``kv_a_layernorm``) keep their default of 1e-6 whatever the config says. DeepSeek-V3's own
 checkpoints set 1e-6, where the two agree; others (Moonlight: 1e-5) do not.
+``n_shared_experts: 0``: the empty shared-expert weights transformers writes load as no shared expert.
 
 Read: fields whose meaning transformers' classes settle, compared with what those classes make of the same
 config: the rotary tables (and DeepSeek-V3's softmax scale) from any mix of the hub's ``rope_scaling`` /
@@ -18,6 +19,7 @@ attention rope (which transformers' DeepseekV32 does not have), and impossible r
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -252,3 +254,17 @@ def test_routing_of_moe_layers_listed_in_mlp_layer_types_is_checked_at_load(rout
     fields = V3_FIELDS | ROUTING_FIELDS | V32 | {"first_k_dense_replace": 2, "mlp_layer_types": ["dense", "sparse"]}
     with pytest.raises(CheckpointError, match=fragment):
         ModelConfig.from_dict({"model_type": "deepseek_v32", **fields, **routing})
+
+
+def test_no_shared_expert_loads_the_empty_weights_transformers_writes(tmp_path, deepinfer_backend, deepinfer_device):
+    """``n_shared_experts: 0``: transformers builds the shared expert with an intermediate size of 0 and writes its
+    weights with no elements. They load as no shared expert, the prompt log-probabilities match transformers', and a
+    shared-expert weight that holds elements under that config is still refused."""
+    path = hf_checkpoint(tmp_path / "none", 6, n_shared_experts=0)
+    err = _max_prompt_error(path, "v3", deepinfer_backend, deepinfer_device)
+    assert err < TOL, f"prompt log-probabilities differ from transformers' by up to {err:.3g}"
+    one = hf_checkpoint(tmp_path / "one", 6, n_shared_experts=1)
+    config = json.loads((one / "config.json").read_text())
+    (one / "config.json").write_text(json.dumps(config | {"n_shared_experts": 0}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.\d\.mlp\.shared_experts\."):
+        LLM(one, "reference", device="cpu", progress=False)
