@@ -13,7 +13,7 @@ from .config import ModelConfig
 from .deepseek_v3 import DeepseekV3
 from .embedded import default_checkpoint
 from .engine import LLMEngine
-from .errors import CheckpointError, ParallelError, RankDivergenceError, RequestError
+from .errors import CheckpointError, ParallelError, RankDivergenceError, RequestError, StructuredOutputError
 from .llm import LLM
 from .moe import ExpertParallel
 from .outputs import CompletionOutput, RequestOutput
@@ -33,6 +33,7 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputError",
     "default_checkpoint",
     "expected_layout",
 ]

@@ -16,6 +16,11 @@ class RequestError(DeepInferError, ValueError):
     tokenizer, or invalid sampling parameters."""
 
 
+class StructuredOutputError(RequestError):
+    """A request's structured-output constraint is malformed or does not compile (a JSON schema, regex, grammar or
+    choice list the grammar engine refuses)."""
+
+
 class ParallelError(DeepInferError, ValueError):
     """Expert parallelism cannot be set up as asked: ``ep`` (``--ep``) is not the size of the process group or of
     the torchrun launch, no process group is initialised, or the model's routed experts cannot be split evenly over

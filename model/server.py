@@ -40,7 +40,7 @@ from typing import Any
 
 from .async_engine import AsyncEngine, EngineDeadError, FinishedRequest
 from .chat_template import ChatTemplate
-from .errors import DeepInferError, RequestError
+from .errors import DeepInferError, RequestError, StructuredOutputError
 from .llm import LLM
 from .sampling_params import SamplingParams
 from .streaming import StreamDelta
@@ -317,6 +317,21 @@ class OpenAIServer:
             raise APIError(str(e), 400) from e
 
     def structured(self, body: _Common) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, from whichever one field gives it."""
+        given = self._constraints(body)
+        if len(given) > 1:
+            raise APIError(f"give one structured-output constraint, got {[n for n, _ in given]}", 400)
+        return given[0][1] if given else None
+
+    def constraint_field(self, body: _Common) -> str | None:
+        """The request field that gives its structured-output constraint: the ``param`` of an error in it."""
+        given = self._constraints(body)
+        return given[0][0] if len(given) == 1 else None
+
+    @staticmethod
+    def _constraints(body: _Common) -> list[tuple[str, StructuredOutputsParams]]:
+        """Each structured-output constraint the request gives, by the field it is in; a malformed one is refused,
+        naming its field."""
         given: list[tuple[str, StructuredOutputsParams]] = []
         fmt = body.response_format
         if fmt is not None:
@@ -327,10 +342,15 @@ class OpenAIServer:
                 spec = fmt.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
-                    raise APIError("response_format json_schema needs json_schema.schema (an object)", 400)
+                    raise APIError(
+                        "response_format json_schema needs json_schema.schema (an object)", 400, "response_format"
+                    )
                 given.append(("response_format", StructuredOutputsParams(json=schema)))
             elif kind != "text":
-                raise APIError(f"response_format type must be text, json_object or json_schema, got {kind!r}", 400)
+                raise APIError(
+                    f"response_format type must be text, json_object or json_schema, got {kind!r}", 400,
+                    "response_format",
+                )  # fmt: skip
         for name, field in (
             ("guided_json", "json"),
             ("guided_regex", "regex"),
@@ -339,15 +359,16 @@ class OpenAIServer:
         ):
             value = getattr(body, name)
             if value is not None:
-                given.append((name, StructuredOutputsParams(**{field: value})))
+                try:
+                    given.append((name, StructuredOutputsParams(**{field: value})))
+                except StructuredOutputError as e:
+                    raise APIError(str(e), 400, name) from e
         if body.structured_outputs is not None:
             try:
                 given.append(("structured_outputs", StructuredOutputsParams(**body.structured_outputs)))
-            except TypeError as e:
+            except (TypeError, StructuredOutputError) as e:
                 raise APIError(f"structured_outputs: {e}", 400, "structured_outputs") from e
-        if len(given) > 1:
-            raise APIError(f"give one structured-output constraint, got {[n for n, _ in given]}", 400)
-        return given[0][1] if given else None
+        return given
 
     def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -380,22 +401,30 @@ class OpenAIServer:
             )
         return max_tokens
 
-    async def run(self, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None):
+    async def run(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None, constraint: str | None
+    ):
+        """The request's stream; a refused request raises ``APIError`` (a constraint that does not compile names
+        ``constraint``, the field it came from)."""
         try:
             return await self.engine.submit(prompt_ids, params, request_id, prompt)
+        except StructuredOutputError as e:
+            raise APIError(str(e), 400, constraint) from e
         except RequestError as e:
             raise APIError(str(e), 400) from e
         except EngineDeadError as e:
             raise APIError(str(e), 503) from e
 
-    async def run_choices(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams], rid: str):
+    async def run_choices(
+        self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams], rid: str, body: _Common
+    ):
         """The streams of every choice: each prompt's ``n`` completions in order (choice ``p n + c``: completion
         ``c`` of prompt ``p``, request ``{rid}-{choice}``); if one cannot start, those started are closed."""
-        streams = []
+        streams, constraint = [], self.constraint_field(body)
         try:
             for (ids, text), sp in zip(prompts, params, strict=True):
                 for child in sp.children():
-                    streams.append(await self.run(ids, child, f"{rid}-{len(streams)}", text))
+                    streams.append(await self.run(ids, child, f"{rid}-{len(streams)}", text, constraint))
         except BaseException:
             for s in streams:
                 await s.aclose()
@@ -621,7 +650,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
             for ids, _ in encoded
         ]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await server.run_choices(encoded, params, rid)
+        streams = await server.run_choices(encoded, params, rid, body)
         deltas = _merge(streams)
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
@@ -709,7 +738,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
             raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
         params = server.sampling_params(body, max_tokens, top if body.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await server.run_choices([(ids, text)], [params], rid)
+        streams = await server.run_choices([(ids, text)], [params], rid, body)
         deltas = _merge(streams)
         created = int(time.time())
         base = {"id": rid, "created": created, "model": server.model_name}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import RequestError
+from .errors import RequestError, StructuredOutputError
 
 
 @dataclass(frozen=True)
@@ -39,21 +39,25 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [n for n in ("json", "regex", "grammar", "choice") if getattr(self, n) is not None]
         if len(given) != 1:
-            raise RequestError(
+            raise StructuredOutputError(
                 f"StructuredOutputsParams: exactly one of json, regex, grammar, choice must be given, got {given}"
             )
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise RequestError(f"StructuredOutputsParams: json must be a schema (dict or JSON text), got {self.json!r}")
+            raise StructuredOutputError(
+                f"StructuredOutputsParams: json must be a schema (dict or JSON text), got {self.json!r}"
+            )
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise RequestError(f"StructuredOutputsParams: {name} must be a string, got {getattr(self, name)!r}")
+                raise StructuredOutputError(
+                    f"StructuredOutputsParams: {name} must be a string, got {getattr(self, name)!r}"
+                )
         choice = self.choice
         if choice is not None and (
             not isinstance(choice, (list, tuple)) or not all(isinstance(c, str) for c in choice)
         ):
             choice = None
         if self.choice is not None and not choice:
-            raise RequestError(
+            raise StructuredOutputError(
                 f"StructuredOutputsParams: choice must be a non-empty list of strings, got {self.choice!r}"
             )
 
@@ -63,7 +67,7 @@ class StructuredOutputsParams:
             try:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
             except ValueError as e:
-                raise RequestError(f"structured output: invalid json_schema: not JSON: {e}") from e
+                raise StructuredOutputError(f"structured output: invalid json_schema: not JSON: {e}") from e
             options = schema.get("x-guidance", {}) if isinstance(schema, dict) else None
             if isinstance(options, dict):  # no free whitespace (a model can wander off into it) unless the schema asks
                 schema = {**schema, "x-guidance": {"whitespace_flexible": False, **options}}
@@ -99,16 +103,17 @@ class Grammars:
         try:
             grammar = self._ll.grammar_from(fmt, text)
         except ValueError as e:
-            raise RequestError(f"structured output: invalid {fmt}: {' '.join(str(e).split())}") from e
+            raise StructuredOutputError(f"structured output: invalid {fmt}: {' '.join(str(e).split())}") from e
         # log_level 0: a matcher's errors reach the request's stop_reason, not stderr
         m = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():  # the engine's message spans lines (a caret under the fault): one line here
-            raise RequestError(f"structured output: invalid {fmt}: {' '.join(m.get_error().split())}")
+            raise StructuredOutputError(f"structured output: invalid {fmt}: {' '.join(m.get_error().split())}")
         return m
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
         """A fresh matcher for one request (a copy of the constraint's compiled one, compiled on its first use and
-        kept for the 256 most recent constraints); ``RequestError`` for a constraint the engine cannot compile."""
+        kept for the 256 most recent constraints); ``StructuredOutputError`` for a constraint the engine cannot
+        compile."""
         return self._pristine(*params.key()).deep_copy()
 
 

@@ -390,6 +390,38 @@ def test_bad_completion_requests_get_openai_error_bodies(served, body, status):
 
 
 @pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("completions", {"prompt": "x", "guided_regex": "[a-"}, "guided_regex"),
+        (
+            "completions",
+            {"prompt": "x", "structured_outputs": {"grammar": "start: undefined_rule"}},
+            "structured_outputs",
+        ),
+        ("completions", {"prompt": "x", "structured_outputs": {"regex": 5}}, "structured_outputs"),
+        ("completions", {"prompt": "x", "guided_choice": []}, "guided_choice"),
+        ("chat/completions", {"guided_json": '{"type": "object", "properties": '}, "guided_json"),
+        (
+            "chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format",
+        ),
+        ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ],
+    ids=lambda v: str(v)[:40],
+)
+def test_a_constraint_that_does_not_compile_names_its_field(served, path, body, param):
+    """A structured-output constraint that is malformed or that the grammar engine refuses gets a 400 whose
+    ``param`` is the request field it came from, on both endpoints."""
+    if path.startswith("chat"):
+        body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    resp = httpx.post(f"{served[1]}/v1/{path}", json={"max_tokens": 3, **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["message"], error
+
+
+@pytest.mark.parametrize(
     "body",
     [
         {"messages": []},
