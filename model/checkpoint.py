@@ -491,10 +491,11 @@ class Checkpoint:
             if scale is None:
                 raise CheckpointError(f"{info.file}: FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r}")
             want_scale = tuple(math.ceil(s / b) for s, b in zip(info.shape, fp8.block))
-            if scale.shape != want_scale or scale.dtype not in FLOAT_KINDS:
+            if scale.shape != want_scale or scale.dtype not in (*FLOAT_KINDS, "F8_E8M0"):  # E8M0: ue8m0 scales
                 raise CheckpointError(
                     f"{scale.file}: tensor {name + SCALE_SUFFIX!r} is {scale.dtype}{list(scale.shape)}, expected "
-                    f"float {list(want_scale)} (one scale per {fp8.block[0]}x{fp8.block[1]} block of {name!r})"
+                    f"float or F8_E8M0 {list(want_scale)} (one scale per {fp8.block[0]}x{fp8.block[1]} block of "
+                    f"{name!r})"
                 )
             if info.shape[1] % fp8.block[1]:
                 raise CheckpointError(

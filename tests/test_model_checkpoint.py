@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_helpers import fp8_copy, hf_checkpoint, one_thread, random_prompts, small_checkpoint  # noqa: F401
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from deepinfer import QTensor
@@ -329,7 +330,7 @@ def test_fp8_scale_missing_or_misshaped(fp8, tmp_path, monkeypatch):
     name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
     refused(variant(fp8, tmp_path / "a", lambda t: t.pop(name)), "has no", name, monkeypatch=monkeypatch)
     bad = variant(fp8, tmp_path / "b", lambda t: t.update({name: torch.ones(2, 2)}))
-    refused(bad, name, "expected float [1, 1]", monkeypatch=monkeypatch)
+    refused(bad, name, "expected float or F8_E8M0 [1, 1]", monkeypatch=monkeypatch)
     no_config = variant(fp8, tmp_path / "c", config=lambda c: c.pop("quantization_config"))
     refused(no_config, "is FP8 but config.json has no fp8 quantization_config", monkeypatch=monkeypatch)
 
@@ -345,6 +346,34 @@ def test_fp8_scale_that_is_not_finite_is_refused(fp8, tmp_path, value):
         tensors[name] = scale
 
     refused(variant(fp8, tmp_path / "x", spoil), name, f"a scale of {value}", "expected finite scales")
+
+
+def test_ue8m0_scales_stored_as_e8m0_load_as_their_values(tmp_path):
+    """ue8m0 block scales (powers of two) stored as safetensors' F8_E8M0, as DeepSeek-V4 checkpoints store theirs,
+    load as the same values stored in fp32 give: the same greedy tokens and prompt log-probabilities. The E8M0 NaN
+    byte is refused like any NaN scale."""
+    shapes = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, q_lora_rank=128, kv_lora_rank=128)
+    src = hf_checkpoint(tmp_path / "bf16", 4, num_hidden_layers=2, v_head_dim=32, **shapes)
+    fp32 = fp8_copy(src, tmp_path / "fp32", tmp_path / "oracle", ue8m0=True)[0]
+    scales = lambda t: [n for n in t if n.endswith("_scale_inv")]
+    e8m0 = variant(fp32, tmp_path / "e8m0", lambda t: t.update({n: t[n].to(torch.float8_e8m0fnu) for n in scales(t)}))
+    with safe_open(e8m0 / FILE, "pt") as f:
+        assert {f.get_slice(n).get_dtype() for n in scales(f.keys())} == {"F8_E8M0"}
+    prompts = random_prompts(json.loads((src / "config.json").read_text())["vocab_size"], [7, 19], seed=0)
+    outs = []
+    for path in (fp32, e8m0):
+        llm = LLM(path, progress=False, block_size=8)
+        got = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0))
+        outs.append([(o.outputs[0].token_ids, o.prompt_logprobs) for o in got])
+    assert outs[0] == outs[1]
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
+
+    def spoil(tensors):
+        scale = tensors[name].clone()
+        scale.view(torch.uint8).view(-1)[-1] = 0xFF  # E8M0's NaN
+        tensors[name] = scale
+
+    refused(variant(e8m0, tmp_path / "nan", spoil), name, "a scale of nan", "expected finite scales")
 
 
 def raised_beside_a_fifo(run, fifo: Path, what: str) -> BaseException | None:
