@@ -93,9 +93,10 @@ def _state_chunks(
     page and a row is read in a few whole chunks."""
     pe = layout.page_elems
     g = math.gcd(width, offset, pe)
-    first = offset + rows[..., None] * width + g * torch.arange(width // g, device=rows.device)
-    page = tables.gather(1, (first // pe).reshape(rows.shape[0], -1)).view(first.shape)
-    return (page * pe + first % pe) // g, g
+    per_page = pe // g  # in chunks of g elements, as everything below (six kernels a call: a step calls it often)
+    chunk = torch.arange(offset // g, (offset + width) // g, device=rows.device).add(rows[..., None], alpha=width // g)
+    page = tables.gather(1, (chunk // per_page).reshape(rows.shape[0], -1)).view(chunk.shape)
+    return (chunk % per_page).add_(page, alpha=per_page), g
 
 
 def read_state_rows(
@@ -240,6 +241,15 @@ class DecodeRows:
     def __init__(self, state0: V4State, tables: torch.Tensor, start: torch.Tensor):
         self.layout, self.flat, self.state0 = state0.layout, state0.flat, state0
         self.tables, self.start = tables.long(), start.long()
+        self._derived: dict[tuple, object] = {}
+
+    def derived(self, key: tuple, make: Callable[[], object]) -> object:
+        """``make()``: indices that depend on the step's positions and tables alone (ring rows, window and entry
+        indices, entry slots), made at the first layer that asks for ``key`` and shared by the others: the same
+        kernels would run again in every layer of the step."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     @classmethod
     def of_states(cls, states: list[V4State]) -> DecodeRows:
@@ -266,17 +276,29 @@ class DecodeRows:
         column, slot = self.layout.entry_place(m, w)
         return tables.gather(1, column.clamp(max=tables.shape[1] - 1)), slot  # (past a sequence's pages: masked)
 
-    def read_entries(self, layer: int, m: int, w: torch.Tensor, index: bool = False) -> torch.Tensor:
+    def read_entries(
+        self, layer: int, m: int, w: torch.Tensor, index: bool = False, key: str | None = None
+    ) -> torch.Tensor:
         """Entries (or indexer keys) ``w [B, C]`` of each sequence, ``[B, C, width]`` in the model's dtype; an entry
-        past what a sequence holds reads some record: callers mask it."""
-        pages, slots = self._entry_slots(self.tables, m, w)
+        past what a sequence holds reads some record: callers mask it. ``key``: ``w`` is the step's ``derived``
+        tensor of that name, so its slots are too."""
+        if key is None:
+            pages, slots = self._entry_slots(self.tables, m, w)
+        else:
+            pages, slots = self.derived(("entry slots", m, key), lambda: self._entry_slots(self.tables, m, w))
         records = self.state0._records(layer, index)[pages, slots]
         width = self.layout.index_width if index else self.layout.entry_width
         return self.state0._decode(records.reshape(-1, records.shape[-1]), index).view(*w.shape, width)
 
-    def write_entries(self, layer: int, m: int, w: torch.Tensor, values: torch.Tensor, index: bool = False) -> None:
-        """Stores ``values [B, width]`` as entry (or indexer key) ``w [B]`` of each sequence."""
-        pages, slots = self._entry_slots(self.tables, m, w[:, None])
+    def write_entries(
+        self, layer: int, m: int, w: torch.Tensor, values: torch.Tensor, index: bool = False, key: str | None = None
+    ) -> None:
+        """Stores ``values [B, width]`` as entry (or indexer key) ``w [B]`` of each sequence (``key``: as in
+        ``read_entries``)."""
+        if key is None:
+            pages, slots = self._entry_slots(self.tables, m, w[:, None])
+        else:
+            pages, slots = self.derived(("entry slots", m, key), lambda: self._entry_slots(self.tables, m, w[:, None]))
         self.state0._records(layer, index)[pages[:, 0], slots[:, 0]] = self.state0._encode(values, index)
 
 
@@ -376,22 +398,26 @@ class Compressor:
         m, d, lay = self.m, self.dim, dr.layout
         rows, offs = lay.compressor_rows(layer), lay.state_offset[layer]
         at_kv, at_gate = offs[self.prefix + "buf_kv"], offs[self.prefix + "buf_gate"]
-        slot = (dr.start % rows)[:, None]
+        start = dr.start
+        slot = dr.derived(("ring row", rows), lambda: (start % rows)[:, None])
         dr.write_state(at_kv, slot, kv[:, None])
         dr.write_state(at_gate, slot, gate[:, None])
-        start = dr.start
         span = (2 if self.overlap else 1) * m  # the window and, overlapping, the one before it
-        past = (start[:, None] - span + 1 + torch.arange(span, device=kv.device)).remainder(rows)
+        past = dr.derived(
+            ("ring rows", span, rows),
+            lambda: (start[:, None] - span + 1 + torch.arange(span, device=kv.device)).remainder(rows),
+        )
         ck = dr.read_state(at_kv, past, kv.shape[1])
         cg = dr.read_state(at_gate, past, gate.shape[1])
         prev_kv = prev_gate = None
         if self.overlap:  # the window before, whose first series comes first (none before the first window)
-            first = (start < m)[:, None, None]
+            first = dr.derived(("first window", m), lambda: (start < m)[:, None, None])
             prev_kv = torch.where(first, 0.0, ck[:, :m, :d])
             prev_gate = torch.where(first, float("-inf"), cg[:, :m, :d])
             ck, cg = ck[:, m:], cg[:, m:]
-        entry = start // m
-        dr.write_entries(layer, m, entry, self._entries(ck, cg, prev_kv, prev_gate, entry), self.prefix == "i")
+        entry = dr.derived(("entry", m), lambda: start // m)
+        values = self._entries(ck, cg, prev_kv, prev_gate, entry)
+        dr.write_entries(layer, m, entry, values, self.prefix == "i", key="current")
 
 
 class V4Attention:
@@ -523,18 +549,24 @@ class V4Attention:
         block tables' capacity (or, CSA, the indexer keys, then the chosen entries) in one gather each, those not
         yet visible masked."""
         cfg, d, dev, layer = self.cfg, self.dim, kv.device, self.layer
-        sw, lay, b = cfg.sliding_window, dr.layout, dr.start.shape[0]
+        sw, lay, b, start = cfg.sliding_window, dr.layout, dr.start.shape[0], dr.start
         ring, at = lay.window_rows, lay.state_offset[layer]["window"]
-        seqs = torch.arange(b, device=dev)[:, None]
+        seqs = dr.derived(("sequences",), lambda: torch.arange(b, device=dev)[:, None])
         h = sw - 1  # past keys a row reads at most
         keys = kv[:, None]
-        if h:
-            past = dr.start[:, None] - h + torch.arange(h, device=dev)  # positions (negative ones masked below)
-            keys = torch.cat([dr.read_state(at, past.remainder(ring), d), keys], dim=1)
-        back = torch.arange(sw, device=dev)[None, :]  # how far back each window column is
-        window = torch.where(back <= dr.start.clamp(max=sw - 1)[:, None], seqs * (h + 1) + h - back, -1)
+        if h:  # the rows of the past positions (negative ones masked below)
+            past = dr.derived(
+                ("ring rows", h, ring), lambda: (start[:, None] - h + torch.arange(h, device=dev)).remainder(ring)
+            )
+            keys = torch.cat([dr.read_state(at, past, d), keys], dim=1)
+
+        def window_indices() -> torch.Tensor:
+            back = torch.arange(sw, device=dev)[None, :]  # how far back each window column is
+            return torch.where(back <= start.clamp(max=sw - 1)[:, None], seqs * (h + 1) + h - back, -1)
+
+        window = dr.derived(("window", sw), window_indices)
         if ring:
-            dr.write_state(at, (dr.start % ring)[:, None], kv[:, None])
+            dr.write_state(at, dr.derived(("ring row", ring), lambda: (start % ring)[:, None]), kv[:, None])
         pool, indices, base = [keys.reshape(-1, d)], [window], b * (h + 1)
         if self.compressor is None:
             return pool, indices
@@ -542,14 +574,20 @@ class V4Attention:
         self.compressor.step_rows(comp, dr, layer)
         if self.indexer is not None:
             self.indexer.step_rows(idx, dr, layer)
-        count = (dr.start + 1) // m  # every entry of a closed window is visible to the new token
         c = dr.entry_capacity(m)
-        entry = torch.arange(c, device=dev)[None, :].expand(b, c)
+        # every entry of a closed window is visible to the new token
+        count = dr.derived(("visible entries", m), lambda: (start + 1) // m)
+        entry = dr.derived(("entries", m, c), lambda: torch.arange(c, device=dev)[None, :].expand(b, c))
         if self.indexer is None:
-            pool.append(dr.read_entries(layer, m, entry).reshape(-1, d))
-            indices.append(torch.where(entry < count[:, None], base + seqs * c + entry, -1))
+            pool.append(dr.read_entries(layer, m, entry, key="all").reshape(-1, d))
+            indices.append(
+                dr.derived(
+                    ("entry indices", m, c, base),
+                    lambda: torch.where(entry < count[:, None], base + seqs * c + entry, -1),
+                )
+            )
             return pool, indices
-        keys = dr.read_entries(layer, m, entry, index=True).reshape(b * c, cfg.index_head_dim)
+        keys = dr.read_entries(layer, m, entry, index=True, key="all").reshape(b * c, cfg.index_head_dim)
         picked = self._choose(index_q, keys, (seqs[:, 0] * c).to(torch.int32), count.to(torch.int32), c)
         valid = picked >= 0
         which = (picked.long() - seqs * c).clamp(min=0)  # each query's rows are its own sequence's keys
