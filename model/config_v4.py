@@ -4,8 +4,9 @@
 ``compress_ratios`` 0 / 4 / 128, or the default schedule: two heavily compressed layers, then compressed sparse and
 heavily compressed alternating), ``compress_rates``, ``mlp_layer_types`` (or ``num_hash_layers``, default 3
 ``hash_moe`` layers first), ``partial_rotary_factor`` (or ``qk_rope_head_dim``), and ``rope_parameters`` either
-nested by rope type (``main``, ``compress``) or flat (its YaRN keys then apply to the ``compress`` rope, whose base is
-``compress_rope_theta``; YaRN there never scales cos/sin: ``attention_factor`` 1).
+nested by rope type (``main``, ``compress``; a YaRN ``compress`` rope without ``attention_factor`` scales cos/sin by
+YaRN's own factor) or flat (its YaRN keys then apply to the ``compress`` rope, whose base is ``compress_rope_theta``;
+YaRN there never scales cos/sin: ``attention_factor`` 1).
 
 The weights are found under the names DeepSeek writes and transformers saves (``model.layers.{i}.attn.wq_a.weight``,
 ``...ffn.experts.{e}.w1.weight``, ``head.weight``, ``model.hc_head.hc_fn``...); a leading ``model.`` is optional
@@ -354,7 +355,8 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
     rp = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(rp, dict):
         raise fail(f"rope_scaling / rope_parameters must be an object, got {rp!r}")
-    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+    nested = isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict)
+    if nested:
         main, compress = rp["main"], dict(rp["compress"])
     else:
         main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
@@ -374,7 +376,8 @@ def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | 
         raise fail(f"the compress rope type {kind!r} is not supported (default or yarn)")
     yarn = {k: v for k, v in compress.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
     yarn["rope_type"] = "yarn"
-    yarn["attention_factor"] = yarn.get("attention_factor") or 1.0  # V4 never scales cos / sin
+    if not nested:  # as transformers: the flat form never scales cos / sin; a nested one says what it means
+        yarn["attention_factor"] = yarn.get("attention_factor") or 1.0
     # transformers' default where the config leaves it out: the model's own length
     original = yarn.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 1048576)
     yarn["original_max_position_embeddings"] = original

@@ -8,7 +8,7 @@ Attention of layer ``i`` over one key=value head of ``head_dim`` ``D`` (the key 
 
 - ``q = rope(rmsnorm_unweighted(wq_b(rmsnorm(wq_a(x)))))`` per head, ``kv = rope(rmsnorm(wkv(x)))``; rope rotates
   the last ``qk_rope_head_dim`` channels, interleaved, with the ``main`` table on sliding-window layers and the
-  ``compress`` table (YaRN, cos/sin unscaled) on compressed layers.
+  ``compress`` table (YaRN as ``config_v4`` reads it) on compressed layers.
 - Every query at position ``p`` attends the window, the keys at positions ``p - sliding_window + 1 .. p``.
 - A compressed layer of rate ``m`` also attends compressed entries. Entry ``w`` pools the tokens of window
   ``[w m, (w + 1) m)``: ``compress_kv`` over ``wkv`` / ``wgate`` projections plus a learned per-slot bias (``ape``),

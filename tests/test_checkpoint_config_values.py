@@ -186,6 +186,21 @@ V4_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings
         },
         {
             "rope_parameters": {
+                "main": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
+                "compress": {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.25},
+            },
+            "partial_rotary_factor": 0.25,
+            "max_position_embeddings": 2048,
+        },
+        {
+            "rope_parameters": {
+                "main": {"rope_type": "default", "partial_rotary_factor": 0.25},
+                "compress": V4_YARN | {"mscale": 1.0, "mscale_all_dim": 0.5, "partial_rotary_factor": 0.25},
+            },
+            "partial_rotary_factor": 0.25,
+        },
+        {
+            "rope_parameters": {
                 "main": {"rope_type": "default", "partial_rotary_factor": 0.25},
                 "compress": {"rope_type": "default", "partial_rotary_factor": 0.25},
             },
@@ -198,7 +213,9 @@ V4_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings
 )
 def test_v4_rope_fields_are_read_as_transformers_reads_them(rope_fields):
     """The main and the compressed branches' rotary tables as transformers' DeepseekV4RotaryEmbedding builds them
-    from ``rope_parameters`` and the hub's ``rope_scaling``, in any mix of the two."""
+    from ``rope_parameters`` and the hub's ``rope_scaling``, in any mix of the two. A YaRN ``compress`` rope given
+    nested keeps cos/sin unscaled only where it says ``attention_factor: 1``; transformers fills that in for the
+    flat form alone."""
     ours = V4Config.from_dict({"model_type": "deepseek_v4", **V4_FIELDS, **rope_fields})
     rotary = DeepseekV4RotaryEmbedding(DeepseekV4Config(**V4_FIELDS, **copy.deepcopy(rope_fields)))
     positions = torch.arange(POSITIONS)[None]
