@@ -13,8 +13,8 @@ The weights are found under the names DeepSeek writes and transformers saves (``
 (DeepSeek's own files have none, and call the embedding ``embed.weight`` and the head's mHC ``hc_head_fn``).
 ``V4Checkpoint.open`` reads every header and checks the whole checkpoint against the layout before a weight is read:
 a missing, unexpected or mis-shaped tensor is a ``CheckpointError`` naming the file and the tensor. The
-multi-token-prediction layers (``mtp.{k}.*``, ``mtp_layout``; all or none of them) are read for speculative decoding
-only.
+multi-token-prediction layers (``mtp.{k}.*``, ``mtp_layout``; all or none of them; ``num_nextn_predict_layers`` of
+them, one where config.json leaves it out, as in transformers) are read for speculative decoding only.
 
 Quantised checkpoints (``quantization_config``: ``quant_method: fp8``, ``fmt: e4m3``, ``weight_block_size: [128,
 128]``, ``scale_fmt`` ``ue8m0`` or none, ``expert_dtype`` ``fp4`` or ``fp8``), as transformers' fine-grained FP8
@@ -218,7 +218,7 @@ class V4Config:
         for name, got, allowed in (("layer_types", types, LAYER_TYPES), ("mlp_layer_types", mlp, MLP_TYPES)):
             if not isinstance(got, list) or len(got) < n or any(t not in allowed for t in got):
                 raise fail(f"{name} must list one of {list(allowed)} for each of the {n} layers, got {got!r}")
-        nextn = get("num_nextn_predict_layers", int, 0)
+        nextn = get("num_nextn_predict_layers", int, 1)  # transformers' default (its checkpoints hold none)
         mtp_types = (list(types[n : n + nextn]) + [SLIDING] * nextn)[:nextn]  # legacy compress_ratios list them
 
         head_dim = get("head_dim", int, 512)

@@ -367,6 +367,25 @@ def test_a_config_that_is_not_a_json_object_is_refused():
         V4Config.from_dict([{"model_type": "deepseek_v4"}])
 
 
+def test_mtp_layer_of_a_config_without_num_nextn_predict_layers_loads_as_transformers_reads_it(tmp_path, load):
+    """A config.json that leaves ``num_nextn_predict_layers`` out declares transformers' default of one
+    multi-token-prediction layer, so the checkpoint's ``mtp.0.*`` tensors belong to it (transformers skips them);
+    the model computes the oracle's prompt log-probabilities."""
+    from test_speculative_v4 import add_mtp
+
+    path = tmp_path / "ckpt"
+    v4_checkpoint(path, seed=17, **CONFIGS["plain"])
+    add_mtp(path, seed=18)
+    raw = json.loads((path / "config.json").read_text())
+    del raw["num_nextn_predict_layers"]
+    (path / "config.json").write_text(json.dumps(raw))
+    oracle = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert oracle.config.num_nextn_predict_layers == 1
+    ckpt = V4Checkpoint.open(path)
+    assert ckpt.config.num_nextn_predict_layers == 1 and ckpt.mtp_keys
+    assert prompt_errors(load(path), oracle, prompts(17)) < TOL
+
+
 @pytest.mark.parametrize("damage", ["missing", "misshaped", "unexpected", "float table"])
 def test_damaged_checkpoints_are_refused_before_loading(damage, checkpoints, tmp_path):
     path, _ = checkpoints("plain")
