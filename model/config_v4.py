@@ -4,7 +4,8 @@
 ``compress_ratios`` 0 / 4 / 128, or the default schedule: two heavily compressed layers, then compressed sparse and
 heavily compressed alternating), ``compress_rates``, ``mlp_layer_types`` (or ``num_hash_layers``, default 3
 ``hash_moe`` layers first), ``partial_rotary_factor`` (or ``qk_rope_head_dim``), and ``rope_parameters`` either
-nested by rope type (``main``, ``compress``; a YaRN ``compress`` rope without ``attention_factor`` scales cos/sin by
+nested by rope type (``main``, ``compress``; each rotates the channels its own ``partial_rotary_factor`` gives, one
+width for both, see ``_v4_rope_width``; a YaRN ``compress`` rope without ``attention_factor`` scales cos/sin by
 YaRN's own factor) or flat (its YaRN keys then apply to the ``compress`` rope, whose base is ``compress_rope_theta``;
 YaRN there never scales cos/sin: ``attention_factor`` 1).
 
@@ -229,6 +230,7 @@ class V4Config:
             rope_dim = int(head_dim * factor)
         else:
             rope_dim = get("qk_rope_head_dim", int, int(head_dim * 64 / 512))
+        rope_dim = _v4_rope_width(raw, head_dim, rope_dim, fail)
         theta, c_theta, c_scaling = _v4_rope(raw, fail)
         eos = raw.get("eos_token_id", 1)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -347,6 +349,29 @@ def _v4_quantization(qc: Any, expert_dtype: Any, fail) -> dict[str, str] | None:
     if experts not in ("fp8", "fp4"):
         raise fail(f"unsupported expert_dtype={experts!r} (supported: fp8, fp4)")
     return {"scale_fmt": scale_fmt, "expert_dtype": experts}
+
+
+def _v4_rope_width(raw: dict[str, Any], head_dim: int, rope_dim: int, fail) -> int:
+    """The channels rope rotates: ``rope_dim`` (the config's) unless ``rope_parameters`` is nested by rope type. As
+    transformers reads a nested one, each rope rotates ``head_dim`` times its own ``partial_rotary_factor``, else the
+    config's ``partial_rotary_factor`` (not the legacy ``qk_rope_head_dim``), else all ``head_dim`` channels; the
+    two must agree."""
+    rp = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not (isinstance(rp, dict) and isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict)):
+        return rope_dim
+    widths = []
+    for kind in ("main", "compress"):
+        factor = rp[kind].get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+        if factor is None:
+            factor = 1.0
+        _finite(fail, f"rope_parameters[{kind!r}] field 'partial_rotary_factor'", factor, positive=True)
+        widths.append(int(head_dim * factor))
+    if widths[0] != widths[1]:
+        raise fail(
+            f"rope_parameters rotate {widths[0]} channels on sliding-window layers and {widths[1]} on compressed ones "
+            "(one width for both is supported)"
+        )
+    return widths[0]
 
 
 def _v4_rope(raw: dict[str, Any], fail) -> tuple[float, float, dict[str, Any] | None]:

@@ -208,6 +208,18 @@ V4_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings
             "rope_theta": 500.0,
             "compress_rope_theta": 3000.0,
         },
+        {
+            "rope_parameters": {
+                "main": {"rope_type": "default", "partial_rotary_factor": 0.5},
+                "compress": V4_YARN | {"attention_factor": 1.0, "partial_rotary_factor": 0.5},
+            },
+            "partial_rotary_factor": 0.25,
+        },
+        {
+            "rope_parameters": {"main": {"rope_type": "default"}, "compress": {"rope_type": "default"}},
+            "qk_rope_head_dim": 4,
+            "index_head_dim": 32,
+        },
         {"rope_theta": 500.0},
     ],
 )
@@ -215,9 +227,10 @@ def test_v4_rope_fields_are_read_as_transformers_reads_them(rope_fields):
     """The main and the compressed branches' rotary tables as transformers' DeepseekV4RotaryEmbedding builds them
     from ``rope_parameters`` and the hub's ``rope_scaling``, in any mix of the two. A YaRN ``compress`` rope given
     nested keeps cos/sin unscaled only where it says ``attention_factor: 1``; transformers fills that in for the
-    flat form alone."""
+    flat form alone. A nested rope rotates as many channels as its own ``partial_rotary_factor`` says, else the
+    config's ``partial_rotary_factor``, else all of them (not the legacy ``qk_rope_head_dim``)."""
     ours = V4Config.from_dict({"model_type": "deepseek_v4", **V4_FIELDS, **rope_fields})
-    rotary = DeepseekV4RotaryEmbedding(DeepseekV4Config(**V4_FIELDS, **copy.deepcopy(rope_fields)))
+    rotary = DeepseekV4RotaryEmbedding(DeepseekV4Config(**(V4_FIELDS | copy.deepcopy(rope_fields))))
     positions = torch.arange(POSITIONS)[None]
     for kind, theta, scaling in (
         ("main", ours.rope_theta, None),

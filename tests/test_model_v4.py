@@ -354,6 +354,15 @@ def test_config_reads_transformers_and_legacy_fields():
             },
             "without 'factor' needs max_position_embeddings .an int > 0., got 'x'",
         ),
+        (
+            {
+                "rope_parameters": {
+                    "main": {"rope_type": "default", "partial_rotary_factor": 0.25},
+                    "compress": {"rope_type": "default", "partial_rotary_factor": 0.5},
+                }
+            },
+            "rotate 8 channels on sliding-window layers and 16 on compressed ones",
+        ),
     ],
 )
 def test_bad_configs_are_refused(change, message):
