@@ -291,6 +291,8 @@ class OpenAIServer:
 
     def sampling_params(self, body: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters of a request; ``APIError`` for a field that is invalid or not implemented."""
+        if body.stream_options is not None and not body.stream:  # as vLLM: it would be dropped without a word
+            raise APIError("stream_options can only be given with stream=true", 400, "stream_options")
         for name, neutral in UNIMPLEMENTED_FIELDS.items():
             value = getattr(body, name, None)  # a declared field, or an extra one (None where absent)
             if value not in neutral:

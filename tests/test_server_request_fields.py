@@ -192,3 +192,15 @@ def test_continuous_usage_stats_give_each_choice_s_usage_so_far(client, tokenize
     )
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 5
     assert wait_idle(served[0]).num_free == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_stream_options_without_stream_are_a_400_naming_the_field(client, route):
+    kw = {"model": "tiny-py", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    create = client.completions.create if route == "completions" else client.chat.completions.create
+    where = {"prompt": "def f("} if route == "completions" else {"messages": HI}
+    with pytest.raises(openai.BadRequestError) as e:
+        create(**kw, **where)
+    assert e.value.body["param"] == "stream_options"
+    usage = [c.usage for c in create(**kw, **where, stream=True) if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens == 2
