@@ -696,7 +696,9 @@ def build_app(server: OpenAIServer) -> FastAPI:
                 lp = None
                 if want_logprobs:
                     lp = logprobs_of(d.token_ids, d.logprobs or [], d.top_logprobs or [], offsets[i])
-                offsets[i] += len(d.text)
+                    # by the tokens' text, as without streaming: a delta's text lags its tokens' while a stop
+                    # string may still be forming
+                    offsets[i] += sum(len(t) for t in lp["tokens"])
                 choice = {
                     "index": i,
                     "text": d.text,

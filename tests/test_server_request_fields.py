@@ -15,6 +15,7 @@ import threading
 
 import openai
 import pytest
+import torch
 from test_server import MAX_LEN, NUM_BLOCKS, TEMPLATE, embedded_server, wait_idle
 
 from deepinfer.model.chat_template import ChatTemplate, ChatTemplateError
@@ -204,3 +205,18 @@ def test_stream_options_without_stream_are_a_400_naming_the_field(client, route)
     assert e.value.body["param"] == "stream_options"
     usage = [c.usage for c in create(**kw, **where, stream=True) if c.usage is not None]
     assert len(usage) == 1 and usage[0].completion_tokens == 2
+
+
+def test_streamed_text_offsets_are_where_each_token_starts_with_stop_strings(client):
+    seed = int(torch.randint(0, 2**31, ()))
+    kw = {"model": "tiny-py", "prompt": ["def f(", "import"], "max_tokens": 16, "n": 2, "logprobs": 1, "seed": seed}
+    kw["stop"] = ["\n\n\n", "xyzzy"]  # held back while they may be forming, rarely met
+    tokens, offsets = {}, {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+            offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+    assert sorted(tokens) == [0, 1, 2, 3]
+    for i, toks in tokens.items():
+        starts = [sum(len(t) for t in toks[:j]) for j in range(len(toks))]
+        assert offsets[i] == starts, (i, seed)
