@@ -13,7 +13,12 @@ class CheckpointError(DeepInferError, ValueError):
 
 class RequestError(DeepInferError, ValueError):
     """A request cannot be served: an empty prompt, a prompt longer than the model's context, text without a
-    tokenizer, or invalid sampling parameters."""
+    tokenizer, or invalid sampling parameters. ``field``: the parameter at fault, where one is (a server names it
+    as the error's ``param``)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class StructuredOutputError(RequestError):

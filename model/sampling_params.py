@@ -78,8 +78,8 @@ class SamplingParams:
         return cls(**fields)
 
     def __post_init__(self) -> None:
-        def bad(what: str) -> RequestError:
-            return RequestError(f"SamplingParams: {what}")
+        def bad(what: str) -> RequestError:  # ``what`` starts with the field's name
+            return RequestError(f"SamplingParams: {what}", field=what.split()[0])
 
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise bad(f"n must be an int in [1, {MAX_N}], got {self.n!r}")

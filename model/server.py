@@ -315,8 +315,8 @@ class OpenAIServer:
                 structured_outputs=self.structured(body),
                 n=body.n,
             )
-        except RequestError as e:
-            raise APIError(str(e), 400) from e
+        except RequestError as e:  # ``param``: the field at fault, where the request has a field of that name
+            raise APIError(str(e), 400, e.field if e.field in type(body).model_fields else None) from e
 
     def structured(self, body: _Common) -> StructuredOutputsParams | None:
         """The request's structured-output constraint, from whichever one field gives it."""

@@ -390,6 +390,18 @@ def test_bad_completion_requests_get_openai_error_bodies(served, body, status):
 
 
 @pytest.mark.parametrize(
+    "field, value",
+    [("top_k", -2), ("stop", [""]), ("stop_token_ids", [-1]), ("top_p", 2), ("temperature", -1), ("n", 0)],
+)
+def test_a_bad_sampling_value_names_its_field(served, field, value):
+    """A sampling parameter the engine refuses gets a 400 whose ``param`` is that field."""
+    resp = httpx.post(f"{served[1]}/v1/completions", json={"prompt": "x", "max_tokens": 3, field: value})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == field and field in error["message"], error
+
+
+@pytest.mark.parametrize(
     "path, body, param",
     [
         ("completions", {"prompt": "x", "guided_regex": "[a-"}, "guided_regex"),
