@@ -98,18 +98,18 @@ def test_the_compiled_wait_comes_before_any_global_memory_access():
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     order = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(order) == 14
+    assert len(order) == 15
     for name, (trigger, wait, first_access) in order.items():
         assert trigger is not None and wait is not None, f"{name}: no griddepcontrol in its PTX"
         assert first_access is not None and wait < first_access, f"{name}: global memory touched before the wait"
 
 
 def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
-    """PTX line numbers (from the entry) of launch_dependents, wait and the first global load, store, atomic or
-    async copy, for the kernels compiled for SM90 with their decode-path settings (the swapped GEMM with TMA
-    copies and with pointer loads, and storing its K blocks' products for the kernel that chains them), and the
-    sparse attention kernels at DeepSeek-V3.2's shapes (which the interpreter runs at small ones only: this also
-    checks that they compile for the GPU)."""
+    """PTX line numbers (from the entry) of launch_dependents, wait and the first global load, store, atomic or async
+    copy, for the kernels compiled for SM90 with their decode-path settings (the swapped GEMM with TMA copies and
+    with pointer loads, and storing its K blocks' products for the kernel that chains them), the grouped GEMM reading
+    a strided operand by 3-D TMA copies, and the sparse attention kernels at DeepSeek-V3.2's shapes (which the
+    interpreter runs at small ones only: this also checks that they compile for the GPU)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -171,6 +171,13 @@ def compiled_order() -> dict[str, tuple[int | None, int | None, int | None]]:
             gemm._grouped_masked_swapped_kernel,
             [*fp8_operands, "*i32"] + ["i32"] * 8,
             {**tile, "BLOCK_E": 256},
+        ),
+        # absorbed MLA's per-head products at 64 rows or more: the strided operand read by 3-D TMA copies
+        "_grouped_gemm_kernel, 3-D copies of A": order(
+            gemm._grouped_gemm_kernel,
+            ["tensordesc<bf16[1, 64, 64]>", "tensordesc<bf16[128, 64]>"] + ["*bf16"] * 4 + ["*i32"] + ["i32"] * 10,
+            {"MASKED": True, "FP8": False, "TMA": True, "A3D": True, "FP32_DOT": False, "BLOCK_M": 64}
+            | {"BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_E": 128, "GROUP_M": 16},
         ),
         # DeepSeek-V3.2's sparse attention at its shapes: 64 indexer heads of 128 over an fp8_ds_index cache (132-byte
         # records), sparse MLA over 656-byte fp8_ds_mla records, 128 heads in blocks of 64.
