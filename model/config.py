@@ -183,6 +183,12 @@ class ModelConfig:
             not isinstance(layer_types, list) or any(t not in ("dense", "sparse") for t in layer_types)
         ):
             raise fail(f"mlp_layer_types must be a list of 'dense' / 'sparse', got {layer_types!r}")
+        max_positions = get("max_position_embeddings", int, d.max_position_embeddings if sparse else 4096)
+        # no sequence is longer than max_position_embeddings, so a larger index_topk keeps every token, as it does in
+        # transformers (which takes min(index_topk, keys)); capped, it sizes no buffer beyond that
+        index_topk = get("index_topk", int, 2048) if sparse else 0
+        if max_positions > 0:  # else refused below
+            index_topk = min(index_topk, max_positions)
         cfg = cls(
             vocab_size=get("vocab_size", int, required=True),
             hidden_size=get("hidden_size", int, required=True),
@@ -204,7 +210,7 @@ class ModelConfig:
             first_k_dense_replace=moe("first_k_dense_replace", int, 0),
             norm_topk_prob=bool(moe("norm_topk_prob", bool, False)),
             scoring_func=scoring,
-            max_position_embeddings=get("max_position_embeddings", int, d.max_position_embeddings if sparse else 4096),
+            max_position_embeddings=max_positions,
             rms_norm_eps=get("rms_norm_eps", float, 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -218,7 +224,7 @@ class ModelConfig:
             model_type=model_type,
             index_n_heads=get("index_n_heads", int, 64) if sparse else 0,
             index_head_dim=get("index_head_dim", int, 128) if sparse else 0,
-            index_topk=get("index_topk", int, 2048) if sparse else 0,
+            index_topk=index_topk,
             mlp_layer_types=tuple(layer_types) if layer_types is not None else None,
             extra=raw,
         )

@@ -519,16 +519,6 @@ def yarn(**fields):
         ({"n_shared_experts": -1}, ["'n_shared_experts'", ">= 0", "got -1"]),
         ({"eos_token_id": [1, 258]}, ["'eos_token_id'", "below vocab_size (258)", "got [258]"]),
         ({"bos_token_id": -5}, ["'bos_token_id'", "null or a token id in [0, 258)", "got -5"]),
-        (
-            {
-                "model_type": "deepseek_v32",
-                "architectures": [],
-                "index_n_heads": 2,
-                "index_head_dim": 16,
-                "index_topk": 10**6,
-            },
-            ["'index_topk'", "at most max_position_embeddings (1024)", "got 1000000"],
-        ),
     ],
 )
 def test_config_values_the_model_cannot_use_are_refused_at_load(base, tmp_path, monkeypatch, edit, fragments):

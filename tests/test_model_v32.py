@@ -297,6 +297,20 @@ def test_planted_indexer_bugs_fail_the_comparison(bug, checkpoints, monkeypatch,
     assert max(errs) > 10 * TOL, f"{bug}: worst error {max(errs):.4f} went unnoticed"
 
 
+def test_index_topk_above_max_position_embeddings_loads_and_matches_transformers(tmp_path):
+    """transformers' default ``index_topk`` (2048) above a checkpoint's ``max_position_embeddings`` (512): its
+    indexer keeps ``min(index_topk, keys)`` tokens, every visible one, so it attends densely; so does ours."""
+    path = v32_checkpoint(tmp_path / "v32", 7, index_topk=2048)
+    oracle = DeepseekV32ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    assert oracle.config.index_topk > oracle.config.max_position_embeddings
+    prompts = random_prompts(oracle.config.vocab_size, [19, 40], seed=8)
+    outs = generate(path, "reference", None, prompts, steps=2)
+    errs, mismatches = errors(oracle, prompts, outs)
+    assert max(errs) <= TOL and mismatches == 0, f"worst error {max(errs):.4f}"
+
+
 def test_v32_checkpoint_without_its_indexer_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
