@@ -168,6 +168,8 @@ class ModelConfig:
         scoring = get("scoring_func", str, "sigmoid")
         if scoring not in ("sigmoid", "softmax"):
             raise fail(f"scoring_func {scoring!r} is not supported (sigmoid or softmax)")
+        if model_type == "deepseek_v32":  # transformers' DeepseekV32 routes by sigmoid only, whatever the field says
+            scoring = "sigmoid"
         moe_freq = get("moe_layer_freq", int, 1)
         if moe_freq != 1:
             raise fail(f"moe_layer_freq {moe_freq} is not supported (1)")

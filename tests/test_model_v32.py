@@ -311,6 +311,20 @@ def test_index_topk_above_max_position_embeddings_loads_and_matches_transformers
     assert max(errs) <= TOL and mismatches == 0, f"worst error {max(errs):.4f}"
 
 
+def test_scoring_func_softmax_in_config_routes_by_sigmoid_as_transformers(tmp_path):
+    """transformers' DeepseekV32 routes by sigmoid with ``e_score_correction_bias`` whatever ``scoring_func`` says
+    (it has no such field, and writes that bias): such a checkpoint loads and matches it."""
+    path = v32_checkpoint(tmp_path / "v32", 9, scoring_func="softmax")
+    assert json.loads((path / "config.json").read_text())["scoring_func"] == "softmax"
+    oracle = DeepseekV32ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    prompts = random_prompts(oracle.config.vocab_size, [19, 40], seed=8)
+    outs = generate(path, "reference", None, prompts, steps=2)
+    errs, mismatches = errors(oracle, prompts, outs)
+    assert max(errs) <= TOL and mismatches == 0, f"worst error {max(errs):.4f}"
+
+
 def test_v32_checkpoint_without_its_indexer_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
