@@ -272,20 +272,22 @@ class DecodeRows:
         """``write_state_rows`` of this batch's sequences."""
         write_state_rows(self.flat, self.layout, self.tables, offset, rows, values)
 
-    def _entry_slots(self, tables: torch.Tensor, m: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        column, slot = self.layout.entry_place(m, w)
-        return tables.gather(1, column.clamp(max=tables.shape[1] - 1)), slot  # (past a sequence's pages: masked)
+    def _entry_slots(self, m: int, w: torch.Tensor, key: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) of entries ``w`` of a layer of rate ``m`` (past a sequence's pages: some page, masked by the
+        callers); ``key``: ``w`` is the step's ``derived`` tensor of that name, so these are too."""
+
+        def place() -> tuple[torch.Tensor, torch.Tensor]:
+            column, slot = self.layout.entry_place(m, w)
+            return self.tables.gather(1, column.clamp(max=self.tables.shape[1] - 1)), slot
+
+        return place() if key is None else self.derived(("entry slots", m, key), place)
 
     def read_entries(
         self, layer: int, m: int, w: torch.Tensor, index: bool = False, key: str | None = None
     ) -> torch.Tensor:
         """Entries (or indexer keys) ``w [B, C]`` of each sequence, ``[B, C, width]`` in the model's dtype; an entry
-        past what a sequence holds reads some record: callers mask it. ``key``: ``w`` is the step's ``derived``
-        tensor of that name, so its slots are too."""
-        if key is None:
-            pages, slots = self._entry_slots(self.tables, m, w)
-        else:
-            pages, slots = self.derived(("entry slots", m, key), lambda: self._entry_slots(self.tables, m, w))
+        past what a sequence holds reads some record: callers mask it. ``key``: as in ``_entry_slots``."""
+        pages, slots = self._entry_slots(m, w, key)
         records = self.state0._records(layer, index)[pages, slots]
         width = self.layout.index_width if index else self.layout.entry_width
         return self.state0._decode(records.reshape(-1, records.shape[-1]), index).view(*w.shape, width)
@@ -294,11 +296,8 @@ class DecodeRows:
         self, layer: int, m: int, w: torch.Tensor, values: torch.Tensor, index: bool = False, key: str | None = None
     ) -> None:
         """Stores ``values [B, width]`` as entry (or indexer key) ``w [B]`` of each sequence (``key``: as in
-        ``read_entries``)."""
-        if key is None:
-            pages, slots = self._entry_slots(self.tables, m, w[:, None])
-        else:
-            pages, slots = self.derived(("entry slots", m, key), lambda: self._entry_slots(self.tables, m, w[:, None]))
+        ``_entry_slots``)."""
+        pages, slots = self._entry_slots(m, w[:, None], key)
         self.state0._records(layer, index)[pages[:, 0], slots[:, 0]] = self.state0._encode(values, index)
 
 
